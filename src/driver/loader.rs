@@ -1,0 +1,178 @@
+//! Opening the driver library and resolving entry points.
+
+use super::api::Api;
+use super::sys::{CUdriverProcAddressQueryResult, CUresult, CU_GET_PROC_ADDRESS_LEGACY_STREAM};
+use crate::error::{Error, LoadAttempt, Result};
+use std::ffi::{c_char, c_int, c_void, CStr, CString, OsStr};
+use std::os::unix::ffi::OsStrExt;
+use std::ptr::NonNull;
+use std::sync::OnceLock;
+
+/// The environment variable that names the driver library to open instead of the default ones.
+///
+/// Tests use it to exercise the failure paths (`CUVMM_LIBCUDA=/nonexistent cuvmm info`); it also
+/// lets a user pick one of several installed drivers.
+pub const LIBRARY_ENV: &str = "CUVMM_LIBCUDA";
+
+/// The sonames tried, in order, when [`LIBRARY_ENV`] is not set.
+pub const DEFAULT_LIBRARIES: &[&str] = &["libcuda.so.1", "libcuda.so"];
+
+/// The CUDA 12 form, which says why a symbol was not found.
+type GetProcAddressV2 = unsafe extern "C" fn(
+    *const c_char,
+    *mut *mut c_void,
+    c_int,
+    u64,
+    *mut CUdriverProcAddressQueryResult,
+) -> CUresult;
+/// The CUDA 11.3 form, exported as plain `cuGetProcAddress`.
+type GetProcAddressV1 = unsafe extern "C" fn(*const c_char, *mut *mut c_void, c_int, u64) -> CUresult;
+
+/// Resolves entry points by name and ABI version.
+pub(crate) enum Resolver {
+    V2(GetProcAddressV2),
+    V1(GetProcAddressV1),
+}
+
+impl Resolver {
+    /// Finds `name` (NUL-terminated) at ABI `version`, or says why not.
+    pub(crate) fn lookup(&self, name: &'static str, version: c_int) -> Result<NonNull<c_void>, &'static str> {
+        let cname = CStr::from_bytes_with_nul(name.as_bytes()).map_err(|_| "name is not NUL-terminated")?;
+        let mut p: *mut c_void = std::ptr::null_mut();
+        let (rc, status) = match self {
+            Resolver::V2(f) => {
+                let mut status = CUdriverProcAddressQueryResult::SYMBOL_NOT_FOUND;
+                // SAFETY: `f` is cuGetProcAddress_v2, whose signature GetProcAddressV2 matches
+                // cuda.h; the name is NUL-terminated and both out-pointers are valid locals.
+                let rc = unsafe {
+                    f(cname.as_ptr(), &mut p, version, CU_GET_PROC_ADDRESS_LEGACY_STREAM, &mut status)
+                };
+                (rc, status)
+            }
+            Resolver::V1(f) => {
+                // SAFETY: as above, for the four-argument cuGetProcAddress.
+                let rc = unsafe { f(cname.as_ptr(), &mut p, version, CU_GET_PROC_ADDRESS_LEGACY_STREAM) };
+                (rc, CUdriverProcAddressQueryResult::SUCCESS)
+            }
+        };
+        match NonNull::new(p) {
+            Some(p) if rc.is_success() && status == CUdriverProcAddressQueryResult::SUCCESS => Ok(p),
+            _ if status == CUdriverProcAddressQueryResult::VERSION_NOT_SUFFICIENT => {
+                Err("the driver is older than this ABI version")
+            }
+            _ => Err("the driver does not export it"),
+        }
+    }
+}
+
+/// An opened driver: its resolved entry points, initialised with `cuInit`.
+///
+/// The library is never closed: entry points may be called from any thread at any time until the
+/// process exits, and NVIDIA's driver does not support being unloaded from a live process.
+pub struct Driver {
+    api: Api,
+    version: i32,
+}
+
+static GLOBAL: OnceLock<Result<Driver>> = OnceLock::new();
+
+/// The process-wide driver, opened and initialised on first use.
+///
+/// The outcome, success or failure, is kept: with no driver every later call returns the same
+/// [`Error::DriverNotFound`] without trying again.
+pub fn driver() -> Result<&'static Driver> {
+    GLOBAL.get_or_init(Driver::load_default).as_ref().map_err(Clone::clone)
+}
+
+impl Driver {
+    /// Opens the library named by [`LIBRARY_ENV`], or else the first of [`DEFAULT_LIBRARIES`] that opens.
+    pub fn load_default() -> Result<Driver> {
+        if let Some(path) = std::env::var_os(LIBRARY_ENV) {
+            return Driver::load_from(path);
+        }
+        let mut tried = Vec::new();
+        for name in DEFAULT_LIBRARIES {
+            match open(OsStr::new(name)) {
+                Ok(handle) => return Driver::from_handle(name, handle),
+                Err(attempt) => tried.push(attempt),
+            }
+        }
+        Err(Error::DriverNotFound { tried })
+    }
+
+    /// Opens the driver library at `path` (not cached: each call resolves afresh).
+    pub fn load_from(path: impl AsRef<OsStr>) -> Result<Driver> {
+        let path = path.as_ref();
+        let handle = open(path).map_err(|a| Error::DriverNotFound { tried: vec![a] })?;
+        Driver::from_handle(&path.to_string_lossy(), handle)
+    }
+
+    fn from_handle(library: &str, handle: NonNull<c_void>) -> Result<Driver> {
+        let resolver = find_get_proc_address(library, handle)?;
+        let api = Api::resolve(library, &resolver)?;
+        // SAFETY: cuInit takes a flags word that must be 0.
+        unsafe { api.cuInit(0) }?;
+        let mut version = 0;
+        // SAFETY: the out-pointer is a valid local.
+        unsafe { api.cuDriverGetVersion(&mut version) }?;
+        Ok(Driver { api, version })
+    }
+
+    /// The resolved entry points.
+    pub fn api(&self) -> &Api {
+        &self.api
+    }
+
+    /// The driver's CUDA version (13000 for CUDA 13.0).
+    pub fn version(&self) -> i32 {
+        self.version
+    }
+
+    /// The library path or soname that was opened.
+    pub fn library(&self) -> &str {
+        self.api.library()
+    }
+}
+
+fn open(path: &OsStr) -> Result<NonNull<c_void>, LoadAttempt> {
+    let attempt = |message: String| LoadAttempt { path: path.to_string_lossy().into_owned(), message };
+    let cpath = CString::new(path.as_bytes()).map_err(|_| attempt("path contains a NUL byte".into()))?;
+    // SAFETY: dlopen takes a NUL-terminated path; RTLD_LOCAL keeps the driver's symbols out of the
+    // global namespace so they cannot interpose on anyone else's.
+    let handle = unsafe { libc::dlopen(cpath.as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL) };
+    NonNull::new(handle).ok_or_else(|| attempt(dlerror_message()))
+}
+
+fn dlerror_message() -> String {
+    // SAFETY: dlerror returns NULL or a NUL-terminated string that stays valid until the next dl*
+    // call on this thread; it is copied out at once.
+    let msg = unsafe { libc::dlerror() };
+    if msg.is_null() {
+        "unknown dlopen error".to_owned()
+    } else {
+        // SAFETY: non-null, NUL-terminated, see above.
+        unsafe { CStr::from_ptr(msg) }.to_string_lossy().into_owned()
+    }
+}
+
+fn find_get_proc_address(library: &str, handle: NonNull<c_void>) -> Result<Resolver> {
+    let sym = |name: &CStr| {
+        // SAFETY: `handle` came from a successful dlopen and is never closed; the name is
+        // NUL-terminated.
+        NonNull::new(unsafe { libc::dlsym(handle.as_ptr(), name.as_ptr()) })
+    };
+    if let Some(p) = sym(c"cuGetProcAddress_v2") {
+        // SAFETY: cuda.h declares cuGetProcAddress_v2 with exactly GetProcAddressV2's signature.
+        return Ok(Resolver::V2(unsafe { std::mem::transmute::<*mut c_void, GetProcAddressV2>(p.as_ptr()) }));
+    }
+    if let Some(p) = sym(c"cuGetProcAddress") {
+        // SAFETY: the exported plain cuGetProcAddress is the four-argument CUDA 11.3 form.
+        return Ok(Resolver::V1(unsafe { std::mem::transmute::<*mut c_void, GetProcAddressV1>(p.as_ptr()) }));
+    }
+    Err(Error::MissingEntryPoint {
+        library: library.to_owned(),
+        name: "cuGetProcAddress",
+        version: 11030,
+        reason: "not exported; is this libcuda.so from a driver older than CUDA 11.3?",
+    })
+}

@@ -1,0 +1,130 @@
+//! The driver loader's failure paths, on the CPU, against missing files and a fake libcuda.
+
+mod common;
+
+use cuvmm::driver::sys::CUresult;
+use cuvmm::driver::Driver;
+use cuvmm::Error;
+
+#[test]
+fn a_missing_library_is_driver_not_found_with_the_path_and_message() {
+    let err = Driver::load_from("/nonexistent/libcuda.so.1").err().expect("must fail");
+    match &err {
+        Error::DriverNotFound { tried } => {
+            assert_eq!(tried.len(), 1);
+            assert_eq!(tried[0].path, "/nonexistent/libcuda.so.1");
+            assert!(tried[0].message.contains("No such file"), "{}", tried[0].message);
+        }
+        other => panic!("wrong error: {other:?}"),
+    }
+    let text = err.to_string();
+    assert!(text.starts_with("no CUDA driver found: tried /nonexistent/libcuda.so.1"), "{text}");
+}
+
+#[test]
+fn a_file_that_is_not_a_library_is_driver_not_found() {
+    let path = std::env::temp_dir().join(format!("cuvmm-not-a-lib-{}", std::process::id()));
+    std::fs::write(&path, b"this is not an ELF file").unwrap();
+    let err = Driver::load_from(&path).err().expect("must fail");
+    let _ = std::fs::remove_file(&path);
+    match err {
+        Error::DriverNotFound { tried } => assert!(
+            tried[0].message.contains("ELF") || tried[0].message.contains("too short"),
+            "{}",
+            tried[0].message
+        ),
+        other => panic!("wrong error: {other:?}"),
+    }
+}
+
+#[test]
+fn a_library_without_cu_get_proc_address_is_a_missing_entry_point() {
+    match Driver::load_from("libm.so.6").err().expect("must fail") {
+        Error::MissingEntryPoint { name, library, .. } => {
+            assert_eq!(name, "cuGetProcAddress");
+            assert_eq!(library, "libm.so.6");
+        }
+        other => panic!("wrong error: {other:?}"),
+    }
+}
+
+#[test]
+fn a_driver_lacking_a_required_entry_point_names_it_and_its_version() {
+    let lib = common::fake_driver("FAKE_MISSING_REQUIRED");
+    match Driver::load_from(&lib).err().expect("must fail") {
+        Error::MissingEntryPoint { name, version, reason, .. } => {
+            assert_eq!(name, "cuMemCreate");
+            assert_eq!(version, 10020);
+            assert_eq!(reason, "the driver does not export it");
+        }
+        other => panic!("wrong error: {other:?}"),
+    }
+}
+
+#[test]
+fn a_failing_cu_init_carries_the_drivers_name_and_text() {
+    let lib = common::fake_driver("FAKE_NO_DEVICE");
+    let err = Driver::load_from(&lib).err().expect("must fail");
+    match &err {
+        Error::Driver { call, code, name, description } => {
+            assert_eq!(*call, "cuInit");
+            assert_eq!(*code, CUresult::ERROR_NO_DEVICE);
+            assert_eq!(name, "CUDA_ERROR_NO_DEVICE");
+            assert_eq!(description, "no CUDA-capable device is detected");
+        }
+        other => panic!("wrong error: {other:?}"),
+    }
+    assert_eq!(
+        err.to_string(),
+        "cuInit failed: CUDA_ERROR_NO_DEVICE (100): no CUDA-capable device is detected"
+    );
+    assert_eq!(err.code(), Some(CUresult::ERROR_NO_DEVICE));
+}
+
+#[test]
+fn the_cuda_11_resolver_is_used_when_v2_is_absent() {
+    let lib = common::fake_driver("FAKE_V1_ONLY");
+    let d = Driver::load_from(&lib).expect("loads through cuGetProcAddress");
+    assert_eq!(d.version(), 12040);
+    let mut n = -1;
+    // SAFETY: the out-pointer is a valid local.
+    unsafe { d.api().cuDeviceGetCount(&mut n) }.unwrap();
+    assert_eq!(n, 0);
+}
+
+#[test]
+fn a_missing_optional_entry_point_fails_only_when_called() {
+    let lib = common::fake_driver("FAKE_OLD_OPTIONAL");
+    let d = Driver::load_from(&lib).expect("optional entry points may be missing");
+    // SAFETY: the entry point is absent, so nothing reaches the driver.
+    let err = unsafe { d.api().cuMemAllocAsync(std::ptr::null_mut(), 0, std::ptr::null_mut()) }.unwrap_err();
+    match err {
+        Error::Unsupported { what, why } => {
+            assert_eq!(what, "cuMemAllocAsync");
+            assert!(why.contains("unsupported by this driver"), "{why}");
+        }
+        other => panic!("wrong error: {other:?}"),
+    }
+}
+
+#[test]
+fn driver_errors_with_unknown_codes_keep_the_number() {
+    let lib = common::fake_driver("FAKE_OK");
+    let d = Driver::load_from(&lib).unwrap();
+    let err = d.api().check("cuSomething", CUresult(123_456)).unwrap_err();
+    assert_eq!(err.code(), Some(CUresult(123_456)));
+    assert_eq!(
+        err.to_string(),
+        "cuSomething failed: CUresult 123456 (123456): no description from the driver"
+    );
+    // A code the crate knows but the fake's cuGetErrorName does not falls back to cuda.h's name.
+    let err = d.api().check("cuMemMap", CUresult::ERROR_ALREADY_MAPPED).unwrap_err();
+    assert!(err.to_string().starts_with("cuMemMap failed: CUDA_ERROR_ALREADY_MAPPED (208)"), "{err}");
+    // And a stubbed entry point's error comes back through the driver's own text.
+    // SAFETY: the fake's stub ignores its arguments.
+    let err = unsafe { d.api().cuCtxSynchronize() }.unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "cuCtxSynchronize failed: CUDA_ERROR_NOT_SUPPORTED (801): operation not supported"
+    );
+}
