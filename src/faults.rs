@@ -1,7 +1,7 @@
 //! Failure injection for tests (feature `fault-injection`): make the Nth call to a driver entry
 //! point return a chosen error without reaching the driver.
 //!
-//! Every call in [`crate::driver::Api`] passes through [`take`] first, so a test can check that a
+//! Every call in [`crate::driver::Api`] passes through this module first, so a test can check that a
 //! type stays consistent and leaks nothing when any one driver call fails part-way through an
 //! operation.
 
