@@ -1,0 +1,52 @@
+// cuvmm's kernels. Built to PTX by kernels/build.sh; the crate embeds kernels/cuvmm.ptx.
+// Plain C ABI names (extern "C") so the crate finds them with cuModuleGetFunction.
+// Every kernel is grid-stride, so any launch size covers any n.
+#include <stdint.h>
+
+__device__ __forceinline__ uint32_t mix32(uint64_t i, uint32_t seed) {
+  // A cheap integer hash (murmur3 finaliser): fresh, non-zero-looking data for any index and seed.
+  uint32_t x = (uint32_t)i ^ (uint32_t)(i >> 32) * 0x9e3779b9u ^ seed;
+  x ^= x >> 16; x *= 0x85ebca6bu; x ^= x >> 13; x *= 0xc2b2ae35u; x ^= x >> 16;
+  return x;
+}
+
+#define GRID_STRIDE(i, n) \
+  for (uint64_t i = blockIdx.x * (uint64_t)blockDim.x + threadIdx.x; i < (n); i += (uint64_t)gridDim.x * blockDim.x)
+
+extern "C" __global__ void cuvmm_fill_u32(uint32_t *p, uint64_t n, uint32_t value) {
+  GRID_STRIDE(i, n) p[i] = value;
+}
+
+// p[i] = mix32(first + i, seed): the pattern tests and IPC write on one side and check on the other.
+extern "C" __global__ void cuvmm_pattern_u32(uint32_t *p, uint64_t n, uint64_t first, uint32_t seed) {
+  GRID_STRIDE(i, n) p[i] = mix32(first + i, seed);
+}
+
+// Counts the elements that differ from the pattern into *mismatches (which the caller zeroes).
+extern "C" __global__ void cuvmm_check_pattern_u32(const uint32_t *p, uint64_t n, uint64_t first, uint32_t seed,
+                                                   unsigned long long *mismatches) {
+  unsigned long long bad = 0;
+  GRID_STRIDE(i, n) bad += (p[i] != mix32(first + i, seed));
+  if (bad) atomicAdd(mismatches, bad);
+}
+
+// Sum of all elements (wrapping) into *sum (which the caller zeroes).
+extern "C" __global__ void cuvmm_checksum_u32(const uint32_t *p, uint64_t n, unsigned long long *sum) {
+  unsigned long long s = 0;
+  GRID_STRIDE(i, n) s += p[i];
+  if (s) atomicAdd(sum, s);
+}
+
+extern "C" __global__ void cuvmm_vector_add_f32(const float *a, const float *b, float *c, uint64_t n) {
+  GRID_STRIDE(i, n) c[i] = a[i] + b[i];
+}
+
+// A compute kernel of adjustable cost: `iters` dependent fused multiply-adds per element.
+// x <- x * 0.999 + 0.001 converges towards 1 and never overflows, whatever iters is.
+extern "C" __global__ void cuvmm_busy_f32(float *p, uint64_t n, uint32_t iters) {
+  GRID_STRIDE(i, n) {
+    float x = p[i];
+    for (uint32_t k = 0; k < iters; ++k) x = fmaf(x, 0.999f, 0.001f);
+    p[i] = x;
+  }
+}
