@@ -17,14 +17,32 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(missing_docs)]
 
+pub mod bench;
+pub mod buffer;
 pub mod caps;
 pub mod context;
+pub mod copy;
 pub mod device;
 pub mod driver;
 pub mod error;
 #[cfg(feature = "fault-injection")]
 pub mod faults;
+pub mod kernels;
+pub mod module;
+pub mod stream;
+pub mod vec;
+pub mod view;
+pub mod vmm;
 
+pub use buffer::DeviceBuffer;
 pub use context::{Context, MemoryInfo};
 pub use device::{Device, Uuid};
 pub use error::{Error, LoadAttempt, Result};
+pub use stream::Stream;
+pub use vec::{VmmVec, VmmVecBuilder};
+pub use view::{DeviceCopy, DeviceSlice, DeviceSliceMut};
+
+/// The README's examples, compiled as doctests (GPU ones compiled, not run).
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+pub struct ReadmeDoctests;

@@ -1,6 +1,8 @@
 //! Argument parsing and dispatch.
 
+mod bench;
 mod info;
+mod size;
 
 use clap::{Parser, Subcommand};
 
@@ -20,6 +22,9 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Run a benchmark.
+    #[command(subcommand)]
+    Bench(bench::Bench),
 }
 
 /// A CLI failure: a library error or an output error, printed as one line.
@@ -29,5 +34,6 @@ pub type CliResult = Result<(), Box<dyn std::error::Error>>;
 pub fn run(args: Args) -> CliResult {
     match args.command {
         Command::Info { json } => info::run(json),
+        Command::Bench(b) => bench::run(b),
     }
 }
