@@ -2,7 +2,9 @@
 
 use crate::context::Context;
 use crate::driver::{driver, sys::*};
-use crate::error::Result;
+use crate::error::{Error, Result};
+use crate::event::Event;
+use std::ffi::c_void;
 
 /// A CUDA stream: work queued on it runs in order. Destroyed on drop; the driver lets queued work
 /// finish first.
@@ -72,6 +74,54 @@ impl Stream {
             Err(e) if e.is_code(CUresult::ERROR_NOT_READY) => Ok(false),
             Err(e) => Err(e),
         }
+    }
+
+    /// Makes work queued on this stream from now on wait until `event`'s recorded work completes.
+    pub fn wait_event(&self, event: &Event) -> Result<()> {
+        if !event.context().same_as(&self.ctx) {
+            return Err(Error::invalid("the event belongs to another context than the stream"));
+        }
+        self.ctx.bind()?;
+        // SAFETY: both handles are live; flags must be 0.
+        unsafe { driver()?.api().cuStreamWaitEvent(self.raw, event.raw(), 0) }
+    }
+
+    /// Queues `f` to run on a driver thread once all work queued before it has completed.
+    ///
+    /// `f` runs exactly once, in stream order, and is dropped after it runs, also when the stream
+    /// is dropped first (the driver finishes a destroyed stream's queue). If queuing fails, `f` is
+    /// dropped without running. `f` must not call CUDA: the driver forbids API calls from host
+    /// functions (they may deadlock). A panic in `f` is caught and printed; it does not unwind into
+    /// the driver.
+    pub fn launch_host_fn<F: FnOnce() + Send + 'static>(&self, f: F) -> Result<()> {
+        // SAFETY: `F: 'static` outlives anything the driver can do with it.
+        unsafe { self.launch_host_fn_unchecked(f) }
+    }
+
+    /// [`launch_host_fn`](Self::launch_host_fn) for closures that borrow.
+    ///
+    /// # Safety
+    /// Everything `f` borrows must stay valid until it has run: the caller synchronises this stream
+    /// (or a later event on it) before those borrows end.
+    pub(crate) unsafe fn launch_host_fn_unchecked<F: FnOnce() + Send>(&self, f: F) -> Result<()> {
+        unsafe extern "C" fn trampoline<F: FnOnce()>(data: *mut c_void) {
+            // SAFETY: `data` is the Box<F> leaked below, handed to the driver once and run once.
+            let f = unsafe { Box::from_raw(data.cast::<F>()) };
+            if let Err(p) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
+                let msg =
+                    p.downcast_ref::<&str>().copied().or(p.downcast_ref::<String>().map(String::as_str));
+                eprintln!("cuvmm: a stream host function panicked: {}", msg.unwrap_or("(no message)"));
+            }
+        }
+        self.ctx.bind()?;
+        let data = Box::into_raw(Box::new(f)).cast::<c_void>();
+        // SAFETY: the trampoline matches CUhostFn and takes ownership of `data` when it runs.
+        let r = unsafe { driver()?.api().cuLaunchHostFunc(self.raw, Some(trampoline::<F>), data) };
+        if r.is_err() {
+            // SAFETY: the driver refused it, so it will never run: the box is still ours.
+            drop(unsafe { Box::from_raw(data.cast::<F>()) });
+        }
+        r
     }
 
     /// The driver's handle.

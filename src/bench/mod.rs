@@ -5,7 +5,10 @@
 //! operation queues device work; results are medians over repetitions, and each result is compared
 //! with a reference measured in the same run.
 
+pub mod bandwidth;
+pub mod events;
 pub mod grow;
+pub mod overlap;
 pub mod vmm_ops;
 
 use std::time::{Duration, Instant};

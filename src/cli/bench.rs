@@ -3,7 +3,8 @@
 use super::size::{parse_size, parse_sizes, show};
 use super::CliResult;
 use clap::Subcommand;
-use cuvmm::bench::{grow, vmm_ops};
+use cuvmm::bench::{bandwidth, events, grow, overlap, vmm_ops};
+use cuvmm::staging::Staging;
 use cuvmm::vmm::ChunkPolicy;
 use cuvmm::Context;
 use serde_json::json;
@@ -32,6 +33,66 @@ pub enum Bench {
         #[arg(long, default_value_t = 0)]
         device: usize,
         /// JSON lines instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Host-device bandwidth: pageable, pinned, registered, both directions, staged pageable.
+    Bandwidth {
+        /// Transfer sizes.
+        #[arg(long, default_value = "1MiB,4MiB,16MiB,64MiB,256MiB,1GiB", value_parser = parse_sizes)]
+        sizes: std::vec::Vec<usize>,
+        /// Timed repetitions per size.
+        #[arg(long, default_value_t = 5)]
+        reps: usize,
+        /// Host threads of the staged path (default: cores, at most 8).
+        #[arg(long)]
+        threads: Option<usize>,
+        /// Device ordinal.
+        #[arg(long, default_value_t = 0)]
+        device: usize,
+        /// JSON lines instead of tables.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Seed 000's overlap experiment: serial, breadth-first, depth-first and pipelined schedules.
+    Overlap {
+        /// Floats (64 Mi = 256 MiB).
+        #[arg(long, default_value_t = 64 << 20)]
+        n: usize,
+        /// Streams of the breadth-first and depth-first schedules.
+        #[arg(long, default_value_t = 4)]
+        streams: usize,
+        /// Chunks of the pipeline.
+        #[arg(long, default_value_t = 32)]
+        chunks: usize,
+        /// Kernel multiply-adds per element (default: tuned to balance the stages).
+        #[arg(long)]
+        iters: Option<u32>,
+        /// Timed repetitions of each schedule.
+        #[arg(long, default_value_t = 5)]
+        reps: usize,
+        /// Write the fastest schedule's timeline as SVG to this file.
+        #[arg(long)]
+        svg: Option<std::path::PathBuf>,
+        /// Device ordinal.
+        #[arg(long, default_value_t = 0)]
+        device: usize,
+        /// JSON lines instead of tables.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Seed 002's event-ordered pipeline with a host callback consuming the result.
+    Events {
+        /// Floats.
+        #[arg(long, default_value_t = 16 << 20)]
+        n: usize,
+        /// Kernel multiply-adds per element.
+        #[arg(long, default_value_t = 64)]
+        iters: u32,
+        /// Device ordinal.
+        #[arg(long, default_value_t = 0)]
+        device: usize,
+        /// JSON instead of text.
         #[arg(long)]
         json: bool,
     },
@@ -118,6 +179,114 @@ pub fn run(b: Bench) -> CliResult {
                 )?;
             }
         }
+        Bench::Bandwidth { sizes, reps, threads, device, json } => {
+            let ctx = Context::for_ordinal(device)?;
+            let mut staging = match threads {
+                Some(t) => Staging::new(&ctx, 8 << 20, 2 * t.max(1), t.max(1))?,
+                None => Staging::with_defaults(&ctx)?,
+            };
+            let rows = bandwidth::run(&ctx, &sizes, reps, &mut staging)?;
+            print_bandwidth(&mut out, &ctx, &rows, &staging, json)?;
+        }
+        Bench::Overlap { n, streams, chunks, iters, reps, svg, device, json } => {
+            let ctx = Context::for_ordinal(device)?;
+            let r = overlap::run(&ctx, overlap::OverlapConfig { n, streams, chunks, iters, reps })?;
+            let name = ctx.device().name()?;
+            if let Some(path) = &svg {
+                let title = format!("{} floats on {name}", n);
+                std::fs::write(path, overlap::svg(r.fastest(), &title))?;
+            }
+            let longest = r.longest_stage();
+            if json {
+                writeln!(
+                    out,
+                    "{}",
+                    json!({"bench": "overlap", "device": name, "n": n, "iters": r.iters,
+                    "h2d_ms": r.stages_ms[0], "kernel_ms": r.stages_ms[1], "d2h_ms": r.stages_ms[2]})
+                )?;
+                for s in &r.schedules {
+                    writeln!(
+                        out,
+                        "{}",
+                        json!({"bench": "overlap", "schedule": s.name, "total_ms": s.total_ms,
+                        "over_longest_stage": s.total_ms / longest})
+                    )?;
+                }
+            } else {
+                writeln!(
+                    out,
+                    "{} floats ({}) on {name}, kernel {} multiply-adds per element",
+                    n,
+                    show(n * 4),
+                    r.iters
+                )?;
+                writeln!(
+                    out,
+                    "stages alone: H2D {:.3} ms, kernel {:.3} ms, D2H {:.3} ms (sum {:.3} ms)",
+                    r.stages_ms[0],
+                    r.stages_ms[1],
+                    r.stages_ms[2],
+                    r.stages_ms.iter().sum::<f64>()
+                )?;
+                writeln!(
+                    out,
+                    "both copies at once: {:.3} ms (the bus's bound for a schedule that overlaps them)",
+                    r.copies_together_ms
+                )?;
+                writeln!(
+                    out,
+                    "{:<16} {:>10} {:>18} {:>14}",
+                    "schedule", "total ms", "/ longest stage", "/ bus bound"
+                )?;
+                for s in &r.schedules {
+                    writeln!(
+                        out,
+                        "{:<16} {:>10.3} {:>17.3}x {:>13.3}x",
+                        s.name,
+                        s.total_ms,
+                        s.total_ms / longest,
+                        s.total_ms / r.bound()
+                    )?;
+                }
+                if let Some(path) = &svg {
+                    writeln!(out, "timeline of {} written to {}", r.fastest().name, path.display())?;
+                }
+            }
+        }
+        Bench::Events { n, iters, device, json } => {
+            let ctx = Context::for_ordinal(device)?;
+            let r = events::run(&ctx, n, iters)?;
+            if json {
+                writeln!(
+                    out,
+                    "{}",
+                    json!({"bench": "events", "n": r.n, "iters": r.iters, "h2d_ms": r.stages_ms[0],
+                    "kernel_ms": r.stages_ms[1], "d2h_ms": r.stages_ms[2], "gpu_wall_ms": r.gpu_wall_ms,
+                    "cpu_ms": r.cpu_ms, "overlap": r.overlap, "callback_sum": r.callback_sum, "verified": r.verified})
+                )?;
+            } else {
+                writeln!(out, "{} floats, {} multiply-adds each, on {}", r.n, r.iters, ctx.device().name()?)?;
+                writeln!(out, "copy in (stream 1)            {:>9.3} ms", r.stages_ms[0])?;
+                writeln!(out, "kernel (stream 2, after event) {:>8.3} ms", r.stages_ms[1])?;
+                writeln!(out, "copy out (stream 2)           {:>9.3} ms", r.stages_ms[2])?;
+                writeln!(out, "queue → callback done (host)  {:>9.3} ms", r.gpu_wall_ms)?;
+                writeln!(
+                    out,
+                    "CPU reference (1 in {}) meanwhile {:>5.3} ms ({:.0}% of it overlapped the GPU)",
+                    events::SAMPLE,
+                    r.cpu_ms,
+                    r.overlap * 100.0
+                )?;
+                writeln!(
+                    out,
+                    "callback's sum of the result  {:>9.1}; sample matches the CPU bit for bit: {}",
+                    r.callback_sum, r.verified
+                )?;
+            }
+            if !r.verified {
+                return Err("the GPU result differs from the CPU reference".into());
+            }
+        }
         Bench::VmmOps { sizes, reps, device, json } => {
             let ctx = Context::for_ordinal(device)?;
             let rows = vmm_ops::run(&ctx, &sizes, reps)?;
@@ -149,6 +318,91 @@ pub fn run(b: Bench) -> CliResult {
                 }
             }
         }
+    }
+    Ok(())
+}
+
+fn print_bandwidth(
+    out: &mut impl Write,
+    ctx: &Context,
+    rows: &[bandwidth::BandwidthRow],
+    staging: &Staging,
+    json: bool,
+) -> CliResult {
+    let name = ctx.device().name()?;
+    if json {
+        for r in rows {
+            writeln!(
+                out,
+                "{}",
+                json!({"bench": "bandwidth", "device": name, "size": r.size, "reps": r.reps,
+                "pageable_h2d": r.pageable[0], "pageable_d2h": r.pageable[1],
+                "pinned_raw_h2d": r.pinned_raw[0], "pinned_raw_d2h": r.pinned_raw[1],
+                "pinned_h2d": r.pinned[0], "pinned_d2h": r.pinned[1],
+                "registered_h2d": r.registered[0], "registered_d2h": r.registered[1],
+                "bidirectional": r.bidirectional, "staged_h2d": r.staged[0], "staged_d2h": r.staged[1],
+                "register_us": r.register_us, "staging_threads": staging.threads(), "staging_chunk": staging.chunk()})
+            )?;
+        }
+        return Ok(());
+    }
+    writeln!(out, "GB/s on {name} (median of {} reps; H2D / D2H)", rows.first().map_or(0, |r| r.reps))?;
+    writeln!(
+        out,
+        "{:>9} {:>15} {:>15} {:>15} {:>15} {:>9} {:>15} {:>12}",
+        "size", "pageable", "pinned (raw)", "pinned (cuvmm)", "registered", "both", "staged", "register µs"
+    )?;
+    for r in rows {
+        writeln!(
+            out,
+            "{:>9} {:>7.1} /{:>6.1} {:>7.1} /{:>6.1} {:>7.1} /{:>6.1} {:>7.1} /{:>6.1} {:>9.1} {:>7.1} /{:>6.1} {:>12.0}",
+            show(r.size),
+            r.pageable[0],
+            r.pageable[1],
+            r.pinned_raw[0],
+            r.pinned_raw[1],
+            r.pinned[0],
+            r.pinned[1],
+            r.registered[0],
+            r.registered[1],
+            r.bidirectional,
+            r.staged[0],
+            r.staged[1],
+            r.register_us
+        )?;
+    }
+    if let Some(r) = rows.iter().max_by_key(|r| r.size) {
+        writeln!(
+            out,
+            "at {}: cuvmm pinned / raw driver {:.3}x H2D, {:.3}x D2H; staged / driver pageable {:.2}x H2D, {:.2}x D2H ({} threads, {} chunks)",
+            show(r.size),
+            r.pinned[0] / r.pinned_raw[0],
+            r.pinned[1] / r.pinned_raw[1],
+            r.staged[0] / r.pageable[0],
+            r.staged[1] / r.pageable[1],
+            staging.threads(),
+            show(staging.chunk())
+        )?;
+        // Seed 001's comparison, with this machine's numbers in place of its claims.
+        writeln!(out, "\n=== Pinned vs Pageable Memory Transfer (measured, {}) ===", show(r.size))?;
+        writeln!(out, "[Pageable (malloc) Memory]")?;
+        writeln!(out, "  Allocation:   let v = vec![0u8; bytes]")?;
+        writeln!(out, "  Copy path:    CPU_RAM -> [driver staging buffer] -> GPU")?;
+        writeln!(out, "  Synchronous:  YES (the copy call returns once the data is staged or landed)")?;
+        writeln!(out, "  Transfer BW:  {:.1} GB/s H2D, {:.1} GB/s D2H", r.pageable[0], r.pageable[1])?;
+        writeln!(out, "[Pinned (cuMemHostAlloc) Memory]")?;
+        writeln!(out, "  Allocation:   PinnedBuffer::<u8>::new(&ctx, bytes)")?;
+        writeln!(out, "  Copy path:    CPU_RAM -> GPU (direct DMA)")?;
+        writeln!(out, "  Asynchronous: YES (scope(|s| s.copy_to_device(..)))")?;
+        writeln!(out, "  Transfer BW:  {:.1} GB/s H2D, {:.1} GB/s D2H", r.pinned[0], r.pinned[1])?;
+        writeln!(
+            out,
+            "  Speedup:      {:.2}x H2D, {:.2}x D2H",
+            r.pinned[0] / r.pageable[0],
+            r.pinned[1] / r.pageable[1]
+        )?;
+        writeln!(out, "[Staged pageable (cuvmm)]")?;
+        writeln!(out, "  Transfer BW:  {:.1} GB/s H2D, {:.1} GB/s D2H", r.staged[0], r.staged[1])?;
     }
     Ok(())
 }
