@@ -17,6 +17,7 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(missing_docs)]
 
+pub mod alloc;
 pub mod bench;
 pub mod buffer;
 pub mod caps;
@@ -28,6 +29,7 @@ pub mod error;
 pub mod event;
 #[cfg(feature = "fault-injection")]
 pub mod faults;
+pub mod ipc;
 pub mod kernels;
 pub mod module;
 pub mod pinned;

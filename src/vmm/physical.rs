@@ -318,12 +318,99 @@ impl PhysicalMemory {
         &self.inner.ctx
     }
 
+    /// Exports the allocation as a POSIX file descriptor (it must have been created with
+    /// [`HandleTypes::POSIX_FD`]). Another process imports it with [`PhysicalMemory::import_fd`];
+    /// the memory stays alive while any process holds a handle or a mapping.
+    pub fn export_fd(&self) -> Result<std::os::fd::OwnedFd> {
+        if !self.inner.handles.contains(HandleTypes::POSIX_FD) {
+            return Err(Error::invalid("the allocation was not created with the POSIX-fd handle type"));
+        }
+        self.inner.ctx.bind()?;
+        let mut fd: std::ffi::c_int = -1;
+        // SAFETY: for the POSIX-fd type the driver writes an int through the pointer.
+        unsafe {
+            driver()?.api().cuMemExportToShareableHandle(
+                (&mut fd as *mut std::ffi::c_int).cast(),
+                self.inner.handle,
+                CUmemAllocationHandleType::POSIX_FILE_DESCRIPTOR,
+                0,
+            )
+        }?;
+        // SAFETY: the driver created this descriptor for us; nothing else owns it.
+        Ok(unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) })
+    }
+
+    /// Exports the allocation as a 64-byte fabric handle (created with [`HandleTypes::FABRIC`]).
+    pub fn export_fabric(&self) -> Result<[u8; 64]> {
+        if !self.inner.handles.contains(HandleTypes::FABRIC) {
+            return Err(Error::invalid("the allocation was not created with the fabric handle type"));
+        }
+        self.inner.ctx.bind()?;
+        let mut h = CUmemFabricHandle::default();
+        // SAFETY: for the fabric type the driver writes a CUmemFabricHandle through the pointer.
+        unsafe {
+            driver()?.api().cuMemExportToShareableHandle(
+                (&mut h as *mut CUmemFabricHandle).cast(),
+                self.inner.handle,
+                CUmemAllocationHandleType::FABRIC,
+                0,
+            )
+        }?;
+        Ok(h.data)
+    }
+
+    /// Imports an allocation another process exported as a POSIX fd. `size` is the exported
+    /// allocation's size (from the message that carried the fd); the fd may be closed afterwards.
+    pub fn import_fd(ctx: &Context, fd: std::os::fd::BorrowedFd<'_>, size: usize) -> Result<PhysicalMemory> {
+        use std::os::fd::AsRawFd;
+        ctx.bind()?;
+        let mut handle: CUmemGenericAllocationHandle = 0;
+        // SAFETY: for the POSIX-fd type the driver takes the fd's value cast to a pointer and dups it.
+        unsafe {
+            driver()?.api().cuMemImportFromShareableHandle(
+                &mut handle,
+                fd.as_raw_fd() as isize as *mut std::ffi::c_void,
+                CUmemAllocationHandleType::POSIX_FILE_DESCRIPTOR,
+            )
+        }?;
+        Ok(PhysicalMemory::imported(ctx, handle, size, HandleTypes::POSIX_FD))
+    }
+
+    /// Imports an allocation exported as a fabric handle.
+    pub fn import_fabric(ctx: &Context, fabric: &[u8; 64], size: usize) -> Result<PhysicalMemory> {
+        ctx.bind()?;
+        let mut h = CUmemFabricHandle { data: *fabric };
+        let mut handle: CUmemGenericAllocationHandle = 0;
+        // SAFETY: for the fabric type the driver reads a CUmemFabricHandle through the pointer.
+        unsafe {
+            driver()?.api().cuMemImportFromShareableHandle(
+                &mut handle,
+                (&mut h as *mut CUmemFabricHandle).cast(),
+                CUmemAllocationHandleType::FABRIC,
+            )
+        }?;
+        Ok(PhysicalMemory::imported(ctx, handle, size, HandleTypes::FABRIC))
+    }
+
+    fn imported(
+        ctx: &Context,
+        handle: CUmemGenericAllocationHandle,
+        size: usize,
+        handles: HandleTypes,
+    ) -> PhysicalMemory {
+        // Where it really lives, when the driver says so; else assume the importing device.
+        let location = raw_properties(handle)
+            .ok()
+            .filter(|p| p.location.type_ == CUmemLocationType::DEVICE)
+            .and_then(|p| crate::device::Device::all().ok()?.into_iter().find(|d| d.raw() == p.location.id))
+            .map_or(Location::Device(ctx.device()), Location::Device);
+        PhysicalMemory::from_parts(ctx.clone(), handle, size, location, handles)
+    }
+
     /// Asks the driver what was granted (compression in particular).
     pub fn properties(&self) -> Result<AllocationProperties> {
         self.inner.ctx.bind()?;
-        let mut prop = CUmemAllocationProp::default();
-        // SAFETY: out-pointer valid; the handle is live while self is.
-        unsafe { driver()?.api().cuMemGetAllocationPropertiesFromHandle(&mut prop, self.inner.handle) }?;
+        let prop = raw_properties(self.inner.handle)?;
         Ok(AllocationProperties {
             location: prop.location,
             handle_types: HandleTypes::from_raw(prop.requestedHandleTypes),
@@ -331,6 +418,14 @@ impl PhysicalMemory {
             gpu_direct_rdma: prop.allocFlags.gpuDirectRDMACapable != 0,
         })
     }
+}
+
+/// `cuMemGetAllocationPropertiesFromHandle` (the caller has bound a context).
+fn raw_properties(handle: CUmemGenericAllocationHandle) -> Result<CUmemAllocationProp> {
+    let mut prop = CUmemAllocationProp::default();
+    // SAFETY: out-pointer valid; callers pass a live handle.
+    unsafe { driver()?.api().cuMemGetAllocationPropertiesFromHandle(&mut prop, handle) }?;
+    Ok(prop)
 }
 
 impl std::fmt::Debug for PhysicalMemory {

@@ -1,0 +1,149 @@
+//! Both ends of sharing one allocation: [`share`] exports and sends, [`SharedMemory::import`]
+//! imports, reserves, maps and grants access.
+
+use super::socket::Received;
+use super::wire::{Header, WireHandle};
+use crate::caps::device_granularity;
+use crate::context::Context;
+use crate::device::Device;
+use crate::error::{Error, Result};
+use crate::view::{DeviceCopy, DeviceSlice, DeviceSliceMut};
+use crate::vmm::{Access, HandleTypes, Location, Mapping, PhysicalMemory, Reservation};
+use std::os::fd::{AsFd, BorrowedFd};
+
+/// Exports `phys` (as a fabric handle if it was created with one, else as a POSIX fd) and sends
+/// it over `sock` with the range `[offset, offset + length)` and `tag`. Returns how it travelled.
+pub fn share(
+    sock: BorrowedFd<'_>,
+    phys: &PhysicalMemory,
+    offset: usize,
+    length: usize,
+    tag: u64,
+) -> Result<WireHandle> {
+    let Location::Device(dev) = phys.location() else {
+        return Err(Error::unsupported(
+            "sharing host-located memory",
+            "only device memory is shared by this crate",
+        ));
+    };
+    let granularity = device_granularity(&dev, phys.handle_types().raw())?.minimum;
+    let mut header = Header {
+        handle: WireHandle::PosixFd,
+        size: phys.size() as u64,
+        granularity: granularity as u64,
+        offset: offset as u64,
+        length: length as u64,
+        device_uuid: dev.uuid()?.0,
+        tag,
+    };
+    if phys.handle_types().contains(HandleTypes::FABRIC) {
+        header.handle = WireHandle::Fabric(phys.export_fabric()?);
+        super::socket::send(sock, &header, None)?;
+    } else {
+        let fd = phys.export_fd()?;
+        super::socket::send(sock, &header, Some(fd.as_fd()))?;
+    }
+    Ok(header.handle)
+}
+
+/// Memory another process shared with this one, mapped here.
+///
+/// The other process may write it at any time, so this type never hands out Rust references to
+/// its contents: only device pointers, device views and copies. The memory stays valid after the
+/// exporter exits, for as long as this value lives.
+pub struct SharedMemory {
+    mapping: Mapping,
+    header: Header,
+}
+
+impl SharedMemory {
+    /// Imports what `msg` carries into `ctx`, maps all of it and grants `grants` (read-write for
+    /// `ctx`'s device if empty). The message's fd is closed once imported.
+    pub fn import(ctx: &Context, msg: Received, grants: &[(Device, Access)]) -> Result<SharedMemory> {
+        let h = msg.header;
+        let size =
+            usize::try_from(h.size).map_err(|_| Error::Protocol("size does not fit this machine".into()))?;
+        let ours =
+            device_granularity(&ctx.device(), crate::driver::sys::CUmemAllocationHandleType::NONE)?.minimum;
+        if size % ours != 0 {
+            return Err(Error::Protocol(format!(
+                "size {size} is not a multiple of this device's granularity {ours}"
+            )));
+        }
+        let phys = match (h.handle, msg.fd) {
+            (WireHandle::PosixFd, Some(fd)) => PhysicalMemory::import_fd(ctx, fd.as_fd(), size)?,
+            (WireHandle::Fabric(f), None) => PhysicalMemory::import_fabric(ctx, &f, size)?,
+            _ => return Err(Error::Protocol("the message's fds do not match its handle type".into())),
+        };
+        let va = Reservation::new(ctx, size)?;
+        let mapping = va.map(0, &phys, 0, size).map_err(|e| match e {
+            Error::Driver { .. } => Error::Protocol(format!(
+                "cannot map {size} bytes of the imported allocation ({e}): is the announced size larger than what was exported?"
+            )),
+            other => other,
+        })?;
+        let own = [(ctx.device(), Access::ReadWrite)];
+        mapping.set_access(if grants.is_empty() { &own } else { grants })?;
+        Ok(SharedMemory { mapping, header: h })
+    }
+
+    /// The header it arrived with.
+    pub fn header(&self) -> &Header {
+        &self.header
+    }
+
+    /// Address of the shared range.
+    pub fn ptr(&self) -> u64 {
+        self.mapping.ptr() + self.header.offset
+    }
+
+    /// Length of the shared range in bytes.
+    pub fn len(&self) -> usize {
+        self.header.length as usize
+    }
+
+    /// Whether the range is empty (never: the wire format refuses empty ranges).
+    pub fn is_empty(&self) -> bool {
+        self.header.length == 0
+    }
+
+    /// The mapping (the whole imported allocation).
+    pub fn mapping(&self) -> &Mapping {
+        &self.mapping
+    }
+
+    /// The range as `T`s, for kernels and copies.
+    pub fn as_slice<T: DeviceCopy>(&self) -> DeviceSlice<'_, T> {
+        // SAFETY: the range is mapped and accessible while self lives; device views are never
+        // dereferenced on the host.
+        unsafe { DeviceSlice::from_raw_parts(self.ptr(), self.len() / std::mem::size_of::<T>().max(1)) }
+    }
+
+    /// The range as writable `T`s.
+    pub fn as_mut_slice<T: DeviceCopy>(&mut self) -> DeviceSliceMut<'_, T> {
+        // SAFETY: as above.
+        unsafe { DeviceSliceMut::from_raw_parts(self.ptr(), self.len() / std::mem::size_of::<T>().max(1)) }
+    }
+
+    fn range(&self, byte_offset: usize, bytes: usize) -> Result<u64> {
+        match byte_offset.checked_add(bytes) {
+            Some(end) if end <= self.len() => Ok(self.ptr() + byte_offset as u64),
+            _ => Err(Error::invalid(format!(
+                "{byte_offset}+{bytes} is past the {}-byte shared range",
+                self.len()
+            ))),
+        }
+    }
+
+    /// Copies from byte `byte_offset` of the range into `out`.
+    pub fn copy_to_host<T: DeviceCopy>(&self, byte_offset: usize, out: &mut [T]) -> Result<()> {
+        let at = self.range(byte_offset, std::mem::size_of_val(out))?;
+        crate::copy::dtoh(self.mapping.reservation().context(), out, at, out.len())
+    }
+
+    /// Copies `data` to byte `byte_offset` of the range.
+    pub fn copy_from_host<T: DeviceCopy>(&self, byte_offset: usize, data: &[T]) -> Result<()> {
+        let at = self.range(byte_offset, std::mem::size_of_val(data))?;
+        crate::copy::htod(self.mapping.reservation().context(), at, data, data.len())
+    }
+}

@@ -1,0 +1,378 @@
+//! Sharing across processes on a GPU. Multi-process tests re-execute this test binary for the
+//! other side (`ipc_child_helper`, which does nothing unless the environment names a role).
+
+use cuvmm::alloc::{CachingAllocator, ExportMode, PeerAllocator};
+use cuvmm::ipc::wire::{Header, WireHandle};
+use cuvmm::ipc::{recv, PeerPolicy, Received, SharedMemory};
+use cuvmm::kernels::Kernels;
+use cuvmm::vmm::{Access, HandleTypes, PhysicalMemory};
+use cuvmm::{Context, Device, Error, Stream};
+use std::io::{Read, Write};
+use std::os::fd::{AsFd, OwnedFd};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::process::{Child, Command};
+use std::sync::Mutex;
+
+const MIB: usize = 1 << 20;
+const ROLE: &str = "CUVMM_IPC_ROLE";
+const SOCK: &str = "CUVMM_IPC_SOCKET";
+/// fd counts and device memory are per process: these tests run one at a time.
+static SERIAL: Mutex<()> = Mutex::new(());
+
+fn ctx() -> Context {
+    Context::for_ordinal(0).expect("a CUDA device")
+}
+
+fn open_fds() -> usize {
+    std::fs::read_dir("/proc/self/fd").unwrap().count()
+}
+
+fn used(ctx: &Context) -> usize {
+    let m = ctx.memory_info().unwrap();
+    m.total - m.free
+}
+
+fn listener() -> (UnixListener, std::path::PathBuf) {
+    let path = std::env::temp_dir().join(format!(
+        "cuvmm-ipc-{}-{:?}.sock",
+        std::process::id(),
+        std::thread::current().id()
+    ));
+    let _ = std::fs::remove_file(&path);
+    (UnixListener::bind(&path).unwrap(), path)
+}
+
+fn spawn(role: &str, path: &std::path::Path) -> Child {
+    Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "ipc_child_helper", "--include-ignored", "--nocapture", "--test-threads=1"])
+        .env(ROLE, role)
+        .env(SOCK, path)
+        .spawn()
+        .unwrap()
+}
+
+fn byte(s: &mut UnixStream) -> u8 {
+    let mut b = [0u8];
+    s.read_exact(&mut b).unwrap();
+    b[0]
+}
+
+/// The other side of the multi-process tests.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn ipc_child_helper() {
+    let Some(role) = std::env::var_os(ROLE) else { return };
+    let mut s = UnixStream::connect(std::env::var_os(SOCK).unwrap()).unwrap();
+    let ctx = ctx();
+    let k = Kernels::load(&ctx).unwrap();
+    let st = Stream::new(&ctx).unwrap();
+    match role.to_str().unwrap() {
+        "importer" | "crasher" => {
+            let msg = recv(s.as_fd(), PeerPolicy::SameUid).unwrap();
+            let seed = msg.header.tag as u32;
+            let mut shm = SharedMemory::import(&ctx, msg, &[]).unwrap();
+            let n = shm.len() / 4;
+            assert_eq!(
+                k.count_pattern_mismatches(&st, &shm.as_slice::<u32>(), 0, seed).unwrap(),
+                0,
+                "exporter's pattern"
+            );
+            if role == "crasher" {
+                s.write_all(&[1]).unwrap();
+                std::process::abort();
+            }
+            k.pattern_u32(&st, &mut shm.as_mut_slice::<u32>(), 0, seed + 1).unwrap();
+            st.synchronize().unwrap();
+            assert_eq!(shm.as_slice::<u32>().len(), n);
+            s.write_all(&[1]).unwrap();
+            assert_eq!(byte(&mut s), 2); // the exporter has read our answer
+        }
+        "exporter" => {
+            let alloc = PeerAllocator::new(&ctx, &[], ExportMode::PosixFd).unwrap();
+            let mut a = alloc.allocate(8 * MIB).unwrap();
+            k.pattern_u32(&st, &mut a.as_mut_slice::<u32>(), 0, 4242).unwrap();
+            st.synchronize().unwrap();
+            a.share(s.as_fd(), 0, a.len(), 4242).unwrap();
+            assert_eq!(byte(&mut s), 1); // imported
+            s.write_all(&[1]).unwrap();
+            loop {
+                std::thread::sleep(std::time::Duration::from_secs(1)); // until SIGKILLed
+            }
+        }
+        other => panic!("unknown role {other}"),
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_pattern_crosses_processes_both_ways() {
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let ctx = ctx();
+    let k = Kernels::load(&ctx).unwrap();
+    let st = Stream::new(&ctx).unwrap();
+    let alloc = PeerAllocator::new(&ctx, &[], ExportMode::PosixFd).unwrap();
+    let mut a = alloc.allocate(6 * MIB).unwrap();
+    let seed = 0x5eed_u32 ^ std::process::id();
+    k.pattern_u32(&st, &mut a.as_mut_slice::<u32>(), 0, seed).unwrap();
+    st.synchronize().unwrap();
+    let (l, path) = listener();
+    let mut child = spawn("importer", &path);
+    let (mut s, _) = l.accept().unwrap();
+    assert_eq!(a.share(s.as_fd(), 0, a.len(), seed as u64).unwrap(), WireHandle::PosixFd);
+    assert_eq!(byte(&mut s), 1);
+    assert_eq!(
+        k.count_pattern_mismatches(&st, &a.as_slice::<u32>(), 0, seed + 1).unwrap(),
+        0,
+        "importer's answer"
+    );
+    s.write_all(&[2]).unwrap();
+    assert!(child.wait().unwrap().success());
+    let _ = std::fs::remove_file(path);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn the_importer_keeps_the_data_after_the_exporter_is_killed() {
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let ctx = ctx();
+    let k = Kernels::load(&ctx).unwrap();
+    let st = Stream::new(&ctx).unwrap();
+    let (l, path) = listener();
+    let mut child = spawn("exporter", &path);
+    let (mut s, _) = l.accept().unwrap();
+    let shm = SharedMemory::import(&ctx, recv(s.as_fd(), PeerPolicy::SameUid).unwrap(), &[]).unwrap();
+    s.write_all(&[1]).unwrap();
+    assert_eq!(byte(&mut s), 1);
+    child.kill().unwrap(); // SIGKILL
+    child.wait().unwrap();
+    for _ in 0..3 {
+        assert_eq!(k.count_pattern_mismatches(&st, &shm.as_slice::<u32>(), 0, 4242).unwrap(), 0);
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    let mut host = vec![0u32; 16];
+    shm.copy_to_host(4 * MIB, &mut host).unwrap();
+    assert_eq!(host[0], cuvmm::kernels::pattern_value((MIB) as u64, 4242));
+    let _ = std::fs::remove_file(path);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_crashing_importer_leaves_the_exporter_unharmed_and_memory_comes_back() {
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let ctx = ctx();
+    let k = Kernels::load(&ctx).unwrap();
+    let st = Stream::new(&ctx).unwrap();
+    let baseline = used(&ctx);
+    {
+        let alloc = PeerAllocator::new(&ctx, &[], ExportMode::PosixFd).unwrap();
+        let mut a = alloc.allocate(64 * MIB).unwrap();
+        k.pattern_u32(&st, &mut a.as_mut_slice::<u32>(), 0, 77).unwrap();
+        st.synchronize().unwrap();
+        let (l, path) = listener();
+        let mut child = spawn("crasher", &path);
+        let (mut s, _) = l.accept().unwrap();
+        a.share(s.as_fd(), 0, a.len(), 77).unwrap();
+        assert_eq!(byte(&mut s), 1);
+        assert!(!child.wait().unwrap().success(), "the importer aborted");
+        // Still ours, still writable.
+        k.pattern_u32(&st, &mut a.as_mut_slice::<u32>(), 0, 78).unwrap();
+        assert_eq!(k.count_pattern_mismatches(&st, &a.as_slice::<u32>(), 0, 78).unwrap(), 0);
+        let _ = std::fs::remove_file(path);
+    }
+    let after = used(&ctx);
+    assert!(after.abs_diff(baseline) <= 2 * MIB, "baseline {baseline}, after {after}");
+}
+
+fn posix_header(size: usize) -> Header {
+    Header {
+        handle: WireHandle::PosixFd,
+        size: size as u64,
+        granularity: 2 * MIB as u64,
+        offset: 0,
+        length: size as u64,
+        device_uuid: [0; 16],
+        tag: 1,
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn foreign_fds_oversized_headers_and_garbage_handles_are_typed_errors_without_leaks() {
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let ctx = ctx();
+    let peer = cuvmm::ipc::Credentials { pid: 0, uid: 0, gid: 0 };
+    let before = open_fds();
+    let (r, w) = nix::unistd::pipe().unwrap();
+    let memfd: OwnedFd =
+        nix::sys::memfd::memfd_create(c"x", nix::sys::memfd::MemFdCreateFlag::empty()).unwrap();
+    let devnull: OwnedFd = std::fs::File::open("/dev/null").unwrap().into();
+    for (name, fd) in [("/dev/null", devnull), ("memfd", memfd), ("pipe", r)] {
+        let msg = Received { header: posix_header(2 * MIB), fd: Some(fd), peer };
+        match SharedMemory::import(&ctx, msg, &[]) {
+            Err(Error::Driver { call, .. }) => assert_eq!(call, "cuMemImportFromShareableHandle", "{name}"),
+            Err(e) => panic!("{name}: unexpected error {e}"),
+            Ok(_) => panic!("{name} was imported"),
+        }
+    }
+    drop(w);
+    assert_eq!(open_fds(), before, "an fd leaked");
+    // A header announcing more than was exported.
+    let phys = PhysicalMemory::builder(&ctx).handle_types(HandleTypes::POSIX_FD).create(2 * MIB).unwrap();
+    let fd = phys.export_fd().unwrap();
+    let msg = Received { header: posix_header(8 * MIB), fd: Some(fd), peer };
+    match SharedMemory::import(&ctx, msg, &[]) {
+        Err(Error::Protocol(m)) => assert!(m.contains("larger than what was exported"), "{m}"),
+        Err(e) => panic!("unexpected error {e}"),
+        Ok(_) => panic!("an oversized header was accepted"),
+    }
+    // The right size works.
+    let ok = Received { header: posix_header(2 * MIB), fd: Some(phys.export_fd().unwrap()), peer };
+    assert_eq!(SharedMemory::import(&ctx, ok, &[]).unwrap().len(), 2 * MIB);
+    // Garbage fabric handles.
+    for garbage in [[0u8; 64], [0xa5; 64]] {
+        let msg = Received {
+            header: Header { handle: WireHandle::Fabric(garbage), ..posix_header(2 * MIB) },
+            fd: None,
+            peer,
+        };
+        assert!(matches!(
+            SharedMemory::import(&ctx, msg, &[]),
+            Err(Error::Driver { .. }) | Err(Error::Unsupported { .. })
+        ));
+    }
+    // A fabric message that carries an fd, and a POSIX one without.
+    let msg = Received { header: posix_header(2 * MIB), fd: None, peer };
+    assert!(matches!(SharedMemory::import(&ctx, msg, &[]), Err(Error::Protocol(_))));
+    assert_eq!(open_fds(), before, "an fd leaked");
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn fabric_is_refused_naming_imex_and_auto_falls_back_to_posix_fds() {
+    let ctx = ctx();
+    let imex = cuvmm::caps::ImexStatus::probe();
+    match PeerAllocator::new(&ctx, &[], ExportMode::Fabric) {
+        Err(Error::Unsupported { why, .. }) => {
+            assert!(!imex.usable());
+            assert!(why.contains("imex") || why.contains("IMEX") || why.contains("channel"), "{why}");
+            eprintln!("fabric: {why}");
+        }
+        Ok(a) => assert_eq!(a.handle_types(), HandleTypes::FABRIC),
+        Err(e) => panic!("unexpected {e}"),
+    }
+    let auto = PeerAllocator::new(&ctx, &[], ExportMode::Auto).unwrap();
+    let expect = if imex.usable() { HandleTypes::FABRIC } else { HandleTypes::POSIX_FD };
+    assert_eq!(auto.handle_types(), expect);
+    eprintln!("auto chose {:?}", auto.handle_types());
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn the_cache_reuses_blocks_trims_idle_chunks_and_returns_memory() {
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let ctx = ctx();
+    let baseline = used(&ctx);
+    {
+        let cache =
+            CachingAllocator::new(PeerAllocator::new(&ctx, &[], ExportMode::PosixFd).unwrap(), 2 * MIB)
+                .unwrap();
+        assert!(matches!(cache.allocate(0), Err(Error::InvalidArgument(_))));
+        let a = cache.allocate(1000).unwrap();
+        assert_eq!(a.len(), 1024);
+        let p = a.ptr();
+        drop(a);
+        assert_eq!(cache.allocate(700).unwrap().ptr(), p, "a freed block is reused");
+        let blocks: Vec<_> = (0..2048).map(|_| cache.allocate(1024).unwrap()).collect();
+        let mut ptrs: Vec<u64> = blocks.iter().map(|b| b.ptr()).collect();
+        ptrs.sort();
+        ptrs.dedup();
+        assert_eq!(ptrs.len(), 2048, "no block handed out twice");
+        let big = cache.allocate(5 * MIB).unwrap();
+        assert_eq!(big.len(), 6 * MIB);
+        let s = cache.stats();
+        assert_eq!(s.in_use, 2048 * 1024 + 6 * MIB);
+        assert_eq!(s.mapped, s.in_use + s.cached);
+        drop(blocks);
+        drop(big);
+        assert_eq!(cache.stats().in_use, 0);
+        let released = cache.trim();
+        assert_eq!(released, s.mapped);
+        assert_eq!(cache.stats(), cuvmm::alloc::CacheStats::default());
+    }
+    let after = used(&ctx);
+    assert!(after.abs_diff(baseline) <= 2 * MIB, "baseline {baseline}, after {after}");
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn threads_allocate_free_and_export_from_one_cache() {
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let ctx = ctx();
+    let cache =
+        CachingAllocator::new(PeerAllocator::new(&ctx, &[], ExportMode::PosixFd).unwrap(), 2 * MIB).unwrap();
+    std::thread::scope(|sc| {
+        for t in 0..8u32 {
+            let (cache, ctx) = (cache.clone(), ctx.clone());
+            sc.spawn(move || {
+                let k = Kernels::load(&ctx).unwrap();
+                let st = Stream::new(&ctx).unwrap();
+                for i in 0..50u32 {
+                    let size = 4096 << (i % 6);
+                    let a = cache.allocate(size).unwrap();
+                    // SAFETY: the block holds `size` bytes of mapped device memory while `a` lives.
+                    let mut v = unsafe { cuvmm::DeviceSliceMut::<u32>::from_raw_parts(a.ptr(), size / 4) };
+                    k.pattern_u32(&st, &mut v, 0, t * 1000 + i).unwrap();
+                    assert_eq!(k.count_pattern_mismatches(&st, &v.as_slice(), 0, t * 1000 + i).unwrap(), 0);
+                    if i % 10 == 0 {
+                        // Export and import in this process: the imported view sees the same data.
+                        let (x, y) = UnixStream::pair().unwrap();
+                        a.share(x.as_fd(), (t * 100 + i) as u64).unwrap();
+                        let shm =
+                            SharedMemory::import(&ctx, recv(y.as_fd(), PeerPolicy::SameUid).unwrap(), &[])
+                                .unwrap();
+                        assert_eq!(shm.len(), a.len());
+                        assert_eq!(
+                            k.count_pattern_mismatches(&st, &shm.as_slice::<u32>(), 0, t * 1000 + i).unwrap(),
+                            0
+                        );
+                    }
+                }
+            });
+        }
+    });
+    assert_eq!(cache.stats().in_use, 0);
+}
+
+#[test]
+#[ignore = "needs two CUDA GPUs"]
+fn access_exists_exactly_for_the_granted_devices() {
+    let devices = Device::all().unwrap();
+    if devices.len() < 2 {
+        assert!(
+            std::env::var_os("CUVMM_REQUIRE_GPUS").is_none(),
+            "this machine was expected to have two GPUs"
+        );
+        eprintln!("one GPU: the two-GPU checks run on the two-GPU machine (CUVMM_REQUIRE_GPUS=2)");
+        return;
+    }
+    let (c0, c1) = (Context::new(devices[0]).unwrap(), Context::new(devices[1]).unwrap());
+    let alloc = PeerAllocator::new(&c0, &[(devices[1], Access::Read)], ExportMode::PosixFd).unwrap();
+    let mut a = alloc.allocate(16 * MIB).unwrap();
+    assert_eq!(a.access(devices[0]).unwrap(), Access::ReadWrite);
+    assert_eq!(a.access(devices[1]).unwrap(), Access::Read);
+    for d in &devices[2..] {
+        assert_eq!(a.access(*d).unwrap(), Access::None);
+    }
+    let (k0, k1) = (Kernels::load(&c0).unwrap(), Kernels::load(&c1).unwrap());
+    let (s0, s1) = (Stream::new(&c0).unwrap(), Stream::new(&c1).unwrap());
+    k0.pattern_u32(&s0, &mut a.as_mut_slice::<u32>(), 0, 31).unwrap();
+    s0.synchronize().unwrap();
+    // A kernel on the peer reads the owner's memory through the mapping.
+    assert_eq!(k1.count_pattern_mismatches(&s1, &a.as_slice::<u32>(), 0, 31).unwrap(), 0);
+    a.set_access(&[(devices[1], Access::ReadWrite)]).unwrap();
+    assert_eq!(a.access(devices[1]).unwrap(), Access::ReadWrite);
+    // Narrowing removes it.
+    a.set_access(&[(devices[1], Access::None)]).unwrap();
+    assert_eq!(a.access(devices[1]).unwrap(), Access::None);
+    assert_eq!(a.access(devices[0]).unwrap(), Access::ReadWrite);
+}
