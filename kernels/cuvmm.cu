@@ -37,6 +37,29 @@ extern "C" __global__ void cuvmm_checksum_u32(const uint32_t *p, uint64_t n, uns
   if (s) atomicAdd(sum, s);
 }
 
+// The same sum over 16-byte words, eight independent read-only loads in flight per thread and one
+// atomic per warp: enough memory-level parallelism to stream from a peer GPU over NVLink. p must
+// be 16-byte aligned; n4 counts uint4s.
+__device__ __forceinline__ unsigned long long sum4(const uint4 a) {
+  return (unsigned long long)a.x + a.y + a.z + a.w;
+}
+
+extern "C" __global__ void cuvmm_checksum_u32x4(const uint4 *__restrict__ p, uint64_t n4, unsigned long long *sum) {
+  const uint64_t stride = (uint64_t)gridDim.x * blockDim.x;
+  uint64_t i = blockIdx.x * (uint64_t)blockDim.x + threadIdx.x;
+  unsigned long long s = 0;
+  for (; i + 7 * stride < n4; i += 8 * stride) {
+    uint4 v[8];
+#pragma unroll
+    for (int k = 0; k < 8; ++k) v[k] = __ldg(p + i + k * stride);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) s += sum4(v[k]);
+  }
+  for (; i < n4; i += stride) s += sum4(__ldg(p + i));
+  for (int o = 16; o > 0; o >>= 1) s += __shfl_down_sync(0xffffffffu, s, o);
+  if ((threadIdx.x & 31) == 0 && s) atomicAdd(sum, s);
+}
+
 extern "C" __global__ void cuvmm_vector_add_f32(const float *a, const float *b, float *c, uint64_t n) {
   GRID_STRIDE(i, n) c[i] = a[i] + b[i];
 }

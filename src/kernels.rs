@@ -32,6 +32,7 @@ pub struct Kernels {
     pattern: CUfunction,
     check: CUfunction,
     checksum: CUfunction,
+    checksum4: CUfunction,
     vadd: CUfunction,
     busy: CUfunction,
     max_blocks: u32,
@@ -60,10 +61,13 @@ impl Kernels {
             pattern: f("cuvmm_pattern_u32")?,
             check: f("cuvmm_check_pattern_u32")?,
             checksum: f("cuvmm_checksum_u32")?,
+            checksum4: f("cuvmm_checksum_u32x4")?,
             vadd: f("cuvmm_vector_add_f32")?,
             busy: f("cuvmm_busy_f32")?,
-            // Enough resident blocks to fill every multiprocessor; the kernels stride over the rest.
-            max_blocks: sms * 16,
+            // Exactly as many blocks as can be resident at once (2048 threads per multiprocessor
+            // on sm_75 to sm_90 = 8 blocks of 256): one wave, no straggling second one; the
+            // kernels stride over the rest.
+            max_blocks: sms * 8,
             module,
         })
     }
@@ -116,10 +120,37 @@ impl Kernels {
 
     /// The wrapping sum of `src`'s elements. Waits for `stream`.
     pub fn checksum_u32(&self, stream: &Stream, src: &DeviceSlice<'_, u32>) -> Result<u64> {
-        let out = self.counter(stream)?;
-        let (p, n, o) = (src.ptr(), src.len() as u64, out.ptr());
-        self.launch(self.checksum, src.len(), stream, &mut params!(p, n, o))?;
+        let mut out = DeviceBuffer::<u64>::new(self.module.context(), 1)?;
+        self.checksum_u32_queued(stream, src, &mut out.as_mut_slice())?;
         Self::read_counter(stream, &out)
+    }
+
+    /// Queues the wrapping sum of `src` into `out[0]` (zeroed first, in stream order) without
+    /// waiting: for timing the kernel alone.
+    pub fn checksum_u32_queued(
+        &self,
+        stream: &Stream,
+        src: &DeviceSlice<'_, u32>,
+        out: &mut DeviceSliceMut<'_, u64>,
+    ) -> Result<()> {
+        if out.is_empty() {
+            return Err(Error::invalid("the checksum needs a one-element output"));
+        }
+        let o = out.ptr();
+        // SAFETY: `out` holds at least 8 bytes = two 32-bit words of live device memory.
+        unsafe { crate::driver::driver()?.api().cuMemsetD32Async(o, 0, 2, stream.raw()) }?;
+        // 16-byte loads over the aligned bulk, 4-byte loads over the rest.
+        let (mut p, mut n) = (src.ptr(), src.len() as u64);
+        if p % 16 == 0 && n >= 4 {
+            let n4 = n / 4;
+            self.launch(self.checksum4, n4 as usize, stream, &mut params!(p, n4, o))?;
+            p += n4 * 16;
+            n -= n4 * 4;
+        }
+        if n > 0 {
+            self.launch(self.checksum, n as usize, stream, &mut params!(p, n, o))?;
+        }
+        Ok(())
     }
 
     /// A device counter zeroed in stream order, so the kernel that follows on `stream` sees zero.

@@ -238,6 +238,15 @@ fn kernels_load_and_compute_the_right_results() {
     assert_eq!(k.count_pattern_mismatches(&st, &u.as_slice(), 1000, 99).unwrap(), 0);
     assert_eq!(k.count_pattern_mismatches(&st, &u.as_slice(), 1001, 99).unwrap(), n as u64);
     assert_eq!(k.checksum_u32(&st, &u.as_slice()).unwrap(), host.iter().map(|&x| x as u64).sum::<u64>());
+    // Unaligned starts take the 4-byte path, aligned ones the 16-byte path plus a tail.
+    for start in [1usize, 2, 3, 4, 5] {
+        let want: u64 = host[start..].iter().map(|&x| x as u64).sum();
+        assert_eq!(
+            k.checksum_u32(&st, &u.as_slice().slice(start..n).unwrap()).unwrap(),
+            want,
+            "start {start}"
+        );
+    }
     let mut f = DeviceBuffer::from_slice(&ctx, &[2.0f32, -1.0, 0.5]).unwrap();
     k.busy_f32(&st, &mut f.as_mut_slice(), 10).unwrap();
     st.synchronize().unwrap();

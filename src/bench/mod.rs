@@ -5,10 +5,13 @@
 //! operation queues device work; results are medians over repetitions, and each result is compared
 //! with a reference measured in the same run.
 
+pub mod alloc;
 pub mod bandwidth;
 pub mod events;
 pub mod grow;
+pub mod ipc;
 pub mod overlap;
+pub mod peer;
 pub mod vmm_ops;
 
 use std::time::{Duration, Instant};

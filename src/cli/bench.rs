@@ -3,7 +3,7 @@
 use super::size::{parse_size, parse_sizes, show};
 use super::CliResult;
 use clap::Subcommand;
-use cuvmm::bench::{bandwidth, events, grow, overlap, vmm_ops};
+use cuvmm::bench::{alloc, bandwidth, events, grow, ipc, overlap, peer, vmm_ops};
 use cuvmm::staging::Staging;
 use cuvmm::vmm::ChunkPolicy;
 use cuvmm::Context;
@@ -93,6 +93,43 @@ pub enum Bench {
         #[arg(long, default_value_t = 0)]
         device: usize,
         /// JSON instead of text.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Allocate+free latency: the caching sub-allocator, cuMemAlloc, the stream-ordered pool.
+    Alloc {
+        /// Allocation sizes.
+        #[arg(long, default_value = "4KiB,64KiB,1MiB,16MiB,64MiB", value_parser = parse_sizes)]
+        sizes: std::vec::Vec<usize>,
+        /// Device ordinal.
+        #[arg(long, default_value_t = 0)]
+        device: usize,
+        /// JSON lines instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Share an allocation with a child process: export, send, receive, import, map, access;
+    /// bandwidth on the imported memory; the legacy cuIpc* path.
+    Ipc {
+        /// Bytes shared.
+        #[arg(long, default_value = "1GiB", value_parser = parse_size)]
+        size: usize,
+        /// Device ordinal.
+        #[arg(long, default_value_t = 0)]
+        device: usize,
+        /// JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+        /// Run as the importer, connecting to this socket (used by the benchmark itself).
+        #[arg(long, hide = true)]
+        child: Option<std::path::PathBuf>,
+    },
+    /// Two GPUs: a kernel on GPU 1 reading GPU 0's memory through the mapping, against cuMemcpyPeer.
+    Peer {
+        /// Bytes read.
+        #[arg(long, default_value = "1GiB", value_parser = parse_size)]
+        size: usize,
+        /// JSON instead of a table.
         #[arg(long)]
         json: bool,
     },
@@ -285,6 +322,132 @@ pub fn run(b: Bench) -> CliResult {
             }
             if !r.verified {
                 return Err("the GPU result differs from the CPU reference".into());
+            }
+        }
+        Bench::Alloc { sizes, device, json } => {
+            let ctx = Context::for_ordinal(device)?;
+            let rows = alloc::run(&ctx, &sizes)?;
+            if !json {
+                writeln!(out, "µs per allocate+free pair on {} (median of 5 batches)", ctx.device().name()?)?;
+                writeln!(
+                    out,
+                    "{:>9} {:>14} {:>18} {:>22}",
+                    "size", "cuvmm cached", "cuMemAlloc/Free", "cuMemAllocAsync pool"
+                )?;
+            }
+            for r in &rows {
+                if json {
+                    writeln!(
+                        out,
+                        "{}",
+                        json!({"bench": "alloc", "size": r.size, "cached_us": r.cached_us,
+                        "driver_us": r.driver_us, "pool_us": r.pool_us})
+                    )?;
+                } else {
+                    writeln!(
+                        out,
+                        "{:>9} {:>14.3} {:>18.2} {:>22.3}",
+                        show(r.size),
+                        r.cached_us,
+                        r.driver_us,
+                        r.pool_us
+                    )?;
+                }
+            }
+        }
+        Bench::Ipc { size, device, json, child } => {
+            let ctx = Context::for_ordinal(device)?;
+            if let Some(path) = child {
+                let mut sock = std::os::unix::net::UnixStream::connect(path)?;
+                let r = ipc::import_side(&ctx, &mut sock)?;
+                let line = json!({"export_to_received_us": r.export_to_received_us, "import_us": r.import_us,
+                    "map_us": r.map_us, "access_us": r.access_us, "export_to_mapped_us": r.export_to_mapped_us,
+                    "imported_gbs": r.imported_gbs, "local_gbs": r.local_gbs, "legacy_open_us": r.legacy_open_us,
+                    "legacy_gbs": r.legacy_gbs});
+                writeln!(out, "{line}")?;
+                return Ok(());
+            }
+            let dir = std::env::temp_dir().join(format!("cuvmm-bench-ipc-{}", std::process::id()));
+            std::fs::create_dir_all(&dir)?;
+            let path = dir.join("sock");
+            let listener = std::os::unix::net::UnixListener::bind(&path)?;
+            let me = std::env::current_exe()?;
+            let mut results = Vec::new();
+            for _ in 0..3 {
+                let child = std::process::Command::new(&me)
+                    .args(["bench", "ipc", "--device", &device.to_string(), "--child"])
+                    .arg(&path)
+                    .stdout(std::process::Stdio::piped())
+                    .spawn()?;
+                let (mut sock, _) = listener.accept()?;
+                ipc::export_side(&ctx, &mut sock, size)?;
+                let o = child.wait_with_output()?;
+                if !o.status.success() {
+                    return Err("the importer process failed".into());
+                }
+                let v: serde_json::Value = serde_json::from_slice(&o.stdout)?;
+                results.push(v);
+            }
+            let _ = std::fs::remove_dir_all(&dir);
+            // The middle run by export-to-mapped time.
+            results.sort_by(|a, b| {
+                a["export_to_mapped_us"]
+                    .as_f64()
+                    .partial_cmp(&b["export_to_mapped_us"].as_f64())
+                    .unwrap_or(std::cmp::Ordering::Equal)
+            });
+            let r = &results[results.len() / 2];
+            if json {
+                writeln!(
+                    out,
+                    "{}",
+                    json!({"bench": "ipc", "size": size, "median_of": results.len(), "result": r})
+                )?;
+            } else {
+                let f = |k: &str| r[k].as_f64().unwrap_or(f64::NAN);
+                writeln!(
+                    out,
+                    "{} shared with a child process on {} (median of {} runs)",
+                    show(size),
+                    ctx.device().name()?,
+                    results.len()
+                )?;
+                writeln!(out, "  export + send + receive        {:>9.1} µs", f("export_to_received_us"))?;
+                writeln!(out, "  import                         {:>9.1} µs", f("import_us"))?;
+                writeln!(out, "  reserve + map                  {:>9.1} µs", f("map_us"))?;
+                writeln!(out, "  set access                     {:>9.1} µs", f("access_us"))?;
+                writeln!(out, "  export → mapped and accessible {:>9.1} µs", f("export_to_mapped_us"))?;
+                writeln!(out, "  legacy cuIpcOpenMemHandle      {:>9.1} µs", f("legacy_open_us"))?;
+                writeln!(
+                    out,
+                    "  importer D2D bandwidth: imported {:.0} GB/s, local {:.0} GB/s ({:.3}x), legacy-opened {:.0} GB/s",
+                    f("imported_gbs"),
+                    f("local_gbs"),
+                    f("imported_gbs") / f("local_gbs"),
+                    f("legacy_gbs")
+                )?;
+            }
+        }
+        Bench::Peer { size, json } => {
+            let devices = cuvmm::Device::all()?;
+            if devices.len() < 2 {
+                writeln!(out, "bench peer needs two GPUs; this machine has {}", devices.len())?;
+                return Ok(());
+            }
+            let ctxs = [Context::new(devices[0])?, Context::new(devices[1])?];
+            let r = peer::run(&ctxs, size)?;
+            if json {
+                writeln!(
+                    out,
+                    "{}",
+                    json!({"bench": "peer", "bytes": r.bytes, "kernel_gbs": r.kernel_gbs,
+                    "copy_gbs": r.copy_gbs, "ratio": r.kernel_gbs / r.copy_gbs})
+                )?;
+            } else {
+                writeln!(out, "GPU 1 reading {} of GPU 0's memory (median of 5)", show(r.bytes))?;
+                writeln!(out, "  kernel through the peer mapping  {:>8.1} GB/s", r.kernel_gbs)?;
+                writeln!(out, "  cuMemcpyPeerAsync                {:>8.1} GB/s", r.copy_gbs)?;
+                writeln!(out, "  ratio                            {:>8.3}x", r.kernel_gbs / r.copy_gbs)?;
             }
         }
         Bench::VmmOps { sizes, reps, device, json } => {
