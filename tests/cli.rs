@@ -73,3 +73,19 @@ fn unknown_subcommands_are_usage_errors_not_panics() {
     assert_eq!(out.status.code(), Some(2));
     assert!(!String::from_utf8_lossy(&out.stderr).contains("panicked"));
 }
+
+#[test]
+fn the_tour_without_a_driver_prints_one_clear_line_and_fails() {
+    let dir = std::env::temp_dir().join(format!("cuvmm-tour-test-{}", std::process::id()));
+    let out = Command::new(common::cuvmm_bin())
+        .args(["tour", "--out"])
+        .arg(&dir)
+        .env("CUVMM_LIBCUDA", "/nonexistent/libcuda.so.1")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8(out.stderr).unwrap();
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(err.starts_with("cuvmm: no CUDA driver found"), "{err}");
+    let _ = std::fs::remove_dir_all(dir);
+}

@@ -44,6 +44,9 @@ pub struct GrowRun {
     pub peak_bytes: usize,
     /// Steps per run.
     pub steps: usize,
+    /// Per step of the first timed run: (seconds, most device bytes in use above the start during
+    /// the step).
+    pub trace: Vec<(f64, usize)>,
 }
 
 /// Both strategies and their ratios.
@@ -91,6 +94,7 @@ fn run_vmm(ctx: &Context, cfg: &GrowConfig, target: usize) -> Result<GrowRun> {
     let base = used(ctx)?;
     let mut v = VmmVec::<u8>::builder(ctx).chunk_policy(cfg.policy).build()?;
     let mut steps = Vec::new();
+    let mut mem = Vec::new();
     let mut peak = 0;
     let mut total = Duration::ZERO;
     let mut i = 0u8;
@@ -101,7 +105,9 @@ fn run_vmm(ctx: &Context, cfg: &GrowConfig, target: usize) -> Result<GrowRun> {
         r?;
         total += dt;
         steps.push(dt.as_secs_f64());
-        peak = peak.max(used(ctx)?.saturating_sub(base));
+        let now = used(ctx)?.saturating_sub(base);
+        mem.push(now);
+        peak = peak.max(now);
     }
     // The data is there: first and last byte of every step.
     let mut k = 0u8;
@@ -112,7 +118,7 @@ fn run_vmm(ctx: &Context, cfg: &GrowConfig, target: usize) -> Result<GrowRun> {
             return Err(Error::invalid(format!("VmmVec contents wrong at step starting {s}")));
         }
     }
-    Ok(finish(&steps, total, peak))
+    Ok(finish(&steps, &mem, total, peak))
 }
 
 fn run_copy(ctx: &Context, cfg: &GrowConfig, target: usize) -> Result<GrowRun> {
@@ -121,6 +127,7 @@ fn run_copy(ctx: &Context, cfg: &GrowConfig, target: usize) -> Result<GrowRun> {
     let base = used(ctx)?;
     let (mut ptr, mut cap, mut len): (CUdeviceptr, usize, usize) = (0, 0, 0);
     let mut steps = Vec::new();
+    let mut mem = Vec::new();
     let mut peak = 0;
     let mut total = Duration::ZERO;
     let mut i = 0u8;
@@ -129,6 +136,7 @@ fn run_copy(ctx: &Context, cfg: &GrowConfig, target: usize) -> Result<GrowRun> {
             i = i.wrapping_add(1) | 1;
             let n = cfg.step.min(target - len);
             let mut step = Duration::ZERO;
+            let mut step_peak = 0;
             if len + n > cap {
                 let new_cap = (len + n).max(cap * 2);
                 let mut new_ptr = 0;
@@ -136,7 +144,8 @@ fn run_copy(ctx: &Context, cfg: &GrowConfig, target: usize) -> Result<GrowRun> {
                 let (r, dt_alloc) = timed(|| unsafe { api.cuMemAlloc(&mut new_ptr, new_cap) });
                 r?;
                 // Sampled while both buffers exist: the true peak of a doubling. Not timed.
-                peak = peak.max(used(ctx)?.saturating_sub(base));
+                step_peak = used(ctx)?.saturating_sub(base);
+                peak = peak.max(step_peak);
                 let (r, dt) = timed(|| -> Result<()> {
                     // SAFETY: both buffers hold at least `len` bytes; the old one is freed after the copy.
                     unsafe {
@@ -165,7 +174,9 @@ fn run_copy(ctx: &Context, cfg: &GrowConfig, target: usize) -> Result<GrowRun> {
             len += n;
             total += step;
             steps.push(step.as_secs_f64());
-            peak = peak.max(used(ctx)?.saturating_sub(base));
+            let now = used(ctx)?.saturating_sub(base);
+            mem.push(now.max(step_peak));
+            peak = peak.max(now);
         }
         Ok(())
     })();
@@ -174,7 +185,7 @@ fn run_copy(ctx: &Context, cfg: &GrowConfig, target: usize) -> Result<GrowRun> {
         let _ = unsafe { api.cuMemFree(ptr) };
     }
     result?;
-    Ok(finish(&steps, total, peak))
+    Ok(finish(&steps, &mem, total, peak))
 }
 
 /// Runs both strategies: one warm-up each at a sixteenth of the target, then `reps` timed runs
@@ -206,8 +217,9 @@ pub fn run(ctx: &Context, cfg: GrowConfig) -> Result<GrowReport> {
     Ok(GrowReport { config: cfg, vmm: summarise(&vmm), copy: summarise(&copy) })
 }
 
-fn finish(steps: &[f64], total: Duration, peak: usize) -> GrowRun {
+fn finish(steps: &[f64], mem: &[usize], total: Duration, peak: usize) -> GrowRun {
     GrowRun {
+        trace: steps.iter().copied().zip(mem.iter().copied()).collect(),
         total_s: total.as_secs_f64(),
         worst_step_s: steps.iter().cloned().fold(0.0, f64::max),
         worst_later_step_s: steps.iter().skip(1).cloned().fold(0.0, f64::max),
@@ -238,5 +250,6 @@ fn summarise(runs: &[GrowRun]) -> GrowRun {
             .map_or_else(Vec::new, |r| r.slowest.clone()),
         peak_bytes: runs.iter().map(|r| r.peak_bytes).max().unwrap_or(0),
         steps: runs.first().map_or(0, |r| r.steps),
+        trace: runs.first().map_or_else(Vec::new, |r| r.trace.clone()),
     }
 }

@@ -12,6 +12,7 @@ pub mod grow;
 pub mod ipc;
 pub mod overlap;
 pub mod peer;
+pub mod soak;
 pub mod vmm_ops;
 
 use std::time::{Duration, Instant};

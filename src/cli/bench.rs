@@ -233,58 +233,24 @@ pub fn run(b: Bench) -> CliResult {
                 let title = format!("{} floats on {name}", n);
                 std::fs::write(path, overlap::svg(r.fastest(), &title))?;
             }
-            let longest = r.longest_stage();
             if json {
                 writeln!(
                     out,
                     "{}",
                     json!({"bench": "overlap", "device": name, "n": n, "iters": r.iters,
-                    "h2d_ms": r.stages_ms[0], "kernel_ms": r.stages_ms[1], "d2h_ms": r.stages_ms[2]})
+                    "h2d_ms": r.stages_ms[0], "kernel_ms": r.stages_ms[1], "d2h_ms": r.stages_ms[2],
+                    "copies_together_ms": r.copies_together_ms})
                 )?;
                 for s in &r.schedules {
                     writeln!(
                         out,
                         "{}",
                         json!({"bench": "overlap", "schedule": s.name, "total_ms": s.total_ms,
-                        "over_longest_stage": s.total_ms / longest})
+                        "over_longest_stage": s.total_ms / r.longest_stage(), "over_bound": s.total_ms / r.bound()})
                     )?;
                 }
             } else {
-                writeln!(
-                    out,
-                    "{} floats ({}) on {name}, kernel {} multiply-adds per element",
-                    n,
-                    show(n * 4),
-                    r.iters
-                )?;
-                writeln!(
-                    out,
-                    "stages alone: H2D {:.3} ms, kernel {:.3} ms, D2H {:.3} ms (sum {:.3} ms)",
-                    r.stages_ms[0],
-                    r.stages_ms[1],
-                    r.stages_ms[2],
-                    r.stages_ms.iter().sum::<f64>()
-                )?;
-                writeln!(
-                    out,
-                    "both copies at once: {:.3} ms (the bus's bound for a schedule that overlaps them)",
-                    r.copies_together_ms
-                )?;
-                writeln!(
-                    out,
-                    "{:<16} {:>10} {:>18} {:>14}",
-                    "schedule", "total ms", "/ longest stage", "/ bus bound"
-                )?;
-                for s in &r.schedules {
-                    writeln!(
-                        out,
-                        "{:<16} {:>10.3} {:>17.3}x {:>13.3}x",
-                        s.name,
-                        s.total_ms,
-                        s.total_ms / longest,
-                        s.total_ms / r.bound()
-                    )?;
-                }
+                print_overlap(&mut out, &r, &name)?;
                 if let Some(path) = &svg {
                     writeln!(out, "timeline of {} written to {}", r.fastest().name, path.display())?;
                 }
@@ -485,7 +451,7 @@ pub fn run(b: Bench) -> CliResult {
     Ok(())
 }
 
-fn print_bandwidth(
+pub(super) fn print_bandwidth(
     out: &mut impl Write,
     ctx: &Context,
     rows: &[bandwidth::BandwidthRow],
@@ -566,6 +532,42 @@ fn print_bandwidth(
         )?;
         writeln!(out, "[Staged pageable (cuvmm)]")?;
         writeln!(out, "  Transfer BW:  {:.1} GB/s H2D, {:.1} GB/s D2H", r.staged[0], r.staged[1])?;
+    }
+    Ok(())
+}
+
+/// The overlap experiment's text table.
+pub(super) fn print_overlap(
+    out: &mut impl Write,
+    r: &overlap::OverlapReport,
+    name: &str,
+) -> std::io::Result<()> {
+    let n = r.config.n;
+    let longest = r.longest_stage();
+    writeln!(out, "{} floats ({}) on {name}, kernel {} multiply-adds per element", n, show(n * 4), r.iters)?;
+    writeln!(
+        out,
+        "stages alone: H2D {:.3} ms, kernel {:.3} ms, D2H {:.3} ms (sum {:.3} ms)",
+        r.stages_ms[0],
+        r.stages_ms[1],
+        r.stages_ms[2],
+        r.stages_ms.iter().sum::<f64>()
+    )?;
+    writeln!(
+        out,
+        "both copies at once: {:.3} ms (the bus's bound for a schedule that overlaps them)",
+        r.copies_together_ms
+    )?;
+    writeln!(out, "{:<16} {:>10} {:>18} {:>14}", "schedule", "total ms", "/ longest stage", "/ bus bound")?;
+    for s in &r.schedules {
+        writeln!(
+            out,
+            "{:<16} {:>10.3} {:>17.3}x {:>13.3}x",
+            s.name,
+            s.total_ms,
+            s.total_ms / longest,
+            s.total_ms / r.bound()
+        )?;
     }
     Ok(())
 }

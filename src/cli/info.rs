@@ -32,7 +32,7 @@ pub fn run(json: bool) -> CliResult {
     Ok(())
 }
 
-fn write_table(out: &mut impl Write, r: &Report) -> std::io::Result<()> {
+pub(super) fn write_table(out: &mut impl Write, r: &Report) -> std::io::Result<()> {
     writeln!(
         out,
         "CUDA driver {} ({}), {} device(s)",
