@@ -99,6 +99,35 @@ fn ipc_child_helper() {
                 std::thread::sleep(std::time::Duration::from_secs(1)); // until SIGKILLed
             }
         }
+        r if r.starts_with("exporter-dies-at-") => {
+            let step: u32 = r["exporter-dies-at-".len()..].parse().unwrap();
+            let alloc = PeerAllocator::new(&ctx, &[], ExportMode::PosixFd).unwrap();
+            let mut a = alloc.allocate(4 * MIB).unwrap();
+            k.pattern_u32(&st, &mut a.as_mut_slice::<u32>(), 0, 606).unwrap();
+            st.synchronize().unwrap();
+            match step {
+                0 => {}
+                1 => {
+                    let h = Header { handle: WireHandle::PosixFd, ..posix_header(4 * MIB) };
+                    s.write_all(&h.encode().unwrap()[..70]).unwrap();
+                }
+                _ => {
+                    a.share(s.as_fd(), 0, a.len(), 606).unwrap();
+                }
+            }
+            std::process::abort();
+        }
+        r if r.starts_with("importer-dies-at-") => {
+            let step: u32 = r["importer-dies-at-".len()..].parse().unwrap();
+            if step >= 1 {
+                let msg = recv(s.as_fd(), PeerPolicy::SameUid).unwrap();
+                if step >= 2 {
+                    let _shm = SharedMemory::import(&ctx, msg, &[]).unwrap();
+                    std::process::abort();
+                }
+            }
+            std::process::abort();
+        }
         other => panic!("unknown role {other}"),
     }
 }
@@ -178,6 +207,74 @@ fn a_crashing_importer_leaves_the_exporter_unharmed_and_memory_comes_back() {
         k.pattern_u32(&st, &mut a.as_mut_slice::<u32>(), 0, 78).unwrap();
         assert_eq!(k.count_pattern_mismatches(&st, &a.as_slice::<u32>(), 0, 78).unwrap(), 0);
         let _ = std::fs::remove_file(path);
+    }
+    let after = used(&ctx);
+    assert!(after.abs_diff(baseline) <= 2 * MIB, "baseline {baseline}, after {after}");
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn an_exporter_killed_at_each_protocol_step_leaves_the_importer_working() {
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let ctx = ctx();
+    let k = Kernels::load(&ctx).unwrap();
+    let st = Stream::new(&ctx).unwrap();
+    let fds = open_fds();
+    for step in 0..3 {
+        let (l, path) = listener();
+        let mut child = spawn(&format!("exporter-dies-at-{step}"), &path);
+        let (s, _) = l.accept().unwrap();
+        let r = recv(s.as_fd(), PeerPolicy::SameUid);
+        assert!(!child.wait().unwrap().success());
+        match (step, r) {
+            // Nothing or half a header arrived: a typed error.
+            (0 | 1, Err(Error::Protocol(m))) => assert!(m.contains("closed"), "step {step}: {m}"),
+            // The whole message arrived before the exporter died: the memory is still there.
+            (2, Ok(msg)) => {
+                let shm = SharedMemory::import(&ctx, msg, &[]).unwrap();
+                assert_eq!(k.count_pattern_mismatches(&st, &shm.as_slice::<u32>(), 0, 606).unwrap(), 0);
+            }
+            (_, other) => panic!("step {step}: unexpected {:?}", other.map(|m| m.header)),
+        }
+        drop(s);
+        let _ = std::fs::remove_file(path);
+        // This side still works.
+        let mut b = cuvmm::DeviceBuffer::<u32>::new(&ctx, 1 << 20).unwrap();
+        k.pattern_u32(&st, &mut b.as_mut_slice(), 0, step).unwrap();
+        assert_eq!(k.count_pattern_mismatches(&st, &b.as_slice(), 0, step).unwrap(), 0);
+    }
+    assert_eq!(open_fds(), fds, "an fd leaked");
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn an_importer_killed_at_each_protocol_step_leaves_the_exporter_working() {
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let ctx = ctx();
+    let k = Kernels::load(&ctx).unwrap();
+    let st = Stream::new(&ctx).unwrap();
+    let baseline = used(&ctx);
+    {
+        let alloc = PeerAllocator::new(&ctx, &[], ExportMode::PosixFd).unwrap();
+        let mut a = alloc.allocate(8 * MIB).unwrap();
+        for step in 0..3u32 {
+            k.pattern_u32(&st, &mut a.as_mut_slice::<u32>(), 0, 700 + step).unwrap();
+            st.synchronize().unwrap();
+            let (l, path) = listener();
+            let mut child = spawn(&format!("importer-dies-at-{step}"), &path);
+            let (mut s, _) = l.accept().unwrap();
+            // The importer may already be gone: sending then fails with a typed error, no signal.
+            match a.share(s.as_fd(), 0, a.len(), 1) {
+                Ok(_) | Err(Error::Os { .. }) => {}
+                Err(e) => panic!("step {step}: unexpected {e}"),
+            }
+            let mut ack = [0u8];
+            assert!(s.read_exact(&mut ack).is_err(), "a dead importer cannot acknowledge");
+            assert!(!child.wait().unwrap().success());
+            let _ = std::fs::remove_file(path);
+            // Our allocation is untouched and still ours.
+            assert_eq!(k.count_pattern_mismatches(&st, &a.as_slice::<u32>(), 0, 700 + step).unwrap(), 0);
+        }
     }
     let after = used(&ctx);
     assert!(after.abs_diff(baseline) <= 2 * MIB, "baseline {baseline}, after {after}");

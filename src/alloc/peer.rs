@@ -105,6 +105,7 @@ impl PeerAllocator {
 }
 
 /// One allocation of a [`PeerAllocator`].
+#[derive(Debug)]
 pub struct PeerAllocation {
     mapping: Mapping,
 }

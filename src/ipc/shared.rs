@@ -76,8 +76,12 @@ impl SharedMemory {
             _ => return Err(Error::Protocol("the message's fds do not match its handle type".into())),
         };
         let va = Reservation::new(ctx, size)?;
+        // The driver refuses a mapping larger than the allocation (driver 580 says
+        // CUDA_ERROR_NOT_SUPPORTED; INVALID_VALUE is accepted too): then the sender announced more
+        // than it exported. Any other failure (out of memory, say) is passed on as it is.
+        use crate::driver::sys::CUresult;
         let mapping = va.map(0, &phys, 0, size).map_err(|e| match e {
-            Error::Driver { .. } => Error::Protocol(format!(
+            Error::Driver { code, .. } if code == CUresult::ERROR_NOT_SUPPORTED || code == CUresult::ERROR_INVALID_VALUE => Error::Protocol(format!(
                 "cannot map {size} bytes of the imported allocation ({e}): is the announced size larger than what was exported?"
             )),
             other => other,
