@@ -59,7 +59,7 @@ fn byte(s: &mut UnixStream) -> u8 {
 
 /// The other side of the multi-process tests.
 #[test]
-#[ignore = "needs a CUDA GPU"]
+#[ignore = "helper process of the multi-process tests (needs a CUDA GPU); does nothing when run alone"]
 fn ipc_child_helper() {
     let Some(role) = std::env::var_os(ROLE) else { return };
     let mut s = UnixStream::connect(std::env::var_os(SOCK).unwrap()).unwrap();
