@@ -23,6 +23,31 @@ device_copy!(u8, u16, u32, u64, u128, usize, i8, i16, i32, i64, i128, isize, f32
 // SAFETY: an array of plain data has no padding between elements and inherits their validity.
 unsafe impl<T: DeviceCopy, const N: usize> DeviceCopy for [T; N] {}
 
+/// The accessors both view types share.
+macro_rules! view_accessors {
+    () => {
+        /// The device address.
+        pub fn ptr(&self) -> CUdeviceptr {
+            self.ptr
+        }
+
+        /// Number of elements.
+        pub fn len(&self) -> usize {
+            self.len
+        }
+
+        /// Whether there are no elements.
+        pub fn is_empty(&self) -> bool {
+            self.len == 0
+        }
+
+        /// Length in bytes.
+        pub fn byte_len(&self) -> usize {
+            self.len * std::mem::size_of::<T>()
+        }
+    };
+}
+
 fn sub_range(len: usize, r: &Range<usize>) -> Result<()> {
     if r.start > r.end || r.end > len {
         return Err(Error::invalid(format!("range {r:?} is out of bounds for length {len}")));
@@ -58,25 +83,7 @@ impl<'a, T: DeviceCopy> DeviceSlice<'a, T> {
         DeviceSlice { ptr, len, _m: PhantomData }
     }
 
-    /// The device address.
-    pub fn ptr(&self) -> CUdeviceptr {
-        self.ptr
-    }
-
-    /// Number of elements.
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    /// Whether there are no elements.
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
-    /// Length in bytes.
-    pub fn byte_len(&self) -> usize {
-        self.len * std::mem::size_of::<T>()
-    }
+    view_accessors!();
 
     /// A sub-view; out-of-bounds ranges are errors.
     pub fn slice(&self, r: Range<usize>) -> Result<DeviceSlice<'a, T>> {
@@ -99,25 +106,7 @@ impl<'a, T: DeviceCopy> DeviceSliceMut<'a, T> {
         DeviceSliceMut { ptr, len, _m: PhantomData }
     }
 
-    /// The device address.
-    pub fn ptr(&self) -> CUdeviceptr {
-        self.ptr
-    }
-
-    /// Number of elements.
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    /// Whether there are no elements.
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
-    /// Length in bytes.
-    pub fn byte_len(&self) -> usize {
-        self.len * std::mem::size_of::<T>()
-    }
+    view_accessors!();
 
     /// A read-only view of the same memory.
     pub fn as_slice(&self) -> DeviceSlice<'_, T> {

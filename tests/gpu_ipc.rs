@@ -51,6 +51,16 @@ fn spawn(role: &str, path: &std::path::Path) -> Child {
         .unwrap()
 }
 
+/// Starts this binary as the other side in `role` and returns it with its connection; the socket
+/// file is gone once connected.
+fn child_on_socket(role: &str) -> (Child, UnixStream) {
+    let (l, path) = listener();
+    let child = spawn(role, &path);
+    let (s, _) = l.accept().unwrap();
+    let _ = std::fs::remove_file(path);
+    (child, s)
+}
+
 fn byte(s: &mut UnixStream) -> u8 {
     let mut b = [0u8];
     s.read_exact(&mut b).unwrap();
@@ -144,9 +154,7 @@ fn a_pattern_crosses_processes_both_ways() {
     let seed = 0x5eed_u32 ^ std::process::id();
     k.pattern_u32(&st, &mut a.as_mut_slice::<u32>(), 0, seed).unwrap();
     st.synchronize().unwrap();
-    let (l, path) = listener();
-    let mut child = spawn("importer", &path);
-    let (mut s, _) = l.accept().unwrap();
+    let (mut child, mut s) = child_on_socket("importer");
     assert_eq!(a.share(s.as_fd(), 0, a.len(), seed as u64).unwrap(), WireHandle::PosixFd);
     assert_eq!(byte(&mut s), 1);
     assert_eq!(
@@ -156,7 +164,6 @@ fn a_pattern_crosses_processes_both_ways() {
     );
     s.write_all(&[2]).unwrap();
     assert!(child.wait().unwrap().success());
-    let _ = std::fs::remove_file(path);
 }
 
 #[test]
@@ -166,9 +173,7 @@ fn the_importer_keeps_the_data_after_the_exporter_is_killed() {
     let ctx = ctx();
     let k = Kernels::load(&ctx).unwrap();
     let st = Stream::new(&ctx).unwrap();
-    let (l, path) = listener();
-    let mut child = spawn("exporter", &path);
-    let (mut s, _) = l.accept().unwrap();
+    let (mut child, mut s) = child_on_socket("exporter");
     let shm = SharedMemory::import(&ctx, recv(s.as_fd(), PeerPolicy::SameUid).unwrap(), &[]).unwrap();
     s.write_all(&[1]).unwrap();
     assert_eq!(byte(&mut s), 1);
@@ -181,7 +186,6 @@ fn the_importer_keeps_the_data_after_the_exporter_is_killed() {
     let mut host = vec![0u32; 16];
     shm.copy_to_host(4 * MIB, &mut host).unwrap();
     assert_eq!(host[0], cuvmm::kernels::pattern_value((MIB) as u64, 4242));
-    let _ = std::fs::remove_file(path);
 }
 
 #[test]
@@ -197,16 +201,13 @@ fn a_crashing_importer_leaves_the_exporter_unharmed_and_memory_comes_back() {
         let mut a = alloc.allocate(64 * MIB).unwrap();
         k.pattern_u32(&st, &mut a.as_mut_slice::<u32>(), 0, 77).unwrap();
         st.synchronize().unwrap();
-        let (l, path) = listener();
-        let mut child = spawn("crasher", &path);
-        let (mut s, _) = l.accept().unwrap();
+        let (mut child, mut s) = child_on_socket("crasher");
         a.share(s.as_fd(), 0, a.len(), 77).unwrap();
         assert_eq!(byte(&mut s), 1);
         assert!(!child.wait().unwrap().success(), "the importer aborted");
         // Still ours, still writable.
         k.pattern_u32(&st, &mut a.as_mut_slice::<u32>(), 0, 78).unwrap();
         assert_eq!(k.count_pattern_mismatches(&st, &a.as_slice::<u32>(), 0, 78).unwrap(), 0);
-        let _ = std::fs::remove_file(path);
     }
     let after = used(&ctx);
     assert!(after.abs_diff(baseline) <= 2 * MIB, "baseline {baseline}, after {after}");
@@ -221,9 +222,7 @@ fn an_exporter_killed_at_each_protocol_step_leaves_the_importer_working() {
     let st = Stream::new(&ctx).unwrap();
     let fds = open_fds();
     for step in 0..3 {
-        let (l, path) = listener();
-        let mut child = spawn(&format!("exporter-dies-at-{step}"), &path);
-        let (s, _) = l.accept().unwrap();
+        let (mut child, s) = child_on_socket(&format!("exporter-dies-at-{step}"));
         let r = recv(s.as_fd(), PeerPolicy::SameUid);
         assert!(!child.wait().unwrap().success());
         match (step, r) {
@@ -237,7 +236,6 @@ fn an_exporter_killed_at_each_protocol_step_leaves_the_importer_working() {
             (_, other) => panic!("step {step}: unexpected {:?}", other.map(|m| m.header)),
         }
         drop(s);
-        let _ = std::fs::remove_file(path);
         // This side still works.
         let mut b = cuvmm::DeviceBuffer::<u32>::new(&ctx, 1 << 20).unwrap();
         k.pattern_u32(&st, &mut b.as_mut_slice(), 0, step).unwrap();
@@ -260,9 +258,7 @@ fn an_importer_killed_at_each_protocol_step_leaves_the_exporter_working() {
         for step in 0..3u32 {
             k.pattern_u32(&st, &mut a.as_mut_slice::<u32>(), 0, 700 + step).unwrap();
             st.synchronize().unwrap();
-            let (l, path) = listener();
-            let mut child = spawn(&format!("importer-dies-at-{step}"), &path);
-            let (mut s, _) = l.accept().unwrap();
+            let (mut child, mut s) = child_on_socket(&format!("importer-dies-at-{step}"));
             // The importer may already be gone: sending then fails with a typed error, no signal.
             match a.share(s.as_fd(), 0, a.len(), 1) {
                 Ok(_) | Err(Error::Os { .. }) => {}
@@ -271,7 +267,6 @@ fn an_importer_killed_at_each_protocol_step_leaves_the_exporter_working() {
             let mut ack = [0u8];
             assert!(s.read_exact(&mut ack).is_err(), "a dead importer cannot acknowledge");
             assert!(!child.wait().unwrap().success());
-            let _ = std::fs::remove_file(path);
             // Our allocation is untouched and still ours.
             assert_eq!(k.count_pattern_mismatches(&st, &a.as_slice::<u32>(), 0, 700 + step).unwrap(), 0);
         }
