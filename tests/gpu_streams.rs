@@ -325,3 +325,35 @@ fn read_only_registration_follows_device_support() {
         assert!(matches!(r, Err(Error::Unsupported { .. })));
     }
 }
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn priorities_blocking_events_and_write_combined_memory_work() {
+    let ctx = ctx();
+    let (least, greatest) = Stream::priority_range(&ctx).unwrap();
+    assert!(greatest <= least, "greatest priority is numerically lowest: {greatest} vs {least}");
+    let hi = Stream::with_priority(&ctx, greatest).unwrap();
+    let lo = Stream::with_priority(&ctx, least).unwrap();
+    let blocking = Event::blocking(&ctx).unwrap();
+    let start = Event::new(&ctx).unwrap();
+    let data = fresh(1 << 20, 11);
+    let mut wc = PinnedBuffer::<u32>::with_flags(
+        &ctx,
+        data.len(),
+        PinnedFlags { write_combined: true, ..Default::default() },
+    )
+    .unwrap();
+    wc.copy_from_slice(&data); // write-combined memory: written by the host, read by the device
+    let mut dev = DeviceBuffer::<u32>::new(&ctx, data.len()).unwrap();
+    scope(|s| {
+        start.record(&lo)?;
+        s.copy_to_device(&hi, &wc, dev.as_mut_slice())?;
+        blocking.record(&hi)?;
+        Ok(())
+    })
+    .unwrap();
+    blocking.synchronize().unwrap();
+    assert!(blocking.is_complete().unwrap() && hi.is_idle().unwrap() && lo.is_idle().unwrap());
+    assert!(start.elapsed_ms(&blocking).unwrap() >= 0.0);
+    assert_eq!(dev.to_vec().unwrap(), data);
+}
