@@ -109,3 +109,10 @@ pub struct MemoryInfo {
     /// Total bytes.
     pub total: usize,
 }
+
+impl MemoryInfo {
+    /// Bytes in use: total minus free.
+    pub fn used(&self) -> usize {
+        self.total - self.free
+    }
+}

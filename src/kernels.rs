@@ -25,6 +25,13 @@ pub fn pattern_value(index: u64, seed: u32) -> u32 {
     x
 }
 
+/// Zeroes the 8-byte counter at `ptr` in `stream` order. Callers pass a live counter that
+/// outlives the stream's use of it (device owners synchronise before freeing).
+fn zero_u64(stream: &Stream, ptr: u64) -> Result<()> {
+    // SAFETY: `ptr` is 8 bytes (two 32-bit words) of live device memory, per the callers.
+    unsafe { crate::driver::driver()?.api().cuMemsetD32Async(ptr, 0, 2, stream.raw()) }
+}
+
 /// The loaded kernels of one context.
 pub struct Kernels {
     module: Module,
@@ -137,8 +144,7 @@ impl Kernels {
             return Err(Error::invalid("the checksum needs a one-element output"));
         }
         let o = out.ptr();
-        // SAFETY: `out` holds at least 8 bytes = two 32-bit words of live device memory.
-        unsafe { crate::driver::driver()?.api().cuMemsetD32Async(o, 0, 2, stream.raw()) }?;
+        zero_u64(stream, o)?;
         // 16-byte loads over the aligned bulk, 4-byte loads over the rest.
         let (mut p, mut n) = (src.ptr(), src.len() as u64);
         if p % 16 == 0 && n >= 4 {
@@ -156,9 +162,7 @@ impl Kernels {
     /// A device counter zeroed in stream order, so the kernel that follows on `stream` sees zero.
     fn counter(&self, stream: &Stream) -> Result<DeviceBuffer<u64>> {
         let out = DeviceBuffer::<u64>::new(self.module.context(), 1)?;
-        // SAFETY: the buffer holds 8 bytes = two 32-bit words and outlives the stream's use of it
-        // (its drop synchronises the context).
-        unsafe { crate::driver::driver()?.api().cuMemsetD32Async(out.ptr(), 0, 2, stream.raw()) }?;
+        zero_u64(stream, out.ptr())?;
         Ok(out)
     }
 

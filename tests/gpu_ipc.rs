@@ -28,8 +28,7 @@ fn open_fds() -> usize {
 }
 
 fn used(ctx: &Context) -> usize {
-    let m = ctx.memory_info().unwrap();
-    m.total - m.free
+    ctx.memory_info().unwrap().used()
 }
 
 fn listener() -> (UnixListener, std::path::PathBuf) {

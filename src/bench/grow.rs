@@ -76,8 +76,7 @@ impl GrowReport {
 }
 
 fn used(ctx: &Context) -> Result<usize> {
-    let m = ctx.memory_info()?;
-    Ok(m.total - m.free)
+    Ok(ctx.memory_info()?.used())
 }
 
 /// Appended bytes are written on the device with the same memset in both strategies.

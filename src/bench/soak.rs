@@ -21,8 +21,7 @@ pub struct SoakSample {
 }
 
 fn used(ctx: &Context) -> Result<i64> {
-    let m = ctx.memory_info()?;
-    Ok((m.total - m.free) as i64)
+    Ok(ctx.memory_info()?.used() as i64)
 }
 
 fn open_fds() -> Result<i64> {
