@@ -93,11 +93,14 @@ impl std::fmt::Debug for Context {
 
 impl Drop for Inner {
     fn drop(&mut self) {
-        if let Ok(d) = driver() {
-            // SAFETY: releases the one retain `Context::new` took. An error here (the driver being
-            // torn down at exit) leaves nothing this process can act on, so it is ignored.
-            let _ = unsafe { d.api().cuDevicePrimaryCtxRelease(self.device.raw()) };
-        }
+        let device = self.device;
+        crate::driver::callback::release(move || {
+            if let Ok(d) = driver() {
+                // SAFETY: releases the one retain `Context::new` took. An error here (the driver
+                // being torn down at exit) leaves nothing this process can act on.
+                let _ = unsafe { d.api().cuDevicePrimaryCtxRelease(device.raw()) };
+            }
+        });
     }
 }
 

@@ -73,6 +73,13 @@ pub enum Error {
     /// A message received from a peer was malformed or refused.
     #[error("protocol error: {0}")]
     Protocol(String),
+    /// A driver call was made from a stream host function, where CUDA forbids it (it may
+    /// deadlock). Nothing reached the driver; see [`crate::driver::callback`].
+    #[error("{call} was called from a stream host function, where CUDA forbids driver calls")]
+    InHostFunction {
+        /// The entry point or operation refused.
+        call: &'static str,
+    },
 }
 
 impl Error {

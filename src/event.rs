@@ -34,7 +34,7 @@ impl Event {
         Event::create(ctx, CU_EVENT_BLOCKING_SYNC)
     }
 
-    fn create(ctx: &Context, flags: u32) -> Result<Event> {
+    pub(crate) fn create(ctx: &Context, flags: u32) -> Result<Event> {
         ctx.bind()?;
         let mut raw: CUevent = std::ptr::null_mut();
         // SAFETY: out-pointer valid; flags are CU_EVENT_* values.
@@ -50,6 +50,13 @@ impl Event {
         self.ctx.bind()?;
         // SAFETY: both handles are live.
         unsafe { driver()?.api().cuEventRecord(self.raw, stream.raw()) }
+    }
+
+    /// Records on a stream of this event's context (the caller checks that).
+    pub(crate) fn record_on(&self, stream: &crate::stream::StreamInner) -> Result<()> {
+        self.ctx.bind()?;
+        // SAFETY: both handles are live.
+        unsafe { driver()?.api().cuEventRecord(self.raw, stream.raw) }
     }
 
     /// Blocks until the work before the last record has completed (at once if never recorded).
@@ -101,10 +108,14 @@ impl std::fmt::Debug for Event {
 
 impl Drop for Event {
     fn drop(&mut self) {
-        if let Ok(d) = driver() {
-            let _ = self.ctx.bind();
-            // SAFETY: destroyed once; the driver lets a pending record complete first.
-            let _ = unsafe { d.api().cuEventDestroy(self.raw) };
-        }
+        let (ctx, raw) = (self.ctx.clone(), crate::driver::callback::Handle(self.raw));
+        crate::driver::callback::release(move || {
+            let raw = raw;
+            if let Ok(d) = driver() {
+                let _ = ctx.bind();
+                // SAFETY: destroyed once; the driver lets a pending record complete first.
+                let _ = unsafe { d.api().cuEventDestroy(raw.0) };
+            }
+        });
     }
 }

@@ -47,12 +47,16 @@ impl Module {
 
 impl Drop for Module {
     fn drop(&mut self) {
-        if let Ok(d) = driver() {
-            // Kernels of this module may still be queued.
-            let _ = self.ctx.synchronize();
-            // SAFETY: unloaded once; nothing of it runs any more.
-            let _ = unsafe { d.api().cuModuleUnload(self.raw) };
-        }
+        let (ctx, raw) = (self.ctx.clone(), crate::driver::callback::Handle(self.raw));
+        crate::driver::callback::release(move || {
+            let raw = raw;
+            if let Ok(d) = driver() {
+                // Kernels of this module may still be queued.
+                let _ = ctx.synchronize();
+                // SAFETY: unloaded once; nothing of it runs any more.
+                let _ = unsafe { d.api().cuModuleUnload(raw.0) };
+            }
+        });
     }
 }
 

@@ -5,19 +5,31 @@ use crate::driver::{driver, sys::*};
 use crate::error::{Error, Result};
 use crate::event::Event;
 use std::ffi::c_void;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 
 /// A CUDA stream: work queued on it runs in order. Destroyed on drop; the driver lets queued work
 /// finish first.
 pub struct Stream {
-    ctx: Context,
-    raw: CUstream,
+    inner: Arc<StreamInner>,
 }
 
-// SAFETY: a stream handle may be used from any thread (the driver API is thread-safe and this type
-// makes its context current before each call); `raw` is never dereferenced here.
-unsafe impl Send for Stream {}
+/// The stream itself, shared with the access records of memory it used (see [`crate::order`]),
+/// which may still need to record an event on it after the `Stream` is dropped.
+pub(crate) struct StreamInner {
+    pub(crate) ctx: Context,
+    pub(crate) raw: CUstream,
+    /// Unique for the life of the process: raw handles are reused after a stream is destroyed.
+    pub(crate) id: u64,
+}
+
+// SAFETY: a stream handle may be used from any thread (the driver API is thread-safe and every
+// user makes the context current before each call); `raw` is never dereferenced here.
+unsafe impl Send for StreamInner {}
 // SAFETY: as above; shared use only enqueues work or queries, which the driver serialises.
-unsafe impl Sync for Stream {}
+unsafe impl Sync for StreamInner {}
+
+static NEXT_ID: AtomicU64 = AtomicU64::new(1);
 
 impl Stream {
     /// A stream that synchronises with the legacy default stream.
@@ -55,21 +67,22 @@ impl Stream {
             // SAFETY: as above.
             None => unsafe { api.cuStreamCreate(&mut raw, flags) }?,
         }
-        Ok(Stream { ctx: ctx.clone(), raw })
+        let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
+        Ok(Stream { inner: Arc::new(StreamInner { ctx: ctx.clone(), raw, id }) })
     }
 
     /// Blocks until all queued work is done.
     pub fn synchronize(&self) -> Result<()> {
-        self.ctx.bind()?;
+        self.inner.ctx.bind()?;
         // SAFETY: the stream is live while self is.
-        unsafe { driver()?.api().cuStreamSynchronize(self.raw) }
+        unsafe { driver()?.api().cuStreamSynchronize(self.inner.raw) }
     }
 
     /// Whether all queued work is done, without blocking.
     pub fn is_idle(&self) -> Result<bool> {
-        self.ctx.bind()?;
+        self.inner.ctx.bind()?;
         // SAFETY: the stream is live while self is.
-        match unsafe { driver()?.api().cuStreamQuery(self.raw) } {
+        match unsafe { driver()?.api().cuStreamQuery(self.inner.raw) } {
             Ok(()) => Ok(true),
             Err(e) if e.is_code(CUresult::ERROR_NOT_READY) => Ok(false),
             Err(e) => Err(e),
@@ -78,21 +91,26 @@ impl Stream {
 
     /// Makes work queued on this stream from now on wait until `event`'s recorded work completes.
     pub fn wait_event(&self, event: &Event) -> Result<()> {
-        if !event.context().same_as(&self.ctx) {
+        if !event.context().same_as(&self.inner.ctx) {
             return Err(Error::invalid("the event belongs to another context than the stream"));
         }
-        self.ctx.bind()?;
+        self.inner.ctx.bind()?;
         // SAFETY: both handles are live; flags must be 0.
-        unsafe { driver()?.api().cuStreamWaitEvent(self.raw, event.raw(), 0) }
+        unsafe { driver()?.api().cuStreamWaitEvent(self.inner.raw, event.raw(), 0) }
     }
 
     /// Queues `f` to run on a driver thread once all work queued before it has completed.
     ///
     /// `f` runs exactly once, in stream order, and is dropped after it runs, also when the stream
     /// is dropped first (the driver finishes a destroyed stream's queue). If queuing fails, `f` is
-    /// dropped without running. `f` must not call CUDA: the driver forbids API calls from host
-    /// functions (they may deadlock). A panic in `f` is caught and printed; it does not unwind into
-    /// the driver.
+    /// dropped without running: the driver queues nothing when `cuLaunchHostFunc` returns an
+    /// error, so the closure is still cuvmm's to drop. A panic in `f` is caught and printed; it
+    /// does not unwind into the driver.
+    ///
+    /// CUDA forbids driver calls inside `f` (they may deadlock). cuvmm makes that harmless: every
+    /// cuvmm call that would reach the driver returns [`Error::InHostFunction`] there, and cuvmm
+    /// values dropped inside `f` (a buffer it captured, say) are released on a thread of cuvmm's
+    /// own right after; see [`crate::driver::callback`].
     pub fn launch_host_fn<F: FnOnce() + Send + 'static>(&self, f: F) -> Result<()> {
         // SAFETY: `F: 'static` outlives anything the driver can do with it.
         unsafe { self.launch_host_fn_unchecked(f) }
@@ -105,6 +123,9 @@ impl Stream {
     /// (or a later event on it) before those borrows end.
     pub(crate) unsafe fn launch_host_fn_unchecked<F: FnOnce() + Send>(&self, f: F) -> Result<()> {
         unsafe extern "C" fn trampoline<F: FnOnce()>(data: *mut c_void) {
+            // Driver calls made by `f`, or by destructors of what it captured, are refused or
+            // deferred while this guard lives.
+            let _guard = crate::driver::callback::HostFnGuard::enter();
             // SAFETY: `data` is the Box<F> leaked below, handed to the driver once and run once.
             let f = unsafe { Box::from_raw(data.cast::<F>()) };
             if let Err(p) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
@@ -113,10 +134,10 @@ impl Stream {
                 eprintln!("cuvmm: a stream host function panicked: {}", msg.unwrap_or("(no message)"));
             }
         }
-        self.ctx.bind()?;
+        self.inner.ctx.bind()?;
         let data = Box::into_raw(Box::new(f)).cast::<c_void>();
         // SAFETY: the trampoline matches CUhostFn and takes ownership of `data` when it runs.
-        let r = unsafe { driver()?.api().cuLaunchHostFunc(self.raw, Some(trampoline::<F>), data) };
+        let r = unsafe { driver()?.api().cuLaunchHostFunc(self.inner.raw, Some(trampoline::<F>), data) };
         if r.is_err() {
             // SAFETY: the driver refused it, so it will never run: the box is still ours.
             drop(unsafe { Box::from_raw(data.cast::<F>()) });
@@ -126,27 +147,36 @@ impl Stream {
 
     /// The driver's handle.
     pub fn raw(&self) -> CUstream {
-        self.raw
+        self.inner.raw
     }
 
     /// The stream's context.
     pub fn context(&self) -> &Context {
-        &self.ctx
+        &self.inner.ctx
+    }
+
+    /// A number that names this stream for the life of the process (raw handles are reused).
+    pub fn id(&self) -> u64 {
+        self.inner.id
+    }
+
+    pub(crate) fn inner(&self) -> &Arc<StreamInner> {
+        &self.inner
     }
 }
 
 impl std::fmt::Debug for Stream {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Stream").field("raw", &self.raw).finish()
+        f.debug_struct("Stream").field("raw", &self.inner.raw).finish()
     }
 }
 
 impl Drop for Stream {
     fn drop(&mut self) {
         if let Ok(d) = driver() {
-            let _ = self.ctx.bind();
+            let _ = self.inner.ctx.bind();
             // SAFETY: destroyed once; the driver defers the release until queued work completes.
-            let _ = unsafe { d.api().cuStreamDestroy(self.raw) };
+            let _ = unsafe { d.api().cuStreamDestroy(self.inner.raw) };
         }
     }
 }

@@ -41,6 +41,9 @@ macro_rules! entry_points {
                 /// The arguments must meet the driver's contract for this call: pointers valid for
                 /// what the call reads or writes, handles live, sizes within their allocations.
                 pub unsafe fn $name(&self, $($arg: $ty),*) -> Result<()> {
+                    if super::callback::in_host_function() {
+                        return Err(super::callback::refuse(stringify!($name)));
+                    }
                     let Some(f) = self.$name else {
                         return Err(self.unavailable(stringify!($name), $ver));
                     };

@@ -80,7 +80,13 @@ static GLOBAL: OnceLock<Result<Driver>> = OnceLock::new();
 ///
 /// The outcome, success or failure, is kept: with no driver every later call returns the same
 /// [`Error::DriverNotFound`] without trying again.
+///
+/// Inside a stream host function it returns [`Error::InHostFunction`]: CUDA forbids driver calls
+/// there (see [`callback`](super::callback)).
 pub fn driver() -> Result<&'static Driver> {
+    if super::callback::in_host_function() {
+        return Err(super::callback::refuse("the CUDA driver"));
+    }
     GLOBAL.get_or_init(Driver::load_default).as_ref().map_err(Clone::clone)
 }
 

@@ -11,6 +11,7 @@
 //! [`Result`]: crate::Result
 
 mod api;
+pub mod callback;
 mod loader;
 pub mod sys;
 

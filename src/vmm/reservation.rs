@@ -266,11 +266,15 @@ impl std::fmt::Debug for Reservation {
 
 impl Drop for ResInner {
     fn drop(&mut self) {
-        if let Ok(d) = driver() {
-            let _ = self.ctx.bind();
-            // SAFETY: every mapping holds a clone of the reservation, so none is left; the range is ours.
-            let _ = unsafe { d.api().cuMemAddressFree(self.base, self.size) };
-        }
+        let (ctx, base, size) = (self.ctx.clone(), self.base, self.size);
+        crate::driver::callback::release(move || {
+            if let Ok(d) = driver() {
+                let _ = ctx.bind();
+                // SAFETY: every mapping holds a clone of the reservation, so none is left; the
+                // range is ours.
+                let _ = unsafe { d.api().cuMemAddressFree(base, size) };
+            }
+        });
     }
 }
 
@@ -337,14 +341,19 @@ impl std::fmt::Debug for Mapping {
 
 impl Drop for Mapping {
     fn drop(&mut self) {
-        // Work still queued on any device may use these addresses: unmapping under it would fault
-        // the context. Unlike cuMemFree, cuMemUnmap does not wait for it.
-        self.res.synchronize_users();
-        if let Ok(d) = driver() {
-            let _ = self.res.inner.ctx.bind();
-            // SAFETY: this range was mapped by `Reservation::map` and is unmapped once, here.
-            let _ = unsafe { d.api().cuMemUnmap(self.ptr(), self.len) };
-        }
-        lock(&self.res.inner.mapped).remove(&self.offset);
+        // The physical memory stays alive (and mapped) until the release below has run.
+        let (res, phys, offset, len) = (self.res.clone(), self.phys.clone(), self.offset, self.len);
+        crate::driver::callback::release(move || {
+            // Work still queued on any device may use these addresses: unmapping under it would
+            // fault the context. Unlike cuMemFree, cuMemUnmap does not wait for it.
+            res.synchronize_users();
+            if let Ok(d) = driver() {
+                let _ = res.inner.ctx.bind();
+                // SAFETY: this range was mapped by `Reservation::map` and is unmapped once, here.
+                let _ = unsafe { d.api().cuMemUnmap(res.base() + offset as u64, len) };
+            }
+            lock(&res.inner.mapped).remove(&offset);
+            drop(phys);
+        });
     }
 }
