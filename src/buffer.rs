@@ -4,6 +4,7 @@
 use crate::context::Context;
 use crate::driver::{driver, sys::CUdeviceptr};
 use crate::error::{Error, Result};
+use crate::order::{Tracker, Use};
 use crate::view::{DeviceCopy, DeviceSlice, DeviceSliceMut};
 use crate::vmm::bytes_for;
 use std::marker::PhantomData;
@@ -13,6 +14,7 @@ pub struct DeviceBuffer<T: DeviceCopy> {
     ctx: Context,
     ptr: CUdeviceptr,
     len: usize,
+    order: Tracker,
     _t: PhantomData<T>,
 }
 
@@ -27,7 +29,7 @@ impl<T: DeviceCopy> DeviceBuffer<T> {
         let mut ptr = 0;
         // SAFETY: out-pointer valid; bytes > 0.
         unsafe { driver()?.api().cuMemAlloc(&mut ptr, bytes) }?;
-        Ok(DeviceBuffer { ctx: ctx.clone(), ptr, len, _t: PhantomData })
+        Ok(DeviceBuffer { ctx: ctx.clone(), ptr, len, order: Tracker::new(), _t: PhantomData })
     }
 
     /// A buffer holding a copy of `data`.
@@ -39,16 +41,18 @@ impl<T: DeviceCopy> DeviceBuffer<T> {
 
     /// Copies `data` in; lengths must match.
     pub fn copy_from_host(&mut self, data: &[T]) -> Result<()> {
-        crate::copy::htod(&self.ctx, self.ptr, data, self.len)
+        let ctx = self.ctx.clone();
+        crate::copy::to_device(&ctx, &mut self.as_mut_slice(), data)
     }
 
     /// Copies everything out into `out`; lengths must match.
     pub fn copy_to_host(&self, out: &mut [T]) -> Result<()> {
-        crate::copy::dtoh(&self.ctx, out, self.ptr, self.len)
+        crate::copy::to_host(&self.ctx, out, &self.as_slice())
     }
 
     /// Copies everything out.
     pub fn to_vec(&self) -> Result<Vec<T>> {
+        self.as_slice().host(Use::Read)?;
         crate::copy::dtoh_vec(&self.ctx, self.ptr, self.len)
     }
 
@@ -70,13 +74,13 @@ impl<T: DeviceCopy> DeviceBuffer<T> {
     /// A read-only view.
     pub fn as_slice(&self) -> DeviceSlice<'_, T> {
         // SAFETY: the allocation holds `len` elements and lives as long as the borrow.
-        unsafe { DeviceSlice::from_raw_parts(self.ptr, self.len) }
+        unsafe { DeviceSlice::tracked(self.ptr, self.len, &self.order) }
     }
 
     /// A writable view.
     pub fn as_mut_slice(&mut self) -> DeviceSliceMut<'_, T> {
         // SAFETY: as above, and `&mut self` makes it the only writable view.
-        unsafe { DeviceSliceMut::from_raw_parts(self.ptr, self.len) }
+        unsafe { DeviceSliceMut::tracked(self.ptr, self.len, &self.order) }
     }
 
     /// The buffer's context.
@@ -87,10 +91,16 @@ impl<T: DeviceCopy> DeviceBuffer<T> {
 
 impl<T: DeviceCopy> Drop for DeviceBuffer<T> {
     fn drop(&mut self) {
-        if let Ok(d) = driver() {
-            let _ = self.ctx.synchronize();
-            // SAFETY: allocated by cuMemAlloc in `new`, freed once, no work queued on it any more.
-            let _ = unsafe { d.api().cuMemFree(self.ptr) };
-        }
+        let (ctx, ptr, pending) = (self.ctx.clone(), self.ptr, self.order.take());
+        crate::driver::callback::release(move || {
+            if let Ok(d) = driver() {
+                // Streams of other contexts (peers) that used it, then this context's.
+                pending.wait();
+                let _ = ctx.synchronize();
+                // SAFETY: allocated by cuMemAlloc in `new`, freed once, no work queued on it any
+                // more.
+                let _ = unsafe { d.api().cuMemFree(ptr) };
+            }
+        });
     }
 }

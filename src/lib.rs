@@ -32,6 +32,7 @@ pub mod faults;
 pub mod ipc;
 pub mod kernels;
 pub mod module;
+pub mod order;
 pub mod pinned;
 pub mod scope;
 pub mod staging;

@@ -32,6 +32,16 @@
 //! (the source is then free again, though the call may take as long as the transfer), and a copy to
 //! pageable host memory returns only when it is complete. Both are correct inside a scope; only
 //! pinned or registered memory overlaps with other work.
+//!
+//! # When synchronisation fails
+//! The borrows may end only once every copy is known to be finished. If synchronising a stream
+//! fails when the scope ends (a kernel faulted, the device was lost, a driver call failed), cuvmm
+//! cannot confirm that: the DMA engine may still be writing into, or reading from, host memory
+//! that would go back to the caller and be reused. So the process prints one line naming the
+//! error and aborts, as `std` does when a thread-scope guarantee cannot be kept. Errors of the
+//! scope's own calls (an invalid argument, a failed enqueue) are returned as usual; only the
+//! final confirmation is fatal. Inside a stream host function, where no driver call can have
+//! queued anything, the error is returned instead.
 
 use crate::driver::{driver, sys::CUstream};
 use crate::error::{Error, Result};
@@ -72,26 +82,46 @@ pub fn scope<'a, R>(f: impl FnOnce(&Scope<'a>) -> Result<R>) -> Result<R> {
     impl Drop for SyncOnDrop<'_, '_> {
         fn drop(&mut self) {
             // Reached only when `f` panicked: the copies must still finish before borrows end.
-            for s in self.0.streams.borrow().iter() {
-                let _ = s.synchronize();
-            }
+            let _ = self.0.finish();
         }
     }
     let scope = Scope { streams: RefCell::new(Vec::new()), _invariant: PhantomData };
     let guard = SyncOnDrop(&scope);
     let r = f(&scope);
     std::mem::forget(guard);
-    let mut first_err = None;
-    for s in scope.streams.borrow().iter() {
-        if let Err(e) = s.synchronize() {
-            first_err.get_or_insert(e);
+    scope.finish()?;
+    r
+}
+
+impl Scope<'_> {
+    /// Synchronises every stream used, aborting when completion cannot be confirmed (see the
+    /// module documentation).
+    fn finish(&self) -> Result<()> {
+        for s in self.streams.borrow().iter() {
+            confirm(s)?;
         }
+        Ok(())
     }
-    match (r, first_err) {
-        (Err(e), _) => Err(e),
-        (Ok(_), Some(e)) => Err(e),
-        (Ok(v), None) => Ok(v),
+}
+
+/// Synchronises `stream`, whose queued copies use host memory about to be handed back; aborts
+/// when completion cannot be confirmed (see the module documentation).
+pub(crate) fn confirm(stream: &Stream) -> Result<()> {
+    match stream.synchronize() {
+        Ok(()) => Ok(()),
+        Err(e) if crate::driver::callback::in_host_function() => Err(e),
+        Err(e) => unconfirmed(&e),
     }
+}
+
+/// Ends the process: returning would hand back host memory a copy may still be using.
+#[cold]
+fn unconfirmed(e: &Error) -> ! {
+    eprintln!(
+        "cuvmm: cannot confirm that asynchronous copies of borrowed host memory have finished \
+         ({e}); aborting rather than returning memory the device may still use"
+    );
+    std::process::abort()
 }
 
 fn same_len(host: usize, device: usize) -> Result<()> {
@@ -138,8 +168,10 @@ impl<'a> Scope<'a> {
         &self,
         stream: &'a Stream,
         src: &'a [T],
-        dst: DeviceSliceMut<'_, T>,
+        mut dst: DeviceSliceMut<'_, T>,
     ) -> Result<()> {
+        same_len(src.len(), dst.len())?;
+        dst.prepare_write(stream)?;
         let Some(raw) = self.prepare(stream, src.len(), dst.len())? else { return Ok(()) };
         // SAFETY: `src` stays borrowed (unchangeable, unfreeable) until the scope synchronises
         // `stream`; `dst` holds as many bytes.
@@ -156,6 +188,8 @@ impl<'a> Scope<'a> {
         src: DeviceSlice<'_, T>,
         dst: &'a mut [T],
     ) -> Result<Landing<'a, T>> {
+        same_len(dst.len(), src.len())?;
+        src.prepare_read(stream)?;
         if let Some(raw) = self.prepare(stream, dst.len(), src.len())? {
             // SAFETY: `dst` stays borrowed mutably (no other access) until the copy has landed;
             // T: DeviceCopy makes any bytes written a valid T.
@@ -176,15 +210,19 @@ impl<'a> Scope<'a> {
         &self,
         stream: &'a Stream,
         src: DeviceSlice<'_, T>,
-        dst: DeviceSliceMut<'_, T>,
+        mut dst: DeviceSliceMut<'_, T>,
     ) -> Result<()> {
+        same_len(src.len(), dst.len())?;
+        src.prepare_read(stream)?;
+        dst.prepare_write(stream)?;
         let Some(raw) = self.prepare(stream, src.len(), dst.len())? else { return Ok(()) };
         // SAFETY: both ranges are live device memory of the lengths checked above.
         unsafe { driver()?.api().cuMemcpyDtoDAsync(dst.ptr(), src.ptr(), src.byte_len(), raw) }
     }
 
     /// Queues `dst[i] = value` on `stream`.
-    pub fn fill_u32(&self, stream: &'a Stream, dst: DeviceSliceMut<'_, u32>, value: u32) -> Result<()> {
+    pub fn fill_u32(&self, stream: &'a Stream, mut dst: DeviceSliceMut<'_, u32>, value: u32) -> Result<()> {
+        dst.prepare_write(stream)?;
         stream.context().bind()?;
         let raw = self.using(stream);
         // SAFETY: `dst` is live device memory of `len` u32s.
@@ -192,7 +230,8 @@ impl<'a> Scope<'a> {
     }
 
     /// Queues `dst[i] = value` on `stream`, bytewise.
-    pub fn fill_u8(&self, stream: &'a Stream, dst: DeviceSliceMut<'_, u8>, value: u8) -> Result<()> {
+    pub fn fill_u8(&self, stream: &'a Stream, mut dst: DeviceSliceMut<'_, u8>, value: u8) -> Result<()> {
+        dst.prepare_write(stream)?;
         stream.context().bind()?;
         let raw = self.using(stream);
         // SAFETY: `dst` is live device memory of `len` bytes.

@@ -149,6 +149,8 @@ impl Staging {
         if bytes == 0 {
             return Ok(());
         }
+        let mut dst = dst;
+        dst.prepare_write(stream)?;
         let (k, chunk) = (self.slots.len(), self.chunk);
         let n = bytes.div_ceil(chunk);
         // Shared with host functions, which may in principle outlive this call: reference-counted.
@@ -209,7 +211,7 @@ impl Staging {
             }
         });
         // Whatever happened, no DMA may still read the slots when this returns.
-        let synced = stream.synchronize();
+        let synced = crate::scope::confirm(stream);
         shared.outcome(synced)
     }
 
@@ -231,6 +233,7 @@ impl Staging {
         if bytes == 0 {
             return Ok(());
         }
+        src.prepare_read(stream)?;
         let (k, chunk) = (self.slots.len(), self.chunk);
         let n = bytes.div_ceil(chunk);
         let shared = Shared::new(k, n);
@@ -294,7 +297,7 @@ impl Staging {
                 shared.fail(e);
             }
         });
-        let synced = stream.synchronize();
+        let synced = crate::scope::confirm(stream);
         shared.outcome(synced)
     }
 }

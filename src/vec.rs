@@ -4,6 +4,7 @@
 use crate::context::Context;
 use crate::driver::{driver, sys::CUdeviceptr};
 use crate::error::{Error, Result};
+use crate::order::{Tracker, Use};
 use crate::view::{DeviceCopy, DeviceSlice, DeviceSliceMut};
 use crate::vmm::{
     bytes_for, Access, ChunkPolicy, HandleTypes, Location, Mapping, PhysicalBuilder, PhysicalMemory,
@@ -149,6 +150,8 @@ impl RawVmm {
 pub struct VmmVec<T: DeviceCopy> {
     raw: RawVmm,
     len: usize,
+    /// Streams that used the elements (see [`crate::order`]).
+    order: Tracker,
     _t: PhantomData<T>,
 }
 
@@ -194,7 +197,12 @@ impl<T: DeviceCopy> VmmVecBuilder<T> {
             Some(r) => r,
             None => self.phys.context().device().total_memory()?,
         };
-        Ok(VmmVec { raw: RawVmm::new(self.phys, self.policy, reserve)?, len: 0, _t: PhantomData })
+        Ok(VmmVec {
+            raw: RawVmm::new(self.phys, self.policy, reserve)?,
+            len: 0,
+            order: Tracker::new(),
+            _t: PhantomData,
+        })
     }
 }
 
@@ -269,7 +277,21 @@ impl<T: DeviceCopy> VmmVec<T> {
             .len
             .checked_add(additional)
             .ok_or_else(|| Error::invalid(format!("{} + {additional} elements overflow usize", self.len)))?;
-        self.raw.grow_to(bytes_for(want, Self::elem())?)
+        let base = self.raw.base();
+        self.raw.grow_to(bytes_for(want, Self::elem())?)?;
+        if self.raw.base() != base {
+            // The old mappings were dropped, which waited for all work on them: the record
+            // speaks of addresses that no longer exist.
+            self.order.clear();
+        }
+        Ok(())
+    }
+
+    /// Waits on the host for other streams' conflicting work on elements `[start, start+count)`
+    /// (mapped memory past `len` included), before a synchronous access.
+    fn host(&self, start: usize, count: usize, access: Use) -> Result<()> {
+        let (a, b) = (self.addr(start), self.addr(start + count));
+        self.order.host_access(a, b, access)
     }
 
     /// Appends one element.
@@ -283,6 +305,7 @@ impl<T: DeviceCopy> VmmVec<T> {
             return Ok(());
         }
         self.reserve(data.len())?;
+        self.host(self.len, data.len(), Use::Write)?;
         crate::copy::htod(self.ctx(), self.addr(self.len), data, data.len())?;
         self.len += data.len();
         Ok(())
@@ -302,6 +325,7 @@ impl<T: DeviceCopy> VmmVec<T> {
 
     /// Writes `count` copies of `value` from element `start` (mapped memory past `len` included).
     fn fill(&self, start: usize, count: usize, value: T) -> Result<()> {
+        self.host(start, count, Use::Write)?;
         let api = driver()?.api();
         self.ctx().bind()?;
         let dst = self.addr(start);
@@ -349,13 +373,13 @@ impl<T: DeviceCopy> VmmVec<T> {
     pub fn as_slice(&self) -> DeviceSlice<'_, T> {
         // SAFETY: the first `len` elements are mapped and readable by the owning device while the
         // borrow of self lasts.
-        unsafe { DeviceSlice::from_raw_parts(self.raw.base(), self.len) }
+        unsafe { DeviceSlice::tracked(self.raw.base(), self.len, &self.order) }
     }
 
     /// A writable view of the elements.
     pub fn as_mut_slice(&mut self) -> DeviceSliceMut<'_, T> {
         // SAFETY: as above; `&mut self` makes it the only writable view.
-        unsafe { DeviceSliceMut::from_raw_parts(self.raw.base(), self.len) }
+        unsafe { DeviceSliceMut::tracked(self.raw.base(), self.len, &self.order) }
     }
 
     /// Copies `range` of the elements into `out` (lengths must match).
@@ -363,11 +387,20 @@ impl<T: DeviceCopy> VmmVec<T> {
         if range.start > range.end || range.end > self.len {
             return Err(Error::invalid(format!("range {range:?} is out of bounds for length {}", self.len)));
         }
+        if out.len() != range.len() {
+            return Err(Error::invalid(format!(
+                "copy to host: host slice has {} elements, range {range:?} {}",
+                out.len(),
+                range.len()
+            )));
+        }
+        self.host(range.start, range.len(), Use::Read)?;
         crate::copy::dtoh(self.ctx(), out, self.addr(range.start), range.len())
     }
 
     /// Copies every element into a new host vector.
     pub fn to_vec(&self) -> Result<Vec<T>> {
+        self.host(0, self.len, Use::Read)?;
         crate::copy::dtoh_vec(self.ctx(), self.raw.base(), self.len)
     }
 
@@ -376,6 +409,7 @@ impl<T: DeviceCopy> VmmVec<T> {
         if index >= self.len {
             return Ok(None);
         }
+        self.host(index, 1, Use::Read)?;
         Ok(Some(crate::copy::dtoh_vec(self.ctx(), self.addr(index), 1)?[0]))
     }
 }

@@ -2,6 +2,8 @@
 
 use crate::driver::sys::CUdeviceptr;
 use crate::error::{Error, Result};
+use crate::order::{Tracker, Use};
+use crate::stream::Stream;
 use std::marker::PhantomData;
 use std::ops::Range;
 
@@ -45,6 +47,34 @@ macro_rules! view_accessors {
         pub fn byte_len(&self) -> usize {
             self.len * std::mem::size_of::<T>()
         }
+
+        /// Makes `stream` wait for the work other streams queued through cuvmm that wrote this
+        /// memory, and records a read on `stream`: call it before queuing your own kernel or copy
+        /// that reads the view on `stream` (cuvmm's own operations do it themselves). Views made
+        /// with `from_raw_parts` carry no record and return at once. See [`crate::order`].
+        pub fn prepare_read(&self, stream: &Stream) -> Result<()> {
+            self.order_on(stream, Use::Read)
+        }
+
+        fn order_on(&self, stream: &Stream, access: Use) -> Result<()> {
+            match self.order {
+                Some(t) => t.device_access(stream, self.ptr, self.end(), access),
+                None => Ok(()),
+            }
+        }
+
+        /// Waits on the host for the conflicting work of other streams, before a synchronous
+        /// access.
+        pub(crate) fn host(&self, access: Use) -> Result<()> {
+            match self.order {
+                Some(t) => t.host_access(self.ptr, self.end(), access),
+                None => Ok(()),
+            }
+        }
+
+        fn end(&self) -> u64 {
+            self.ptr + self.byte_len() as u64
+        }
     };
 }
 
@@ -62,6 +92,7 @@ fn sub_range(len: usize, r: &Range<usize>) -> Result<()> {
 pub struct DeviceSlice<'a, T> {
     ptr: CUdeviceptr,
     len: usize,
+    order: Option<&'a Tracker>,
     _m: PhantomData<&'a [T]>,
 }
 
@@ -70,17 +101,28 @@ pub struct DeviceSlice<'a, T> {
 pub struct DeviceSliceMut<'a, T> {
     ptr: CUdeviceptr,
     len: usize,
+    order: Option<&'a Tracker>,
     _m: PhantomData<&'a mut [T]>,
 }
 
 impl<'a, T: DeviceCopy> DeviceSlice<'a, T> {
-    /// A view of `len` elements at `ptr`.
+    /// A view of `len` elements at `ptr`, with no record of the streams that use it.
     ///
     /// # Safety
     /// `ptr` must be device memory, accessible from the context it will be used in, valid for `len`
-    /// elements for all of `'a`.
+    /// elements for all of `'a`, and stay valid until device work queued through the view has
+    /// finished. The view carries no cross-stream record: the caller orders work on different
+    /// streams that touches this memory (see [`crate::order`]).
     pub unsafe fn from_raw_parts(ptr: CUdeviceptr, len: usize) -> Self {
-        DeviceSlice { ptr, len, _m: PhantomData }
+        DeviceSlice { ptr, len, order: None, _m: PhantomData }
+    }
+
+    /// A view whose uses are recorded in `order`, the record of the memory's owner.
+    ///
+    /// # Safety
+    /// As [`from_raw_parts`](Self::from_raw_parts), except that the ordering is `order`'s job.
+    pub(crate) unsafe fn tracked(ptr: CUdeviceptr, len: usize, order: &'a Tracker) -> Self {
+        DeviceSlice { ptr, len, order: Some(order), _m: PhantomData }
     }
 
     view_accessors!();
@@ -91,6 +133,7 @@ impl<'a, T: DeviceCopy> DeviceSlice<'a, T> {
         Ok(DeviceSlice {
             ptr: self.ptr + (r.start * std::mem::size_of::<T>()) as u64,
             len: r.len(),
+            order: self.order,
             _m: PhantomData,
         })
     }
@@ -103,19 +146,33 @@ impl<'a, T: DeviceCopy> DeviceSliceMut<'a, T> {
     /// As [`DeviceSlice::from_raw_parts`], and nothing else may use the memory as a `DeviceSliceMut`
     /// at the same time.
     pub unsafe fn from_raw_parts(ptr: CUdeviceptr, len: usize) -> Self {
-        DeviceSliceMut { ptr, len, _m: PhantomData }
+        DeviceSliceMut { ptr, len, order: None, _m: PhantomData }
+    }
+
+    /// A writable view whose uses are recorded in `order`.
+    ///
+    /// # Safety
+    /// As [`from_raw_parts`](Self::from_raw_parts), except that the ordering is `order`'s job.
+    pub(crate) unsafe fn tracked(ptr: CUdeviceptr, len: usize, order: &'a Tracker) -> Self {
+        DeviceSliceMut { ptr, len, order: Some(order), _m: PhantomData }
     }
 
     view_accessors!();
 
+    /// Like [`prepare_read`](Self::prepare_read), for work that writes the view on `stream`: it
+    /// waits for earlier reads and writes on other streams.
+    pub fn prepare_write(&mut self, stream: &Stream) -> Result<()> {
+        self.order_on(stream, Use::Write)
+    }
+
     /// A read-only view of the same memory.
     pub fn as_slice(&self) -> DeviceSlice<'_, T> {
-        DeviceSlice { ptr: self.ptr, len: self.len, _m: PhantomData }
+        DeviceSlice { ptr: self.ptr, len: self.len, order: self.order, _m: PhantomData }
     }
 
     /// Reborrows for a shorter time.
     pub fn reborrow(&mut self) -> DeviceSliceMut<'_, T> {
-        DeviceSliceMut { ptr: self.ptr, len: self.len, _m: PhantomData }
+        DeviceSliceMut { ptr: self.ptr, len: self.len, order: self.order, _m: PhantomData }
     }
 
     /// A writable sub-view; out-of-bounds ranges are errors.
@@ -124,6 +181,7 @@ impl<'a, T: DeviceCopy> DeviceSliceMut<'a, T> {
         Ok(DeviceSliceMut {
             ptr: self.ptr + (r.start * std::mem::size_of::<T>()) as u64,
             len: r.len(),
+            order: self.order,
             _m: PhantomData,
         })
     }
@@ -133,8 +191,8 @@ impl<'a, T: DeviceCopy> DeviceSliceMut<'a, T> {
         sub_range(self.len, &(0..mid))?;
         let tail = self.ptr + (mid * std::mem::size_of::<T>()) as u64;
         Ok((
-            DeviceSliceMut { ptr: self.ptr, len: mid, _m: PhantomData },
-            DeviceSliceMut { ptr: tail, len: self.len - mid, _m: PhantomData },
+            DeviceSliceMut { ptr: self.ptr, len: mid, order: self.order, _m: PhantomData },
+            DeviceSliceMut { ptr: tail, len: self.len - mid, order: self.order, _m: PhantomData },
         ))
     }
 }

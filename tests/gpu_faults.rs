@@ -197,3 +197,81 @@ fn every_vmm_type_stays_consistent_and_leaks_nothing_when_a_driver_call_fails() 
     assert!(after.abs_diff(baseline) <= 2 * MIB, "memory: baseline {baseline}, after {after}");
     assert_eq!(open_fds(), fds, "an fd leaked");
 }
+
+const CHILD: &str = "CUVMM_FAULTS_CHILD";
+
+/// The child of the scope test: a scope whose final synchronisation fails. Must not return.
+#[test]
+#[ignore = "helper process of scope_aborts_when_completion_cannot_be_confirmed; does nothing alone"]
+fn scope_child_helper() {
+    if std::env::var_os(CHILD).is_none() {
+        return;
+    }
+    let ctx = Context::for_ordinal(0).unwrap();
+    let st = cuvmm::Stream::non_blocking(&ctx).unwrap();
+    let dev = cuvmm::DeviceBuffer::<u32>::from_slice(&ctx, &vec![7u32; 1 << 20]).unwrap();
+    let mut host = vec![0u32; 1 << 20];
+    let r = cuvmm::scope(|s| {
+        let _landing = s.copy_to_host(&st, dev.as_slice(), &mut host)?;
+        faults::inject("cuStreamSynchronize", 0, CUresult::ERROR_ILLEGAL_ADDRESS);
+        Ok(())
+    });
+    // Reaching this line means the borrow of `host` ended without confirmed completion.
+    println!("scope returned {r:?}; host[0] = {}", host[0]);
+    std::process::exit(0);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn scope_aborts_when_completion_cannot_be_confirmed() {
+    use std::os::unix::process::ExitStatusExt;
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "scope_child_helper", "--include-ignored", "--nocapture", "--test-threads=1"])
+        .env(CHILD, "1")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.signal(), Some(SIGABRT), "status {:?}, stderr: {stderr}", out.status);
+    assert!(stderr.contains("cuvmm: cannot confirm that asynchronous copies"), "{stderr}");
+    assert!(stderr.contains("cuStreamSynchronize failed"), "{stderr}");
+    assert!(!String::from_utf8_lossy(&out.stdout).contains("scope returned"));
+}
+
+/// POSIX's number for SIGABRT on Linux.
+const SIGABRT: i32 = 6;
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_host_function_that_cannot_be_queued_is_dropped_once_and_never_run() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+    struct Counted(Arc<AtomicUsize>);
+    impl Drop for Counted {
+        fn drop(&mut self) {
+            self.0.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+    let ctx = Context::for_ordinal(0).unwrap();
+    let st = cuvmm::Stream::non_blocking(&ctx).unwrap();
+    let (drops, runs) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+    let (c, r) = (Counted(Arc::clone(&drops)), Arc::clone(&runs));
+    faults::inject("cuLaunchHostFunc", 0, CUresult::ERROR_INVALID_VALUE);
+    let err = st
+        .launch_host_fn(move || {
+            let _c = c;
+            r.fetch_add(1, Ordering::SeqCst);
+        })
+        .unwrap_err();
+    assert!(err.to_string().starts_with("cuLaunchHostFunc failed"), "{err}");
+    st.synchronize().unwrap();
+    assert_eq!((drops.load(Ordering::SeqCst), runs.load(Ordering::SeqCst)), (1, 0));
+    // And one that is queued runs once and is dropped once.
+    let (c, r) = (Counted(Arc::clone(&drops)), Arc::clone(&runs));
+    st.launch_host_fn(move || {
+        let _c = c;
+        r.fetch_add(1, Ordering::SeqCst);
+    })
+    .unwrap();
+    st.synchronize().unwrap();
+    assert_eq!((drops.load(Ordering::SeqCst), runs.load(Ordering::SeqCst)), (2, 1));
+}

@@ -10,6 +10,7 @@ pub mod bandwidth;
 pub mod events;
 pub mod grow;
 pub mod ipc;
+pub mod order;
 pub mod overlap;
 pub mod peer;
 pub mod soak;

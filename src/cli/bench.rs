@@ -3,7 +3,7 @@
 use super::size::{parse_size, parse_sizes, show};
 use super::CliResult;
 use clap::Subcommand;
-use cuvmm::bench::{alloc, bandwidth, events, grow, ipc, overlap, peer, vmm_ops};
+use cuvmm::bench::{alloc, bandwidth, events, grow, ipc, order, overlap, peer, vmm_ops};
 use cuvmm::staging::Staging;
 use cuvmm::vmm::ChunkPolicy;
 use cuvmm::Context;
@@ -93,6 +93,22 @@ pub enum Bench {
         #[arg(long, default_value_t = 0)]
         device: usize,
         /// JSON instead of text.
+        #[arg(long)]
+        json: bool,
+    },
+    /// What cross-stream ordering costs: small copies and kernels through tracked views against
+    /// untracked views of the same memory, in one run.
+    Order {
+        /// Bytes per copy or fill.
+        #[arg(long, default_value = "4KiB", value_parser = parse_size)]
+        bytes: usize,
+        /// Operations per batch.
+        #[arg(long, default_value_t = 2000)]
+        iters: usize,
+        /// Device ordinal.
+        #[arg(long, default_value_t = 0)]
+        device: usize,
+        /// JSON lines instead of a table.
         #[arg(long)]
         json: bool,
     },
@@ -288,6 +304,38 @@ pub fn run(b: Bench) -> CliResult {
             }
             if !r.verified {
                 return Err("the GPU result differs from the CPU reference".into());
+            }
+        }
+        Bench::Order { bytes, iters, device, json } => {
+            let ctx = Context::for_ordinal(device)?;
+            let rows = order::run(&ctx, bytes, iters)?;
+            if !json {
+                writeln!(
+                    out,
+                    "µs per operation of {} on {}, tracked vs untracked views of the same memory (median of 9 batches of {iters})",
+                    show(bytes),
+                    ctx.device().name()?
+                )?;
+                writeln!(out, "{:<34} {:>10} {:>10} {:>8}", "loop", "tracked", "untracked", "ratio")?;
+            }
+            for r in &rows {
+                if json {
+                    writeln!(
+                        out,
+                        "{}",
+                        json!({"bench": "order", "what": r.what, "bytes": bytes, "tracked_us": r.tracked_us,
+                        "raw_us": r.raw_us, "ratio": r.ratio()})
+                    )?;
+                } else {
+                    writeln!(
+                        out,
+                        "{:<34} {:>10.3} {:>10.3} {:>8.3}",
+                        r.what,
+                        r.tracked_us,
+                        r.raw_us,
+                        r.ratio()
+                    )?;
+                }
             }
         }
         Bench::Alloc { sizes, device, json } => {

@@ -26,6 +26,7 @@ pub struct Striped {
     devices: Vec<Device>,
     stripe: usize,
     len: usize,
+    order: crate::order::Tracker,
 }
 
 impl std::fmt::Debug for Striped {
@@ -62,7 +63,7 @@ impl Striped {
         let devices: Vec<Device> = ctxs.iter().map(Context::device).collect();
         let grants: Vec<(Device, Access)> = devices.iter().map(|d| (*d, Access::ReadWrite)).collect();
         reservation.set_access(0, len, &grants)?;
-        Ok(Striped { mappings, reservation, devices, stripe, len })
+        Ok(Striped { mappings, reservation, devices, stripe, len, order: crate::order::Tracker::new() })
     }
 
     /// First address.
@@ -94,13 +95,15 @@ impl Striped {
     /// The whole range as `T`s (a trailing partial element is left out).
     pub fn as_slice<T: DeviceCopy>(&self) -> DeviceSlice<'_, T> {
         // SAFETY: the range is mapped and accessible to every device while self lives.
-        unsafe { DeviceSlice::from_raw_parts(self.ptr(), self.len / std::mem::size_of::<T>().max(1)) }
+        unsafe { DeviceSlice::tracked(self.ptr(), self.len / std::mem::size_of::<T>().max(1), &self.order) }
     }
 
     /// The whole range as writable `T`s.
     pub fn as_mut_slice<T: DeviceCopy>(&mut self) -> DeviceSliceMut<'_, T> {
         // SAFETY: as above; `&mut self` makes the view unique.
-        unsafe { DeviceSliceMut::from_raw_parts(self.ptr(), self.len / std::mem::size_of::<T>().max(1)) }
+        unsafe {
+            DeviceSliceMut::tracked(self.ptr(), self.len / std::mem::size_of::<T>().max(1), &self.order)
+        }
     }
 
     /// The mappings, one per chunk, in address order.
