@@ -167,16 +167,21 @@ impl Stream {
 
 impl std::fmt::Debug for Stream {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Stream").field("raw", &self.inner.raw).finish()
+        f.debug_struct("Stream").field("id", &self.inner.id).field("raw", &self.inner.raw).finish()
     }
 }
 
-impl Drop for Stream {
+impl Drop for StreamInner {
     fn drop(&mut self) {
-        if let Ok(d) = driver() {
-            let _ = self.inner.ctx.bind();
-            // SAFETY: destroyed once; the driver defers the release until queued work completes.
-            let _ = unsafe { d.api().cuStreamDestroy(self.inner.raw) };
-        }
+        let (ctx, raw) = (self.ctx.clone(), crate::driver::callback::Handle(self.raw));
+        crate::driver::callback::release(move || {
+            let raw = raw;
+            if let Ok(d) = driver() {
+                let _ = ctx.bind();
+                // SAFETY: destroyed once, by the last owner (the `Stream` or a record of memory it
+                // used); the driver defers the release until queued work completes.
+                let _ = unsafe { d.api().cuStreamDestroy(raw.0) };
+            }
+        });
     }
 }
