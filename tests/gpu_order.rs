@@ -1,7 +1,7 @@
 //! Device-side ordering across streams, and host functions that reach for the driver, on a GPU.
 
 use cuvmm::kernels::Kernels;
-use cuvmm::{scope, Context, DeviceBuffer, Error, Stream, VmmVec};
+use cuvmm::{scope, Context, DeviceBuffer, Error, PinnedBuffer, Stream, VmmVec};
 use std::sync::mpsc::channel;
 use std::time::{Duration, Instant};
 
@@ -27,9 +27,11 @@ fn a_read_on_another_stream_sees_what_a_slow_kernel_wrote() {
     let (a, b) = (Stream::non_blocking(&ctx).unwrap(), Stream::non_blocking(&ctx).unwrap());
     let mut v = VmmVec::<f32>::with_capacity(&ctx, N).unwrap();
     v.resize(N, 1.0).unwrap();
-    let mut out = vec![0f32; N];
+    // Pinned on both sides: from pageable memory the driver's copies wait on the host for the
+    // stream, which would hide a missing device-side wait.
+    let mut out = PinnedBuffer::<f32>::new(&ctx, N).unwrap();
     for round in 0..5 {
-        let want = vec![marker(round); N];
+        let want = PinnedBuffer::from_slice(&ctx, &vec![marker(round); N]).unwrap();
         let t = Instant::now();
         scope(|s| {
             // Stream A: a slow kernel, then the marker written over its result.
@@ -41,7 +43,11 @@ fn a_read_on_another_stream_sees_what_a_slow_kernel_wrote() {
             Ok(())
         })
         .unwrap();
-        assert!(out == want, "round {round}: stream B read before stream A's write ({:?})", &out[..4]);
+        assert!(
+            out[..] == want[..],
+            "round {round}: stream B read before stream A's write ({:?})",
+            &out[..4]
+        );
         if round == 0 {
             eprintln!("round 0 took {:?} (the busy kernel must take well over a copy's time)", t.elapsed());
         }
