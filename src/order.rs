@@ -51,22 +51,23 @@ fn union(a: Option<Span>, b: Option<Span>) -> Option<Span> {
     }
 }
 
-/// What one stream did to the memory since the record was last cleared.
-struct Entry {
-    stream: Arc<StreamInner>,
-    read: Option<Span>,
-    write: Option<Span>,
-    /// Recorded on `stream` after every access above when `recorded` is true.
-    event: Option<Event>,
-    recorded: bool,
-}
-
 /// Whether an `access` to `span` must wait for a stream that read `read` and wrote `write`.
 fn conflicts(read: Option<Span>, write: Option<Span>, span: Span, access: Use) -> bool {
     overlaps(write, span) || (access == Use::Write && overlaps(read, span))
 }
 
-impl Entry {
+/// What one stream did to the memory since the record was last cleared. `S` is the stream,
+/// `E` an event (the driver's in the crate, simulated ones in the model test).
+struct Entry<S, E> {
+    stream: S,
+    read: Option<Span>,
+    write: Option<Span>,
+    /// Recorded on `stream` after every access above when `recorded` is true.
+    event: Option<E>,
+    recorded: bool,
+}
+
+impl<S, E> Entry<S, E> {
     fn conflicts(&self, span: Span, access: Use) -> bool {
         conflicts(self.read, self.write, span, access)
     }
@@ -78,59 +79,149 @@ impl Entry {
         }
         self.recorded = false;
     }
+}
 
-    /// Blocks until everything this stream did so far has finished.
-    fn wait_on_host(&self) -> Result<()> {
-        self.stream.ctx.bind()?;
-        match (&self.event, self.recorded) {
-            (Some(e), true) => e.synchronize(),
-            // SAFETY: the stream is alive while the entry holds it.
-            _ => unsafe { driver()?.api().cuStreamSynchronize(self.stream.raw) },
-        }
+/// The driver operations the record needs.
+trait Effects<S, E> {
+    /// A number naming the stream for the life of the process.
+    fn id(&self, stream: &S) -> u64;
+    /// An event usable on `stream`, taken from `spare` where one fits.
+    fn event_for(&mut self, stream: &S, spare: &mut Vec<E>) -> Result<E>;
+    /// Records `event` at the current end of `stream`'s queue.
+    fn record(&mut self, event: &E, stream: &S) -> Result<()>;
+    /// Makes work queued on `stream` from now on wait for `event`.
+    fn wait(&mut self, stream: &S, event: &E) -> Result<()>;
+    /// Blocks until `stream`'s queue (up to `event`, when it is recorded at its end) is done.
+    fn wait_on_host(&mut self, stream: &S, recorded: Option<&E>) -> Result<()>;
+}
+
+struct State<S, E> {
+    entries: Vec<Entry<S, E>>,
+    /// Events of removed entries, for reuse.
+    spare: Vec<E>,
+}
+
+impl<S, E> Default for State<S, E> {
+    fn default() -> Self {
+        State { entries: Vec::new(), spare: Vec::new() }
     }
 }
 
-#[derive(Default)]
-struct State {
-    entries: Vec<Entry>,
-    /// Events of removed entries, for reuse.
-    spare: Vec<Event>,
-}
-
-impl State {
+impl<S: Clone, E> State<S, E> {
     /// Makes sure entry `i`'s event marks the current end of its stream's queue.
-    fn record(&mut self, i: usize) -> Result<()> {
+    fn record(&mut self, fx: &mut impl Effects<S, E>, i: usize) -> Result<()> {
         if self.entries[i].recorded {
             return Ok(());
         }
-        let ctx = self.entries[i].stream.ctx.clone();
         if self.entries[i].event.is_none() {
-            let event = match self.spare.iter().position(|e| e.context().same_as(&ctx)) {
-                Some(j) => self.spare.swap_remove(j),
-                None => Event::create(&ctx, CU_EVENT_DISABLE_TIMING)?,
-            };
+            let event = fx.event_for(&self.entries[i].stream, &mut self.spare)?;
             self.entries[i].event = Some(event);
         }
         let e = &mut self.entries[i];
-        let event = e.event.as_ref().expect("created above");
-        event.record_on(&e.stream)?;
+        fx.record(e.event.as_ref().expect("created above"), &e.stream)?;
         e.recorded = true;
         Ok(())
     }
 
-    fn remove(&mut self, i: usize) -> Entry {
+    fn remove(&mut self, i: usize) -> Entry<S, E> {
         let mut e = self.entries.swap_remove(i);
         if let Some(ev) = e.event.take() {
             self.spare.push(ev);
         }
         e
     }
+
+    fn device_access(&mut self, fx: &mut impl Effects<S, E>, me: &S, span: Span, access: Use) -> Result<()> {
+        let my_id = fx.id(me);
+        let mut waited = Vec::new();
+        for i in 0..self.entries.len() {
+            let e = &self.entries[i];
+            if fx.id(&e.stream) == my_id || !e.conflicts(span, access) {
+                continue;
+            }
+            self.record(fx, i)?;
+            fx.wait(me, self.entries[i].event.as_ref().expect("recorded"))?;
+            waited.push(i);
+        }
+        // Every wait was queued: this stream now stands after the streams it waited for, and takes
+        // over their ranges. Remove from the back so indices stay valid.
+        let (mut read, mut write) = (None, None);
+        for &i in waited.iter().rev() {
+            let e = self.remove(i);
+            read = union(read, e.read);
+            write = union(write, e.write);
+        }
+        let mine = match self.entries.iter().position(|e| fx.id(&e.stream) == my_id) {
+            Some(i) => i,
+            None => {
+                let fresh =
+                    Entry { stream: me.clone(), read: None, write: None, event: None, recorded: false };
+                self.entries.push(fresh);
+                self.entries.len() - 1
+            }
+        };
+        let e = &mut self.entries[mine];
+        e.read = union(e.read, read);
+        e.write = union(e.write, write);
+        e.add(span, access);
+        Ok(())
+    }
+
+    fn host_access(&mut self, fx: &mut impl Effects<S, E>, span: Span, access: Use) -> Result<()> {
+        let mut i = 0;
+        while i < self.entries.len() {
+            let e = &self.entries[i];
+            if e.conflicts(span, access) {
+                fx.wait_on_host(&e.stream, e.event.as_ref().filter(|_| e.recorded))?;
+                self.remove(i);
+            } else {
+                i += 1;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The driver itself.
+struct Cuda;
+
+impl Effects<Arc<StreamInner>, Event> for Cuda {
+    fn id(&self, stream: &Arc<StreamInner>) -> u64 {
+        stream.id
+    }
+
+    fn event_for(&mut self, stream: &Arc<StreamInner>, spare: &mut Vec<Event>) -> Result<Event> {
+        match spare.iter().position(|e| e.context().same_as(&stream.ctx)) {
+            Some(j) => Ok(spare.swap_remove(j)),
+            None => Event::create(&stream.ctx, CU_EVENT_DISABLE_TIMING),
+        }
+    }
+
+    fn record(&mut self, event: &Event, stream: &Arc<StreamInner>) -> Result<()> {
+        event.record_on(stream)
+    }
+
+    fn wait(&mut self, stream: &Arc<StreamInner>, event: &Event) -> Result<()> {
+        stream.ctx.bind()?;
+        // SAFETY: both handles are alive (the record holds its streams and events); flags are 0.
+        // Waiting on an event of another context is allowed.
+        unsafe { driver()?.api().cuStreamWaitEvent(stream.raw, event.raw(), 0) }
+    }
+
+    fn wait_on_host(&mut self, stream: &Arc<StreamInner>, recorded: Option<&Event>) -> Result<()> {
+        stream.ctx.bind()?;
+        match recorded {
+            Some(e) => e.synchronize(),
+            // SAFETY: the stream is alive while the record holds it.
+            None => unsafe { driver()?.api().cuStreamSynchronize(stream.raw) },
+        }
+    }
 }
 
 /// The record of which streams used one allocation (see the module documentation).
 #[derive(Default)]
 pub struct Tracker {
-    state: Mutex<State>,
+    state: Mutex<State<Arc<StreamInner>, Event>>,
 }
 
 impl Tracker {
@@ -139,7 +230,7 @@ impl Tracker {
         Tracker::default()
     }
 
-    fn lock(&self) -> MutexGuard<'_, State> {
+    fn lock(&self) -> MutexGuard<'_, State<Arc<StreamInner>, Event>> {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
@@ -149,49 +240,7 @@ impl Tracker {
         if start >= end {
             return Ok(());
         }
-        let span = (start, end);
-        let me = stream.inner();
-        let mut st = self.lock();
-        let mut waited = Vec::new();
-        for i in 0..st.entries.len() {
-            let e = &st.entries[i];
-            if e.stream.id == me.id || !e.conflicts(span, access) {
-                continue;
-            }
-            st.record(i)?;
-            let event = st.entries[i].event.as_ref().expect("recorded");
-            me.ctx.bind()?;
-            // SAFETY: both handles are alive (the entry holds its stream and event); flags are 0.
-            // Waiting on an event of another context is allowed.
-            unsafe { driver()?.api().cuStreamWaitEvent(me.raw, event.raw(), 0) }?;
-            waited.push(i);
-        }
-        // Every wait was queued: this stream now stands after the streams it waited for, and takes
-        // over their ranges. Remove from the back so indices stay valid.
-        let (mut read, mut write) = (None, None);
-        for &i in waited.iter().rev() {
-            let e = st.remove(i);
-            read = union(read, e.read);
-            write = union(write, e.write);
-        }
-        let mine = match st.entries.iter().position(|e| e.stream.id == me.id) {
-            Some(i) => i,
-            None => {
-                st.entries.push(Entry {
-                    stream: Arc::clone(me),
-                    read: None,
-                    write: None,
-                    event: None,
-                    recorded: false,
-                });
-                st.entries.len() - 1
-            }
-        };
-        let e = &mut st.entries[mine];
-        e.read = union(e.read, read);
-        e.write = union(e.write, write);
-        e.add(span, access);
-        Ok(())
+        self.lock().device_access(&mut Cuda, stream.inner(), (start, end), access)
     }
 
     /// Blocks until the uses on any stream that conflict with a host-synchronous `access` to
@@ -200,17 +249,7 @@ impl Tracker {
         if start >= end {
             return Ok(());
         }
-        let mut st = self.lock();
-        let mut i = 0;
-        while i < st.entries.len() {
-            if st.entries[i].conflicts((start, end), access) {
-                st.entries[i].wait_on_host()?;
-                st.remove(i);
-            } else {
-                i += 1;
-            }
-        }
-        Ok(())
+        self.lock().host_access(&mut Cuda, (start, end), access)
     }
 
     /// Takes the whole record, for an owner about to free its memory: see [`Pending::wait`].
@@ -239,14 +278,14 @@ impl std::fmt::Debug for Tracker {
 }
 
 /// The uses of memory that is about to be freed.
-pub(crate) struct Pending(Vec<Entry>);
+pub(crate) struct Pending(Vec<Entry<Arc<StreamInner>, Event>>);
 
 impl Pending {
     /// Blocks until every recorded use has finished (errors are ignored: this runs in destructors,
     /// which then wait for the whole context as well).
     pub(crate) fn wait(self) {
         for e in &self.0 {
-            let _ = e.wait_on_host();
+            let _ = Cuda.wait_on_host(&e.stream, e.event.as_ref().filter(|_| e.recorded));
         }
     }
 }
@@ -269,5 +308,110 @@ mod tests {
         assert_eq!(union(Some((5, 9)), Some((1, 3))), Some((1, 9)));
         assert_eq!(union(None, Some((1, 3))), Some((1, 3)));
         assert_eq!(union(None, None), None);
+    }
+
+    /// A model of streams and events with vector clocks: streams are 0..STREAMS, the host is
+    /// STREAMS. Event `i` holds the clock its stream had when it was last recorded.
+    struct Sim {
+        clocks: Vec<Vec<u64>>,
+        events: Vec<Vec<u64>>,
+        driver_calls: usize,
+    }
+
+    const STREAMS: usize = 3;
+    const HOST: usize = STREAMS;
+
+    fn join(a: &mut [u64], b: &[u64]) {
+        a.iter_mut().zip(b).for_each(|(x, y)| *x = (*x).max(*y));
+    }
+
+    impl Effects<usize, usize> for Sim {
+        fn id(&self, stream: &usize) -> u64 {
+            *stream as u64
+        }
+        fn event_for(&mut self, _stream: &usize, spare: &mut Vec<usize>) -> Result<usize> {
+            Ok(spare.pop().unwrap_or_else(|| {
+                self.events.push(vec![0; STREAMS + 1]);
+                self.events.len() - 1
+            }))
+        }
+        fn record(&mut self, event: &usize, stream: &usize) -> Result<()> {
+            self.driver_calls += 1;
+            self.events[*event] = self.clocks[*stream].clone();
+            Ok(())
+        }
+        fn wait(&mut self, stream: &usize, event: &usize) -> Result<()> {
+            self.driver_calls += 1;
+            let e = self.events[*event].clone();
+            join(&mut self.clocks[*stream], &e);
+            Ok(())
+        }
+        fn wait_on_host(&mut self, stream: &usize, recorded: Option<&usize>) -> Result<()> {
+            self.driver_calls += 1;
+            let c = match recorded {
+                Some(e) => self.events[*e].clone(),
+                None => self.clocks[*stream].clone(),
+            };
+            join(&mut self.clocks[HOST], &c);
+            Ok(())
+        }
+    }
+
+    /// Runs `ops` (who, start, len, write) through the record and the model; returns each op's
+    /// clock at completion and the driver calls made.
+    fn simulate(ops: &[(usize, u64, u64, bool)]) -> (Vec<Vec<u64>>, usize) {
+        let mut sim =
+            Sim { clocks: vec![vec![0; STREAMS + 1]; STREAMS + 1], events: Vec::new(), driver_calls: 0 };
+        let mut st = State::<usize, usize>::default();
+        let mut stamps = Vec::new();
+        for &(who, start, len, write) in ops {
+            let (span, access) = ((start, start + len), if write { Use::Write } else { Use::Read });
+            if who == HOST {
+                st.host_access(&mut sim, span, access).unwrap();
+            } else {
+                // Work queued after a synchronous host operation runs after it.
+                let host = sim.clocks[HOST].clone();
+                join(&mut sim.clocks[who], &host);
+                st.device_access(&mut sim, &who, span, access).unwrap();
+            }
+            sim.clocks[who][who] += 1;
+            stamps.push(sim.clocks[who].clone());
+        }
+        (stamps, sim.driver_calls)
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn every_conflicting_pair_of_uses_is_ordered(
+            ops in proptest::collection::vec((0..=STREAMS, 0u64..16, 1u64..6, proptest::bool::ANY), 1..40)
+        ) {
+            let (stamps, _) = simulate(&ops);
+            for j in 0..ops.len() {
+                for i in 0..j {
+                    let ((wi, si, li, xi), (wj, sj, lj, xj)) = (ops[i], ops[j]);
+                    let overlap = si < sj + lj && sj < si + li;
+                    if wi == wj || !overlap || !(xi || xj) {
+                        continue;
+                    }
+                    // Op i happened before op j: j's clock has seen i's step on i's queue.
+                    proptest::prop_assert!(
+                        stamps[j][wi] >= stamps[i][wi],
+                        "op {i} {:?} and op {j} {:?} race", ops[i], ops[j]
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn one_stream_alone_makes_no_driver_call_and_disjoint_streams_none_either() {
+        let one: Vec<_> = (0..50).map(|i| (0, i % 16, 3, i % 3 == 0)).collect();
+        assert_eq!(simulate(&one).1, 0);
+        // Three streams, each on its own part of the memory, writing and reading it.
+        let disjoint: Vec<_> = (0..60).map(|i| (i % 3, (i % 3) as u64 * 5, 5, i % 2 == 0)).collect();
+        assert_eq!(simulate(&disjoint).1, 0);
+        // Two streams writing the same range take turns: one record and one wait each time.
+        let pingpong: Vec<_> = (0..10).map(|i| (i % 2, 0, 4, true)).collect();
+        assert_eq!(simulate(&pingpong).1, 2 * 9);
     }
 }
