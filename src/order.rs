@@ -19,7 +19,35 @@
 //! waits for B, which is after A. Views made with [`DeviceSlice::from_raw_parts`] carry no record;
 //! their users order their streams themselves.
 //!
+//! Your own kernels take part through [`DeviceSlice::prepare_read`] and
+//! [`DeviceSliceMut::prepare_write`], called on the views just before the launch:
+//!
+//! ```no_run
+//! # fn main() -> cuvmm::Result<()> {
+//! use cuvmm::module::{LaunchConfig, Module};
+//! use cuvmm::{Context, Stream, VmmVec};
+//! # let ptx = "";
+//! let ctx = Context::for_ordinal(0)?;
+//! let a = Stream::non_blocking(&ctx)?;
+//! let module = Module::from_ptx(&ctx, ptx)?;
+//! let scale = module.function("scale")?;
+//! let mut v = VmmVec::<f32>::new(&ctx)?;
+//! v.resize(1 << 20, 1.0)?;
+//! let mut view = v.as_mut_slice();
+//! view.prepare_write(&a)?; // `a` now waits for earlier uses of `v` on other streams
+//! let (mut p, mut n) = (view.ptr(), view.len() as u64);
+//! let mut params = [(&mut p as *mut u64).cast(), (&mut n as *mut u64).cast()];
+//! // SAFETY: `scale(float *p, uint64_t n)` stays within the n elements it is given.
+//! unsafe { scale.launch(LaunchConfig::grid_stride(n, 256, 1024), &a, &mut params)? };
+//! // A synchronous copy waits for the kernel on `a` by itself.
+//! let host = v.to_vec()?;
+//! # let _ = host;
+//! # Ok(()) }
+//! ```
+//!
 //! [`DeviceSlice::from_raw_parts`]: crate::DeviceSlice::from_raw_parts
+//! [`DeviceSlice::prepare_read`]: crate::DeviceSlice::prepare_read
+//! [`DeviceSliceMut::prepare_write`]: crate::DeviceSliceMut::prepare_write
 
 use crate::driver::{driver, sys::CU_EVENT_DISABLE_TIMING};
 use crate::error::Result;
