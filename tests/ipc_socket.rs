@@ -26,15 +26,7 @@ fn memfd(content: &[u8]) -> OwnedFd {
 }
 
 fn header(handle: WireHandle) -> Header {
-    Header {
-        handle,
-        size: 4 << 20,
-        granularity: 2 << 20,
-        offset: 0,
-        length: 4 << 20,
-        device_uuid: [3; 16],
-        tag: 77,
-    }
+    Header::new(handle, 4 << 20, 2 << 20, 0, 4 << 20, [3; 16], 77).unwrap()
 }
 
 fn raw_send(sock: &UnixStream, bytes: &[u8], fds: &[i32]) {
@@ -50,9 +42,11 @@ fn a_memfd_travels_with_its_header_and_arrives_close_on_exec() {
     let h = header(WireHandle::PosixFd);
     send(a.as_fd(), &h, Some(fd.as_fd())).unwrap();
     let r = recv(b.as_fd(), PeerPolicy::SameUid).unwrap();
-    assert_eq!(r.header, h);
-    assert_eq!(r.peer.pid, std::process::id() as i32);
-    let got = r.fd.expect("an fd");
+    assert_eq!(*r.header(), h);
+    assert_eq!(r.peer().pid, std::process::id() as i32);
+    assert!(r.fd().is_some());
+    let (_, got, _) = r.into_parts();
+    let got = got.expect("an fd");
     let flags = nix::fcntl::fcntl(got.as_raw_fd(), nix::fcntl::FcntlArg::F_GETFD).unwrap();
     assert!(flags & libc::FD_CLOEXEC != 0);
     let mut f = std::fs::File::from(got);
@@ -64,8 +58,8 @@ fn a_memfd_travels_with_its_header_and_arrives_close_on_exec() {
     let fh = header(WireHandle::Fabric([5; 64]));
     send(a.as_fd(), &fh, None).unwrap();
     let r = recv(b.as_fd(), PeerPolicy::AnyUid).unwrap();
-    assert_eq!(r.header, fh);
-    assert!(r.fd.is_none());
+    assert_eq!(*r.header(), fh);
+    assert!(r.fd().is_none());
     // The sender refuses a header whose fd count does not match.
     assert!(matches!(send(a.as_fd(), &fh, Some(fd.as_fd())), Err(Error::InvalidArgument(_))));
     assert!(matches!(send(a.as_fd(), &h, None), Err(Error::InvalidArgument(_))));
@@ -157,7 +151,7 @@ fn a_peer_of_another_uid_is_refused() {
         let r = recv(conn.as_fd(), policy);
         assert!(child.wait().unwrap().success());
         match (r, accept) {
-            (Ok(m), true) => assert_eq!(m.peer.uid, 65534),
+            (Ok(m), true) => assert_eq!(m.peer().uid, 65534),
             (Err(Error::Protocol(msg)), false) => assert!(msg.contains("uid 65534"), "{msg}"),
             (other, _) => panic!("policy {policy:?}: unexpected {other:?}"),
         }

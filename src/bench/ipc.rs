@@ -98,8 +98,10 @@ pub fn import_side(ctx: &Context, sock: &mut UnixStream) -> Result<ImporterRepor
     let t0 = u64::from_le_bytes(t0);
     let msg = recv(sock.as_fd(), PeerPolicy::SameUid)?;
     let t_recv = now_ns()?;
-    let size = msg.header.size as usize;
-    let fd = msg.fd.ok_or_else(|| Error::Protocol("no fd".into()))?;
+    let (header, fd, _) = msg.into_parts();
+    let size = usize::try_from(header.size())
+        .map_err(|_| Error::Protocol("the allocation size does not fit this machine".into()))?;
+    let fd = fd.ok_or_else(|| Error::Protocol("no fd".into()))?;
     let phys = PhysicalMemory::import_fd(ctx, fd.as_fd(), size)?;
     let t_import = now_ns()?;
     let va = Reservation::new(ctx, size)?;

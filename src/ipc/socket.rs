@@ -7,7 +7,7 @@ use nix::sys::socket::{
     getsockopt, recvmsg, sendmsg, sockopt::PeerCredentials, ControlMessage, ControlMessageOwned, MsgFlags,
 };
 use std::io::{IoSlice, IoSliceMut};
-use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 
 /// Whose messages a receiver accepts.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
@@ -33,14 +33,43 @@ pub struct Credentials {
 }
 
 /// A received message: the validated header and the fd it carried, if any.
+///
+/// Only [`recv`] makes one, so a `Received` always holds a header that passed validation and
+/// exactly the descriptors that header announces; its parts can be read or taken, not replaced:
+///
+/// ```compile_fail,E0451
+/// use cuvmm::ipc::{Credentials, Header, Received};
+/// fn forge(header: Header, peer: Credentials) -> Received {
+///     Received { header, fd: None, peer } // error: private fields
+/// }
+/// ```
 #[derive(Debug)]
 pub struct Received {
+    header: Header,
+    fd: Option<OwnedFd>,
+    peer: Credentials,
+}
+
+impl Received {
     /// The header.
-    pub header: Header,
-    /// The allocation's fd (POSIX-fd messages), close-on-exec.
-    pub fd: Option<OwnedFd>,
+    pub fn header(&self) -> &Header {
+        &self.header
+    }
+
     /// Who sent it.
-    pub peer: Credentials,
+    pub fn peer(&self) -> Credentials {
+        self.peer
+    }
+
+    /// The allocation's fd (POSIX-fd messages), close-on-exec.
+    pub fn fd(&self) -> Option<BorrowedFd<'_>> {
+        self.fd.as_ref().map(|f| f.as_fd())
+    }
+
+    /// The header, the fd and the sender, for callers that import the allocation themselves.
+    pub fn into_parts(self) -> (Header, Option<OwnedFd>, Credentials) {
+        (self.header, self.fd, self.peer)
+    }
 }
 
 /// The peer's credentials, checked against `policy`.
