@@ -357,6 +357,67 @@ fn foreign_fds_oversized_headers_and_garbage_handles_are_typed_errors_without_le
     assert_eq!(open_fds(), before, "an fd leaked");
 }
 
+/// The aliasing model of `SharedMemory` in practice: a process that imports what it exported holds
+/// two writable views of one memory, at two addresses. Writes through either are seen through
+/// the other once ordered by the stream.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn an_allocation_imported_by_its_own_exporter_is_one_memory_under_two_writable_views() {
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let ctx = ctx();
+    let k = Kernels::load(&ctx).unwrap();
+    let st = Stream::new(&ctx).unwrap();
+    let before = open_fds();
+    let alloc = PeerAllocator::new(&ctx, &[], ExportMode::PosixFd).unwrap();
+    let mut a = alloc.allocate(4 * MIB).unwrap();
+    let (x, y) = UnixStream::pair().unwrap();
+    a.share(x.as_fd(), MIB, 2 * MIB, 5).unwrap();
+    let mut shm = SharedMemory::import(&ctx, recv(y.as_fd(), PeerPolicy::SameUid).unwrap(), &[]).unwrap();
+    assert_eq!(shm.len(), 2 * MIB);
+    assert_ne!(shm.ptr(), a.ptr() + MIB as u64, "a second mapping, not the exporter's");
+    let words = (MIB / 4)..(3 * MIB / 4); // the shared range in the exporter's view, as u32s
+    {
+        // Both writable views alive at once.
+        let mut mine = a.as_mut_slice::<u32>();
+        let mut theirs = shm.as_mut_slice::<u32>();
+        // The importer's side writes; the exporter's side sees it.
+        k.pattern_u32(&st, &mut theirs, 0, 51).unwrap();
+        assert_eq!(
+            k.count_pattern_mismatches(&st, &mine.as_slice().slice(words.clone()).unwrap(), 0, 51).unwrap(),
+            0
+        );
+        // The exporter's side writes; the importer's side sees it.
+        let mut shared = mine.reborrow().slice_mut(words.clone()).unwrap();
+        k.pattern_u32(&st, &mut shared, 0, 52).unwrap();
+        assert_eq!(k.count_pattern_mismatches(&st, &theirs.as_slice(), 0, 52).unwrap(), 0);
+    }
+    st.synchronize().unwrap();
+    // Host copies through the import read and write the same bytes.
+    let mut host = vec![0u32; 4];
+    shm.copy_to_host(8, &mut host).unwrap();
+    assert_eq!(host[0], cuvmm::kernels::pattern_value(2, 52));
+    shm.copy_from_host(0, &[7u32, 8, 9]).unwrap();
+    let mut back = vec![0u32; 3];
+    // SAFETY: the first three words of the shared range, inside the exporter's live allocation.
+    let view = unsafe { cuvmm::DeviceSlice::<u32>::from_raw_parts(a.ptr() + MIB as u64, 3) };
+    cuvmm::copy::to_host(&ctx, &mut back, &view).unwrap();
+    assert_eq!(back, [7, 8, 9]);
+    drop(shm);
+    // The exporter's memory outlives the import.
+    assert_eq!(
+        k.count_pattern_mismatches(
+            &st,
+            &a.as_slice::<u32>().slice(words.start + 3..words.end).unwrap(),
+            3,
+            52
+        )
+        .unwrap(),
+        0
+    );
+    drop(a);
+    assert_eq!(open_fds(), before, "an fd leaked");
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn fabric_is_refused_naming_imex_and_auto_falls_back_to_posix_fds() {

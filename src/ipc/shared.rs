@@ -56,6 +56,22 @@ pub fn share(
 /// The other process may write it at any time, so this type never hands out Rust references to
 /// its contents: only device pointers, device views and copies. The memory stays valid after the
 /// exporter exits, for as long as this value lives.
+///
+/// # Aliasing
+///
+/// cuvmm never puts device memory behind a Rust reference: a [`DeviceSlice`] or
+/// [`DeviceSliceMut`] is an address and a length, and the `T: DeviceCopy` bound makes every bit
+/// pattern a valid `T`, so no write, however timed, can make a value invalid. Two writable views of
+/// the same bytes in one process are therefore not undefined behaviour in Rust's sense. That
+/// happens when a process imports what it exported itself: the exporter's own
+/// `PeerAllocation::as_mut_slice` and this type's [`as_mut_slice`](Self::as_mut_slice) then name
+/// the same memory, and `&mut self` on each makes only that view unique, not the memory. Device
+/// writes through both race like any two writers to one buffer (order them with streams and
+/// events, or the result is unspecified), and the other process may write at any time, as another
+/// process may change a file under a memory map. (`memmap2` makes creating a map `unsafe` for
+/// that reason, because it then hands out `&[u8]`; this type hands out no reference, so it needs
+/// no such contract.) Host reads through [`copy_to_host`](Self::copy_to_host) copy whatever bytes
+/// are there at the time.
 pub struct SharedMemory {
     mapping: Mapping,
     header: Header,
