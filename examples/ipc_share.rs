@@ -54,8 +54,8 @@ fn import(path: &str) -> R {
     let st = Stream::new(&ctx)?;
     let mut s = UnixStream::connect(path)?;
     let msg = recv(s.as_fd(), PeerPolicy::SameUid)?;
-    let seed = msg.header.tag as u32;
-    println!("importer: got {} bytes from pid {}", msg.header.length, msg.peer.pid);
+    let seed = msg.header().tag() as u32;
+    println!("importer: got {} bytes from pid {}", msg.header().length(), msg.peer().pid);
     let mut shm = SharedMemory::import(&ctx, msg, &[])?;
     let bad = k.count_pattern_mismatches(&st, &shm.as_slice::<u32>(), 0, seed)?;
     println!("importer: the exporter's pattern has {bad} wrong elements");

@@ -3,12 +3,12 @@
 
 use cuvmm::alloc::{CachingAllocator, ExportMode, PeerAllocator};
 use cuvmm::ipc::wire::{Header, WireHandle};
-use cuvmm::ipc::{recv, PeerPolicy, Received, SharedMemory};
+use cuvmm::ipc::{recv, send, PeerPolicy, Received, SharedMemory};
 use cuvmm::kernels::Kernels;
 use cuvmm::vmm::{Access, HandleTypes, PhysicalMemory};
 use cuvmm::{Context, Device, Error, Stream};
 use std::io::{Read, Write};
-use std::os::fd::{AsFd, OwnedFd};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::process::{Child, Command};
 use std::sync::Mutex;
@@ -78,7 +78,7 @@ fn ipc_child_helper() {
     match role.to_str().unwrap() {
         "importer" | "crasher" => {
             let msg = recv(s.as_fd(), PeerPolicy::SameUid).unwrap();
-            let seed = msg.header.tag as u32;
+            let seed = msg.header().tag() as u32;
             let mut shm = SharedMemory::import(&ctx, msg, &[]).unwrap();
             let n = shm.len() / 4;
             assert_eq!(
@@ -117,8 +117,7 @@ fn ipc_child_helper() {
             match step {
                 0 => {}
                 1 => {
-                    let h = Header { handle: WireHandle::PosixFd, ..posix_header(4 * MIB) };
-                    s.write_all(&h.encode().unwrap()[..70]).unwrap();
+                    s.write_all(&posix_header(4 * MIB).encode().unwrap()[..70]).unwrap();
                 }
                 _ => {
                     a.share(s.as_fd(), 0, a.len(), 606).unwrap();
@@ -232,7 +231,7 @@ fn an_exporter_killed_at_each_protocol_step_leaves_the_importer_working() {
                 let shm = SharedMemory::import(&ctx, msg, &[]).unwrap();
                 assert_eq!(k.count_pattern_mismatches(&st, &shm.as_slice::<u32>(), 0, 606).unwrap(), 0);
             }
-            (_, other) => panic!("step {step}: unexpected {:?}", other.map(|m| m.header)),
+            (_, other) => panic!("step {step}: unexpected {:?}", other.map(|m| *m.header())),
         }
         drop(s);
         // This side still works.
@@ -275,15 +274,15 @@ fn an_importer_killed_at_each_protocol_step_leaves_the_exporter_working() {
 }
 
 fn posix_header(size: usize) -> Header {
-    Header {
-        handle: WireHandle::PosixFd,
-        size: size as u64,
-        granularity: 2 * MIB as u64,
-        offset: 0,
-        length: size as u64,
-        device_uuid: [0; 16],
-        tag: 1,
-    }
+    Header::new(WireHandle::PosixFd, size as u64, 2 * MIB as u64, 0, size as u64, [0; 16], 1).unwrap()
+}
+
+/// `header` and `fd` as `recv` hands them over, through a socket pair: `recv` is the only maker
+/// of a `Received`. The caller keeps (and closes) its `fd`; the message carries a duplicate.
+fn delivered(header: &Header, fd: Option<BorrowedFd<'_>>) -> Received {
+    let (a, b) = UnixStream::pair().unwrap();
+    send(a.as_fd(), header, fd).unwrap();
+    recv(b.as_fd(), PeerPolicy::SameUid).unwrap()
 }
 
 #[test]
@@ -291,14 +290,14 @@ fn posix_header(size: usize) -> Header {
 fn foreign_fds_oversized_headers_and_garbage_handles_are_typed_errors_without_leaks() {
     let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let ctx = ctx();
-    let peer = cuvmm::ipc::Credentials { pid: 0, uid: 0, gid: 0 };
     let before = open_fds();
     let (r, w) = nix::unistd::pipe().unwrap();
     let memfd: OwnedFd =
         nix::sys::memfd::memfd_create(c"x", nix::sys::memfd::MemFdCreateFlag::empty()).unwrap();
     let devnull: OwnedFd = std::fs::File::open("/dev/null").unwrap().into();
     for (name, fd) in [("/dev/null", devnull), ("memfd", memfd), ("pipe", r)] {
-        let msg = Received { header: posix_header(2 * MIB), fd: Some(fd), peer };
+        let msg = delivered(&posix_header(2 * MIB), Some(fd.as_fd()));
+        drop(fd);
         match SharedMemory::import(&ctx, msg, &[]) {
             Err(Error::Driver { call, .. }) => assert_eq!(call, "cuMemImportFromShareableHandle", "{name}"),
             Err(e) => panic!("{name}: unexpected error {e}"),
@@ -307,33 +306,115 @@ fn foreign_fds_oversized_headers_and_garbage_handles_are_typed_errors_without_le
     }
     drop(w);
     assert_eq!(open_fds(), before, "an fd leaked");
-    // A header announcing more than was exported.
+    // A header announcing more than was exported, with the range inside what it announces (a
+    // range outside it cannot be built: `Header::new` refuses it, and `recv` with it).
     let phys = PhysicalMemory::builder(&ctx).handle_types(HandleTypes::POSIX_FD).create(2 * MIB).unwrap();
     let fd = phys.export_fd().unwrap();
-    let msg = Received { header: posix_header(8 * MIB), fd: Some(fd), peer };
-    match SharedMemory::import(&ctx, msg, &[]) {
-        Err(Error::Protocol(m)) => assert!(m.contains("larger than what was exported"), "{m}"),
-        Err(e) => panic!("unexpected error {e}"),
-        Ok(_) => panic!("an oversized header was accepted"),
+    for (offset, length) in [(0, 8 * MIB), (6 * MIB, 2 * MIB)] {
+        let big = Header::new(
+            WireHandle::PosixFd,
+            8 * MIB as u64,
+            2 * MIB as u64,
+            offset as u64,
+            length as u64,
+            [0; 16],
+            1,
+        )
+        .unwrap();
+        match SharedMemory::import(&ctx, delivered(&big, Some(fd.as_fd())), &[]) {
+            Err(Error::Protocol(m)) => assert!(m.contains("larger than what was exported"), "{m}"),
+            Err(e) => panic!("unexpected error {e}"),
+            Ok(_) => panic!("an oversized header was accepted"),
+        }
     }
+    drop(fd);
     // The right size works.
-    let ok = Received { header: posix_header(2 * MIB), fd: Some(phys.export_fd().unwrap()), peer };
-    assert_eq!(SharedMemory::import(&ctx, ok, &[]).unwrap().len(), 2 * MIB);
+    let fd = phys.export_fd().unwrap();
+    assert_eq!(
+        SharedMemory::import(&ctx, delivered(&posix_header(2 * MIB), Some(fd.as_fd())), &[]).unwrap().len(),
+        2 * MIB
+    );
+    drop(fd);
     // Garbage fabric handles.
     for garbage in [[0u8; 64], [0xa5; 64]] {
-        let msg = Received {
-            header: Header { handle: WireHandle::Fabric(garbage), ..posix_header(2 * MIB) },
-            fd: None,
-            peer,
-        };
+        let h = Header::new(
+            WireHandle::Fabric(garbage),
+            2 * MIB as u64,
+            2 * MIB as u64,
+            0,
+            2 * MIB as u64,
+            [0; 16],
+            1,
+        )
+        .unwrap();
         assert!(matches!(
-            SharedMemory::import(&ctx, msg, &[]),
+            SharedMemory::import(&ctx, delivered(&h, None), &[]),
             Err(Error::Driver { .. }) | Err(Error::Unsupported { .. })
         ));
     }
-    // A fabric message that carries an fd, and a POSIX one without.
-    let msg = Received { header: posix_header(2 * MIB), fd: None, peer };
-    assert!(matches!(SharedMemory::import(&ctx, msg, &[]), Err(Error::Protocol(_))));
+    // A message whose fds do not match its handle type cannot reach `import`: `recv` refuses it
+    // (tests/ipc_socket.rs) and no other code can make a `Received`.
+    assert_eq!(open_fds(), before, "an fd leaked");
+}
+
+/// The aliasing model of `SharedMemory` in practice: a process that imports what it exported holds
+/// two writable views of one memory, at two addresses. Writes through either are seen through
+/// the other once ordered by the stream.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn an_allocation_imported_by_its_own_exporter_is_one_memory_under_two_writable_views() {
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let ctx = ctx();
+    let k = Kernels::load(&ctx).unwrap();
+    let st = Stream::new(&ctx).unwrap();
+    let before = open_fds();
+    let alloc = PeerAllocator::new(&ctx, &[], ExportMode::PosixFd).unwrap();
+    let mut a = alloc.allocate(4 * MIB).unwrap();
+    let (x, y) = UnixStream::pair().unwrap();
+    a.share(x.as_fd(), MIB, 2 * MIB, 5).unwrap();
+    let mut shm = SharedMemory::import(&ctx, recv(y.as_fd(), PeerPolicy::SameUid).unwrap(), &[]).unwrap();
+    assert_eq!(shm.len(), 2 * MIB);
+    assert_ne!(shm.ptr(), a.ptr() + MIB as u64, "a second mapping, not the exporter's");
+    let words = (MIB / 4)..(3 * MIB / 4); // the shared range in the exporter's view, as u32s
+    {
+        // Both writable views alive at once.
+        let mut mine = a.as_mut_slice::<u32>();
+        let mut theirs = shm.as_mut_slice::<u32>();
+        // The importer's side writes; the exporter's side sees it.
+        k.pattern_u32(&st, &mut theirs, 0, 51).unwrap();
+        assert_eq!(
+            k.count_pattern_mismatches(&st, &mine.as_slice().slice(words.clone()).unwrap(), 0, 51).unwrap(),
+            0
+        );
+        // The exporter's side writes; the importer's side sees it.
+        let mut shared = mine.reborrow().slice_mut(words.clone()).unwrap();
+        k.pattern_u32(&st, &mut shared, 0, 52).unwrap();
+        assert_eq!(k.count_pattern_mismatches(&st, &theirs.as_slice(), 0, 52).unwrap(), 0);
+    }
+    st.synchronize().unwrap();
+    // Host copies through the import read and write the same bytes.
+    let mut host = vec![0u32; 4];
+    shm.copy_to_host(8, &mut host).unwrap();
+    assert_eq!(host[0], cuvmm::kernels::pattern_value(2, 52));
+    shm.copy_from_host(0, &[7u32, 8, 9]).unwrap();
+    let mut back = vec![0u32; 3];
+    // SAFETY: the first three words of the shared range, inside the exporter's live allocation.
+    let view = unsafe { cuvmm::DeviceSlice::<u32>::from_raw_parts(a.ptr() + MIB as u64, 3) };
+    cuvmm::copy::to_host(&ctx, &mut back, &view).unwrap();
+    assert_eq!(back, [7, 8, 9]);
+    drop(shm);
+    // The exporter's memory outlives the import.
+    assert_eq!(
+        k.count_pattern_mismatches(
+            &st,
+            &a.as_slice::<u32>().slice(words.start + 3..words.end).unwrap(),
+            3,
+            52
+        )
+        .unwrap(),
+        0
+    );
+    drop(a);
     assert_eq!(open_fds(), before, "an fd leaked");
 }
 

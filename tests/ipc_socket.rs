@@ -4,7 +4,7 @@
 use cuvmm::ipc::wire::{Header, WireHandle, HEADER_LEN};
 use cuvmm::ipc::{recv, send, PeerPolicy};
 use cuvmm::Error;
-use nix::sys::socket::{sendmsg, ControlMessage, MsgFlags};
+use nix::sys::socket::{sendmsg, setsockopt, sockopt, ControlMessage, MsgFlags};
 use std::io::{IoSlice, Read, Seek, Write};
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::os::unix::net::{UnixListener, UnixStream};
@@ -26,15 +26,7 @@ fn memfd(content: &[u8]) -> OwnedFd {
 }
 
 fn header(handle: WireHandle) -> Header {
-    Header {
-        handle,
-        size: 4 << 20,
-        granularity: 2 << 20,
-        offset: 0,
-        length: 4 << 20,
-        device_uuid: [3; 16],
-        tag: 77,
-    }
+    Header::new(handle, 4 << 20, 2 << 20, 0, 4 << 20, [3; 16], 77).unwrap()
 }
 
 fn raw_send(sock: &UnixStream, bytes: &[u8], fds: &[i32]) {
@@ -50,9 +42,11 @@ fn a_memfd_travels_with_its_header_and_arrives_close_on_exec() {
     let h = header(WireHandle::PosixFd);
     send(a.as_fd(), &h, Some(fd.as_fd())).unwrap();
     let r = recv(b.as_fd(), PeerPolicy::SameUid).unwrap();
-    assert_eq!(r.header, h);
-    assert_eq!(r.peer.pid, std::process::id() as i32);
-    let got = r.fd.expect("an fd");
+    assert_eq!(*r.header(), h);
+    assert_eq!(r.peer().pid, std::process::id() as i32);
+    assert!(r.fd().is_some());
+    let (_, got, _) = r.into_parts();
+    let got = got.expect("an fd");
     let flags = nix::fcntl::fcntl(got.as_raw_fd(), nix::fcntl::FcntlArg::F_GETFD).unwrap();
     assert!(flags & libc::FD_CLOEXEC != 0);
     let mut f = std::fs::File::from(got);
@@ -64,8 +58,8 @@ fn a_memfd_travels_with_its_header_and_arrives_close_on_exec() {
     let fh = header(WireHandle::Fabric([5; 64]));
     send(a.as_fd(), &fh, None).unwrap();
     let r = recv(b.as_fd(), PeerPolicy::AnyUid).unwrap();
-    assert_eq!(r.header, fh);
-    assert!(r.fd.is_none());
+    assert_eq!(*r.header(), fh);
+    assert!(r.fd().is_none());
     // The sender refuses a header whose fd count does not match.
     assert!(matches!(send(a.as_fd(), &fh, Some(fd.as_fd())), Err(Error::InvalidArgument(_))));
     assert!(matches!(send(a.as_fd(), &h, None), Err(Error::InvalidArgument(_))));
@@ -109,6 +103,97 @@ fn extra_missing_and_malformed_messages_are_refused_without_leaking_fds() {
     raw_send(&a, &good[..HEADER_LEN / 2], &[]);
     drop(a);
     assert!(matches!(recv(b.as_fd(), PeerPolicy::SameUid), Err(Error::Protocol(_))));
+}
+
+/// The receiver of a socket pair with SO_PASSCRED set: the kernel then puts the sender's
+/// credentials into the control data, before any fds.
+fn pair_passing_credentials() -> (UnixStream, UnixStream) {
+    let (a, b) = UnixStream::pair().unwrap();
+    setsockopt(&b, sockopt::PassCred, &true).unwrap();
+    (a, b)
+}
+
+#[test]
+fn with_credentials_passed_every_fd_count_up_to_the_maximum_is_closed_or_kept_never_leaked() {
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let devnull: Vec<std::fs::File> = (0..253).map(|_| std::fs::File::open("/dev/null").unwrap()).collect();
+    let raws: Vec<i32> = devnull.iter().map(|f| f.as_raw_fd()).collect();
+    let (a, b) = pair_passing_credentials();
+    let good = header(WireHandle::PosixFd);
+    let before = open_fds();
+    let counts = [0, 1, 2, 252, 253].into_iter().chain(std::iter::repeat_n(253, 10));
+    for n in counts {
+        raw_send(&a, &good.encode().unwrap(), &raws[..n]);
+        match (n, recv(b.as_fd(), PeerPolicy::SameUid)) {
+            (1, Ok(m)) => {
+                assert_eq!(*m.header(), good);
+                assert!(m.fd().is_some());
+                assert_eq!(open_fds(), before + 1, "the one fd is kept, nothing else");
+            }
+            (1, Err(e)) => panic!("a valid message with credentials was refused: {e}"),
+            (_, Err(Error::Protocol(_))) => {}
+            (_, other) => panic!("{n} fds: expected a protocol error, got {other:?}"),
+        }
+        assert_eq!(open_fds(), before, "{n} fds: received descriptors were left open");
+    }
+}
+
+#[test]
+fn a_split_message_with_credentials_passed_still_arrives() {
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let (a, b) = pair_passing_credentials();
+    let fd = memfd(b"split");
+    let h = header(WireHandle::PosixFd);
+    let bytes = h.encode().unwrap();
+    let before = open_fds();
+    raw_send(&a, &bytes[..10], &[fd.as_raw_fd()]);
+    raw_send(&a, &bytes[10..], &[]);
+    let m = recv(b.as_fd(), PeerPolicy::SameUid).unwrap();
+    assert_eq!(*m.header(), h);
+    assert_eq!(open_fds(), before + 1);
+    drop(m);
+    assert_eq!(open_fds(), before);
+}
+
+/// `SO_PASSPIDFD` (Linux 6.5): the kernel then installs a pidfd of the sender with every message.
+const SO_PASSPIDFD: libc::c_int = 76;
+
+#[test]
+fn a_pidfd_the_kernel_attaches_is_closed_not_counted() {
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    if !cfg!(any(target_arch = "x86_64", target_arch = "aarch64")) {
+        return; // SO_PASSPIDFD has another number on some architectures
+    }
+    let (a, b) = pair_passing_credentials();
+    let on: libc::c_int = 1;
+    // SAFETY: `on` is a live c_int and the length says so; `b` is an open socket.
+    let rc = unsafe {
+        libc::setsockopt(
+            b.as_raw_fd(),
+            libc::SOL_SOCKET,
+            SO_PASSPIDFD,
+            (&on as *const libc::c_int).cast(),
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        )
+    };
+    if rc != 0 {
+        eprintln!("SO_PASSPIDFD unsupported here ({}); skipped", std::io::Error::last_os_error());
+        return;
+    }
+    let fd = memfd(b"pid");
+    let h = header(WireHandle::PosixFd);
+    let before = open_fds();
+    for _ in 0..3 {
+        send(a.as_fd(), &h, Some(fd.as_fd())).unwrap();
+        let m = recv(b.as_fd(), PeerPolicy::SameUid).unwrap();
+        assert_eq!(open_fds(), before + 1, "only the message's fd is kept");
+        drop(m);
+        assert_eq!(open_fds(), before, "the pidfd leaked");
+        // Refused messages close it too.
+        raw_send(&a, &h.encode().unwrap(), &[]);
+        assert!(matches!(recv(b.as_fd(), PeerPolicy::SameUid), Err(Error::Protocol(_))));
+        assert_eq!(open_fds(), before, "the pidfd leaked");
+    }
 }
 
 const CHILD_ENV: &str = "CUVMM_TEST_UID_CHILD_SOCKET";
@@ -157,7 +242,7 @@ fn a_peer_of_another_uid_is_refused() {
         let r = recv(conn.as_fd(), policy);
         assert!(child.wait().unwrap().success());
         match (r, accept) {
-            (Ok(m), true) => assert_eq!(m.peer.uid, 65534),
+            (Ok(m), true) => assert_eq!(m.peer().uid, 65534),
             (Err(Error::Protocol(msg)), false) => assert!(msg.contains("uid 65534"), "{msg}"),
             (other, _) => panic!("policy {policy:?}: unexpected {other:?}"),
         }

@@ -78,16 +78,53 @@ pub fn export_side(ctx: &Context, sock: &mut UnixStream, bytes: usize) -> Result
     a.share(sock.as_fd(), 0, a.len(), 1)?;
     let mut ack = [0u8; 1];
     sock.read_exact(&mut ack).map_err(|e| Error::Protocol(format!("wait for the importer: {e}")))?;
-    // Legacy path: cuMemAlloc + cuIpcGetMemHandle, 64 bytes over the socket.
+    // Legacy path: cuMemAlloc + cuIpcGetMemHandle, the handle and the length over the socket. The
+    // buffer is as large as the VMM allocation (`bytes` rounded up to the granularity), which is
+    // the length the importer copies in both.
     let api = driver()?.api();
     ctx.bind()?;
-    let legacy = DeviceBuffer::<u8>::new(ctx, bytes)?;
+    let legacy = DeviceBuffer::<u8>::new(ctx, a.len())?;
     let mut h = CUipcMemHandle::default();
     // SAFETY: out-pointer valid; the buffer is a live cuMemAlloc allocation.
     unsafe { api.cuIpcGetMemHandle(&mut h, legacy.ptr()) }?;
-    sock.write_all(&h.reserved).map_err(|e| Error::Protocol(format!("send legacy handle: {e}")))?;
+    sock.write_all(&legacy_frame(&h, a.len()))
+        .map_err(|e| Error::Protocol(format!("send legacy handle: {e}")))?;
     sock.read_exact(&mut ack).map_err(|e| Error::Protocol(format!("wait for the importer: {e}")))?;
     Ok(())
+}
+
+/// Length of the legacy message: the 64 bytes of `CUipcMemHandle`, then the allocation's length
+/// in bytes (u64, little-endian).
+const LEGACY_FRAME_LEN: usize = 64 + 8;
+
+fn legacy_frame(h: &CUipcMemHandle, len: usize) -> [u8; LEGACY_FRAME_LEN] {
+    let mut f = [0u8; LEGACY_FRAME_LEN];
+    f[..64].copy_from_slice(&h.reserved);
+    f[64..].copy_from_slice(&(len as u64).to_le_bytes());
+    f
+}
+
+/// The handle in a legacy message and the number of bytes the importer may copy in what it opens.
+///
+/// The driver entry points this crate loads report no size for memory opened with
+/// `cuIpcOpenMemHandle`, so the length is the peer's word. It is accepted only when it equals
+/// `imported`, the size of the VMM allocation received before: the exporter makes both the same
+/// size, and that one the driver confirmed by mapping all of it. Anything else (a peer announcing
+/// more than it shared, or an old exporter that sent no length) is refused rather than copied.
+pub(crate) fn legacy_handle(
+    frame: &[u8; LEGACY_FRAME_LEN],
+    imported: usize,
+) -> Result<(CUipcMemHandle, usize)> {
+    let mut reserved = [0u8; 64];
+    reserved.copy_from_slice(&frame[..64]);
+    let announced = u64::from_le_bytes(frame[64..].try_into().expect("8 bytes"));
+    if announced == 0 || announced != imported as u64 {
+        return Err(Error::Protocol(format!(
+            "the legacy allocation is announced as {announced} bytes; expected {imported}, the size \
+             of the shared VMM allocation"
+        )));
+    }
+    Ok((CUipcMemHandle { reserved }, imported))
 }
 
 /// The importer's side.
@@ -98,11 +135,15 @@ pub fn import_side(ctx: &Context, sock: &mut UnixStream) -> Result<ImporterRepor
     let t0 = u64::from_le_bytes(t0);
     let msg = recv(sock.as_fd(), PeerPolicy::SameUid)?;
     let t_recv = now_ns()?;
-    let size = msg.header.size as usize;
-    let fd = msg.fd.ok_or_else(|| Error::Protocol("no fd".into()))?;
+    let (header, fd, _) = msg.into_parts();
+    let size = usize::try_from(header.size())
+        .map_err(|_| Error::Protocol("the allocation size does not fit this machine".into()))?;
+    let fd = fd.ok_or_else(|| Error::Protocol("no fd".into()))?;
     let phys = PhysicalMemory::import_fd(ctx, fd.as_fd(), size)?;
     let t_import = now_ns()?;
     let va = Reservation::new(ctx, size)?;
+    // Succeeds only if the allocation holds `size` bytes: from here on `size` is the driver's word
+    // too, not only the peer's.
     let m = va.map(0, &phys, 0, size)?;
     let t_map = now_ns()?;
     m.set_access(&[(ctx.device(), Access::ReadWrite)])?;
@@ -114,19 +155,18 @@ pub fn import_side(ctx: &Context, sock: &mut UnixStream) -> Result<ImporterRepor
     drop(local);
     sock.write_all(&[1]).map_err(io)?;
     // Legacy.
-    let mut raw = [0u8; 64];
-    sock.read_exact(&mut raw).map_err(io)?;
+    let mut frame = [0u8; LEGACY_FRAME_LEN];
+    sock.read_exact(&mut frame).map_err(io)?;
+    let (handle, legacy_len) = legacy_handle(&frame, size)?;
     let api = driver()?.api();
     ctx.bind()?;
     let mut p = 0;
     let t = now_ns()?;
     // SAFETY: a handle from cuIpcGetMemHandle in the exporter, which keeps the memory alive until
     // we acknowledge below.
-    unsafe {
-        api.cuIpcOpenMemHandle(&mut p, CUipcMemHandle { reserved: raw }, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS)
-    }?;
+    unsafe { api.cuIpcOpenMemHandle(&mut p, handle, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS) }?;
     let legacy_open_us = us(t, now_ns()?);
-    let legacy_gbs = d2d_gbs(ctx, p, size)?;
+    let legacy_gbs = d2d_gbs(ctx, p, legacy_len)?;
     // SAFETY: opened above, closed once.
     unsafe { api.cuIpcCloseMemHandle(p) }?;
     sock.write_all(&[2]).map_err(io)?;
@@ -141,4 +181,23 @@ pub fn import_side(ctx: &Context, sock: &mut UnixStream) -> Result<ImporterRepor
         legacy_open_us,
         legacy_gbs,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_legacy_length_other_than_the_shared_size_is_refused() {
+        let h = CUipcMemHandle { reserved: [3; 64] };
+        let size = 4 << 20;
+        let (back, len) = legacy_handle(&legacy_frame(&h, size), size).unwrap();
+        assert_eq!((back.reserved, len), (h.reserved, size));
+        for announced in [0, 1, size - 1, size + 1, 2 * size, usize::MAX] {
+            assert!(
+                matches!(legacy_handle(&legacy_frame(&h, announced), size), Err(Error::Protocol(_))),
+                "{announced} bytes accepted"
+            );
+        }
+    }
 }

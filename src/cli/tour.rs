@@ -216,7 +216,7 @@ pub fn child(socket: &Path) -> CliResult {
     let st = Stream::new(&ctx)?;
     let mut s = UnixStream::connect(socket)?;
     let msg = recv(s.as_fd(), PeerPolicy::SameUid)?;
-    let seed = msg.header.tag as u32;
+    let seed = msg.header().tag() as u32;
     let mut shm = SharedMemory::import(&ctx, msg, &[])?;
     let bad = k.count_pattern_mismatches(&st, &shm.as_slice::<u32>(), 0, seed)?;
     k.pattern_u32(&st, &mut shm.as_mut_slice::<u32>(), 0, seed + 1)?;

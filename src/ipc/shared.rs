@@ -27,23 +27,28 @@ pub fn share(
         ));
     };
     let granularity = device_granularity(&dev, phys.handle_types().raw())?.minimum;
-    let mut header = Header {
-        handle: WireHandle::PosixFd,
-        size: phys.size() as u64,
-        granularity: granularity as u64,
-        offset: offset as u64,
-        length: length as u64,
-        device_uuid: dev.uuid()?.0,
-        tag,
+    let header = |handle| {
+        Header::new(
+            handle,
+            phys.size() as u64,
+            granularity as u64,
+            offset as u64,
+            length as u64,
+            dev.uuid()?.0,
+            tag,
+        )
     };
+    // The range is checked (by building the header) before anything is exported.
+    let posix = header(WireHandle::PosixFd)?;
     if phys.handle_types().contains(HandleTypes::FABRIC) {
-        header.handle = WireHandle::Fabric(phys.export_fabric()?);
-        super::socket::send(sock, &header, None)?;
+        let fabric = header(WireHandle::Fabric(phys.export_fabric()?))?;
+        super::socket::send(sock, &fabric, None)?;
+        Ok(fabric.handle())
     } else {
         let fd = phys.export_fd()?;
-        super::socket::send(sock, &header, Some(fd.as_fd()))?;
+        super::socket::send(sock, &posix, Some(fd.as_fd()))?;
+        Ok(posix.handle())
     }
-    Ok(header.handle)
 }
 
 /// Memory another process shared with this one, mapped here.
@@ -51,6 +56,22 @@ pub fn share(
 /// The other process may write it at any time, so this type never hands out Rust references to
 /// its contents: only device pointers, device views and copies. The memory stays valid after the
 /// exporter exits, for as long as this value lives.
+///
+/// # Aliasing
+///
+/// cuvmm never puts device memory behind a Rust reference: a [`DeviceSlice`] or
+/// [`DeviceSliceMut`] is an address and a length, and the `T: DeviceCopy` bound makes every bit
+/// pattern a valid `T`, so no write, however timed, can make a value invalid. Two writable views of
+/// the same bytes in one process are therefore not undefined behaviour in Rust's sense. That
+/// happens when a process imports what it exported itself: the exporter's own
+/// `PeerAllocation::as_mut_slice` and this type's [`as_mut_slice`](Self::as_mut_slice) then name
+/// the same memory, and `&mut self` on each makes only that view unique, not the memory. Device
+/// writes through both race like any two writers to one buffer (order them with streams and
+/// events, or the result is unspecified), and the other process may write at any time, as another
+/// process may change a file under a memory map. (`memmap2` makes creating a map `unsafe` for
+/// that reason, because it then hands out `&[u8]`; this type hands out no reference, so it needs
+/// no such contract.) Host reads through [`copy_to_host`](Self::copy_to_host) copy whatever bytes
+/// are there at the time.
 pub struct SharedMemory {
     mapping: Mapping,
     header: Header,
@@ -59,10 +80,16 @@ pub struct SharedMemory {
 impl SharedMemory {
     /// Imports what `msg` carries into `ctx`, maps all of it and grants `grants` (read-write for
     /// `ctx`'s device if empty). The message's fd is closed once imported.
+    ///
+    /// Refuses, with [`Error::Protocol`], a message whose range does not lie inside what could be
+    /// mapped, and one whose size is larger than the allocation that arrived.
     pub fn import(ctx: &Context, msg: Received, grants: &[(Device, Access)]) -> Result<SharedMemory> {
-        let h = msg.header;
-        let size =
-            usize::try_from(h.size).map_err(|_| Error::Protocol("size does not fit this machine".into()))?;
+        let (h, fd, _peer) = msg.into_parts();
+        // `recv` validated the header and no safe code can change it since; checked again so that
+        // the bounds below never rest on one distant check alone.
+        h.validate()?;
+        let size = usize::try_from(h.size())
+            .map_err(|_| Error::Protocol("size does not fit this machine".into()))?;
         let ours =
             device_granularity(&ctx.device(), crate::driver::sys::CUmemAllocationHandleType::NONE)?.minimum;
         if size % ours != 0 {
@@ -70,7 +97,7 @@ impl SharedMemory {
                 "size {size} is not a multiple of this device's granularity {ours}"
             )));
         }
-        let phys = match (h.handle, msg.fd) {
+        let phys = match (h.handle(), fd) {
             (WireHandle::PosixFd, Some(fd)) => PhysicalMemory::import_fd(ctx, fd.as_fd(), size)?,
             (WireHandle::Fabric(f), None) => PhysicalMemory::import_fabric(ctx, &f, size)?,
             _ => return Err(Error::Protocol("the message's fds do not match its handle type".into())),
@@ -86,6 +113,21 @@ impl SharedMemory {
             )),
             other => other,
         })?;
+        // The driver reports no size for an imported handle, but the mapping above covers `size`
+        // bytes of it and succeeds only if the allocation holds at least that many: so
+        // `mapping.len()` bytes are really there. The shared range must lie inside them, or the
+        // views and copies this value hands out would reach past the allocation.
+        let mapped = mapping.len() as u64;
+        match h.offset().checked_add(h.length()) {
+            Some(end) if end <= mapped => {}
+            _ => {
+                return Err(Error::Protocol(format!(
+                    "range {}+{} lies outside the {mapped} mapped bytes",
+                    h.offset(),
+                    h.length()
+                )))
+            }
+        }
         let own = [(ctx.device(), Access::ReadWrite)];
         mapping.set_access(if grants.is_empty() { &own } else { grants })?;
         Ok(SharedMemory { mapping, header: h })
@@ -98,17 +140,17 @@ impl SharedMemory {
 
     /// Address of the shared range.
     pub fn ptr(&self) -> u64 {
-        self.mapping.ptr() + self.header.offset
+        self.mapping.ptr() + self.header.offset()
     }
 
     /// Length of the shared range in bytes.
     pub fn len(&self) -> usize {
-        self.header.length as usize
+        self.header.length() as usize
     }
 
     /// Whether the range is empty (never: the wire format refuses empty ranges).
     pub fn is_empty(&self) -> bool {
-        self.header.length == 0
+        self.header.length() == 0
     }
 
     /// The mapping (the whole imported allocation).

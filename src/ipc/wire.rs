@@ -27,25 +27,90 @@ pub enum WireHandle {
 }
 
 /// One shared-allocation message.
+///
+/// Every `Header` that exists is valid: its fields are private and the only ways to make one,
+/// [`Header::new`] and [`Header::decode`], check every bound a receiver enforces. So a header
+/// returned by [`recv`](super::recv) cannot be widened afterwards to point an import past the
+/// allocation:
+///
+/// ```compile_fail,E0616
+/// fn widen(h: &mut cuvmm::ipc::Header) {
+///     h.length = u64::MAX; // error: private field
+/// }
+/// ```
+///
+/// ```
+/// use cuvmm::ipc::{Header, WireHandle};
+/// let h = Header::new(WireHandle::PosixFd, 4 << 20, 2 << 20, 2 << 20, 2 << 20, [0; 16], 7)?;
+/// assert_eq!((h.offset(), h.length()), (2 << 20, 2 << 20));
+/// // A range past the end of the allocation is refused.
+/// assert!(Header::new(WireHandle::PosixFd, 4 << 20, 2 << 20, 2 << 20, 4 << 20, [0; 16], 7).is_err());
+/// # Ok::<(), cuvmm::Error>(())
+/// ```
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Header {
-    /// How the allocation travels.
-    pub handle: WireHandle,
-    /// Size of the physical allocation, bytes.
-    pub size: u64,
-    /// Its allocation granularity, bytes.
-    pub granularity: u64,
-    /// Start of the shared range within the allocation.
-    pub offset: u64,
-    /// Length of the shared range.
-    pub length: u64,
-    /// UUID of the device the allocation lives on.
-    pub device_uuid: [u8; 16],
-    /// The sender's tag, passed through untouched.
-    pub tag: u64,
+    handle: WireHandle,
+    size: u64,
+    granularity: u64,
+    offset: u64,
+    length: u64,
+    device_uuid: [u8; 16],
+    tag: u64,
 }
 
 impl Header {
+    /// A header for the range `[offset, offset + length)` of a `size`-byte allocation with the
+    /// given `granularity`, on the device with `device_uuid`. Refuses, with [`Error::Protocol`],
+    /// whatever a receiver would refuse (see [`Header::validate`]).
+    pub fn new(
+        handle: WireHandle,
+        size: u64,
+        granularity: u64,
+        offset: u64,
+        length: u64,
+        device_uuid: [u8; 16],
+        tag: u64,
+    ) -> Result<Header> {
+        let h = Header { handle, size, granularity, offset, length, device_uuid, tag };
+        h.validate()?;
+        Ok(h)
+    }
+
+    /// How the allocation travels.
+    pub fn handle(&self) -> WireHandle {
+        self.handle
+    }
+
+    /// Size of the physical allocation, bytes.
+    pub fn size(&self) -> u64 {
+        self.size
+    }
+
+    /// Its allocation granularity, bytes.
+    pub fn granularity(&self) -> u64 {
+        self.granularity
+    }
+
+    /// Start of the shared range within the allocation.
+    pub fn offset(&self) -> u64 {
+        self.offset
+    }
+
+    /// Length of the shared range, bytes (never zero).
+    pub fn length(&self) -> u64 {
+        self.length
+    }
+
+    /// UUID of the device the allocation lives on.
+    pub fn device_uuid(&self) -> [u8; 16] {
+        self.device_uuid
+    }
+
+    /// The sender's tag, passed through untouched.
+    pub fn tag(&self) -> u64 {
+        self.tag
+    }
+
     /// How many file descriptors travel with this header.
     pub fn fd_count(&self) -> usize {
         match self.handle {
@@ -54,7 +119,10 @@ impl Header {
         }
     }
 
-    /// Checks every bound a receiver enforces.
+    /// Checks every bound a receiver enforces: the granularity is a power of two up to
+    /// [`MAX_GRANULARITY`], the size is non-zero, at most [`MAX_SIZE`] and a multiple of the
+    /// granularity, the length is non-zero and `offset + length` neither overflows nor exceeds
+    /// the size. Always `Ok` for a `Header` made by this crate; importers call it again anyway.
     pub fn validate(&self) -> Result<()> {
         let bad = |m: String| Err(Error::Protocol(m));
         if self.granularity == 0 || !self.granularity.is_power_of_two() || self.granularity > MAX_GRANULARITY
@@ -139,17 +207,7 @@ impl Header {
         };
         let mut device_uuid = [0u8; 16];
         device_uuid.copy_from_slice(&b[48..64]);
-        let h = Header {
-            handle,
-            size: u64_at(16),
-            granularity: u64_at(24),
-            offset: u64_at(32),
-            length: u64_at(40),
-            device_uuid,
-            tag: u64_at(64),
-        };
-        h.validate()?;
-        Ok(h)
+        Header::new(handle, u64_at(16), u64_at(24), u64_at(32), u64_at(40), device_uuid, u64_at(64))
     }
 }
 
@@ -159,15 +217,47 @@ mod tests {
     use proptest::prelude::*;
 
     fn sample() -> Header {
-        Header {
-            handle: WireHandle::PosixFd,
-            size: 64 << 20,
-            granularity: 2 << 20,
-            offset: 2 << 20,
-            length: 4 << 20,
-            device_uuid: [7; 16],
-            tag: 0xfeed,
-        }
+        Header::new(WireHandle::PosixFd, 64 << 20, 2 << 20, 2 << 20, 4 << 20, [7; 16], 0xfeed).unwrap()
+    }
+
+    #[test]
+    fn new_refuses_every_forged_field() {
+        const MIB: u64 = 1 << 20;
+        let make = |size, granularity, offset, length| {
+            Header::new(WireHandle::PosixFd, size, granularity, offset, length, [0; 16], 0)
+        };
+        let refused = |r: Result<Header>, what: &str| {
+            assert!(matches!(r, Err(Error::Protocol(_))), "{what} was accepted: {r:?}");
+        };
+        assert!(make(64 * MIB, 2 * MIB, 0, 64 * MIB).is_ok());
+        assert!(make(64 * MIB, 2 * MIB, 63 * MIB, MIB).is_ok(), "a range ending at the end is fine");
+        refused(make(64 * MIB, 2 * MIB, 0, 64 * MIB + 1), "a length past the allocation");
+        refused(make(64 * MIB, 2 * MIB, 64 * MIB, 1), "an offset at the end");
+        refused(make(64 * MIB, 2 * MIB, 1 << 62, MIB), "an offset far past the allocation");
+        refused(make(64 * MIB, 2 * MIB, 32 * MIB, 33 * MIB), "a range running past the end");
+        refused(make(64 * MIB, 2 * MIB, u64::MAX, 2), "an offset + length that overflows");
+        refused(make(64 * MIB, 2 * MIB, 2, u64::MAX), "a length + offset that overflows");
+        refused(make(0, 2 * MIB, 0, 1), "a zero size");
+        refused(make(64 * MIB, 2 * MIB, 0, 0), "a zero length");
+        refused(make(64 * MIB + 4096, 2 * MIB, 0, MIB), "a size off the granularity");
+        refused(make(64 * MIB, 3 * MIB, 0, MIB), "a granularity that is no power of two");
+        refused(make(64 * MIB, 0, 0, MIB), "a zero granularity");
+        refused(make(4 * MAX_GRANULARITY, 2 * MAX_GRANULARITY, 0, MIB), "a granularity over the maximum");
+        refused(make(MAX_SIZE + 2 * MIB, 2 * MIB, 0, MIB), "a size over MAX_SIZE");
+        refused(make(u64::MAX - (u64::MAX % (2 * MIB)), 2 * MIB, 0, MIB), "a huge size");
+        assert!(make(MAX_SIZE, MAX_GRANULARITY, MAX_SIZE - 1, 1).is_ok(), "the largest valid header");
+        // A fabric header is checked the same way.
+        let fab = Header::new(WireHandle::Fabric([1; 64]), 64 * MIB, 2 * MIB, 0, 65 * MIB, [0; 16], 0);
+        refused(fab, "a fabric range past the allocation");
+    }
+
+    #[test]
+    fn accessors_return_what_was_given() {
+        let h = Header::new(WireHandle::Fabric([4; 64]), 8 << 20, 2 << 20, 4096, 8192, [9; 16], 42).unwrap();
+        assert_eq!(h.handle(), WireHandle::Fabric([4; 64]));
+        assert_eq!((h.size(), h.granularity(), h.offset(), h.length()), (8 << 20, 2 << 20, 4096, 8192));
+        assert_eq!((h.device_uuid(), h.tag(), h.fd_count()), ([9; 16], 42, 0));
+        assert_eq!(sample().fd_count(), 1);
     }
 
     #[test]
@@ -233,7 +323,7 @@ mod tests {
             let mut f = [0u8; 64];
             f[..32].copy_from_slice(&fh);
             let handle = if fabric { WireHandle::Fabric(f) } else { WireHandle::PosixFd };
-            let h = Header { handle, size, granularity: g, offset, length, device_uuid: uuid, tag };
+            let h = Header::new(handle, size, g, offset, length, uuid, tag).unwrap();
             prop_assert_eq!(Header::decode(&h.encode().unwrap()).unwrap(), h);
         }
 
