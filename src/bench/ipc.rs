@@ -106,11 +106,11 @@ fn legacy_frame(h: &CUipcMemHandle, len: usize) -> [u8; LEGACY_FRAME_LEN] {
 
 /// The handle in a legacy message and the number of bytes the importer may copy in what it opens.
 ///
-/// The driver entry points this crate loads report no size for memory opened with
-/// `cuIpcOpenMemHandle`, so the length is the peer's word. It is accepted only when it equals
-/// `imported`, the size of the VMM allocation received before: the exporter makes both the same
-/// size, and that one the driver confirmed by mapping all of it. Anything else (a peer announcing
-/// more than it shared, or an old exporter that sent no length) is refused rather than copied.
+/// The length is accepted only when it equals `imported`, the size of the VMM allocation received
+/// before: the exporter makes both the same size, and that one the driver confirmed by mapping all
+/// of it. Anything else (a peer announcing more than it shared, or an old exporter that sent no
+/// length) is refused rather than copied. Once opened, the driver's own size of the allocation
+/// (`cuMemGetAddressRange`) is checked too: see [`opened_size`].
 pub(crate) fn legacy_handle(
     frame: &[u8; LEGACY_FRAME_LEN],
     imported: usize,
@@ -125,6 +125,21 @@ pub(crate) fn legacy_handle(
         )));
     }
     Ok((CUipcMemHandle { reserved }, imported))
+}
+
+/// Refuses memory opened at `p` unless the driver reports at least `len` bytes from `p` on: the
+/// peer's announced length is never trusted alone.
+fn opened_size(p: CUdeviceptr, len: usize) -> Result<()> {
+    let (mut base, mut size) = (0, 0usize);
+    // SAFETY: out-pointers are valid locals; `p` was just opened in the current context.
+    unsafe { driver()?.api().cuMemGetAddressRange(&mut base, &mut size, p) }?;
+    let available = (base + size as u64).saturating_sub(p);
+    if available < len as u64 {
+        return Err(Error::Protocol(format!(
+            "the legacy allocation holds {available} bytes from its start, fewer than the {len} announced"
+        )));
+    }
+    Ok(())
 }
 
 /// The importer's side.
@@ -166,7 +181,15 @@ pub fn import_side(ctx: &Context, sock: &mut UnixStream) -> Result<ImporterRepor
     // we acknowledge below.
     unsafe { api.cuIpcOpenMemHandle(&mut p, handle, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS) }?;
     let legacy_open_us = us(t, now_ns()?);
-    let legacy_gbs = d2d_gbs(ctx, p, legacy_len)?;
+    let legacy_gbs = match opened_size(p, legacy_len) {
+        Ok(()) => d2d_gbs(ctx, p, legacy_len),
+        Err(e) => Err(e),
+    };
+    if legacy_gbs.is_err() {
+        // SAFETY: opened above, closed once.
+        let _ = unsafe { api.cuIpcCloseMemHandle(p) };
+    }
+    let legacy_gbs = legacy_gbs?;
     // SAFETY: opened above, closed once.
     unsafe { api.cuIpcCloseMemHandle(p) }?;
     sock.write_all(&[2]).map_err(io)?;

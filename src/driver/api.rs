@@ -152,6 +152,7 @@ entry_points! {
     required fn cuLaunchKernel @ 4000 (f: CUfunction, gx: c_uint, gy: c_uint, gz: c_uint, bx: c_uint, by: c_uint, bz: c_uint, shared: c_uint, stream: CUstream, params: *mut *mut c_void, extra: *mut *mut c_void);
 
     required fn cuIpcGetMemHandle @ 4010 (handle: *mut CUipcMemHandle, ptr: CUdeviceptr);
+    required fn cuMemGetAddressRange @ 3020 (base: *mut CUdeviceptr, size: *mut usize, dptr: CUdeviceptr);
     required fn cuIpcOpenMemHandle @ 11000 (ptr: *mut CUdeviceptr, handle: CUipcMemHandle, flags: c_uint);
     required fn cuIpcCloseMemHandle @ 4010 (ptr: CUdeviceptr);
 
