@@ -100,7 +100,7 @@ impl PeerAllocator {
         let va = Reservation::new(self.context(), size)?;
         let mapping = va.map(0, &phys, 0, size)?;
         mapping.set_access(&self.grants)?;
-        Ok(PeerAllocation { mapping })
+        Ok(PeerAllocation { mapping, order: crate::order::Tracker::new() })
     }
 }
 
@@ -108,6 +108,8 @@ impl PeerAllocator {
 #[derive(Debug)]
 pub struct PeerAllocation {
     mapping: Mapping,
+    /// Streams that used it (see [`crate::order`]).
+    order: crate::order::Tracker,
 }
 
 impl PeerAllocation {
@@ -150,12 +152,14 @@ impl PeerAllocation {
     /// A device view of it as `T`s.
     pub fn as_slice<T: DeviceCopy>(&self) -> DeviceSlice<'_, T> {
         // SAFETY: mapped and accessible to the owner while self lives.
-        unsafe { DeviceSlice::from_raw_parts(self.ptr(), self.len() / std::mem::size_of::<T>().max(1)) }
+        unsafe { DeviceSlice::tracked(self.ptr(), self.len() / std::mem::size_of::<T>().max(1), &self.order) }
     }
 
     /// A writable device view of it as `T`s.
     pub fn as_mut_slice<T: DeviceCopy>(&mut self) -> DeviceSliceMut<'_, T> {
         // SAFETY: as above; &mut self makes it unique.
-        unsafe { DeviceSliceMut::from_raw_parts(self.ptr(), self.len() / std::mem::size_of::<T>().max(1)) }
+        unsafe {
+            DeviceSliceMut::tracked(self.ptr(), self.len() / std::mem::size_of::<T>().max(1), &self.order)
+        }
     }
 }

@@ -75,6 +75,8 @@ pub fn share(
 pub struct SharedMemory {
     mapping: Mapping,
     header: Header,
+    /// Streams of this process that used the range (see [`crate::order`]).
+    order: crate::order::Tracker,
 }
 
 impl SharedMemory {
@@ -130,7 +132,7 @@ impl SharedMemory {
         }
         let own = [(ctx.device(), Access::ReadWrite)];
         mapping.set_access(if grants.is_empty() { &own } else { grants })?;
-        Ok(SharedMemory { mapping, header: h })
+        Ok(SharedMemory { mapping, header: h, order: crate::order::Tracker::new() })
     }
 
     /// The header it arrived with.
@@ -162,13 +164,15 @@ impl SharedMemory {
     pub fn as_slice<T: DeviceCopy>(&self) -> DeviceSlice<'_, T> {
         // SAFETY: the range is mapped and accessible while self lives; device views are never
         // dereferenced on the host.
-        unsafe { DeviceSlice::from_raw_parts(self.ptr(), self.len() / std::mem::size_of::<T>().max(1)) }
+        unsafe { DeviceSlice::tracked(self.ptr(), self.len() / std::mem::size_of::<T>().max(1), &self.order) }
     }
 
     /// The range as writable `T`s.
     pub fn as_mut_slice<T: DeviceCopy>(&mut self) -> DeviceSliceMut<'_, T> {
         // SAFETY: as above.
-        unsafe { DeviceSliceMut::from_raw_parts(self.ptr(), self.len() / std::mem::size_of::<T>().max(1)) }
+        unsafe {
+            DeviceSliceMut::tracked(self.ptr(), self.len() / std::mem::size_of::<T>().max(1), &self.order)
+        }
     }
 
     fn range(&self, byte_offset: usize, bytes: usize) -> Result<u64> {
@@ -184,12 +188,16 @@ impl SharedMemory {
     /// Copies from byte `byte_offset` of the range into `out`.
     pub fn copy_to_host<T: DeviceCopy>(&self, byte_offset: usize, out: &mut [T]) -> Result<()> {
         let at = self.range(byte_offset, std::mem::size_of_val(out))?;
+        let end = at + std::mem::size_of_val(out) as u64;
+        self.order.host_access(at, end, crate::order::Use::Read)?;
         crate::copy::dtoh(self.mapping.reservation().context(), out, at, out.len())
     }
 
     /// Copies `data` to byte `byte_offset` of the range.
     pub fn copy_from_host<T: DeviceCopy>(&self, byte_offset: usize, data: &[T]) -> Result<()> {
         let at = self.range(byte_offset, std::mem::size_of_val(data))?;
+        let end = at + std::mem::size_of_val(data) as u64;
+        self.order.host_access(at, end, crate::order::Use::Write)?;
         crate::copy::htod(self.mapping.reservation().context(), at, data, data.len())
     }
 }
