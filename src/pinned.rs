@@ -136,7 +136,7 @@ impl<T: DeviceCopy + std::fmt::Debug> std::fmt::Debug for PinnedBuffer<T> {
     }
 }
 
-/// Flags of [`Registered::new`] (`cuMemHostRegister`). The default is none of them.
+/// Flags of [`Registered::with`] (`cuMemHostRegister`). The default is none of them.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct RegisterFlags {
     /// Pinned for every context.
@@ -168,30 +168,95 @@ impl RegisterFlags {
     }
 }
 
-/// Memory the caller owns, page-locked for as long as this guard lives (`cuMemHostRegister`).
+/// Memory the caller owns, page-locked while a closure runs (`cuMemHostRegister`).
 ///
-/// The lecture's way to speed up legacy code without changing its allocations. The guard borrows
-/// the slice mutably, so the memory can be neither freed, reallocated nor touched except through
-/// the guard until it is unregistered:
+/// The lecture's way to speed up legacy code without changing its allocations. Registration is
+/// reachable only through [`Registered::with`], which registers the slice, hands the closure a
+/// `&mut Registered` (usable as `[T]`, for copies in a [`scope`](crate::scope()) for example) and
+/// unregisters before it returns, also when the closure panics.
 ///
-/// ```compile_fail,E0505
+/// # Why a closure and not a guard
+///
+/// The CUDA documentation requires registered memory to be unregistered (`cuMemHostUnregister`)
+/// before it is freed: until then the driver keeps the pages locked and mapped for the device
+/// and treats their addresses as registered. A guard that unregisters in `Drop` can be passed to
+/// `std::mem::forget` in safe code; the borrow of the slice then ends while the registration
+/// lives on, and the memory can be freed and its addresses reused under a registration the driver
+/// still holds. Inside `with` the closure sees only a `&mut Registered`, which it can neither
+/// move nor forget, and the unregistration belongs to `with` itself:
+///
+/// ```compile_fail,E0507
 /// # fn f(ctx: &cuvmm::Context) -> cuvmm::Result<()> {
 /// use cuvmm::pinned::{RegisterFlags, Registered};
 /// let mut legacy = vec![0u8; 1 << 20];
-/// let reg = Registered::new(ctx, &mut legacy, RegisterFlags::default())?;
-/// drop(legacy); // error: `legacy` is still borrowed by the registration
-/// reg.len();
+/// Registered::with(ctx, &mut legacy, RegisterFlags::default(), |reg| {
+///     std::mem::forget(*reg); // error: cannot move out of `*reg`
+/// })?;
+/// # Ok(()) }
+/// ```
+///
+/// The slice stays borrowed mutably for the whole call, so the memory can be neither freed,
+/// reallocated nor touched except through the handle while it is registered:
+///
+/// ```compile_fail,E0499
+/// # fn f(ctx: &cuvmm::Context) -> cuvmm::Result<()> {
+/// use cuvmm::pinned::{RegisterFlags, Registered};
+/// let mut legacy = vec![0u8; 1 << 20];
+/// Registered::with(ctx, &mut legacy, RegisterFlags::default(), |reg| {
+///     legacy.clear(); // error: `legacy` is borrowed by the registration
+///     reg.len()
+/// })?;
+/// # Ok(()) }
+/// ```
+///
+/// ```no_run
+/// # fn main() -> cuvmm::Result<()> {
+/// use cuvmm::pinned::{RegisterFlags, Registered};
+/// use cuvmm::{scope, Context, DeviceBuffer, Stream};
+/// let ctx = Context::for_ordinal(0)?;
+/// let stream = Stream::non_blocking(&ctx)?;
+/// let mut legacy = vec![1u32; 1 << 20];
+/// let mut dev = DeviceBuffer::<u32>::new(&ctx, legacy.len())?;
+/// Registered::with(&ctx, &mut legacy, RegisterFlags::default(), |reg| {
+///     scope(|s| s.copy_to_device(&stream, reg, dev.as_mut_slice()))
+/// })??;
 /// # Ok(()) }
 /// ```
 pub struct Registered<'a, T: DeviceCopy> {
-    ctx: Context,
     data: &'a mut [T],
+    flags: RegisterFlags,
+}
+
+/// Unregisters what [`Registered::with`] registered, on return and on unwind. It keeps its own
+/// pointer: whatever the closure does with its `&mut Registered` (swapping it with another one,
+/// say), this undoes exactly the registration `with` made.
+struct Unregister {
+    ctx: Context,
+    ptr: *mut std::ffi::c_void,
+}
+
+impl Drop for Unregister {
+    fn drop(&mut self) {
+        if let Ok(d) = driver() {
+            let _ = self.ctx.bind();
+            // SAFETY: `ptr` was registered by `with`, whose borrow of the memory outlives this
+            // guard; asynchronous copies borrow the memory only inside a `scope`, which has
+            // synchronised before the closure could return.
+            let _ = unsafe { d.api().cuMemHostUnregister(self.ptr) };
+        }
+    }
 }
 
 impl<'a, T: DeviceCopy> Registered<'a, T> {
-    /// Page-locks `data`. Empty slices, flags the device does not support and memory that is
-    /// already registered are errors.
-    pub fn new(ctx: &Context, data: &'a mut [T], flags: RegisterFlags) -> Result<Self> {
+    /// Page-locks `data`, runs `f` with it and unregisters it before returning (also when `f`
+    /// panics); returns what `f` returned. Empty slices, flags the device does not support and
+    /// memory that is already registered are errors, and `f` does not run then.
+    pub fn with<R>(
+        ctx: &Context,
+        data: &'a mut [T],
+        flags: RegisterFlags,
+        f: impl FnOnce(&mut Registered<'a, T>) -> R,
+    ) -> Result<R> {
         if std::mem::size_of_val(data) == 0 {
             return Err(Error::invalid("cannot register an empty slice"));
         }
@@ -199,22 +264,25 @@ impl<'a, T: DeviceCopy> Registered<'a, T> {
             return Err(Error::unsupported("read-only host registration", "the device does not support it"));
         }
         ctx.bind()?;
-        // SAFETY: the slice is live and borrowed mutably for 'a; it is unregistered in Drop, before
-        // the borrow ends.
-        let r = unsafe {
-            driver()?.api().cuMemHostRegister(
-                data.as_mut_ptr().cast(),
-                std::mem::size_of_val(data),
-                flags.raw(),
-            )
-        };
+        let ptr = data.as_mut_ptr().cast::<std::ffi::c_void>();
+        // SAFETY: the slice is live and borrowed mutably for 'a, which outlives this call; the
+        // guard below unregisters it before this call returns or unwinds.
+        let r = unsafe { driver()?.api().cuMemHostRegister(ptr, std::mem::size_of_val(data), flags.raw()) };
         match r {
-            Ok(()) => Ok(Registered { ctx: ctx.clone(), data }),
+            Ok(()) => {}
             Err(e) if e.is_code(CUresult::ERROR_HOST_MEMORY_ALREADY_REGISTERED) => {
-                Err(Error::invalid(format!("the memory is already registered ({e})")))
+                return Err(Error::invalid(format!("the memory is already registered ({e})")))
             }
-            Err(e) => Err(e),
+            Err(e) => return Err(e),
         }
+        let _unregister = Unregister { ctx: ctx.clone(), ptr };
+        let mut reg = Registered { data, flags };
+        Ok(f(&mut reg))
+    }
+
+    /// The flags it was registered with.
+    pub fn flags(&self) -> RegisterFlags {
+        self.flags
     }
 }
 
@@ -231,13 +299,8 @@ impl<T: DeviceCopy> DerefMut for Registered<'_, T> {
     }
 }
 
-impl<T: DeviceCopy> Drop for Registered<'_, T> {
-    fn drop(&mut self) {
-        if let Ok(d) = driver() {
-            let _ = self.ctx.bind();
-            // SAFETY: registered in `new`; asynchronous copies borrow the memory only inside a
-            // `scope`, which synchronises before the borrow ends.
-            let _ = unsafe { d.api().cuMemHostUnregister(self.data.as_mut_ptr().cast()) };
-        }
+impl<T: DeviceCopy + std::fmt::Debug> std::fmt::Debug for Registered<'_, T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Registered").field("len", &self.data.len()).field("flags", &self.flags).finish()
     }
 }

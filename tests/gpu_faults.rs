@@ -155,11 +155,9 @@ fn every_vmm_type_stays_consistent_and_leaks_nothing_when_a_driver_call_fails() 
     // Host memory.
     failing("cuMemHostAlloc", 0, || PinnedBuffer::<u8>::new(&ctx, MIB));
     let mut legacy = vec![7u8; MIB];
-    failing("cuMemHostRegister", 0, || {
-        Registered::new(&ctx, &mut legacy, RegisterFlags::default()).map(|_| ())
-    });
+    failing("cuMemHostRegister", 0, || Registered::with(&ctx, &mut legacy, RegisterFlags::default(), |_| ()));
     assert!(legacy.iter().all(|&b| b == 7), "the caller's memory is untouched");
-    drop(Registered::new(&ctx, &mut legacy, RegisterFlags::default()).unwrap());
+    Registered::with(&ctx, &mut legacy, RegisterFlags::default(), |_| ()).unwrap();
 
     // Staging: a DMA failing part-way returns the error, leaves no thread hanging, and the ring
     // still works afterwards.

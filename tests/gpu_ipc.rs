@@ -497,14 +497,27 @@ fn threads_allocate_free_and_export_from_one_cache() {
                     assert_eq!(k.count_pattern_mismatches(&st, &v.as_slice(), 0, t * 1000 + i).unwrap(), 0);
                     if i % 10 == 0 {
                         // Export and import in this process: the imported view sees the same data.
+                        // Carved blocks are refused; a dedicated one is exported.
                         let (x, y) = UnixStream::pair().unwrap();
-                        a.share(x.as_fd(), (t * 100 + i) as u64).unwrap();
+                        assert!(matches!(a.share(x.as_fd(), 0), Err(Error::InvalidArgument(_))));
+                        let d = cache.allocate_shareable(size).unwrap();
+                        // SAFETY: the block holds at least `size` bytes of mapped device memory.
+                        let mut dv =
+                            unsafe { cuvmm::DeviceSliceMut::<u32>::from_raw_parts(d.ptr(), size / 4) };
+                        k.pattern_u32(&st, &mut dv, 0, t * 1000 + i).unwrap();
+                        d.share(x.as_fd(), (t * 100 + i) as u64).unwrap();
                         let shm =
                             SharedMemory::import(&ctx, recv(y.as_fd(), PeerPolicy::SameUid).unwrap(), &[])
                                 .unwrap();
-                        assert_eq!(shm.len(), a.len());
+                        assert_eq!(shm.len(), d.len());
                         assert_eq!(
-                            k.count_pattern_mismatches(&st, &shm.as_slice::<u32>(), 0, t * 1000 + i).unwrap(),
+                            k.count_pattern_mismatches(
+                                &st,
+                                &shm.as_slice::<u32>().slice(0..size / 4).unwrap(),
+                                0,
+                                t * 1000 + i
+                            )
+                            .unwrap(),
                             0
                         );
                     }
@@ -547,4 +560,109 @@ fn access_exists_exactly_for_the_granted_devices() {
     a.set_access(&[(devices[1], Access::None)]).unwrap();
     assert_eq!(a.access(devices[1]).unwrap(), Access::None);
     assert_eq!(a.access(devices[0]).unwrap(), Access::ReadWrite);
+}
+
+/// The environment variable that makes `a_shared_cache_block_exposes_exactly_the_block` play the
+/// importing process.
+const BLOCK_IMPORTER: &str = "CUVMM_IPC_BLOCK_IMPORTER";
+
+/// A cache block travels as a physical allocation of its own: the importing process maps exactly
+/// the block, reads its data, cannot reach past it, and the block's neighbours in the exporter's
+/// cache stay out of its reach. Blocks carved from a shared chunk are refused.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_shared_cache_block_exposes_exactly_the_block() {
+    let ctx = ctx();
+    let k = Kernels::load(&ctx).unwrap();
+    let st = Stream::new(&ctx).unwrap();
+    if let Some(path) = std::env::var_os(BLOCK_IMPORTER) {
+        // The importing process.
+        let mut s = UnixStream::connect(path).unwrap();
+        let mut want = [0u8; 8];
+        s.read_exact(&mut want).unwrap();
+        let want = u64::from_le_bytes(want) as usize;
+        let msg = recv(s.as_fd(), PeerPolicy::SameUid).unwrap();
+        let mut shm = SharedMemory::import(&ctx, msg, &[]).unwrap();
+        assert_eq!(shm.len(), want, "the shared range is the block");
+        assert_eq!(shm.mapping().len(), want, "the whole imported allocation is the block");
+        let mut word = [0u32; 1];
+        assert!(matches!(shm.copy_to_host(want, &mut word), Err(Error::InvalidArgument(_))));
+        assert!(matches!(shm.copy_to_host(want - 2, &mut word), Err(Error::InvalidArgument(_))));
+        shm.copy_to_host(want - 4, &mut word).unwrap();
+        assert_eq!(k.count_pattern_mismatches(&st, &shm.as_slice::<u32>(), 0, 71).unwrap(), 0);
+        k.pattern_u32(&st, &mut shm.as_mut_slice::<u32>(), 0, 72).unwrap();
+        st.synchronize().unwrap();
+        s.write_all(&[1]).unwrap();
+        assert_eq!(byte(&mut s), 2);
+        return;
+    }
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let peer = PeerAllocator::new(&ctx, &[], ExportMode::PosixFd).unwrap();
+    let gran = peer.granularity();
+    let chunk = 4 * gran.max(2 * MIB);
+    let cache = CachingAllocator::new(peer, chunk).unwrap();
+    let fill = |ptr: u64, len: usize, seed: u32| {
+        // SAFETY: `len` bytes of a live cache block.
+        let mut v = unsafe { cuvmm::DeviceSliceMut::<u32>::from_raw_parts(ptr, len / 4) };
+        k.pattern_u32(&st, &mut v, 0, seed).unwrap();
+    };
+    let intact = |ptr: u64, len: usize, seed: u32| {
+        // SAFETY: as above.
+        let v = unsafe { cuvmm::DeviceSlice::<u32>::from_raw_parts(ptr, len / 4) };
+        k.count_pattern_mismatches(&st, &v, 0, seed).unwrap() == 0
+    };
+    // Carved blocks, the chunk's first one included, share their chunk: refused, nothing sent.
+    let neighbours: Vec<_> = (0..3).map(|_| cache.allocate(4096).unwrap()).collect();
+    for (i, b) in neighbours.iter().enumerate() {
+        fill(b.ptr(), b.len(), 900 + i as u32);
+        assert!(!b.is_shareable());
+        let (x, y) = UnixStream::pair().unwrap();
+        match b.share(x.as_fd(), 1) {
+            Err(Error::InvalidArgument(m)) => assert!(m.contains("allocate_shareable"), "{m}"),
+            other => panic!("a carved block was exported: {other:?}"),
+        }
+        drop(x);
+        assert!(recv(y.as_fd(), PeerPolicy::SameUid).is_err(), "nothing was sent");
+    }
+    // Blocks that own their physical allocation can be shared: large requests, requests that fill
+    // a chunk, and dedicated ones however small.
+    assert!(cache.allocate(chunk + 1).unwrap().is_shareable());
+    assert!(cache.allocate(chunk).unwrap().is_shareable());
+    let block = cache.allocate_shareable(4096).unwrap();
+    assert_eq!(block.len(), gran, "rounded up to the granularity");
+    assert!(block.is_shareable());
+    fill(block.ptr(), block.len(), 71);
+    st.synchronize().unwrap();
+    let before = cache.stats();
+
+    let (l, path) = listener();
+    let mut child = Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "a_shared_cache_block_exposes_exactly_the_block",
+            "--include-ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(BLOCK_IMPORTER, &path)
+        .spawn()
+        .unwrap();
+    let (mut s, _) = l.accept().unwrap();
+    let _ = std::fs::remove_file(path);
+    s.write_all(&(block.len() as u64).to_le_bytes()).unwrap();
+    block.share(s.as_fd(), 7).unwrap();
+    assert_eq!(byte(&mut s), 1, "imported");
+    assert!(intact(block.ptr(), block.len(), 72), "the importer wrote the block");
+    for (i, b) in neighbours.iter().enumerate() {
+        assert!(intact(b.ptr(), b.len(), 900 + i as u32), "neighbour {i} untouched");
+    }
+    s.write_all(&[2]).unwrap();
+    assert!(child.wait().unwrap().success(), "the importer's checks failed");
+    // A block that was shared is released when dropped, never cached for another allocation.
+    let len = block.len();
+    drop(block);
+    let after = cache.stats();
+    assert_eq!(after.mapped, before.mapped - len);
+    assert_eq!(after.cached, before.cached);
+    assert_eq!(after.in_use, before.in_use - len);
 }

@@ -38,25 +38,27 @@ fn round_trips_for_every_copy_and_buffer_kind() {
     .unwrap();
     flagged.copy_from_slice(&data);
     let mut legacy = data.clone();
-    let reg =
-        Registered::new(&ctx, &mut legacy, RegisterFlags { portable: true, ..Default::default() }).unwrap();
     let pageable = data.clone();
-    let sources: [(&str, &[u32]); 4] =
-        [("pinned", &pinned), ("flagged", &flagged), ("registered", &reg), ("pageable", &pageable)];
-    for (name, src) in sources {
-        let mut back_pinned = PinnedBuffer::<u32>::new(&ctx, n).unwrap();
-        let mut back_pageable = vec![0u32; n];
-        scope(|s| {
-            s.copy_to_device(&st, src, vv.as_mut_slice())?;
-            s.copy_on_device(&st, vv.as_slice(), plain.as_mut_slice())?;
-            let _ = s.copy_to_host(&st, plain.as_slice(), &mut back_pinned)?;
-            let _ = s.copy_to_host(&st, vv.as_slice(), &mut back_pageable)?;
-            Ok(())
-        })
-        .unwrap();
-        assert!(back_pinned[..] == data[..], "{name}: pinned destination");
-        assert!(back_pageable == data, "{name}: pageable destination");
-    }
+    let flags = RegisterFlags { portable: true, ..Default::default() };
+    Registered::with(&ctx, &mut legacy, flags, |reg| {
+        let sources: [(&str, &[u32]); 4] =
+            [("pinned", &pinned), ("flagged", &flagged), ("registered", reg), ("pageable", &pageable)];
+        for (name, src) in sources {
+            let mut back_pinned = PinnedBuffer::<u32>::new(&ctx, n).unwrap();
+            let mut back_pageable = vec![0u32; n];
+            scope(|s| {
+                s.copy_to_device(&st, src, vv.as_mut_slice())?;
+                s.copy_on_device(&st, vv.as_slice(), plain.as_mut_slice())?;
+                let _ = s.copy_to_host(&st, plain.as_slice(), &mut back_pinned)?;
+                let _ = s.copy_to_host(&st, vv.as_slice(), &mut back_pageable)?;
+                Ok(())
+            })
+            .unwrap();
+            assert!(back_pinned[..] == data[..], "{name}: pinned destination");
+            assert!(back_pageable == data, "{name}: pageable destination");
+        }
+    })
+    .unwrap();
     // Memset through the scope.
     scope(|s| s.fill_u32(&st, plain.as_mut_slice(), 0xdead_beef)).unwrap();
     assert!(plain.to_vec().unwrap().iter().all(|&x| x == 0xdead_beef));
@@ -276,7 +278,7 @@ fn bad_input_gives_typed_errors() {
     // Zero-length registration.
     let mut empty: Vec<u32> = Vec::new();
     assert!(matches!(
-        Registered::new(&ctx, &mut empty, RegisterFlags::default()),
+        Registered::with(&ctx, &mut empty, RegisterFlags::default(), |_| unreachable!()),
         Err(Error::InvalidArgument(_))
     ));
     // Registering memory that is already registered (by someone else, through the raw driver).
@@ -285,13 +287,13 @@ fn bad_input_gives_typed_errors() {
     ctx.bind().unwrap();
     // SAFETY: `v` outlives the registration, which is undone below.
     unsafe { api.cuMemHostRegister(v.as_mut_ptr().cast(), v.len(), 0) }.unwrap();
-    match Registered::new(&ctx, &mut v, RegisterFlags::default()) {
+    match Registered::with(&ctx, &mut v, RegisterFlags::default(), |_| unreachable!()) {
         Err(Error::InvalidArgument(m)) => assert!(m.contains("already registered"), "{m}"),
-        other => panic!("expected a typed error, got {:?}", other.map(|_| ())),
+        other => panic!("expected a typed error, got {:?}", other.map(|_: ()| ())),
     }
     // SAFETY: registered above.
     unsafe { api.cuMemHostUnregister(v.as_mut_ptr().cast()) }.unwrap();
-    Registered::new(&ctx, &mut v, RegisterFlags::default()).unwrap();
+    Registered::with(&ctx, &mut v, RegisterFlags::default(), |_| ()).unwrap();
     // Invalid flags.
     assert!(matches!(RegisterFlags::from_bits(0x40), Err(Error::InvalidArgument(_))));
     assert_eq!(
@@ -314,12 +316,13 @@ fn read_only_registration_follows_device_support() {
     let want = v.clone();
     let supported =
         ctx.device().flag(cuvmm::driver::sys::CUdevice_attribute::READ_ONLY_HOST_REGISTER_SUPPORTED).unwrap();
-    let r = Registered::new(&ctx, &mut v, RegisterFlags { read_only: true, ..Default::default() });
+    let st = Stream::non_blocking(&ctx).unwrap();
+    let mut dev = DeviceBuffer::<u32>::new(&ctx, want.len()).unwrap();
+    let r = Registered::with(&ctx, &mut v, RegisterFlags { read_only: true, ..Default::default() }, |r| {
+        scope(|s| s.copy_to_device(&st, r, dev.as_mut_slice())).unwrap();
+    });
     if supported {
-        let r = r.unwrap();
-        let st = Stream::non_blocking(&ctx).unwrap();
-        let mut dev = DeviceBuffer::<u32>::new(&ctx, want.len()).unwrap();
-        scope(|s| s.copy_to_device(&st, &r, dev.as_mut_slice())).unwrap();
+        r.unwrap();
         assert_eq!(dev.to_vec().unwrap(), want);
     } else {
         assert!(matches!(r, Err(Error::Unsupported { .. })));
@@ -356,4 +359,52 @@ fn priorities_blocking_events_and_write_combined_memory_work() {
     assert!(blocking.is_complete().unwrap() && hi.is_idle().unwrap() && lo.is_idle().unwrap());
     assert!(start.elapsed_ms(&blocking).unwrap() >= 0.0);
     assert_eq!(dev.to_vec().unwrap(), data);
+}
+
+/// Registers `v` through the raw driver and undoes it: succeeds only if nothing else holds a
+/// registration of that memory.
+fn registrable_again(ctx: &Context, v: &mut [u8]) -> bool {
+    let api = cuvmm::driver::driver().unwrap().api();
+    ctx.bind().unwrap();
+    // SAFETY: `v` is live for the whole call, and the registration is undone before it returns.
+    match unsafe { api.cuMemHostRegister(v.as_mut_ptr().cast(), v.len(), 0) } {
+        // SAFETY: registered just above.
+        Ok(()) => unsafe { api.cuMemHostUnregister(v.as_mut_ptr().cast()) }.map(|()| true).unwrap(),
+        Err(e) if e.is_code(cuvmm::driver::sys::CUresult::ERROR_HOST_MEMORY_ALREADY_REGISTERED) => false,
+        Err(e) => panic!("unexpected registration error: {e}"),
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_registration_never_outlives_its_closure() {
+    let ctx = ctx();
+    let mut v = vec![3u8; 1 << 20];
+    let mut w = vec![4u8; 1 << 20];
+    assert!(registrable_again(&ctx, &mut v), "nothing holds it yet");
+    // While the closure runs the memory is registered; once `with` returns it is not.
+    let inside = Registered::with(&ctx, &mut v, RegisterFlags::default(), |reg| {
+        let mut other = vec![0u8; 1];
+        assert!(registrable_again(&ctx, &mut other));
+        // The same pages are held by this registration.
+        !registrable_again(&ctx, &mut reg[..1])
+    })
+    .unwrap();
+    assert!(inside, "the memory was registered inside the closure");
+    assert!(registrable_again(&ctx, &mut v), "unregistered when `with` returned");
+    // Also when the closure panics.
+    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        Registered::with(&ctx, &mut v, RegisterFlags::default(), |_| panic!("boom")).unwrap()
+    }));
+    assert!(r.is_err());
+    assert!(registrable_again(&ctx, &mut v), "unregistered while unwinding");
+    // Swapping the handles of two nested registrations leaves each `with` undoing its own.
+    Registered::with(&ctx, &mut v, RegisterFlags::default(), |rv| {
+        Registered::with(&ctx, &mut w, RegisterFlags::default(), |rw| std::mem::swap(rv, rw)).unwrap();
+        assert_eq!(rv[0], 4, "the outer handle now names `w`");
+    })
+    .unwrap();
+    assert!(registrable_again(&ctx, &mut v) && registrable_again(&ctx, &mut w));
+    // The memory is the caller's again, unchanged.
+    assert!(v.iter().all(|&b| b == 3) && w.iter().all(|&b| b == 4));
 }

@@ -8,7 +8,8 @@ use cuvmm::Error;
 
 #[test]
 fn a_missing_library_is_driver_not_found_with_the_path_and_message() {
-    let err = Driver::load_from("/nonexistent/libcuda.so.1").err().expect("must fail");
+    // SAFETY: no such file: nothing is opened, so nothing of it runs.
+    let err = unsafe { Driver::load_from("/nonexistent/libcuda.so.1") }.err().expect("must fail");
     match &err {
         Error::DriverNotFound { tried } => {
             assert_eq!(tried.len(), 1);
@@ -25,7 +26,8 @@ fn a_missing_library_is_driver_not_found_with_the_path_and_message() {
 fn a_file_that_is_not_a_library_is_driver_not_found() {
     let path = std::env::temp_dir().join(format!("cuvmm-not-a-lib-{}", std::process::id()));
     std::fs::write(&path, b"this is not an ELF file").unwrap();
-    let err = Driver::load_from(&path).err().expect("must fail");
+    // SAFETY: not an ELF file: dlopen refuses it before running anything.
+    let err = unsafe { Driver::load_from(&path) }.err().expect("must fail");
     let _ = std::fs::remove_file(&path);
     match err {
         Error::DriverNotFound { tried } => assert!(
@@ -39,7 +41,9 @@ fn a_file_that_is_not_a_library_is_driver_not_found() {
 
 #[test]
 fn a_library_without_cu_get_proc_address_is_a_missing_entry_point() {
-    match Driver::load_from("libm.so.6").err().expect("must fail") {
+    // SAFETY: the C library's libm: its initialisers are sound, and it exports no CUDA name, so
+    // nothing of it is called.
+    match unsafe { Driver::load_from("libm.so.6") }.err().expect("must fail") {
         Error::MissingEntryPoint { name, library, .. } => {
             assert_eq!(name, "cuGetProcAddress");
             assert_eq!(library, "libm.so.6");
@@ -51,7 +55,8 @@ fn a_library_without_cu_get_proc_address_is_a_missing_entry_point() {
 #[test]
 fn a_driver_lacking_a_required_entry_point_names_it_and_its_version() {
     let lib = common::fake_driver("FAKE_MISSING_REQUIRED");
-    match Driver::load_from(&lib).err().expect("must fail") {
+    // SAFETY: the fake driver implements each entry point it exports with cuda.h's signature.
+    match unsafe { Driver::load_from(&lib) }.err().expect("must fail") {
         Error::MissingEntryPoint { name, version, reason, .. } => {
             assert_eq!(name, "cuMemCreate");
             assert_eq!(version, 10020);
@@ -64,7 +69,8 @@ fn a_driver_lacking_a_required_entry_point_names_it_and_its_version() {
 #[test]
 fn a_failing_cu_init_carries_the_drivers_name_and_text() {
     let lib = common::fake_driver("FAKE_NO_DEVICE");
-    let err = Driver::load_from(&lib).err().expect("must fail");
+    // SAFETY: the fake driver implements each entry point it exports with cuda.h's signature.
+    let err = unsafe { Driver::load_from(&lib) }.err().expect("must fail");
     match &err {
         Error::Driver { call, code, name, description } => {
             assert_eq!(*call, "cuInit");
@@ -84,7 +90,8 @@ fn a_failing_cu_init_carries_the_drivers_name_and_text() {
 #[test]
 fn the_cuda_11_resolver_is_used_when_v2_is_absent() {
     let lib = common::fake_driver("FAKE_V1_ONLY");
-    let d = Driver::load_from(&lib).expect("loads through cuGetProcAddress");
+    // SAFETY: the fake driver implements each entry point it exports with cuda.h's signature.
+    let d = unsafe { Driver::load_from(&lib) }.expect("loads through cuGetProcAddress");
     assert_eq!(d.version(), 12040);
     let mut n = -1;
     // SAFETY: the out-pointer is a valid local.
@@ -95,7 +102,8 @@ fn the_cuda_11_resolver_is_used_when_v2_is_absent() {
 #[test]
 fn a_missing_optional_entry_point_fails_only_when_called() {
     let lib = common::fake_driver("FAKE_OLD_OPTIONAL");
-    let d = Driver::load_from(&lib).expect("optional entry points may be missing");
+    // SAFETY: the fake driver implements each entry point it exports with cuda.h's signature.
+    let d = unsafe { Driver::load_from(&lib) }.expect("optional entry points may be missing");
     // SAFETY: the entry point is absent, so nothing reaches the driver.
     let err = unsafe { d.api().cuMemAllocAsync(std::ptr::null_mut(), 0, std::ptr::null_mut()) }.unwrap_err();
     match err {
@@ -110,7 +118,8 @@ fn a_missing_optional_entry_point_fails_only_when_called() {
 #[test]
 fn driver_errors_with_unknown_codes_keep_the_number() {
     let lib = common::fake_driver("FAKE_OK");
-    let d = Driver::load_from(&lib).unwrap();
+    // SAFETY: the fake driver implements each entry point it exports with cuda.h's signature.
+    let d = unsafe { Driver::load_from(&lib) }.unwrap();
     let err = d.api().check("cuSomething", CUresult(123_456)).unwrap_err();
     assert_eq!(err.code(), Some(CUresult(123_456)));
     assert_eq!(

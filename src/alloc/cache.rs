@@ -29,7 +29,20 @@ pub struct CacheStats {
 /// Requests up to the chunk size are rounded up to a power of two (at least 512 bytes) and served
 /// from chunks dedicated to that size: a cached allocation and free is a lock, a pop and a push.
 /// Larger requests get a chunk of their own (rounded up to the granularity), cached by size after
-/// free. Every allocation can be exported: its chunk travels with its offset and length.
+/// free.
+///
+/// # Sharing
+///
+/// Exporting memory exports a whole physical allocation: the importer maps all of it, whatever
+/// range the message names. So [`SubAllocation::share`] exports only blocks that own their whole
+/// physical allocation: those from [`allocate_shareable`](Self::allocate_shareable), and those
+/// from [`allocate`](Self::allocate) that happen to fill a chunk (requests larger than half the
+/// chunk size). A block carved from a chunk that holds other blocks is refused with
+/// [`Error::InvalidArgument`], since its importer could read and write its neighbours.
+///
+/// An importer keeps the physical memory for as long as it holds its mapping, so a block that was
+/// shared is never reused: when it is dropped its memory goes back to the driver instead of into
+/// the cache, and no later allocation can land where an importer still looks.
 #[derive(Clone)]
 pub struct CachingAllocator {
     inner: Arc<Inner>,
@@ -46,6 +59,9 @@ struct Chunk {
     /// Size class, or `None` for a dedicated large chunk.
     class: Option<u32>,
     live: usize,
+    /// Exported at least once: other processes may still map it, so it is released, not cached,
+    /// once its block is freed.
+    exported: bool,
 }
 
 #[derive(Clone, Copy)]
@@ -95,7 +111,7 @@ impl CachingAllocator {
         &self.inner.peer
     }
 
-    /// At least `size` bytes.
+    /// At least `size` bytes, carved from a shared chunk when `size` is at most half the chunk.
     pub fn allocate(&self, size: usize) -> Result<SubAllocation> {
         if size == 0 {
             return Err(Error::invalid("cannot allocate zero bytes"));
@@ -115,10 +131,22 @@ impl CachingAllocator {
         // A new chunk, made without holding the lock (driver calls take tens of microseconds).
         let alloc = self.inner.peer.allocate(self.inner.chunk)?;
         let mut st = lock(&self.inner.state);
-        let id = st.insert(Chunk { alloc, class: Some(class), live: 0 });
+        let id = st.insert(Chunk { alloc, class: Some(class), live: 0, exported: false });
         let blocks = self.inner.chunk / block_size;
         st.free[ci].extend((1..blocks).rev().map(|i| Block { chunk: id, offset: i * block_size }));
         Ok(self.hand_out(&mut st, Block { chunk: id, offset: 0 }, block_size, size))
+    }
+
+    /// At least `size` bytes in a physical allocation of their own (rounded up to the granularity),
+    /// which [`SubAllocation::share`] can export without exposing any other allocation.
+    ///
+    /// Served from the cache of freed large blocks of the same rounded size when there is one
+    /// (never from one that was shared).
+    pub fn allocate_shareable(&self, size: usize) -> Result<SubAllocation> {
+        if size == 0 {
+            return Err(Error::invalid("cannot allocate zero bytes"));
+        }
+        self.allocate_large(size)
     }
 
     fn allocate_large(&self, size: usize) -> Result<SubAllocation> {
@@ -133,7 +161,7 @@ impl CachingAllocator {
         }
         let alloc = self.inner.peer.allocate(rounded)?;
         let mut st = lock(&self.inner.state);
-        let id = st.insert(Chunk { alloc, class: None, live: 0 });
+        let id = st.insert(Chunk { alloc, class: None, live: 0, exported: false });
         Ok(self.hand_out(&mut st, Block { chunk: id, offset: 0 }, rounded, size))
     }
 
@@ -219,10 +247,32 @@ impl SubAllocation {
         self.requested
     }
 
-    /// Sends this allocation (its chunk, with this block's offset and length) over `sock`.
-    pub fn share(&self, sock: BorrowedFd<'_>, tag: u64) -> Result<WireHandle> {
+    /// Whether this block is its whole physical allocation, so that [`share`](Self::share) can
+    /// export it.
+    pub fn is_shareable(&self) -> bool {
         let st = lock(&self.cache.state);
-        st.chunk(self.block.chunk).alloc.share(sock, self.block.offset, self.size, tag)
+        owns_whole_chunk(self.block, self.size, st.chunk(self.block.chunk).alloc.len())
+    }
+
+    /// Sends this block's physical allocation over `sock`; the importer maps exactly this block.
+    ///
+    /// Refused with [`Error::InvalidArgument`] for a block carved from a chunk it shares with
+    /// other blocks (see [`CachingAllocator`]'s section on sharing). Once shared, the block's
+    /// memory is released rather than cached when it is dropped.
+    pub fn share(&self, sock: BorrowedFd<'_>, tag: u64) -> Result<WireHandle> {
+        let mut st = lock(&self.cache.state);
+        let c = st.chunk_mut(self.block.chunk);
+        if !owns_whole_chunk(self.block, self.size, c.alloc.len()) {
+            return Err(Error::invalid(format!(
+                "this {}-byte block shares a {}-byte physical allocation with other blocks, all of which \
+                 its importer could reach; allocate it with CachingAllocator::allocate_shareable",
+                self.size,
+                c.alloc.len()
+            )));
+        }
+        // Marked before sending: if the send fails part-way the peer may hold the handle anyway.
+        c.exported = true;
+        c.alloc.share(sock, 0, self.size, tag)
     }
 }
 
@@ -235,15 +285,52 @@ impl std::fmt::Debug for SubAllocation {
     }
 }
 
+/// Whether a block of `size` bytes at `block.offset` covers all `alloc_len` bytes of its chunk.
+fn owns_whole_chunk(block: Block, size: usize, alloc_len: usize) -> bool {
+    block.offset == 0 && size == alloc_len
+}
+
 impl Drop for SubAllocation {
     fn drop(&mut self) {
-        let mut st = lock(&self.cache.state);
-        st.in_use -= self.size;
-        let c = st.chunk_mut(self.block.chunk);
-        c.live -= 1;
-        match c.class {
-            Some(class) => st.free[(class - MIN_CLASS) as usize].push(self.block),
-            None => st.large_free.push(self.block.chunk),
-        }
+        let released = {
+            let mut st = lock(&self.cache.state);
+            st.in_use -= self.size;
+            let c = st.chunk_mut(self.block.chunk);
+            c.live -= 1;
+            if c.exported {
+                // The block was the chunk's only one, so nothing else refers to the chunk.
+                debug_assert_eq!(c.live, 0);
+                let released = st.chunks[self.block.chunk].take();
+                st.spare_ids.push(self.block.chunk);
+                released
+            } else {
+                match c.class {
+                    Some(class) => st.free[(class - MIN_CLASS) as usize].push(self.block),
+                    None => st.large_free.push(self.block.chunk),
+                }
+                None
+            }
+        };
+        // Unmapped outside the lock: an unmap waits for the device.
+        drop(released);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_a_block_covering_its_whole_chunk_is_shareable() {
+        let at = |offset| Block { chunk: 0, offset };
+        let mib = 1 << 20;
+        // A dedicated chunk (allocate_shareable, large requests), or the one block of a size class
+        // as large as the chunk.
+        assert!(owns_whole_chunk(at(0), 2 * mib, 2 * mib));
+        assert!(owns_whole_chunk(at(0), 6 * mib, 6 * mib));
+        // Carved blocks, the first one included: others live beside them.
+        assert!(!owns_whole_chunk(at(0), 512, 2 * mib));
+        assert!(!owns_whole_chunk(at(mib), mib, 2 * mib));
+        assert!(!owns_whole_chunk(at(4096), 4096, 2 * mib));
     }
 }

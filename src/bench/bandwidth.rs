@@ -147,29 +147,34 @@ pub fn run(ctx: &Context, sizes: &[usize], reps: usize, staging: &mut Staging) -
             })
             .and_then(|()| e0.elapsed_ms(&e1))?;
             put(6, gbs(2 * size, t as f64 / 1e3));
-            // Registered: register the pageable buffers (cost timed apart), copy, unregister.
-            let (reg, t_reg) =
-                timed(|| Registered::new(ctx, &mut page_src[..size], RegisterFlags::default()));
-            let reg = reg?;
-            let t = scope(|s| {
-                e0.record(&s1)?;
-                s.copy_to_device(&s1, &reg, dev.as_mut_slice().slice_mut(0..size)?)?;
-                e1.record(&s1)?;
-                Ok(())
-            })
-            .and_then(|()| e0.elapsed_ms(&e1))?;
-            put(7, gbs(size, t as f64 / 1e3));
-            let ((), t_unreg) = timed(|| drop(reg));
+            // Registered: register the registration buffers (cost timed apart), copy, unregister.
+            // Registration is closure-scoped: the time to enter the closure is the registration's,
+            // the time from its end until `with` returns the unregistration's.
+            let start = std::time::Instant::now();
+            let (t_reg, left, t) =
+                Registered::with(ctx, &mut reg_src[..size], RegisterFlags::default(), |reg| {
+                    let t_reg = start.elapsed();
+                    let t = scope(|s| {
+                        e0.record(&s1)?;
+                        s.copy_to_device(&s1, reg, dev.as_mut_slice().slice_mut(0..size)?)?;
+                        e1.record(&s1)?;
+                        Ok(())
+                    })
+                    .and_then(|()| e0.elapsed_ms(&e1));
+                    (t_reg, std::time::Instant::now(), t)
+                })?;
+            let t_unreg = left.elapsed();
+            put(7, gbs(size, t? as f64 / 1e3));
             put(11, (t_reg + t_unreg).as_secs_f64() * 1e6);
-            let mut reg_dst = Registered::new(ctx, &mut reg_dst[..size], RegisterFlags::default())?;
-            let t = scope(|s| {
-                e0.record(&s1)?;
-                let _ = s.copy_to_host(&s1, dev.as_slice().slice(0..size)?, &mut reg_dst)?;
-                e1.record(&s1)?;
-                Ok(())
-            })
-            .and_then(|()| e0.elapsed_ms(&e1))?;
-            drop(reg_dst);
+            let t = Registered::with(ctx, &mut reg_dst[..size], RegisterFlags::default(), |reg_dst| {
+                scope(|s| {
+                    e0.record(&s1)?;
+                    let _ = s.copy_to_host(&s1, dev.as_slice().slice(0..size)?, reg_dst)?;
+                    e1.record(&s1)?;
+                    Ok(())
+                })
+                .and_then(|()| e0.elapsed_ms(&e1))
+            })??;
             put(8, gbs(size, t as f64 / 1e3));
             // Staged pageable path: host clock to completion.
             let (r, t) =

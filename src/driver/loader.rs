@@ -12,6 +12,13 @@ use std::sync::OnceLock;
 ///
 /// Tests use it to exercise the failure paths (`CUVMM_LIBCUDA=/nonexistent cuvmm info`); it also
 /// lets a user pick one of several installed drivers.
+///
+/// It is trusted configuration, like `LD_LIBRARY_PATH` or `LD_PRELOAD`: whoever sets it chooses
+/// the code that runs inside the process, and [`Driver::load_default`] and [`driver`] load the
+/// library it names under the contract of [`Driver::load_from`] without checking it. A program
+/// that runs with more privileges than whoever controls its environment (a setuid binary, a
+/// service that passes a client's environment on) must remove it, as the dynamic loader ignores
+/// `LD_PRELOAD` in such programs.
 pub const LIBRARY_ENV: &str = "CUVMM_LIBCUDA";
 
 /// The sonames tried, in order, when [`LIBRARY_ENV`] is not set.
@@ -92,9 +99,16 @@ pub fn driver() -> Result<&'static Driver> {
 
 impl Driver {
     /// Opens the library named by [`LIBRARY_ENV`], or else the first of [`DEFAULT_LIBRARIES`] that opens.
+    ///
+    /// Safe because both sources are trusted: the default sonames are what the system's dynamic
+    /// loader resolves to the installed NVIDIA driver, and [`LIBRARY_ENV`] is configuration with
+    /// the standing of `LD_PRELOAD` (its documentation says why).
     pub fn load_default() -> Result<Driver> {
         if let Some(path) = std::env::var_os(LIBRARY_ENV) {
-            return Driver::load_from(path);
+            // SAFETY: the variable is trusted configuration (see LIBRARY_ENV): whoever sets it
+            // vouches that it names a CUDA driver, as whoever sets LD_PRELOAD vouches for what it
+            // names.
+            return unsafe { Driver::load_from(path) };
         }
         let mut tried = Vec::new();
         for name in DEFAULT_LIBRARIES {
@@ -107,7 +121,23 @@ impl Driver {
     }
 
     /// Opens the driver library at `path` (not cached: each call resolves afresh).
-    pub fn load_from(path: impl AsRef<OsStr>) -> Result<Driver> {
+    ///
+    /// # Safety
+    ///
+    /// Opening a library runs its initialisers, and every entry point resolved from it is then
+    /// called with the signature `cuda.h` gives it, with nothing to check that the library agrees.
+    /// So `path` must name an NVIDIA CUDA driver library, or a library that implements every entry
+    /// point it exports under a CUDA name (`cuGetProcAddress`, `cuGetProcAddress_v2`, and each
+    /// one those resolve) with `cuda.h`'s signature and semantics, and whose initialisers are
+    /// sound to run in this process. A library that exports neither resolver is refused with
+    /// [`Error::MissingEntryPoint`] after its initialisers ran, and nothing else of it is called.
+    ///
+    /// Calling it without `unsafe` does not compile:
+    ///
+    /// ```compile_fail,E0133
+    /// let _ = cuvmm::driver::Driver::load_from("/usr/lib/libcuda.so.1");
+    /// ```
+    pub unsafe fn load_from(path: impl AsRef<OsStr>) -> Result<Driver> {
         let path = path.as_ref();
         let handle = open(path).map_err(|a| Error::DriverNotFound { tried: vec![a] })?;
         Driver::from_handle(&path.to_string_lossy(), handle)
