@@ -373,6 +373,7 @@ fn an_allocation_imported_by_its_own_exporter_is_one_memory_under_two_writable_v
     let (x, y) = UnixStream::pair().unwrap();
     a.share(x.as_fd(), MIB, 2 * MIB, 5).unwrap();
     let mut shm = SharedMemory::import(&ctx, recv(y.as_fd(), PeerPolicy::SameUid).unwrap(), &[]).unwrap();
+    drop((x, y));
     assert_eq!(shm.len(), 2 * MIB);
     assert_ne!(shm.ptr(), a.ptr() + MIB as u64, "a second mapping, not the exporter's");
     let words = (MIB / 4)..(3 * MIB / 4); // the shared range in the exporter's view, as u32s

@@ -32,7 +32,13 @@ fn threads_grow_vectors_and_share_one_allocator() {
                             model.truncate(model.len() / 2);
                             v.shrink_to_fit().unwrap();
                         }
-                        let a = cache.allocate(512 << (i % 8)).unwrap();
+                        // Blocks to be shared get their own physical allocation: a shared block
+                        // must not expose its neighbours.
+                        let a = if i % 20 == 0 {
+                            cache.allocate_shareable(512 << (i % 8)).unwrap()
+                        } else {
+                            cache.allocate(512 << (i % 8)).unwrap()
+                        };
                         let payload = [t ^ i; 32];
                         // SAFETY: the block holds at least 512 bytes of mapped device memory.
                         let mut dst = unsafe { cuvmm::DeviceSliceMut::<u32>::from_raw_parts(a.ptr(), 32) };

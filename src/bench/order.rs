@@ -119,5 +119,15 @@ pub fn run(ctx: &Context, bytes: usize, iters: usize) -> Result<Vec<OrderRow>> {
         b.synchronize()
     })?;
     rows.push(OrderRow { what: "kernel, alternating two streams", tracked_us: t, raw_us: r });
+
+    // The record's own host cost, without the operation it orders.
+    let (t, r) = compare(iters * 50, |tracked, iters| {
+        for _ in 0..iters {
+            let mut dst = if tracked { v.as_mut_slice() } else { raw() };
+            std::hint::black_box(&mut dst).prepare_write(&a)?;
+        }
+        Ok(())
+    })?;
+    rows.push(OrderRow { what: "prepare_write alone, one stream", tracked_us: t, raw_us: r });
     Ok(rows)
 }
