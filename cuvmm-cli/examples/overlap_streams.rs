@@ -2,10 +2,13 @@
 //! timeline to `overlap.svg` (or the path given). Run:
 //! `cargo run --release --example overlap_streams [-- FILE.svg]`.
 
+#[path = "../../cuvmm/examples/common/mod.rs"]
+mod common;
+
 use cuvmm::Context;
 use cuvmm_cli::bench::overlap::{self, OverlapConfig};
 
-fn main() -> Result<(), Box<dyn std::error::Error>> {
+fn run() -> Result<(), Box<dyn std::error::Error>> {
     let path = std::env::args().nth(1).unwrap_or_else(|| "overlap.svg".into());
     let ctx = Context::for_ordinal(0)?;
     let r = overlap::run(&ctx, OverlapConfig::default())?;
@@ -25,4 +28,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     std::fs::write(&path, overlap::svg(r.fastest(), &title))?;
     println!("timeline of '{}' written to {path}", r.fastest().name);
     Ok(())
+}
+
+fn main() -> std::process::ExitCode {
+    common::report("overlap_streams", run())
 }

@@ -2,11 +2,14 @@
 //! memory and cuvmm's staged pageable path, measured. Run:
 //! `cargo run --release --example pinned_vs_pageable [-- MiB]`.
 
+#[path = "../../cuvmm/examples/common/mod.rs"]
+mod common;
+
 use cuvmm::host::Staging;
 use cuvmm::Context;
 use cuvmm_cli::bench::bandwidth;
 
-fn main() -> cuvmm::Result<()> {
+fn run() -> cuvmm::Result<()> {
     let mib: usize = std::env::args().nth(1).and_then(|s| s.parse().ok()).unwrap_or(256);
     let ctx = Context::for_ordinal(0)?;
     let mut staging = Staging::with_defaults(&ctx)?;
@@ -30,4 +33,8 @@ fn main() -> cuvmm::Result<()> {
         r.pinned[1] / r.pageable[1]
     );
     Ok(())
+}
+
+fn main() -> std::process::ExitCode {
+    common::report("pinned_vs_pageable", run())
 }

@@ -1,10 +1,12 @@
 //! Seed 002: events between a copy and a kernel on two streams, a host callback that consumes the
 //! result, and CPU work overlapped meanwhile. Run: `cargo run --release --example events_callbacks`.
 
+mod common;
+
 use cuvmm::{scope, Context, DeviceBuffer, Event, PinnedBuffer, Stream};
 use std::sync::Mutex;
 
-fn main() -> cuvmm::Result<()> {
+fn run() -> cuvmm::Result<()> {
     let ctx = Context::for_ordinal(0)?;
     let k = cuvmm::kernels::Kernels::load(&ctx)?;
     let (copy, work) = (Stream::non_blocking(&ctx)?, Stream::non_blocking(&ctx)?);
@@ -43,4 +45,8 @@ fn main() -> cuvmm::Result<()> {
     println!("the CPU did {cpu_iterations} units of work meanwhile");
     println!("callback's sum of {n} results: {:.1}", result.into_inner().unwrap());
     Ok(())
+}
+
+fn main() -> std::process::ExitCode {
+    common::report("events_callbacks", run())
 }

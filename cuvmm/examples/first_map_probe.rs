@@ -4,11 +4,13 @@
 //! then a small memset ("woken").
 //! Run: `cargo run --release --example first_map_probe`.
 
+mod common;
+
 use cuvmm::vmm::{Access, PhysicalMemory, Reservation};
 use cuvmm::Context;
 use std::time::Instant;
 
-fn main() -> cuvmm::Result<()> {
+fn run() -> cuvmm::Result<()> {
     let ctx = Context::for_ordinal(0)?;
     let total = ctx.device().total_memory()?;
     let api = cuvmm::driver::driver()?.api();
@@ -83,4 +85,8 @@ fn main() -> cuvmm::Result<()> {
         }
     }
     Ok(())
+}
+
+fn main() -> std::process::ExitCode {
+    common::report("first_map_probe", run())
 }

@@ -1,10 +1,12 @@
 //! Grows a `VmmVec` in steps, then shrinks it, printing length, capacity and mapped bytes.
 //! Run: `cargo run --release --example growable_vec [-- STEPS]`.
 
+mod common;
+
 use cuvmm::{Context, VmmVec};
 use std::time::Instant;
 
-fn main() -> cuvmm::Result<()> {
+fn run() -> cuvmm::Result<()> {
     let steps: usize = std::env::args().nth(1).and_then(|s| s.parse().ok()).unwrap_or(16);
     let ctx = Context::for_ordinal(0)?;
     let mut v = VmmVec::<f32>::new(&ctx)?;
@@ -41,4 +43,8 @@ fn main() -> cuvmm::Result<()> {
     drop(v);
     println!("dropped: {} MiB returned to the device", (ctx.memory_info()?.free - free) >> 20);
     Ok(())
+}
+
+fn main() -> std::process::ExitCode {
+    common::report("growable_vec", run())
 }

@@ -5,6 +5,8 @@
 //! `cargo run --release --example ipc_share` runs both (it starts itself as the importer);
 //! `ipc_share export PATH` and `ipc_share import PATH` run one side each.
 
+mod common;
+
 use cuvmm::alloc::{ExportMode, PeerAllocator};
 use cuvmm::ipc::{recv, PeerPolicy, SharedMemory};
 use cuvmm::kernels::Kernels;
@@ -68,7 +70,7 @@ fn import(path: &str) -> R {
     Ok(())
 }
 
-fn main() -> R {
+fn run() -> R {
     let args: Vec<String> = std::env::args().collect();
     let default_path = std::env::temp_dir().join("cuvmm-ipc-share.sock").to_string_lossy().into_owned();
     match args.get(1).map(String::as_str) {
@@ -76,4 +78,8 @@ fn main() -> R {
         Some("import") => import(args.get(2).unwrap_or(&default_path)),
         _ => export(&default_path, true),
     }
+}
+
+fn main() -> std::process::ExitCode {
+    common::report("ipc_share", run())
 }

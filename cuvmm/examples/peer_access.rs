@@ -2,12 +2,14 @@
 //! narrowed again. On one GPU it says so and exits cleanly.
 //! Run: `cargo run --release --example peer_access`.
 
+mod common;
+
 use cuvmm::alloc::{ExportMode, PeerAllocator};
 use cuvmm::kernels::Kernels;
 use cuvmm::vmm::Access;
 use cuvmm::{Context, Device, Stream};
 
-fn main() -> cuvmm::Result<()> {
+fn run() -> cuvmm::Result<()> {
     let devices = Device::all()?;
     if devices.len() < 2 {
         println!("peer_access needs two GPUs; this machine has {}. Nothing to do.", devices.len());
@@ -28,4 +30,8 @@ fn main() -> cuvmm::Result<()> {
     a.set_access(&[(devices[1], Access::None)])?;
     println!("after narrowing, device 1 access: {:?}", a.access(devices[1])?);
     Ok(())
+}
+
+fn main() -> std::process::ExitCode {
+    common::report("peer_access", run())
 }

@@ -2,12 +2,14 @@
 //! GPU, added by a kernel on device 0. On one GPU the stripes all live on it.
 //! Run: `cargo run --release --example vector_add_mmap [-- N]`.
 
+mod common;
+
 use cuvmm::kernels::Kernels;
 use cuvmm::stream::copy;
 use cuvmm::vmm::Striped;
 use cuvmm::{Context, Device, Stream};
 
-fn main() -> Result<(), Box<dyn std::error::Error>> {
+fn run() -> Result<(), Box<dyn std::error::Error>> {
     let n: usize = std::env::args().nth(1).and_then(|s| s.parse().ok()).unwrap_or(50_000_000);
     let ctxs: Vec<Context> = Device::all()?.into_iter().map(Context::new).collect::<cuvmm::Result<_>>()?;
     let bytes = n * 4;
@@ -42,4 +44,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     println!("c = a + b verified for all {n} elements");
     Ok(())
+}
+
+fn main() -> std::process::ExitCode {
+    common::report("vector_add_mmap", run())
 }

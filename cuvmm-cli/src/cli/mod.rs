@@ -22,8 +22,8 @@ enum Command {
     /// The tour (the default): capability report, a growing VmmVec, sharing with a child process,
     /// bandwidth, overlap; pictures written to a folder.
     Tour {
-        /// Where the pictures go.
-        #[arg(long, default_value = "target/cuvmm-tour")]
+        /// Where the pictures go (cuvmm-tour in the system's temporary folder unless given).
+        #[arg(long, default_value_os_t = default_tour_dir())]
         out: std::path::PathBuf,
         /// Device ordinal.
         #[arg(long, default_value_t = 0)]
@@ -59,8 +59,14 @@ enum Command {
 pub type CliResult = Result<(), Box<dyn std::error::Error>>;
 
 /// Runs the chosen subcommand.
+/// Where the tour writes its pictures unless told: the system's temporary folder, so running it
+/// leaves nothing behind in the current directory.
+fn default_tour_dir() -> std::path::PathBuf {
+    std::env::temp_dir().join("cuvmm-tour")
+}
+
 pub fn run(args: Args) -> CliResult {
-    match args.command.unwrap_or(Command::Tour { out: "target/cuvmm-tour".into(), device: 0 }) {
+    match args.command.unwrap_or(Command::Tour { out: default_tour_dir(), device: 0 }) {
         Command::Tour { out, device } => tour::run(&out, device),
         Command::TourChild { socket } => tour::child(&socket),
         Command::Info { json } => info::run(json),

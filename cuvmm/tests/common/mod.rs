@@ -10,7 +10,11 @@ const FAKE_SOURCE: &str = include_str!("../fixtures/fake_libcuda.c");
 /// system C compiler and returns its path. The source is embedded, so this works wherever the test
 /// binary runs, the GPU machine included.
 pub fn fake_driver(mode: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("cuvmm-fake-{}", std::process::id()));
+    // Cargo's scratch folder for integration tests, inside target/, so nothing is left in /tmp;
+    // a copied test executable (on a GPU machine) falls back to the system's temporary folder.
+    let scratch = PathBuf::from(env!("CARGO_TARGET_TMPDIR"));
+    let base = if scratch.is_dir() { scratch } else { std::env::temp_dir() };
+    let dir = base.join(format!("cuvmm-fake-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("temp dir");
     let src = dir.join("fake_libcuda.c");
     std::fs::write(&src, FAKE_SOURCE).expect("write fake source");
