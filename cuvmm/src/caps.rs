@@ -1,4 +1,7 @@
 //! The capability report: what each device and the machine support, read from the driver.
+//!
+//! Reach for it before relying on a feature (POSIX-fd or fabric export, host-located memory,
+//! peer access): `cuvmm info` prints the same report.
 
 use crate::context::Context;
 use crate::device::Device;

@@ -1,4 +1,8 @@
 //! Loading PTX and launching kernels.
+//!
+//! Reach for it to run your own kernels: [`Module::from_ptx`], then [`Function::launch`] with
+//! views' addresses; order them with the views' `prepare_read` / `prepare_write` (see
+//! [`crate::stream::order`]).
 
 use crate::context::Context;
 use crate::driver::{driver, sys::*};

@@ -1,4 +1,9 @@
-//! The VMM core: physical memory, address reservations, mappings, access, striping.
+//! The VMM core: physical memory, address reservations, mappings, access, striping, and the
+//! growable [`VmmVec`] built on them.
+//!
+//! Reach for [`VmmVec`] when you need a device array that grows; for the pieces
+//! ([`PhysicalMemory`], [`Reservation`], [`Mapping`]) when you write an allocator, alias memory at
+//! several addresses, or lay one array over several GPUs ([`Striped`]).
 //!
 //! ```no_run
 //! # fn main() -> cuvmm::Result<()> {
