@@ -109,6 +109,8 @@
 pub mod alloc;
 pub mod caps;
 pub mod context;
+#[cfg(feature = "cudarc")]
+pub mod cudarc;
 pub mod device;
 pub mod driver;
 pub mod error;

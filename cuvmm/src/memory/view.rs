@@ -89,6 +89,7 @@ fn sub_range(len: usize, r: &Range<usize>) -> Result<()> {
 /// The borrow keeps the memory mapped for as long as the view exists on the host; device work
 /// queued through it stays safe afterwards because cuvmm's owners synchronise before they unmap.
 #[derive(Clone, Copy, Debug)]
+#[repr(C)] // the address first: a view is a kernel argument for cudarc (feature `cudarc`)
 pub struct DeviceSlice<'a, T> {
     ptr: CUdeviceptr,
     len: usize,
@@ -98,6 +99,7 @@ pub struct DeviceSlice<'a, T> {
 
 /// A borrowed, writable view of device memory.
 #[derive(Debug)]
+#[repr(C)] // as `DeviceSlice`
 pub struct DeviceSliceMut<'a, T> {
     ptr: CUdeviceptr,
     len: usize,

@@ -35,6 +35,9 @@ pub(crate) struct StreamInner {
     pub(crate) raw: CUstream,
     /// Unique for the life of the process: raw handles are reused after a stream is destroyed.
     pub(crate) id: u64,
+    /// For a stream another library created: what keeps it alive. Such a stream is never
+    /// destroyed here.
+    pub(crate) borrowed: Option<Box<dyn std::any::Any + Send + Sync>>,
 }
 
 // SAFETY: a stream handle may be used from any thread (the driver API is thread-safe and every
@@ -81,8 +84,17 @@ impl Stream {
             // SAFETY: as above.
             None => unsafe { api.cuStreamCreate(&mut raw, flags) }?,
         }
+        Ok(Stream::from_parts(ctx, raw, None))
+    }
+
+    /// Wraps `raw`; `borrowed` is `None` for a stream this crate created and destroys.
+    pub(crate) fn from_parts(
+        ctx: &Context,
+        raw: CUstream,
+        borrowed: Option<Box<dyn std::any::Any + Send + Sync>>,
+    ) -> Stream {
         let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
-        Ok(Stream { inner: Arc::new(StreamInner { ctx: ctx.clone(), raw, id }) })
+        Stream { inner: Arc::new(StreamInner { ctx: ctx.clone(), raw, id, borrowed }) }
     }
 
     /// Blocks until all queued work is done.
@@ -187,6 +199,9 @@ impl std::fmt::Debug for Stream {
 
 impl Drop for StreamInner {
     fn drop(&mut self) {
+        if self.borrowed.is_some() {
+            return; // its owner destroys it; dropping `borrowed` releases our hold on it
+        }
         let (ctx, raw) = (self.ctx.clone(), crate::driver::callback::Handle(self.raw));
         crate::driver::callback::release(move || {
             let raw = raw;

@@ -147,7 +147,10 @@ impl RawVmm {
 /// println!("{} elements, {} bytes mapped", v.len(), v.mapped_bytes());
 /// # Ok(()) }
 /// ```
+#[repr(C)] // `base` first: the vector is a kernel argument for cudarc (feature `cudarc`)
 pub struct VmmVec<T: DeviceCopy> {
+    /// The first element's address, `raw.base()` kept at hand.
+    base: CUdeviceptr,
     raw: RawVmm,
     len: usize,
     /// Streams that used the elements (see [`crate::stream::order`]).
@@ -197,12 +200,8 @@ impl<T: DeviceCopy> VmmVecBuilder<T> {
             Some(r) => r,
             None => self.phys.context().device().total_memory()?,
         };
-        Ok(VmmVec {
-            raw: RawVmm::new(self.phys, self.policy, reserve)?,
-            len: 0,
-            order: Tracker::new(),
-            _t: PhantomData,
-        })
+        let raw = RawVmm::new(self.phys, self.policy, reserve)?;
+        Ok(VmmVec { base: raw.base(), raw, len: 0, order: Tracker::new(), _t: PhantomData })
     }
 }
 
@@ -280,6 +279,7 @@ impl<T: DeviceCopy> VmmVec<T> {
         let base = self.raw.base();
         self.raw.grow_to(bytes_for(want, Self::elem())?)?;
         if self.raw.base() != base {
+            self.base = self.raw.base();
             // The old mappings were dropped, which waited for all work on them: the record
             // speaks of addresses that no longer exist.
             self.order.clear();
