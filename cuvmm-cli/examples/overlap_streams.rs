@@ -1,4 +1,4 @@
-//! Seed 000: overlapping copies and kernels with several streams; writes the fastest schedule's
+//! Overlapping copies and kernels with several streams; writes the fastest schedule's
 //! timeline to `overlap.svg` (or the path given). Run:
 //! `cargo run --release --example overlap_streams [-- FILE.svg]`.
 

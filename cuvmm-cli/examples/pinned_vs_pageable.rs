@@ -1,4 +1,4 @@
-//! Seed 001: the same transfer from pageable memory (a plain `Vec`), pinned memory, registered
+//! The same transfer from pageable memory (a plain `Vec`), pinned memory, registered
 //! memory and cuvmm's staged pageable path, measured. Run:
 //! `cargo run --release --example pinned_vs_pageable [-- MiB]`.
 

@@ -1,4 +1,4 @@
-//! Seed 002: events between a copy and a kernel on two streams, a host callback that consumes the
+//! Events between a copy and a kernel on two streams, a host callback that consumes the
 //! result, and CPU work overlapped meanwhile. Run: `cargo run --release --example events_callbacks`.
 
 mod common;

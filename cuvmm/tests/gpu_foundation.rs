@@ -1,4 +1,5 @@
-//! Foundation checks that need a CUDA GPU: run on the GPU machine with `bash .gpu/run`.
+//! Foundation checks that need a CUDA GPU (run with `cargo test -- --include-ignored`, or in a
+//! bundle from `tools/gpu-bundle`).
 
 use cuvmm::caps::{DeviceCaps, Report};
 use cuvmm::driver::{driver, sys::CUresult};

@@ -1,5 +1,5 @@
 //! `cuvmm bench bandwidth`: host↔device copies from pageable, pinned and registered memory, and the
-//! staged pageable path, 1 MiB to 1 GiB (seeds 000 and 001).
+//! staged pageable path, 1 MiB to 1 GiB.
 
 use super::{median, timed};
 use cuvmm::context::Context;

@@ -1,4 +1,4 @@
-//! `cuvmm bench events`: seed 002's pipeline. A copy in on one stream, an event, a second stream
+//! `cuvmm bench events`: an event-ordered pipeline. A copy in on one stream, an event, a second stream
 //! that waits for it, runs the kernel and copies back, then a host callback that consumes the
 //! result, while the CPU computes the reference meanwhile.
 

@@ -1,6 +1,6 @@
-//! `cuvmm bench overlap`: seed 000's experiment. N floats go host→device, through a compute
+//! `cuvmm bench overlap`: the multi-stream overlap workload. N floats go host→device, through a compute
 //! kernel and back, scheduled serially, breadth-first over N streams (all copies in, all kernels,
-//! all copies out: the lecture's "NVIDIA approach"), depth-first over N streams, and as cuvmm's
+//! all copies out), depth-first over N streams, and as cuvmm's
 //! event-ordered pipeline (one stream per stage, events between the stages of each chunk).
 
 use cuvmm::context::Context;
@@ -327,7 +327,7 @@ fn plan<'a>(
 }
 
 /// Draws a schedule's timeline as SVG: one lane per stream, one box per operation, like the
-/// lecture's chronograms.
+/// classic per-stream timelines.
 pub fn svg(schedule: &Schedule, title: &str) -> String {
     let mut lanes: Vec<&str> = Vec::new();
     for s in &schedule.spans {

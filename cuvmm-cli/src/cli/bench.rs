@@ -54,7 +54,7 @@ pub enum Bench {
         #[arg(long)]
         json: bool,
     },
-    /// Seed 000's overlap experiment: serial, breadth-first, depth-first and pipelined schedules.
+    /// The multi-stream overlap workload: serial, breadth-first, depth-first and pipelined schedules.
     Overlap {
         /// Floats (64 Mi = 256 MiB).
         #[arg(long, default_value_t = 64 << 20)]
@@ -81,7 +81,7 @@ pub enum Bench {
         #[arg(long)]
         json: bool,
     },
-    /// Seed 002's event-ordered pipeline with a host callback consuming the result.
+    /// An event-ordered pipeline with a host callback consuming the result.
     Events {
         /// Floats.
         #[arg(long, default_value_t = 16 << 20)]
@@ -560,7 +560,7 @@ pub(super) fn print_bandwidth(
             staging.threads(),
             show(staging.chunk())
         )?;
-        // Seed 001's comparison, with this machine's numbers in place of its claims.
+        // The pinned-vs-pageable comparison, with this machine's numbers beside the usual rule of thumb.
         writeln!(out, "\n=== Pinned vs Pageable Memory Transfer (measured, {}) ===", show(r.size))?;
         writeln!(out, "[Pageable (malloc) Memory]")?;
         writeln!(out, "  Allocation:   let v = vec![0u8; bytes]")?;

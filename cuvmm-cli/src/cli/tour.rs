@@ -90,7 +90,7 @@ pub fn run(out_dir: &Path, device: usize) -> CliResult {
     write_bandwidth(out_dir, &rows, &name)?;
 
     step(5, "overlapping copies and kernels");
-    writeln!(out, "\n== 5. Overlapping copies and kernels (the lecture's experiment)\n")?;
+    writeln!(out, "\n== 5. Overlapping copies and kernels (chunks through several streams)\n")?;
     let r = overlap::run(&ctx, overlap::OverlapConfig { reps: 3, ..Default::default() })?;
     print_overlap(&mut out, &r, &name)?;
     std::fs::write(

@@ -170,7 +170,7 @@ impl RegisterFlags {
 
 /// Memory the caller owns, page-locked while a closure runs (`cuMemHostRegister`).
 ///
-/// The lecture's way to speed up legacy code without changing its allocations. Registration is
+/// The way to speed up code whose allocations cannot change. Registration is
 /// reachable only through [`Registered::with`], which registers the slice, hands the closure a
 /// `&mut Registered` (usable as `[T]`, for copies in a [`scope`](crate::scope()) for example) and
 /// unregisters before it returns, also when the closure panics.
