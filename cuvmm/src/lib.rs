@@ -136,3 +136,8 @@ pub use vmm::{VmmVec, VmmVecBuilder};
 #[cfg(doctest)]
 #[doc = include_str!("../../README.md")]
 pub struct ReadmeDoctests;
+
+/// The crate README's example, likewise.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+pub struct CrateReadmeDoctests;
