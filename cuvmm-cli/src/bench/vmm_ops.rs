@@ -1,0 +1,121 @@
+//! `cuvmm bench vmm-ops`: latency of create / map / set-access / unmap / release per chunk size,
+//! raw driver calls against the crate's types, measured in the same run.
+
+use super::{median, timed};
+use cuvmm::context::Context;
+use cuvmm::driver::{driver, sys::*};
+use cuvmm::error::Result;
+use cuvmm::vmm::{Access, PhysicalMemory, Reservation};
+
+/// The operations measured, in the order a chunk's life runs through them.
+pub const OPS: [&str; 5] = ["create", "map", "set_access", "unmap", "release"];
+
+/// Medians in microseconds for one chunk size.
+#[derive(Clone, Debug)]
+pub struct OpsRow {
+    /// Chunk size in bytes.
+    pub size: usize,
+    /// Repetitions timed.
+    pub reps: usize,
+    /// Raw driver calls, one per entry of [`OPS`]. `unmap` includes the context synchronisation
+    /// that must precede it (the crate does the same), so both sides do the same work.
+    pub raw_us: [f64; 5],
+    /// The crate's types: `PhysicalBuilder::create`, `Reservation::map`, `Mapping::set_access`,
+    /// dropping the `Mapping`, dropping the `PhysicalMemory`.
+    pub crate_us: [f64; 5],
+}
+
+impl OpsRow {
+    /// Crate time over raw time, per op, minus one.
+    pub fn overhead(&self) -> [f64; 5] {
+        std::array::from_fn(|i| self.crate_us[i] / self.raw_us[i] - 1.0)
+    }
+
+    /// Whole-life overhead: sum over ops.
+    pub fn total_overhead(&self) -> f64 {
+        self.crate_us.iter().sum::<f64>() / self.raw_us.iter().sum::<f64>() - 1.0
+    }
+}
+
+fn us(d: std::time::Duration) -> f64 {
+    d.as_secs_f64() * 1e6
+}
+
+fn raw_cycle(ctx: &Context, size: usize, va: CUdeviceptr, prop: &CUmemAllocationProp) -> Result<[f64; 5]> {
+    let api = driver()?.api();
+    let desc = CUmemAccessDesc {
+        location: CUmemLocation { type_: CUmemLocationType::DEVICE, id: ctx.device().raw() },
+        flags: CUmemAccess_flags::PROT_READWRITE,
+    };
+    let mut h = 0;
+    // For all five calls: out-pointers are valid; `va` is a reserved range of at least `size`
+    // bytes, unmapped at entry and at exit; the handle is created and released here.
+    // SAFETY: see above.
+    let (r, t0) = timed(|| unsafe { api.cuMemCreate(&mut h, size, prop, 0) });
+    r?;
+    // SAFETY: see above.
+    let (r, t1) = timed(|| unsafe { api.cuMemMap(va, size, 0, h, 0) });
+    r?;
+    // SAFETY: see above.
+    let (r, t2) = timed(|| unsafe { api.cuMemSetAccess(va, size, &desc, 1) });
+    r?;
+    // SAFETY: see above.
+    let (r, t3) = timed(|| unsafe { api.cuCtxSynchronize().and_then(|()| api.cuMemUnmap(va, size)) });
+    r?;
+    // SAFETY: see above.
+    let (r, t4) = timed(|| unsafe { api.cuMemRelease(h) });
+    r?;
+    Ok([us(t0), us(t1), us(t2), us(t3), us(t4)])
+}
+
+fn crate_cycle(ctx: &Context, size: usize, va: &Reservation) -> Result<[f64; 5]> {
+    let builder = PhysicalMemory::builder(ctx);
+    let (phys, t0) = timed(|| builder.create(size));
+    let phys = phys?;
+    let (m, t1) = timed(|| va.map(0, &phys, 0, size));
+    let m = m?;
+    let (r, t2) = timed(|| m.set_access(&[(ctx.device(), Access::ReadWrite)]));
+    r?;
+    let ((), t3) = timed(|| drop(m));
+    let ((), t4) = timed(|| drop(phys));
+    Ok([us(t0), us(t1), us(t2), us(t3), us(t4)])
+}
+
+/// Measures each size in `sizes` (bytes; multiples of the granularity), `reps` times per side after
+/// two warm-up cycles, alternating raw and crate cycles.
+pub fn run(ctx: &Context, sizes: &[usize], reps: usize) -> Result<Vec<OpsRow>> {
+    if reps == 0 || sizes.is_empty() {
+        return Err(crate::bench::invalid("need at least one size and one repetition"));
+    }
+    ctx.bind()?;
+    let builder = PhysicalMemory::builder(ctx);
+    let prop = CUmemAllocationProp {
+        type_: CUmemAllocationType::PINNED,
+        location: CUmemLocation { type_: CUmemLocationType::DEVICE, id: ctx.device().raw() },
+        ..Default::default()
+    };
+    let mut rows = Vec::new();
+    for &size in sizes {
+        cuvmm::vmm::check_aligned("chunk size", size, builder.granularity()?.minimum)?;
+        let raw_va = Reservation::new(ctx, size)?;
+        let crate_va = Reservation::new(ctx, size)?;
+        for _ in 0..2 {
+            raw_cycle(ctx, size, raw_va.base(), &prop)?;
+            crate_cycle(ctx, size, &crate_va)?;
+        }
+        let mut raw: Vec<[f64; 5]> = Vec::with_capacity(reps);
+        let mut ours: Vec<[f64; 5]> = Vec::with_capacity(reps);
+        for _ in 0..reps {
+            raw.push(raw_cycle(ctx, size, raw_va.base(), &prop)?);
+            ours.push(crate_cycle(ctx, size, &crate_va)?);
+        }
+        let med = |v: &[[f64; 5]], i: usize| median(&v.iter().map(|a| a[i]).collect::<Vec<_>>());
+        rows.push(OpsRow {
+            size,
+            reps,
+            raw_us: std::array::from_fn(|i| med(&raw, i)),
+            crate_us: std::array::from_fn(|i| med(&ours, i)),
+        });
+    }
+    Ok(rows)
+}

@@ -1,0 +1,621 @@
+//! `cuvmm bench …`.
+
+use super::size::{parse_size, parse_sizes, show};
+use super::CliResult;
+use crate::bench::{alloc, bandwidth, events, grow, ipc, order, overlap, peer, vmm_ops};
+use clap::Subcommand;
+use cuvmm::host::Staging;
+use cuvmm::vmm::ChunkPolicy;
+use cuvmm::Context;
+use serde_json::json;
+use std::io::Write;
+
+#[derive(Subcommand, Debug)]
+pub enum Bench {
+    /// Grow a VmmVec step by step against realloc-by-copy doubling.
+    Grow {
+        /// Bytes appended per step.
+        #[arg(long, default_value = "64MiB", value_parser = parse_size)]
+        step: usize,
+        /// Final length.
+        #[arg(long, default_value = "16GiB", value_parser = parse_size)]
+        target: usize,
+        /// Timed repetitions of each strategy.
+        #[arg(long, default_value_t = 5)]
+        reps: usize,
+        /// Largest chunk the VmmVec maps at once.
+        #[arg(long, default_value = "1GiB", value_parser = parse_size)]
+        max_chunk: usize,
+        /// New chunks are at least this percentage of what is mapped.
+        #[arg(long, default_value_t = 100)]
+        growth_percent: u32,
+        /// Device ordinal.
+        #[arg(long, default_value_t = 0)]
+        device: usize,
+        /// JSON lines instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Host-device bandwidth: pageable, pinned, registered, both directions, staged pageable.
+    Bandwidth {
+        /// Transfer sizes.
+        #[arg(long, default_value = "1MiB,4MiB,16MiB,64MiB,256MiB,1GiB", value_parser = parse_sizes)]
+        sizes: std::vec::Vec<usize>,
+        /// Timed repetitions per size.
+        #[arg(long, default_value_t = 5)]
+        reps: usize,
+        /// Host threads of the staged path (default: cores, at most 8).
+        #[arg(long)]
+        threads: Option<usize>,
+        /// Device ordinal.
+        #[arg(long, default_value_t = 0)]
+        device: usize,
+        /// JSON lines instead of tables.
+        #[arg(long)]
+        json: bool,
+    },
+    /// The multi-stream overlap workload: serial, breadth-first, depth-first and pipelined schedules.
+    Overlap {
+        /// Floats (64 Mi = 256 MiB).
+        #[arg(long, default_value_t = 64 << 20)]
+        n: usize,
+        /// Streams of the breadth-first and depth-first schedules.
+        #[arg(long, default_value_t = 4)]
+        streams: usize,
+        /// Chunks of the pipeline.
+        #[arg(long, default_value_t = 32)]
+        chunks: usize,
+        /// Kernel multiply-adds per element (default: tuned to balance the stages).
+        #[arg(long)]
+        iters: Option<u32>,
+        /// Timed repetitions of each schedule.
+        #[arg(long, default_value_t = 5)]
+        reps: usize,
+        /// Write the fastest schedule's timeline as SVG to this file.
+        #[arg(long)]
+        svg: Option<std::path::PathBuf>,
+        /// Device ordinal.
+        #[arg(long, default_value_t = 0)]
+        device: usize,
+        /// JSON lines instead of tables.
+        #[arg(long)]
+        json: bool,
+    },
+    /// An event-ordered pipeline with a host callback consuming the result.
+    Events {
+        /// Floats.
+        #[arg(long, default_value_t = 16 << 20)]
+        n: usize,
+        /// Kernel multiply-adds per element.
+        #[arg(long, default_value_t = 64)]
+        iters: u32,
+        /// Device ordinal.
+        #[arg(long, default_value_t = 0)]
+        device: usize,
+        /// JSON instead of text.
+        #[arg(long)]
+        json: bool,
+    },
+    /// What cross-stream ordering costs: small copies and kernels through tracked views against
+    /// untracked views of the same memory, in one run.
+    Order {
+        /// Bytes per copy or fill.
+        #[arg(long, default_value = "4KiB", value_parser = parse_size)]
+        bytes: usize,
+        /// Operations per batch.
+        #[arg(long, default_value_t = 2000)]
+        iters: usize,
+        /// Device ordinal.
+        #[arg(long, default_value_t = 0)]
+        device: usize,
+        /// JSON lines instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Allocate+free latency: the caching sub-allocator, cuMemAlloc, the stream-ordered pool.
+    Alloc {
+        /// Allocation sizes.
+        #[arg(long, default_value = "4KiB,64KiB,1MiB,16MiB,64MiB", value_parser = parse_sizes)]
+        sizes: std::vec::Vec<usize>,
+        /// Device ordinal.
+        #[arg(long, default_value_t = 0)]
+        device: usize,
+        /// JSON lines instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Share an allocation with a child process: export, send, receive, import, map, access;
+    /// bandwidth on the imported memory; the legacy cuIpc* path.
+    Ipc {
+        /// Bytes shared.
+        #[arg(long, default_value = "1GiB", value_parser = parse_size)]
+        size: usize,
+        /// Device ordinal.
+        #[arg(long, default_value_t = 0)]
+        device: usize,
+        /// JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+        /// Run as the importer, connecting to this socket (used by the benchmark itself).
+        #[arg(long, hide = true)]
+        child: Option<std::path::PathBuf>,
+    },
+    /// Two GPUs: a kernel on GPU 1 reading GPU 0's memory through the mapping, against cuMemcpyPeer.
+    Peer {
+        /// Bytes read.
+        #[arg(long, default_value = "1GiB", value_parser = parse_size)]
+        size: usize,
+        /// JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Latency of create / map / set-access / unmap / release per chunk size, raw and through cuvmm.
+    VmmOps {
+        /// Chunk sizes.
+        #[arg(long, default_value = "2MiB,8MiB,32MiB,128MiB,512MiB,1GiB", value_parser = parse_sizes)]
+        sizes: std::vec::Vec<usize>,
+        /// Timed repetitions per size and side.
+        #[arg(long, default_value_t = 30)]
+        reps: usize,
+        /// Device ordinal.
+        #[arg(long, default_value_t = 0)]
+        device: usize,
+        /// JSON lines instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+pub fn run(b: Bench) -> CliResult {
+    let mut out = std::io::stdout().lock();
+    match b {
+        Bench::Grow { step, target, reps, max_chunk, growth_percent, device, json } => {
+            let ctx = Context::for_ordinal(device)?;
+            let policy = ChunkPolicy { max_chunk, growth_percent, ..ChunkPolicy::default() };
+            let r = grow::run(&ctx, grow::GrowConfig { step, target, reps, policy })?;
+            let name = ctx.device().name()?;
+            if json {
+                for (which, run) in [("vmmvec", &r.vmm), ("copy_doubling", &r.copy)] {
+                    writeln!(
+                        out,
+                        "{}",
+                        json!({"bench": "grow", "device": name, "strategy": which, "step": step, "target": target,
+                               "reps": reps, "steps": run.steps, "total_s": run.total_s, "worst_step_s": run.worst_step_s, "worst_later_step_s": run.worst_later_step_s,
+                               "median_step_s": run.median_step_s, "slowest_steps": run.slowest, "peak_bytes": run.peak_bytes})
+                    )?;
+                }
+                writeln!(
+                    out,
+                    "{}",
+                    json!({"bench": "grow", "ratio_total": r.total_ratio(), "ratio_worst_step": r.worst_ratio(),
+                           "ratio_peak": r.peak_ratio(), "max_chunk": max_chunk, "growth_percent": growth_percent})
+                )?;
+            } else {
+                writeln!(
+                    out,
+                    "grow to {} in {} steps on {name} (median of {reps} runs; worst step over all runs)",
+                    show(target),
+                    show(step)
+                )?;
+                writeln!(
+                    out,
+                    "{:<16} {:>10} {:>14} {:>17} {:>15} {:>12}  slowest steps (step #: ms)",
+                    "strategy",
+                    "total ms",
+                    "worst step ms",
+                    "worst after 1st",
+                    "median step ms",
+                    "peak in use"
+                )?;
+                for (which, run) in [("VmmVec", &r.vmm), ("copy-doubling", &r.copy)] {
+                    let slow: Vec<String> =
+                        run.slowest.iter().map(|(i, s)| format!("{i}: {:.2}", s * 1e3)).collect();
+                    writeln!(
+                        out,
+                        "{which:<16} {:>10.2} {:>14.3} {:>17.3} {:>15.3} {:>12}  {}",
+                        run.total_s * 1e3,
+                        run.worst_step_s * 1e3,
+                        run.worst_later_step_s * 1e3,
+                        run.median_step_s * 1e3,
+                        show(run.peak_bytes),
+                        slow.join(", ")
+                    )?;
+                }
+                writeln!(
+                    out,
+                    "VmmVec / copy-doubling: total {:.3}x, worst step {:.3}x, peak {:.3}x (chunks up to {}, +{}%)",
+                    r.total_ratio(),
+                    r.worst_ratio(),
+                    r.peak_ratio(),
+                    show(max_chunk),
+                    growth_percent
+                )?;
+            }
+        }
+        Bench::Bandwidth { sizes, reps, threads, device, json } => {
+            let ctx = Context::for_ordinal(device)?;
+            let mut staging = match threads {
+                Some(t) => Staging::new(&ctx, 8 << 20, 2 * t.max(1), t.max(1))?,
+                None => Staging::with_defaults(&ctx)?,
+            };
+            let rows = bandwidth::run(&ctx, &sizes, reps, &mut staging)?;
+            print_bandwidth(&mut out, &ctx, &rows, &staging, json)?;
+        }
+        Bench::Overlap { n, streams, chunks, iters, reps, svg, device, json } => {
+            let ctx = Context::for_ordinal(device)?;
+            let r = overlap::run(&ctx, overlap::OverlapConfig { n, streams, chunks, iters, reps })?;
+            let name = ctx.device().name()?;
+            if let Some(path) = &svg {
+                let title = format!("{} floats on {name}", n);
+                std::fs::write(path, overlap::svg(r.fastest(), &title))?;
+            }
+            if json {
+                writeln!(
+                    out,
+                    "{}",
+                    json!({"bench": "overlap", "device": name, "n": n, "iters": r.iters,
+                    "h2d_ms": r.stages_ms[0], "kernel_ms": r.stages_ms[1], "d2h_ms": r.stages_ms[2],
+                    "copies_together_ms": r.copies_together_ms})
+                )?;
+                for s in &r.schedules {
+                    writeln!(
+                        out,
+                        "{}",
+                        json!({"bench": "overlap", "schedule": s.name, "total_ms": s.total_ms,
+                        "over_longest_stage": s.total_ms / r.longest_stage(), "over_bound": s.total_ms / r.bound()})
+                    )?;
+                }
+            } else {
+                print_overlap(&mut out, &r, &name)?;
+                if let Some(path) = &svg {
+                    writeln!(out, "timeline of {} written to {}", r.fastest().name, path.display())?;
+                }
+            }
+        }
+        Bench::Events { n, iters, device, json } => {
+            let ctx = Context::for_ordinal(device)?;
+            let r = events::run(&ctx, n, iters)?;
+            if json {
+                writeln!(
+                    out,
+                    "{}",
+                    json!({"bench": "events", "n": r.n, "iters": r.iters, "h2d_ms": r.stages_ms[0],
+                    "kernel_ms": r.stages_ms[1], "d2h_ms": r.stages_ms[2], "gpu_wall_ms": r.gpu_wall_ms,
+                    "cpu_ms": r.cpu_ms, "overlap": r.overlap, "callback_sum": r.callback_sum, "verified": r.verified})
+                )?;
+            } else {
+                writeln!(out, "{} floats, {} multiply-adds each, on {}", r.n, r.iters, ctx.device().name()?)?;
+                writeln!(out, "copy in (stream 1)            {:>9.3} ms", r.stages_ms[0])?;
+                writeln!(out, "kernel (stream 2, after event) {:>8.3} ms", r.stages_ms[1])?;
+                writeln!(out, "copy out (stream 2)           {:>9.3} ms", r.stages_ms[2])?;
+                writeln!(out, "queue → callback done (host)  {:>9.3} ms", r.gpu_wall_ms)?;
+                writeln!(
+                    out,
+                    "CPU reference (1 in {}) meanwhile {:>5.3} ms ({:.0}% of it overlapped the GPU)",
+                    events::SAMPLE,
+                    r.cpu_ms,
+                    r.overlap * 100.0
+                )?;
+                writeln!(
+                    out,
+                    "callback's sum of the result  {:>9.1}; sample matches the CPU bit for bit: {}",
+                    r.callback_sum, r.verified
+                )?;
+            }
+            if !r.verified {
+                return Err("the GPU result differs from the CPU reference".into());
+            }
+        }
+        Bench::Order { bytes, iters, device, json } => {
+            let ctx = Context::for_ordinal(device)?;
+            let rows = order::run(&ctx, bytes, iters)?;
+            if !json {
+                writeln!(
+                    out,
+                    "µs per operation of {} on {}, tracked vs untracked views of the same memory (median of 9 batches of {iters})",
+                    show(bytes),
+                    ctx.device().name()?
+                )?;
+                writeln!(out, "{:<34} {:>10} {:>10} {:>8}", "loop", "tracked", "untracked", "ratio")?;
+            }
+            for r in &rows {
+                if json {
+                    writeln!(
+                        out,
+                        "{}",
+                        json!({"bench": "order", "what": r.what, "bytes": bytes, "tracked_us": r.tracked_us,
+                        "raw_us": r.raw_us, "ratio": r.ratio()})
+                    )?;
+                } else {
+                    writeln!(
+                        out,
+                        "{:<34} {:>10.3} {:>10.3} {:>8.3}",
+                        r.what,
+                        r.tracked_us,
+                        r.raw_us,
+                        r.ratio()
+                    )?;
+                }
+            }
+        }
+        Bench::Alloc { sizes, device, json } => {
+            let ctx = Context::for_ordinal(device)?;
+            let rows = alloc::run(&ctx, &sizes)?;
+            if !json {
+                writeln!(out, "µs per allocate+free pair on {} (median of 5 batches)", ctx.device().name()?)?;
+                writeln!(
+                    out,
+                    "{:>9} {:>14} {:>18} {:>22}",
+                    "size", "cuvmm cached", "cuMemAlloc/Free", "cuMemAllocAsync pool"
+                )?;
+            }
+            for r in &rows {
+                if json {
+                    writeln!(
+                        out,
+                        "{}",
+                        json!({"bench": "alloc", "size": r.size, "cached_us": r.cached_us,
+                        "driver_us": r.driver_us, "pool_us": r.pool_us})
+                    )?;
+                } else {
+                    writeln!(
+                        out,
+                        "{:>9} {:>14.3} {:>18.2} {:>22.3}",
+                        show(r.size),
+                        r.cached_us,
+                        r.driver_us,
+                        r.pool_us
+                    )?;
+                }
+            }
+        }
+        Bench::Ipc { size, device, json, child } => {
+            let ctx = Context::for_ordinal(device)?;
+            if let Some(path) = child {
+                let mut sock = std::os::unix::net::UnixStream::connect(path)?;
+                let r = ipc::import_side(&ctx, &mut sock)?;
+                let line = json!({"export_to_received_us": r.export_to_received_us, "import_us": r.import_us,
+                    "map_us": r.map_us, "access_us": r.access_us, "export_to_mapped_us": r.export_to_mapped_us,
+                    "imported_gbs": r.imported_gbs, "local_gbs": r.local_gbs, "legacy_open_us": r.legacy_open_us,
+                    "legacy_gbs": r.legacy_gbs});
+                writeln!(out, "{line}")?;
+                return Ok(());
+            }
+            let dir = std::env::temp_dir().join(format!("cuvmm-bench-ipc-{}", std::process::id()));
+            std::fs::create_dir_all(&dir)?;
+            let path = dir.join("sock");
+            let listener = std::os::unix::net::UnixListener::bind(&path)?;
+            let me = std::env::current_exe()?;
+            let mut results = Vec::new();
+            for _ in 0..3 {
+                let child = std::process::Command::new(&me)
+                    .args(["bench", "ipc", "--device", &device.to_string(), "--child"])
+                    .arg(&path)
+                    .stdout(std::process::Stdio::piped())
+                    .spawn()?;
+                let (mut sock, _) = listener.accept()?;
+                ipc::export_side(&ctx, &mut sock, size)?;
+                let o = child.wait_with_output()?;
+                if !o.status.success() {
+                    return Err("the importer process failed".into());
+                }
+                let v: serde_json::Value = serde_json::from_slice(&o.stdout)?;
+                results.push(v);
+            }
+            let _ = std::fs::remove_dir_all(&dir);
+            // The middle run by export-to-mapped time.
+            results.sort_by(|a, b| {
+                a["export_to_mapped_us"]
+                    .as_f64()
+                    .partial_cmp(&b["export_to_mapped_us"].as_f64())
+                    .unwrap_or(std::cmp::Ordering::Equal)
+            });
+            let r = &results[results.len() / 2];
+            if json {
+                writeln!(
+                    out,
+                    "{}",
+                    json!({"bench": "ipc", "size": size, "median_of": results.len(), "result": r})
+                )?;
+            } else {
+                let f = |k: &str| r[k].as_f64().unwrap_or(f64::NAN);
+                writeln!(
+                    out,
+                    "{} shared with a child process on {} (median of {} runs)",
+                    show(size),
+                    ctx.device().name()?,
+                    results.len()
+                )?;
+                writeln!(out, "  export + send + receive        {:>9.1} µs", f("export_to_received_us"))?;
+                writeln!(out, "  import                         {:>9.1} µs", f("import_us"))?;
+                writeln!(out, "  reserve + map                  {:>9.1} µs", f("map_us"))?;
+                writeln!(out, "  set access                     {:>9.1} µs", f("access_us"))?;
+                writeln!(out, "  export → mapped and accessible {:>9.1} µs", f("export_to_mapped_us"))?;
+                writeln!(out, "  legacy cuIpcOpenMemHandle      {:>9.1} µs", f("legacy_open_us"))?;
+                writeln!(
+                    out,
+                    "  importer D2D bandwidth: imported {:.0} GB/s, local {:.0} GB/s ({:.3}x), legacy-opened {:.0} GB/s",
+                    f("imported_gbs"),
+                    f("local_gbs"),
+                    f("imported_gbs") / f("local_gbs"),
+                    f("legacy_gbs")
+                )?;
+            }
+        }
+        Bench::Peer { size, json } => {
+            let devices = cuvmm::Device::all()?;
+            if devices.len() < 2 {
+                writeln!(out, "bench peer needs two GPUs; this machine has {}", devices.len())?;
+                return Ok(());
+            }
+            let ctxs = [Context::new(devices[0])?, Context::new(devices[1])?];
+            let r = peer::run(&ctxs, size)?;
+            if json {
+                writeln!(
+                    out,
+                    "{}",
+                    json!({"bench": "peer", "bytes": r.bytes, "kernel_gbs": r.kernel_gbs,
+                    "copy_gbs": r.copy_gbs, "ratio": r.kernel_gbs / r.copy_gbs})
+                )?;
+            } else {
+                writeln!(out, "GPU 1 reading {} of GPU 0's memory (median of 5)", show(r.bytes))?;
+                writeln!(out, "  kernel through the peer mapping  {:>8.1} GB/s", r.kernel_gbs)?;
+                writeln!(out, "  cuMemcpyPeerAsync                {:>8.1} GB/s", r.copy_gbs)?;
+                writeln!(out, "  ratio                            {:>8.3}x", r.kernel_gbs / r.copy_gbs)?;
+            }
+        }
+        Bench::VmmOps { sizes, reps, device, json } => {
+            let ctx = Context::for_ordinal(device)?;
+            let rows = vmm_ops::run(&ctx, &sizes, reps)?;
+            if json {
+                for r in &rows {
+                    for (i, op) in vmm_ops::OPS.iter().enumerate() {
+                        writeln!(
+                            out,
+                            "{}",
+                            json!({"bench": "vmm-ops", "size": r.size, "op": op, "reps": r.reps,
+                                   "raw_us": r.raw_us[i], "cuvmm_us": r.crate_us[i], "overhead": r.overhead()[i]})
+                        )?;
+                    }
+                }
+            } else {
+                writeln!(out, "median µs per op over {reps} reps (raw driver / cuvmm; unmap includes the context sync both do)")?;
+                write!(out, "{:>9}", "chunk")?;
+                for op in vmm_ops::OPS {
+                    write!(out, " {op:>19}")?;
+                }
+                writeln!(out, " {:>10} {:>10}", "overhead", "µs per GiB")?;
+                for r in &rows {
+                    write!(out, "{:>9}", show(r.size))?;
+                    for i in 0..5 {
+                        write!(out, " {:>9.1} / {:>7.1}", r.raw_us[i], r.crate_us[i])?;
+                    }
+                    let per_gib = r.crate_us.iter().sum::<f64>() * (1u64 << 30) as f64 / r.size as f64;
+                    writeln!(out, " {:>9.1}% {:>10.0}", r.total_overhead() * 100.0, per_gib)?;
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+pub(super) fn print_bandwidth(
+    out: &mut impl Write,
+    ctx: &Context,
+    rows: &[bandwidth::BandwidthRow],
+    staging: &Staging,
+    json: bool,
+) -> CliResult {
+    let name = ctx.device().name()?;
+    if json {
+        for r in rows {
+            writeln!(
+                out,
+                "{}",
+                json!({"bench": "bandwidth", "device": name, "size": r.size, "reps": r.reps,
+                "pageable_h2d": r.pageable[0], "pageable_d2h": r.pageable[1],
+                "pinned_raw_h2d": r.pinned_raw[0], "pinned_raw_d2h": r.pinned_raw[1],
+                "pinned_h2d": r.pinned[0], "pinned_d2h": r.pinned[1],
+                "registered_h2d": r.registered[0], "registered_d2h": r.registered[1],
+                "bidirectional": r.bidirectional, "staged_h2d": r.staged[0], "staged_d2h": r.staged[1],
+                "register_us": r.register_us, "staging_threads": staging.threads(), "staging_chunk": staging.chunk()})
+            )?;
+        }
+        return Ok(());
+    }
+    writeln!(out, "GB/s on {name} (median of {} reps; H2D / D2H)", rows.first().map_or(0, |r| r.reps))?;
+    writeln!(
+        out,
+        "{:>9} {:>15} {:>15} {:>15} {:>15} {:>9} {:>15} {:>12}",
+        "size", "pageable", "pinned (raw)", "pinned (cuvmm)", "registered", "both", "staged", "register µs"
+    )?;
+    for r in rows {
+        writeln!(
+            out,
+            "{:>9} {:>7.1} /{:>6.1} {:>7.1} /{:>6.1} {:>7.1} /{:>6.1} {:>7.1} /{:>6.1} {:>9.1} {:>7.1} /{:>6.1} {:>12.0}",
+            show(r.size),
+            r.pageable[0],
+            r.pageable[1],
+            r.pinned_raw[0],
+            r.pinned_raw[1],
+            r.pinned[0],
+            r.pinned[1],
+            r.registered[0],
+            r.registered[1],
+            r.bidirectional,
+            r.staged[0],
+            r.staged[1],
+            r.register_us
+        )?;
+    }
+    if let Some(r) = rows.iter().max_by_key(|r| r.size) {
+        writeln!(
+            out,
+            "at {}: cuvmm pinned / raw driver {:.3}x H2D, {:.3}x D2H; staged / driver pageable {:.2}x H2D, {:.2}x D2H ({} threads, {} chunks)",
+            show(r.size),
+            r.pinned[0] / r.pinned_raw[0],
+            r.pinned[1] / r.pinned_raw[1],
+            r.staged[0] / r.pageable[0],
+            r.staged[1] / r.pageable[1],
+            staging.threads(),
+            show(staging.chunk())
+        )?;
+        // The pinned-vs-pageable comparison, with this machine's numbers beside the usual rule of thumb.
+        writeln!(out, "\n=== Pinned vs Pageable Memory Transfer (measured, {}) ===", show(r.size))?;
+        writeln!(out, "[Pageable (malloc) Memory]")?;
+        writeln!(out, "  Allocation:   let v = vec![0u8; bytes]")?;
+        writeln!(out, "  Copy path:    CPU_RAM -> [driver staging buffer] -> GPU")?;
+        writeln!(out, "  Synchronous:  YES (the copy call returns once the data is staged or landed)")?;
+        writeln!(out, "  Transfer BW:  {:.1} GB/s H2D, {:.1} GB/s D2H", r.pageable[0], r.pageable[1])?;
+        writeln!(out, "[Pinned (cuMemHostAlloc) Memory]")?;
+        writeln!(out, "  Allocation:   PinnedBuffer::<u8>::new(&ctx, bytes)")?;
+        writeln!(out, "  Copy path:    CPU_RAM -> GPU (direct DMA)")?;
+        writeln!(out, "  Asynchronous: YES (scope(|s| s.copy_to_device(..)))")?;
+        writeln!(out, "  Transfer BW:  {:.1} GB/s H2D, {:.1} GB/s D2H", r.pinned[0], r.pinned[1])?;
+        writeln!(
+            out,
+            "  Speedup:      {:.2}x H2D, {:.2}x D2H",
+            r.pinned[0] / r.pageable[0],
+            r.pinned[1] / r.pageable[1]
+        )?;
+        writeln!(out, "[Staged pageable (cuvmm)]")?;
+        writeln!(out, "  Transfer BW:  {:.1} GB/s H2D, {:.1} GB/s D2H", r.staged[0], r.staged[1])?;
+    }
+    Ok(())
+}
+
+/// The overlap experiment's text table.
+pub(super) fn print_overlap(
+    out: &mut impl Write,
+    r: &overlap::OverlapReport,
+    name: &str,
+) -> std::io::Result<()> {
+    let n = r.config.n;
+    let longest = r.longest_stage();
+    writeln!(out, "{} floats ({}) on {name}, kernel {} multiply-adds per element", n, show(n * 4), r.iters)?;
+    writeln!(
+        out,
+        "stages alone: H2D {:.3} ms, kernel {:.3} ms, D2H {:.3} ms (sum {:.3} ms)",
+        r.stages_ms[0],
+        r.stages_ms[1],
+        r.stages_ms[2],
+        r.stages_ms.iter().sum::<f64>()
+    )?;
+    writeln!(
+        out,
+        "both copies at once: {:.3} ms (the bus's bound for a schedule that overlaps them)",
+        r.copies_together_ms
+    )?;
+    writeln!(out, "{:<16} {:>10} {:>18} {:>14}", "schedule", "total ms", "/ longest stage", "/ bus bound")?;
+    for s in &r.schedules {
+        writeln!(
+            out,
+            "{:<16} {:>10.3} {:>17.3}x {:>13.3}x",
+            s.name,
+            s.total_ms,
+            s.total_ms / longest,
+            s.total_ms / r.bound()
+        )?;
+    }
+    Ok(())
+}

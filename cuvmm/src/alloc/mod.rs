@@ -1,0 +1,13 @@
+//! Allocators whose memory other processes can import.
+//!
+//! Reach for [`PeerAllocator`] when device memory must be shared with other processes (or made
+//! accessible to peer GPUs): each allocation is its own physical allocation, exportable as a POSIX
+//! fd or a fabric handle. [`CachingAllocator`] carves small blocks out of cached chunks for fast
+//! allocate/free; only blocks from [`CachingAllocator::allocate_shareable`] can be shared, so an
+//! importer never sees a neighbour's block.
+
+mod cache;
+mod peer;
+
+pub use cache::{CacheStats, CachingAllocator, SubAllocation, MIN_CLASS};
+pub use peer::{ExportMode, PeerAllocation, PeerAllocator};

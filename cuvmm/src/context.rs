@@ -1,0 +1,121 @@
+//! Contexts: a device's primary context, retained for as long as any clone is alive.
+
+use crate::device::Device;
+use crate::driver::{driver, sys::CUcontext};
+use crate::error::Result;
+use std::sync::Arc;
+
+/// A device's primary context, shared by cloning (an `Arc` inside).
+///
+/// Every operation of this crate that needs a context makes this one current on the calling thread
+/// first ([`Context::bind`]), so values may be used from any thread. Dropping the last clone
+/// releases the primary context; the driver destroys it once nothing else in the process (a CUDA
+/// runtime, another library) retains it.
+#[derive(Clone)]
+pub struct Context {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    device: Device,
+    raw: CUcontext,
+}
+
+// SAFETY: a primary context is a process-wide object: the driver API may be called with it from any
+// thread (each thread makes it current for itself) and its calls are thread-safe. `raw` is only
+// passed to the driver, never dereferenced, and it stays valid until `Drop` releases the retain taken
+// in `Context::new`, which happens once, when no clone is left.
+unsafe impl Send for Inner {}
+// SAFETY: as above; `&Inner` gives nothing but copies of the handle to pass to the driver.
+unsafe impl Sync for Inner {}
+
+impl Context {
+    /// Retains `device`'s primary context.
+    pub fn new(device: Device) -> Result<Context> {
+        let api = driver()?.api();
+        let mut raw: CUcontext = std::ptr::null_mut();
+        // SAFETY: the out-pointer is a valid local; the device handle came from cuDeviceGet.
+        unsafe { api.cuDevicePrimaryCtxRetain(&mut raw, device.raw()) }?;
+        Ok(Context { inner: Arc::new(Inner { device, raw }) })
+    }
+
+    /// Retains the primary context of the device at `ordinal`.
+    pub fn for_ordinal(ordinal: usize) -> Result<Context> {
+        Context::new(Device::get(ordinal)?)
+    }
+
+    /// Makes this context current on the calling thread.
+    pub fn bind(&self) -> Result<()> {
+        // SAFETY: the context is retained for as long as `self` lives.
+        unsafe { driver()?.api().cuCtxSetCurrent(self.inner.raw) }
+    }
+
+    /// The device this context belongs to.
+    pub fn device(&self) -> Device {
+        self.inner.device
+    }
+
+    /// The driver's handle.
+    pub fn raw(&self) -> CUcontext {
+        self.inner.raw
+    }
+
+    /// Waits for all work in this context to finish.
+    pub fn synchronize(&self) -> Result<()> {
+        self.bind()?;
+        // SAFETY: no arguments; the context is current.
+        unsafe { driver()?.api().cuCtxSynchronize() }
+    }
+
+    /// Free and total device memory as the driver reports them (`cuMemGetInfo`).
+    pub fn memory_info(&self) -> Result<MemoryInfo> {
+        self.bind()?;
+        let (mut free, mut total) = (0usize, 0usize);
+        // SAFETY: both out-pointers are valid locals; the context is current.
+        unsafe { driver()?.api().cuMemGetInfo(&mut free, &mut total) }?;
+        Ok(MemoryInfo { free, total })
+    }
+
+    /// Whether two handles name the same context.
+    pub fn same_as(&self, other: &Context) -> bool {
+        Arc::ptr_eq(&self.inner, &other.inner) || self.inner.raw == other.inner.raw
+    }
+}
+
+impl std::fmt::Debug for Context {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Context")
+            .field("device", &self.inner.device.ordinal())
+            .field("raw", &self.inner.raw)
+            .finish()
+    }
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        let device = self.device;
+        crate::driver::callback::release(move || {
+            if let Ok(d) = driver() {
+                // SAFETY: releases the one retain `Context::new` took. An error here (the driver
+                // being torn down at exit) leaves nothing this process can act on.
+                let _ = unsafe { d.api().cuDevicePrimaryCtxRelease(device.raw()) };
+            }
+        });
+    }
+}
+
+/// Device memory as `cuMemGetInfo` reports it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MemoryInfo {
+    /// Free bytes.
+    pub free: usize,
+    /// Total bytes.
+    pub total: usize,
+}
+
+impl MemoryInfo {
+    /// Bytes in use: total minus free.
+    pub fn used(&self) -> usize {
+        self.total - self.free
+    }
+}

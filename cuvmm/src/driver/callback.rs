@@ -1,0 +1,168 @@
+//! Code that runs inside a stream host function.
+//!
+//! CUDA forbids driver calls from a host function (`cuLaunchHostFunc`): the driver thread that
+//! runs it holds the stream, so a call that waits for that stream deadlocks, and the others are
+//! undefined. A closure queued with [`Stream::launch_host_fn`](crate::Stream::launch_host_fn) is
+//! ordinary safe code, though: it may copy, launch, or simply drop a cuvmm value whose destructor
+//! frees memory. So cuvmm marks the threads while they run a host function and
+//!
+//! * every entry point of [`Api`](super::Api) called there returns
+//!   [`Error::InHostFunction`] without reaching the driver;
+//! * destructors hand their driver calls to a release function, which runs them at once on any other
+//!   thread and, on a host-function thread, passes them to a thread of cuvmm's own that runs them
+//!   in order. The memory is freed shortly after the host function returns
+//!   ([`flush_deferred_releases`] waits for it).
+
+use crate::error::{Error, Result};
+use std::cell::Cell;
+use std::sync::mpsc::{channel, Sender};
+use std::sync::{Mutex, OnceLock};
+
+thread_local! {
+    static IN_HOST_FN: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Whether the calling thread is running a stream host function queued through cuvmm.
+pub fn in_host_function() -> bool {
+    IN_HOST_FN.with(Cell::get)
+}
+
+/// The error every driver call made inside a host function returns.
+pub(crate) fn refuse(call: &'static str) -> Error {
+    Error::InHostFunction { call }
+}
+
+/// Marks the calling thread as running a host function until dropped (also when it unwinds).
+pub(crate) struct HostFnGuard {
+    was: bool,
+}
+
+impl HostFnGuard {
+    pub(crate) fn enter() -> HostFnGuard {
+        HostFnGuard { was: IN_HOST_FN.with(|f| f.replace(true)) }
+    }
+}
+
+impl Drop for HostFnGuard {
+    fn drop(&mut self) {
+        IN_HOST_FN.with(|f| f.set(self.was));
+    }
+}
+
+type Job = Box<dyn FnOnce() + Send>;
+
+/// The sending end of the release thread's queue, started on first use.
+fn releaser() -> &'static Mutex<Sender<Job>> {
+    static QUEUE: OnceLock<Mutex<Sender<Job>>> = OnceLock::new();
+    QUEUE.get_or_init(|| {
+        let (tx, rx) = channel::<Job>();
+        std::thread::Builder::new()
+            .name("cuvmm-release".into())
+            .spawn(move || {
+                for job in rx {
+                    job();
+                }
+            })
+            .expect("cuvmm could not start its release thread");
+        Mutex::new(tx)
+    })
+}
+
+/// Runs `f`, a destructor's driver calls, now; inside a host function, on cuvmm's release thread
+/// instead, after the calls deferred before it.
+pub(crate) fn release(f: impl FnOnce() + Send + 'static) {
+    if !in_host_function() {
+        f();
+        return;
+    }
+    let tx = releaser().lock().unwrap_or_else(|e| e.into_inner());
+    // The receiver lives as long as the process: the thread never returns while a sender exists.
+    let _ = tx.send(Box::new(f));
+}
+
+/// Blocks until every release deferred from a host function before this call has run.
+///
+/// Returns [`Error::InHostFunction`] when called from a host function itself: a release may wait
+/// for the very stream that host function holds.
+pub fn flush_deferred_releases() -> Result<()> {
+    if in_host_function() {
+        return Err(refuse("flush_deferred_releases"));
+    }
+    let (done_tx, done_rx) = channel::<()>();
+    {
+        let tx = releaser().lock().unwrap_or_else(|e| e.into_inner());
+        let _ = tx.send(Box::new(move || {
+            let _ = done_tx.send(());
+        }));
+    }
+    let _ = done_rx.recv();
+    Ok(())
+}
+
+/// A driver handle moved into a deferred release.
+///
+/// Driver handles (pointers, streams, events, contexts) are process-wide values that any thread
+/// may pass to the driver; this wrapper only lets them travel to the release thread.
+pub(crate) struct Handle<T>(pub(crate) T);
+
+// SAFETY: see the type's documentation: the wrapped value is a driver handle, never dereferenced
+// on the host, and the driver API accepts it from any thread.
+unsafe impl<T> Send for Handle<T> {}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_guard_marks_the_thread_and_restores_it() {
+        assert!(!in_host_function());
+        {
+            let _g = HostFnGuard::enter();
+            assert!(in_host_function());
+            {
+                let _inner = HostFnGuard::enter();
+                assert!(in_host_function());
+            }
+            assert!(in_host_function());
+            let other = std::thread::spawn(in_host_function).join().unwrap();
+            assert!(!other, "only the thread running the host function is marked");
+        }
+        assert!(!in_host_function());
+    }
+
+    #[test]
+    fn releases_run_inline_normally_and_deferred_inside_a_host_function() {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        use std::sync::Arc;
+        let ran_on = Arc::new(Mutex::new(Vec::new()));
+        let here = std::thread::current().id();
+        let r = Arc::clone(&ran_on);
+        release(move || r.lock().unwrap().push(std::thread::current().id()));
+        assert_eq!(*ran_on.lock().unwrap(), vec![here]);
+
+        let count = Arc::new(AtomicUsize::new(0));
+        {
+            let _g = HostFnGuard::enter();
+            for _ in 0..3 {
+                let (r, c) = (Arc::clone(&ran_on), Arc::clone(&count));
+                release(move || {
+                    r.lock().unwrap().push(std::thread::current().id());
+                    c.fetch_add(1, Ordering::SeqCst);
+                });
+            }
+            assert!(matches!(flush_deferred_releases(), Err(Error::InHostFunction { .. })));
+        }
+        flush_deferred_releases().unwrap();
+        assert_eq!(count.load(Ordering::SeqCst), 3);
+        let ids = ran_on.lock().unwrap();
+        assert!(ids[1..].iter().all(|id| *id != here), "deferred releases run on another thread");
+    }
+
+    #[test]
+    fn driver_calls_are_refused_inside_a_host_function() {
+        let _g = HostFnGuard::enter();
+        // Whether or not a driver is installed, the call is refused before it is looked up.
+        let r = crate::context::Context::for_ordinal(0);
+        assert!(matches!(r, Err(Error::InHostFunction { .. })), "{r:?}");
+    }
+}

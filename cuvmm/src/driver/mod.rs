@@ -1,0 +1,19 @@
+//! The raw driver layer: the only module that declares foreign functions.
+//!
+//! `libcuda.so.1` is opened with `dlopen` the first time anything needs it (or the path in
+//! [`LIBRARY_ENV`]); `cuGetProcAddress` is found with `dlsym` and resolves every other entry point at
+//! a pinned ABI version, so `cuMemcpyHtoDAsync` means `cuMemcpyHtoDAsync_v2` whatever driver is
+//! installed. Each entry point becomes an `unsafe` method of [`Api`] that returns a [`Result`]
+//! carrying the call's name and the driver's own error name and text.
+//!
+//! Nothing here links against CUDA: the crate builds and its CPU tests run on machines without it.
+//!
+//! [`Result`]: crate::Result
+
+mod api;
+pub mod callback;
+mod loader;
+pub mod sys;
+
+pub use api::Api;
+pub use loader::{driver, Driver, DEFAULT_LIBRARIES, LIBRARY_ENV};

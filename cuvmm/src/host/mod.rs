@@ -1,0 +1,13 @@
+//! Host memory the DMA engine can reach: pinned allocations, registered (page-locked) memory the
+//! caller owns, and a staging ring for pageable memory.
+//!
+//! Reach for [`PinnedBuffer`] for buffers that move to and from the device often (copies from it
+//! are asynchronous and overlap with other work), [`Registered::with`] to page-lock memory you
+//! already have for a while, and [`Staging`] to move large pageable buffers faster than the
+//! driver's own pageable path.
+
+mod pinned;
+mod staging;
+
+pub use pinned::{PinnedBuffer, PinnedFlags, RegisterFlags, Registered};
+pub use staging::Staging;

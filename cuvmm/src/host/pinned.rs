@@ -1,0 +1,306 @@
+//! Page-locked host memory: allocated pinned buffers, and registration of memory the caller owns.
+
+use crate::context::Context;
+use crate::driver::{driver, sys::*};
+use crate::error::{Error, Result};
+use crate::memory::DeviceCopy;
+use crate::vmm::bytes_for;
+use std::ops::{Deref, DerefMut};
+use std::ptr::NonNull;
+
+/// Flags of [`PinnedBuffer::with_flags`] (`cuMemHostAlloc`). The default is none of them.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PinnedFlags {
+    /// Pinned for every context, not only the allocating one.
+    pub portable: bool,
+    /// Mapped into the device's address space ([`PinnedBuffer::device_ptr`]).
+    pub device_mapped: bool,
+    /// Write-combined: fast for the host to write and the device to read, very slow for the host
+    /// to read. Never the default.
+    pub write_combined: bool,
+}
+
+impl PinnedFlags {
+    fn raw(self) -> u32 {
+        (self.portable as u32 * CU_MEMHOSTALLOC_PORTABLE)
+            | (self.device_mapped as u32 * CU_MEMHOSTALLOC_DEVICEMAP)
+            | (self.write_combined as u32 * CU_MEMHOSTALLOC_WRITECOMBINED)
+    }
+}
+
+/// `len` elements of pinned host memory, zero-initialised, usable as `[T]`.
+///
+/// Copies between pinned memory and the device run at full bus speed and truly asynchronously.
+/// Pinning too much starves the rest of the system of pageable memory.
+pub struct PinnedBuffer<T: DeviceCopy> {
+    ctx: Context,
+    ptr: NonNull<T>,
+    len: usize,
+    flags: PinnedFlags,
+}
+
+// SAFETY: the buffer owns its memory exclusively, like a Box<[T]>; T: DeviceCopy is Send + Sync.
+unsafe impl<T: DeviceCopy> Send for PinnedBuffer<T> {}
+// SAFETY: shared access only reads, through &[T].
+unsafe impl<T: DeviceCopy> Sync for PinnedBuffer<T> {}
+
+impl<T: DeviceCopy> PinnedBuffer<T> {
+    /// Zeroed pinned storage for `len` elements, no flags.
+    pub fn new(ctx: &Context, len: usize) -> Result<Self> {
+        PinnedBuffer::with_flags(ctx, len, PinnedFlags::default())
+    }
+
+    /// Zeroed pinned storage for `len` elements with `flags`.
+    pub fn with_flags(ctx: &Context, len: usize, flags: PinnedFlags) -> Result<Self> {
+        let bytes = bytes_for(len, std::mem::size_of::<T>())?;
+        if bytes == 0 {
+            return Err(Error::invalid("a pinned buffer needs at least one byte"));
+        }
+        ctx.bind()?;
+        let mut p: *mut std::ffi::c_void = std::ptr::null_mut();
+        // SAFETY: out-pointer valid; bytes > 0; flags are CU_MEMHOSTALLOC_* bits.
+        unsafe { driver()?.api().cuMemHostAlloc(&mut p, bytes, flags.raw()) }?;
+        let ptr =
+            NonNull::new(p.cast::<T>()).ok_or_else(|| Error::invalid("cuMemHostAlloc returned null"))?;
+        // SAFETY: the allocation holds `bytes` bytes; zero bytes are a valid T (DeviceCopy), and
+        // writing them initialises the memory before any &[T] exists.
+        unsafe { std::ptr::write_bytes(ptr.as_ptr().cast::<u8>(), 0, bytes) };
+        Ok(PinnedBuffer { ctx: ctx.clone(), ptr, len, flags })
+    }
+
+    /// A pinned copy of `data`.
+    pub fn from_slice(ctx: &Context, data: &[T]) -> Result<Self> {
+        let mut b = PinnedBuffer::new(ctx, data.len())?;
+        b.copy_from_slice(data);
+        Ok(b)
+    }
+
+    /// The allocation's base pointer, not derived from any reference: for code that hands
+    /// disjoint parts of the buffer to asynchronous copies while no `&[T]` to those parts exists.
+    pub fn base_ptr(&self) -> *mut T {
+        self.ptr.as_ptr()
+    }
+
+    /// The flags it was allocated with.
+    pub fn flags(&self) -> PinnedFlags {
+        self.flags
+    }
+
+    /// The device address of a `device_mapped` buffer.
+    pub fn device_ptr(&self) -> Result<CUdeviceptr> {
+        if !self.flags.device_mapped {
+            return Err(Error::invalid("the buffer was not allocated with device_mapped"));
+        }
+        self.ctx.bind()?;
+        let mut d = 0;
+        // SAFETY: out-pointer valid; the pointer is a live device-mapped pinned allocation.
+        unsafe { driver()?.api().cuMemHostGetDevicePointer(&mut d, self.ptr.as_ptr().cast(), 0) }?;
+        Ok(d)
+    }
+}
+
+impl<T: DeviceCopy> Deref for PinnedBuffer<T> {
+    type Target = [T];
+    fn deref(&self) -> &[T] {
+        // SAFETY: `len` initialised elements, owned by self, not mutated while &self lives.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
+    }
+}
+
+impl<T: DeviceCopy> DerefMut for PinnedBuffer<T> {
+    fn deref_mut(&mut self) -> &mut [T] {
+        // SAFETY: as above, and &mut self makes the access unique.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
+    }
+}
+
+impl<T: DeviceCopy> Drop for PinnedBuffer<T> {
+    fn drop(&mut self) {
+        let (ctx, ptr) = (self.ctx.clone(), crate::driver::callback::Handle(self.ptr));
+        crate::driver::callback::release(move || {
+            let ptr = ptr;
+            if let Ok(d) = driver() {
+                let _ = ctx.bind();
+                // SAFETY: allocated by cuMemHostAlloc; asynchronous copies borrow the buffer only
+                // inside a `scope`, which synchronises before the borrow ends, so nothing uses it
+                // any more.
+                let _ = unsafe { d.api().cuMemFreeHost(ptr.0.as_ptr().cast()) };
+            }
+        });
+    }
+}
+
+impl<T: DeviceCopy + std::fmt::Debug> std::fmt::Debug for PinnedBuffer<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PinnedBuffer").field("len", &self.len).field("flags", &self.flags).finish()
+    }
+}
+
+/// Flags of [`Registered::with`] (`cuMemHostRegister`). The default is none of them.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RegisterFlags {
+    /// Pinned for every context.
+    pub portable: bool,
+    /// Mapped into the device's address space.
+    pub device_mapped: bool,
+    /// The device will only read it (needs device support).
+    pub read_only: bool,
+}
+
+impl RegisterFlags {
+    /// Flags from raw `CU_MEMHOSTREGISTER_*` bits; bits this crate does not handle are an error.
+    pub fn from_bits(bits: u32) -> Result<RegisterFlags> {
+        let known = CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_DEVICEMAP | CU_MEMHOSTREGISTER_READ_ONLY;
+        if bits & !known != 0 {
+            return Err(Error::invalid(format!("unknown host-register flag bits {:#x}", bits & !known)));
+        }
+        Ok(RegisterFlags {
+            portable: bits & CU_MEMHOSTREGISTER_PORTABLE != 0,
+            device_mapped: bits & CU_MEMHOSTREGISTER_DEVICEMAP != 0,
+            read_only: bits & CU_MEMHOSTREGISTER_READ_ONLY != 0,
+        })
+    }
+
+    fn raw(self) -> u32 {
+        (self.portable as u32 * CU_MEMHOSTREGISTER_PORTABLE)
+            | (self.device_mapped as u32 * CU_MEMHOSTREGISTER_DEVICEMAP)
+            | (self.read_only as u32 * CU_MEMHOSTREGISTER_READ_ONLY)
+    }
+}
+
+/// Memory the caller owns, page-locked while a closure runs (`cuMemHostRegister`).
+///
+/// The way to speed up code whose allocations cannot change. Registration is
+/// reachable only through [`Registered::with`], which registers the slice, hands the closure a
+/// `&mut Registered` (usable as `[T]`, for copies in a [`scope`](crate::scope()) for example) and
+/// unregisters before it returns, also when the closure panics.
+///
+/// # Why a closure and not a guard
+///
+/// The CUDA documentation requires registered memory to be unregistered (`cuMemHostUnregister`)
+/// before it is freed: until then the driver keeps the pages locked and mapped for the device
+/// and treats their addresses as registered. A guard that unregisters in `Drop` can be passed to
+/// `std::mem::forget` in safe code; the borrow of the slice then ends while the registration
+/// lives on, and the memory can be freed and its addresses reused under a registration the driver
+/// still holds. Inside `with` the closure sees only a `&mut Registered`, which it can neither
+/// move nor forget, and the unregistration belongs to `with` itself:
+///
+/// ```compile_fail,E0507
+/// # fn f(ctx: &cuvmm::Context) -> cuvmm::Result<()> {
+/// use cuvmm::host::{RegisterFlags, Registered};
+/// let mut legacy = vec![0u8; 1 << 20];
+/// Registered::with(ctx, &mut legacy, RegisterFlags::default(), |reg| {
+///     std::mem::forget(*reg); // error: cannot move out of `*reg`
+/// })?;
+/// # Ok(()) }
+/// ```
+///
+/// The slice stays borrowed mutably for the whole call, so the memory can be neither freed,
+/// reallocated nor touched except through the handle while it is registered:
+///
+/// ```compile_fail,E0499
+/// # fn f(ctx: &cuvmm::Context) -> cuvmm::Result<()> {
+/// use cuvmm::host::{RegisterFlags, Registered};
+/// let mut legacy = vec![0u8; 1 << 20];
+/// Registered::with(ctx, &mut legacy, RegisterFlags::default(), |reg| {
+///     legacy.clear(); // error: `legacy` is borrowed by the registration
+///     reg.len()
+/// })?;
+/// # Ok(()) }
+/// ```
+///
+/// ```no_run
+/// # fn main() -> cuvmm::Result<()> {
+/// use cuvmm::host::{RegisterFlags, Registered};
+/// use cuvmm::{scope, Context, DeviceBuffer, Stream};
+/// let ctx = Context::for_ordinal(0)?;
+/// let stream = Stream::non_blocking(&ctx)?;
+/// let mut legacy = vec![1u32; 1 << 20];
+/// let mut dev = DeviceBuffer::<u32>::new(&ctx, legacy.len())?;
+/// Registered::with(&ctx, &mut legacy, RegisterFlags::default(), |reg| {
+///     scope(|s| s.copy_to_device(&stream, reg, dev.as_mut_slice()))
+/// })??;
+/// # Ok(()) }
+/// ```
+pub struct Registered<'a, T: DeviceCopy> {
+    data: &'a mut [T],
+    flags: RegisterFlags,
+}
+
+/// Unregisters what [`Registered::with`] registered, on return and on unwind. It keeps its own
+/// pointer: whatever the closure does with its `&mut Registered` (swapping it with another one,
+/// say), this undoes exactly the registration `with` made.
+struct Unregister {
+    ctx: Context,
+    ptr: *mut std::ffi::c_void,
+}
+
+impl Drop for Unregister {
+    fn drop(&mut self) {
+        if let Ok(d) = driver() {
+            let _ = self.ctx.bind();
+            // SAFETY: `ptr` was registered by `with`, whose borrow of the memory outlives this
+            // guard; asynchronous copies borrow the memory only inside a `scope`, which has
+            // synchronised before the closure could return.
+            let _ = unsafe { d.api().cuMemHostUnregister(self.ptr) };
+        }
+    }
+}
+
+impl<'a, T: DeviceCopy> Registered<'a, T> {
+    /// Page-locks `data`, runs `f` with it and unregisters it before returning (also when `f`
+    /// panics); returns what `f` returned. Empty slices, flags the device does not support and
+    /// memory that is already registered are errors, and `f` does not run then.
+    pub fn with<R>(
+        ctx: &Context,
+        data: &'a mut [T],
+        flags: RegisterFlags,
+        f: impl FnOnce(&mut Registered<'a, T>) -> R,
+    ) -> Result<R> {
+        if std::mem::size_of_val(data) == 0 {
+            return Err(Error::invalid("cannot register an empty slice"));
+        }
+        if flags.read_only && !ctx.device().flag(CUdevice_attribute::READ_ONLY_HOST_REGISTER_SUPPORTED)? {
+            return Err(Error::unsupported("read-only host registration", "the device does not support it"));
+        }
+        ctx.bind()?;
+        let ptr = data.as_mut_ptr().cast::<std::ffi::c_void>();
+        // SAFETY: the slice is live and borrowed mutably for 'a, which outlives this call; the
+        // guard below unregisters it before this call returns or unwinds.
+        let r = unsafe { driver()?.api().cuMemHostRegister(ptr, std::mem::size_of_val(data), flags.raw()) };
+        match r {
+            Ok(()) => {}
+            Err(e) if e.is_code(CUresult::ERROR_HOST_MEMORY_ALREADY_REGISTERED) => {
+                return Err(Error::invalid(format!("the memory is already registered ({e})")))
+            }
+            Err(e) => return Err(e),
+        }
+        let _unregister = Unregister { ctx: ctx.clone(), ptr };
+        let mut reg = Registered { data, flags };
+        Ok(f(&mut reg))
+    }
+
+    /// The flags it was registered with.
+    pub fn flags(&self) -> RegisterFlags {
+        self.flags
+    }
+}
+
+impl<T: DeviceCopy> Deref for Registered<'_, T> {
+    type Target = [T];
+    fn deref(&self) -> &[T] {
+        self.data
+    }
+}
+
+impl<T: DeviceCopy> DerefMut for Registered<'_, T> {
+    fn deref_mut(&mut self) -> &mut [T] {
+        self.data
+    }
+}
+
+impl<T: DeviceCopy + std::fmt::Debug> std::fmt::Debug for Registered<'_, T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Registered").field("len", &self.data.len()).field("flags", &self.flags).finish()
+    }
+}

@@ -1,0 +1,351 @@
+//! Passing shared-allocation messages over Unix-domain sockets: the header as data, the fd as
+//! SCM_RIGHTS ancillary data, the peer's credentials checked with SO_PEERCRED.
+
+use super::wire::{Header, HEADER_LEN};
+use crate::error::{Error, Result};
+use nix::sys::socket::{getsockopt, sendmsg, sockopt::PeerCredentials, ControlMessage, MsgFlags};
+use std::io::IoSlice;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
+
+/// Whose messages a receiver accepts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum PeerPolicy {
+    /// Only a peer running as this process's own user (the default).
+    #[default]
+    SameUid,
+    /// Only a peer running as this user id.
+    Uid(u32),
+    /// Anyone who can reach the socket.
+    AnyUid,
+}
+
+/// The peer's credentials at connection time.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Credentials {
+    /// Process id.
+    pub pid: i32,
+    /// User id.
+    pub uid: u32,
+    /// Group id.
+    pub gid: u32,
+}
+
+/// A received message: the validated header and the fd it carried, if any.
+///
+/// Only [`recv`] makes one, so a `Received` always holds a header that passed validation and
+/// exactly the descriptors that header announces; its parts can be read or taken, not replaced:
+///
+/// ```compile_fail,E0451
+/// use cuvmm::ipc::{Credentials, Header, Received};
+/// fn forge(header: Header, peer: Credentials) -> Received {
+///     Received { header, fd: None, peer } // error: private fields
+/// }
+/// ```
+#[derive(Debug)]
+pub struct Received {
+    header: Header,
+    fd: Option<OwnedFd>,
+    peer: Credentials,
+}
+
+impl Received {
+    /// The header.
+    pub fn header(&self) -> &Header {
+        &self.header
+    }
+
+    /// Who sent it.
+    pub fn peer(&self) -> Credentials {
+        self.peer
+    }
+
+    /// The allocation's fd (POSIX-fd messages), close-on-exec.
+    pub fn fd(&self) -> Option<BorrowedFd<'_>> {
+        self.fd.as_ref().map(|f| f.as_fd())
+    }
+
+    /// The header, the fd and the sender, for callers that import the allocation themselves.
+    pub fn into_parts(self) -> (Header, Option<OwnedFd>, Credentials) {
+        (self.header, self.fd, self.peer)
+    }
+}
+
+/// The peer's credentials, checked against `policy`.
+pub fn check_peer(sock: BorrowedFd<'_>, policy: PeerPolicy) -> Result<Credentials> {
+    let c = getsockopt(&sock, PeerCredentials)
+        .map_err(|errno| Error::Os { call: "getsockopt(SO_PEERCRED)", errno })?;
+    let creds = Credentials { pid: c.pid(), uid: c.uid(), gid: c.gid() };
+    let allowed = match policy {
+        PeerPolicy::SameUid => creds.uid == nix::unistd::getuid().as_raw(),
+        PeerPolicy::Uid(u) => creds.uid == u,
+        PeerPolicy::AnyUid => true,
+    };
+    if !allowed {
+        return Err(Error::Protocol(format!(
+            "peer pid {} runs as uid {}, which the policy {policy:?} refuses",
+            creds.pid, creds.uid
+        )));
+    }
+    Ok(creds)
+}
+
+/// Sends `header`, with `fd` as SCM_RIGHTS when the header says one travels.
+pub fn send(sock: BorrowedFd<'_>, header: &Header, fd: Option<BorrowedFd<'_>>) -> Result<()> {
+    if header.fd_count() != usize::from(fd.is_some()) {
+        return Err(Error::invalid(format!(
+            "the header announces {} fd(s), {} given",
+            header.fd_count(),
+            usize::from(fd.is_some())
+        )));
+    }
+    let bytes = header.encode()?;
+    let fds: Vec<RawFd> = fd.iter().map(|f| f.as_raw_fd()).collect();
+    let cmsgs = if fds.is_empty() { vec![] } else { vec![ControlMessage::ScmRights(&fds)] };
+    let mut sent = 0;
+    while sent < bytes.len() {
+        let iov = [IoSlice::new(&bytes[sent..])];
+        // The fds go with the first byte only.
+        let c: &[ControlMessage<'_>] = if sent == 0 { &cmsgs } else { &[] };
+        match sendmsg::<()>(sock.as_raw_fd(), &iov, c, MsgFlags::MSG_NOSIGNAL, None) {
+            Ok(n) => sent += n,
+            Err(nix::errno::Errno::EINTR) => continue,
+            Err(errno) => return Err(Error::Os { call: "sendmsg", errno }),
+        }
+    }
+    Ok(())
+}
+
+/// `SCM_PIDFD` (Linux 6.5): a pidfd of the sender, installed in the receiver when it set
+/// `SO_PASSPIDFD`. Not in every libc release, so spelled out here.
+const SCM_PIDFD: libc::c_int = 4;
+
+/// `CMSG_ALIGN`: control messages and their data start on `size_t` boundaries.
+const fn cmsg_align(len: usize) -> usize {
+    (len + std::mem::size_of::<usize>() - 1) & !(std::mem::size_of::<usize>() - 1)
+}
+
+/// `CMSG_LEN(0)`: where a control message's data starts.
+const CMSG_HDR: usize = cmsg_align(std::mem::size_of::<libc::cmsghdr>());
+
+/// `CMSG_SPACE(len)`.
+const fn cmsg_space(len: usize) -> usize {
+    CMSG_HDR + cmsg_align(len)
+}
+
+/// Room for everything the kernel may attach to one message: the most fds Linux passes at once
+/// (SCM_MAX_FD, 253), credentials (`SO_PASSCRED`), a pidfd (`SO_PASSPIDFD`), then as much again
+/// for a security label (`SO_PASSSEC`) and whatever a later kernel adds. A smaller buffer is what
+/// let descriptors leak: with credentials first, only 246 of 253 fds fitted, and the truncated
+/// control data was then not walked at all.
+const CONTROL_LEN: usize = 2
+    * (cmsg_space(253 * std::mem::size_of::<RawFd>())
+        + cmsg_space(std::mem::size_of::<libc::ucred>())
+        + cmsg_space(std::mem::size_of::<RawFd>()));
+
+/// What one `recvmsg` brought.
+struct Chunk {
+    bytes: usize,
+    control_truncated: bool,
+}
+
+/// Takes ownership of every descriptor in `control` (the control data the kernel wrote): the
+/// SCM_RIGHTS fds go to `fds`; a SCM_PIDFD pidfd, which is no part of the message, is closed.
+/// Walks whatever headers are present, truncated or not, and never reads past `control`.
+fn own_descriptors(control: &[u8], fds: &mut Vec<OwnedFd>) {
+    let mut at: usize = 0;
+    while let Some(hdr_bytes) =
+        at.checked_add(std::mem::size_of::<libc::cmsghdr>()).and_then(|end| control.get(at..end))
+    {
+        // SAFETY: `hdr_bytes` holds size_of::<cmsghdr>() bytes, and cmsghdr is integers only, so
+        // any bytes are a valid value; read_unaligned needs no alignment.
+        let hdr: libc::cmsghdr = unsafe { std::ptr::read_unaligned(hdr_bytes.as_ptr().cast()) };
+        let len = hdr.cmsg_len as usize;
+        if len < CMSG_HDR {
+            break; // malformed: it would not advance
+        }
+        // A message cut short by truncation holds what fitted; never look beyond the buffer.
+        let data = &control[(at + CMSG_HDR).min(control.len())..at.saturating_add(len).min(control.len())];
+        let socket_level = hdr.cmsg_level == libc::SOL_SOCKET;
+        let rights = socket_level && hdr.cmsg_type == libc::SCM_RIGHTS;
+        if rights || (socket_level && hdr.cmsg_type == SCM_PIDFD) {
+            for raw in data.chunks_exact(std::mem::size_of::<RawFd>()) {
+                let raw = RawFd::from_ne_bytes(raw.try_into().expect("chunks of an fd's size"));
+                // SAFETY: the kernel installed this descriptor in this process for this message
+                // and listed it here; nothing else knows of it, so we are its only owner.
+                let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+                if rights {
+                    fds.push(fd);
+                } // else the pidfd is dropped, and so closed, here
+            }
+        }
+        // `at` is aligned, so aligning the end aligns the length.
+        match at.checked_add(len).and_then(|end| end.checked_next_multiple_of(std::mem::size_of::<usize>())) {
+            Some(next) => at = next,
+            None => break,
+        }
+    }
+}
+
+/// One `recvmsg` into `buf` (close-on-exec descriptors), owning every descriptor that came with
+/// it before returning, whatever else happened.
+fn recv_chunk(sock: BorrowedFd<'_>, buf: &mut [u8], fds: &mut Vec<OwnedFd>) -> nix::Result<Chunk> {
+    // nix's iterator refuses truncated control data outright, leaving the fds that did arrive
+    // unowned; so this reads the control data itself. Plain bytes need no alignment: the kernel
+    // copies bytes in, and the walk reads headers unaligned.
+    let mut control = [0u8; CONTROL_LEN];
+    let mut iov = libc::iovec { iov_base: buf.as_mut_ptr().cast(), iov_len: buf.len() };
+    // SAFETY: msghdr is plain data; all zeroes is a valid value (null pointers, zero lengths).
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = &mut iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = control.as_mut_ptr().cast();
+    msg.msg_controllen = CONTROL_LEN as _;
+    // SAFETY: `msg` points at `iov` (which describes `buf`) and at `control`, all alive and
+    // exclusively ours for the call; the kernel writes at most their stated lengths.
+    let n = unsafe { libc::recvmsg(sock.as_raw_fd(), &mut msg, libc::MSG_CMSG_CLOEXEC) };
+    if n < 0 {
+        return Err(nix::errno::Errno::last());
+    }
+    // The kernel set msg_controllen to what it wrote, never more than the buffer.
+    let written = (msg.msg_controllen as usize).min(CONTROL_LEN);
+    own_descriptors(&control[..written], fds);
+    Ok(Chunk { bytes: n as usize, control_truncated: msg.msg_flags & libc::MSG_CTRUNC != 0 })
+}
+
+/// Receives one message: checks the peer against `policy`, reads exactly one header, takes
+/// ownership of every fd that arrived (close-on-exec), and refuses the message (closing them all)
+/// unless it is well formed and carries exactly the fds it announces.
+///
+/// Works with `SO_PASSCRED` or `SO_PASSPIDFD` set on `sock`: the credentials are ignored (the
+/// peer is checked with `SO_PEERCRED`) and a pidfd that arrives is closed.
+pub fn recv(sock: BorrowedFd<'_>, policy: PeerPolicy) -> Result<Received> {
+    let peer = check_peer(sock, policy)?;
+    let mut buf = [0u8; HEADER_LEN];
+    let mut got = 0;
+    // Every descriptor that arrives lands here first, so any early return closes them all.
+    let mut fds: Vec<OwnedFd> = Vec::new();
+    while got < HEADER_LEN {
+        let chunk = match recv_chunk(sock, &mut buf[got..], &mut fds) {
+            Ok(c) => c,
+            Err(nix::errno::Errno::EINTR) => continue,
+            Err(errno) => return Err(Error::Os { call: "recvmsg", errno }),
+        };
+        if chunk.control_truncated {
+            return Err(Error::Protocol(format!(
+                "more ancillary data arrived than a message may carry (the {} descriptors that \
+                 fitted are closed)",
+                fds.len()
+            )));
+        }
+        if chunk.bytes == 0 {
+            return Err(Error::Protocol(format!(
+                "the peer closed the socket after {got} of {HEADER_LEN} header bytes"
+            )));
+        }
+        got += chunk.bytes;
+    }
+    let header = Header::decode(&buf)?;
+    if fds.len() != header.fd_count() {
+        return Err(Error::Protocol(format!(
+            "the message announces {} fd(s) but carried {}",
+            header.fd_count(),
+            fds.len()
+        )));
+    }
+    Ok(Received { header, fd: fds.pop(), peer })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::fd::IntoRawFd;
+
+    /// A control message as the kernel lays it out.
+    fn cmsg(level: libc::c_int, kind: libc::c_int, data: &[u8]) -> Vec<u8> {
+        cmsg_claiming(level, kind, data, CMSG_HDR + data.len())
+    }
+
+    /// A control message whose header claims `len` bytes, whatever it holds.
+    fn cmsg_claiming(level: libc::c_int, kind: libc::c_int, data: &[u8], len: usize) -> Vec<u8> {
+        // SAFETY: cmsghdr is plain data; all zeroes is a valid value.
+        let mut h: libc::cmsghdr = unsafe { std::mem::zeroed() };
+        h.cmsg_len = len as _;
+        h.cmsg_level = level;
+        h.cmsg_type = kind;
+        let mut out = vec![0u8; cmsg_space(data.len())];
+        // SAFETY: `out` has room for a header; write_unaligned needs no alignment.
+        unsafe { std::ptr::write_unaligned(out.as_mut_ptr().cast(), h) };
+        out[CMSG_HDR..CMSG_HDR + data.len()].copy_from_slice(data);
+        out
+    }
+
+    /// Fresh /dev/null descriptors, ownership given up (to the walk under test), and their bytes
+    /// as SCM_RIGHTS data.
+    fn raw_fds(n: usize) -> (Vec<RawFd>, Vec<u8>) {
+        let raws: Vec<RawFd> =
+            (0..n).map(|_| std::fs::File::open("/dev/null").unwrap().into_raw_fd()).collect();
+        let bytes = raws.iter().flat_map(|r| r.to_ne_bytes()).collect();
+        (raws, bytes)
+    }
+
+    fn is_open(fd: RawFd) -> bool {
+        // SAFETY: F_GETFD only asks about the number; it touches no descriptor's state.
+        let flags = unsafe { libc::fcntl(fd, libc::F_GETFD) };
+        flags != -1
+    }
+
+    fn raw(fds: &[OwnedFd]) -> Vec<RawFd> {
+        fds.iter().map(|f| f.as_raw_fd()).collect()
+    }
+
+    // Other tests of this binary open files concurrently, so these look at the descriptors by
+    // number rather than counting /proc/self/fd.
+    #[test]
+    fn the_walk_owns_rights_closes_pidfds_and_survives_truncation_and_garbage() {
+        let ucred = vec![0u8; std::mem::size_of::<libc::ucred>()];
+        let (pid, pid_bytes) = raw_fds(1);
+        let (rights, rights_bytes) = raw_fds(3);
+        let mut control = cmsg(libc::SOL_SOCKET, libc::SCM_CREDENTIALS, &ucred);
+        control.extend(cmsg(libc::SOL_SOCKET, SCM_PIDFD, &pid_bytes));
+        control.extend(cmsg(libc::SOL_SOCKET, libc::SCM_RIGHTS, &rights_bytes));
+        let mut fds = Vec::new();
+        own_descriptors(&control, &mut fds);
+        assert_eq!(raw(&fds), rights, "the rights are owned");
+        assert!(!is_open(pid[0]), "the pidfd is closed");
+        drop(fds);
+        assert!(rights.iter().all(|&r| !is_open(r)));
+
+        // Cut inside the rights: the header claims 4 fds, 2 and a half are present; the 2 whole
+        // ones are owned. (The kernel never cuts fds in half; the walk must not care.)
+        let (two, mut half) = raw_fds(2);
+        half.extend([0xaa, 0xbb]);
+        let claimed = CMSG_HDR + 4 * std::mem::size_of::<RawFd>();
+        let mut cut = cmsg_claiming(libc::SOL_SOCKET, libc::SCM_RIGHTS, &half, claimed);
+        cut.truncate(CMSG_HDR + half.len());
+        let mut fds = Vec::new();
+        own_descriptors(&cut, &mut fds);
+        assert_eq!(raw(&fds), two);
+
+        // Garbage: a zero length stops the walk; a partial header is ignored; other levels too;
+        // a length running to the end of the address space ends it.
+        let mut fds = Vec::new();
+        own_descriptors(&[0u8; 40], &mut fds);
+        own_descriptors(&[0xff; 7], &mut fds);
+        own_descriptors(&cmsg(libc::IPPROTO_IP, libc::SCM_RIGHTS, &[1, 0, 0, 0]), &mut fds);
+        own_descriptors(
+            &cmsg_claiming(libc::SOL_SOCKET, libc::SCM_CREDENTIALS, &ucred, usize::MAX),
+            &mut fds,
+        );
+        assert!(fds.is_empty());
+    }
+
+    #[test]
+    fn the_control_buffer_holds_the_most_fds_with_credentials_and_a_pidfd() {
+        let need = cmsg_space(253 * 4) + cmsg_space(std::mem::size_of::<libc::ucred>()) + cmsg_space(4);
+        assert!(CONTROL_LEN >= need);
+        // SAFETY: CMSG_SPACE is arithmetic on its argument.
+        assert_eq!(cmsg_space(253 * 4), unsafe { libc::CMSG_SPACE(253 * 4) } as usize);
+        // SAFETY: as above.
+        assert_eq!(CMSG_HDR, unsafe { libc::CMSG_LEN(0) } as usize);
+    }
+}

@@ -1,0 +1,147 @@
+//! Loading PTX and launching kernels.
+//!
+//! Reach for it to run your own kernels: [`Module::from_ptx`], then [`Function::launch`] with
+//! views' addresses; order them with the views' `prepare_read` / `prepare_write` (see
+//! [`crate::stream::order`]).
+
+use crate::context::Context;
+use crate::driver::{driver, sys::*};
+use crate::error::{Error, Result};
+use crate::stream::Stream;
+use std::ffi::{c_void, CString};
+
+/// A loaded module (`cuModuleLoadData`). Unloaded on drop, after the context's work is done.
+pub struct Module {
+    ctx: Context,
+    raw: CUmodule,
+}
+
+// SAFETY: a module handle may be used from any thread; this type binds its context before use and
+// never dereferences the handle.
+unsafe impl Send for Module {}
+// SAFETY: as above; looking up functions and launching are thread-safe driver calls.
+unsafe impl Sync for Module {}
+
+impl Module {
+    /// JIT-compiles and loads PTX text.
+    pub fn from_ptx(ctx: &Context, ptx: &str) -> Result<Module> {
+        let image = CString::new(ptx).map_err(|_| Error::invalid("PTX text contains a NUL byte"))?;
+        ctx.bind()?;
+        let mut raw: CUmodule = std::ptr::null_mut();
+        // SAFETY: out-pointer valid; the image is NUL-terminated PTX text that outlives the call.
+        unsafe { driver()?.api().cuModuleLoadData(&mut raw, image.as_ptr().cast()) }?;
+        Ok(Module { ctx: ctx.clone(), raw })
+    }
+
+    /// A kernel by its (unmangled) name.
+    pub fn function(&self, name: &str) -> Result<Function<'_>> {
+        let cname = CString::new(name).map_err(|_| Error::invalid("kernel name contains a NUL byte"))?;
+        self.ctx.bind()?;
+        let mut raw: CUfunction = std::ptr::null_mut();
+        // SAFETY: out-pointer valid; the module is live; the name is NUL-terminated.
+        unsafe { driver()?.api().cuModuleGetFunction(&mut raw, self.raw, cname.as_ptr()) }?;
+        Ok(Function { module: self, raw })
+    }
+
+    /// The module's context.
+    pub fn context(&self) -> &Context {
+        &self.ctx
+    }
+}
+
+impl Drop for Module {
+    fn drop(&mut self) {
+        let (ctx, raw) = (self.ctx.clone(), crate::driver::callback::Handle(self.raw));
+        crate::driver::callback::release(move || {
+            let raw = raw;
+            if let Ok(d) = driver() {
+                // Kernels of this module may still be queued.
+                let _ = ctx.synchronize();
+                // SAFETY: unloaded once; nothing of it runs any more.
+                let _ = unsafe { d.api().cuModuleUnload(raw.0) };
+            }
+        });
+    }
+}
+
+/// Grid and block shape of a launch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LaunchConfig {
+    /// Blocks in x, y, z.
+    pub grid: (u32, u32, u32),
+    /// Threads per block in x, y, z.
+    pub block: (u32, u32, u32),
+    /// Dynamic shared memory in bytes.
+    pub shared_bytes: u32,
+}
+
+impl LaunchConfig {
+    /// A 1-D launch for a grid-stride kernel over `n` elements: `block` threads a block, at most
+    /// `max_blocks` blocks (at least one).
+    pub fn grid_stride(n: u64, block: u32, max_blocks: u32) -> LaunchConfig {
+        let blocks = n.div_ceil(block.max(1) as u64).clamp(1, max_blocks.max(1) as u64) as u32;
+        LaunchConfig { grid: (blocks, 1, 1), block: (block.max(1), 1, 1), shared_bytes: 0 }
+    }
+}
+
+/// A kernel in a loaded module.
+pub struct Function<'m> {
+    module: &'m Module,
+    raw: CUfunction,
+}
+
+impl Function<'_> {
+    /// Queues the kernel on `stream`.
+    ///
+    /// # Safety
+    /// `params` must hold one pointer per kernel parameter, in order, each to a value of exactly the
+    /// parameter's type; every device pointer among them must stay valid until the kernel finishes,
+    /// and the kernel must stay inside the memory it is given.
+    pub unsafe fn launch(
+        &self,
+        cfg: LaunchConfig,
+        stream: &Stream,
+        params: &mut [*mut c_void],
+    ) -> Result<()> {
+        if !stream.context().same_as(&self.module.ctx) {
+            return Err(Error::invalid("the stream belongs to another context than the kernel"));
+        }
+        self.module.ctx.bind()?;
+        // SAFETY: the caller vouches for the parameters; the module and stream are live.
+        unsafe { launch_raw(self.raw, cfg, stream, params) }
+    }
+
+    /// The driver's handle.
+    pub fn raw(&self) -> CUfunction {
+        self.raw
+    }
+}
+
+/// `cuLaunchKernel` with a [`LaunchConfig`], for a function handle the caller keeps alive.
+///
+/// # Safety
+/// `f` must be a live kernel of the current context, and `params` as [`Function::launch`] requires.
+pub(crate) unsafe fn launch_raw(
+    f: CUfunction,
+    cfg: LaunchConfig,
+    stream: &Stream,
+    params: &mut [*mut c_void],
+) -> Result<()> {
+    let (g, b) = (cfg.grid, cfg.block);
+    // SAFETY: forwarded from the caller.
+    unsafe {
+        driver()?.api().cuLaunchKernel(
+            f,
+            g.0,
+            g.1,
+            g.2,
+            b.0,
+            b.1,
+            b.2,
+            cfg.shared_bytes,
+            stream.raw(),
+            params.as_mut_ptr(),
+            std::ptr::null_mut(),
+        )
+    }
+}

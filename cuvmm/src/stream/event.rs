@@ -1,0 +1,121 @@
+//! Events: markers recorded into streams, for ordering, waiting and device-side timing.
+
+use crate::context::Context;
+use crate::driver::{driver, sys::*};
+use crate::error::{Error, Result};
+use crate::stream::Stream;
+
+/// A CUDA event. Destroyed on drop.
+pub struct Event {
+    ctx: Context,
+    raw: CUevent,
+    timing: bool,
+}
+
+// SAFETY: event handles may be used from any thread; this type binds its context before each call
+// and never dereferences the handle.
+unsafe impl Send for Event {}
+// SAFETY: as above; recording, querying and waiting are thread-safe driver calls.
+unsafe impl Sync for Event {}
+
+impl Event {
+    /// An event that records time (for [`Event::elapsed_ms`]).
+    pub fn new(ctx: &Context) -> Result<Event> {
+        Event::create(ctx, 0)
+    }
+
+    /// An event without timing: cheaper to record and wait on, for ordering only.
+    pub fn without_timing(ctx: &Context) -> Result<Event> {
+        Event::create(ctx, CU_EVENT_DISABLE_TIMING)
+    }
+
+    /// A timing event whose [`synchronize`](Self::synchronize) blocks the thread instead of spinning.
+    pub fn blocking(ctx: &Context) -> Result<Event> {
+        Event::create(ctx, CU_EVENT_BLOCKING_SYNC)
+    }
+
+    pub(crate) fn create(ctx: &Context, flags: u32) -> Result<Event> {
+        ctx.bind()?;
+        let mut raw: CUevent = std::ptr::null_mut();
+        // SAFETY: out-pointer valid; flags are CU_EVENT_* values.
+        unsafe { driver()?.api().cuEventCreate(&mut raw, flags) }?;
+        Ok(Event { ctx: ctx.clone(), raw, timing: flags & CU_EVENT_DISABLE_TIMING == 0 })
+    }
+
+    /// Records the event at the current end of `stream`'s queue.
+    pub fn record(&self, stream: &Stream) -> Result<()> {
+        if !stream.context().same_as(&self.ctx) {
+            return Err(Error::invalid("the stream belongs to another context than the event"));
+        }
+        self.ctx.bind()?;
+        // SAFETY: both handles are live.
+        unsafe { driver()?.api().cuEventRecord(self.raw, stream.raw()) }
+    }
+
+    /// Records on a stream of this event's context (the caller checks that).
+    pub(crate) fn record_on(&self, stream: &crate::stream::StreamInner) -> Result<()> {
+        self.ctx.bind()?;
+        // SAFETY: both handles are live.
+        unsafe { driver()?.api().cuEventRecord(self.raw, stream.raw) }
+    }
+
+    /// Blocks until the work before the last record has completed (at once if never recorded).
+    pub fn synchronize(&self) -> Result<()> {
+        self.ctx.bind()?;
+        // SAFETY: the handle is live.
+        unsafe { driver()?.api().cuEventSynchronize(self.raw) }
+    }
+
+    /// Whether the work before the last record has completed.
+    pub fn is_complete(&self) -> Result<bool> {
+        self.ctx.bind()?;
+        // SAFETY: the handle is live.
+        match unsafe { driver()?.api().cuEventQuery(self.raw) } {
+            Ok(()) => Ok(true),
+            Err(e) if e.is_code(CUresult::ERROR_NOT_READY) => Ok(false),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Milliseconds of device time from `self` to `later` (both recorded and complete).
+    pub fn elapsed_ms(&self, later: &Event) -> Result<f32> {
+        if !self.timing || !later.timing {
+            return Err(Error::invalid("elapsed time needs two events created with timing"));
+        }
+        self.ctx.bind()?;
+        let mut ms = 0f32;
+        // SAFETY: out-pointer valid; both handles live.
+        unsafe { driver()?.api().cuEventElapsedTime(&mut ms, self.raw, later.raw) }?;
+        Ok(ms)
+    }
+
+    /// The driver's handle.
+    pub fn raw(&self) -> CUevent {
+        self.raw
+    }
+
+    /// The event's context.
+    pub fn context(&self) -> &Context {
+        &self.ctx
+    }
+}
+
+impl std::fmt::Debug for Event {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Event").field("raw", &self.raw).field("timing", &self.timing).finish()
+    }
+}
+
+impl Drop for Event {
+    fn drop(&mut self) {
+        let (ctx, raw) = (self.ctx.clone(), crate::driver::callback::Handle(self.raw));
+        crate::driver::callback::release(move || {
+            let raw = raw;
+            if let Ok(d) = driver() {
+                let _ = ctx.bind();
+                // SAFETY: destroyed once; the driver lets a pending record complete first.
+                let _ = unsafe { d.api().cuEventDestroy(raw.0) };
+            }
+        });
+    }
+}

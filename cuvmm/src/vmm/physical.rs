@@ -1,0 +1,453 @@
+//! Physical memory: `cuMemCreate` behind a builder, released on drop.
+
+use super::layout::{check_aligned, round_up};
+use crate::caps::{granularity_of, Granularity, ImexStatus};
+use crate::context::Context;
+use crate::device::Device;
+use crate::driver::{driver, sys::*};
+use crate::error::{Error, Result};
+use std::ops::BitOr;
+use std::sync::{Arc, OnceLock};
+
+/// Where physical memory lives.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Location {
+    /// On a device.
+    Device(Device),
+    /// Pinned host memory (devices reporting host VMM support).
+    Host,
+    /// Pinned host memory on one NUMA node (devices reporting host-NUMA VMM support).
+    HostNuma(i32),
+}
+
+impl Location {
+    pub(crate) fn raw(self) -> CUmemLocation {
+        match self {
+            Location::Device(d) => CUmemLocation { type_: CUmemLocationType::DEVICE, id: d.raw() },
+            Location::Host => CUmemLocation { type_: CUmemLocationType::HOST, id: 0 },
+            Location::HostNuma(n) => CUmemLocation { type_: CUmemLocationType::HOST_NUMA, id: n },
+        }
+    }
+}
+
+/// The shareable handle types an allocation is created for (a bit set).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default, Hash)]
+pub struct HandleTypes(u32);
+
+impl HandleTypes {
+    /// Not exportable.
+    pub const NONE: HandleTypes = HandleTypes(0);
+    /// Exportable as a POSIX file descriptor.
+    pub const POSIX_FD: HandleTypes = HandleTypes(CUmemAllocationHandleType::POSIX_FILE_DESCRIPTOR.0 as u32);
+    /// Exportable as a fabric handle (needs an IMEX channel).
+    pub const FABRIC: HandleTypes = HandleTypes(CUmemAllocationHandleType::FABRIC.0 as u32);
+
+    /// Whether every type in `other` is in `self`.
+    pub fn contains(self, other: HandleTypes) -> bool {
+        self.0 & other.0 == other.0
+    }
+
+    pub(crate) fn raw(self) -> CUmemAllocationHandleType {
+        CUmemAllocationHandleType(self.0 as i32)
+    }
+
+    pub(crate) fn from_raw(raw: CUmemAllocationHandleType) -> HandleTypes {
+        HandleTypes(raw.0 as u32)
+    }
+}
+
+impl BitOr for HandleTypes {
+    type Output = HandleTypes;
+    fn bitor(self, rhs: HandleTypes) -> HandleTypes {
+        HandleTypes(self.0 | rhs.0)
+    }
+}
+
+/// Describes physical memory to create: location, handle types, compression, GPUDirect RDMA.
+///
+/// ```no_run
+/// # fn main() -> cuvmm::Result<()> {
+/// use cuvmm::vmm::{HandleTypes, PhysicalMemory};
+/// let ctx = cuvmm::Context::for_ordinal(0)?;
+/// let builder = PhysicalMemory::builder(&ctx).handle_types(HandleTypes::POSIX_FD);
+/// let size = builder.round_up(3 << 20)?; // 4 MiB with a 2 MiB granularity
+/// let phys = builder.create(size)?;
+/// assert_eq!(phys.size(), size);
+/// # Ok(()) }
+/// ```
+#[derive(Clone, Debug)]
+pub struct PhysicalBuilder {
+    ctx: Context,
+    location: Location,
+    handles: HandleTypes,
+    compression: bool,
+    rdma: bool,
+    /// Granularity and support checks depend only on the fields above: computed once, kept until
+    /// a setter changes a field (setters start from a fresh cache).
+    cache: OnceLock<Granularity>,
+    checked: OnceLock<()>,
+}
+
+impl PhysicalBuilder {
+    fn changed(mut self) -> Self {
+        self.cache = OnceLock::new();
+        self.checked = OnceLock::new();
+        self
+    }
+
+    /// Where the memory lives; the default is the context's device.
+    pub fn location(mut self, location: Location) -> Self {
+        self.location = location;
+        self.changed()
+    }
+
+    /// Which shareable handles it can be exported as; the default is none.
+    pub fn handle_types(mut self, handles: HandleTypes) -> Self {
+        self.handles = handles;
+        self.changed()
+    }
+
+    /// Asks for generic compressible memory. The driver may still decline:
+    /// [`PhysicalMemory::properties`] says what was granted.
+    pub fn compression(mut self, on: bool) -> Self {
+        self.compression = on;
+        self.changed()
+    }
+
+    /// Marks the memory as usable for GPUDirect RDMA.
+    pub fn gpu_direct_rdma(mut self, on: bool) -> Self {
+        self.rdma = on;
+        self.changed()
+    }
+
+    /// The configured location.
+    pub fn get_location(&self) -> Location {
+        self.location
+    }
+
+    /// The configured handle types.
+    pub fn get_handle_types(&self) -> HandleTypes {
+        self.handles
+    }
+
+    /// The context the memory is created in.
+    pub fn context(&self) -> &Context {
+        &self.ctx
+    }
+
+    pub(crate) fn prop(&self) -> CUmemAllocationProp {
+        CUmemAllocationProp {
+            type_: CUmemAllocationType::PINNED,
+            requestedHandleTypes: self.handles.raw(),
+            location: self.location.raw(),
+            allocFlags: CUmemAllocFlags {
+                compressionType: if self.compression { CU_MEM_ALLOCATION_COMP_GENERIC } else { 0 },
+                gpuDirectRDMACapable: self.rdma as u8,
+                ..Default::default()
+            },
+            ..Default::default()
+        }
+    }
+
+    /// The granularity of such allocations.
+    pub fn granularity(&self) -> Result<Granularity> {
+        if let Some(g) = self.cache.get() {
+            return Ok(*g);
+        }
+        self.ctx.bind()?;
+        let g = granularity_of(&self.prop(), Some(&self.ctx.device()))?;
+        Ok(*self.cache.get_or_init(|| g))
+    }
+
+    /// `size` rounded up to the minimum granularity: what [`create`](Self::create) accepts.
+    pub fn round_up(&self, size: usize) -> Result<usize> {
+        round_up(size, self.granularity()?.minimum)
+    }
+
+    fn check_supported(&self) -> Result<()> {
+        if self.checked.get().is_some() {
+            return Ok(());
+        }
+        self.check_supported_uncached()?;
+        let _ = self.checked.set(());
+        Ok(())
+    }
+
+    fn check_supported_uncached(&self) -> Result<()> {
+        use CUdevice_attribute as A;
+        let dev = self.ctx.device();
+        let need = |attr, what: &str| -> Result<()> {
+            if dev.flag(attr)? {
+                Ok(())
+            } else {
+                Err(Error::unsupported(what, format!("device {} does not support it", dev.ordinal())))
+            }
+        };
+        need(A::VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, "virtual memory management")?;
+        match self.location {
+            Location::Host => need(A::HOST_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, "host-located VMM memory")?,
+            Location::HostNuma(_) => {
+                need(A::HOST_NUMA_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, "host-NUMA-located VMM memory")?
+            }
+            Location::Device(_) => {}
+        }
+        if self.handles.contains(HandleTypes::POSIX_FD) {
+            need(A::HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED, "POSIX fd handles")?;
+        }
+        if self.handles.contains(HandleTypes::FABRIC) {
+            need(A::HANDLE_TYPE_FABRIC_SUPPORTED, "fabric handles")?;
+        }
+        if self.compression {
+            need(A::GENERIC_COMPRESSION_SUPPORTED, "generic compression")?;
+        }
+        if self.rdma {
+            need(A::GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED, "GPUDirect RDMA with VMM")?;
+        }
+        Ok(())
+    }
+
+    /// Creates `size` bytes of physical memory. `size` must be a non-zero multiple of the minimum
+    /// granularity ([`round_up`](Self::round_up) gives one): rounding is never silent.
+    ///
+    /// Fabric handles need an IMEX channel; without one the driver refuses with
+    /// `CUDA_ERROR_NOT_PERMITTED`, returned here as [`Error::Unsupported`] naming what is missing.
+    pub fn create(&self, size: usize) -> Result<PhysicalMemory> {
+        let g = self.granularity()?;
+        check_aligned("physical allocation size", size, g.minimum)?;
+        self.check_supported()?;
+        let api = driver()?.api();
+        let prop = self.prop();
+        self.ctx.bind()?;
+        let mut handle: CUmemGenericAllocationHandle = 0;
+        // SAFETY: out-pointer valid; `prop` fully initialised; the context is current.
+        let created = unsafe { api.cuMemCreate(&mut handle, size, &prop, 0) };
+        match created {
+            Ok(()) => {
+                Ok(PhysicalMemory::from_parts(self.ctx.clone(), handle, size, self.location, self.handles))
+            }
+            Err(e)
+                if self.handles.contains(HandleTypes::FABRIC)
+                    && (e.is_code(CUresult::ERROR_NOT_PERMITTED)
+                        || e.is_code(CUresult::ERROR_NOT_SUPPORTED)) =>
+            {
+                let why = ImexStatus::probe()
+                    .missing()
+                    .unwrap_or_else(|| "the IMEX daemon or channel refused the allocation".into());
+                Err(Error::unsupported("fabric handles", format!("{why} ({e})")))
+            }
+            Err(e) => Err(e),
+        }
+    }
+}
+
+/// Physical memory from `cuMemCreate` (or imported from another process). Cloning shares it;
+/// the last clone, including those held by mappings, releases it with `cuMemRelease`.
+#[derive(Clone)]
+pub struct PhysicalMemory {
+    inner: Arc<PhysInner>,
+}
+
+struct PhysInner {
+    ctx: Context,
+    handle: CUmemGenericAllocationHandle,
+    size: usize,
+    location: Location,
+    handles: HandleTypes,
+}
+
+/// What the driver says of an allocation (`cuMemGetAllocationPropertiesFromHandle`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AllocationProperties {
+    /// Location type and id as the driver reports them.
+    pub location: CUmemLocation,
+    /// The handle types it can be exported as.
+    pub handle_types: HandleTypes,
+    /// Whether generic compression was granted.
+    pub compressed: bool,
+    /// Whether it is GPUDirect-RDMA capable.
+    pub gpu_direct_rdma: bool,
+}
+
+impl PhysicalMemory {
+    /// A builder for memory on `ctx`'s device.
+    pub fn builder(ctx: &Context) -> PhysicalBuilder {
+        PhysicalBuilder {
+            ctx: ctx.clone(),
+            location: Location::Device(ctx.device()),
+            handles: HandleTypes::NONE,
+            compression: false,
+            rdma: false,
+            cache: OnceLock::new(),
+            checked: OnceLock::new(),
+        }
+    }
+
+    /// Takes ownership of a handle from `cuMemCreate` or an import.
+    pub(crate) fn from_parts(
+        ctx: Context,
+        handle: CUmemGenericAllocationHandle,
+        size: usize,
+        location: Location,
+        handles: HandleTypes,
+    ) -> PhysicalMemory {
+        PhysicalMemory { inner: Arc::new(PhysInner { ctx, handle, size, location, handles }) }
+    }
+
+    /// Size in bytes.
+    pub fn size(&self) -> usize {
+        self.inner.size
+    }
+
+    /// The driver's handle. It stays valid while `self` (or any clone) lives.
+    pub fn handle(&self) -> CUmemGenericAllocationHandle {
+        self.inner.handle
+    }
+
+    /// Where it lives.
+    pub fn location(&self) -> Location {
+        self.inner.location
+    }
+
+    /// The handle types it was created for.
+    pub fn handle_types(&self) -> HandleTypes {
+        self.inner.handles
+    }
+
+    /// The context it was created or imported in.
+    pub fn context(&self) -> &Context {
+        &self.inner.ctx
+    }
+
+    /// Exports the allocation as a POSIX file descriptor (it must have been created with
+    /// [`HandleTypes::POSIX_FD`]). Another process imports it with [`PhysicalMemory::import_fd`];
+    /// the memory stays alive while any process holds a handle or a mapping.
+    pub fn export_fd(&self) -> Result<std::os::fd::OwnedFd> {
+        if !self.inner.handles.contains(HandleTypes::POSIX_FD) {
+            return Err(Error::invalid("the allocation was not created with the POSIX-fd handle type"));
+        }
+        self.inner.ctx.bind()?;
+        let mut fd: std::ffi::c_int = -1;
+        // SAFETY: for the POSIX-fd type the driver writes an int through the pointer.
+        unsafe {
+            driver()?.api().cuMemExportToShareableHandle(
+                (&mut fd as *mut std::ffi::c_int).cast(),
+                self.inner.handle,
+                CUmemAllocationHandleType::POSIX_FILE_DESCRIPTOR,
+                0,
+            )
+        }?;
+        // SAFETY: the driver created this descriptor for us; nothing else owns it.
+        Ok(unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) })
+    }
+
+    /// Exports the allocation as a 64-byte fabric handle (created with [`HandleTypes::FABRIC`]).
+    pub fn export_fabric(&self) -> Result<[u8; 64]> {
+        if !self.inner.handles.contains(HandleTypes::FABRIC) {
+            return Err(Error::invalid("the allocation was not created with the fabric handle type"));
+        }
+        self.inner.ctx.bind()?;
+        let mut h = CUmemFabricHandle::default();
+        // SAFETY: for the fabric type the driver writes a CUmemFabricHandle through the pointer.
+        unsafe {
+            driver()?.api().cuMemExportToShareableHandle(
+                (&mut h as *mut CUmemFabricHandle).cast(),
+                self.inner.handle,
+                CUmemAllocationHandleType::FABRIC,
+                0,
+            )
+        }?;
+        Ok(h.data)
+    }
+
+    /// Imports an allocation another process exported as a POSIX fd. `size` is the exported
+    /// allocation's size (from the message that carried the fd); the fd may be closed afterwards.
+    pub fn import_fd(ctx: &Context, fd: std::os::fd::BorrowedFd<'_>, size: usize) -> Result<PhysicalMemory> {
+        use std::os::fd::AsRawFd;
+        ctx.bind()?;
+        let mut handle: CUmemGenericAllocationHandle = 0;
+        // SAFETY: for the POSIX-fd type the driver takes the fd's value cast to a pointer and dups it.
+        unsafe {
+            driver()?.api().cuMemImportFromShareableHandle(
+                &mut handle,
+                fd.as_raw_fd() as isize as *mut std::ffi::c_void,
+                CUmemAllocationHandleType::POSIX_FILE_DESCRIPTOR,
+            )
+        }?;
+        Ok(PhysicalMemory::imported(ctx, handle, size, HandleTypes::POSIX_FD))
+    }
+
+    /// Imports an allocation exported as a fabric handle.
+    pub fn import_fabric(ctx: &Context, fabric: &[u8; 64], size: usize) -> Result<PhysicalMemory> {
+        ctx.bind()?;
+        let mut h = CUmemFabricHandle { data: *fabric };
+        let mut handle: CUmemGenericAllocationHandle = 0;
+        // SAFETY: for the fabric type the driver reads a CUmemFabricHandle through the pointer.
+        unsafe {
+            driver()?.api().cuMemImportFromShareableHandle(
+                &mut handle,
+                (&mut h as *mut CUmemFabricHandle).cast(),
+                CUmemAllocationHandleType::FABRIC,
+            )
+        }?;
+        Ok(PhysicalMemory::imported(ctx, handle, size, HandleTypes::FABRIC))
+    }
+
+    fn imported(
+        ctx: &Context,
+        handle: CUmemGenericAllocationHandle,
+        size: usize,
+        handles: HandleTypes,
+    ) -> PhysicalMemory {
+        // Where it really lives, when the driver says so; else assume the importing device.
+        let location = raw_properties(handle)
+            .ok()
+            .filter(|p| p.location.type_ == CUmemLocationType::DEVICE)
+            .and_then(|p| crate::device::Device::all().ok()?.into_iter().find(|d| d.raw() == p.location.id))
+            .map_or(Location::Device(ctx.device()), Location::Device);
+        PhysicalMemory::from_parts(ctx.clone(), handle, size, location, handles)
+    }
+
+    /// Asks the driver what was granted (compression in particular).
+    pub fn properties(&self) -> Result<AllocationProperties> {
+        self.inner.ctx.bind()?;
+        let prop = raw_properties(self.inner.handle)?;
+        Ok(AllocationProperties {
+            location: prop.location,
+            handle_types: HandleTypes::from_raw(prop.requestedHandleTypes),
+            compressed: prop.allocFlags.compressionType == CU_MEM_ALLOCATION_COMP_GENERIC,
+            gpu_direct_rdma: prop.allocFlags.gpuDirectRDMACapable != 0,
+        })
+    }
+}
+
+/// `cuMemGetAllocationPropertiesFromHandle` (the caller has bound a context).
+fn raw_properties(handle: CUmemGenericAllocationHandle) -> Result<CUmemAllocationProp> {
+    let mut prop = CUmemAllocationProp::default();
+    // SAFETY: out-pointer valid; callers pass a live handle.
+    unsafe { driver()?.api().cuMemGetAllocationPropertiesFromHandle(&mut prop, handle) }?;
+    Ok(prop)
+}
+
+impl std::fmt::Debug for PhysicalMemory {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PhysicalMemory")
+            .field("handle", &self.inner.handle)
+            .field("size", &self.inner.size)
+            .field("location", &self.inner.location)
+            .finish()
+    }
+}
+
+impl Drop for PhysInner {
+    fn drop(&mut self) {
+        let (ctx, handle) = (self.ctx.clone(), self.handle);
+        crate::driver::callback::release(move || {
+            if let Ok(d) = driver() {
+                let _ = ctx.bind();
+                // SAFETY: the handle is ours and released once. Mappings hold a clone, so none is
+                // left. A failure cannot be reported from drop and leaves nothing to retry.
+                let _ = unsafe { d.api().cuMemRelease(handle) };
+            }
+        });
+    }
+}

@@ -1,0 +1,359 @@
+//! Virtual address reservations, mappings into them, and per-device access.
+
+use super::layout::{check_aligned, round_up};
+use super::physical::PhysicalMemory;
+use crate::caps::device_granularity;
+use crate::context::Context;
+use crate::device::Device;
+use crate::driver::{driver, sys::*};
+use crate::error::{Error, Result};
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+/// What a device may do with a mapped range.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Access {
+    /// Nothing: an access faults.
+    None,
+    /// Read only.
+    Read,
+    /// Read and write.
+    ReadWrite,
+}
+
+impl Access {
+    fn raw(self) -> CUmemAccess_flags {
+        match self {
+            Access::None => CUmemAccess_flags::PROT_NONE,
+            Access::Read => CUmemAccess_flags::PROT_READ,
+            Access::ReadWrite => CUmemAccess_flags::PROT_READWRITE,
+        }
+    }
+
+    fn from_raw(flags: u64) -> Access {
+        match flags {
+            3 => Access::ReadWrite,
+            1 => Access::Read,
+            _ => Access::None,
+        }
+    }
+}
+
+/// A range of device virtual addresses (`cuMemAddressReserve`), shared by cloning.
+///
+/// Every [`Mapping`] into it holds a clone, so the range is freed (`cuMemAddressFree`) only after
+/// the last mapping has been unmapped: the release order the CUDA guide prescribes (synchronise,
+/// unmap, release the physical memory, free the addresses) follows from ownership.
+#[derive(Clone)]
+pub struct Reservation {
+    inner: Arc<ResInner>,
+}
+
+struct ResInner {
+    ctx: Context,
+    base: CUdeviceptr,
+    size: usize,
+    granularity: usize,
+    /// Live mappings: offset → length.
+    mapped: Mutex<BTreeMap<usize, usize>>,
+    /// Every device granted access to any part of the range: synchronised before an unmap.
+    accessors: Mutex<Vec<Context>>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl Reservation {
+    /// Reserves at least `size` bytes, rounded up to the device's allocation granularity.
+    pub fn new(ctx: &Context, size: usize) -> Result<Reservation> {
+        Reservation::with_options(ctx, size, 0, None)
+    }
+
+    /// Reserves at least `size` bytes (rounded up to the granularity) aligned to `alignment`
+    /// (0 for the default, else a power of two), preferably at `hint` (the driver may place the
+    /// range elsewhere; [`base`](Self::base) says where it is).
+    pub fn with_options(
+        ctx: &Context,
+        size: usize,
+        alignment: usize,
+        hint: Option<u64>,
+    ) -> Result<Reservation> {
+        if alignment != 0 && !alignment.is_power_of_two() {
+            return Err(Error::invalid(format!("alignment {alignment} is not a power of two")));
+        }
+        let granularity = device_granularity(&ctx.device(), CUmemAllocationHandleType::NONE)?.minimum;
+        let size = round_up(size, granularity)?;
+        ctx.bind()?;
+        let mut base: CUdeviceptr = 0;
+        // SAFETY: out-pointer valid; size and alignment checked above; the hint is only a hint.
+        unsafe { driver()?.api().cuMemAddressReserve(&mut base, size, alignment, hint.unwrap_or(0), 0) }?;
+        Ok(Reservation {
+            inner: Arc::new(ResInner {
+                ctx: ctx.clone(),
+                base,
+                size,
+                granularity,
+                mapped: Mutex::new(BTreeMap::new()),
+                accessors: Mutex::new(Vec::new()),
+            }),
+        })
+    }
+
+    /// First address.
+    pub fn base(&self) -> CUdeviceptr {
+        self.inner.base
+    }
+
+    /// Size in bytes.
+    pub fn size(&self) -> usize {
+        self.inner.size
+    }
+
+    /// The granularity offsets and lengths must be multiples of.
+    pub fn granularity(&self) -> usize {
+        self.inner.granularity
+    }
+
+    /// The context it was reserved in.
+    pub fn context(&self) -> &Context {
+        &self.inner.ctx
+    }
+
+    fn check_range(&self, offset: usize, len: usize) -> Result<()> {
+        check_aligned("length", len, self.inner.granularity)?;
+        if offset % self.inner.granularity != 0 {
+            return Err(Error::invalid(format!(
+                "offset {offset} is not a multiple of the granularity ({})",
+                self.inner.granularity
+            )));
+        }
+        match offset.checked_add(len) {
+            Some(end) if end <= self.inner.size => Ok(()),
+            _ => Err(Error::invalid(format!(
+                "range {offset}+{len} is past the end of the {}-byte reservation",
+                self.inner.size
+            ))),
+        }
+    }
+
+    /// Whether `[offset, offset + len)` is entirely covered by live mappings.
+    pub fn is_mapped(&self, offset: usize, len: usize) -> bool {
+        let mapped = lock(&self.inner.mapped);
+        let mut at = offset;
+        let end = offset.saturating_add(len);
+        for (&o, &l) in mapped.range(..end) {
+            if o + l <= at {
+                continue;
+            }
+            if o > at {
+                return false;
+            }
+            at = o + l;
+            if at >= end {
+                return true;
+            }
+        }
+        at >= end
+    }
+
+    /// Maps `len` bytes of `phys`, from `phys_offset`, at `offset` in this range.
+    ///
+    /// The mapping keeps both the physical memory and this reservation alive. Misaligned or
+    /// out-of-range arguments and ranges that overlap a live mapping are [`Error::InvalidArgument`]s.
+    /// The new mapping is not accessible by any device until [`Mapping::set_access`].
+    pub fn map(
+        &self,
+        offset: usize,
+        phys: &PhysicalMemory,
+        phys_offset: usize,
+        len: usize,
+    ) -> Result<Mapping> {
+        self.check_range(offset, len)?;
+        if phys_offset % self.inner.granularity != 0
+            || phys_offset.checked_add(len).map_or(true, |end| end > phys.size())
+        {
+            return Err(Error::invalid(format!(
+                "physical range {phys_offset}+{len} is misaligned or past the end of the {}-byte allocation",
+                phys.size()
+            )));
+        }
+        let mut mapped = lock(&self.inner.mapped);
+        let end = offset + len;
+        if let Some((&o, &l)) = mapped.range(..end).next_back() {
+            if o + l > offset {
+                return Err(Error::invalid(format!(
+                    "range {offset}+{len} overlaps the live mapping at {o}+{l}: unmap it first"
+                )));
+            }
+        }
+        self.inner.ctx.bind()?;
+        // SAFETY: the range lies inside our reservation and overlaps no live mapping; the physical
+        // range lies inside a live allocation; both are granularity-aligned.
+        unsafe {
+            driver()?.api().cuMemMap(self.inner.base + offset as u64, len, phys_offset, phys.handle(), 0)
+        }?;
+        mapped.insert(offset, len);
+        Ok(Mapping { res: self.clone(), phys: phys.clone(), offset, len })
+    }
+
+    /// Maps the whole of `phys` at `offset`.
+    pub fn map_all(&self, offset: usize, phys: &PhysicalMemory) -> Result<Mapping> {
+        self.map(offset, phys, 0, phys.size())
+    }
+
+    /// Grants each listed device its access to `[offset, offset + len)`, which must be mapped
+    /// (by one or several mappings). Devices not listed keep what they had.
+    pub fn set_access(&self, offset: usize, len: usize, grants: &[(Device, Access)]) -> Result<()> {
+        self.check_range(offset, len)?;
+        if grants.is_empty() {
+            return Err(Error::invalid("no devices to grant access to"));
+        }
+        if !self.is_mapped(offset, len) {
+            return Err(Error::invalid(format!("range {offset}+{len} is not entirely mapped")));
+        }
+        let descs: Vec<CUmemAccessDesc> = grants
+            .iter()
+            .map(|(d, a)| CUmemAccessDesc { location: super::Location::Device(*d).raw(), flags: a.raw() })
+            .collect();
+        // Record the devices first: an unmap must wait for them even if the driver call below
+        // fails part-way.
+        {
+            let mut acc = lock(&self.inner.accessors);
+            for (d, _) in grants {
+                if *d != self.inner.ctx.device() && !acc.iter().any(|c| c.device() == *d) {
+                    acc.push(Context::new(*d)?);
+                }
+            }
+        }
+        self.inner.ctx.bind()?;
+        // SAFETY: the range is inside the reservation and fully mapped; `descs` outlives the call.
+        unsafe {
+            driver()?.api().cuMemSetAccess(self.inner.base + offset as u64, len, descs.as_ptr(), descs.len())
+        }
+    }
+
+    /// The access `device` has at `offset` (`cuMemGetAccess`).
+    pub fn access(&self, offset: usize, device: Device) -> Result<Access> {
+        if offset >= self.inner.size {
+            return Err(Error::invalid(format!("offset {offset} is past the end of the reservation")));
+        }
+        let loc = super::Location::Device(device).raw();
+        let mut flags: u64 = 0;
+        self.inner.ctx.bind()?;
+        // SAFETY: both pointers valid; the address is inside the reservation.
+        unsafe { driver()?.api().cuMemGetAccess(&mut flags, &loc, self.inner.base + offset as u64) }?;
+        Ok(Access::from_raw(flags))
+    }
+
+    /// Waits for every device that may touch this range.
+    fn synchronize_users(&self) {
+        let _ = self.inner.ctx.synchronize();
+        for c in lock(&self.inner.accessors).iter() {
+            let _ = c.synchronize();
+        }
+    }
+}
+
+impl std::fmt::Debug for Reservation {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Reservation")
+            .field("base", &format_args!("{:#x}", self.inner.base))
+            .field("size", &self.inner.size)
+            .finish()
+    }
+}
+
+impl Drop for ResInner {
+    fn drop(&mut self) {
+        let (ctx, base, size) = (self.ctx.clone(), self.base, self.size);
+        crate::driver::callback::release(move || {
+            if let Ok(d) = driver() {
+                let _ = ctx.bind();
+                // SAFETY: every mapping holds a clone of the reservation, so none is left; the
+                // range is ours.
+                let _ = unsafe { d.api().cuMemAddressFree(base, size) };
+            }
+        });
+    }
+}
+
+/// Physical memory mapped into a reservation. Dropping it waits for every device that was granted
+/// access to the reservation, then unmaps.
+pub struct Mapping {
+    res: Reservation,
+    phys: PhysicalMemory,
+    offset: usize,
+    len: usize,
+}
+
+impl Mapping {
+    /// The mapped address.
+    pub fn ptr(&self) -> CUdeviceptr {
+        self.res.base() + self.offset as u64
+    }
+
+    /// Mapped length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Always false: mappings are at least one granule.
+    pub fn is_empty(&self) -> bool {
+        false
+    }
+
+    /// Offset in the reservation.
+    pub fn offset(&self) -> usize {
+        self.offset
+    }
+
+    /// The physical memory behind it.
+    pub fn physical(&self) -> &PhysicalMemory {
+        &self.phys
+    }
+
+    /// The reservation it lives in.
+    pub fn reservation(&self) -> &Reservation {
+        &self.res
+    }
+
+    /// Grants access to this mapping's range (see [`Reservation::set_access`]).
+    pub fn set_access(&self, grants: &[(Device, Access)]) -> Result<()> {
+        self.res.set_access(self.offset, self.len, grants)
+    }
+
+    /// The access `device` has to this mapping.
+    pub fn access(&self, device: Device) -> Result<Access> {
+        self.res.access(self.offset, device)
+    }
+}
+
+impl std::fmt::Debug for Mapping {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Mapping")
+            .field("ptr", &format_args!("{:#x}", self.ptr()))
+            .field("len", &self.len)
+            .field("phys", &self.phys)
+            .finish()
+    }
+}
+
+impl Drop for Mapping {
+    fn drop(&mut self) {
+        // The physical memory stays alive (and mapped) until the release below has run.
+        let (res, phys, offset, len) = (self.res.clone(), self.phys.clone(), self.offset, self.len);
+        crate::driver::callback::release(move || {
+            // Work still queued on any device may use these addresses: unmapping under it would
+            // fault the context. Unlike cuMemFree, cuMemUnmap does not wait for it.
+            res.synchronize_users();
+            if let Ok(d) = driver() {
+                let _ = res.inner.ctx.bind();
+                // SAFETY: this range was mapped by `Reservation::map` and is unmapped once, here.
+                let _ = unsafe { d.api().cuMemUnmap(res.base() + offset as u64, len) };
+            }
+            lock(&res.inner.mapped).remove(&offset);
+            drop(phys);
+        });
+    }
+}

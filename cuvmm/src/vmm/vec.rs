@@ -1,0 +1,426 @@
+//! `VmmVec<T>`: a growable device vector that maps physical memory behind one reserved range
+//! instead of reallocating and copying.
+
+use crate::context::Context;
+use crate::driver::{driver, sys::CUdeviceptr};
+use crate::error::{Error, Result};
+use crate::memory::{DeviceCopy, DeviceSlice, DeviceSliceMut};
+use crate::stream::order::{Tracker, Use};
+use crate::vmm::{
+    bytes_for, Access, ChunkPolicy, HandleTypes, Location, Mapping, PhysicalBuilder, PhysicalMemory,
+    Reservation,
+};
+use std::marker::PhantomData;
+use std::ops::Range;
+
+/// The capacity half of a [`VmmVec`]: a reservation and the chunks mapped at its start, in bytes.
+/// Knows nothing of elements (like std's `RawVec`).
+pub struct RawVmm {
+    // Field order is drop order: chunks are unmapped before the reservation is freed.
+    chunks: Vec<Mapping>,
+    reservation: Reservation,
+    phys: PhysicalBuilder,
+    policy: ChunkPolicy,
+    granularity: usize,
+    mapped: usize,
+}
+
+impl RawVmm {
+    fn new(phys: PhysicalBuilder, policy: ChunkPolicy, reserve: usize) -> Result<RawVmm> {
+        let granularity = phys.granularity()?.minimum;
+        // Validate the policy once, up front, rather than at the first growth.
+        policy.plan(0, 1, granularity)?;
+        let reservation = Reservation::new(phys.context(), reserve)?;
+        Ok(RawVmm { chunks: Vec::new(), reservation, phys, policy, granularity, mapped: 0 })
+    }
+
+    /// Bytes mapped.
+    pub fn mapped(&self) -> usize {
+        self.mapped
+    }
+
+    /// Bytes of address space reserved.
+    pub fn reserved(&self) -> usize {
+        self.reservation.size()
+    }
+
+    /// Physical chunks mapped.
+    pub fn chunk_count(&self) -> usize {
+        self.chunks.len()
+    }
+
+    /// The mapped chunks, in address order.
+    pub fn chunks(&self) -> &[Mapping] {
+        &self.chunks
+    }
+
+    /// First address.
+    pub fn base(&self) -> CUdeviceptr {
+        self.reservation.base()
+    }
+
+    fn map_chunk(&self, res: &Reservation, offset: usize, phys: &PhysicalMemory) -> Result<Mapping> {
+        let m = res.map(offset, phys, 0, phys.size())?;
+        m.set_access(&[(self.phys.context().device(), Access::ReadWrite)])?;
+        Ok(m)
+    }
+
+    /// Maps chunks until at least `need` bytes are mapped. On any failure nothing changes: the
+    /// chunks created so far are unmapped and released, and the old mapping is untouched.
+    pub fn grow_to(&mut self, need: usize) -> Result<()> {
+        let plan = self.policy.plan(self.mapped, need, self.granularity)?;
+        if plan.is_empty() {
+            return Ok(());
+        }
+        let total = self.mapped + plan.iter().sum::<usize>();
+        if total > self.reservation.size() {
+            return self.relocate_and_grow(total, &plan);
+        }
+        let mut fresh = Vec::with_capacity(plan.len());
+        let mut offset = self.mapped;
+        for size in plan {
+            let phys = self.phys.create(size)?;
+            fresh.push(self.map_chunk(&self.reservation, offset, &phys)?);
+            offset += size;
+        }
+        self.chunks.extend(fresh);
+        self.mapped = offset;
+        Ok(())
+    }
+
+    /// The reservation is too small: reserve a larger range, map the existing chunks there too
+    /// (no data moves: the same physical memory appears at the new addresses), add the new chunks,
+    /// then drop the old mappings and range. The base address changes.
+    fn relocate_and_grow(&mut self, total: usize, plan: &[usize]) -> Result<()> {
+        let size = total.max(self.reservation.size().saturating_mul(2));
+        let res = Reservation::new(self.phys.context(), size)?;
+        let mut chunks = Vec::with_capacity(self.chunks.len() + plan.len());
+        for old in &self.chunks {
+            chunks.push(self.map_chunk(&res, old.offset(), old.physical())?);
+        }
+        let mut offset = self.mapped;
+        for &size in plan {
+            let phys = self.phys.create(size)?;
+            chunks.push(self.map_chunk(&res, offset, &phys)?);
+            offset += size;
+        }
+        self.chunks = chunks;
+        self.reservation = res;
+        self.mapped = offset;
+        Ok(())
+    }
+
+    /// Unmaps and releases every chunk that lies wholly past `keep` bytes.
+    pub fn shrink_to(&mut self, keep: usize) {
+        while let Some(last) = self.chunks.last() {
+            if last.offset() < keep {
+                break;
+            }
+            self.mapped = last.offset();
+            self.chunks.pop();
+        }
+    }
+}
+
+/// A growable vector of `T` in device memory.
+///
+/// One large address range is reserved up front (by default as large as the device's memory, so
+/// the base address never changes for any growth the device can back); growing maps more physical
+/// chunks at its end. Nothing is ever copied, and [`shrink_to_fit`](Self::shrink_to_fit) returns
+/// whole unused chunks to the driver. A growth that fails (out of memory, or any driver error)
+/// returns the error and leaves length, contents and mapping as they were.
+///
+/// Growing past the reservation reserves a range twice as large and maps the same physical chunks
+/// there: still no copy, but the base address changes. The chunk sizes follow a [`ChunkPolicy`].
+///
+/// ```no_run
+/// # fn main() -> cuvmm::Result<()> {
+/// let ctx = cuvmm::Context::for_ordinal(0)?;
+/// let mut v = cuvmm::VmmVec::<f32>::new(&ctx)?;
+/// let base = v.device_ptr();
+/// v.extend_from_slice(&[1.0, 2.0, 3.0])?;
+/// v.resize(1 << 20, 0.5)?;
+/// assert_eq!(v.device_ptr(), base);
+/// assert_eq!(v.to_vec()?[..3], [1.0, 2.0, 3.0]);
+/// v.truncate(3);
+/// v.shrink_to_fit()?;
+/// println!("{} elements, {} bytes mapped", v.len(), v.mapped_bytes());
+/// # Ok(()) }
+/// ```
+#[repr(C)] // `base` first: the vector is a kernel argument for cudarc (feature `cudarc`)
+pub struct VmmVec<T: DeviceCopy> {
+    /// The first element's address, `raw.base()` kept at hand.
+    base: CUdeviceptr,
+    raw: RawVmm,
+    len: usize,
+    /// Streams that used the elements (see [`crate::stream::order`]).
+    order: Tracker,
+    _t: PhantomData<T>,
+}
+
+/// Configures a [`VmmVec`].
+pub struct VmmVecBuilder<T: DeviceCopy> {
+    phys: PhysicalBuilder,
+    policy: ChunkPolicy,
+    reserve: Option<usize>,
+    _t: PhantomData<T>,
+}
+
+impl<T: DeviceCopy> VmmVecBuilder<T> {
+    /// The chunk sizes to map.
+    pub fn chunk_policy(mut self, policy: ChunkPolicy) -> Self {
+        self.policy = policy;
+        self
+    }
+
+    /// Bytes of address space to reserve (rounded up to the granularity).
+    pub fn reserve_address_space(mut self, bytes: usize) -> Self {
+        self.reserve = Some(bytes);
+        self
+    }
+
+    /// Where the chunks live (the context's device by default).
+    pub fn location(mut self, location: Location) -> Self {
+        self.phys = self.phys.location(location);
+        self
+    }
+
+    /// Handle types the chunks are created with, to export them.
+    pub fn handle_types(mut self, handles: HandleTypes) -> Self {
+        self.phys = self.phys.handle_types(handles);
+        self
+    }
+
+    /// Creates the (empty) vector: reserves the address range, maps nothing.
+    pub fn build(self) -> Result<VmmVec<T>> {
+        if std::mem::size_of::<T>() == 0 {
+            return Err(Error::invalid("VmmVec does not hold zero-sized types"));
+        }
+        let reserve = match self.reserve {
+            Some(r) => r,
+            None => self.phys.context().device().total_memory()?,
+        };
+        let raw = RawVmm::new(self.phys, self.policy, reserve)?;
+        Ok(VmmVec { base: raw.base(), raw, len: 0, order: Tracker::new(), _t: PhantomData })
+    }
+}
+
+impl<T: DeviceCopy> VmmVec<T> {
+    /// A builder with the default chunk policy, on `ctx`'s device.
+    pub fn builder(ctx: &Context) -> VmmVecBuilder<T> {
+        VmmVecBuilder {
+            phys: PhysicalMemory::builder(ctx),
+            policy: ChunkPolicy::default(),
+            reserve: None,
+            _t: PhantomData,
+        }
+    }
+
+    /// An empty vector.
+    pub fn new(ctx: &Context) -> Result<Self> {
+        VmmVec::builder(ctx).build()
+    }
+
+    /// An empty vector with room for at least `capacity` elements mapped.
+    pub fn with_capacity(ctx: &Context, capacity: usize) -> Result<Self> {
+        let mut v = VmmVec::new(ctx)?;
+        v.reserve(capacity)?;
+        Ok(v)
+    }
+
+    fn elem() -> usize {
+        std::mem::size_of::<T>()
+    }
+
+    fn ctx(&self) -> &Context {
+        self.raw.phys.context()
+    }
+
+    /// Number of elements.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether there are no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Elements that fit in the mapped chunks.
+    pub fn capacity(&self) -> usize {
+        self.raw.mapped() / Self::elem()
+    }
+
+    /// Bytes of physical memory mapped.
+    pub fn mapped_bytes(&self) -> usize {
+        self.raw.mapped()
+    }
+
+    /// The capacity half: reservation size, chunk count.
+    pub fn raw(&self) -> &RawVmm {
+        &self.raw
+    }
+
+    /// The first element's address. Stable while growth fits the reservation.
+    pub fn device_ptr(&self) -> CUdeviceptr {
+        self.raw.base()
+    }
+
+    fn addr(&self, index: usize) -> CUdeviceptr {
+        self.raw.base() + (index * Self::elem()) as u64
+    }
+
+    /// Makes room for at least `additional` more elements.
+    pub fn reserve(&mut self, additional: usize) -> Result<()> {
+        let want = self
+            .len
+            .checked_add(additional)
+            .ok_or_else(|| Error::invalid(format!("{} + {additional} elements overflow usize", self.len)))?;
+        let base = self.raw.base();
+        self.raw.grow_to(bytes_for(want, Self::elem())?)?;
+        if self.raw.base() != base {
+            self.base = self.raw.base();
+            // The old mappings were dropped, which waited for all work on them: the record
+            // speaks of addresses that no longer exist.
+            self.order.clear();
+        }
+        Ok(())
+    }
+
+    /// Waits on the host for other streams' conflicting work on elements `[start, start+count)`
+    /// (mapped memory past `len` included), before a synchronous access.
+    fn host(&self, start: usize, count: usize, access: Use) -> Result<()> {
+        let (a, b) = (self.addr(start), self.addr(start + count));
+        self.order.host_access(a, b, access)
+    }
+
+    /// Appends one element.
+    pub fn push(&mut self, value: T) -> Result<()> {
+        self.extend_from_slice(std::slice::from_ref(&value))
+    }
+
+    /// Appends host data.
+    pub fn extend_from_slice(&mut self, data: &[T]) -> Result<()> {
+        if data.is_empty() {
+            return Ok(());
+        }
+        self.reserve(data.len())?;
+        self.host(self.len, data.len(), Use::Write)?;
+        crate::stream::copy::htod(self.ctx(), self.addr(self.len), data, data.len())?;
+        self.len += data.len();
+        Ok(())
+    }
+
+    /// Grows with copies of `value` or shortens to `new_len`.
+    pub fn resize(&mut self, new_len: usize, value: T) -> Result<()> {
+        if new_len <= self.len {
+            self.truncate(new_len);
+            return Ok(());
+        }
+        self.reserve(new_len - self.len)?;
+        self.fill(self.len, new_len - self.len, value)?;
+        self.len = new_len;
+        Ok(())
+    }
+
+    /// Writes `count` copies of `value` from element `start` (mapped memory past `len` included).
+    fn fill(&self, start: usize, count: usize, value: T) -> Result<()> {
+        self.host(start, count, Use::Write)?;
+        let api = driver()?.api();
+        self.ctx().bind()?;
+        let dst = self.addr(start);
+        let bytes = count * Self::elem();
+        // SAFETY: `value` is plain data; reading its bytes is reading initialised memory.
+        let raw: &[u8] = unsafe { std::slice::from_raw_parts((&value as *const T).cast(), Self::elem()) };
+        if raw.iter().all(|&b| b == raw[0]) {
+            // SAFETY: [dst, dst + bytes) is mapped (reserve succeeded); the stream is the legacy one.
+            unsafe { api.cuMemsetD8Async(dst, raw[0], bytes, std::ptr::null_mut()) }?;
+        } else if Self::elem() == 4 {
+            let word = u32::from_ne_bytes([raw[0], raw[1], raw[2], raw[3]]);
+            // SAFETY: as above; `count` 32-bit words.
+            unsafe { api.cuMemsetD32Async(dst, word, count, std::ptr::null_mut()) }?;
+        } else {
+            // Any other size: repeat a host block of copies of `value`.
+            let block = vec![value; count.min((4 << 20) / Self::elem()).max(1)];
+            let mut done = 0;
+            while done < count {
+                let n = block.len().min(count - done);
+                crate::stream::copy::htod(self.ctx(), self.addr(start + done), &block[..n], n)?;
+                done += n;
+            }
+        }
+        // SAFETY: waits for the legacy stream, where the memsets were queued.
+        unsafe { api.cuStreamSynchronize(std::ptr::null_mut()) }
+    }
+
+    /// Shortens to `len` elements; mapped memory is kept (see [`shrink_to_fit`](Self::shrink_to_fit)).
+    pub fn truncate(&mut self, len: usize) {
+        self.len = self.len.min(len);
+    }
+
+    /// Removes every element; mapped memory is kept.
+    pub fn clear(&mut self) {
+        self.len = 0;
+    }
+
+    /// Unmaps and releases every whole chunk past the last element.
+    pub fn shrink_to_fit(&mut self) -> Result<()> {
+        self.raw.shrink_to(bytes_for(self.len, Self::elem())?);
+        Ok(())
+    }
+
+    /// A read-only view of the elements, for kernels and copies.
+    pub fn as_slice(&self) -> DeviceSlice<'_, T> {
+        // SAFETY: the first `len` elements are mapped and readable by the owning device while the
+        // borrow of self lasts.
+        unsafe { DeviceSlice::tracked(self.raw.base(), self.len, &self.order) }
+    }
+
+    /// A writable view of the elements.
+    pub fn as_mut_slice(&mut self) -> DeviceSliceMut<'_, T> {
+        // SAFETY: as above; `&mut self` makes it the only writable view.
+        unsafe { DeviceSliceMut::tracked(self.raw.base(), self.len, &self.order) }
+    }
+
+    /// Copies `range` of the elements into `out` (lengths must match).
+    pub fn copy_range_to_host(&self, range: Range<usize>, out: &mut [T]) -> Result<()> {
+        if range.start > range.end || range.end > self.len {
+            return Err(Error::invalid(format!("range {range:?} is out of bounds for length {}", self.len)));
+        }
+        if out.len() != range.len() {
+            return Err(Error::invalid(format!(
+                "copy to host: host slice has {} elements, range {range:?} {}",
+                out.len(),
+                range.len()
+            )));
+        }
+        self.host(range.start, range.len(), Use::Read)?;
+        crate::stream::copy::dtoh(self.ctx(), out, self.addr(range.start), range.len())
+    }
+
+    /// Copies every element into a new host vector.
+    pub fn to_vec(&self) -> Result<Vec<T>> {
+        self.host(0, self.len, Use::Read)?;
+        crate::stream::copy::dtoh_vec(self.ctx(), self.raw.base(), self.len)
+    }
+
+    /// Copies one element out; `None` past the end.
+    pub fn get(&self, index: usize) -> Result<Option<T>> {
+        if index >= self.len {
+            return Ok(None);
+        }
+        self.host(index, 1, Use::Read)?;
+        Ok(Some(crate::stream::copy::dtoh_vec(self.ctx(), self.addr(index), 1)?[0]))
+    }
+}
+
+impl<T: DeviceCopy> std::fmt::Debug for VmmVec<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("VmmVec")
+            .field("ptr", &format_args!("{:#x}", self.raw.base()))
+            .field("len", &self.len)
+            .field("mapped_bytes", &self.raw.mapped())
+            .field("reserved_bytes", &self.raw.reserved())
+            .finish()
+    }
+}
