@@ -173,6 +173,11 @@ impl Driver {
 fn open(path: &OsStr) -> Result<NonNull<c_void>, LoadAttempt> {
     let attempt = |message: String| LoadAttempt { path: path.to_string_lossy().into_owned(), message };
     let cpath = CString::new(path.as_bytes()).map_err(|_| attempt("path contains a NUL byte".into()))?;
+    if cfg!(miri) {
+        // Miri cannot run foreign code: under it the crate behaves as on a machine without a
+        // driver, so tests that only touch the failure paths still run there.
+        return Err(attempt("Miri cannot load foreign libraries".into()));
+    }
     // SAFETY: dlopen takes a NUL-terminated path; RTLD_LOCAL keeps the driver's symbols out of the
     // global namespace so they cannot interpose on anyone else's.
     let handle = unsafe { libc::dlopen(cpath.as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL) };
@@ -211,4 +216,25 @@ fn find_get_proc_address(library: &str, handle: NonNull<c_void>) -> Result<Resol
         version: 11030,
         reason: "not exported; is this libcuda.so from a driver older than CUDA 11.3?",
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_library_that_cannot_be_opened_is_driver_not_found() {
+        // SAFETY: no such file (and no foreign code at all under Miri): nothing of it runs.
+        let err = unsafe { Driver::load_from("/nonexistent/libcuda.so.1") }.err().expect("must fail");
+        match err {
+            Error::DriverNotFound { tried } => {
+                assert_eq!(tried.len(), 1);
+                assert_eq!(tried[0].path, "/nonexistent/libcuda.so.1");
+            }
+            other => panic!("wrong error: {other:?}"),
+        }
+        // SAFETY: a path with a NUL byte is refused before dlopen.
+        let nul = unsafe { Driver::load_from("a\0b") }.err().expect("must fail");
+        assert!(matches!(nul, Error::DriverNotFound { tried } if tried[0].message.contains("NUL")));
+    }
 }
