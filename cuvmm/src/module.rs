@@ -51,15 +51,12 @@ impl Module {
 
 impl Drop for Module {
     fn drop(&mut self) {
-        let (ctx, raw) = (self.ctx.clone(), crate::driver::callback::Handle(self.raw));
-        crate::driver::callback::release(move || {
-            let raw = raw;
-            if let Ok(d) = driver() {
-                // Kernels of this module may still be queued.
-                let _ = ctx.synchronize();
-                // SAFETY: unloaded once; nothing of it runs any more.
-                let _ = unsafe { d.api().cuModuleUnload(raw.0) };
-            }
+        crate::driver::callback::release_in(&self.ctx, self.raw, |api, raw| {
+            // Kernels of this module may still be queued: wait for the (current) context.
+            // SAFETY: no arguments.
+            let _ = unsafe { api.cuCtxSynchronize() };
+            // SAFETY: unloaded once; nothing of it runs any more.
+            let _ = unsafe { api.cuModuleUnload(raw) };
         });
     }
 }

@@ -80,6 +80,24 @@ pub(crate) fn release(f: impl FnOnce() + Send + 'static) {
     let _ = tx.send(Box::new(f));
 }
 
+/// A destructor's driver call on `handle`: `f` runs with the driver's entry points and `ctx`
+/// current, now or, inside a host function, on the release thread (see [`release`]). Nothing runs
+/// when no driver is loaded: then nothing was ever created.
+pub(crate) fn release_in<H: 'static>(
+    ctx: &crate::context::Context,
+    handle: H,
+    f: impl FnOnce(&super::Api, H) + Send + 'static,
+) {
+    let (ctx, handle) = (ctx.clone(), Handle(handle));
+    release(move || {
+        let handle = handle;
+        if let Ok(d) = super::driver() {
+            let _ = ctx.bind();
+            f(d.api(), handle.0);
+        }
+    });
+}
+
 /// Blocks until every release deferred from a host function before this call has run.
 ///
 /// Returns [`Error::InHostFunction`] when called from a host function itself: a release may wait

@@ -116,16 +116,11 @@ impl<T: DeviceCopy> DerefMut for PinnedBuffer<T> {
 
 impl<T: DeviceCopy> Drop for PinnedBuffer<T> {
     fn drop(&mut self) {
-        let (ctx, ptr) = (self.ctx.clone(), crate::driver::callback::Handle(self.ptr));
-        crate::driver::callback::release(move || {
-            let ptr = ptr;
-            if let Ok(d) = driver() {
-                let _ = ctx.bind();
-                // SAFETY: allocated by cuMemHostAlloc; asynchronous copies borrow the buffer only
-                // inside a `scope`, which synchronises before the borrow ends, so nothing uses it
-                // any more.
-                let _ = unsafe { d.api().cuMemFreeHost(ptr.0.as_ptr().cast()) };
-            }
+        crate::driver::callback::release_in(&self.ctx, self.ptr, |api, ptr| {
+            // SAFETY: allocated by cuMemHostAlloc; asynchronous copies borrow the buffer only
+            // inside a `scope`, which synchronises before the borrow ends, so nothing uses it any
+            // more.
+            let _ = unsafe { api.cuMemFreeHost(ptr.as_ptr().cast()) };
         });
     }
 }

@@ -91,15 +91,17 @@ impl<T: DeviceCopy> DeviceBuffer<T> {
 
 impl<T: DeviceCopy> Drop for DeviceBuffer<T> {
     fn drop(&mut self) {
-        let (ctx, ptr, pending) = (self.ctx.clone(), self.ptr, self.order.take());
-        crate::driver::callback::release(move || {
-            if let Ok(d) = driver() {
-                // Streams of other contexts (peers) that used it, then this context's.
-                pending.wait();
-                let _ = ctx.synchronize();
-                // SAFETY: allocated by cuMemAlloc in `new`, freed once, no work queued on it any
-                // more.
-                let _ = unsafe { d.api().cuMemFree(ptr) };
+        let (pending, ctx) = (self.order.take(), self.ctx.clone());
+        crate::driver::callback::release_in(&self.ctx, self.ptr, move |api, ptr| {
+            // Streams of other contexts (peers) that used it, then this one's: waiting for them
+            // binds their contexts, so this one is made current again.
+            pending.wait();
+            let _ = ctx.bind();
+            // SAFETY: no arguments; then the allocation from cuMemAlloc in `new` is freed once,
+            // with no work queued on it any more.
+            unsafe {
+                let _ = api.cuCtxSynchronize();
+                let _ = api.cuMemFree(ptr);
             }
         });
     }

@@ -108,14 +108,9 @@ impl std::fmt::Debug for Event {
 
 impl Drop for Event {
     fn drop(&mut self) {
-        let (ctx, raw) = (self.ctx.clone(), crate::driver::callback::Handle(self.raw));
-        crate::driver::callback::release(move || {
-            let raw = raw;
-            if let Ok(d) = driver() {
-                let _ = ctx.bind();
-                // SAFETY: destroyed once; the driver lets a pending record complete first.
-                let _ = unsafe { d.api().cuEventDestroy(raw.0) };
-            }
+        crate::driver::callback::release_in(&self.ctx, self.raw, |api, raw| {
+            // SAFETY: destroyed once; the driver lets a pending record complete first.
+            let _ = unsafe { api.cuEventDestroy(raw) };
         });
     }
 }

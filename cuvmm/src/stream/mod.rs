@@ -202,15 +202,10 @@ impl Drop for StreamInner {
         if self.borrowed.is_some() {
             return; // its owner destroys it; dropping `borrowed` releases our hold on it
         }
-        let (ctx, raw) = (self.ctx.clone(), crate::driver::callback::Handle(self.raw));
-        crate::driver::callback::release(move || {
-            let raw = raw;
-            if let Ok(d) = driver() {
-                let _ = ctx.bind();
-                // SAFETY: destroyed once, by the last owner (the `Stream` or a record of memory it
-                // used); the driver defers the release until queued work completes.
-                let _ = unsafe { d.api().cuStreamDestroy(raw.0) };
-            }
+        crate::driver::callback::release_in(&self.ctx, self.raw, |api, raw| {
+            // SAFETY: destroyed once, by the last owner (the `Stream` or a record of memory it
+            // used); the driver defers the release until queued work completes.
+            let _ = unsafe { api.cuStreamDestroy(raw) };
         });
     }
 }

@@ -440,14 +440,10 @@ impl std::fmt::Debug for PhysicalMemory {
 
 impl Drop for PhysInner {
     fn drop(&mut self) {
-        let (ctx, handle) = (self.ctx.clone(), self.handle);
-        crate::driver::callback::release(move || {
-            if let Ok(d) = driver() {
-                let _ = ctx.bind();
-                // SAFETY: the handle is ours and released once. Mappings hold a clone, so none is
-                // left. A failure cannot be reported from drop and leaves nothing to retry.
-                let _ = unsafe { d.api().cuMemRelease(handle) };
-            }
+        crate::driver::callback::release_in(&self.ctx, self.handle, |api, handle| {
+            // SAFETY: the handle is ours and released once. Mappings hold a clone, so none is left.
+            // A failure cannot be reported from drop and leaves nothing to retry.
+            let _ = unsafe { api.cuMemRelease(handle) };
         });
     }
 }

@@ -266,14 +266,10 @@ impl std::fmt::Debug for Reservation {
 
 impl Drop for ResInner {
     fn drop(&mut self) {
-        let (ctx, base, size) = (self.ctx.clone(), self.base, self.size);
-        crate::driver::callback::release(move || {
-            if let Ok(d) = driver() {
-                let _ = ctx.bind();
-                // SAFETY: every mapping holds a clone of the reservation, so none is left; the
-                // range is ours.
-                let _ = unsafe { d.api().cuMemAddressFree(base, size) };
-            }
+        crate::driver::callback::release_in(&self.ctx, (self.base, self.size), |api, (base, size)| {
+            // SAFETY: every mapping holds a clone of the reservation, so none is left; the range is
+            // ours.
+            let _ = unsafe { api.cuMemAddressFree(base, size) };
         });
     }
 }
