@@ -213,3 +213,37 @@ fn growth_never_moves_the_base_and_resize_fills_any_element_size() {
     w.resize(2000, 0.0).unwrap();
     assert!(w.to_vec().unwrap()[1000..].iter().all(|&f| f == 0.0));
 }
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn chunks_created_ahead_are_used_and_everything_returns() {
+    let ctx = ctx();
+    let before = ctx.memory_info().unwrap().used();
+    {
+        let policy = ChunkPolicy { min_chunk: 2 << 20, max_chunk: 64 << 20, growth_percent: 100 };
+        let mut v = VmmVec::<u32>::builder(&ctx).chunk_policy(policy).create_ahead(true).build().unwrap();
+        let mut model = Vec::new();
+        for i in 0..40u32 {
+            let chunk: Vec<u32> = (0..(1u32 << 20)).map(|j| j ^ i.wrapping_mul(0x9e37_79b9)).collect();
+            v.extend_from_slice(&chunk).unwrap();
+            model.extend_from_slice(&chunk);
+            assert!(v.raw().ahead_bytes() > 0, "step {i}: no chunk is being made ahead");
+        }
+        assert_eq!(v.to_vec().unwrap(), model);
+        v.truncate(1 << 20);
+        v.shrink_to_fit().unwrap();
+        assert_eq!(v.raw().ahead_bytes(), 0, "a chunk made for the old size is let go");
+        v.extend_from_slice(&model[..1 << 21]).unwrap();
+        assert_eq!(v.get((1 << 20) + 5).unwrap(), Some(model[5]));
+    }
+    // The last chunk made ahead is released once its thread has finished.
+    let mut after = ctx.memory_info().unwrap().used();
+    for _ in 0..200 {
+        if after <= before + (2 << 20) {
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(10));
+        after = ctx.memory_info().unwrap().used();
+    }
+    assert!(after <= before + (2 << 20), "before {before}, after {after}");
+}

@@ -38,6 +38,8 @@ pub struct GrowRun {
     pub worst_later_step_s: f64,
     /// Median step, seconds.
     pub median_step_s: f64,
+    /// 99th-percentile step, seconds.
+    pub p99_step_s: f64,
     /// The five slowest steps of the run with the worst one: (step index from 0, seconds).
     pub slowest: Vec<(usize, f64)>,
     /// Most device memory in use above the starting point at any moment sampled, bytes.
@@ -49,21 +51,30 @@ pub struct GrowRun {
     pub trace: Vec<(f64, usize)>,
 }
 
-/// Both strategies and their ratios.
+/// The strategies and their ratios.
 #[derive(Clone, Debug)]
 pub struct GrowReport {
     /// The configuration run.
     pub config: GrowConfig,
     /// VmmVec.
     pub vmm: GrowRun,
+    /// VmmVec creating each next chunk ahead on another thread (`create_ahead`).
+    pub ahead: GrowRun,
     /// cuMemAlloc new, cuMemcpyDtoD, cuMemFree old.
     pub copy: GrowRun,
+    /// Why copy-doubling could not reach the target (it needs 1.5x the length at its peak), if it
+    /// could not; its figures are then empty.
+    pub copy_failed: Option<String>,
 }
 
 impl GrowReport {
     /// VmmVec total time over copy-doubling total time.
     pub fn total_ratio(&self) -> f64 {
         self.vmm.total_s / self.copy.total_s
+    }
+    /// VmmVec with chunks created ahead, total time over copy-doubling total time.
+    pub fn ahead_total_ratio(&self) -> f64 {
+        self.ahead.total_s / self.copy.total_s
     }
     /// VmmVec worst step over copy-doubling worst step.
     pub fn worst_ratio(&self) -> f64 {
@@ -89,9 +100,9 @@ fn write(dst: CUdeviceptr, bytes: usize, value: u8) -> Result<()> {
     }
 }
 
-fn run_vmm(ctx: &Context, cfg: &GrowConfig, target: usize) -> Result<GrowRun> {
+fn run_vmm(ctx: &Context, cfg: &GrowConfig, target: usize, ahead: bool) -> Result<GrowRun> {
     let base = used(ctx)?;
-    let mut v = VmmVec::<u8>::builder(ctx).chunk_policy(cfg.policy).build()?;
+    let mut v = VmmVec::<u8>::builder(ctx).chunk_policy(cfg.policy).create_ahead(ahead).build()?;
     let mut steps = Vec::new();
     let mut mem = Vec::new();
     let mut peak = 0;
@@ -203,17 +214,38 @@ pub fn run(ctx: &Context, cfg: GrowConfig) -> Result<GrowReport> {
         write(b.ptr(), 1 << 20, 1)
     };
     wake()?;
-    run_vmm(ctx, &cfg, warm)?;
+    run_vmm(ctx, &cfg, warm, false)?;
+    wake()?;
+    run_vmm(ctx, &cfg, warm, true)?;
     wake()?;
     run_copy(ctx, &cfg, warm)?;
-    let (mut vmm, mut copy) = (Vec::new(), Vec::new());
+    let (mut vmm, mut ahead, mut copy, mut copy_failed) = (Vec::new(), Vec::new(), Vec::new(), None);
     for _ in 0..cfg.reps {
         wake()?;
-        vmm.push(run_vmm(ctx, &cfg, cfg.target)?);
+        vmm.push(run_vmm(ctx, &cfg, cfg.target, false)?);
         wake()?;
-        copy.push(run_copy(ctx, &cfg, cfg.target)?);
+        ahead.push(run_vmm(ctx, &cfg, cfg.target, true)?);
+        if copy_failed.is_none() {
+            wake()?;
+            match run_copy(ctx, &cfg, cfg.target) {
+                Ok(r) => copy.push(r),
+                // Doubling needs the old and the new buffer at once: past about two thirds of the
+                // device it runs out, which is a result, not a reason to lose the others.
+                Err(e) if e.is_out_of_memory() => copy_failed = Some(e.to_string()),
+                Err(e) => return Err(e),
+            }
+        }
     }
-    Ok(GrowReport { config: cfg, vmm: summarise(&vmm), copy: summarise(&copy) })
+    if copy_failed.is_some() {
+        copy.clear();
+    }
+    Ok(GrowReport {
+        config: cfg,
+        vmm: summarise(&vmm),
+        ahead: summarise(&ahead),
+        copy: summarise(&copy),
+        copy_failed,
+    })
 }
 
 fn finish(steps: &[f64], mem: &[usize], total: Duration, peak: usize) -> GrowRun {
@@ -224,9 +256,21 @@ fn finish(steps: &[f64], mem: &[usize], total: Duration, peak: usize) -> GrowRun
         worst_later_step_s: steps.iter().skip(1).cloned().fold(0.0, f64::max),
         slowest: slowest(steps),
         median_step_s: median(steps),
+        p99_step_s: percentile(steps, 0.99),
         peak_bytes: peak,
         steps: steps.len(),
     }
+}
+
+/// The `q` quantile of `steps` (nearest rank); 0 for none.
+fn percentile(steps: &[f64], q: f64) -> f64 {
+    if steps.is_empty() {
+        return 0.0;
+    }
+    let mut s = steps.to_vec();
+    s.sort_by(f64::total_cmp);
+    let rank = ((q * s.len() as f64).ceil() as usize).clamp(1, s.len());
+    s[rank - 1]
 }
 
 fn slowest(steps: &[f64]) -> Vec<(usize, f64)> {
@@ -241,6 +285,7 @@ fn summarise(runs: &[GrowRun]) -> GrowRun {
     GrowRun {
         total_s: pick(|r| r.total_s),
         median_step_s: pick(|r| r.median_step_s),
+        p99_step_s: pick(|r| r.p99_step_s),
         worst_step_s: runs.iter().map(|r| r.worst_step_s).fold(0.0, f64::max),
         worst_later_step_s: runs.iter().map(|r| r.worst_later_step_s).fold(0.0, f64::max),
         slowest: runs
@@ -250,5 +295,19 @@ fn summarise(runs: &[GrowRun]) -> GrowRun {
         peak_bytes: runs.iter().map(|r| r.peak_bytes).max().unwrap_or(0),
         steps: runs.first().map_or(0, |r| r.steps),
         trace: runs.first().map_or_else(Vec::new, |r| r.trace.clone()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::percentile;
+
+    #[test]
+    fn percentiles_use_the_nearest_rank() {
+        let steps: Vec<f64> = (1..=200).map(f64::from).collect();
+        assert_eq!(percentile(&steps, 0.99), 198.0);
+        assert_eq!(percentile(&steps, 1.0), 200.0);
+        assert_eq!(percentile(&[3.0, 1.0, 2.0], 0.5), 2.0);
+        assert_eq!(percentile(&[], 0.99), 0.0);
     }
 }

@@ -174,22 +174,37 @@ pub fn run(b: Bench) -> CliResult {
             let policy = ChunkPolicy { max_chunk, growth_percent, ..ChunkPolicy::default() };
             let r = grow::run(&ctx, grow::GrowConfig { step, target, reps, policy })?;
             let name = ctx.device().name()?;
+            let copy = if r.copy_failed.is_none() {
+                Some(("copy_doubling", "copy-doubling", &r.copy))
+            } else {
+                None
+            };
+            let rows = [("vmmvec", "VmmVec", &r.vmm), ("vmmvec_ahead", "VmmVec, ahead", &r.ahead)];
             if json {
-                for (which, run) in [("vmmvec", &r.vmm), ("copy_doubling", &r.copy)] {
+                for (which, _, run) in rows.iter().copied().chain(copy) {
                     writeln!(
                         out,
                         "{}",
                         json!({"bench": "grow", "device": name, "strategy": which, "step": step, "target": target,
                                "reps": reps, "steps": run.steps, "total_s": run.total_s, "worst_step_s": run.worst_step_s, "worst_later_step_s": run.worst_later_step_s,
-                               "median_step_s": run.median_step_s, "slowest_steps": run.slowest, "peak_bytes": run.peak_bytes})
+                               "median_step_s": run.median_step_s, "p99_step_s": run.p99_step_s, "slowest_steps": run.slowest, "peak_bytes": run.peak_bytes})
                     )?;
                 }
-                writeln!(
-                    out,
-                    "{}",
-                    json!({"bench": "grow", "ratio_total": r.total_ratio(), "ratio_worst_step": r.worst_ratio(),
-                           "ratio_peak": r.peak_ratio(), "max_chunk": max_chunk, "growth_percent": growth_percent})
-                )?;
+                if let Some(why) = &r.copy_failed {
+                    writeln!(
+                        out,
+                        "{}",
+                        json!({"bench": "grow", "strategy": "copy_doubling", "failed": why})
+                    )?;
+                } else {
+                    writeln!(
+                        out,
+                        "{}",
+                        json!({"bench": "grow", "ratio_total": r.total_ratio(), "ratio_total_ahead": r.ahead_total_ratio(),
+                               "ratio_worst_step": r.worst_ratio(), "ratio_peak": r.peak_ratio(),
+                               "max_chunk": max_chunk, "growth_percent": growth_percent})
+                    )?;
+                }
             } else {
                 writeln!(
                     out,
@@ -199,37 +214,43 @@ pub fn run(b: Bench) -> CliResult {
                 )?;
                 writeln!(
                     out,
-                    "{:<16} {:>10} {:>14} {:>17} {:>15} {:>12}  slowest steps (step #: ms)",
+                    "{:<16} {:>10} {:>14} {:>17} {:>12} {:>15} {:>12}  slowest steps (step #: ms)",
                     "strategy",
                     "total ms",
                     "worst step ms",
                     "worst after 1st",
+                    "p99 step ms",
                     "median step ms",
                     "peak in use"
                 )?;
-                for (which, run) in [("VmmVec", &r.vmm), ("copy-doubling", &r.copy)] {
+                for (_, which, run) in rows.iter().copied().chain(copy) {
                     let slow: Vec<String> =
                         run.slowest.iter().map(|(i, s)| format!("{i}: {:.2}", s * 1e3)).collect();
                     writeln!(
                         out,
-                        "{which:<16} {:>10.2} {:>14.3} {:>17.3} {:>15.3} {:>12}  {}",
+                        "{which:<16} {:>10.2} {:>14.3} {:>17.3} {:>12.3} {:>15.3} {:>12}  {}",
                         run.total_s * 1e3,
                         run.worst_step_s * 1e3,
                         run.worst_later_step_s * 1e3,
+                        run.p99_step_s * 1e3,
                         run.median_step_s * 1e3,
                         show(run.peak_bytes),
                         slow.join(", ")
                     )?;
                 }
-                writeln!(
-                    out,
-                    "VmmVec / copy-doubling: total {:.3}x, worst step {:.3}x, peak {:.3}x (chunks up to {}, +{}%)",
-                    r.total_ratio(),
-                    r.worst_ratio(),
-                    r.peak_ratio(),
-                    show(max_chunk),
-                    growth_percent
-                )?;
+                match &r.copy_failed {
+                    Some(why) => writeln!(out, "copy-doubling    could not reach {}: {why}", show(target))?,
+                    None => writeln!(
+                        out,
+                        "over copy-doubling: VmmVec total {:.3}x, worst step {:.3}x, peak {:.3}x; VmmVec ahead total {:.3}x (chunks up to {}, +{}%)",
+                        r.total_ratio(),
+                        r.worst_ratio(),
+                        r.peak_ratio(),
+                        r.ahead_total_ratio(),
+                        show(max_chunk),
+                        growth_percent
+                    )?,
+                }
             }
         }
         Bench::Bandwidth { sizes, reps, threads, device, json } => {

@@ -23,15 +23,71 @@ pub struct RawVmm {
     policy: ChunkPolicy,
     granularity: usize,
     mapped: usize,
+    /// With [`VmmVecBuilder::create_ahead`]: the next chunk, being created on another thread.
+    ahead: Option<Ahead>,
+    create_ahead: bool,
+}
+
+/// A chunk created off the growth path, so that the growth which needs it only maps it.
+struct Ahead {
+    size: usize,
+    chunk: std::thread::JoinHandle<Result<PhysicalMemory>>,
 }
 
 impl RawVmm {
-    fn new(phys: PhysicalBuilder, policy: ChunkPolicy, reserve: usize) -> Result<RawVmm> {
+    fn new(phys: PhysicalBuilder, policy: ChunkPolicy, reserve: usize, create_ahead: bool) -> Result<RawVmm> {
         let granularity = phys.granularity()?.minimum;
         // Validate the policy once, up front, rather than at the first growth.
         policy.plan(0, 1, granularity)?;
         let reservation = Reservation::new(phys.context(), reserve)?;
-        Ok(RawVmm { chunks: Vec::new(), reservation, phys, policy, granularity, mapped: 0 })
+        Ok(RawVmm {
+            chunks: Vec::new(),
+            reservation,
+            phys,
+            policy,
+            granularity,
+            mapped: 0,
+            ahead: None,
+            create_ahead,
+        })
+    }
+
+    /// A physical chunk of `size` bytes: the one created ahead when it has that size (waiting for
+    /// it if it is still being made), else a new one. A chunk created ahead that failed, or of
+    /// another size, is dropped, and the chunk is created here.
+    fn chunk(&mut self, size: usize) -> Result<PhysicalMemory> {
+        if let Some(a) = self.ahead.take() {
+            if a.size == size {
+                if let Ok(Ok(p)) = a.chunk.join() {
+                    return Ok(p);
+                }
+            }
+        }
+        self.phys.create(size)
+    }
+
+    /// Starts creating the chunk the next growth will map, if asked to and none is under way.
+    fn start_ahead(&mut self) {
+        if !self.create_ahead || self.ahead.is_some() {
+            return;
+        }
+        let Ok(plan) = self.policy.plan(self.mapped, self.mapped + 1, self.granularity) else { return };
+        let Some(&size) = plan.first() else { return };
+        if self.mapped + size > self.reservation.size() {
+            return; // the next growth relocates; nothing to gain
+        }
+        let phys = self.phys.clone();
+        let spawned =
+            std::thread::Builder::new().name("cuvmm-grow-ahead".into()).spawn(move || phys.create(size));
+        // Without a thread the next growth simply creates its chunk itself.
+        if let Ok(chunk) = spawned {
+            self.ahead = Some(Ahead { size, chunk });
+        }
+    }
+
+    /// Bytes of the chunk being created (or created) ahead, not yet mapped.
+    pub fn ahead_bytes(&self) -> usize {
+        self.ahead.as_ref().map_or(0, |a| a.size)
     }
 
     /// Bytes mapped.
@@ -79,12 +135,13 @@ impl RawVmm {
         let mut fresh = Vec::with_capacity(plan.len());
         let mut offset = self.mapped;
         for size in plan {
-            let phys = self.phys.create(size)?;
+            let phys = self.chunk(size)?;
             fresh.push(self.map_chunk(&self.reservation, offset, &phys)?);
             offset += size;
         }
         self.chunks.extend(fresh);
         self.mapped = offset;
+        self.start_ahead();
         Ok(())
     }
 
@@ -100,18 +157,24 @@ impl RawVmm {
         }
         let mut offset = self.mapped;
         for &size in plan {
-            let phys = self.phys.create(size)?;
+            let phys = self.chunk(size)?;
             chunks.push(self.map_chunk(&res, offset, &phys)?);
             offset += size;
         }
         self.chunks = chunks;
         self.reservation = res;
         self.mapped = offset;
+        self.start_ahead();
         Ok(())
     }
 
     /// Unmaps and releases every chunk that lies wholly past `keep` bytes.
     pub fn shrink_to(&mut self, keep: usize) {
+        // A chunk made ahead for the old size would not fit the next growth: let it go (it is
+        // released once its thread finishes).
+        if self.chunks.last().is_some_and(|last| last.offset() >= keep) {
+            self.ahead = None;
+        }
         while let Some(last) = self.chunks.last() {
             if last.offset() < keep {
                 break;
@@ -163,10 +226,20 @@ pub struct VmmVecBuilder<T: DeviceCopy> {
     phys: PhysicalBuilder,
     policy: ChunkPolicy,
     reserve: Option<usize>,
+    create_ahead: bool,
     _t: PhantomData<T>,
 }
 
 impl<T: DeviceCopy> VmmVecBuilder<T> {
+    /// Creates each next chunk on another thread as soon as the previous one is mapped, so the
+    /// growth that needs it only maps it: no `cuMemCreate` on the growth's path (it can take
+    /// milliseconds for a large chunk). Costs one chunk of physical memory beyond the capacity
+    /// while the vector grows; off by default.
+    pub fn create_ahead(mut self, on: bool) -> Self {
+        self.create_ahead = on;
+        self
+    }
+
     /// The chunk sizes to map.
     pub fn chunk_policy(mut self, policy: ChunkPolicy) -> Self {
         self.policy = policy;
@@ -200,7 +273,7 @@ impl<T: DeviceCopy> VmmVecBuilder<T> {
             Some(r) => r,
             None => self.phys.context().device().total_memory()?,
         };
-        let raw = RawVmm::new(self.phys, self.policy, reserve)?;
+        let raw = RawVmm::new(self.phys, self.policy, reserve, self.create_ahead)?;
         Ok(VmmVec { base: raw.base(), raw, len: 0, order: Tracker::new(), _t: PhantomData })
     }
 }
@@ -212,6 +285,7 @@ impl<T: DeviceCopy> VmmVec<T> {
             phys: PhysicalMemory::builder(ctx),
             policy: ChunkPolicy::default(),
             reserve: None,
+            create_ahead: false,
             _t: PhantomData,
         }
     }
