@@ -28,10 +28,20 @@ pub struct RawVmm {
     create_ahead: bool,
 }
 
-/// A chunk created off the growth path, so that the growth which needs it only maps it.
+/// The next chunk, created, mapped at `offset` (the end of what is mapped) and made accessible
+/// off the growth path, so that the growth which needs it only takes it.
 struct Ahead {
+    offset: usize,
     size: usize,
-    chunk: std::thread::JoinHandle<Result<PhysicalMemory>>,
+    chunk: std::thread::JoinHandle<Result<Mapping>>,
+}
+
+impl Ahead {
+    /// Waits for the chunk; `None` if making it failed.
+    fn finish(self) -> Option<(usize, usize, Mapping)> {
+        let mapping = self.chunk.join().ok()?.ok()?;
+        Some((self.offset, self.size, mapping))
+    }
 }
 
 impl RawVmm {
@@ -52,36 +62,35 @@ impl RawVmm {
         })
     }
 
-    /// A physical chunk of `size` bytes: the one created ahead when it has that size (waiting for
-    /// it if it is still being made), else a new one. A chunk created ahead that failed, or of
-    /// another size, is dropped, and the chunk is created here.
-    fn chunk(&mut self, size: usize) -> Result<PhysicalMemory> {
-        if let Some(a) = self.ahead.take() {
-            if a.size == size {
-                if let Ok(Ok(p)) = a.chunk.join() {
-                    return Ok(p);
-                }
-            }
-        }
-        self.phys.create(size)
+    /// The chunk made ahead, waited for, if it is the one to map at `offset` with `size` bytes.
+    /// Any other (or one that failed) is dropped here, unmapped, so that nothing else is mapped
+    /// where it lies: call it before mapping anything past `mapped`.
+    fn take_ahead(&mut self, offset: usize, size: usize) -> Option<Mapping> {
+        let (o, s, m) = self.ahead.take()?.finish()?;
+        (o == offset && s == size).then_some(m)
     }
 
-    /// Starts creating the chunk the next growth will map, if asked to and none is under way.
+    /// Starts making the chunk the next growth will map, if asked to and none is under way.
     fn start_ahead(&mut self) {
         if !self.create_ahead || self.ahead.is_some() {
             return;
         }
         let Ok(plan) = self.policy.plan(self.mapped, self.mapped + 1, self.granularity) else { return };
         let Some(&size) = plan.first() else { return };
-        if self.mapped + size > self.reservation.size() {
+        let offset = self.mapped;
+        if offset + size > self.reservation.size() {
             return; // the next growth relocates; nothing to gain
         }
-        let phys = self.phys.clone();
-        let spawned =
-            std::thread::Builder::new().name("cuvmm-grow-ahead".into()).spawn(move || phys.create(size));
-        // Without a thread the next growth simply creates its chunk itself.
+        let (phys, res) = (self.phys.clone(), self.reservation.clone());
+        let spawned = std::thread::Builder::new().name("cuvmm-grow-ahead".into()).spawn(move || {
+            let chunk = phys.create(size)?;
+            let m = res.map(offset, &chunk, 0, size)?;
+            m.set_access(&[(phys.context().device(), Access::ReadWrite)])?;
+            Ok(m)
+        });
+        // Without a thread the next growth simply makes its chunk itself.
         if let Ok(chunk) = spawned {
-            self.ahead = Some(Ahead { size, chunk });
+            self.ahead = Some(Ahead { offset, size, chunk });
         }
     }
 
@@ -129,14 +138,23 @@ impl RawVmm {
             return Ok(());
         }
         let total = self.mapped + plan.iter().sum::<usize>();
+        // Before anything is mapped past `mapped`: the chunk made ahead lies there.
+        let mut ready = self.take_ahead(self.mapped, plan[0]);
         if total > self.reservation.size() {
+            drop(ready); // it lies in the reservation about to be replaced
             return self.relocate_and_grow(total, &plan);
         }
         let mut fresh = Vec::with_capacity(plan.len());
         let mut offset = self.mapped;
         for size in plan {
-            let phys = self.chunk(size)?;
-            fresh.push(self.map_chunk(&self.reservation, offset, &phys)?);
+            let m = match ready.take() {
+                Some(m) => m,
+                None => {
+                    let phys = self.phys.create(size)?;
+                    self.map_chunk(&self.reservation, offset, &phys)?
+                }
+            };
+            fresh.push(m);
             offset += size;
         }
         self.chunks.extend(fresh);
@@ -157,7 +175,7 @@ impl RawVmm {
         }
         let mut offset = self.mapped;
         for &size in plan {
-            let phys = self.chunk(size)?;
+            let phys = self.phys.create(size)?;
             chunks.push(self.map_chunk(&res, offset, &phys)?);
             offset += size;
         }
@@ -170,10 +188,10 @@ impl RawVmm {
 
     /// Unmaps and releases every chunk that lies wholly past `keep` bytes.
     pub fn shrink_to(&mut self, keep: usize) {
-        // A chunk made ahead for the old size would not fit the next growth: let it go (it is
-        // released once its thread finishes).
+        // A chunk made ahead for the old end would not fit the next growth: wait for it and let
+        // it go, so that its mapping cannot land where a later growth maps.
         if self.chunks.last().is_some_and(|last| last.offset() >= keep) {
-            self.ahead = None;
+            drop(self.ahead.take().and_then(Ahead::finish));
         }
         while let Some(last) = self.chunks.last() {
             if last.offset() < keep {
@@ -231,10 +249,11 @@ pub struct VmmVecBuilder<T: DeviceCopy> {
 }
 
 impl<T: DeviceCopy> VmmVecBuilder<T> {
-    /// Creates each next chunk on another thread as soon as the previous one is mapped, so the
-    /// growth that needs it only maps it: no `cuMemCreate` on the growth's path (it can take
-    /// milliseconds for a large chunk). Costs one chunk of physical memory beyond the capacity
-    /// while the vector grows; off by default.
+    /// Makes each next chunk on another thread as soon as the previous one is mapped (created,
+    /// mapped past the end and made accessible), so the growth that needs it only takes it: no
+    /// `cuMemCreate`, `cuMemMap` or `cuMemSetAccess` on the growth's path unless the growth
+    /// outruns the thread. Costs one chunk of physical memory beyond the capacity while the vector
+    /// grows; off by default.
     pub fn create_ahead(mut self, on: bool) -> Self {
         self.create_ahead = on;
         self
