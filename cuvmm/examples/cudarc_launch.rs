@@ -21,12 +21,13 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     v.resize(16 << 20, 0)?;
     let (n, first, seed) = (v.len() as u64, 0u64, 0x5eed_u32);
     let mut view = v.as_mut_slice();
-    view.prepare_write(&stream)?; // after cuvmm's fill above, on any stream
+    let turn = view.prepare_write(&stream)?; // after cuvmm's fill above, on any stream
     let mut launch = cuda_stream.launch_builder(&pattern);
     launch.arg(&view).arg(&n).arg(&first).arg(&seed);
     // SAFETY: cuvmm_pattern_u32(uint32_t *p, uint64_t n, uint64_t first, uint32_t seed) writes
     // exactly the n elements of the view.
     unsafe { launch.launch(LaunchConfig::for_num_elems(n as u32)) }?;
+    drop(turn);
     // cuvmm's synchronous copy waits for the launch on cudarc's stream by itself.
     let host = v.to_vec()?;
     let bad = host.iter().enumerate().filter(|&(i, &x)| x != pattern_value(i as u64, seed)).count();

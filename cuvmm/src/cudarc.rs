@@ -9,8 +9,9 @@
 //! * cuvmm's device views ([`DeviceSlice`], [`DeviceSliceMut`]) and [`VmmVec`] are kernel
 //!   arguments for cudarc's launch builder (`builder.arg(&view)`): each passes its device address.
 //!   cudarc does not know cuvmm's record of stream use, so call the view's `prepare_read` /
-//!   `prepare_write` with the launch stream (as a cuvmm [`Stream`]) before launching: the
-//!   launch then waits for earlier uses on other streams, and later cuvmm operations wait for it.
+//!   `prepare_write` with the launch stream (as a cuvmm [`Stream`]) before launching, and keep
+//!   the returned turn until the launch is queued: the launch then waits for earlier uses on
+//!   other streams, and later cuvmm operations wait for it.
 //!
 //! ```no_run
 //! # fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -27,11 +28,12 @@
 //! v.resize(1 << 20, 0)?;
 //! let (n, value) = (v.len() as u64, 7u32);
 //! let mut view = v.as_mut_slice();
-//! view.prepare_write(&stream)?;
+//! let turn = view.prepare_write(&stream)?;
 //! let mut launch = cuda_stream.launch_builder(&fill);
 //! launch.arg(&view).arg(&n).arg(&value);
 //! // SAFETY: cuvmm_fill_u32(uint32_t *p, uint64_t n, uint32_t value) writes the n elements.
 //! unsafe { launch.launch(LaunchConfig::for_num_elems(n as u32)) }?;
+//! drop(turn); // queued: other threads may order their work on `v` now
 //! assert!(v.to_vec()?.iter().all(|&x| x == 7)); // waits for the kernel on cudarc's stream
 //! # Ok(()) }
 //! ```
@@ -65,6 +67,13 @@ impl Stream {
     pub fn from_cudarc(ctx: &Context, stream: &Arc<::cudarc::driver::CudaStream>) -> Result<Stream> {
         if stream.context().cu_ctx().cast::<std::ffi::c_void>() != ctx.raw().cast::<std::ffi::c_void>() {
             return Err(Error::invalid("the cudarc stream belongs to another context"));
+        }
+        // CU_STREAM_PER_THREAD names a different stream on every thread; cuvmm's streams are used
+        // from any thread, so that handle would order the wrong work.
+        if stream.cu_stream() as usize == 0x2 {
+            return Err(Error::invalid(
+                "cudarc's per-thread stream means another stream on each thread; use one of its streams",
+            ));
         }
         let raw = stream.cu_stream().cast();
         Ok(Stream::from_parts(ctx, raw, Some(Box::new(Arc::clone(stream)))))

@@ -28,6 +28,7 @@ pub fn pattern_value(index: u64, seed: u32) -> u32 {
 /// Zeroes the 8-byte counter at `ptr` in `stream` order. Callers pass a live counter that
 /// outlives the stream's use of it (device owners synchronise before freeing).
 fn zero_u64(stream: &Stream, ptr: u64) -> Result<()> {
+    stream.context().bind()?;
     // SAFETY: `ptr` is 8 bytes (two 32-bit words) of live device memory, per the callers.
     unsafe { crate::driver::driver()?.api().cuMemsetD32Async(ptr, 0, 2, stream.raw()) }
 }
@@ -95,7 +96,7 @@ impl Kernels {
 
     /// `dst[i] = value`, queued on `stream`.
     pub fn fill_u32(&self, stream: &Stream, dst: &mut DeviceSliceMut<'_, u32>, value: u32) -> Result<()> {
-        dst.prepare_write(stream)?;
+        let _turn = dst.prepare_write(stream)?;
         let (p, n) = (dst.ptr(), dst.len() as u64);
         self.launch(self.fill, dst.len(), stream, &mut params!(p, n, value))
     }
@@ -108,7 +109,7 @@ impl Kernels {
         first: u64,
         seed: u32,
     ) -> Result<()> {
-        dst.prepare_write(stream)?;
+        let _turn = dst.prepare_write(stream)?;
         let (p, n) = (dst.ptr(), dst.len() as u64);
         self.launch(self.pattern, dst.len(), stream, &mut params!(p, n, first, seed))
     }
@@ -121,7 +122,7 @@ impl Kernels {
         first: u64,
         seed: u32,
     ) -> Result<u64> {
-        src.prepare_read(stream)?;
+        let _turn = src.prepare_read(stream)?;
         let out = self.counter(stream)?;
         let (p, n, o) = (src.ptr(), src.len() as u64, out.ptr());
         self.launch(self.check, src.len(), stream, &mut params!(p, n, first, seed, o))?;
@@ -146,8 +147,8 @@ impl Kernels {
         if out.is_empty() {
             return Err(Error::invalid("the checksum needs a one-element output"));
         }
-        src.prepare_read(stream)?;
-        out.prepare_write(stream)?;
+        let _turns = crate::stream::order::turns(&[src.tracker(), out.tracker()])?;
+        let (_r, _w) = (src.prepare_read(stream)?, out.prepare_write(stream)?);
         let o = out.ptr();
         zero_u64(stream, o)?;
         // 16-byte loads over the aligned bulk, 4-byte loads over the rest.
@@ -192,16 +193,15 @@ impl Kernels {
                 c.len()
             )));
         }
-        a.prepare_read(stream)?;
-        b.prepare_read(stream)?;
-        c.prepare_write(stream)?;
+        let _turns = crate::stream::order::turns(&[a.tracker(), b.tracker(), c.tracker()])?;
+        let _r = (a.prepare_read(stream)?, b.prepare_read(stream)?, c.prepare_write(stream)?);
         let (pa, pb, pc, n) = (a.ptr(), b.ptr(), c.ptr(), c.len() as u64);
         self.launch(self.vadd, c.len(), stream, &mut params!(pa, pb, pc, n))
     }
 
     /// `iters` dependent multiply-adds on each element of `p`, queued on `stream`.
     pub fn busy_f32(&self, stream: &Stream, p: &mut DeviceSliceMut<'_, f32>, iters: u32) -> Result<()> {
-        p.prepare_write(stream)?;
+        let _turn = p.prepare_write(stream)?;
         let (ptr, n) = (p.ptr(), p.len() as u64);
         self.launch(self.busy, p.len(), stream, &mut params!(ptr, n, iters))
     }

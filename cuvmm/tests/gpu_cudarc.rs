@@ -28,13 +28,15 @@ fn a_cudarc_kernel_over_a_vmmvec_is_ordered_with_cuvmm_work_on_other_streams() {
         f.resize(n, 1.0).unwrap();
         k.busy_f32(&other, &mut f.as_mut_slice(), 1 << 16).unwrap();
         k.fill_u32(&other, &mut v.as_mut_slice(), 0xdead).unwrap();
-        // …then cudarc's launch over the VmmVec itself, on cudarc's stream.
-        v.as_mut_slice().prepare_write(&on_cudarc).unwrap();
+        // …then cudarc's launch over the vector's view, on cudarc's stream.
+        let mut view = v.as_mut_slice();
+        let turn = view.prepare_write(&on_cudarc).unwrap();
         let (len, first) = (n as u64, 0u64);
         let mut launch = cuda_stream.launch_builder(&pattern);
-        launch.arg(&v).arg(&len).arg(&first).arg(&seed);
+        launch.arg(&view).arg(&len).arg(&first).arg(&seed);
         // SAFETY: the pattern kernel writes exactly the n elements of the vector.
         unsafe { launch.launch(LaunchConfig::for_num_elems(n as u32)) }.unwrap();
+        drop(turn);
         // A cuvmm copy on the other stream reads it back: it must wait for cudarc's launch.
         scope(|s| s.copy_to_host(&other, v.as_slice(), &mut out)?.wait().map(|_| ())).unwrap();
         let bad = out.iter().enumerate().filter(|&(i, &x)| x != pattern_value(i as u64, seed)).count();

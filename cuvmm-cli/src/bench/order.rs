@@ -124,7 +124,7 @@ pub fn run(ctx: &Context, bytes: usize, iters: usize) -> Result<Vec<OrderRow>> {
     let (t, r) = compare(iters * 50, |tracked, iters| {
         for _ in 0..iters {
             let mut dst = if tracked { v.as_mut_slice() } else { raw() };
-            std::hint::black_box(&mut dst).prepare_write(&a)?;
+            drop(std::hint::black_box(&mut dst).prepare_write(&a)?);
         }
         Ok(())
     })?;

@@ -67,6 +67,38 @@ impl Shared {
         }
     }
 
+    /// As [`wait_until`](Self::wait_until), but also gives up (failing everyone) when `stream`
+    /// reports an error: the driver runs no host function after a device fault, so the slots they
+    /// hand on would never come back.
+    fn wait_watching(
+        &self,
+        stream: &Stream,
+        mut cond: impl FnMut(&State) -> bool,
+    ) -> std::result::Result<MutexGuard<'_, State>, ()> {
+        let mut g = self.lock();
+        loop {
+            if g.failed.is_some() {
+                return Err(());
+            }
+            if cond(&g) {
+                return Ok(g);
+            }
+            let (next, timeout) = self
+                .cv
+                .wait_timeout(g, std::time::Duration::from_millis(20))
+                .unwrap_or_else(|e| e.into_inner());
+            g = next;
+            if timeout.timed_out() {
+                drop(g);
+                if let Err(e) = stream.is_idle() {
+                    self.fail(e);
+                    return Err(());
+                }
+                g = self.lock();
+            }
+        }
+    }
+
     /// The next chunk to work on and its slot, or `None` when all are taken or someone failed.
     fn claim(&self, n: usize, k: usize) -> Option<(usize, usize)> {
         let mut g = self.lock();
@@ -150,7 +182,7 @@ impl Staging {
             return Ok(());
         }
         let mut dst = dst;
-        dst.prepare_write(stream)?;
+        let _turn = dst.prepare_write(stream)?;
         let (k, chunk) = (self.slots.len(), self.chunk);
         let n = bytes.div_ceil(chunk);
         // Shared with host functions, which may in principle outlive this call: reference-counted.
@@ -184,8 +216,8 @@ impl Staging {
                 stream.context().bind()?;
                 for i in 0..n {
                     let s = i % k;
-                    if shared.wait_until(|g| g.ready[i]).is_err() {
-                        return Ok(()); // a worker failed; its error is in `shared`
+                    if shared.wait_watching(stream, |g| g.ready[i]).is_err() {
+                        return Ok(()); // a worker or the stream failed; the error is in `shared`
                     }
                     let len = chunk.min(bytes - i * chunk);
                     // SAFETY: slot s holds chunk i (published under the lock); `dst` has room
@@ -233,7 +265,7 @@ impl Staging {
         if bytes == 0 {
             return Ok(());
         }
-        src.prepare_read(stream)?;
+        let _turn = src.prepare_read(stream)?;
         let (k, chunk) = (self.slots.len(), self.chunk);
         let n = bytes.div_ceil(chunk);
         let shared = Shared::new(k, n);

@@ -189,7 +189,7 @@ impl SharedMemory {
     pub fn copy_to_host<T: DeviceCopy>(&self, byte_offset: usize, out: &mut [T]) -> Result<()> {
         let at = self.range(byte_offset, std::mem::size_of_val(out))?;
         let end = at + std::mem::size_of_val(out) as u64;
-        self.order.host_access(at, end, crate::stream::order::Use::Read)?;
+        let _turn = self.order.host_access(at, end, crate::stream::order::Use::Read)?;
         crate::stream::copy::dtoh(self.mapping.reservation().context(), out, at, out.len())
     }
 
@@ -197,7 +197,7 @@ impl SharedMemory {
     pub fn copy_from_host<T: DeviceCopy>(&self, byte_offset: usize, data: &[T]) -> Result<()> {
         let at = self.range(byte_offset, std::mem::size_of_val(data))?;
         let end = at + std::mem::size_of_val(data) as u64;
-        self.order.host_access(at, end, crate::stream::order::Use::Write)?;
+        let _turn = self.order.host_access(at, end, crate::stream::order::Use::Write)?;
         crate::stream::copy::htod(self.mapping.reservation().context(), at, data, data.len())
     }
 }

@@ -52,7 +52,7 @@ impl<T: DeviceCopy> DeviceBuffer<T> {
 
     /// Copies everything out.
     pub fn to_vec(&self) -> Result<Vec<T>> {
-        self.as_slice().host(Use::Read)?;
+        let _turn = self.as_slice().host(Use::Read)?;
         crate::stream::copy::dtoh_vec(&self.ctx, self.ptr, self.len)
     }
 

@@ -2,7 +2,7 @@
 
 use crate::driver::sys::CUdeviceptr;
 use crate::error::{Error, Result};
-use crate::stream::order::{Tracker, Use};
+use crate::stream::order::{Tracker, Turn, Use};
 use crate::stream::Stream;
 use std::marker::PhantomData;
 use std::ops::Range;
@@ -50,26 +50,32 @@ macro_rules! view_accessors {
 
         /// Makes `stream` wait for the work other streams queued through cuvmm that wrote this
         /// memory, and records a read on `stream`: call it before queuing your own kernel or copy
-        /// that reads the view on `stream` (cuvmm's own operations do it themselves). Views made
-        /// with `from_raw_parts` carry no record and return at once. See [`crate::stream::order`].
-        pub fn prepare_read(&self, stream: &Stream) -> Result<()> {
+        /// that reads the view on `stream` (cuvmm's own operations do it themselves), and keep the
+        /// returned [`Turn`] until that work is queued. Views made with `from_raw_parts` carry no
+        /// record and return at once. See [`crate::stream::order`].
+        pub fn prepare_read(&self, stream: &Stream) -> Result<Turn<'a>> {
             self.order_on(stream, Use::Read)
         }
 
-        fn order_on(&self, stream: &Stream, access: Use) -> Result<()> {
+        fn order_on(&self, stream: &Stream, access: Use) -> Result<Turn<'a>> {
             match self.order {
                 Some(t) => t.device_access(stream, self.ptr, self.end(), access),
-                None => Ok(()),
+                None => Ok(Turn::none()),
             }
         }
 
         /// Waits on the host for the conflicting work of other streams, before a synchronous
-        /// access.
-        pub(crate) fn host(&self, access: Use) -> Result<()> {
+        /// access; hold the turn until that access is done.
+        pub(crate) fn host(&self, access: Use) -> Result<Turn<'a>> {
             match self.order {
                 Some(t) => t.host_access(self.ptr, self.end(), access),
-                None => Ok(()),
+                None => Ok(Turn::none()),
             }
+        }
+
+        /// The record the view carries, if any.
+        pub(crate) fn tracker(&self) -> Option<&'a Tracker> {
+            self.order
         }
 
         fn end(&self) -> u64 {
@@ -163,7 +169,7 @@ impl<'a, T: DeviceCopy> DeviceSliceMut<'a, T> {
 
     /// Like [`prepare_read`](Self::prepare_read), for work that writes the view on `stream`: it
     /// waits for earlier reads and writes on other streams.
-    pub fn prepare_write(&mut self, stream: &Stream) -> Result<()> {
+    pub fn prepare_write(&mut self, stream: &Stream) -> Result<Turn<'a>> {
         self.order_on(stream, Use::Write)
     }
 

@@ -70,13 +70,13 @@ pub fn to_device<T: DeviceCopy>(
     src: &[T],
 ) -> Result<()> {
     same_len("copy to device", src.len(), dst.len())?;
-    dst.host(crate::stream::order::Use::Write)?;
+    let _turn = dst.host(crate::stream::order::Use::Write)?;
     htod(ctx, dst.ptr(), src, dst.len())
 }
 
 /// Copies a device view into host memory (synchronous; lengths must match).
 pub fn to_host<T: DeviceCopy>(ctx: &Context, dst: &mut [T], src: &crate::DeviceSlice<'_, T>) -> Result<()> {
     same_len("copy to host", dst.len(), src.len())?;
-    src.host(crate::stream::order::Use::Read)?;
+    let _turn = src.host(crate::stream::order::Use::Read)?;
     dtoh(ctx, dst, src.ptr(), src.len())
 }

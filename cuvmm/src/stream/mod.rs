@@ -128,7 +128,8 @@ impl Stream {
     /// Queues `f` to run on a driver thread once all work queued before it has completed.
     ///
     /// `f` runs exactly once, in stream order, and is dropped after it runs, also when the stream
-    /// is dropped first (the driver finishes a destroyed stream's queue). If queuing fails, `f` is
+    /// is dropped first (the driver finishes a destroyed stream's queue). After a device fault the
+    /// driver runs no host function: then `f` neither runs nor is dropped (it is leaked). If queuing fails, `f` is
     /// dropped without running: the driver queues nothing when `cuLaunchHostFunc` returns an
     /// error, so the closure is still cuvmm's to drop. A panic in `f` is caught and printed; it
     /// does not unwind into the driver.
@@ -199,8 +200,11 @@ impl std::fmt::Debug for Stream {
 
 impl Drop for StreamInner {
     fn drop(&mut self) {
-        if self.borrowed.is_some() {
-            return; // its owner destroys it; dropping `borrowed` releases our hold on it
+        if let Some(owner) = self.borrowed.take() {
+            // Its owner destroys it, maybe right now (cudarc's stream does when its last handle
+            // goes): that is a driver call too, so it goes through the release path.
+            crate::driver::callback::release(move || drop(owner));
+            return;
         }
         crate::driver::callback::release_in(&self.ctx, self.raw, |api, raw| {
             // SAFETY: destroyed once, by the last owner (the `Stream` or a record of memory it

@@ -20,7 +20,10 @@
 //! their users order their streams themselves.
 //!
 //! Your own kernels take part through [`DeviceSlice::prepare_read`] and
-//! [`DeviceSliceMut::prepare_write`], called on the views just before the launch:
+//! [`DeviceSliceMut::prepare_write`], called on the views just before the launch; each returns a
+//! [`Turn`] to keep until the launch is queued (another thread's operation on the same memory
+//! waits for it meanwhile). A launch over several allocations from several threads should prepare
+//! them in one order, as with locks:
 //!
 //! ```no_run
 //! # fn main() -> cuvmm::Result<()> {
@@ -34,11 +37,12 @@
 //! let mut v = VmmVec::<f32>::new(&ctx)?;
 //! v.resize(1 << 20, 1.0)?;
 //! let mut view = v.as_mut_slice();
-//! view.prepare_write(&a)?; // `a` now waits for earlier uses of `v` on other streams
+//! let turn = view.prepare_write(&a)?; // `a` now waits for earlier uses of `v` on other streams
 //! let (mut p, mut n) = (view.ptr(), view.len() as u64);
 //! let mut params = [(&mut p as *mut u64).cast(), (&mut n as *mut u64).cast()];
 //! // SAFETY: `scale(float *p, uint64_t n)` stays within the n elements it is given.
 //! unsafe { scale.launch(LaunchConfig::grid_stride(n, 256, 1024), &a, &mut params)? };
+//! drop(turn); // queued: the record may be read by other threads again
 //! // A synchronous copy waits for the kernel on `a` by itself.
 //! let host = v.to_vec()?;
 //! # let _ = host;
@@ -121,7 +125,14 @@ trait Effects<S, E> {
     fn wait(&mut self, stream: &S, event: &E) -> Result<()>;
     /// Blocks until `stream`'s queue (up to `event`, when it is recorded at its end) is done.
     fn wait_on_host(&mut self, stream: &S, recorded: Option<&E>) -> Result<()>;
+    /// Whether that work is done already, without blocking.
+    fn is_done(&mut self, stream: &S, recorded: Option<&E>) -> Result<bool>;
 }
+
+/// Past this many streams in a record, streams that only read and are done are dropped from it:
+/// reads never make each other wait, so without this a record read by many short-lived streams
+/// would keep them all (and their `CUstream`s) until the next write.
+const PRUNE_ABOVE: usize = 8;
 
 struct State<S, E> {
     entries: Vec<Entry<S, E>>,
@@ -192,22 +203,45 @@ impl<S: Clone, E> State<S, E> {
         e.read = union(e.read, read);
         e.write = union(e.write, write);
         e.add(span, access);
-        Ok(())
-    }
-
-    fn host_access(&mut self, fx: &mut impl Effects<S, E>, span: Span, access: Use) -> Result<()> {
-        let mut i = 0;
-        while i < self.entries.len() {
-            let e = &self.entries[i];
-            if e.conflicts(span, access) {
-                fx.wait_on_host(&e.stream, e.event.as_ref().filter(|_| e.recorded))?;
-                self.remove(i);
-            } else {
-                i += 1;
+        if self.entries.len() > PRUNE_ABOVE {
+            let mut i = 0;
+            while i < self.entries.len() {
+                let e = &self.entries[i];
+                let idle = fx.id(&e.stream) != my_id
+                    && e.write.is_none()
+                    && fx.is_done(&e.stream, e.event.as_ref().filter(|_| e.recorded))?;
+                if idle {
+                    self.remove(i);
+                } else {
+                    i += 1;
+                }
             }
         }
         Ok(())
     }
+
+    /// Takes out the entries a host-synchronous `access` to `span` must wait for; the caller waits
+    /// for them (outside any lock: see [`Tracker::host_access`]).
+    fn take_conflicting(&mut self, span: Span, access: Use) -> Vec<Entry<S, E>> {
+        let mut taken = Vec::new();
+        let mut i = 0;
+        while i < self.entries.len() {
+            if self.entries[i].conflicts(span, access) {
+                taken.push(self.entries.swap_remove(i));
+            } else {
+                i += 1;
+            }
+        }
+        taken
+    }
+}
+
+/// Blocks until the work of every entry in `taken` is done.
+fn wait_all<S, E>(fx: &mut impl Effects<S, E>, taken: &[Entry<S, E>]) -> Result<()> {
+    for e in taken {
+        fx.wait_on_host(&e.stream, e.event.as_ref().filter(|_| e.recorded))?;
+    }
+    Ok(())
 }
 
 /// The driver itself.
@@ -244,12 +278,72 @@ impl Effects<Arc<StreamInner>, Event> for Cuda {
             None => unsafe { driver()?.api().cuStreamSynchronize(stream.raw) },
         }
     }
+
+    fn is_done(&mut self, stream: &Arc<StreamInner>, recorded: Option<&Event>) -> Result<bool> {
+        stream.ctx.bind()?;
+        match recorded {
+            Some(e) => e.is_complete(),
+            // SAFETY: the stream is alive while the record holds it.
+            None => match unsafe { driver()?.api().cuStreamQuery(stream.raw) } {
+                Ok(()) => Ok(true),
+                Err(e) if e.is_code(crate::driver::sys::CUresult::ERROR_NOT_READY) => Ok(false),
+                Err(e) => Err(e),
+            },
+        }
+    }
 }
 
 /// The record of which streams used one allocation (see the module documentation).
 #[derive(Default)]
 pub struct Tracker {
     state: Mutex<State<Arc<StreamInner>, Event>>,
+    /// Which thread is between ordering an operation and queuing it, and how deeply.
+    turn: Mutex<Option<(std::thread::ThreadId, usize)>>,
+    turn_free: std::sync::Condvar,
+}
+
+/// A thread's turn at one allocation's record, from ordering an operation until it is queued.
+///
+/// The record lists an operation before the operation reaches its stream; another thread that read
+/// the record in between would record an event that misses it. So each thread that orders an
+/// operation holds the turn until the operation is queued, and other threads' operations on the
+/// same memory wait for it. The turn is per thread and nests: one operation may order several
+/// views of one allocation. Operations on several allocations take their turns in address order
+/// ([`turns`]), so two threads never wait for each other.
+#[must_use = "hold the turn until the operation it ordered is queued"]
+pub struct Turn<'a> {
+    tracker: Option<&'a Tracker>,
+}
+
+impl Drop for Turn<'_> {
+    fn drop(&mut self) {
+        if let Some(t) = self.tracker {
+            let mut turn = t.turn.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some((_, depth)) = turn.as_mut() {
+                *depth -= 1;
+                if *depth == 0 {
+                    *turn = None;
+                    t.turn_free.notify_all();
+                }
+            }
+        }
+    }
+}
+
+impl Turn<'_> {
+    /// A turn at nothing: for views without a record.
+    pub(crate) fn none() -> Turn<'static> {
+        Turn { tracker: None }
+    }
+}
+
+/// Takes the turns at every record in `trackers` in address order (each once), so that an
+/// operation on several allocations cannot wait for a thread that waits for it.
+pub(crate) fn turns<'a>(trackers: &[Option<&'a Tracker>]) -> Result<Vec<Turn<'a>>> {
+    let mut ts: Vec<&Tracker> = trackers.iter().flatten().copied().collect();
+    ts.sort_by_key(|t| *t as *const Tracker as usize);
+    ts.dedup_by_key(|t| *t as *const Tracker as usize);
+    ts.into_iter().map(Tracker::turn).collect()
 }
 
 impl Tracker {
@@ -262,22 +356,60 @@ impl Tracker {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Makes `stream` wait for the earlier uses on other streams that conflict with `access` to
-    /// `[start, end)`, then records the use. Call it just before queuing the operation.
-    pub(crate) fn device_access(&self, stream: &Stream, start: u64, end: u64, access: Use) -> Result<()> {
-        if start >= end {
-            return Ok(());
+    /// Waits until no other thread holds the turn, then takes (or, on this thread, deepens) it.
+    /// Inside a host function it refuses: the thread holding the turn may be waiting for the very
+    /// stream the host function holds.
+    fn turn(&self) -> Result<Turn<'_>> {
+        if crate::driver::callback::in_host_function() {
+            return Err(crate::driver::callback::refuse("ordering device memory"));
         }
-        self.lock().device_access(&mut Cuda, stream.inner(), (start, end), access)
+        let me = std::thread::current().id();
+        let mut turn = self.turn.lock().unwrap_or_else(|e| e.into_inner());
+        loop {
+            match turn.as_mut() {
+                None => {
+                    *turn = Some((me, 1));
+                    break;
+                }
+                Some((holder, depth)) if *holder == me => {
+                    *depth += 1;
+                    break;
+                }
+                Some(_) => turn = self.turn_free.wait(turn).unwrap_or_else(|e| e.into_inner()),
+            }
+        }
+        Ok(Turn { tracker: Some(self) })
+    }
+
+    /// Makes `stream` wait for the earlier uses on other streams that conflict with `access` to
+    /// `[start, end)`, then records the use. Hold the returned turn until the operation is queued.
+    pub(crate) fn device_access(
+        &self,
+        stream: &Stream,
+        start: u64,
+        end: u64,
+        access: Use,
+    ) -> Result<Turn<'_>> {
+        let turn = self.turn()?;
+        if start < end {
+            self.lock().device_access(&mut Cuda, stream.inner(), (start, end), access)?;
+        }
+        Ok(turn)
     }
 
     /// Blocks until the uses on any stream that conflict with a host-synchronous `access` to
-    /// `[start, end)` have finished, and forgets them. Call it before a synchronous copy.
-    pub(crate) fn host_access(&self, start: u64, end: u64, access: Use) -> Result<()> {
-        if start >= end {
-            return Ok(());
+    /// `[start, end)` have finished, and forgets them. Hold the returned turn until the
+    /// synchronous operation is done.
+    pub(crate) fn host_access(&self, start: u64, end: u64, access: Use) -> Result<Turn<'_>> {
+        let turn = self.turn()?;
+        if start < end {
+            // Waited for outside the record's lock: a destructor running inside a host function
+            // takes that lock, and may hold up the very stream being waited for. The turn keeps
+            // other threads' operations on this memory out meanwhile.
+            let taken = self.lock().take_conflicting((start, end), access);
+            wait_all(&mut Cuda, &taken)?;
         }
-        self.lock().host_access(&mut Cuda, (start, end), access)
+        Ok(turn)
     }
 
     /// Takes the whole record, for an owner about to free its memory: see [`Pending::wait`].
@@ -313,7 +445,7 @@ impl Pending {
     /// which then wait for the whole context as well).
     pub(crate) fn wait(self) {
         for e in &self.0 {
-            let _ = Cuda.wait_on_host(&e.stream, e.event.as_ref().filter(|_| e.recorded));
+            let _ = wait_all(&mut Cuda, std::slice::from_ref(e));
         }
     }
 }
@@ -374,6 +506,10 @@ mod tests {
             join(&mut self.clocks[*stream], &e);
             Ok(())
         }
+        fn is_done(&mut self, _stream: &usize, _recorded: Option<&usize>) -> Result<bool> {
+            // The model knows no completion: nothing is pruned, every wait stays explicit.
+            Ok(false)
+        }
         fn wait_on_host(&mut self, stream: &usize, recorded: Option<&usize>) -> Result<()> {
             self.driver_calls += 1;
             let c = match recorded {
@@ -395,7 +531,8 @@ mod tests {
         for &(who, start, len, write) in ops {
             let (span, access) = ((start, start + len), if write { Use::Write } else { Use::Read });
             if who == HOST {
-                st.host_access(&mut sim, span, access).unwrap();
+                let taken = st.take_conflicting(span, access);
+                wait_all(&mut sim, &taken).unwrap();
             } else {
                 // Work queued after a synchronous host operation runs after it.
                 let host = sim.clocks[HOST].clone();
@@ -429,6 +566,35 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn a_turn_keeps_other_threads_out_until_it_is_dropped_and_nests_on_its_own_thread() {
+        use std::sync::atomic::{AtomicBool, Ordering};
+        let t = Tracker::new();
+        let taken = AtomicBool::new(false);
+        let first = t.turn().unwrap();
+        let nested = t.turn().unwrap(); // the same thread again: no wait
+        std::thread::scope(|s| {
+            let other = s.spawn(|| {
+                let _turn = t.turn().unwrap();
+                taken.store(true, Ordering::SeqCst);
+            });
+            std::thread::sleep(std::time::Duration::from_millis(50));
+            assert!(!taken.load(Ordering::SeqCst), "another thread took the turn while it was held");
+            drop(nested);
+            std::thread::sleep(std::time::Duration::from_millis(20));
+            assert!(!taken.load(Ordering::SeqCst), "the outer turn still holds it");
+            drop(first);
+            other.join().unwrap();
+        });
+        assert!(taken.load(Ordering::SeqCst));
+        // Several records are taken in address order, each once.
+        let u = Tracker::new();
+        assert_eq!(turns(&[Some(&u), None, Some(&t), Some(&u)]).unwrap().len(), 2);
+        // Inside a host function the turn is refused rather than waited for.
+        let _g = crate::driver::callback::HostFnGuard::enter();
+        assert!(matches!(t.turn(), Err(crate::Error::InHostFunction { .. })));
     }
 
     #[test]

@@ -171,7 +171,7 @@ impl<'a> Scope<'a> {
         mut dst: DeviceSliceMut<'_, T>,
     ) -> Result<()> {
         same_len(src.len(), dst.len())?;
-        dst.prepare_write(stream)?;
+        let _turn = dst.prepare_write(stream)?;
         let Some(raw) = self.prepare(stream, src.len(), dst.len())? else { return Ok(()) };
         // SAFETY: `src` stays borrowed (unchangeable, unfreeable) until the scope synchronises
         // `stream`; `dst` holds as many bytes.
@@ -189,7 +189,7 @@ impl<'a> Scope<'a> {
         dst: &'a mut [T],
     ) -> Result<Landing<'a, T>> {
         same_len(dst.len(), src.len())?;
-        src.prepare_read(stream)?;
+        let _turn = src.prepare_read(stream)?;
         if let Some(raw) = self.prepare(stream, dst.len(), src.len())? {
             // SAFETY: `dst` stays borrowed mutably (no other access) until the copy has landed;
             // T: DeviceCopy makes any bytes written a valid T.
@@ -213,8 +213,8 @@ impl<'a> Scope<'a> {
         mut dst: DeviceSliceMut<'_, T>,
     ) -> Result<()> {
         same_len(src.len(), dst.len())?;
-        src.prepare_read(stream)?;
-        dst.prepare_write(stream)?;
+        let _turns = crate::stream::order::turns(&[src.tracker(), dst.tracker()])?;
+        let _r = (src.prepare_read(stream)?, dst.prepare_write(stream)?);
         let Some(raw) = self.prepare(stream, src.len(), dst.len())? else { return Ok(()) };
         // SAFETY: both ranges are live device memory of the lengths checked above.
         unsafe { driver()?.api().cuMemcpyDtoDAsync(dst.ptr(), src.ptr(), src.byte_len(), raw) }
@@ -222,7 +222,7 @@ impl<'a> Scope<'a> {
 
     /// Queues `dst[i] = value` on `stream`.
     pub fn fill_u32(&self, stream: &'a Stream, mut dst: DeviceSliceMut<'_, u32>, value: u32) -> Result<()> {
-        dst.prepare_write(stream)?;
+        let _turn = dst.prepare_write(stream)?;
         stream.context().bind()?;
         let raw = self.using(stream);
         // SAFETY: `dst` is live device memory of `len` u32s.
@@ -231,7 +231,7 @@ impl<'a> Scope<'a> {
 
     /// Queues `dst[i] = value` on `stream`, bytewise.
     pub fn fill_u8(&self, stream: &'a Stream, mut dst: DeviceSliceMut<'_, u8>, value: u8) -> Result<()> {
-        dst.prepare_write(stream)?;
+        let _turn = dst.prepare_write(stream)?;
         stream.context().bind()?;
         let raw = self.using(stream);
         // SAFETY: `dst` is live device memory of `len` bytes.

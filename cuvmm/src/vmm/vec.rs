@@ -5,7 +5,7 @@ use crate::context::Context;
 use crate::driver::{driver, sys::CUdeviceptr};
 use crate::error::{Error, Result};
 use crate::memory::{DeviceCopy, DeviceSlice, DeviceSliceMut};
-use crate::stream::order::{Tracker, Use};
+use crate::stream::order::{Tracker, Turn, Use};
 use crate::vmm::{
     bytes_for, Access, ChunkPolicy, HandleTypes, Location, Mapping, PhysicalBuilder, PhysicalMemory,
     Reservation,
@@ -382,7 +382,7 @@ impl<T: DeviceCopy> VmmVec<T> {
 
     /// Waits on the host for other streams' conflicting work on elements `[start, start+count)`
     /// (mapped memory past `len` included), before a synchronous access.
-    fn host(&self, start: usize, count: usize, access: Use) -> Result<()> {
+    fn host(&self, start: usize, count: usize, access: Use) -> Result<Turn<'_>> {
         let (a, b) = (self.addr(start), self.addr(start + count));
         self.order.host_access(a, b, access)
     }
@@ -398,8 +398,10 @@ impl<T: DeviceCopy> VmmVec<T> {
             return Ok(());
         }
         self.reserve(data.len())?;
-        self.host(self.len, data.len(), Use::Write)?;
-        crate::stream::copy::htod(self.ctx(), self.addr(self.len), data, data.len())?;
+        {
+            let _turn = self.host(self.len, data.len(), Use::Write)?;
+            crate::stream::copy::htod(self.ctx(), self.addr(self.len), data, data.len())?;
+        }
         self.len += data.len();
         Ok(())
     }
@@ -418,7 +420,7 @@ impl<T: DeviceCopy> VmmVec<T> {
 
     /// Writes `count` copies of `value` from element `start` (mapped memory past `len` included).
     fn fill(&self, start: usize, count: usize, value: T) -> Result<()> {
-        self.host(start, count, Use::Write)?;
+        let _turn = self.host(start, count, Use::Write)?;
         let api = driver()?.api();
         self.ctx().bind()?;
         let dst = self.addr(start);
@@ -487,13 +489,13 @@ impl<T: DeviceCopy> VmmVec<T> {
                 range.len()
             )));
         }
-        self.host(range.start, range.len(), Use::Read)?;
+        let _turn = self.host(range.start, range.len(), Use::Read)?;
         crate::stream::copy::dtoh(self.ctx(), out, self.addr(range.start), range.len())
     }
 
     /// Copies every element into a new host vector.
     pub fn to_vec(&self) -> Result<Vec<T>> {
-        self.host(0, self.len, Use::Read)?;
+        let _turn = self.host(0, self.len, Use::Read)?;
         crate::stream::copy::dtoh_vec(self.ctx(), self.raw.base(), self.len)
     }
 
@@ -502,7 +504,7 @@ impl<T: DeviceCopy> VmmVec<T> {
         if index >= self.len {
             return Ok(None);
         }
-        self.host(index, 1, Use::Read)?;
+        let _turn = self.host(index, 1, Use::Read)?;
         Ok(Some(crate::stream::copy::dtoh_vec(self.ctx(), self.addr(index), 1)?[0]))
     }
 }
