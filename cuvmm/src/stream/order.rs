@@ -57,6 +57,7 @@ use crate::driver::{driver, sys::CU_EVENT_DISABLE_TIMING};
 use crate::error::Result;
 use crate::stream::Event;
 use crate::stream::{Stream, StreamInner};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 /// How an operation uses memory.
@@ -297,9 +298,70 @@ impl Effects<Arc<StreamInner>, Event> for Cuda {
 #[derive(Default)]
 pub struct Tracker {
     state: Mutex<State<Arc<StreamInner>, Event>>,
-    /// Which thread is between ordering an operation and queuing it, and how deeply.
-    turn: Mutex<Option<(std::thread::ThreadId, usize)>>,
-    turn_free: std::sync::Condvar,
+    turn: TurnLock,
+}
+
+/// Which thread holds a record's turn, and how deeply. Taking and giving back an uncontended turn
+/// costs a few atomic operations; only a thread that has to wait touches the mutex and condition
+/// variable.
+#[derive(Default)]
+struct TurnLock {
+    /// The holder's [`thread_number`], 0 for none.
+    holder: AtomicU64,
+    /// How many turns the holder took; only the holder changes it.
+    depth: AtomicUsize,
+    waiters: AtomicUsize,
+    gate: Mutex<()>,
+    free: std::sync::Condvar,
+}
+
+/// A number for the calling thread, never 0 (cheaper than `std::thread::current().id()`).
+fn thread_number() -> u64 {
+    static NEXT: AtomicU64 = AtomicU64::new(1);
+    thread_local! {
+        static NUMBER: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+    }
+    NUMBER.with(|n| {
+        if n.get() == 0 {
+            n.set(NEXT.fetch_add(1, Ordering::Relaxed));
+        }
+        n.get()
+    })
+}
+
+impl TurnLock {
+    fn take(&self) {
+        let me = thread_number();
+        if self.holder.load(Ordering::Acquire) == me {
+            self.depth.fetch_add(1, Ordering::Relaxed);
+            return;
+        }
+        loop {
+            if self.holder.compare_exchange(0, me, Ordering::Acquire, Ordering::Relaxed).is_ok() {
+                self.depth.store(1, Ordering::Relaxed);
+                return;
+            }
+            // Announce the wait before looking again, so a release either sees the waiter or
+            // is seen by it.
+            self.waiters.fetch_add(1, Ordering::SeqCst);
+            let mut gate = self.gate.lock().unwrap_or_else(|e| e.into_inner());
+            while self.holder.load(Ordering::SeqCst) != 0 {
+                gate = self.free.wait(gate).unwrap_or_else(|e| e.into_inner());
+            }
+            drop(gate);
+            self.waiters.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+
+    fn give_back(&self) {
+        if self.depth.fetch_sub(1, Ordering::Relaxed) == 1 {
+            self.holder.store(0, Ordering::SeqCst);
+            if self.waiters.load(Ordering::SeqCst) > 0 {
+                let _gate = self.gate.lock().unwrap_or_else(|e| e.into_inner());
+                self.free.notify_all();
+            }
+        }
+    }
 }
 
 /// A thread's turn at one allocation's record, from ordering an operation until it is queued.
@@ -318,14 +380,7 @@ pub struct Turn<'a> {
 impl Drop for Turn<'_> {
     fn drop(&mut self) {
         if let Some(t) = self.tracker {
-            let mut turn = t.turn.lock().unwrap_or_else(|e| e.into_inner());
-            if let Some((_, depth)) = turn.as_mut() {
-                *depth -= 1;
-                if *depth == 0 {
-                    *turn = None;
-                    t.turn_free.notify_all();
-                }
-            }
+            t.turn.give_back();
         }
     }
 }
@@ -363,21 +418,7 @@ impl Tracker {
         if crate::driver::callback::in_host_function() {
             return Err(crate::driver::callback::refuse("ordering device memory"));
         }
-        let me = std::thread::current().id();
-        let mut turn = self.turn.lock().unwrap_or_else(|e| e.into_inner());
-        loop {
-            match turn.as_mut() {
-                None => {
-                    *turn = Some((me, 1));
-                    break;
-                }
-                Some((holder, depth)) if *holder == me => {
-                    *depth += 1;
-                    break;
-                }
-                Some(_) => turn = self.turn_free.wait(turn).unwrap_or_else(|e| e.into_inner()),
-            }
-        }
+        self.turn.take();
         Ok(Turn { tracker: Some(self) })
     }
 
@@ -595,6 +636,26 @@ mod tests {
         // Inside a host function the turn is refused rather than waited for.
         let _g = crate::driver::callback::HostFnGuard::enter();
         assert!(matches!(t.turn(), Err(crate::Error::InHostFunction { .. })));
+    }
+
+    #[test]
+    fn turns_exclude_each_other_under_contention() {
+        use std::sync::atomic::{AtomicBool, Ordering};
+        let t = Tracker::new();
+        let inside = AtomicBool::new(false);
+        let rounds = if cfg!(miri) { 20 } else { 2000 };
+        std::thread::scope(|s| {
+            for _ in 0..4 {
+                s.spawn(|| {
+                    for _ in 0..rounds {
+                        let _turn = t.turn().unwrap();
+                        assert!(!inside.swap(true, Ordering::SeqCst), "two threads held the turn");
+                        std::thread::yield_now();
+                        inside.store(false, Ordering::SeqCst);
+                    }
+                });
+            }
+        });
     }
 
     #[test]
