@@ -371,7 +371,7 @@ impl TurnLock {
 /// operation holds the turn until the operation is queued, and other threads' operations on the
 /// same memory wait for it. The turn is per thread and nests: one operation may order several
 /// views of one allocation. Operations on several allocations take their turns in address order
-/// ([`turns`]), so two threads never wait for each other.
+/// (by address), so two threads never wait for each other.
 #[must_use = "hold the turn until the operation it ordered is queued"]
 pub struct Turn<'a> {
     tracker: Option<&'a Tracker>,
