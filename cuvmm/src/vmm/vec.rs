@@ -62,12 +62,13 @@ impl RawVmm {
         })
     }
 
-    /// The chunk made ahead, waited for, if it is the one to map at `offset` with `size` bytes.
+    /// The chunk made ahead, waited for, if it lies at `offset` (whatever its size: the growth
+    /// plans the rest around it).
     /// Any other (or one that failed) is dropped here, unmapped, so that nothing else is mapped
     /// where it lies: call it before mapping anything past `mapped`.
-    fn take_ahead(&mut self, offset: usize, size: usize) -> Option<Mapping> {
-        let (o, s, m) = self.ahead.take()?.finish()?;
-        (o == offset && s == size).then_some(m)
+    fn take_ahead(&mut self, offset: usize) -> Option<Mapping> {
+        let (o, _, m) = self.ahead.take()?.finish()?;
+        (o == offset).then_some(m)
     }
 
     /// Starts making the chunk the next growth will map, if asked to and none is under way.
@@ -139,22 +140,30 @@ impl RawVmm {
         }
         let total = self.mapped + plan.iter().sum::<usize>();
         // Before anything is mapped past `mapped`: the chunk made ahead lies there.
-        let mut ready = self.take_ahead(self.mapped, plan[0]);
+        let ready = self.take_ahead(self.mapped);
         if total > self.reservation.size() {
             drop(ready); // it lies in the reservation about to be replaced
             return self.relocate_and_grow(total, &plan);
         }
         let mut fresh = Vec::with_capacity(plan.len());
         let mut offset = self.mapped;
-        for size in plan {
-            let m = match ready.take() {
-                Some(m) => m,
-                None => {
-                    let phys = self.phys.create(size)?;
-                    self.map_chunk(&self.reservation, offset, &phys)?
-                }
-            };
-            fresh.push(m);
+        // The chunk made ahead comes first, whatever its size; the policy plans what it leaves.
+        let after = |m: &Mapping| self.policy.plan(self.mapped + m.len(), need, self.granularity);
+        let rest = match ready.map(|m| (after(&m), m)) {
+            // Only if the rest fits the reservation; else the chunk goes and the plan (which fits)
+            // is followed as if nothing had been made ahead.
+            Some((Ok(rest), m))
+                if self.mapped + m.len() + rest.iter().sum::<usize>() <= self.reservation.size() =>
+            {
+                offset += m.len();
+                fresh.push(m);
+                rest
+            }
+            _ => plan,
+        };
+        for size in rest {
+            let phys = self.phys.create(size)?;
+            fresh.push(self.map_chunk(&self.reservation, offset, &phys)?);
             offset += size;
         }
         self.chunks.extend(fresh);
