@@ -28,6 +28,9 @@ pub struct RawVmm {
     create_ahead: bool,
 }
 
+/// The smallest chunk made ahead (see [`RawVmm::start_ahead`]).
+const AHEAD_FLOOR: usize = 256 << 20;
+
 /// The next chunk, created, mapped at `offset` (the end of what is mapped) and made accessible
 /// off the growth path, so that the growth which needs it only takes it.
 struct Ahead {
@@ -50,7 +53,7 @@ impl RawVmm {
         // Validate the policy once, up front, rather than at the first growth.
         policy.plan(0, 1, granularity)?;
         let reservation = Reservation::new(phys.context(), reserve)?;
-        Ok(RawVmm {
+        let mut raw = RawVmm {
             chunks: Vec::new(),
             reservation,
             phys,
@@ -59,7 +62,10 @@ impl RawVmm {
             mapped: 0,
             ahead: None,
             create_ahead,
-        })
+        };
+        // The first chunk too: the first growth then only takes it.
+        raw.start_ahead();
+        Ok(raw)
     }
 
     /// The chunk made ahead, waited for, if it lies at `offset` (whatever its size: the growth
@@ -77,7 +83,11 @@ impl RawVmm {
             return;
         }
         let Ok(plan) = self.policy.plan(self.mapped, self.mapped + 1, self.granularity) else { return };
-        let Some(&size) = plan.first() else { return };
+        let Some(&next) = plan.first() else { return };
+        // While the vector is small its next chunk would be needed right after it is started, so
+        // the chunk made ahead is never smaller than AHEAD_FLOOR (nor than the policy's largest).
+        let floor = self.policy.max_chunk.min(AHEAD_FLOOR);
+        let Ok(size) = crate::vmm::round_up(next.max(floor), self.granularity) else { return };
         let offset = self.mapped;
         if offset + size > self.reservation.size() {
             return; // the next growth relocates; nothing to gain
@@ -262,7 +272,7 @@ impl<T: DeviceCopy> VmmVecBuilder<T> {
     /// mapped past the end and made accessible), so the growth that needs it only takes it: no
     /// `cuMemCreate`, `cuMemMap` or `cuMemSetAccess` on the growth's path unless the growth
     /// outruns the thread. Costs one chunk of physical memory beyond the capacity while the vector
-    /// grows; off by default.
+    /// grows (at least 256 MiB, or the policy's largest chunk if smaller); off by default.
     pub fn create_ahead(mut self, on: bool) -> Self {
         self.create_ahead = on;
         self
