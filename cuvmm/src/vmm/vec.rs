@@ -63,8 +63,12 @@ impl RawVmm {
             ahead: None,
             create_ahead,
         };
-        // The first chunk too: the first growth then only takes it.
-        raw.start_ahead();
+        if create_ahead {
+            // The first chunk is mapped while building (the first append would otherwise wait for
+            // it), and the next one started.
+            raw.start_ahead();
+            raw.grow_to(1)?;
+        }
         Ok(raw)
     }
 
@@ -272,7 +276,8 @@ impl<T: DeviceCopy> VmmVecBuilder<T> {
     /// mapped past the end and made accessible), so the growth that needs it only takes it: no
     /// `cuMemCreate`, `cuMemMap` or `cuMemSetAccess` on the growth's path unless the growth
     /// outruns the thread. Costs one chunk of physical memory beyond the capacity while the vector
-    /// grows (at least 256 MiB, or the policy's largest chunk if smaller); off by default.
+    /// grows (at least 256 MiB, or the policy's largest chunk if smaller), and `build` maps the
+    /// first such chunk at once; off by default.
     pub fn create_ahead(mut self, on: bool) -> Self {
         self.create_ahead = on;
         self
