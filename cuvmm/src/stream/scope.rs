@@ -142,15 +142,10 @@ impl<'a> Scope<'a> {
         stream.raw()
     }
 
-    /// Checks lengths and binds the context; `None` when there is nothing to copy.
-    fn prepare(
-        &self,
-        stream: &'a Stream,
-        host_or_src: usize,
-        device_or_dst: usize,
-    ) -> Result<Option<CUstream>> {
-        same_len(host_or_src, device_or_dst)?;
-        if host_or_src == 0 {
+    /// Binds the context for a copy of `len` elements whose lengths the caller checked (before
+    /// ordering it); `None` when there is nothing to copy.
+    fn prepare(&self, stream: &'a Stream, len: usize) -> Result<Option<CUstream>> {
+        if len == 0 {
             return Ok(None);
         }
         stream.context().bind()?;
@@ -172,7 +167,7 @@ impl<'a> Scope<'a> {
     ) -> Result<()> {
         same_len(src.len(), dst.len())?;
         let _turn = dst.prepare_write(stream)?;
-        let Some(raw) = self.prepare(stream, src.len(), dst.len())? else { return Ok(()) };
+        let Some(raw) = self.prepare(stream, src.len())? else { return Ok(()) };
         // SAFETY: `src` stays borrowed (unchangeable, unfreeable) until the scope synchronises
         // `stream`; `dst` holds as many bytes.
         unsafe {
@@ -190,7 +185,7 @@ impl<'a> Scope<'a> {
     ) -> Result<Landing<'a, T>> {
         same_len(dst.len(), src.len())?;
         let _turn = src.prepare_read(stream)?;
-        if let Some(raw) = self.prepare(stream, dst.len(), src.len())? {
+        if let Some(raw) = self.prepare(stream, dst.len())? {
             // SAFETY: `dst` stays borrowed mutably (no other access) until the copy has landed;
             // T: DeviceCopy makes any bytes written a valid T.
             unsafe {
@@ -215,7 +210,7 @@ impl<'a> Scope<'a> {
         same_len(src.len(), dst.len())?;
         let _turns = crate::stream::order::turns(&[src.tracker(), dst.tracker()])?;
         let _r = (src.prepare_read(stream)?, dst.prepare_write(stream)?);
-        let Some(raw) = self.prepare(stream, src.len(), dst.len())? else { return Ok(()) };
+        let Some(raw) = self.prepare(stream, src.len())? else { return Ok(()) };
         // SAFETY: both ranges are live device memory of the lengths checked above.
         unsafe { driver()?.api().cuMemcpyDtoDAsync(dst.ptr(), src.ptr(), src.byte_len(), raw) }
     }
