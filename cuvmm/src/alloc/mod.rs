@@ -7,7 +7,9 @@
 //! importer never sees a neighbour's block.
 
 mod cache;
+mod ordered;
 mod peer;
 
 pub use cache::{CacheStats, CachingAllocator, SubAllocation, MIN_CLASS};
+pub use ordered::{AllocatorConfig, AllocatorStats, GraphMemory, StreamAllocator, StreamBlock};
 pub use peer::{ExportMode, PeerAllocation, PeerAllocator};

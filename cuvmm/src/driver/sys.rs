@@ -225,6 +225,16 @@ pub const CU_MEMHOSTREGISTER_DEVICEMAP: c_uint = 2;
 pub const CU_MEMHOSTREGISTER_READ_ONLY: c_uint = 8;
 /// `CU_STREAM_NON_BLOCKING`.
 pub const CU_STREAM_NON_BLOCKING: c_uint = 1;
+/// `CU_STREAM_LEGACY`: the legacy default stream, also named by a null handle.
+pub const CU_STREAM_LEGACY: usize = 1;
+/// `CU_STREAM_PER_THREAD`: each thread's own default stream.
+pub const CU_STREAM_PER_THREAD: usize = 2;
+/// `CU_STREAM_CAPTURE_STATUS_ACTIVE` (`CUstreamCaptureStatus`; 0 is none, 2 invalidated).
+pub const CU_STREAM_CAPTURE_STATUS_ACTIVE: c_int = 1;
+/// `CU_STREAM_CAPTURE_STATUS_INVALIDATED`.
+pub const CU_STREAM_CAPTURE_STATUS_INVALIDATED: c_int = 2;
+/// `CU_STREAM_CAPTURE_MODE_RELAXED` (`CUstreamCaptureMode`).
+pub const CU_STREAM_CAPTURE_MODE_RELAXED: c_int = 2;
 /// `CU_EVENT_BLOCKING_SYNC`.
 pub const CU_EVENT_BLOCKING_SYNC: c_uint = 1;
 /// `CU_EVENT_DISABLE_TIMING`.

@@ -1,0 +1,90 @@
+/*
+ * cuvmm.h: the C ABI of libcuvmm.so, a stream-ordered caching allocator for CUDA device memory
+ * built on the driver's virtual memory management.
+ *
+ * Every function may be called from any thread. Nothing unwinds out of these functions: a failure
+ * is logged once to stderr (when logging is on) and reported by the return value; the text of the
+ * calling thread's last error is available from cuvmm_last_error().
+ *
+ * Configuration comes from one environment variable, read at the first call:
+ *   CUVMM_ALLOC_CONF="page=2MiB,reserve=160GiB,log=1,trace=/tmp/cuvmm.trace"
+ * (see the README for every key).
+ */
+#ifndef CUVMM_H
+#define CUVMM_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <sys/types.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* A CUDA stream (cudaStream_t / CUstream): the same handle for the runtime and the driver. */
+typedef struct CUstream_st *cuvmm_stream_t;
+
+/*
+ * The allocation functions of PyTorch's pluggable allocator (CUDAPluggableAllocator), for
+ * torch.cuda.memory.change_current_allocator: every tensor comes from here. Memory is
+ * stream-ordered: a block freed on a stream is reused at once on that stream, and on another
+ * stream only once the work queued before the free has completed. Capture-aware: memory handed
+ * out while `stream` is being captured into a CUDA graph is kept for that graph (see
+ * cuvmm_release_graph_memory), and nothing illegal during capture is called.
+ * Streams handed to these functions must stay alive while blocks freed on them may still be
+ * reused (PyTorch never destroys its streams); the per-thread default stream is refused.
+ * Returns NULL on failure (out of memory included); size 0 returns NULL without error.
+ */
+void *cuvmm_malloc(ssize_t size, int device, cuvmm_stream_t stream);
+void cuvmm_free(void *ptr, ssize_t size, int device, cuvmm_stream_t stream);
+
+/*
+ * The same for torch.cuda.MemPool: PyTorch caches blocks inside the segments it gets here and
+ * manages CUDA graphs itself, so memory obtained during a capture is not held back for the graph.
+ */
+void *cuvmm_pool_malloc(ssize_t size, int device, cuvmm_stream_t stream);
+void cuvmm_pool_free(void *ptr, ssize_t size, int device, cuvmm_stream_t stream);
+
+/* Statistics of one device's allocator; bytes unless named a count. */
+typedef struct cuvmm_stats {
+    uint64_t live;          /* bytes handed out (block sizes) */
+    uint64_t live_peak;
+    uint64_t requested;     /* bytes asked for by live allocations */
+    uint64_t mapped;        /* physical memory held: mapped pages plus spare ones */
+    uint64_t mapped_peak;
+    uint64_t reserved;      /* virtual address space reserved */
+    uint64_t allocations;   /* count of successful allocations */
+    uint64_t frees;
+    uint64_t cache_hits;    /* allocations served without mapping memory */
+    uint64_t pages_created;
+    uint64_t pages_released;
+    uint64_t pages_remapped;/* idle pages moved to where they were needed */
+    uint64_t events_recorded;
+    uint64_t oom_retries;   /* out-of-memory answers retried after releasing idle memory */
+    uint64_t graph_held;    /* bytes kept for captured CUDA graphs */
+} cuvmm_stats_t;
+
+/* Fills *out for `device`. Returns 0, or -1 (see cuvmm_last_error). */
+int cuvmm_get_stats(int device, cuvmm_stats_t *out);
+/* Writes the stats of every device used so far as JSON into buf (NUL-terminated when it fits).
+ * Returns the length the JSON needs (without the NUL), or -1. */
+ssize_t cuvmm_stats_json(char *buf, size_t len);
+/* Resets live_peak and mapped_peak to the current values. device -1: every device. */
+int cuvmm_reset_peaks(int device);
+/* Waits for the device's queued work, then unmaps and releases every idle page. device -1: every
+ * device. Refused (-1) while a stream of the device is being captured. */
+int cuvmm_empty_cache(int device);
+/* Releases the memory kept for CUDA graphs captured through cuvmm_malloc; the caller promises
+ * that those graphs were destroyed. device -1: every device. */
+int cuvmm_release_graph_memory(int device);
+
+/* Writes the allocation trace (trace= in CUVMM_ALLOC_CONF) out now; it is also written at exit. */
+void cuvmm_trace_flush(void);
+
+/* The calling thread's last error as text (valid until its next cuvmm call), or NULL. */
+const char *cuvmm_last_error(void);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

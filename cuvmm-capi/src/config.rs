@@ -1,0 +1,92 @@
+//! `CUVMM_ALLOC_CONF`: comma-separated `key=value` pairs.
+
+use std::path::PathBuf;
+
+/// What the environment variable says.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Config {
+    /// Physical page size in bytes (`page`).
+    pub page: usize,
+    /// Address space per large heap (`reserve`); 0 for twice the device's memory.
+    pub reserve: usize,
+    /// Whether errors are written to stderr (`log`).
+    pub log: bool,
+    /// Where allocations and frees are recorded (`trace`).
+    pub trace: Option<PathBuf>,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config { page: 2 << 20, reserve: 0, log: true, trace: None }
+    }
+}
+
+/// Parses `512`, `2MiB`, `2M`, `1.5GiB`-free integers with binary suffixes.
+pub fn parse_size(s: &str) -> Result<usize, String> {
+    let s = s.trim();
+    let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
+    let (num, unit) = s.split_at(split);
+    let n: usize = num.parse().map_err(|_| format!("`{s}` is not a size"))?;
+    let shift = match unit.trim() {
+        "" | "B" => 0,
+        "K" | "KiB" | "k" => 10,
+        "M" | "MiB" => 20,
+        "G" | "GiB" => 30,
+        "T" | "TiB" => 40,
+        u => return Err(format!("unknown size unit `{u}` in `{s}` (use KiB, MiB, GiB, TiB)")),
+    };
+    n.checked_mul(1usize << shift).ok_or_else(|| format!("`{s}` is too large"))
+}
+
+impl Config {
+    /// Parses the variable's value; `None` gives the defaults.
+    pub fn parse(value: Option<&str>) -> Result<Config, String> {
+        let mut c = Config::default();
+        let Some(value) = value else { return Ok(c) };
+        for item in value.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+            let (k, v) = item.split_once('=').ok_or_else(|| format!("`{item}` is not key=value"))?;
+            match k.trim() {
+                "page" => c.page = parse_size(v)?,
+                "reserve" => c.reserve = parse_size(v)?,
+                "log" => {
+                    c.log = match v.trim() {
+                        "1" | "true" | "on" => true,
+                        "0" | "false" | "off" => false,
+                        _ => return Err(format!("log must be 0 or 1, not `{v}`")),
+                    }
+                }
+                "trace" => c.trace = Some(PathBuf::from(v.trim())),
+                other => return Err(format!("unknown key `{other}` (page, reserve, log, trace)")),
+            }
+        }
+        Ok(c)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_take_binary_suffixes_and_refuse_nonsense() {
+        assert_eq!(parse_size("512"), Ok(512));
+        assert_eq!(parse_size("2MiB"), Ok(2 << 20));
+        assert_eq!(parse_size("20M"), Ok(20 << 20));
+        assert_eq!(parse_size("160GiB"), Ok(160 << 30));
+        assert!(parse_size("2.5GiB").is_err());
+        assert!(parse_size("2XB").is_err());
+        assert!(parse_size("").is_err());
+        assert!(parse_size("99999999999999999999TiB").is_err());
+    }
+
+    #[test]
+    fn every_key_is_read_and_unknown_ones_are_refused() {
+        let c = Config::parse(Some("page=4MiB, reserve=64GiB,log=0,trace=/tmp/t")).unwrap();
+        assert_eq!(c, Config { page: 4 << 20, reserve: 64 << 30, log: false, trace: Some("/tmp/t".into()) });
+        assert_eq!(Config::parse(None).unwrap(), Config::default());
+        assert_eq!(Config::parse(Some("")).unwrap(), Config::default());
+        assert!(Config::parse(Some("pages=2MiB")).is_err());
+        assert!(Config::parse(Some("page")).is_err());
+        assert!(Config::parse(Some("log=maybe")).is_err());
+    }
+}

@@ -1,0 +1,354 @@
+//! `libcuvmm.so`: cuvmm's [`StreamAllocator`] behind the C ABI declared in `include/cuvmm.h`.
+//!
+//! Every exported function catches panics (nothing unwinds into C), turns errors into a NULL or
+//! -1 return, keeps the text for [`cuvmm_last_error`] and writes each kind of error to stderr once.
+//! One allocator per device, created at its first use with the configuration of
+//! `CUVMM_ALLOC_CONF` (see [`config`]).
+
+#![deny(unsafe_op_in_unsafe_fn)]
+
+mod config;
+mod trace;
+
+use config::Config;
+use cuvmm_lib::alloc::{AllocatorConfig, AllocatorStats, GraphMemory, StreamAllocator};
+use cuvmm_lib::driver::sys::CUstream;
+use cuvmm_lib::{Context, Device};
+use std::cell::RefCell;
+use std::collections::HashSet;
+use std::ffi::{c_char, c_int, c_void, CString};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::{Mutex, OnceLock};
+use trace::Trace;
+
+struct Global {
+    config: Config,
+    trace: Option<Trace>,
+    devices: Vec<OnceLock<Result<StreamAllocator, String>>>,
+    logged: Mutex<HashSet<String>>,
+}
+
+static GLOBAL: OnceLock<Result<Global, String>> = OnceLock::new();
+
+thread_local! {
+    static LAST_ERROR: RefCell<Option<CString>> = const { RefCell::new(None) };
+}
+
+extern "C" fn flush_trace_at_exit() {
+    if let Some(Ok(g)) = GLOBAL.get() {
+        if let Some(t) = &g.trace {
+            t.flush();
+        }
+    }
+}
+
+fn global() -> Result<&'static Global, String> {
+    GLOBAL
+        .get_or_init(|| {
+            let var = std::env::var("CUVMM_ALLOC_CONF").ok();
+            let config = Config::parse(var.as_deref()).map_err(|e| format!("CUVMM_ALLOC_CONF: {e}"))?;
+            let count = Device::count().map_err(|e| e.to_string())?;
+            let trace = match &config.trace {
+                Some(p) => {
+                    let t = Trace::create(p).map_err(|e| format!("trace file {}: {e}", p.display()))?;
+                    // SAFETY: registers a function without arguments that only flushes a buffer.
+                    unsafe { libc::atexit(flush_trace_at_exit) };
+                    Some(t)
+                }
+                None => None,
+            };
+            Ok(Global {
+                config,
+                trace,
+                devices: (0..count).map(|_| OnceLock::new()).collect(),
+                logged: Mutex::new(HashSet::new()),
+            })
+        })
+        .as_ref()
+        .map_err(Clone::clone)
+}
+
+fn allocator(device: c_int) -> Result<&'static StreamAllocator, String> {
+    let g = global()?;
+    let slot = usize::try_from(device)
+        .ok()
+        .and_then(|d| g.devices.get(d))
+        .ok_or_else(|| format!("no device {device} ({} present)", g.devices.len()))?;
+    slot.get_or_init(|| {
+        let ctx = Context::for_ordinal(device as usize).map_err(|e| e.to_string())?;
+        let cfg = AllocatorConfig { page: g.config.page, reserve: g.config.reserve };
+        StreamAllocator::with_config(&ctx, cfg).map_err(|e| e.to_string())
+    })
+    .as_ref()
+    .map_err(Clone::clone)
+}
+
+/// Keeps `msg` for `cuvmm_last_error` and logs it once per distinct `kind`.
+fn fail(function: &str, kind: String, msg: String) {
+    let text = format!("{function}: {msg}");
+    let log = match GLOBAL.get() {
+        Some(Ok(g)) => {
+            g.config.log
+                && g.logged.lock().unwrap_or_else(|e| e.into_inner()).insert(format!("{function}: {kind}"))
+        }
+        _ => true,
+    };
+    if log {
+        eprintln!("cuvmm: {text}");
+    }
+    LAST_ERROR.with(|e| *e.borrow_mut() = CString::new(text.replace('\0', " ")).ok());
+}
+
+/// Runs `f`, turning an error or a panic into `on_error` after recording it.
+fn guard<T>(function: &str, on_error: T, f: impl FnOnce() -> Result<T, (String, String)>) -> T {
+    match catch_unwind(AssertUnwindSafe(f)) {
+        Ok(Ok(v)) => v,
+        Ok(Err((kind, msg))) => {
+            fail(function, kind, msg);
+            on_error
+        }
+        Err(_) => {
+            fail(function, "panic".into(), "internal error (panic caught at the C boundary)".into());
+            on_error
+        }
+    }
+}
+
+/// An error's kind for logging once: the driver's code name, or the message itself.
+fn kind(e: &cuvmm_lib::Error) -> String {
+    match e {
+        cuvmm_lib::Error::Driver { call, name, .. } => format!("{call} {name}"),
+        other => other.to_string(),
+    }
+}
+
+fn plain(msg: String) -> (String, String) {
+    (msg.clone(), msg)
+}
+
+fn malloc_with(
+    function: &str,
+    size: isize,
+    device: c_int,
+    stream: CUstream,
+    graphs: GraphMemory,
+) -> *mut c_void {
+    let ptr = guard(function, 0u64, || {
+        if size <= 0 {
+            return if size == 0 { Ok(0) } else { Err(plain(format!("negative size {size}"))) };
+        }
+        let a = allocator(device).map_err(plain)?;
+        // SAFETY: the C contract (cuvmm.h) makes `stream` a live stream of the device's primary
+        // context that outlives the blocks freed on it.
+        unsafe { a.allocate_raw(size as usize, stream, graphs) }.map_err(|e| (kind(&e), e.to_string()))
+    });
+    if let Some(Ok(Global { trace: Some(t), .. })) = GLOBAL.get() {
+        t.record('a', device, stream as usize, size, ptr);
+    }
+    ptr as usize as *mut c_void
+}
+
+fn free_with(
+    function: &str,
+    ptr: *mut c_void,
+    size: isize,
+    device: c_int,
+    stream: CUstream,
+    graphs: GraphMemory,
+) {
+    if ptr.is_null() {
+        return;
+    }
+    if let Some(Ok(Global { trace: Some(t), .. })) = GLOBAL.get() {
+        t.record('f', device, stream as usize, size, ptr as usize as u64);
+    }
+    guard(function, (), || {
+        let a = allocator(device).map_err(plain)?;
+        // SAFETY: the C contract: `ptr` came from this library's malloc for `device` and every use
+        // on other streams is ordered before the work queued on `stream`.
+        unsafe { a.free_raw(ptr as usize as u64, stream, graphs) }.map_err(|e| (kind(&e), e.to_string()))
+    })
+}
+
+/// Allocates `size` bytes on `device` for work on `stream`; capture-aware (see cuvmm.h).
+#[no_mangle]
+pub extern "C" fn cuvmm_malloc(size: isize, device: c_int, stream: CUstream) -> *mut c_void {
+    malloc_with("cuvmm_malloc", size, device, stream, GraphMemory::Keep)
+}
+
+/// Frees a block of [`cuvmm_malloc`] on `stream`.
+#[no_mangle]
+pub extern "C" fn cuvmm_free(ptr: *mut c_void, size: isize, device: c_int, stream: CUstream) {
+    free_with("cuvmm_free", ptr, size, device, stream, GraphMemory::Keep)
+}
+
+/// Allocates a segment for PyTorch's `MemPool`.
+#[no_mangle]
+pub extern "C" fn cuvmm_pool_malloc(size: isize, device: c_int, stream: CUstream) -> *mut c_void {
+    malloc_with("cuvmm_pool_malloc", size, device, stream, GraphMemory::Share)
+}
+
+/// Frees a segment of [`cuvmm_pool_malloc`].
+#[no_mangle]
+pub extern "C" fn cuvmm_pool_free(ptr: *mut c_void, size: isize, device: c_int, stream: CUstream) {
+    free_with("cuvmm_pool_free", ptr, size, device, stream, GraphMemory::Share)
+}
+
+/// `cuvmm_stats_t` of cuvmm.h: the library's counters are laid out as C declares them.
+pub type CuvmmStats = AllocatorStats;
+
+/// Fills `*out` with `device`'s counters. 0, or -1.
+///
+/// # Safety
+/// `out` must be valid for writing a `cuvmm_stats_t` (or null, which is refused).
+#[no_mangle]
+pub unsafe extern "C" fn cuvmm_get_stats(device: c_int, out: *mut CuvmmStats) -> c_int {
+    guard("cuvmm_get_stats", -1, || {
+        if out.is_null() {
+            return Err(plain("null output pointer".into()));
+        }
+        let s = allocator(device).map_err(plain)?.stats();
+        // SAFETY: the caller gives a writable `cuvmm_stats_t`; checked non-null.
+        unsafe { out.write(s) };
+        Ok(0)
+    })
+}
+
+/// The devices whose allocator exists, with their counters.
+fn used() -> Vec<(usize, AllocatorStats)> {
+    match GLOBAL.get() {
+        Some(Ok(g)) => g
+            .devices
+            .iter()
+            .enumerate()
+            .filter_map(|(d, s)| match s.get() {
+                Some(Ok(a)) => Some((d, a.stats())),
+                _ => None,
+            })
+            .collect(),
+        _ => Vec::new(),
+    }
+}
+
+fn stats_json() -> String {
+    let devices: Vec<String> = used()
+        .into_iter()
+        .map(|(d, s)| {
+            format!(
+                "\"{d}\":{{\"live\":{},\"live_peak\":{},\"requested\":{},\"mapped\":{},\"mapped_peak\":{},\"reserved\":{},\"allocations\":{},\"frees\":{},\"cache_hits\":{},\"pages_created\":{},\"pages_released\":{},\"pages_remapped\":{},\"events_recorded\":{},\"oom_retries\":{},\"graph_held\":{}}}",
+                s.live, s.live_peak, s.requested, s.mapped, s.mapped_peak, s.reserved, s.allocations, s.frees,
+                s.cache_hits, s.pages_created, s.pages_released, s.pages_remapped, s.events_recorded,
+                s.oom_retries, s.graph_held
+            )
+        })
+        .collect();
+    format!("{{{}}}", devices.join(","))
+}
+
+/// Writes the JSON of every used device's counters into `buf`. Returns the length needed.
+///
+/// # Safety
+/// `buf` must be valid for writing `len` bytes (or null with `len` 0, to ask the length).
+#[no_mangle]
+pub unsafe extern "C" fn cuvmm_stats_json(buf: *mut c_char, len: usize) -> isize {
+    guard("cuvmm_stats_json", -1, || {
+        let json = stats_json();
+        if !buf.is_null() && json.len() < len {
+            // SAFETY: `buf` holds `len` > json.len() bytes; the regions cannot overlap.
+            unsafe {
+                std::ptr::copy_nonoverlapping(json.as_ptr(), buf.cast::<u8>(), json.len());
+                *buf.add(json.len()) = 0;
+            }
+        }
+        Ok(json.len() as isize)
+    })
+}
+
+fn each_device(
+    function: &str,
+    device: c_int,
+    f: impl Fn(&StreamAllocator) -> cuvmm_lib::Result<()>,
+) -> c_int {
+    guard(function, -1, || {
+        if device == -1 {
+            if let Some(Ok(g)) = GLOBAL.get() {
+                for a in g.devices.iter().filter_map(|s| s.get()).filter_map(|r| r.as_ref().ok()) {
+                    f(a).map_err(|e| (kind(&e), e.to_string()))?;
+                }
+            }
+            return Ok(0);
+        }
+        f(allocator(device).map_err(plain)?).map_err(|e| (kind(&e), e.to_string()))?;
+        Ok(0)
+    })
+}
+
+/// Resets the peaks (device -1: all).
+#[no_mangle]
+pub extern "C" fn cuvmm_reset_peaks(device: c_int) -> c_int {
+    each_device("cuvmm_reset_peaks", device, |a| {
+        a.reset_peaks();
+        Ok(())
+    })
+}
+
+/// Waits for queued work and releases every idle page (device -1: all).
+#[no_mangle]
+pub extern "C" fn cuvmm_empty_cache(device: c_int) -> c_int {
+    each_device("cuvmm_empty_cache", device, |a| a.empty_cache().map(|_| ()))
+}
+
+/// Releases the memory kept for graphs captured through `cuvmm_malloc` (device -1: all).
+#[no_mangle]
+pub extern "C" fn cuvmm_release_graph_memory(device: c_int) -> c_int {
+    each_device("cuvmm_release_graph_memory", device, |a| {
+        // SAFETY: the C contract: the caller destroyed the graphs captured with this memory.
+        unsafe { a.release_graph_memory() };
+        Ok(())
+    })
+}
+
+/// Writes the trace buffer out (when `trace=` is configured).
+#[no_mangle]
+pub extern "C" fn cuvmm_trace_flush() {
+    flush_trace_at_exit()
+}
+
+/// The calling thread's last error, or NULL.
+#[no_mangle]
+pub extern "C" fn cuvmm_last_error() -> *const c_char {
+    LAST_ERROR.with(|e| e.borrow().as_ref().map_or(std::ptr::null(), |s| s.as_ptr()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn last_error() -> String {
+        let p = cuvmm_last_error();
+        assert!(!p.is_null());
+        // SAFETY: a non-null result is the thread's NUL-terminated message, alive until its next
+        // call into the library.
+        unsafe { std::ffi::CStr::from_ptr(p) }.to_str().unwrap().to_owned()
+    }
+
+    #[test]
+    fn a_panic_inside_becomes_the_error_value_and_a_message() {
+        let v = guard("test_fn", -7, || -> Result<i32, (String, String)> { panic!("boom") });
+        assert_eq!(v, -7);
+        let msg = last_error();
+        assert!(msg.contains("test_fn") && msg.contains("panic"), "{msg}");
+    }
+
+    #[test]
+    fn bad_arguments_return_null_or_minus_one_without_a_gpu() {
+        // Negative sizes are refused before any device is touched; a null pointer is ignored.
+        assert!(cuvmm_malloc(-5, 0, std::ptr::null_mut()).is_null());
+        let msg = last_error();
+        assert!(msg.contains("negative size"), "{msg}");
+        assert!(cuvmm_malloc(0, 0, std::ptr::null_mut()).is_null());
+        cuvmm_free(std::ptr::null_mut(), 0, 0, std::ptr::null_mut());
+        // SAFETY: a null output pointer is part of the contract (refused).
+        assert_eq!(unsafe { cuvmm_get_stats(0, std::ptr::null_mut()) }, -1);
+    }
+}

@@ -1,0 +1,167 @@
+//! The allocator's [`Backend`] on the driver: pages are `cuMemCreate` allocations of one
+//! granule-multiple each, mapped and unmapped one by one inside reservations this backend owns.
+
+use super::core::Backend;
+use crate::context::Context;
+use crate::driver::{driver, sys::*};
+use crate::error::{Error, Result};
+use crate::stream::{Event, Stream, StreamInner};
+use crate::vmm::{PhysicalBuilder, PhysicalMemory, Reservation};
+use std::collections::HashMap;
+use std::sync::Arc;
+
+pub(crate) struct DriverBackend {
+    ctx: Context,
+    page: usize,
+    builder: PhysicalBuilder,
+    reservations: Vec<Reservation>,
+    /// Streams of the safe API kept alive while the allocator may still record events on them.
+    kept: HashMap<u64, Arc<StreamInner>>,
+}
+
+impl DriverBackend {
+    pub(crate) fn new(ctx: &Context, page: usize) -> DriverBackend {
+        DriverBackend {
+            ctx: ctx.clone(),
+            page,
+            builder: PhysicalMemory::builder(ctx),
+            reservations: Vec::new(),
+            kept: HashMap::new(),
+        }
+    }
+
+    /// Keeps `stream` alive until the allocator forgets it.
+    pub(crate) fn keep(&mut self, stream: &Stream) {
+        self.kept.entry(stream.raw() as u64).or_insert_with(|| stream.inner().clone());
+    }
+
+    fn stream(s: u64) -> CUstream {
+        s as usize as CUstream
+    }
+
+    /// Unmaps `page`-byte pages at each address in `addrs` after waiting for all queued work of
+    /// the context (teardown only).
+    pub(crate) fn unmap_all(&mut self, addrs: impl Iterator<Item = u64>) {
+        let _ = self.ctx.synchronize();
+        for a in addrs {
+            let _ = self.unmap(a);
+        }
+    }
+}
+
+impl Backend for DriverBackend {
+    type Page = PhysicalMemory;
+    type Event = Event;
+
+    fn reserve(&mut self, size: u64) -> Result<u64> {
+        let r = Reservation::with_options(&self.ctx, size as usize, self.page, None)?;
+        let base = r.base();
+        self.reservations.push(r);
+        Ok(base)
+    }
+
+    fn create_page(&mut self) -> Result<PhysicalMemory> {
+        self.builder.create(self.page)
+    }
+
+    fn map(&mut self, addr: u64, page: &PhysicalMemory) -> Result<()> {
+        self.ctx.bind()?;
+        // SAFETY: `addr` is a page-aligned page of a reservation this backend owns, unmapped (the
+        // allocator's page table says so); the handle is live and `page` bytes long.
+        unsafe { driver()?.api().cuMemMap(addr, self.page, 0, page.handle(), 0) }
+    }
+
+    fn unmap(&mut self, addr: u64) -> Result<()> {
+        self.ctx.bind()?;
+        // SAFETY: the page was mapped by `map` and no queued work uses it (the allocator unmaps
+        // only pages of blocks whose last use has completed).
+        unsafe { driver()?.api().cuMemUnmap(addr, self.page) }
+    }
+
+    fn set_access(&mut self, addr: u64, len: u64) -> Result<()> {
+        let desc = CUmemAccessDesc {
+            location: crate::vmm::Location::Device(self.ctx.device()).raw(),
+            flags: CUmemAccess_flags::PROT_READWRITE,
+        };
+        self.ctx.bind()?;
+        // SAFETY: the range is mapped (the pages were just mapped) and `desc` outlives the call.
+        unsafe { driver()?.api().cuMemSetAccess(addr, len as usize, &desc, 1) }
+    }
+
+    fn new_event(&mut self) -> Result<Event> {
+        Event::without_timing(&self.ctx)
+    }
+
+    fn record(&mut self, event: &Event, stream: u64) -> Result<()> {
+        self.ctx.bind()?;
+        // SAFETY: the event is live; the stream is one the caller handed to the allocator and
+        // promised alive (C ABI) or that `kept` keeps alive (safe API).
+        unsafe { driver()?.api().cuEventRecord(event.raw(), Self::stream(stream)) }
+    }
+
+    fn query(&mut self, event: &Event) -> Result<bool> {
+        event.is_complete()
+    }
+
+    fn wait(&mut self, event: &Event) -> Result<()> {
+        event.synchronize()
+    }
+
+    fn capture_of(&mut self, stream: u64) -> Result<Option<u64>> {
+        capture_of(Self::stream(stream))
+    }
+
+    fn relax(&mut self) -> Result<u32> {
+        let mut mode = CU_STREAM_CAPTURE_MODE_RELAXED;
+        // SAFETY: the out/in pointer is a valid local.
+        match unsafe { driver()?.api().cuThreadExchangeStreamCaptureMode(&mut mode) } {
+            Ok(()) => Ok(mode as u32),
+            // Drivers before 10.1 have no capture modes: nothing to relax.
+            Err(Error::Unsupported { .. }) => Ok(CU_STREAM_CAPTURE_MODE_RELAXED as u32),
+            Err(e) => Err(e),
+        }
+    }
+
+    fn restore(&mut self, mode: u32) {
+        let mut mode = mode as i32;
+        if let Ok(d) = driver() {
+            // SAFETY: as in `relax`; restoring the mode `relax` returned.
+            let _ = unsafe { d.api().cuThreadExchangeStreamCaptureMode(&mut mode) };
+        }
+    }
+
+    fn forget(&mut self, stream: u64) {
+        self.kept.remove(&stream);
+    }
+}
+
+/// The capture under way on `stream` (its id), if any. The legacy default stream is never
+/// captured; the per-thread default stream is refused by the callers.
+pub(crate) fn capture_of(stream: CUstream) -> Result<Option<u64>> {
+    if stream.is_null() || stream as usize == CU_STREAM_LEGACY {
+        return Ok(None);
+    }
+    let (mut status, mut id) = (0, 0u64);
+    // SAFETY: the out-pointers are valid locals; the optional ones may be null.
+    let r = unsafe {
+        driver()?.api().cuStreamGetCaptureInfo(
+            stream,
+            &mut status,
+            &mut id,
+            std::ptr::null_mut(),
+            std::ptr::null_mut(),
+            std::ptr::null_mut(),
+        )
+    };
+    match r {
+        Ok(())
+            if status == CU_STREAM_CAPTURE_STATUS_ACTIVE
+                || status == CU_STREAM_CAPTURE_STATUS_INVALIDATED =>
+        {
+            Ok(Some(id))
+        }
+        Ok(()) => Ok(None),
+        Err(Error::Unsupported { .. }) => Ok(None),
+        Err(e) => Err(e),
+    }
+}

@@ -1,0 +1,623 @@
+//! The allocator's logic for one device: heaps, the pages behind them, the events that make
+//! blocks freed on one stream safe for others, graph pools, and the out-of-memory path.
+//!
+//! It is generic over [`Backend`] so that the same code runs against the driver and, in tests,
+//! against a model of the GPU that checks every page is mapped only where no queued work can see
+//! the change.
+
+use super::heap::{Freed, Heap, Owner, State, ALIGN, IDLE};
+use crate::error::{Error, Result};
+use std::collections::{HashMap, VecDeque};
+
+/// What the allocator needs from the device.
+pub(crate) trait Backend {
+    /// A physical page (released when dropped).
+    type Page;
+    /// A reusable event.
+    type Event;
+
+    /// Reserves `size` bytes of address space; returns its base. Released with the backend.
+    fn reserve(&mut self, size: u64) -> Result<u64>;
+    /// Creates one page of physical memory.
+    fn create_page(&mut self) -> Result<Self::Page>;
+    fn map(&mut self, addr: u64, page: &Self::Page) -> Result<()>;
+    fn unmap(&mut self, addr: u64) -> Result<()>;
+    /// Grants the device read-write access to `[addr, addr + len)`, which is mapped.
+    fn set_access(&mut self, addr: u64, len: u64) -> Result<()>;
+    fn new_event(&mut self) -> Result<Self::Event>;
+    fn record(&mut self, event: &Self::Event, stream: u64) -> Result<()>;
+    fn query(&mut self, event: &Self::Event) -> Result<bool>;
+    fn wait(&mut self, event: &Self::Event) -> Result<()>;
+    /// The capture under way on `stream`, if any.
+    fn capture_of(&mut self, stream: u64) -> Result<Option<u64>>;
+    /// Lets this thread make calls a capture in global mode elsewhere would forbid; returns what
+    /// to restore.
+    fn relax(&mut self) -> Result<u32>;
+    fn restore(&mut self, mode: u32);
+    /// Nothing of `stream` is waited for any more.
+    fn forget(&mut self, stream: u64);
+}
+
+/// Requests up to this size come from the small heaps, so small blocks never pin large pages.
+pub(crate) const SMALL: u64 = 1 << 20;
+
+/// How a call relates to graph capture on its stream.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Capture {
+    /// The stream is not being captured.
+    None,
+    /// Captured; memory handed out now belongs to the graph (`change_current_allocator` use).
+    Private(u64),
+    /// Captured; the caller keeps graph memory apart itself (PyTorch's `MemPool` use).
+    Shared,
+}
+
+/// Counters, in bytes unless named a count. Laid out as `cuvmm_stats_t` of the C header.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct AllocatorStats {
+    /// Bytes handed out (block sizes, multiples of 512).
+    pub live: u64,
+    /// The largest `live` since the last reset.
+    pub live_peak: u64,
+    /// Bytes asked for by live allocations.
+    pub requested: u64,
+    /// Physical memory held: pages mapped plus spare pages.
+    pub mapped: u64,
+    /// The largest `mapped` since the last reset.
+    pub mapped_peak: u64,
+    /// Address space reserved.
+    pub reserved: u64,
+    /// Successful allocations.
+    pub allocations: u64,
+    /// Frees.
+    pub frees: u64,
+    /// Allocations served without mapping a page.
+    pub cache_hits: u64,
+    /// Pages created with the driver.
+    pub pages_created: u64,
+    /// Pages given back to the driver.
+    pub pages_released: u64,
+    /// Idle pages unmapped to be mapped where they were needed.
+    pub pages_remapped: u64,
+    /// Events recorded to learn when freed blocks became idle.
+    pub events_recorded: u64,
+    /// Page creations refused for lack of memory and retried after freeing idle memory.
+    pub oom_retries: u64,
+    /// Bytes kept for captured CUDA graphs (free inside graph pools, or live there).
+    pub graph_held: u64,
+}
+
+struct Stream<E> {
+    /// Number of the next event recorded on the stream; a free stamped with it is covered by it.
+    next: u64,
+    /// Largest event number known complete.
+    done: u64,
+    /// Stamp of the latest free, 0 for none.
+    last_free: u64,
+    fences: VecDeque<(u64, E)>,
+}
+
+impl<E> Stream<E> {
+    fn new() -> Self {
+        Stream { next: 1, done: 0, last_free: 0, fences: VecDeque::new() }
+    }
+}
+
+struct Slot<P> {
+    heap: Heap,
+    small: bool,
+    pages: Vec<Option<P>>,
+}
+
+/// Sizes chosen at creation.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Sizes {
+    pub page: u64,
+    pub large_reserve: u64,
+    pub small_reserve: u64,
+}
+
+pub(crate) struct Core<B: Backend> {
+    backend: B,
+    sizes: Sizes,
+    slots: Vec<Slot<B::Page>>,
+    spare: Vec<B::Page>,
+    streams: HashMap<u64, Stream<B::Event>>,
+    idle_events: Vec<B::Event>,
+    pools: HashMap<u64, u32>,
+    next_pool: u32,
+    current_pool: u32,
+    /// Streams seen under capture since the last `empty_cache`.
+    captured: Vec<u64>,
+    mapped_pages: u64,
+    stats: AllocatorStats,
+}
+
+impl<B: Backend> Core<B> {
+    pub(crate) fn new(backend: B, sizes: Sizes) -> Core<B> {
+        Core {
+            backend,
+            sizes,
+            slots: Vec::new(),
+            spare: Vec::new(),
+            streams: HashMap::new(),
+            idle_events: Vec::new(),
+            pools: HashMap::new(),
+            next_pool: 1,
+            current_pool: 0,
+            captured: Vec::new(),
+            mapped_pages: 0,
+            stats: AllocatorStats::default(),
+        }
+    }
+
+    pub(crate) fn backend(&mut self) -> &mut B {
+        &mut self.backend
+    }
+
+    pub(crate) fn stats(&self) -> AllocatorStats {
+        AllocatorStats { graph_held: self.slots.iter().map(|s| s.heap.graph_bytes()).sum(), ..self.stats }
+    }
+
+    /// Addresses of every mapped page (for teardown).
+    pub(crate) fn mapped_addresses(&self) -> Vec<u64> {
+        let page = self.sizes.page;
+        let mut out = Vec::new();
+        for s in &self.slots {
+            let base = s.heap.base();
+            out.extend(
+                s.pages.iter().enumerate().filter(|(_, p)| p.is_some()).map(|(i, _)| base + i as u64 * page),
+            );
+        }
+        out
+    }
+
+    pub(crate) fn reset_peaks(&mut self) {
+        self.stats.live_peak = self.stats.live;
+        self.stats.mapped_peak = self.stats.mapped;
+    }
+
+    fn note_mapped(&mut self) {
+        self.stats.mapped = (self.mapped_pages + self.spare.len() as u64) * self.sizes.page;
+        self.stats.mapped_peak = self.stats.mapped_peak.max(self.stats.mapped);
+    }
+
+    /// `size` bytes for use on `stream`. Returns the address.
+    pub(crate) fn allocate(&mut self, size: u64, stream: u64, capture: Capture) -> Result<u64> {
+        if size == 0 {
+            return Err(Error::invalid("cannot allocate zero bytes"));
+        }
+        let n = size
+            .checked_add(ALIGN - 1)
+            .map(|s| s & !(ALIGN - 1))
+            .ok_or_else(|| Error::invalid(format!("{size} bytes cannot be allocated")))?;
+        let small = n <= SMALL;
+        let pool = match capture {
+            Capture::Private(id) => self.pool_of(id),
+            _ => 0,
+        };
+        if capture == Capture::None {
+            self.undefer(stream);
+        } else {
+            self.note_capture(stream);
+        }
+        // During a capture nothing may be queried, so only blocks known idle (or this capture's
+        // own, reused in capture order) qualify.
+        let reuse = if capture == Capture::Shared { IDLE } else { stream };
+        if let Some(addr) = self.reuse(n, size, stream, reuse, pool, small, capture)? {
+            return Ok(addr);
+        }
+        if pool != 0 {
+            if let Some(addr) = self.reuse(n, size, stream, IDLE, 0, small, capture)? {
+                return Ok(addr);
+            }
+        }
+        let old = self.backend.relax()?;
+        let r = self.allocate_slow(n, size, stream, capture, small, pool);
+        self.backend.restore(old);
+        r
+    }
+
+    fn allocate_slow(
+        &mut self,
+        n: u64,
+        size: u64,
+        stream: u64,
+        capture: Capture,
+        small: bool,
+        pool: u32,
+    ) -> Result<u64> {
+        if capture == Capture::None {
+            self.poll_all()?;
+            if let Some(addr) = self.reuse(n, size, stream, stream, pool, small, capture)? {
+                return Ok(addr);
+            }
+        }
+        // Fresh address space; its pages come from idle ones, spare ones, or the driver.
+        let (slot, addr) = self.carve(n, size, stream, small, pool)?;
+        match self.ensure_pages(slot, addr, n, capture) {
+            Ok(()) => {
+                self.count_alloc(n, size, false);
+                Ok(addr)
+            }
+            Err(e) => {
+                self.slots[slot].heap.free(addr, State::Free(Owner::Idle));
+                Err(e)
+            }
+        }
+    }
+
+    /// Takes a cached block of `pool` that `reuse` (a stream, or [`IDLE`]) may use, for the
+    /// allocation's pool.
+    #[allow(clippy::too_many_arguments)]
+    fn reuse(
+        &mut self,
+        n: u64,
+        size: u64,
+        stream: u64,
+        reuse: u64,
+        pool: u32,
+        small: bool,
+        capture: Capture,
+    ) -> Result<Option<u64>> {
+        // Heaps of one kind are few (more only when one's address space ran out): the first that
+        // fits wins.
+        let found = self
+            .slots
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| s.small == small)
+            .find_map(|(i, s)| s.heap.find(pool, reuse, n).map(|(_, id)| (i, id)));
+        let Some((slot, id)) = found else { return Ok(None) };
+        let into_pool = match capture {
+            Capture::Private(_) => self.pool_of_current(),
+            _ => 0,
+        };
+        let addr = self.slots[slot].heap.take(id, n, stream, size, into_pool);
+        let mapped_before = self.mapped_pages;
+        if let Err(e) = self.ensure_pages(slot, addr, n, capture) {
+            self.slots[slot].heap.free(addr, State::Free(Owner::Idle));
+            return Err(e);
+        }
+        self.count_alloc(n, size, self.mapped_pages == mapped_before);
+        Ok(Some(addr))
+    }
+
+    fn count_alloc(&mut self, n: u64, size: u64, hit: bool) {
+        let s = &mut self.stats;
+        s.allocations += 1;
+        s.cache_hits += u64::from(hit);
+        s.live += n;
+        s.requested += size;
+        s.live_peak = s.live_peak.max(s.live);
+    }
+
+    fn carve(&mut self, n: u64, size: u64, stream: u64, small: bool, pool: u32) -> Result<(usize, u64)> {
+        for (i, s) in self.slots.iter_mut().enumerate() {
+            if s.small == small {
+                if let Some(a) = s.heap.carve(n, stream, size, pool) {
+                    return Ok((i, a));
+                }
+            }
+        }
+        let want = if small { self.sizes.small_reserve } else { self.sizes.large_reserve };
+        let page = self.sizes.page;
+        let reserve = want.max(n.div_ceil(page) * page);
+        let base = self.backend.reserve(reserve)?;
+        self.stats.reserved += reserve;
+        let pages = (reserve / page) as usize;
+        self.slots.push(Slot {
+            heap: Heap::new(base, reserve),
+            small,
+            pages: (0..pages).map(|_| None).collect(),
+        });
+        let i = self.slots.len() - 1;
+        let a = self.slots[i].heap.carve(n, stream, size, pool).expect("a new heap holds its first block");
+        Ok((i, a))
+    }
+
+    /// Maps every page under `[addr, addr + n)` of `slot` that is not mapped yet.
+    fn ensure_pages(&mut self, slot: usize, addr: u64, n: u64, capture: Capture) -> Result<()> {
+        let page = self.sizes.page;
+        let base = self.slots[slot].heap.base();
+        let first = (addr - base) / page;
+        let end = (addr + n - base).div_ceil(page);
+        let missing: Vec<u64> =
+            (first..end).filter(|&p| self.slots[slot].pages[p as usize].is_none()).collect();
+        if missing.is_empty() {
+            return Ok(());
+        }
+        let old = self.backend.relax()?;
+        let r = self.map_pages(slot, &missing, capture);
+        self.backend.restore(old);
+        self.note_mapped();
+        r
+    }
+
+    fn map_pages(&mut self, slot: usize, missing: &[u64], capture: Capture) -> Result<()> {
+        let page = self.sizes.page;
+        let base = self.slots[slot].heap.base();
+        for (k, &p) in missing.iter().enumerate() {
+            let handle = self.page_for(missing.len() - k, capture)?;
+            let at = base + p * page;
+            if let Err(e) = self.backend.map(at, &handle) {
+                self.spare.push(handle);
+                return Err(e);
+            }
+            self.slots[slot].pages[p as usize] = Some(handle);
+            self.mapped_pages += 1;
+            // Access is granted per run of adjacent new pages: one call where one suffices.
+            let run_ends = k + 1 == missing.len() || missing[k + 1] != p + 1;
+            if run_ends {
+                let mut start = p;
+                let mut j = k;
+                while j > 0 && missing[j - 1] + 1 == start {
+                    j -= 1;
+                    start -= 1;
+                }
+                let len = (p + 1 - start) * page;
+                self.backend.set_access(base + start * page, len)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// A page to map: a spare one, an idle one moved from elsewhere, or a new one. `want` is how
+    /// many the caller still needs, so idle pages are unmapped in one batch.
+    fn page_for(&mut self, want: usize, capture: Capture) -> Result<B::Page> {
+        if let Some(p) = self.spare.pop() {
+            return Ok(p);
+        }
+        if self.reclaim(want)? > 0 {
+            return Ok(self.spare.pop().expect("reclaimed"));
+        }
+        match self.backend.create_page() {
+            Ok(p) => {
+                self.stats.pages_created += 1;
+                Ok(p)
+            }
+            Err(e) if e.is_out_of_memory() => {
+                self.stats.oom_retries += 1;
+                // Everything freed may become idle once the work queued before it has run; during
+                // a capture nothing may wait, so only what is known idle helps.
+                if capture == Capture::None {
+                    self.settle_all()?;
+                }
+                if self.reclaim(want)? > 0 {
+                    return Ok(self.spare.pop().expect("reclaimed"));
+                }
+                self.backend.create_page().inspect(|_| self.stats.pages_created += 1)
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Unmaps up to `want` mapped pages lying wholly in idle free blocks into `spare`.
+    fn reclaim(&mut self, want: usize) -> Result<usize> {
+        let page = self.sizes.page;
+        let mut got = 0;
+        for slot in 0..self.slots.len() {
+            if got >= want {
+                break;
+            }
+            let base = self.slots[slot].heap.base();
+            for p in self.slots[slot].heap.idle_pages(page) {
+                if got >= want {
+                    break;
+                }
+                if self.slots[slot].pages[p as usize].is_none() {
+                    continue;
+                }
+                self.backend.unmap(base + p * page)?;
+                let h = self.slots[slot].pages[p as usize].take().expect("mapped");
+                self.spare.push(h);
+                self.mapped_pages -= 1;
+                self.stats.pages_remapped += 1;
+                got += 1;
+            }
+        }
+        Ok(got)
+    }
+
+    /// Records events on streams whose latest frees no event covers yet, and takes in the events
+    /// that completed, making the blocks they cover idle.
+    fn poll_all(&mut self) -> Result<()> {
+        let streams: Vec<u64> = self.streams.keys().copied().collect();
+        for s in streams {
+            self.poll(s)?;
+            let st = &self.streams[&s];
+            if st.fences.is_empty()
+                && st.last_free < st.next
+                && !self.slots.iter().any(|x| x.heap.has_deferred())
+            {
+                // Everything freed on it is idle: forget it, so that a destroyed stream's handle is
+                // never used again.
+                self.streams.remove(&s);
+                self.backend.forget(s);
+                continue;
+            }
+            self.fence(s)?;
+        }
+        Ok(())
+    }
+
+    fn poll(&mut self, s: u64) -> Result<()> {
+        let mut done = None;
+        loop {
+            let st = self.streams.get_mut(&s).expect("known stream");
+            let Some((n, ev)) = st.fences.front() else { break };
+            let n = *n;
+            if !self.backend.query(ev)? {
+                break;
+            }
+            let st = self.streams.get_mut(&s).expect("known stream");
+            let (_, ev) = st.fences.pop_front().expect("front");
+            st.done = n;
+            self.idle_events.push(ev);
+            done = Some(n);
+        }
+        if let Some(n) = done {
+            for slot in &mut self.slots {
+                slot.heap.promote(s, n);
+            }
+        }
+        Ok(())
+    }
+
+    /// Records an event on `s` if a free there is not covered by one yet and `s` is not captured.
+    fn fence(&mut self, s: u64) -> Result<()> {
+        let st = &self.streams[&s];
+        if st.last_free < st.next {
+            return Ok(());
+        }
+        if self.backend.capture_of(s)?.is_some() {
+            return Ok(());
+        }
+        let ev = match self.idle_events.pop() {
+            Some(e) => e,
+            None => self.backend.new_event()?,
+        };
+        if let Err(e) = self.backend.record(&ev, s) {
+            self.idle_events.push(ev);
+            return Err(e);
+        }
+        self.stats.events_recorded += 1;
+        let st = self.streams.get_mut(&s).expect("known stream");
+        st.fences.push_back((st.next, ev));
+        st.next += 1;
+        Ok(())
+    }
+
+    /// Waits until every free so far is idle (streams under capture excepted).
+    fn settle_all(&mut self) -> Result<()> {
+        let streams: Vec<u64> = self.streams.keys().copied().collect();
+        for s in streams {
+            self.fence(s)?;
+            let st = &self.streams[&s];
+            if let Some((_, ev)) = st.fences.back() {
+                self.backend.wait(ev)?;
+            }
+            self.poll(s)?;
+        }
+        Ok(())
+    }
+
+    /// Frees the block at `addr`, last used on `stream`.
+    pub(crate) fn free(&mut self, addr: u64, stream: u64, capture: Capture) -> Result<Freed> {
+        let Some(slot) = self.slots.iter().position(|s| s.heap.contains(addr)) else {
+            return Err(Error::invalid(format!("{addr:#x} was not allocated here")));
+        };
+        let Some((_, _, pool)) = self.slots[slot].heap.live(addr) else {
+            return Err(Error::invalid(format!("{addr:#x} is not a live allocation (freed twice?)")));
+        };
+        let epoch = self.streams.entry(stream).or_insert_with(Stream::new).next;
+        if capture != Capture::None {
+            self.note_capture(stream);
+        }
+        let st = self.streams.entry(stream).or_insert_with(Stream::new);
+        let state = if capture != Capture::None && pool == 0 {
+            // The graph may use it; eager work may too. It comes back once the capture is over.
+            State::Deferred { stream }
+        } else {
+            st.last_free = epoch;
+            State::Free(Owner::Stream { stream, epoch })
+        };
+        let freed = self.slots[slot].heap.free(addr, state).expect("checked live");
+        self.stats.frees += 1;
+        self.stats.live -= freed.size;
+        self.stats.requested -= freed.requested;
+        Ok(freed)
+    }
+
+    /// Remembers a stream seen under capture, so that `empty_cache` knows to refuse.
+    fn note_capture(&mut self, stream: u64) {
+        if !self.captured.contains(&stream) {
+            self.captured.push(stream);
+        }
+    }
+
+    fn undefer(&mut self, stream: u64) {
+        if !self.slots.iter().any(|s| s.heap.has_deferred()) {
+            return;
+        }
+        let st = self.streams.entry(stream).or_insert_with(Stream::new);
+        let epoch = st.next;
+        let mut n = 0;
+        for slot in &mut self.slots {
+            n += slot.heap.undefer(Some(stream), |_| epoch);
+        }
+        if n > 0 {
+            self.streams.get_mut(&stream).expect("inserted").last_free = epoch;
+        }
+    }
+
+    fn pool_of(&mut self, capture: u64) -> u32 {
+        if let Some(&p) = self.pools.get(&capture) {
+            self.current_pool = p;
+            return p;
+        }
+        let p = self.next_pool;
+        self.next_pool += 1;
+        self.pools.insert(capture, p);
+        self.current_pool = p;
+        p
+    }
+
+    /// The pool [`pool_of`](Self::pool_of) chose for the allocation under way.
+    fn pool_of_current(&self) -> u32 {
+        self.current_pool
+    }
+
+    /// Whether any stream this allocator has seen is being captured.
+    fn any_capture(&mut self) -> Result<bool> {
+        let mut streams: Vec<u64> = self.streams.keys().copied().collect();
+        streams.extend(self.captured.iter().copied());
+        for s in streams {
+            if self.backend.capture_of(s)?.is_some() {
+                return Ok(true);
+            }
+        }
+        Ok(false)
+    }
+
+    /// Waits for queued work, then releases every idle page and every spare page. Returns the
+    /// bytes given back.
+    pub(crate) fn empty_cache(&mut self) -> Result<u64> {
+        let old = self.backend.relax()?;
+        let r = self.empty_cache_relaxed();
+        self.backend.restore(old);
+        r
+    }
+
+    fn empty_cache_relaxed(&mut self) -> Result<u64> {
+        if self.any_capture()? {
+            return Err(Error::invalid("cannot empty the cache while a stream is being captured"));
+        }
+        self.captured.clear();
+        for slot in &mut self.slots {
+            let next: HashMap<u64, u64> = self.streams.iter().map(|(&s, st)| (s, st.next)).collect();
+            slot.heap.undefer(None, |s| next.get(&s).copied().unwrap_or(1));
+        }
+        for (_, st) in self.streams.iter_mut() {
+            st.last_free = st.next;
+        }
+        self.settle_all()?;
+        self.reclaim(usize::MAX)?;
+        let n = self.spare.len() as u64;
+        self.spare.clear();
+        self.stats.pages_released += n;
+        self.note_mapped();
+        Ok(n * self.sizes.page)
+    }
+
+    /// Gives the memory held for captured graphs back to the shared pool; returns the free bytes
+    /// that came back (live ones follow when freed).
+    pub(crate) fn release_graph_memory(&mut self) -> u64 {
+        self.pools.clear();
+        self.slots.iter_mut().map(|s| s.heap.dissolve_pools()).sum()
+    }
+}
+
+#[cfg(test)]
+mod tests;

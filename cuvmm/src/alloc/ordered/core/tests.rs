@@ -1,0 +1,473 @@
+//! The allocator against a model GPU: streams run queued work in order, whenever the test says;
+//! the model fails the test on any page unmapped under queued work, any block handed to one stream
+//! while another's queued work still uses it, and any call a capture forbids.
+
+use super::*;
+use crate::driver::sys::CUresult;
+use proptest::prelude::*;
+use std::collections::{BTreeMap, HashSet};
+
+const PAGE: u64 = 1 << 16;
+
+#[derive(Clone, Copy, Debug)]
+enum Op {
+    Use { addr: u64, len: u64 },
+    Record(u32),
+}
+
+#[derive(Default)]
+struct Gpu {
+    next_base: u64,
+    mapped: BTreeMap<u64, u32>,
+    pages_alive: usize,
+    page_limit: usize,
+    next_page: u32,
+    queues: HashMap<u64, VecDeque<Op>>,
+    pending_events: HashSet<u32>,
+    next_event: u32,
+    captures: HashMap<u64, u64>,
+    relaxed: u32,
+    forgotten: Vec<u64>,
+}
+
+struct Page(u32);
+struct Ev(u32);
+
+fn oom() -> Error {
+    Error::Driver {
+        call: "cuMemCreate",
+        code: CUresult::ERROR_OUT_OF_MEMORY,
+        name: "OOM".into(),
+        description: String::new(),
+    }
+}
+
+impl Gpu {
+    fn pending_use(&self, addr: u64, len: u64, except: Option<u64>) -> Option<u64> {
+        for (&s, q) in &self.queues {
+            if Some(s) == except {
+                continue;
+            }
+            for op in q {
+                if let Op::Use { addr: a, len: l, .. } = *op {
+                    if a < addr + len && addr < a + l {
+                        return Some(s);
+                    }
+                }
+            }
+        }
+        None
+    }
+
+    fn run(&mut self, stream: u64, ops: usize) {
+        let q = self.queues.entry(stream).or_default();
+        for _ in 0..ops {
+            match q.pop_front() {
+                Some(Op::Record(e)) => {
+                    self.pending_events.remove(&e);
+                }
+                Some(Op::Use { .. }) => {}
+                None => break,
+            }
+        }
+    }
+
+    fn run_all(&mut self) {
+        let streams: Vec<u64> = self.queues.keys().copied().collect();
+        for s in streams {
+            self.run(s, usize::MAX);
+        }
+    }
+
+    fn any_capture_forbids(&self) -> bool {
+        !self.captures.is_empty() && self.relaxed == 0
+    }
+}
+
+impl Backend for Gpu {
+    type Page = Page;
+    type Event = Ev;
+
+    fn reserve(&mut self, size: u64) -> Result<u64> {
+        let base = (1 << 40) + self.next_base;
+        self.next_base += size + (1 << 30);
+        Ok(base)
+    }
+    fn create_page(&mut self) -> Result<Page> {
+        assert!(!self.any_capture_forbids(), "cuMemCreate during a global-mode capture");
+        if self.pages_alive >= self.page_limit {
+            return Err(oom());
+        }
+        self.pages_alive += 1;
+        self.next_page += 1;
+        Ok(Page(self.next_page))
+    }
+    fn map(&mut self, addr: u64, page: &Page) -> Result<()> {
+        assert!(!self.any_capture_forbids());
+        assert_eq!(addr % PAGE, 0);
+        assert!(self.mapped.insert(addr, page.0).is_none(), "page at {addr:#x} mapped twice");
+        Ok(())
+    }
+    fn unmap(&mut self, addr: u64) -> Result<()> {
+        assert!(!self.any_capture_forbids());
+        assert!(self.mapped.remove(&addr).is_some(), "unmap of an unmapped page");
+        if let Some(s) = self.pending_use(addr, PAGE, None) {
+            panic!("page {addr:#x} unmapped while stream {s} still has work queued on it");
+        }
+        Ok(())
+    }
+    fn set_access(&mut self, addr: u64, len: u64) -> Result<()> {
+        for p in (addr..addr + len).step_by(PAGE as usize) {
+            assert!(self.mapped.contains_key(&p), "access set on an unmapped page");
+        }
+        Ok(())
+    }
+    fn new_event(&mut self) -> Result<Ev> {
+        self.next_event += 1;
+        Ok(Ev(self.next_event))
+    }
+    fn record(&mut self, event: &Ev, stream: u64) -> Result<()> {
+        assert!(!self.captures.contains_key(&stream), "event recorded on a captured stream");
+        assert!(!self.any_capture_forbids());
+        self.pending_events.insert(event.0);
+        self.queues.entry(stream).or_default().push_back(Op::Record(event.0));
+        Ok(())
+    }
+    fn query(&mut self, event: &Ev) -> Result<bool> {
+        assert!(!self.any_capture_forbids(), "event query during a global-mode capture");
+        Ok(!self.pending_events.contains(&event.0))
+    }
+    fn wait(&mut self, event: &Ev) -> Result<()> {
+        assert!(!self.any_capture_forbids());
+        let stream = self
+            .queues
+            .iter()
+            .find(|(_, q)| q.iter().any(|op| matches!(op, Op::Record(e) if *e == event.0)))
+            .map(|(&s, _)| s);
+        if let Some(s) = stream {
+            while self.pending_events.contains(&event.0) {
+                self.run(s, 1);
+            }
+        }
+        Ok(())
+    }
+    fn capture_of(&mut self, stream: u64) -> Result<Option<u64>> {
+        Ok(self.captures.get(&stream).copied())
+    }
+    fn relax(&mut self) -> Result<u32> {
+        self.relaxed += 1;
+        Ok(0)
+    }
+    fn restore(&mut self, _mode: u32) {
+        self.relaxed -= 1;
+    }
+    fn forget(&mut self, stream: u64) {
+        self.forgotten.push(stream);
+    }
+}
+
+fn core(page_limit: usize) -> Core<Gpu> {
+    let gpu = Gpu { page_limit, ..Gpu::default() };
+    Core::new(gpu, Sizes { page: PAGE, large_reserve: 64 * PAGE, small_reserve: 16 * PAGE })
+}
+
+/// The test's view of a block handed out.
+#[derive(Clone, Copy, Debug)]
+struct Held {
+    addr: u64,
+    size: u64,
+    stream: u64,
+    pool: Option<u64>,
+}
+
+/// Allocates and checks what the model says about the block; queues a use of it on `stream`.
+fn alloc(c: &mut Core<Gpu>, held: &mut Vec<Held>, size: u64, stream: u64) -> Option<u64> {
+    let capture = match c.backend().captures.get(&stream) {
+        Some(&id) => Capture::Private(id),
+        None => Capture::None,
+    };
+    let addr = match c.allocate(size, stream, capture) {
+        Ok(a) => a,
+        Err(e) => {
+            assert!(e.is_out_of_memory(), "{e}");
+            return None;
+        }
+    };
+    let n = size.div_ceil(ALIGN) * ALIGN;
+    for h in held.iter() {
+        assert!(addr + n <= h.addr || h.addr + h.size <= addr, "{addr:#x}+{n} overlaps a live block {h:?}");
+    }
+    let gpu = c.backend();
+    if let Some(s) = gpu.pending_use(addr, n, Some(stream)) {
+        panic!("block {addr:#x}+{n} handed to stream {stream} while stream {s} still uses it");
+    }
+    for p in (addr / PAGE * PAGE..addr + n).step_by(PAGE as usize) {
+        assert!(gpu.mapped.contains_key(&p), "page {p:#x} of a new block is not mapped");
+    }
+    gpu.queues.entry(stream).or_default().push_back(Op::Use { addr, len: n });
+    let pool = capture_id(capture);
+    held.push(Held { addr, size: n, stream, pool });
+    Some(addr)
+}
+
+fn capture_id(c: Capture) -> Option<u64> {
+    match c {
+        Capture::Private(id) => Some(id),
+        _ => None,
+    }
+}
+
+fn free(c: &mut Core<Gpu>, held: &mut Vec<Held>, k: usize) {
+    let h = held.swap_remove(k);
+    let capture = match c.backend().captures.get(&h.stream) {
+        Some(&id) => Capture::Private(id),
+        None => Capture::None,
+    };
+    c.free(h.addr, h.stream, capture).expect("free of a live block");
+}
+
+#[test]
+fn a_block_freed_on_one_stream_is_reused_there_at_once_and_elsewhere_only_after_its_work() {
+    let mut c = core(1000);
+    let mut held = Vec::new();
+    let a = alloc(&mut c, &mut held, 4096, 1).unwrap();
+    free(&mut c, &mut held, 0);
+    // Same stream: the same block, no wait.
+    assert_eq!(alloc(&mut c, &mut held, 4096, 1), Some(a));
+    free(&mut c, &mut held, 0);
+    // Other stream while stream 1 still runs: a different block (the model checks it).
+    let b = alloc(&mut c, &mut held, 4096, 2).unwrap();
+    assert_ne!(a, b);
+    free(&mut c, &mut held, 0);
+    // Once stream 1 ran past the event recorded on the last miss, stream 2 may take it.
+    c.backend().run_all();
+    c.backend().queues.entry(2).or_default().push_back(Op::Use { addr: 0, len: 0 });
+    let _ = alloc(&mut c, &mut held, 1 << 20, 2); // a miss: polls the event
+    let again = alloc(&mut c, &mut held, 4096, 2).unwrap();
+    assert!(again == a || again == b, "an idle block is reused: {again:#x}");
+    assert_eq!(c.stats().live, held.iter().map(|h| h.size).sum::<u64>());
+}
+
+#[test]
+fn out_of_memory_waits_for_freed_memory_and_remaps_it_instead_of_failing() {
+    // Four pages in all. Stream 1 frees two pages' worth; stream 2 then needs two pages.
+    let mut c = core(4);
+    let mut held = Vec::new();
+    alloc(&mut c, &mut held, 2 * PAGE, 1).unwrap();
+    alloc(&mut c, &mut held, 2 * PAGE, 1).unwrap();
+    free(&mut c, &mut held, 0);
+    let b = alloc(&mut c, &mut held, 2 * PAGE, 2);
+    assert!(b.is_some(), "the freed pages should have been waited for and remapped");
+    let s = c.stats();
+    assert_eq!(s.pages_created, 4);
+    assert!(s.pages_remapped >= 2 && s.oom_retries >= 1);
+    assert_eq!(s.mapped, 4 * PAGE);
+    // Really out: a typed error, and what was held is intact.
+    assert!(alloc(&mut c, &mut held, 3 * PAGE, 2).is_none());
+    assert_eq!(held.len(), 2);
+}
+
+#[test]
+fn fragmentation_costs_address_space_not_physical_memory() {
+    // Each round frees a block that the next, larger request cannot use, behind a block kept live:
+    // the holes must give their pages to the new blocks instead of new pages being created.
+    let mut c = core(10_000);
+    let mut held = Vec::new();
+    let keep = SMALL + 512;
+    for round in 0..50u64 {
+        let size = SMALL + (1 + round % 5) * PAGE;
+        alloc(&mut c, &mut held, size, 1).unwrap();
+        alloc(&mut c, &mut held, keep, 1).unwrap();
+        let k = held.iter().position(|h| h.size == size).unwrap();
+        free(&mut c, &mut held, k);
+        c.backend().run_all();
+    }
+    let s = c.stats();
+    let keep_pages = 50 * (keep.div_ceil(PAGE) + 1);
+    let largest = (SMALL + 5 * PAGE) / PAGE;
+    assert!(
+        s.mapped_peak / PAGE <= keep_pages + 2 * largest + 2,
+        "mapped peak {} pages",
+        s.mapped_peak / PAGE
+    );
+    assert!(s.pages_remapped > 0);
+}
+
+#[test]
+fn capture_keeps_its_blocks_for_the_graph_and_defers_other_frees() {
+    let mut c = core(1000);
+    let mut held = Vec::new();
+    let eager = alloc(&mut c, &mut held, 8192, 5).unwrap();
+    c.backend().captures.insert(5, 77);
+    // Freed during capture: not reusable, even on its own stream, until the capture ends.
+    free(&mut c, &mut held, 0);
+    let g1 = alloc(&mut c, &mut held, 8192, 5).unwrap();
+    assert_ne!(g1, eager);
+    // Blocks of the capture are reused within it, in capture order.
+    let k = held.iter().position(|h| h.addr == g1).unwrap();
+    free(&mut c, &mut held, k);
+    let g2 = alloc(&mut c, &mut held, 8192, 5).unwrap();
+    assert_eq!(g2, g1);
+    c.backend().captures.clear();
+    c.backend().run_all();
+    // After the capture: the graph's block stays the graph's, even when freed and idle.
+    let k = held.iter().position(|h| h.addr == g2).unwrap();
+    free(&mut c, &mut held, k);
+    c.backend().run_all();
+    assert!(c.stats().graph_held >= 8192);
+    for _ in 0..4 {
+        let a = alloc(&mut c, &mut held, 8192, 5).unwrap();
+        assert_ne!(a, g2, "graph memory handed out after the capture");
+    }
+    assert!(held.iter().any(|h| h.addr == eager), "the deferred block came back after the capture");
+    // Released: it may be used again.
+    assert_eq!(c.release_graph_memory(), 8192);
+    assert_eq!(c.stats().graph_held, 0);
+    c.backend().run_all();
+    let _ = alloc(&mut c, &mut held, 1 << 20, 5);
+    let mut got = false;
+    for _ in 0..4 {
+        got |= alloc(&mut c, &mut held, 8192, 5) == Some(g2);
+    }
+    assert!(got);
+}
+
+#[test]
+fn empty_cache_returns_every_idle_page_and_is_refused_during_capture() {
+    let mut c = core(1000);
+    let mut held = Vec::new();
+    alloc(&mut c, &mut held, 4 * PAGE, 1).unwrap();
+    alloc(&mut c, &mut held, 100, 1).unwrap();
+    free(&mut c, &mut held, 0);
+    c.backend().captures.insert(1, 3);
+    assert!(c.empty_cache().is_err());
+    c.backend().captures.clear();
+    assert_eq!(c.empty_cache().unwrap(), 4 * PAGE);
+    assert_eq!(c.stats().mapped, PAGE, "only the small block's page stays");
+    assert_eq!(c.backend().pages_alive - c.stats().pages_released as usize, 1);
+}
+
+#[test]
+fn a_stream_whose_frees_all_completed_is_forgotten() {
+    let mut c = core(1000);
+    let mut held = Vec::new();
+    alloc(&mut c, &mut held, 4096, 9).unwrap();
+    free(&mut c, &mut held, 0);
+    let _ = alloc(&mut c, &mut held, 1 << 20, 1); // miss: records an event on 9
+    c.backend().run_all();
+    let _ = alloc(&mut c, &mut held, 2 << 20, 1); // miss: sees it complete, promotes
+    let _ = alloc(&mut c, &mut held, 3 << 20, 1); // miss: nothing left of 9
+    assert!(c.backend().forgotten.contains(&9));
+}
+
+#[derive(Clone, Debug)]
+enum Step {
+    Alloc { size: u64, stream: u64 },
+    Free(usize),
+    Run { stream: u64, ops: usize },
+    BeginCapture(u64),
+    EndCapture,
+    EmptyCache,
+    ReleaseGraphs,
+}
+
+fn step() -> impl Strategy<Value = Step> {
+    prop_oneof![
+        4 => (prop_oneof![1u64..4096, 4096u64..SMALL, (SMALL + 1)..(SMALL + 6 * PAGE)], 1u64..4)
+            .prop_map(|(size, stream)| Step::Alloc { size, stream }),
+        3 => any::<usize>().prop_map(Step::Free),
+        2 => (1u64..4, 0usize..4).prop_map(|(stream, ops)| Step::Run { stream, ops }),
+        1 => (1u64..4).prop_map(Step::BeginCapture),
+        1 => Just(Step::EndCapture),
+        1 => Just(Step::EmptyCache),
+        1 => Just(Step::ReleaseGraphs),
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+
+    /// Whatever the order of allocations, frees, progress of the streams and captures: no block is
+    /// handed to a stream while another stream's queued work uses it, no page is unmapped under
+    /// queued work, nothing illegal is called during a capture, graph memory is never handed out
+    /// elsewhere, and the counters add up.
+    #[test]
+    fn allocation_is_sound_under_any_interleaving(steps in proptest::collection::vec(step(), 1..120), limit in 30usize..400) {
+        let mut c = core(limit);
+        let mut held: Vec<Held> = Vec::new();
+        let mut capture_seq = 100;
+        let mut seen_capturing: HashSet<u64> = HashSet::new();
+        // Graph blocks of captures that ended: their addresses must not be handed out again.
+        let mut graph_ranges: Vec<(u64, u64)> = Vec::new();
+        for s in steps {
+            match s {
+                Step::Alloc { size, stream } => {
+                    let capturing = c.backend().captures.contains_key(&stream);
+                    if capturing {
+                        seen_capturing.insert(stream);
+                    }
+                    if let Some(a) = alloc(&mut c, &mut held, size, stream) {
+                        let n = size.div_ceil(ALIGN) * ALIGN;
+                        if !capturing {
+                            for &(g, l) in &graph_ranges {
+                                prop_assert!(a + n <= g || g + l <= a, "graph memory {g:#x} reused at {a:#x}");
+                            }
+                        }
+                    }
+                }
+                Step::Free(k) if !held.is_empty() => {
+                    let k = k % held.len();
+                    if c.backend().captures.contains_key(&held[k].stream) {
+                        seen_capturing.insert(held[k].stream);
+                    }
+                    free(&mut c, &mut held, k);
+                }
+                Step::Free(_) => {}
+                Step::Run { stream, ops } => c.backend().run(stream, ops),
+                Step::BeginCapture(stream) => {
+                    if c.backend().captures.is_empty() {
+                        capture_seq += 1;
+                        c.backend().captures.insert(stream, capture_seq);
+                    }
+                }
+                Step::EndCapture => {
+                    let ended: Vec<u64> = c.backend().captures.values().copied().collect();
+                    c.backend().captures.clear();
+                    seen_capturing.clear();
+                    for h in &held {
+                        if h.pool.is_some_and(|p| ended.contains(&p)) {
+                            graph_ranges.push((h.addr, h.size));
+                        }
+                    }
+                }
+                Step::EmptyCache => {
+                    // Refused if the allocator saw the capture; otherwise it must not call what
+                    // a capture forbids (the model checks).
+                    let seen = c.backend().captures.keys().any(|s| seen_capturing.contains(s));
+                    let r = c.empty_cache();
+                    prop_assert!(!seen || r.is_err());
+                    prop_assert!(c.backend().captures.is_empty() || r.is_err() || !seen);
+                }
+                Step::ReleaseGraphs => {
+                    // The test's graphs are gone: their memory may be reused (the model still
+                    // checks queued work).
+                    if c.backend().captures.is_empty() {
+                        c.release_graph_memory();
+                        graph_ranges.clear();
+                        for h in &mut held {
+                            h.pool = None;
+                        }
+                    }
+                }
+            }
+            let st = c.stats();
+            prop_assert_eq!(st.live, held.iter().map(|h| h.size).sum::<u64>());
+            prop_assert!(st.live_peak >= st.live && st.mapped_peak >= st.mapped);
+            let gpu = c.backend();
+            prop_assert_eq!(gpu.pages_alive as u64 - st.pages_released, st.mapped / PAGE);
+            for slot in &c.slots {
+                slot.heap.check();
+            }
+        }
+    }
+}

@@ -1,0 +1,575 @@
+//! The address-space side of one heap: blocks carved out of a reservation, best-fit search,
+//! splitting and coalescing, with each free block remembering which stream may reuse it.
+//!
+//! Nothing here calls the driver; [`super::core`] adds pages and events.
+
+use std::collections::{BTreeSet, HashMap};
+use std::hash::{BuildHasherDefault, Hasher};
+
+/// Every block starts and ends on this boundary.
+pub(crate) const ALIGN: u64 = 512;
+
+/// The key of blocks any stream may take: the work that used them has completed.
+pub(crate) const IDLE: u64 = u64::MAX;
+
+/// Where a free block may be reused.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Owner {
+    /// Freed on `stream`: reusable on that stream at once, on others once an event recorded on
+    /// `stream` after the free (its number at least `epoch`) has completed.
+    Stream { stream: u64, epoch: u64 },
+    /// No queued work uses it.
+    Idle,
+}
+
+impl Owner {
+    fn key(self) -> u64 {
+        match self {
+            Owner::Stream { stream, .. } => stream,
+            Owner::Idle => IDLE,
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum State {
+    Free(Owner),
+    Live {
+        stream: u64,
+        requested: u64,
+    },
+    /// Freed while its stream was being captured into a graph: taken back once the capture ended.
+    Deferred {
+        stream: u64,
+    },
+}
+
+const NIL: u32 = u32::MAX;
+
+#[derive(Clone, Copy, Debug)]
+struct Block {
+    addr: u64,
+    size: u64,
+    prev: u32,
+    next: u32,
+    /// 0 for the shared pool; others belong to a captured graph.
+    pool: u32,
+    state: State,
+}
+
+/// A fast hash for addresses, which are distinct multiples of 512.
+#[derive(Default)]
+pub(crate) struct AddrHasher(u64);
+
+impl Hasher for AddrHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0.rotate_left(8) ^ u64::from(b)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        }
+    }
+    fn write_u64(&mut self, v: u64) {
+        self.0 = (v >> 9).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    }
+}
+
+pub(crate) type AddrMap<V> = HashMap<u64, V, BuildHasherDefault<AddrHasher>>;
+
+/// What [`Heap::free`] found.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Freed {
+    pub size: u64,
+    pub requested: u64,
+    pub pool: u32,
+}
+
+/// Blocks of `[base, base + size)`. Addresses below `top` are covered by blocks; the rest has never
+/// been handed out.
+pub(crate) struct Heap {
+    base: u64,
+    size: u64,
+    top: u64,
+    /// The block that ends at `top`.
+    last: u32,
+    blocks: Vec<Block>,
+    spare: Vec<u32>,
+    /// Free blocks by (owner key, pool, size, address): a best fit for one stream is one range query.
+    free: BTreeSet<(u64, u32, u64, u64, u32)>,
+    live: AddrMap<u32>,
+    deferred: Vec<u32>,
+    /// Bytes of blocks in graph pools.
+    graph: u64,
+}
+
+impl Heap {
+    pub(crate) fn new(base: u64, size: u64) -> Heap {
+        debug_assert!(base % ALIGN == 0 && size % ALIGN == 0);
+        Heap {
+            base,
+            size,
+            top: base,
+            last: NIL,
+            blocks: Vec::new(),
+            spare: Vec::new(),
+            free: BTreeSet::new(),
+            live: AddrMap::default(),
+            deferred: Vec::new(),
+            graph: 0,
+        }
+    }
+
+    pub(crate) fn base(&self) -> u64 {
+        self.base
+    }
+
+    pub(crate) fn contains(&self, addr: u64) -> bool {
+        addr >= self.base && addr - self.base < self.size
+    }
+
+    /// Bytes in graph pools, free or live.
+    pub(crate) fn graph_bytes(&self) -> u64 {
+        self.graph
+    }
+
+    /// The smallest free block of `pool` holding `size` bytes that `stream` may take now: its own
+    /// or an idle one.
+    pub(crate) fn find(&self, pool: u32, stream: u64, size: u64) -> Option<(u64, u64)> {
+        let best = |key: u64| {
+            self.free
+                .range((key, pool, size, 0, 0)..=(key, pool, u64::MAX, u64::MAX, u32::MAX))
+                .next()
+                .map(|&(_, _, s, a, i)| (s, a, i))
+        };
+        let own = if stream == IDLE { None } else { best(stream) };
+        let pick = match (own, best(IDLE)) {
+            (Some(a), Some(b)) => Some(if b.0 < a.0 { b } else { a }),
+            (a, b) => a.or(b),
+        };
+        pick.map(|(_, a, i)| (a, i as u64))
+    }
+
+    /// Takes `size` bytes at the start of free block `id` (from [`find`](Self::find)) for `stream`,
+    /// leaving the rest free with the same owner. Returns the address.
+    pub(crate) fn take(&mut self, id: u64, size: u64, stream: u64, requested: u64, pool: u32) -> u64 {
+        let i = id as u32;
+        let b = self.blocks[i as usize];
+        let State::Free(owner) = b.state else { unreachable!("take of a block that is not free") };
+        debug_assert!(b.size >= size && size % ALIGN == 0);
+        self.free.remove(&(owner.key(), b.pool, b.size, b.addr, i));
+        if b.size > size {
+            let rest = self.slot(Block {
+                addr: b.addr + size,
+                size: b.size - size,
+                prev: i,
+                next: b.next,
+                pool: b.pool,
+                state: State::Free(owner),
+            });
+            if b.next != NIL {
+                self.blocks[b.next as usize].prev = rest;
+            } else {
+                self.last = rest;
+            }
+            self.blocks[i as usize].next = rest;
+            self.blocks[i as usize].size = size;
+            self.index(rest);
+        }
+        if b.pool == 0 && pool != 0 {
+            self.graph += size;
+        }
+        let blk = &mut self.blocks[i as usize];
+        blk.pool = pool;
+        blk.state = State::Live { stream, requested };
+        self.live.insert(blk.addr, i);
+        blk.addr
+    }
+
+    /// Carves `size` bytes from the never-used part, if it holds them.
+    pub(crate) fn carve(&mut self, size: u64, stream: u64, requested: u64, pool: u32) -> Option<u64> {
+        if self.base + self.size - self.top < size {
+            return None;
+        }
+        let i = self.slot(Block {
+            addr: self.top,
+            size,
+            prev: self.last,
+            next: NIL,
+            pool,
+            state: State::Live { stream, requested },
+        });
+        if self.last != NIL {
+            self.blocks[self.last as usize].next = i;
+        }
+        if pool != 0 {
+            self.graph += size;
+        }
+        self.last = i;
+        self.live.insert(self.top, i);
+        self.top += size;
+        Some(self.top - size)
+    }
+
+    /// The live block at `addr`: (size, stream, pool).
+    pub(crate) fn live(&self, addr: u64) -> Option<(u64, u64, u32)> {
+        let &i = self.live.get(&addr)?;
+        let b = &self.blocks[i as usize];
+        match b.state {
+            State::Live { stream, .. } => Some((b.size, stream, b.pool)),
+            _ => None,
+        }
+    }
+
+    /// Frees the live block at `addr`, now owned by `owner` (or deferred), merging it with free
+    /// neighbours of the same pool that `owner`'s stream may use.
+    pub(crate) fn free(&mut self, addr: u64, state: State) -> Option<Freed> {
+        let i = self.live.remove(&addr)?;
+        let b = self.blocks[i as usize];
+        let State::Live { requested, .. } = b.state else { unreachable!("live map names a free block") };
+        let freed = Freed { size: b.size, requested, pool: b.pool };
+        self.blocks[i as usize].state = state;
+        match state {
+            State::Free(owner) => self.settle(i, owner),
+            State::Deferred { .. } => self.deferred.push(i),
+            State::Live { .. } => unreachable!("free to a live state"),
+        }
+        Some(freed)
+    }
+
+    /// Indexes free block `i` with `owner`, merging it with neighbours it may share with.
+    fn settle(&mut self, mut i: u32, mut owner: Owner) {
+        let pool = self.blocks[i as usize].pool;
+        let prev = self.blocks[i as usize].prev;
+        if let Some(o) = self.mergeable(prev, pool, owner) {
+            owner = o;
+            self.unindex(prev);
+            self.absorb(prev, i);
+            i = prev;
+        }
+        let next = self.blocks[i as usize].next;
+        if let Some(o) = self.mergeable(next, pool, owner) {
+            owner = o;
+            self.unindex(next);
+            self.absorb(i, next);
+        }
+        self.blocks[i as usize].state = State::Free(owner);
+        self.index(i);
+    }
+
+    /// The owner of `owner`'s block merged with block `j`, if they may merge: same pool, and `j`
+    /// idle or freed on the same stream (the merged block is then as late as the later free).
+    fn mergeable(&self, j: u32, pool: u32, owner: Owner) -> Option<Owner> {
+        if j == NIL {
+            return None;
+        }
+        let b = &self.blocks[j as usize];
+        let State::Free(other) = b.state else { return None };
+        if b.pool != pool {
+            return None;
+        }
+        match (owner, other) {
+            (Owner::Idle, Owner::Idle) => Some(Owner::Idle),
+            (Owner::Stream { stream, epoch }, Owner::Idle)
+            | (Owner::Idle, Owner::Stream { stream, epoch }) => Some(Owner::Stream { stream, epoch }),
+            (Owner::Stream { stream: a, epoch: x }, Owner::Stream { stream: b, epoch: y }) if a == b => {
+                Some(Owner::Stream { stream: a, epoch: x.max(y) })
+            }
+            _ => None,
+        }
+    }
+
+    /// Merges `hi` (the block after `lo`) into `lo`.
+    fn absorb(&mut self, lo: u32, hi: u32) {
+        let h = self.blocks[hi as usize];
+        self.blocks[lo as usize].size += h.size;
+        self.blocks[lo as usize].next = h.next;
+        if h.next != NIL {
+            self.blocks[h.next as usize].prev = lo;
+        } else {
+            self.last = lo;
+        }
+        self.spare.push(hi);
+    }
+
+    fn index(&mut self, i: u32) {
+        let b = &self.blocks[i as usize];
+        if let State::Free(owner) = b.state {
+            self.free.insert((owner.key(), b.pool, b.size, b.addr, i));
+        }
+    }
+
+    fn unindex(&mut self, i: u32) {
+        let b = &self.blocks[i as usize];
+        if let State::Free(owner) = b.state {
+            self.free.remove(&(owner.key(), b.pool, b.size, b.addr, i));
+        }
+    }
+
+    fn slot(&mut self, b: Block) -> u32 {
+        match self.spare.pop() {
+            Some(i) => {
+                self.blocks[i as usize] = b;
+                i
+            }
+            None => {
+                self.blocks.push(b);
+                (self.blocks.len() - 1) as u32
+            }
+        }
+    }
+
+    /// Makes every block freed on `stream` up to `epoch` idle. Returns how many moved.
+    pub(crate) fn promote(&mut self, stream: u64, epoch: u64) -> usize {
+        let due: Vec<u32> = self
+            .free
+            .range((stream, 0, 0, 0, 0)..=(stream, u32::MAX, u64::MAX, u64::MAX, u32::MAX))
+            .filter(|&&(.., i)| {
+                matches!(self.blocks[i as usize].state, State::Free(Owner::Stream { epoch: e, .. }) if e <= epoch)
+            })
+            .map(|&(.., i)| i)
+            .collect();
+        for &i in &due {
+            self.unindex(i);
+            self.settle(i, Owner::Idle);
+        }
+        due.len()
+    }
+
+    /// Whether blocks freed during a capture wait to come back.
+    pub(crate) fn has_deferred(&self) -> bool {
+        !self.deferred.is_empty()
+    }
+
+    /// Frees, as freed on their stream at `epoch`, the deferred blocks of `stream` (or of every
+    /// stream when `stream` is `None`; each then gets the epoch `epoch_of` gives).
+    pub(crate) fn undefer(&mut self, stream: Option<u64>, mut epoch_of: impl FnMut(u64) -> u64) -> usize {
+        let mut due = Vec::new();
+        self.deferred.retain(|&i| {
+            let State::Deferred { stream: s } = self.blocks[i as usize].state else { unreachable!() };
+            let hit = stream.map_or(true, |t| t == s);
+            if hit {
+                due.push(i);
+            }
+            !hit
+        });
+        for &i in &due {
+            let State::Deferred { stream: s } = self.blocks[i as usize].state else { unreachable!() };
+            self.settle(i, Owner::Stream { stream: s, epoch: epoch_of(s) });
+        }
+        due.len()
+    }
+
+    /// Moves every free block of graph pools into the shared pool, each owned as it was; live
+    /// blocks of those pools join the shared pool when freed (`pool_of` then says 0).
+    pub(crate) fn dissolve_pools(&mut self) -> u64 {
+        let due: Vec<u32> = self.free.iter().filter(|&&(_, p, ..)| p != 0).map(|&(.., i)| i).collect();
+        let mut bytes = 0;
+        for &i in &due {
+            self.unindex(i);
+            self.blocks[i as usize].pool = 0;
+            bytes += self.blocks[i as usize].size;
+            let State::Free(owner) = self.blocks[i as usize].state else { unreachable!() };
+            self.settle(i, owner);
+        }
+        for &i in self.live.values() {
+            self.blocks[i as usize].pool = 0;
+        }
+        for &i in &self.deferred {
+            self.blocks[i as usize].pool = 0;
+        }
+        self.graph = 0;
+        bytes
+    }
+
+    /// Page indexes (pages of `page` bytes from `base`) lying wholly inside idle free blocks of the
+    /// shared pool, in address order.
+    pub(crate) fn idle_pages(&self, page: u64) -> Vec<u64> {
+        let mut out = Vec::new();
+        let mut tail = self.top;
+        for &(.., i) in self.free.range((IDLE, 0, 0, 0, 0)..=(IDLE, 0, u64::MAX, u64::MAX, u32::MAX)) {
+            let b = &self.blocks[i as usize];
+            if b.addr + b.size == self.top {
+                // It runs on into the never-used part: a page across the boundary is idle too.
+                tail = b.addr;
+                continue;
+            }
+            let first = (b.addr - self.base).div_ceil(page);
+            let end = (b.addr + b.size - self.base) / page;
+            out.extend(first..end);
+        }
+        // Pages past `top` were never handed out: they are idle too.
+        let first = (tail - self.base).div_ceil(page);
+        out.extend(first..self.size / page);
+        out.sort_unstable();
+        out
+    }
+
+    /// Checks the structure's invariants (tests only call this).
+    #[cfg(test)]
+    pub(crate) fn check(&self) {
+        let mut at = self.base;
+        let mut i = if self.top == self.base { NIL } else { self.first() };
+        let mut prev = NIL;
+        let mut free = 0;
+        while i != NIL {
+            let b = &self.blocks[i as usize];
+            assert_eq!(b.addr, at, "blocks are contiguous");
+            assert_eq!(b.prev, prev);
+            assert!(b.size > 0 && b.size % ALIGN == 0);
+            match b.state {
+                State::Free(o) => {
+                    free += 1;
+                    assert!(self.free.contains(&(o.key(), b.pool, b.size, b.addr, i)));
+                    if prev != NIL {
+                        let p = &self.blocks[prev as usize];
+                        if p.pool == b.pool {
+                            if let State::Free(po) = p.state {
+                                assert!(
+                                    self.mergeable(prev, b.pool, o).is_none(),
+                                    "neighbours {po:?} and {o:?} should have merged"
+                                );
+                            }
+                        }
+                    }
+                }
+                State::Live { .. } => assert_eq!(self.live.get(&b.addr), Some(&i)),
+                State::Deferred { .. } => {}
+            }
+            at += b.size;
+            prev = i;
+            i = b.next;
+        }
+        assert_eq!(at, self.top);
+        assert_eq!(free, self.free.len());
+        assert_eq!(prev, self.last);
+    }
+
+    #[cfg(test)]
+    fn first(&self) -> u32 {
+        let mut i = self.last;
+        while self.blocks[i as usize].prev != NIL {
+            i = self.blocks[i as usize].prev;
+        }
+        i
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const S: u64 = 10;
+    const T: u64 = 20;
+
+    fn alloc(h: &mut Heap, size: u64, stream: u64) -> u64 {
+        match h.find(0, stream, size) {
+            Some((_, id)) => h.take(id, size, stream, size, 0),
+            None => h.carve(size, stream, size, 0).expect("space"),
+        }
+    }
+
+    #[test]
+    fn a_block_freed_on_a_stream_is_reused_there_and_not_elsewhere_until_idle() {
+        let mut h = Heap::new(1 << 20, 1 << 20);
+        let a = alloc(&mut h, 4096, S);
+        h.free(a, State::Free(Owner::Stream { stream: S, epoch: 1 }));
+        assert_eq!(h.find(0, T, 4096), None, "another stream must not see it");
+        assert_eq!(h.find(0, S, 4096).map(|(a, _)| a), Some(a));
+        assert_eq!(h.promote(S, 0), 0, "epoch 0 does not cover a free at epoch 1");
+        assert_eq!(h.promote(S, 1), 1);
+        assert_eq!(h.find(0, T, 4096).map(|(a, _)| a), Some(a));
+        h.check();
+    }
+
+    #[test]
+    fn neighbours_merge_only_when_the_result_is_safe_for_its_owner() {
+        let mut h = Heap::new(0, 1 << 20);
+        let a = alloc(&mut h, 512, S);
+        let b = alloc(&mut h, 512, S);
+        let c = alloc(&mut h, 512, S);
+        h.free(a, State::Free(Owner::Stream { stream: S, epoch: 1 }));
+        h.free(c, State::Free(Owner::Stream { stream: T, epoch: 1 }));
+        h.check();
+        // b between a (S) and c (T): freed on S it merges with a only.
+        h.free(b, State::Free(Owner::Stream { stream: S, epoch: 2 }));
+        h.check();
+        assert_eq!(h.find(0, S, 1024).map(|(x, _)| x), Some(a));
+        assert_eq!(h.find(0, S, 1536), None);
+        // Once both are idle everything is one block.
+        h.promote(S, 2);
+        h.promote(T, 1);
+        h.check();
+        assert_eq!(h.find(0, 99, 1536).map(|(x, _)| x), Some(a));
+    }
+
+    #[test]
+    fn best_fit_splits_and_prefers_the_smaller_of_own_and_idle() {
+        let mut h = Heap::new(0, 1 << 20);
+        let big = alloc(&mut h, 8192, S);
+        let _sep = alloc(&mut h, 512, S);
+        let small = alloc(&mut h, 2048, T);
+        let _sep2 = alloc(&mut h, 512, S);
+        h.free(big, State::Free(Owner::Stream { stream: S, epoch: 1 }));
+        h.free(small, State::Free(Owner::Idle));
+        assert_eq!(h.find(0, S, 1024).map(|(x, _)| x), Some(small), "the idle block is the tighter fit");
+        let (_, id) = h.find(0, S, 4096).unwrap();
+        assert_eq!(h.take(id, 4096, S, 4000, 0), big);
+        h.check();
+        // The rest of the split keeps its owner.
+        assert_eq!(h.find(0, T, 4096), None);
+        assert_eq!(h.find(0, S, 4096).map(|(x, _)| x), Some(big + 4096));
+    }
+
+    #[test]
+    fn graph_pools_are_kept_apart_until_dissolved() {
+        let mut h = Heap::new(0, 1 << 20);
+        let g = h.carve(4096, S, 4096, 7).unwrap();
+        h.free(g, State::Free(Owner::Idle));
+        assert_eq!(h.find(0, S, 512), None);
+        assert_eq!(h.find(7, S, 512).map(|(x, _)| x), Some(g));
+        assert!(h.idle_pages(4096).is_empty() || !h.idle_pages(4096).contains(&0));
+        assert_eq!(h.dissolve_pools(), 4096);
+        assert_eq!(h.find(0, S, 512).map(|(x, _)| x), Some(g));
+        h.check();
+    }
+
+    #[test]
+    fn deferred_blocks_come_back_on_their_stream() {
+        let mut h = Heap::new(0, 1 << 20);
+        let a = alloc(&mut h, 1024, S);
+        h.free(a, State::Deferred { stream: S });
+        assert_eq!(h.find(0, S, 512), None);
+        assert_eq!(h.undefer(Some(T), |_| 5), 0);
+        assert_eq!(h.undefer(Some(S), |_| 5), 1);
+        assert_eq!(h.find(0, S, 512).map(|(x, _)| x), Some(a));
+        h.check();
+    }
+
+    #[test]
+    fn idle_pages_are_whole_pages_inside_idle_blocks_and_the_untouched_tail() {
+        let page = 4096;
+        let mut h = Heap::new(0, 4 * page);
+        let a = alloc(&mut h, page + 512, S); // pages 0, 1 (part)
+        let b = alloc(&mut h, page, S); // pages 1 (part), 2 (part)
+        assert_eq!(h.idle_pages(page), vec![3]);
+        h.free(a, State::Free(Owner::Idle));
+        assert_eq!(h.idle_pages(page), vec![0, 3]);
+        // b freed on S merges with idle a: the whole is S's until an event covers it.
+        h.free(b, State::Free(Owner::Stream { stream: S, epoch: 1 }));
+        assert_eq!(h.idle_pages(page), vec![3]);
+        h.promote(S, 1);
+        assert_eq!(h.idle_pages(page), vec![0, 1, 2, 3]);
+        h.check();
+    }
+
+    #[test]
+    fn freeing_an_unknown_or_already_freed_address_is_refused() {
+        let mut h = Heap::new(0, 1 << 20);
+        let a = alloc(&mut h, 512, S);
+        assert!(h.free(a + 512, State::Free(Owner::Idle)).is_none());
+        assert!(h.free(a, State::Free(Owner::Idle)).is_some());
+        assert!(h.free(a, State::Free(Owner::Idle)).is_none());
+        h.check();
+    }
+}

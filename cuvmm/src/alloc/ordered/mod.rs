@@ -1,0 +1,318 @@
+//! A stream-ordered caching allocator over large reservations, for custom allocators
+//! (PyTorch's pluggable allocator among them: see the `cuvmm-capi` crate).
+//!
+//! Memory is allocated *on a stream*. A block freed on a stream may be handed out again at once
+//! for work on that stream (the stream runs it after the work that used the block), and for
+//! another stream only once an event recorded on the first stream after the free has completed.
+//! Events are recorded lazily, one per stream for many frees, when another stream needs memory.
+//!
+//! Address space is reserved in large heaps (by default twice the device's memory: address space
+//! costs nothing) and physical pages are mapped under blocks only as they are handed out. A heap
+//! is carved best-fit, blocks are split and coalesced, and no size is rounded beyond 512 bytes.
+//! Requests up to 1 MiB come from separate heaps, so small blocks never hold large pages. When
+//! the free blocks of the heap do not fit a request, new address space is taken and its pages are
+//! taken first from idle free blocks (unmapped there, mapped here), then from the driver: holes
+//! cost address space, not memory. When the driver is out of memory the allocator waits for every
+//! freed block's work to finish, moves those pages, and retries before failing.
+//!
+//! # Graph capture
+//!
+//! Allocating or freeing on a stream that is being captured into a CUDA graph makes no call that
+//! a capture forbids. What [`GraphMemory`] says decides what becomes of memory handed out then.
+//!
+//! # Example
+//!
+//! ```no_run
+//! use cuvmm::alloc::StreamAllocator;
+//! use cuvmm::{Context, Stream};
+//!
+//! # fn main() -> cuvmm::Result<()> {
+//! let ctx = Context::for_ordinal(0)?;
+//! let stream = Stream::non_blocking(&ctx)?;
+//! let alloc = StreamAllocator::new(&ctx)?;
+//! let a = alloc.allocate(1 << 20, &stream)?;
+//! let p = a.ptr();
+//! drop(a); // freed on `stream`, in stream order
+//! let b = alloc.allocate(1 << 20, &stream)?; // the same block, at once
+//! assert_eq!(b.ptr(), p);
+//! println!("{:?}", alloc.stats());
+//! # Ok(())
+//! # }
+//! ```
+
+mod backend;
+pub(crate) mod core;
+mod heap;
+
+pub use self::core::AllocatorStats;
+
+use self::backend::DriverBackend;
+use self::core::{Capture, Core, Sizes};
+use crate::context::Context;
+use crate::driver::{driver, sys::*};
+use crate::error::{Error, Result};
+use crate::stream::{Event, Stream, StreamInner};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+/// Sizes of a [`StreamAllocator`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AllocatorConfig {
+    /// Bytes per physical page (a multiple of the device's granularity, 2 MiB on current GPUs).
+    pub page: usize,
+    /// Address space per large heap; 0 for twice the device's memory.
+    pub reserve: usize,
+}
+
+impl Default for AllocatorConfig {
+    fn default() -> Self {
+        AllocatorConfig { page: 2 << 20, reserve: 0 }
+    }
+}
+
+/// What becomes of memory handed out on a stream while it is being captured into a CUDA graph.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GraphMemory {
+    /// The graph's replays write it for as long as the graph lives, so it is kept for the graph:
+    /// never handed out outside that capture, even once freed, until
+    /// [`StreamAllocator::release_graph_memory`]. Blocks allocated before the capture and freed
+    /// during it come back only after it. (What PyTorch's `change_current_allocator` needs.)
+    Keep,
+    /// The caller keeps graph memory apart itself (PyTorch's `MemPool` does), so blocks are
+    /// ordinary; during the capture only memory known idle is handed out.
+    Share,
+}
+
+/// A stream-ordered caching allocator for one device. Cloning shares it; it is `Send + Sync`.
+#[derive(Clone)]
+pub struct StreamAllocator {
+    inner: Arc<Shared>,
+}
+
+struct Shared {
+    ctx: Context,
+    core: Mutex<Core<DriverBackend>>,
+}
+
+impl Drop for Shared {
+    fn drop(&mut self) {
+        let core = self.core.get_mut().unwrap_or_else(|e| e.into_inner());
+        let pages = core.mapped_addresses();
+        core.backend().unmap_all(pages.into_iter());
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl StreamAllocator {
+    /// An allocator for `ctx`'s device with the default sizes.
+    pub fn new(ctx: &Context) -> Result<StreamAllocator> {
+        StreamAllocator::with_config(ctx, AllocatorConfig::default())
+    }
+
+    /// An allocator with the given sizes.
+    pub fn with_config(ctx: &Context, config: AllocatorConfig) -> Result<StreamAllocator> {
+        let granularity =
+            crate::caps::device_granularity(&ctx.device(), CUmemAllocationHandleType::NONE)?.minimum;
+        if config.page == 0 || config.page % granularity != 0 {
+            return Err(Error::invalid(format!(
+                "page size {} is not a non-zero multiple of the granularity ({granularity})",
+                config.page
+            )));
+        }
+        let total = ctx.device().total_memory()?;
+        let round = |x: usize| x.div_ceil(config.page) * config.page;
+        let large = if config.reserve == 0 { 2 * total } else { config.reserve };
+        let sizes = Sizes {
+            page: config.page as u64,
+            large_reserve: round(large) as u64,
+            small_reserve: round((large / 16).max(config.page)) as u64,
+        };
+        let backend = DriverBackend::new(ctx, config.page);
+        Ok(StreamAllocator {
+            inner: Arc::new(Shared { ctx: ctx.clone(), core: Mutex::new(Core::new(backend, sizes)) }),
+        })
+    }
+
+    /// The context whose device it allocates on.
+    pub fn context(&self) -> &Context {
+        &self.inner.ctx
+    }
+
+    /// `size` bytes for work on `stream`. The block is freed, in stream order, when dropped.
+    ///
+    /// On a stream being captured into a graph, the block is kept for the graph
+    /// ([`GraphMemory::Keep`]).
+    pub fn allocate(&self, size: usize, stream: &Stream) -> Result<StreamBlock> {
+        if !stream.context().same_as(&self.inner.ctx) {
+            return Err(Error::invalid("the stream belongs to another context than the allocator"));
+        }
+        let raw = stream.raw();
+        let capture = capture(raw, GraphMemory::Keep)?;
+        let ptr = {
+            let mut core = lock(&self.inner.core);
+            core.backend().keep(stream);
+            core.allocate(size as u64, raw as u64, capture)?
+        };
+        Ok(StreamBlock {
+            alloc: self.clone(),
+            ptr,
+            len: size,
+            stream: stream.inner().clone(),
+            used_on: Vec::new(),
+        })
+    }
+
+    /// Allocates `size` bytes for work on the raw stream `stream` and returns the address.
+    ///
+    /// # Safety
+    /// `stream` must be a live stream of this allocator's context (or null, or the legacy default
+    /// stream), and stay alive until every block freed on it has been reused or
+    /// [`empty_cache`](Self::empty_cache) has run: the allocator may record events on it.
+    pub unsafe fn allocate_raw(&self, size: usize, stream: CUstream, graphs: GraphMemory) -> Result<u64> {
+        let capture = capture(stream, graphs)?;
+        // Every driver call the allocator may make binds the context itself: the cached path makes
+        // none.
+        lock(&self.inner.core).allocate(size as u64, stream_key(stream), capture)
+    }
+
+    /// Frees the block at `ptr` on the raw stream `stream`: work queued on `stream` before this
+    /// call may still use it; work of other streams must not.
+    ///
+    /// # Safety
+    /// `ptr` must come from [`allocate_raw`](Self::allocate_raw) of this allocator and not be
+    /// freed yet (a wrong address is refused, but a block of someone else's would be freed); every
+    /// use of it on other streams must be ordered before the work queued on `stream` now; and
+    /// `stream` is subject to what `allocate_raw` requires.
+    pub unsafe fn free_raw(&self, ptr: u64, stream: CUstream, graphs: GraphMemory) -> Result<()> {
+        let capture = capture(stream, graphs)?;
+        let mut core = lock(&self.inner.core);
+        core.free(ptr, stream_key(stream), capture).map(|_| ())
+    }
+
+    /// Counters of this allocator.
+    pub fn stats(&self) -> AllocatorStats {
+        lock(&self.inner.core).stats()
+    }
+
+    /// Resets the peaks of [`stats`](Self::stats) to the current values.
+    pub fn reset_peaks(&self) {
+        lock(&self.inner.core).reset_peaks()
+    }
+
+    /// Waits for the work that used freed blocks, then gives every idle page back to the driver.
+    /// Returns the bytes released. Refused while a stream this allocator has seen is being captured.
+    pub fn empty_cache(&self) -> Result<usize> {
+        let mut core = lock(&self.inner.core);
+        self.inner.ctx.bind()?;
+        core.empty_cache().map(|b| b as usize)
+    }
+
+    /// Returns the memory kept for captured graphs ([`GraphMemory::Keep`]) to the shared pool:
+    /// free blocks at once, live ones when freed. Returns the free bytes that came back.
+    ///
+    /// # Safety
+    /// No graph captured with memory from this allocator may be replayed again (destroy them
+    /// first): their replays would write memory handed out to others.
+    pub unsafe fn release_graph_memory(&self) -> usize {
+        lock(&self.inner.core).release_graph_memory() as usize
+    }
+}
+
+/// The capture mode of a call on `stream`.
+fn capture(stream: CUstream, graphs: GraphMemory) -> Result<Capture> {
+    if stream as usize == CU_STREAM_PER_THREAD {
+        return Err(Error::invalid(
+            "the per-thread default stream names a different stream on each thread: pass the stream itself",
+        ));
+    }
+    driver()?;
+    Ok(match (backend::capture_of(stream)?, graphs) {
+        (None, _) => Capture::None,
+        (Some(id), GraphMemory::Keep) => Capture::Private(id),
+        (Some(_), GraphMemory::Share) => Capture::Shared,
+    })
+}
+
+/// The null handle and `CU_STREAM_LEGACY` name the same stream.
+fn stream_key(stream: CUstream) -> u64 {
+    if stream.is_null() {
+        CU_STREAM_LEGACY as u64
+    } else {
+        stream as usize as u64
+    }
+}
+
+/// Device memory from a [`StreamAllocator`], freed on its stream when dropped.
+pub struct StreamBlock {
+    alloc: StreamAllocator,
+    ptr: u64,
+    len: usize,
+    stream: Arc<StreamInner>,
+    used_on: Vec<Arc<StreamInner>>,
+}
+
+impl StreamBlock {
+    /// The device address.
+    pub fn ptr(&self) -> CUdeviceptr {
+        self.ptr
+    }
+
+    /// Bytes asked for.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether zero bytes were asked for (never: zero is refused).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Says that work queued on `other` uses this block: the free, when the block is dropped,
+    /// waits for the work queued there by then (PyTorch's `record_stream`).
+    pub fn use_on(&mut self, other: &Stream) -> Result<()> {
+        if !other.context().same_as(&self.alloc.inner.ctx) {
+            return Err(Error::invalid("the stream belongs to another context than the allocator"));
+        }
+        if other.raw() != self.stream.raw && !self.used_on.iter().any(|s| s.id == other.inner().id) {
+            self.used_on.push(other.inner().clone());
+        }
+        Ok(())
+    }
+}
+
+impl std::fmt::Debug for StreamBlock {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StreamBlock")
+            .field("ptr", &format_args!("{:#x}", self.ptr))
+            .field("len", &self.len)
+            .finish()
+    }
+}
+
+impl Drop for StreamBlock {
+    fn drop(&mut self) {
+        let (alloc, ptr, stream, used_on) =
+            (self.alloc.clone(), self.ptr, self.stream.clone(), std::mem::take(&mut self.used_on));
+        crate::driver::callback::release(move || {
+            // The free must follow the work of every stream that used the block; if that cannot
+            // be arranged the block is never reused (kept out of the cache) rather than freed.
+            for other in &used_on {
+                let ordered = Event::without_timing(&alloc.inner.ctx).and_then(|ev| {
+                    ev.record_on(other)?;
+                    // SAFETY: both handles are live (held by this block).
+                    unsafe { driver()?.api().cuStreamWaitEvent(stream.raw, ev.raw(), 0) }
+                });
+                if ordered.is_err() {
+                    return;
+                }
+            }
+            let graphs = GraphMemory::Keep;
+            // SAFETY: the block came from this allocator and is freed once, here; uses on other
+            // streams were ordered before the free just above; the stream is alive (held here and
+            // by the allocator's backend).
+            let _ = unsafe { alloc.free_raw(ptr, stream.raw, graphs) };
+        });
+    }
+}

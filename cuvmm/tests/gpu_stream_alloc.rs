@@ -1,0 +1,168 @@
+//! The stream-ordered allocator on a GPU: reuse across streams waits for the work that used a
+//! block, same-stream reuse does not, out of memory is retried, and the cache empties.
+
+use cuvmm::alloc::{AllocatorConfig, StreamAllocator};
+use cuvmm::kernels::Kernels;
+use cuvmm::stream::copy;
+use cuvmm::{Context, DeviceSlice, DeviceSliceMut, Stream};
+
+fn ctx() -> Context {
+    Context::for_ordinal(0).expect("a CUDA device")
+}
+
+/// A busy kernel over N floats runs for tens of milliseconds on an H100.
+const N: usize = 1 << 20;
+const ITERS: u32 = 1 << 20;
+
+fn view_mut(ptr: u64, n: usize) -> DeviceSliceMut<'static, f32> {
+    // SAFETY: every caller passes a live block of at least `n` floats from the allocator and orders
+    // the work itself (that is what these tests check).
+    unsafe { DeviceSliceMut::from_raw_parts(ptr, n) }
+}
+
+fn words_mut(ptr: u64, n: usize) -> DeviceSliceMut<'static, u32> {
+    // SAFETY: as in `view_mut`.
+    unsafe { DeviceSliceMut::from_raw_parts(ptr, n) }
+}
+
+fn read(ctx: &Context, ptr: u64, n: usize) -> Vec<u32> {
+    let mut out = vec![0u32; n];
+    // SAFETY: as in `view_mut`.
+    let v = unsafe { DeviceSlice::<u32>::from_raw_parts(ptr, n) };
+    copy::to_host(ctx, &mut out, &v).unwrap();
+    out
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_block_freed_on_a_busy_stream_is_not_handed_to_another_stream_until_its_work_ends() {
+    let ctx = ctx();
+    let k = Kernels::load(&ctx).unwrap();
+    let alloc = StreamAllocator::new(&ctx).unwrap();
+    let (a, b) = (Stream::non_blocking(&ctx).unwrap(), Stream::non_blocking(&ctx).unwrap());
+    for round in 0..5 {
+        let x = alloc.allocate(N * 4, &a).unwrap();
+        k.busy_f32(&a, &mut view_mut(x.ptr(), N), ITERS).unwrap();
+        let old = x.ptr();
+        drop(x); // freed on A while the busy kernel still runs
+        let y = alloc.allocate(N * 4, &b).unwrap();
+        let marker = 0xdead_0000 + round;
+        k.fill_u32(&b, &mut words_mut(y.ptr(), N), marker).unwrap();
+        b.synchronize().unwrap();
+        a.synchronize().unwrap();
+        let got = read(&ctx, y.ptr(), N);
+        assert!(
+            got.iter().all(|&v| v == marker),
+            "round {round}: block {:#x} (old {old:#x}) was overwritten by A's kernel after B's fill",
+            y.ptr()
+        );
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_block_is_reused_on_its_own_stream_at_once_without_mapping() {
+    let ctx = ctx();
+    let alloc = StreamAllocator::new(&ctx).unwrap();
+    let s = Stream::non_blocking(&ctx).unwrap();
+    let a = alloc.allocate(3 << 20, &s).unwrap();
+    let p = a.ptr();
+    drop(a);
+    let before = alloc.stats();
+    let b = alloc.allocate(3 << 20, &s).unwrap();
+    assert_eq!(b.ptr(), p);
+    let after = alloc.stats();
+    assert_eq!(after.cache_hits, before.cache_hits + 1);
+    assert_eq!(after.pages_created, before.pages_created);
+    // A small block does not share the large heap's pages.
+    let c = alloc.allocate(100, &s).unwrap();
+    assert!(c.ptr() < p || c.ptr() >= p + (3 << 20));
+    assert_eq!(c.ptr() % 512, 0);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn use_on_orders_the_free_after_work_queued_on_another_stream() {
+    let ctx = ctx();
+    let k = Kernels::load(&ctx).unwrap();
+    let alloc = StreamAllocator::new(&ctx).unwrap();
+    let (a, b) = (Stream::non_blocking(&ctx).unwrap(), Stream::non_blocking(&ctx).unwrap());
+    for round in 0..5 {
+        let mut x = alloc.allocate(N * 4, &a).unwrap();
+        a.synchronize().unwrap();
+        k.busy_f32(&b, &mut view_mut(x.ptr(), N), ITERS).unwrap();
+        x.use_on(&b).unwrap();
+        let old = x.ptr();
+        drop(x);
+        // Same stream A: the block may come back at once; A's work must then follow B's kernel.
+        let y = alloc.allocate(N * 4, &a).unwrap();
+        let marker = 0xbeef_0000 + round;
+        k.fill_u32(&a, &mut words_mut(y.ptr(), N), marker).unwrap();
+        a.synchronize().unwrap();
+        b.synchronize().unwrap();
+        let got = read(&ctx, y.ptr(), N);
+        assert!(
+            got.iter().all(|&v| v == marker),
+            "round {round}: B's kernel wrote after A's fill ({old:#x})"
+        );
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn out_of_memory_waits_for_freed_memory_then_the_cache_empties() {
+    let ctx = ctx();
+    let k = Kernels::load(&ctx).unwrap();
+    let config = AllocatorConfig { page: 2 << 20, reserve: 0 };
+    let alloc = StreamAllocator::with_config(&ctx, config).unwrap();
+    let (a, b) = (Stream::non_blocking(&ctx).unwrap(), Stream::non_blocking(&ctx).unwrap());
+    let start = ctx.memory_info().unwrap();
+    // Fill the device with 1 GiB blocks on A until the driver refuses.
+    let mut held = Vec::new();
+    let err = loop {
+        match alloc.allocate(1 << 30, &a) {
+            Ok(x) => held.push(x),
+            Err(e) => break e,
+        }
+    };
+    assert!(err.is_out_of_memory(), "{err}");
+    assert!(held.len() >= 8, "only {} GiB allocated", held.len());
+    // Keep A busy on the last block, free half the blocks on A, ask on B for 4 GiB in one piece:
+    // the freed memory is not B's until A's work is done, so the allocator must wait and remap.
+    let last = held.last().unwrap().ptr();
+    k.busy_f32(&a, &mut view_mut(last, N), ITERS).unwrap();
+    let half = held.len() / 2;
+    held.truncate(half);
+    let before = alloc.stats();
+    let big = alloc.allocate(4 << 30, &b).expect("freed memory should be waited for and reused");
+    let after = alloc.stats();
+    assert!(after.oom_retries > before.oom_retries, "{after:?}");
+    assert!(after.pages_remapped >= before.pages_remapped + 2048, "{after:?}");
+    k.fill_u32(&b, &mut words_mut(big.ptr(), N), 7).unwrap();
+    b.synchronize().unwrap();
+    assert!(read(&ctx, big.ptr(), 16).iter().all(|&v| v == 7));
+    drop(big);
+    drop(held);
+    let released = alloc.empty_cache().unwrap();
+    let end = ctx.memory_info().unwrap();
+    assert!(released > 8 << 30, "released {released}");
+    assert!(end.free + (64 << 20) >= start.free, "free before {} after {}", start.free, end.free);
+    assert_eq!(alloc.stats().mapped, 0);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn the_per_thread_default_stream_and_wrong_contexts_are_refused() {
+    let ctx = ctx();
+    let alloc = StreamAllocator::new(&ctx).unwrap();
+    // SAFETY: refused before any use of the stream.
+    let r = unsafe {
+        alloc.allocate_raw(4096, 2usize as cuvmm::driver::sys::CUstream, cuvmm::alloc::GraphMemory::Keep)
+    };
+    assert!(matches!(r, Err(cuvmm::Error::InvalidArgument(_))), "{r:?}");
+    let s = Stream::new(&ctx).unwrap();
+    let x = alloc.allocate(4096, &s).unwrap();
+    // SAFETY: a wrong address is refused without touching memory.
+    let r = unsafe { alloc.free_raw(x.ptr() + 512, s.raw(), cuvmm::alloc::GraphMemory::Keep) };
+    assert!(matches!(r, Err(cuvmm::Error::InvalidArgument(_))), "{r:?}");
+}
