@@ -7,7 +7,7 @@
  * calling thread's last error is available from cuvmm_last_error().
  *
  * Configuration comes from one environment variable, read at the first call:
- *   CUVMM_ALLOC_CONF="page=2MiB,reserve=160GiB,log=1,trace=/tmp/cuvmm.trace"
+ *   CUVMM_ALLOC_CONF="page=2MiB,reserve=160GiB,tag_page=128MiB,log=1,trace=/tmp/cuvmm.trace"
  * (see the README for every key).
  */
 #ifndef CUVMM_H
@@ -77,6 +77,28 @@ int cuvmm_empty_cache(int device);
 /* Releases the memory kept for CUDA graphs captured through cuvmm_malloc; the caller promises
  * that those graphs were destroyed. device -1: every device. */
 int cuvmm_release_graph_memory(int device);
+
+/* Sleep and wake of tagged memory (every device).
+ * cuvmm_set_tag: later allocations of the calling thread carry this tag (copied; NULL: none).
+ * cuvmm_sleep: waits for queued work, then releases the device memory of every allocation
+ *   tagged `tag`, first copying it to pinned host memory when `offload` is non-zero; addresses
+ *   stay reserved. 0 on success; -1 when already asleep, during a capture, or on failure.
+ * cuvmm_wake: maps memory again at the same addresses and restores offloaded contents. 0 on
+ *   success; -1 when not asleep, or on failure (out of memory included): the tag then stays
+ *   asleep with nothing lost, and a later call may succeed.
+ * Allocating with a sleeping tag fails; freeing is allowed. */
+void cuvmm_set_tag(const char *tag);
+int cuvmm_sleep(const char *tag, int offload);
+int cuvmm_wake(const char *tag);
+
+typedef struct cuvmm_tag_stats {
+    uint64_t live;       /* bytes handed out under the tag */
+    uint64_t mapped;     /* device memory the tag holds now (0 while asleep) */
+    uint64_t offloaded;  /* bytes held in pinned host memory while asleep */
+    int32_t asleep;      /* 1 while asleep */
+    int32_t reserved_;
+} cuvmm_tag_stats_t;
+int cuvmm_get_tag_stats(const char *tag, cuvmm_tag_stats_t *out);
 
 /* Writes the allocation trace (trace= in CUVMM_ALLOC_CONF) out now; it is also written at exit. */
 void cuvmm_trace_flush(void);

@@ -9,6 +9,8 @@ pub struct Config {
     pub page: usize,
     /// Address space per large heap (`reserve`); 0 for twice the device's memory.
     pub reserve: usize,
+    /// Page size of tagged large heaps (`tag_page`).
+    pub tag_page: usize,
     /// Whether errors are written to stderr (`log`).
     pub log: bool,
     /// Where allocations and frees are recorded (`trace`).
@@ -17,7 +19,7 @@ pub struct Config {
 
 impl Default for Config {
     fn default() -> Self {
-        Config { page: 2 << 20, reserve: 0, log: true, trace: None }
+        Config { page: 2 << 20, reserve: 0, tag_page: 128 << 20, log: true, trace: None }
     }
 }
 
@@ -48,6 +50,7 @@ impl Config {
             match k.trim() {
                 "page" => c.page = parse_size(v)?,
                 "reserve" => c.reserve = parse_size(v)?,
+                "tag_page" => c.tag_page = parse_size(v)?,
                 "log" => {
                     c.log = match v.trim() {
                         "1" | "true" | "on" => true,
@@ -56,7 +59,7 @@ impl Config {
                     }
                 }
                 "trace" => c.trace = Some(PathBuf::from(v.trim())),
-                other => return Err(format!("unknown key `{other}` (page, reserve, log, trace)")),
+                other => return Err(format!("unknown key `{other}` (page, reserve, tag_page, log, trace)")),
             }
         }
         Ok(c)
@@ -81,8 +84,15 @@ mod tests {
 
     #[test]
     fn every_key_is_read_and_unknown_ones_are_refused() {
-        let c = Config::parse(Some("page=4MiB, reserve=64GiB,log=0,trace=/tmp/t")).unwrap();
-        assert_eq!(c, Config { page: 4 << 20, reserve: 64 << 30, log: false, trace: Some("/tmp/t".into()) });
+        let c = Config::parse(Some("page=4MiB, reserve=64GiB,tag_page=256MiB,log=0,trace=/tmp/t")).unwrap();
+        let want = Config {
+            page: 4 << 20,
+            reserve: 64 << 30,
+            tag_page: 256 << 20,
+            log: false,
+            trace: Some("/tmp/t".into()),
+        };
+        assert_eq!(c, want);
         assert_eq!(Config::parse(None).unwrap(), Config::default());
         assert_eq!(Config::parse(Some("")).unwrap(), Config::default());
         assert!(Config::parse(Some("pages=2MiB")).is_err());

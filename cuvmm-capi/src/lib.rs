@@ -11,7 +11,9 @@ mod config;
 mod trace;
 
 use config::Config;
-use cuvmm_lib::alloc::{AllocatorConfig, AllocatorStats, GraphMemory, StreamAllocator};
+use cuvmm_lib::alloc::{
+    AllocatorConfig, AllocatorStats, GraphMemory, SleepMode, StreamAllocator, Tag, TagStats,
+};
 use cuvmm_lib::driver::sys::CUstream;
 use cuvmm_lib::{Context, Device};
 use std::cell::RefCell;
@@ -32,6 +34,8 @@ static GLOBAL: OnceLock<Result<Global, String>> = OnceLock::new();
 
 thread_local! {
     static LAST_ERROR: RefCell<Option<CString>> = const { RefCell::new(None) };
+    /// The tag of this thread's next allocations (`cuvmm_set_tag`).
+    static TAG: std::cell::Cell<Option<Tag>> = const { std::cell::Cell::new(None) };
 }
 
 extern "C" fn flush_trace_at_exit() {
@@ -76,7 +80,8 @@ fn allocator(device: c_int) -> Result<&'static StreamAllocator, String> {
         .ok_or_else(|| format!("no device {device} ({} present)", g.devices.len()))?;
     slot.get_or_init(|| {
         let ctx = Context::for_ordinal(device as usize).map_err(|e| e.to_string())?;
-        let cfg = AllocatorConfig { page: g.config.page, reserve: g.config.reserve };
+        let cfg =
+            AllocatorConfig { page: g.config.page, reserve: g.config.reserve, tag_page: g.config.tag_page };
         StreamAllocator::with_config(&ctx, cfg).map_err(|e| e.to_string())
     })
     .as_ref()
@@ -138,9 +143,11 @@ fn malloc_with(
             return if size == 0 { Ok(0) } else { Err(plain(format!("negative size {size}"))) };
         }
         let a = allocator(device).map_err(plain)?;
+        let tag = TAG.with(|t| t.get());
         // SAFETY: the C contract (cuvmm.h) makes `stream` a live stream of the device's primary
         // context that outlives the blocks freed on it.
-        unsafe { a.allocate_raw(size as usize, stream, graphs) }.map_err(|e| (kind(&e), e.to_string()))
+        unsafe { a.allocate_raw_tagged(size as usize, stream, graphs, tag) }
+            .map_err(|e| (kind(&e), e.to_string()))
     });
     if let Some(Ok(Global { trace: Some(t), .. })) = GLOBAL.get() {
         t.record('a', device, stream as usize, size, ptr);
@@ -305,6 +312,120 @@ pub extern "C" fn cuvmm_release_graph_memory(device: c_int) -> c_int {
         // SAFETY: the C contract: the caller destroyed the graphs captured with this memory.
         unsafe { a.release_graph_memory() };
         Ok(())
+    })
+}
+
+/// Reads a C string argument.
+///
+/// # Safety
+/// `s` must be null or a NUL-terminated string.
+unsafe fn c_str<'a>(s: *const c_char) -> Result<Option<&'a str>, (String, String)> {
+    if s.is_null() {
+        return Ok(None);
+    }
+    // SAFETY: non-null, and NUL-terminated by the caller's contract.
+    let c = unsafe { std::ffi::CStr::from_ptr(s) };
+    c.to_str().map(Some).map_err(|_| plain("the tag is not UTF-8".into()))
+}
+
+fn tag_of(name: Option<&str>) -> Result<Tag, (String, String)> {
+    let name = name.ok_or_else(|| plain("no tag given".into()))?;
+    Tag::new(name).map_err(|e| plain(e.to_string()))
+}
+
+/// Tags the calling thread's later allocations with `tag` (NULL: none).
+///
+/// # Safety
+/// `tag` must be null or a NUL-terminated string.
+#[no_mangle]
+pub unsafe extern "C" fn cuvmm_set_tag(tag: *const c_char) {
+    guard("cuvmm_set_tag", (), || {
+        // SAFETY: the caller's contract.
+        let name = unsafe { c_str(tag) }?;
+        let t = match name {
+            Some(n) => Some(tag_of(Some(n))?),
+            None => None,
+        };
+        TAG.with(|c| c.set(t));
+        Ok(())
+    })
+}
+
+/// The allocators that exist.
+fn allocators() -> Vec<&'static StreamAllocator> {
+    match GLOBAL.get() {
+        Some(Ok(g)) => g.devices.iter().filter_map(|s| s.get()).filter_map(|r| r.as_ref().ok()).collect(),
+        _ => Vec::new(),
+    }
+}
+
+/// Puts `tag` to sleep on every device (offloading its contents when `offload` is non-zero).
+///
+/// # Safety
+/// `tag` must be a NUL-terminated string.
+#[no_mangle]
+pub unsafe extern "C" fn cuvmm_sleep(tag: *const c_char, offload: c_int) -> c_int {
+    guard("cuvmm_sleep", -1, || {
+        // SAFETY: the caller's contract.
+        let t = tag_of(unsafe { c_str(tag) }?)?;
+        let mode = if offload != 0 { SleepMode::Offload } else { SleepMode::Discard };
+        for a in allocators() {
+            a.sleep(t, mode).map_err(|e| (kind(&e), e.to_string()))?;
+        }
+        Ok(0)
+    })
+}
+
+/// Wakes `tag` on every device.
+///
+/// # Safety
+/// `tag` must be a NUL-terminated string.
+#[no_mangle]
+pub unsafe extern "C" fn cuvmm_wake(tag: *const c_char) -> c_int {
+    guard("cuvmm_wake", -1, || {
+        // SAFETY: the caller's contract.
+        let t = tag_of(unsafe { c_str(tag) }?)?;
+        for a in allocators() {
+            a.wake(t).map_err(|e| (kind(&e), e.to_string()))?;
+        }
+        Ok(0)
+    })
+}
+
+/// `cuvmm_tag_stats_t` of cuvmm.h.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct CuvmmTagStats {
+    pub live: u64,
+    pub mapped: u64,
+    pub offloaded: u64,
+    pub asleep: i32,
+    pub reserved_: i32,
+}
+
+/// Fills `*out` with what `tag` holds on every device together. 0, or -1.
+///
+/// # Safety
+/// `tag` must be a NUL-terminated string; `out` valid for writing a `cuvmm_tag_stats_t`.
+#[no_mangle]
+pub unsafe extern "C" fn cuvmm_get_tag_stats(tag: *const c_char, out: *mut CuvmmTagStats) -> c_int {
+    guard("cuvmm_get_tag_stats", -1, || {
+        if out.is_null() {
+            return Err(plain("null output pointer".into()));
+        }
+        // SAFETY: the caller's contract.
+        let t = tag_of(unsafe { c_str(tag) }?)?;
+        let mut sum = CuvmmTagStats::default();
+        for a in allocators() {
+            let TagStats { live, mapped, offloaded, asleep } = a.tag_stats(t);
+            sum.live += live;
+            sum.mapped += mapped;
+            sum.offloaded += offloaded;
+            sum.asleep |= i32::from(asleep);
+        }
+        // SAFETY: checked non-null; the caller gives a writable struct.
+        unsafe { out.write(sum) };
+        Ok(0)
     })
 }
 

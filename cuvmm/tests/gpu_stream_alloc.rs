@@ -1,7 +1,7 @@
 //! The stream-ordered allocator on a GPU: reuse across streams waits for the work that used a
 //! block, same-stream reuse does not, out of memory is retried, and the cache empties.
 
-use cuvmm::alloc::{AllocatorConfig, StreamAllocator};
+use cuvmm::alloc::{AllocatorConfig, SleepMode, StreamAllocator, Tag};
 use cuvmm::kernels::Kernels;
 use cuvmm::stream::copy;
 use cuvmm::{Context, DeviceSlice, DeviceSliceMut, Stream};
@@ -113,7 +113,7 @@ fn use_on_orders_the_free_after_work_queued_on_another_stream() {
 fn out_of_memory_waits_for_freed_memory_then_the_cache_empties() {
     let ctx = ctx();
     let k = Kernels::load(&ctx).unwrap();
-    let config = AllocatorConfig { page: 2 << 20, reserve: 0 };
+    let config = AllocatorConfig { page: 2 << 20, ..AllocatorConfig::default() };
     let alloc = StreamAllocator::with_config(&ctx, config).unwrap();
     let (a, b) = (Stream::non_blocking(&ctx).unwrap(), Stream::non_blocking(&ctx).unwrap());
     let start = ctx.memory_info().unwrap();
@@ -165,4 +165,86 @@ fn the_per_thread_default_stream_and_wrong_contexts_are_refused() {
     // SAFETY: a wrong address is refused without touching memory.
     let r = unsafe { alloc.free_raw(x.ptr() + 512, s.raw(), cuvmm::alloc::GraphMemory::Keep) };
     assert!(matches!(r, Err(cuvmm::Error::InvalidArgument(_))), "{r:?}");
+}
+
+fn words(ptr: u64, n: usize) -> DeviceSlice<'static, u32> {
+    // SAFETY: as in `view_mut`.
+    unsafe { DeviceSlice::from_raw_parts(ptr, n) }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_sleeping_tag_gives_its_memory_back_and_wakes_at_the_same_addresses_with_its_contents() {
+    let ctx = ctx();
+    let k = Kernels::load(&ctx).unwrap();
+    let alloc = StreamAllocator::new(&ctx).unwrap();
+    let s = Stream::non_blocking(&ctx).unwrap();
+    let weights = Tag::new("weights").unwrap();
+    let cache = Tag::new("cache").unwrap();
+    let n = (1usize << 30) / 4;
+    let w: Vec<_> = (0..3).map(|_| alloc.allocate_tagged(n * 4, &s, weights).unwrap()).collect();
+    let c = alloc.allocate_tagged(n * 4, &s, cache).unwrap();
+    let other = alloc.allocate(64 << 20, &s).unwrap();
+    for (i, b) in w.iter().enumerate() {
+        k.pattern_u32(&s, &mut words_mut(b.ptr(), n), 0, 11 + i as u32).unwrap();
+    }
+    k.pattern_u32(&s, &mut words_mut(other.ptr(), (64 << 20) / 4), 0, 99).unwrap();
+    s.synchronize().unwrap();
+    let tagged = alloc.tag_stats(weights).mapped + alloc.tag_stats(cache).mapped;
+    let before = ctx.memory_info().unwrap();
+    alloc.sleep(weights, SleepMode::Offload).unwrap();
+    alloc.sleep(cache, SleepMode::Discard).unwrap();
+    let asleep = ctx.memory_info().unwrap();
+    let rose = asleep.free - before.free;
+    assert!(rose as f64 >= 0.97 * tagged as f64, "free memory rose by {rose} for {tagged} tagged bytes");
+    assert!(alloc.sleep(weights, SleepMode::Offload).is_err(), "sleeping twice");
+    assert!(alloc.allocate_tagged(4096, &s, weights).is_err(), "allocating while asleep");
+    // Someone else uses the memory meanwhile.
+    let borrowed = alloc.allocate((rose / 2) & !4095, &s).unwrap();
+    k.fill_u32(&s, &mut words_mut(borrowed.ptr(), 1 << 20), 5).unwrap();
+    s.synchronize().unwrap();
+    drop(borrowed);
+    alloc.empty_cache().unwrap();
+    alloc.wake(weights).unwrap();
+    alloc.wake(cache).unwrap();
+    assert!(alloc.wake(weights).is_err(), "waking an awake tag");
+    for (i, b) in w.iter().enumerate() {
+        let bad = k.count_pattern_mismatches(&s, &words(b.ptr(), n), 0, 11 + i as u32).unwrap();
+        assert_eq!(bad, 0, "weights block {i} changed across sleep");
+    }
+    // The discarded cache is usable again; the untagged block never moved.
+    k.fill_u32(&s, &mut words_mut(c.ptr(), n), 3).unwrap();
+    assert_eq!(k.count_pattern_mismatches(&s, &words(other.ptr(), (64 << 20) / 4), 0, 99).unwrap(), 0);
+    s.synchronize().unwrap();
+}
+
+const ASLEEP_CHILD: &str = "CUVMM_TEST_EXIT_ASLEEP";
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn exit_asleep_child() {
+    if std::env::var_os(ASLEEP_CHILD).is_none() {
+        return;
+    }
+    let ctx = ctx();
+    let alloc = StreamAllocator::new(&ctx).unwrap();
+    let s = Stream::non_blocking(&ctx).unwrap();
+    let t = Tag::new("weights").unwrap();
+    let _b = alloc.allocate_tagged(256 << 20, &s, t).unwrap();
+    alloc.sleep(t, SleepMode::Offload).unwrap();
+    println!("child asleep");
+    std::process::exit(0);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_process_that_exits_asleep_exits_cleanly() {
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "exit_asleep_child", "--include-ignored", "--nocapture", "--test-threads=1"])
+        .env(ASLEEP_CHILD, "1")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{:?}: {}", out.status, String::from_utf8_lossy(&out.stderr));
+    assert!(stdout.contains("child asleep"), "{stdout}");
 }

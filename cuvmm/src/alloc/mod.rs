@@ -11,5 +11,7 @@ mod ordered;
 mod peer;
 
 pub use cache::{CacheStats, CachingAllocator, SubAllocation, MIN_CLASS};
-pub use ordered::{AllocatorConfig, AllocatorStats, GraphMemory, StreamAllocator, StreamBlock};
+pub use ordered::{
+    AllocatorConfig, AllocatorStats, GraphMemory, SleepMode, StreamAllocator, StreamBlock, Tag, TagStats,
+};
 pub use peer::{ExportMode, PeerAllocation, PeerAllocator};

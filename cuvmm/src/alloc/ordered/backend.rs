@@ -5,6 +5,7 @@ use super::core::Backend;
 use crate::context::Context;
 use crate::driver::{driver, sys::*};
 use crate::error::{Error, Result};
+use crate::host::PinnedBuffer;
 use crate::stream::{Event, Stream, StreamInner};
 use crate::vmm::{PhysicalBuilder, PhysicalMemory, Reservation};
 use std::collections::HashMap;
@@ -15,6 +16,8 @@ pub(crate) struct DriverBackend {
     page: usize,
     builder: PhysicalBuilder,
     reservations: Vec<Reservation>,
+    /// Two streams for sleep's and wake's copies, made at first use.
+    lanes: Vec<Stream>,
     /// Streams of the safe API kept alive while the allocator may still record events on them.
     kept: HashMap<u64, Arc<StreamInner>>,
 }
@@ -24,6 +27,7 @@ impl DriverBackend {
         DriverBackend {
             ctx: ctx.clone(),
             page,
+            lanes: Vec::new(),
             builder: PhysicalMemory::builder(ctx),
             reservations: Vec::new(),
             kept: HashMap::new(),
@@ -39,13 +43,20 @@ impl DriverBackend {
         s as usize as CUstream
     }
 
-    /// Unmaps `page`-byte pages at each address in `addrs` after waiting for all queued work of
-    /// the context (teardown only).
-    pub(crate) fn unmap_all(&mut self, addrs: impl Iterator<Item = u64>) {
+    /// Unmaps each (address, size) page after waiting for all queued work of the context
+    /// (teardown only).
+    pub(crate) fn unmap_all(&mut self, pages: impl Iterator<Item = (u64, u64)>) {
         let _ = self.ctx.synchronize();
-        for a in addrs {
-            let _ = self.unmap(a);
+        for (a, n) in pages {
+            let _ = self.unmap(a, n);
         }
+    }
+
+    fn lane(&mut self, i: usize) -> Result<&Stream> {
+        while self.lanes.len() <= i {
+            self.lanes.push(Stream::non_blocking(&self.ctx)?);
+        }
+        Ok(&self.lanes[i])
     }
 }
 
@@ -60,22 +71,26 @@ impl Backend for DriverBackend {
         Ok(base)
     }
 
-    fn create_page(&mut self) -> Result<PhysicalMemory> {
-        self.builder.create(self.page)
+    fn create_page(&mut self, size: u64) -> Result<PhysicalMemory> {
+        self.builder.create(size as usize)
     }
 
-    fn map(&mut self, addr: u64, page: &PhysicalMemory) -> Result<()> {
+    fn map(&mut self, addr: u64, page: &PhysicalMemory, size: u64) -> Result<()> {
+        if page.size() as u64 != size {
+            return Err(Error::invalid("page of the wrong size"));
+        }
         self.ctx.bind()?;
-        // SAFETY: `addr` is a page-aligned page of a reservation this backend owns, unmapped (the
-        // allocator's page table says so); the handle is live and `page` bytes long.
-        unsafe { driver()?.api().cuMemMap(addr, self.page, 0, page.handle(), 0) }
+        // SAFETY: `addr` is an aligned page of a reservation this backend owns, unmapped (the
+        // allocator's page table says so); the handle is live and `size` bytes long.
+        unsafe { driver()?.api().cuMemMap(addr, size as usize, 0, page.handle(), 0) }
     }
 
-    fn unmap(&mut self, addr: u64) -> Result<()> {
+    fn unmap(&mut self, addr: u64, size: u64) -> Result<()> {
         self.ctx.bind()?;
-        // SAFETY: the page was mapped by `map` and no queued work uses it (the allocator unmaps
-        // only pages of blocks whose last use has completed).
-        unsafe { driver()?.api().cuMemUnmap(addr, self.page) }
+        // SAFETY: the page was mapped by `map` with this size and no queued work uses it (the
+        // allocator unmaps only pages of blocks whose last use has completed, or after a
+        // synchronisation).
+        unsafe { driver()?.api().cuMemUnmap(addr, size as usize) }
     }
 
     fn set_access(&mut self, addr: u64, len: u64) -> Result<()> {
@@ -132,6 +147,68 @@ impl Backend for DriverBackend {
 
     fn forget(&mut self, stream: u64) {
         self.kept.remove(&stream);
+    }
+
+    type Host = PinnedBuffer<u8>;
+
+    fn host_alloc(&mut self, bytes: u64) -> Result<PinnedBuffer<u8>> {
+        PinnedBuffer::new(&self.ctx, bytes as usize)
+    }
+
+    fn host_len(host: &PinnedBuffer<u8>) -> u64 {
+        host.len() as u64
+    }
+
+    fn copy_out(
+        &mut self,
+        host: &mut PinnedBuffer<u8>,
+        offset: u64,
+        src: u64,
+        len: u64,
+        lane: usize,
+    ) -> Result<()> {
+        check_host(host, offset, len)?;
+        let dst = host.base_ptr().wrapping_add(offset as usize).cast();
+        let stream = self.lane(lane)?.raw();
+        self.ctx.bind()?;
+        // SAFETY: the host range lies inside the pinned buffer (checked), which outlives the copy
+        // (`finish_copies` runs before the allocator lets go of it) and nothing reads it
+        // meanwhile; the device range is mapped.
+        unsafe { driver()?.api().cuMemcpyDtoHAsync(dst, src, len as usize, stream) }
+    }
+
+    fn copy_in(
+        &mut self,
+        dst: u64,
+        host: &PinnedBuffer<u8>,
+        offset: u64,
+        len: u64,
+        lane: usize,
+    ) -> Result<()> {
+        check_host(host, offset, len)?;
+        let src = host.base_ptr().wrapping_add(offset as usize).cast_const().cast();
+        let stream = self.lane(lane)?.raw();
+        self.ctx.bind()?;
+        // SAFETY: as in `copy_out`, the other way; nothing writes the buffer meanwhile.
+        unsafe { driver()?.api().cuMemcpyHtoDAsync(dst, src, len as usize, stream) }
+    }
+
+    fn finish_copies(&mut self) -> Result<()> {
+        for s in &self.lanes {
+            s.synchronize()?;
+        }
+        Ok(())
+    }
+
+    fn synchronize(&mut self) -> Result<()> {
+        self.ctx.synchronize()
+    }
+}
+
+fn check_host(host: &PinnedBuffer<u8>, offset: u64, len: u64) -> Result<()> {
+    match offset.checked_add(len) {
+        Some(end) if end <= host.len() as u64 => Ok(()),
+        _ => Err(Error::invalid("copy past the end of the host backup")),
     }
 }
 

@@ -18,10 +18,10 @@ pub(crate) trait Backend {
 
     /// Reserves `size` bytes of address space; returns its base. Released with the backend.
     fn reserve(&mut self, size: u64) -> Result<u64>;
-    /// Creates one page of physical memory.
-    fn create_page(&mut self) -> Result<Self::Page>;
-    fn map(&mut self, addr: u64, page: &Self::Page) -> Result<()>;
-    fn unmap(&mut self, addr: u64) -> Result<()>;
+    /// Creates one page of `size` bytes of physical memory.
+    fn create_page(&mut self, size: u64) -> Result<Self::Page>;
+    fn map(&mut self, addr: u64, page: &Self::Page, size: u64) -> Result<()>;
+    fn unmap(&mut self, addr: u64, size: u64) -> Result<()>;
     /// Grants the device read-write access to `[addr, addr + len)`, which is mapped.
     fn set_access(&mut self, addr: u64, len: u64) -> Result<()>;
     fn new_event(&mut self) -> Result<Self::Event>;
@@ -36,6 +36,20 @@ pub(crate) trait Backend {
     fn restore(&mut self, mode: u32);
     /// Nothing of `stream` is waited for any more.
     fn forget(&mut self, stream: u64);
+
+    /// Host memory that holds a sleeping tag's contents.
+    type Host;
+    fn host_alloc(&mut self, bytes: u64) -> Result<Self::Host>;
+    fn host_len(host: &Self::Host) -> u64;
+    /// Queues a copy of `len` bytes at `src` into `host` at `offset` on copy lane `lane`.
+    fn copy_out(&mut self, host: &mut Self::Host, offset: u64, src: u64, len: u64, lane: usize)
+        -> Result<()>;
+    /// Queues a copy of `len` bytes of `host` at `offset` to `dst` on copy lane `lane`.
+    fn copy_in(&mut self, dst: u64, host: &Self::Host, offset: u64, len: u64, lane: usize) -> Result<()>;
+    /// Waits for the copies queued on every lane.
+    fn finish_copies(&mut self) -> Result<()>;
+    /// Waits for all work queued on the device.
+    fn synchronize(&mut self) -> Result<()>;
 }
 
 /// Requests up to this size come from the small heaps, so small blocks never pin large pages.
@@ -107,6 +121,10 @@ impl<E> Stream<E> {
 struct Slot<P> {
     heap: Heap,
     small: bool,
+    /// The tag of every block in the heap (0: none).
+    tag: u32,
+    /// Bytes per page of this heap.
+    page: u64,
     pages: Vec<Option<P>>,
 }
 
@@ -114,6 +132,8 @@ struct Slot<P> {
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Sizes {
     pub page: u64,
+    /// Pages of tagged large heaps: larger, so that a tag sleeps and wakes in few driver calls.
+    pub tag_page: u64,
     pub large_reserve: u64,
     pub small_reserve: u64,
 }
@@ -130,8 +150,10 @@ pub(crate) struct Core<B: Backend> {
     current_pool: u32,
     /// Streams seen under capture since the last `empty_cache`.
     captured: Vec<u64>,
-    mapped_pages: u64,
+    /// Bytes of pages mapped (spare ones apart).
+    mapped_bytes: u64,
     stats: AllocatorStats,
+    sleepers: HashMap<u32, sleep::Tag<B::Host>>,
 }
 
 impl<B: Backend> Core<B> {
@@ -147,8 +169,9 @@ impl<B: Backend> Core<B> {
             next_pool: 1,
             current_pool: 0,
             captured: Vec::new(),
-            mapped_pages: 0,
+            mapped_bytes: 0,
             stats: AllocatorStats::default(),
+            sleepers: HashMap::new(),
         }
     }
 
@@ -161,13 +184,16 @@ impl<B: Backend> Core<B> {
     }
 
     /// Addresses of every mapped page (for teardown).
-    pub(crate) fn mapped_addresses(&self) -> Vec<u64> {
-        let page = self.sizes.page;
+    pub(crate) fn mapped_addresses(&self) -> Vec<(u64, u64)> {
         let mut out = Vec::new();
         for s in &self.slots {
             let base = s.heap.base();
             out.extend(
-                s.pages.iter().enumerate().filter(|(_, p)| p.is_some()).map(|(i, _)| base + i as u64 * page),
+                s.pages
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, p)| p.is_some())
+                    .map(|(i, _)| (base + i as u64 * s.page, s.page)),
             );
         }
         out
@@ -179,20 +205,23 @@ impl<B: Backend> Core<B> {
     }
 
     fn note_mapped(&mut self) {
-        self.stats.mapped = (self.mapped_pages + self.spare.len() as u64) * self.sizes.page;
+        self.stats.mapped = self.mapped_bytes + self.spare.len() as u64 * self.sizes.page;
         self.stats.mapped_peak = self.stats.mapped_peak.max(self.stats.mapped);
     }
 
     /// `size` bytes for use on `stream`. Returns the address.
-    pub(crate) fn allocate(&mut self, size: u64, stream: u64, capture: Capture) -> Result<u64> {
+    pub(crate) fn allocate(&mut self, size: u64, stream: u64, capture: Capture, tag: u32) -> Result<u64> {
         if size == 0 {
             return Err(Error::invalid("cannot allocate zero bytes"));
+        }
+        if self.is_asleep(tag) {
+            return Err(Error::invalid("cannot allocate with a tag that is asleep: wake it first"));
         }
         let n = size
             .checked_add(ALIGN - 1)
             .map(|s| s & !(ALIGN - 1))
             .ok_or_else(|| Error::invalid(format!("{size} bytes cannot be allocated")))?;
-        let small = n <= SMALL;
+        let small = (n <= SMALL, tag);
         let pool = match capture {
             Capture::Private(id) => self.pool_of(id),
             _ => 0,
@@ -225,7 +254,7 @@ impl<B: Backend> Core<B> {
         size: u64,
         stream: u64,
         capture: Capture,
-        small: bool,
+        small: (bool, u32),
         pool: u32,
     ) -> Result<u64> {
         if capture == Capture::None {
@@ -258,7 +287,7 @@ impl<B: Backend> Core<B> {
         stream: u64,
         reuse: u64,
         pool: u32,
-        small: bool,
+        small: (bool, u32),
         capture: Capture,
     ) -> Result<Option<u64>> {
         // Heaps of one kind are few (more only when one's address space ran out): the first that
@@ -267,7 +296,7 @@ impl<B: Backend> Core<B> {
             .slots
             .iter()
             .enumerate()
-            .filter(|(_, s)| s.small == small)
+            .filter(|(_, s)| (s.small, s.tag) == small)
             .find_map(|(i, s)| s.heap.find(pool, reuse, n).map(|(_, id)| (i, id)));
         let Some((slot, id)) = found else { return Ok(None) };
         let into_pool = match capture {
@@ -275,12 +304,12 @@ impl<B: Backend> Core<B> {
             _ => 0,
         };
         let addr = self.slots[slot].heap.take(id, n, stream, size, into_pool);
-        let mapped_before = self.mapped_pages;
+        let mapped_before = self.mapped_bytes;
         if let Err(e) = self.ensure_pages(slot, addr, n, capture) {
             self.slots[slot].heap.free(addr, State::Free(Owner::Idle));
             return Err(e);
         }
-        self.count_alloc(n, size, self.mapped_pages == mapped_before);
+        self.count_alloc(n, size, self.mapped_bytes == mapped_before);
         Ok(Some(addr))
     }
 
@@ -293,16 +322,24 @@ impl<B: Backend> Core<B> {
         s.live_peak = s.live_peak.max(s.live);
     }
 
-    fn carve(&mut self, n: u64, size: u64, stream: u64, small: bool, pool: u32) -> Result<(usize, u64)> {
+    fn carve(
+        &mut self,
+        n: u64,
+        size: u64,
+        stream: u64,
+        kind: (bool, u32),
+        pool: u32,
+    ) -> Result<(usize, u64)> {
+        let (small, tag) = kind;
         for (i, s) in self.slots.iter_mut().enumerate() {
-            if s.small == small {
+            if (s.small, s.tag) == kind {
                 if let Some(a) = s.heap.carve(n, stream, size, pool) {
                     return Ok((i, a));
                 }
             }
         }
         let want = if small { self.sizes.small_reserve } else { self.sizes.large_reserve };
-        let page = self.sizes.page;
+        let page = if tag != 0 && !small { self.sizes.tag_page } else { self.sizes.page };
         let reserve = want.max(n.div_ceil(page) * page);
         let base = self.backend.reserve(reserve)?;
         self.stats.reserved += reserve;
@@ -310,6 +347,8 @@ impl<B: Backend> Core<B> {
         self.slots.push(Slot {
             heap: Heap::new(base, reserve),
             small,
+            tag,
+            page,
             pages: (0..pages).map(|_| None).collect(),
         });
         let i = self.slots.len() - 1;
@@ -319,7 +358,7 @@ impl<B: Backend> Core<B> {
 
     /// Maps every page under `[addr, addr + n)` of `slot` that is not mapped yet.
     fn ensure_pages(&mut self, slot: usize, addr: u64, n: u64, capture: Capture) -> Result<()> {
-        let page = self.sizes.page;
+        let page = self.slots[slot].page;
         let base = self.slots[slot].heap.base();
         let first = (addr - base) / page;
         let end = (addr + n - base).div_ceil(page);
@@ -336,17 +375,17 @@ impl<B: Backend> Core<B> {
     }
 
     fn map_pages(&mut self, slot: usize, missing: &[u64], capture: Capture) -> Result<()> {
-        let page = self.sizes.page;
+        let page = self.slots[slot].page;
         let base = self.slots[slot].heap.base();
         for (k, &p) in missing.iter().enumerate() {
-            let handle = self.page_for(missing.len() - k, capture)?;
+            let handle = self.page_for(missing.len() - k, capture, page)?;
             let at = base + p * page;
-            if let Err(e) = self.backend.map(at, &handle) {
-                self.spare.push(handle);
+            if let Err(e) = self.backend.map(at, &handle, page) {
+                self.give_back(handle, page);
                 return Err(e);
             }
             self.slots[slot].pages[p as usize] = Some(handle);
-            self.mapped_pages += 1;
+            self.mapped_bytes += page;
             // Access is granted per run of adjacent new pages: one call where one suffices.
             let run_ends = k + 1 == missing.len() || missing[k + 1] != p + 1;
             if run_ends {
@@ -365,14 +404,17 @@ impl<B: Backend> Core<B> {
 
     /// A page to map: a spare one, an idle one moved from elsewhere, or a new one. `want` is how
     /// many the caller still needs, so idle pages are unmapped in one batch.
-    fn page_for(&mut self, want: usize, capture: Capture) -> Result<B::Page> {
+    fn page_for(&mut self, want: usize, capture: Capture, size: u64) -> Result<B::Page> {
+        if size != self.sizes.page {
+            return self.large_page(size, capture);
+        }
         if let Some(p) = self.spare.pop() {
             return Ok(p);
         }
         if self.reclaim(want)? > 0 {
             return Ok(self.spare.pop().expect("reclaimed"));
         }
-        match self.backend.create_page() {
+        match self.backend.create_page(size) {
             Ok(p) => {
                 self.stats.pages_created += 1;
                 Ok(p)
@@ -387,9 +429,38 @@ impl<B: Backend> Core<B> {
                 if self.reclaim(want)? > 0 {
                     return Ok(self.spare.pop().expect("reclaimed"));
                 }
-                self.backend.create_page().inspect(|_| self.stats.pages_created += 1)
+                self.backend.create_page(size).inspect(|_| self.stats.pages_created += 1)
             }
             Err(e) => Err(e),
+        }
+    }
+
+    /// A page of a tagged heap's size: created, or, out of memory, created after every idle
+    /// ordinary page went back to the driver.
+    fn large_page(&mut self, size: u64, capture: Capture) -> Result<B::Page> {
+        match self.backend.create_page(size) {
+            Err(e) if e.is_out_of_memory() => {
+                self.stats.oom_retries += 1;
+                if capture == Capture::None {
+                    self.settle_all()?;
+                }
+                self.reclaim(usize::MAX)?;
+                self.stats.pages_released += self.spare.len() as u64;
+                self.spare.clear();
+                self.note_mapped();
+                self.backend.create_page(size)
+            }
+            r => r,
+        }
+        .inspect(|_| self.stats.pages_created += 1)
+    }
+
+    /// A page that was not mapped after all: kept if it is an ordinary one.
+    fn give_back(&mut self, handle: B::Page, size: u64) {
+        if size == self.sizes.page {
+            self.spare.push(handle);
+        } else {
+            self.stats.pages_released += 1;
         }
     }
 
@@ -401,6 +472,9 @@ impl<B: Backend> Core<B> {
             if got >= want {
                 break;
             }
+            if self.slots[slot].page != page {
+                continue;
+            }
             let base = self.slots[slot].heap.base();
             for p in self.slots[slot].heap.idle_pages(page) {
                 if got >= want {
@@ -409,10 +483,10 @@ impl<B: Backend> Core<B> {
                 if self.slots[slot].pages[p as usize].is_none() {
                     continue;
                 }
-                self.backend.unmap(base + p * page)?;
+                self.backend.unmap(base + p * page, page)?;
                 let h = self.slots[slot].pages[p as usize].take().expect("mapped");
                 self.spare.push(h);
-                self.mapped_pages -= 1;
+                self.mapped_bytes -= page;
                 self.stats.pages_remapped += 1;
                 got += 1;
             }
@@ -618,6 +692,9 @@ impl<B: Backend> Core<B> {
         self.slots.iter_mut().map(|s| s.heap.dissolve_pools()).sum()
     }
 }
+
+mod sleep;
+pub use sleep::{SleepMode, TagStats};
 
 #[cfg(test)]
 mod tests;

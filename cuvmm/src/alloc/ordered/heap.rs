@@ -128,6 +128,11 @@ impl Heap {
         addr >= self.base && addr - self.base < self.size
     }
 
+    /// (address, size) of every live block.
+    pub(crate) fn live_blocks(&self) -> impl Iterator<Item = (u64, u64)> + '_ {
+        self.live.values().map(|&i| (self.blocks[i as usize].addr, self.blocks[i as usize].size))
+    }
+
     /// Bytes in graph pools, free or live.
     pub(crate) fn graph_bytes(&self) -> u64 {
         self.graph

@@ -44,7 +44,7 @@ mod backend;
 pub(crate) mod core;
 mod heap;
 
-pub use self::core::AllocatorStats;
+pub use self::core::{AllocatorStats, SleepMode, TagStats};
 
 use self::backend::DriverBackend;
 use self::core::{Capture, Core, Sizes};
@@ -61,11 +61,45 @@ pub struct AllocatorConfig {
     pub page: usize,
     /// Address space per large heap; 0 for twice the device's memory.
     pub reserve: usize,
+    /// Bytes per page of tagged large heaps (a multiple of `page`): larger pages make sleep and
+    /// wake cost few driver calls (releasing 16 GiB as 2 MiB pages takes hundreds of them per
+    /// millisecond).
+    pub tag_page: usize,
 }
 
 impl Default for AllocatorConfig {
     fn default() -> Self {
-        AllocatorConfig { page: 2 << 20, reserve: 0 }
+        AllocatorConfig { page: 2 << 20, reserve: 0, tag_page: 128 << 20 }
+    }
+}
+
+/// A name for allocations that sleep and wake together ([`StreamAllocator::sleep`]). Names are
+/// interned for the life of the process; the same name gives the same tag on every allocator.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Tag(u32);
+
+static TAGS: Mutex<Vec<String>> = Mutex::new(Vec::new());
+
+impl Tag {
+    /// The tag named `name` (not empty).
+    pub fn new(name: &str) -> Result<Tag> {
+        if name.is_empty() {
+            return Err(Error::invalid("a tag needs a name"));
+        }
+        let mut tags = lock(&TAGS);
+        let i = match tags.iter().position(|t| t == name) {
+            Some(i) => i,
+            None => {
+                tags.push(name.to_owned());
+                tags.len() - 1
+            }
+        };
+        Ok(Tag(i as u32 + 1))
+    }
+
+    /// Its name.
+    pub fn name(&self) -> String {
+        lock(&TAGS)[self.0 as usize - 1].clone()
     }
 }
 
@@ -121,11 +155,18 @@ impl StreamAllocator {
                 config.page
             )));
         }
+        if config.tag_page == 0 || config.tag_page % config.page != 0 {
+            return Err(Error::invalid(format!(
+                "tagged page size {} is not a non-zero multiple of the page size ({})",
+                config.tag_page, config.page
+            )));
+        }
         let total = ctx.device().total_memory()?;
         let round = |x: usize| x.div_ceil(config.page) * config.page;
         let large = if config.reserve == 0 { 2 * total } else { config.reserve };
         let sizes = Sizes {
             page: config.page as u64,
+            tag_page: config.tag_page as u64,
             large_reserve: round(large) as u64,
             small_reserve: round((large / 16).max(config.page)) as u64,
         };
@@ -153,7 +194,7 @@ impl StreamAllocator {
         let ptr = {
             let mut core = lock(&self.inner.core);
             core.backend().keep(stream);
-            core.allocate(size as u64, raw as u64, capture)?
+            core.allocate(size as u64, raw as u64, capture, 0)?
         };
         Ok(StreamBlock {
             alloc: self.clone(),
@@ -174,7 +215,69 @@ impl StreamAllocator {
         let capture = capture(stream, graphs)?;
         // Every driver call the allocator may make binds the context itself: the cached path makes
         // none.
-        lock(&self.inner.core).allocate(size as u64, stream_key(stream), capture)
+        lock(&self.inner.core).allocate(size as u64, stream_key(stream), capture, 0)
+    }
+
+    /// [`allocate_raw`](Self::allocate_raw) for memory that sleeps and wakes with `tag`.
+    ///
+    /// # Safety
+    /// As for `allocate_raw`.
+    pub unsafe fn allocate_raw_tagged(
+        &self,
+        size: usize,
+        stream: CUstream,
+        graphs: GraphMemory,
+        tag: Option<Tag>,
+    ) -> Result<u64> {
+        let capture = capture(stream, graphs)?;
+        lock(&self.inner.core).allocate(size as u64, stream_key(stream), capture, tag.map_or(0, |t| t.0))
+    }
+
+    /// `size` bytes on `stream` that sleep and wake with `tag`.
+    pub fn allocate_tagged(&self, size: usize, stream: &Stream, tag: Tag) -> Result<StreamBlock> {
+        if !stream.context().same_as(&self.inner.ctx) {
+            return Err(Error::invalid("the stream belongs to another context than the allocator"));
+        }
+        let raw = stream.raw();
+        let capture = capture(raw, GraphMemory::Keep)?;
+        let ptr = {
+            let mut core = lock(&self.inner.core);
+            core.backend().keep(stream);
+            core.allocate(size as u64, raw as u64, capture, tag.0)?
+        };
+        Ok(StreamBlock {
+            alloc: self.clone(),
+            ptr,
+            len: size,
+            stream: stream.inner().clone(),
+            used_on: Vec::new(),
+        })
+    }
+
+    /// Waits for all queued work, then releases the device memory of every block tagged `tag`,
+    /// first copying what they hold to pinned host memory with [`SleepMode::Offload`] (two
+    /// copy streams, 64 MiB at a time; the host memory is kept for the next sleep). The
+    /// addresses stay reserved: nothing else is placed there. Returns the bytes released.
+    ///
+    /// Refused, changing nothing, when the tag is asleep already or a stream this allocator saw
+    /// is being captured. Device work that touches a sleeping block faults the context: sleep
+    /// only what nothing queued will use before [`wake`](Self::wake).
+    pub fn sleep(&self, tag: Tag, mode: SleepMode) -> Result<usize> {
+        let mut core = lock(&self.inner.core);
+        core.sleep(tag.0, mode).map(|b| b as usize)
+    }
+
+    /// Maps memory again under every live block tagged `tag`, at the same addresses with the same
+    /// access, and restores what an offloading sleep saved. Refused when the tag is not asleep.
+    /// Out of memory, it gives back what it had mapped and the tag stays asleep with nothing lost:
+    /// a later wake may succeed.
+    pub fn wake(&self, tag: Tag) -> Result<()> {
+        lock(&self.inner.core).wake(tag.0)
+    }
+
+    /// What `tag` holds.
+    pub fn tag_stats(&self, tag: Tag) -> TagStats {
+        lock(&self.inner.core).tag_stats(tag.0)
     }
 
     /// Frees the block at `ptr` on the raw stream `stream`: work queued on `stream` before this

@@ -5,7 +5,9 @@
 use super::*;
 use crate::driver::sys::CUresult;
 use proptest::prelude::*;
+use std::cell::Cell;
 use std::collections::{BTreeMap, HashSet};
+use std::rc::Rc;
 
 const PAGE: u64 = 1 << 16;
 
@@ -18,7 +20,9 @@ enum Op {
 #[derive(Default)]
 struct Gpu {
     next_base: u64,
-    mapped: BTreeMap<u64, u32>,
+    mapped: BTreeMap<u64, (u32, u64)>,
+    /// Memory in use, in units of PAGE, against `page_limit`.
+    units: Rc<Cell<usize>>,
     pages_alive: usize,
     page_limit: usize,
     next_page: u32,
@@ -28,9 +32,18 @@ struct Gpu {
     captures: HashMap<u64, u64>,
     relaxed: u32,
     forgotten: Vec<u64>,
+    /// What each physical page holds (one value per page stands for its bytes).
+    contents: HashMap<u32, u64>,
+    synchronized: usize,
 }
 
-struct Page(u32);
+struct Page(u32, usize, Rc<Cell<usize>>);
+
+impl Drop for Page {
+    fn drop(&mut self) {
+        self.2.set(self.2.get() - self.1);
+    }
+}
 struct Ev(u32);
 
 fn oom() -> Error {
@@ -93,32 +106,35 @@ impl Backend for Gpu {
         self.next_base += size + (1 << 30);
         Ok(base)
     }
-    fn create_page(&mut self) -> Result<Page> {
+    fn create_page(&mut self, size: u64) -> Result<Page> {
         assert!(!self.any_capture_forbids(), "cuMemCreate during a global-mode capture");
-        if self.pages_alive >= self.page_limit {
+        let units = (size / PAGE) as usize;
+        if self.units.get() + units > self.page_limit {
             return Err(oom());
         }
+        self.units.set(self.units.get() + units);
         self.pages_alive += 1;
         self.next_page += 1;
-        Ok(Page(self.next_page))
+        Ok(Page(self.next_page, units, self.units.clone()))
     }
-    fn map(&mut self, addr: u64, page: &Page) -> Result<()> {
+    fn map(&mut self, addr: u64, page: &Page, size: u64) -> Result<()> {
         assert!(!self.any_capture_forbids());
         assert_eq!(addr % PAGE, 0);
-        assert!(self.mapped.insert(addr, page.0).is_none(), "page at {addr:#x} mapped twice");
+        assert!(!self.covered(addr) && !self.covered(addr + size - 1), "page at {addr:#x} mapped twice");
+        self.mapped.insert(addr, (page.0, size));
         Ok(())
     }
-    fn unmap(&mut self, addr: u64) -> Result<()> {
+    fn unmap(&mut self, addr: u64, size: u64) -> Result<()> {
         assert!(!self.any_capture_forbids());
         assert!(self.mapped.remove(&addr).is_some(), "unmap of an unmapped page");
-        if let Some(s) = self.pending_use(addr, PAGE, None) {
+        if let Some(s) = self.pending_use(addr, size, None) {
             panic!("page {addr:#x} unmapped while stream {s} still has work queued on it");
         }
         Ok(())
     }
     fn set_access(&mut self, addr: u64, len: u64) -> Result<()> {
         for p in (addr..addr + len).step_by(PAGE as usize) {
-            assert!(self.mapped.contains_key(&p), "access set on an unmapped page");
+            assert!(self.covered(p), "access set on an unmapped page");
         }
         Ok(())
     }
@@ -164,11 +180,66 @@ impl Backend for Gpu {
     fn forget(&mut self, stream: u64) {
         self.forgotten.push(stream);
     }
+
+    type Host = (u64, HashMap<u64, u64>);
+
+    fn host_alloc(&mut self, bytes: u64) -> Result<Self::Host> {
+        Ok((bytes, HashMap::new()))
+    }
+    fn host_len(host: &Self::Host) -> u64 {
+        host.0
+    }
+    fn copy_out(
+        &mut self,
+        host: &mut Self::Host,
+        offset: u64,
+        src: u64,
+        len: u64,
+        _lane: usize,
+    ) -> Result<()> {
+        assert!(offset + len <= host.0);
+        for (&a, (id, _)) in self.mapped.range(src..src + len) {
+            host.1.insert(offset + a - src, self.contents.get(id).copied().unwrap_or(0));
+        }
+        Ok(())
+    }
+    fn copy_in(&mut self, dst: u64, host: &Self::Host, offset: u64, len: u64, _lane: usize) -> Result<()> {
+        assert!(offset + len <= host.0);
+        for (&a, &(id, _)) in self.mapped.range(dst..dst + len) {
+            self.contents.insert(id, host.1.get(&(offset + a - dst)).copied().unwrap_or(0));
+        }
+        Ok(())
+    }
+    fn finish_copies(&mut self) -> Result<()> {
+        Ok(())
+    }
+    fn synchronize(&mut self) -> Result<()> {
+        self.synchronized += 1;
+        self.run_all();
+        Ok(())
+    }
+}
+
+impl Gpu {
+    /// Writes `value` into the page mapped at `addr`.
+    fn write(&mut self, addr: u64, value: u64) {
+        let id = self.mapped[&addr].0;
+        self.contents.insert(id, value);
+    }
+    fn read(&self, addr: u64) -> u64 {
+        self.contents.get(&self.mapped[&addr].0).copied().unwrap_or(0)
+    }
+    fn covered(&self, addr: u64) -> bool {
+        self.mapped.range(..=addr).next_back().is_some_and(|(&a, &(_, n))| addr < a + n)
+    }
 }
 
 fn core(page_limit: usize) -> Core<Gpu> {
     let gpu = Gpu { page_limit, ..Gpu::default() };
-    Core::new(gpu, Sizes { page: PAGE, large_reserve: 64 * PAGE, small_reserve: 16 * PAGE })
+    Core::new(
+        gpu,
+        Sizes { page: PAGE, tag_page: 4 * PAGE, large_reserve: 64 * PAGE, small_reserve: 16 * PAGE },
+    )
 }
 
 /// The test's view of a block handed out.
@@ -186,7 +257,7 @@ fn alloc(c: &mut Core<Gpu>, held: &mut Vec<Held>, size: u64, stream: u64) -> Opt
         Some(&id) => Capture::Private(id),
         None => Capture::None,
     };
-    let addr = match c.allocate(size, stream, capture) {
+    let addr = match c.allocate(size, stream, capture, 0) {
         Ok(a) => a,
         Err(e) => {
             assert!(e.is_out_of_memory(), "{e}");
@@ -202,7 +273,7 @@ fn alloc(c: &mut Core<Gpu>, held: &mut Vec<Held>, size: u64, stream: u64) -> Opt
         panic!("block {addr:#x}+{n} handed to stream {stream} while stream {s} still uses it");
     }
     for p in (addr / PAGE * PAGE..addr + n).step_by(PAGE as usize) {
-        assert!(gpu.mapped.contains_key(&p), "page {p:#x} of a new block is not mapped");
+        assert!(gpu.covered(p), "page {p:#x} of a new block is not mapped");
     }
     gpu.queues.entry(stream).or_default().push_back(Op::Use { addr, len: n });
     let pool = capture_id(capture);
@@ -469,5 +540,90 @@ proptest! {
                 slot.heap.check();
             }
         }
+    }
+}
+
+const TAG: u32 = 3;
+const TPAGE: u64 = 4 * PAGE;
+
+#[test]
+fn an_offloaded_tag_comes_back_at_the_same_addresses_with_its_contents() {
+    let mut c = core(1000);
+    let a = c.allocate(8 * TPAGE, 1, Capture::None, TAG).unwrap();
+    let b = c.allocate(SMALL + 512, 1, Capture::None, TAG).unwrap();
+    let other = c.allocate(4096, 1, Capture::None, 0).unwrap();
+    for k in 0..8 {
+        c.backend().write(a + k * TPAGE, 100 + k);
+    }
+    c.backend().write(b / TPAGE * TPAGE, 7);
+    let before = c.tag_stats(TAG);
+    // a: tag pages 0-7; b right after it: pages 8-12 (1 MiB + 512 bytes from page 8).
+    assert_eq!(b, a + 8 * TPAGE);
+    assert_eq!(before.mapped, 13 * TPAGE);
+    let units = c.backend().units.get();
+    let released = c.sleep(TAG, SleepMode::Offload).unwrap();
+    assert_eq!(released, before.mapped);
+    let asleep = c.tag_stats(TAG);
+    assert!(asleep.asleep && asleep.mapped == 0 && asleep.offloaded == before.mapped);
+    assert_eq!(c.backend().units.get(), units - (before.mapped / PAGE) as usize);
+    assert!(c.backend().mapped.range(a..a + 8 * TPAGE).next().is_none());
+    // Untagged memory is untouched.
+    assert!(c.backend().covered(other));
+    c.wake(TAG).unwrap();
+    for k in 0..8 {
+        assert_eq!(c.backend().read(a + k * TPAGE), 100 + k);
+    }
+    assert_eq!(c.backend().read(b / TPAGE * TPAGE), 7);
+    assert_eq!(c.tag_stats(TAG).mapped, before.mapped);
+    assert!(!c.tag_stats(TAG).asleep);
+}
+
+#[test]
+fn every_other_transition_is_refused_and_changes_nothing() {
+    let mut c = core(1000);
+    assert!(c.sleep(0, SleepMode::Discard).is_err(), "untagged memory cannot sleep");
+    assert!(c.wake(TAG).is_err(), "waking a tag that never slept");
+    let a = c.allocate(2 * TPAGE, 1, Capture::None, TAG).unwrap();
+    let b = c.allocate(TPAGE, 1, Capture::None, TAG).unwrap();
+    c.sleep(TAG, SleepMode::Discard).unwrap();
+    let s = c.stats();
+    assert!(c.sleep(TAG, SleepMode::Offload).is_err(), "sleeping twice");
+    assert!(c.allocate(512, 1, Capture::None, TAG).is_err(), "allocating while asleep");
+    assert_eq!(c.stats(), s);
+    assert_eq!(c.tag_stats(TAG).offloaded, 0, "a discarding sleep keeps nothing");
+    // Freeing while asleep is allowed; the freed block's pages do not come back.
+    c.free(b, 1, Capture::None).unwrap();
+    c.wake(TAG).unwrap();
+    assert_eq!(c.tag_stats(TAG).mapped, 2 * TPAGE);
+    assert!(c.backend().covered(a) && !c.backend().covered(b));
+    assert!(c.wake(TAG).is_err(), "waking an awake tag");
+    // A capture seen by the allocator forbids sleeping.
+    c.backend().captures.insert(9, 1);
+    let _ = c.allocate(512, 9, Capture::Private(1), 0).unwrap();
+    assert!(c.sleep(TAG, SleepMode::Discard).is_err());
+    assert!(!c.tag_stats(TAG).asleep);
+}
+
+#[test]
+fn a_wake_out_of_memory_stays_asleep_with_nothing_lost_and_a_retry_works() {
+    let mut c = core(48);
+    let a = c.allocate(8 * TPAGE, 1, Capture::None, TAG).unwrap();
+    for k in 0..8 {
+        c.backend().write(a + k * TPAGE, 50 + k);
+    }
+    c.sleep(TAG, SleepMode::Offload).unwrap();
+    // Something else takes the memory the tag gave back.
+    let hog = c.allocate(SMALL + 12 * PAGE, 2, Capture::None, 0).unwrap();
+    let err = c.wake(TAG).unwrap_err();
+    assert!(err.is_out_of_memory(), "{err}");
+    let st = c.tag_stats(TAG);
+    assert!(st.asleep && st.mapped == 0 && st.offloaded == 8 * TPAGE, "{st:?}");
+    assert_eq!(c.backend().pages_alive as u64 - c.stats().pages_released, c.stats().mapped / PAGE);
+    c.free(hog, 2, Capture::None).unwrap();
+    c.backend().run_all();
+    c.empty_cache().unwrap();
+    c.wake(TAG).unwrap();
+    for k in 0..8 {
+        assert_eq!(c.backend().read(a + k * TPAGE), 50 + k);
     }
 }

@@ -1,0 +1,237 @@
+//! Sleep and wake of tagged memory: a tag's pages are given back to the driver (their contents
+//! first copied to host memory, or dropped) while its addresses stay reserved, and brought back at
+//! the same addresses later.
+//!
+//! A tag is [`Awake`](State::Awake) or [`Asleep`](State::Asleep); every other request is refused
+//! with a typed error and changes nothing: sleeping twice, waking an awake tag, allocating with a
+//! sleeping tag. Frees are allowed while asleep (the block's pages are simply not brought back).
+//! A wake that runs out of memory gives back what it had mapped and leaves the tag asleep with its
+//! saved contents, so a later wake can succeed.
+
+use super::{Backend, Core};
+use crate::error::{Error, Result};
+
+/// What a sleep does with the contents.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SleepMode {
+    /// Copies the contents of every live block to host memory; wake restores them.
+    Offload,
+    /// Drops the contents: after wake the blocks hold undefined bytes.
+    Discard,
+}
+
+/// One tag's memory.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TagStats {
+    /// Bytes handed out under the tag.
+    pub live: u64,
+    /// Device memory the tag's heaps hold now (0 while asleep).
+    pub mapped: u64,
+    /// Bytes kept in host memory while asleep.
+    pub offloaded: u64,
+    /// Whether the tag is asleep.
+    pub asleep: bool,
+}
+
+/// Bytes per copy: small enough that two lanes overlap, large enough to run at full speed.
+const CHUNK: u64 = 64 << 20;
+
+pub(crate) enum State {
+    Awake,
+    Asleep {
+        mode: SleepMode,
+        /// (slot, page, offset in the backup) of every page whose contents were saved.
+        saved: Vec<(usize, u64, u64)>,
+    },
+}
+
+pub(crate) struct Tag<H> {
+    state: State,
+    /// Kept after a wake: the next sleep reuses it instead of pinning memory again.
+    backup: Option<H>,
+}
+
+impl<B: Backend> Core<B> {
+    pub(crate) fn is_asleep(&self, tag: u32) -> bool {
+        tag != 0 && self.sleepers.get(&tag).is_some_and(|t| matches!(t.state, State::Asleep { .. }))
+    }
+
+    /// Pages of `slot` under live blocks, in order.
+    fn live_pages(&self, slot: usize) -> Vec<u64> {
+        let page = self.slots[slot].page;
+        let s = &self.slots[slot];
+        let base = s.heap.base();
+        let mut pages: Vec<u64> = s
+            .heap
+            .live_blocks()
+            .flat_map(|(a, n)| (a - base) / page..(a + n - base).div_ceil(page))
+            .collect();
+        pages.sort_unstable();
+        pages.dedup();
+        pages
+    }
+
+    /// Releases the device memory of `tag`, first copying its live contents to host memory when
+    /// `mode` is [`SleepMode::Offload`]. Returns the bytes released.
+    pub(crate) fn sleep(&mut self, tag: u32, mode: SleepMode) -> Result<u64> {
+        if tag == 0 {
+            return Err(Error::invalid("only tagged memory can sleep"));
+        }
+        if self.is_asleep(tag) {
+            return Err(Error::invalid("the tag is already asleep"));
+        }
+        if self.any_capture()? {
+            return Err(Error::invalid("cannot sleep while a stream is being captured"));
+        }
+        // The tag's blocks may be in use by any stream: wait for everything, as a free would.
+        self.backend.synchronize()?;
+        let slots: Vec<usize> = (0..self.slots.len()).filter(|&i| self.slots[i].tag == tag).collect();
+        let mut saved = Vec::new();
+        if mode == SleepMode::Offload {
+            let mut at = 0;
+            for &slot in &slots {
+                let page = self.slots[slot].page;
+                for p in self.live_pages(slot) {
+                    saved.push((slot, p, at));
+                    at += page;
+                }
+            }
+            let entry = self.sleepers.entry(tag).or_insert(Tag { state: State::Awake, backup: None });
+            if entry.backup.as_ref().map_or(true, |h| B::host_len(h) < at) && at > 0 {
+                entry.backup = None;
+                entry.backup = Some(self.backend.host_alloc(at)?);
+            }
+            let mut host = self.sleepers.get_mut(&tag).and_then(|t| t.backup.take());
+            let r = self.copy_pages(&saved, host.as_mut(), true);
+            self.sleepers.get_mut(&tag).expect("inserted").backup = host;
+            r?;
+        }
+        // Everything of the tag goes back to the driver, idle pages included.
+        let mut released = 0;
+        for &slot in &slots {
+            let base = self.slots[slot].heap.base();
+            let page = self.slots[slot].page;
+            for p in 0..self.slots[slot].pages.len() {
+                if self.slots[slot].pages[p].is_some() {
+                    self.backend.unmap(base + p as u64 * page, page)?;
+                    drop(self.slots[slot].pages[p].take());
+                    self.mapped_bytes -= page;
+                    self.stats.pages_released += 1;
+                    released += page;
+                }
+            }
+        }
+        self.note_mapped();
+        let t = self.sleepers.entry(tag).or_insert(Tag { state: State::Awake, backup: None });
+        t.state = State::Asleep { mode, saved };
+        Ok(released)
+    }
+
+    /// Queues copies of `pages` between the device and `host` (out: to the host) over two lanes
+    /// in chunks, merging adjacent pages, and waits for them.
+    fn copy_pages(
+        &mut self,
+        pages: &[(usize, u64, u64)],
+        host: Option<&mut B::Host>,
+        out: bool,
+    ) -> Result<()> {
+        let Some(host) = host else { return Ok(()) };
+        let mut lane = 0;
+        let mut i = 0;
+        while i < pages.len() {
+            // A run of pages adjacent both on the device and in the backup.
+            let (slot, p0, h0) = pages[i];
+            let page = self.slots[slot].page;
+            let mut j = i + 1;
+            while j < pages.len()
+                && pages[j].0 == slot
+                && pages[j].1 == p0 + (j - i) as u64
+                && (j - i) as u64 * page < CHUNK
+            {
+                j += 1;
+            }
+            let dev = self.slots[slot].heap.base() + p0 * page;
+            let len = (j - i) as u64 * page;
+            if out {
+                self.backend.copy_out(host, h0, dev, len, lane)?;
+            } else {
+                self.backend.copy_in(dev, host, h0, len, lane)?;
+            }
+            lane ^= 1;
+            i = j;
+        }
+        self.backend.finish_copies()
+    }
+
+    /// Maps `tag`'s live blocks again at their addresses and restores what was offloaded.
+    pub(crate) fn wake(&mut self, tag: u32) -> Result<()> {
+        if !self.is_asleep(tag) {
+            return Err(Error::invalid("the tag is not asleep"));
+        }
+        let slots: Vec<usize> = (0..self.slots.len()).filter(|&i| self.slots[i].tag == tag).collect();
+        let mut mapped: Vec<(usize, u64)> = Vec::new();
+        let r = self.wake_map(&slots, &mut mapped);
+        if let Err(e) = r {
+            // Back to asleep as it was: nothing half-mapped stays behind.
+            for (slot, p) in mapped {
+                let base = self.slots[slot].heap.base();
+                let page = self.slots[slot].page;
+                let _ = self.backend.unmap(base + p * page, page);
+                drop(self.slots[slot].pages[p as usize].take());
+                self.mapped_bytes -= page;
+                self.stats.pages_released += 1;
+            }
+            self.note_mapped();
+            return Err(e);
+        }
+        let t = self.sleepers.get_mut(&tag).expect("asleep");
+        let State::Asleep { saved, .. } = std::mem::replace(&mut t.state, State::Awake) else {
+            unreachable!()
+        };
+        // Only pages still under live blocks come back (blocks freed while asleep lost theirs).
+        let saved: Vec<_> =
+            saved.into_iter().filter(|&(s, p, _)| self.slots[s].pages[p as usize].is_some()).collect();
+        let mut host = self.sleepers.get_mut(&tag).and_then(|t| t.backup.take());
+        let r = self.copy_pages(&saved, host.as_mut(), false);
+        self.sleepers.get_mut(&tag).expect("known").backup = host;
+        r
+    }
+
+    fn wake_map(&mut self, slots: &[usize], mapped: &mut Vec<(usize, u64)>) -> Result<()> {
+        for &slot in slots {
+            let want = self.live_pages(slot);
+            let page = self.slots[slot].page;
+            let base = self.slots[slot].heap.base();
+            for p in want {
+                if self.slots[slot].pages[p as usize].is_some() {
+                    continue;
+                }
+                let h = self.page_for(1, super::Capture::None, page)?;
+                if let Err(e) = self.backend.map(base + p * page, &h, page) {
+                    self.give_back(h, page);
+                    return Err(e);
+                }
+                self.slots[slot].pages[p as usize] = Some(h);
+                self.mapped_bytes += page;
+                mapped.push((slot, p));
+                self.backend.set_access(base + p * page, page)?;
+            }
+        }
+        self.note_mapped();
+        Ok(())
+    }
+
+    pub(crate) fn tag_stats(&self, tag: u32) -> TagStats {
+        let mut s = TagStats { asleep: self.is_asleep(tag), ..TagStats::default() };
+        for slot in self.slots.iter().filter(|x| x.tag == tag) {
+            s.live += slot.heap.live_blocks().map(|(_, n)| n).sum::<u64>();
+            s.mapped += slot.pages.iter().filter(|p| p.is_some()).count() as u64 * slot.page;
+        }
+        if let Some(Tag { state: State::Asleep { mode: SleepMode::Offload, saved }, .. }) =
+            self.sleepers.get(&tag)
+        {
+            s.offloaded = saved.iter().map(|&(slot, ..)| self.slots[slot].page).sum();
+        }
+        s
+    }
+}
