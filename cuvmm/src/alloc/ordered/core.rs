@@ -228,9 +228,16 @@ impl<B: Backend> Core<B> {
         };
         if capture == Capture::None {
             self.undefer(stream);
+            for slot in self.slots.iter_mut().filter(|s| (s.small, s.tag) == small) {
+                if let Some(addr) = slot.heap.take_cached(stream, n, size) {
+                    self.count_alloc(n, size, true);
+                    return Ok(addr);
+                }
+            }
         } else {
             self.note_capture(stream);
         }
+        self.flush_cached();
         // During a capture nothing may be queried, so only blocks known idle (or this capture's
         // own, reused in capture order) qualify.
         let reuse = if capture == Capture::Shared { IDLE } else { stream };
@@ -585,23 +592,33 @@ impl<B: Backend> Core<B> {
         let Some((_, _, pool)) = self.slots[slot].heap.live(addr) else {
             return Err(Error::invalid(format!("{addr:#x} is not a live allocation (freed twice?)")));
         };
-        let epoch = self.streams.entry(stream).or_insert_with(Stream::new).next;
         if capture != Capture::None {
             self.note_capture(stream);
         }
         let st = self.streams.entry(stream).or_insert_with(Stream::new);
-        let state = if capture != Capture::None && pool == 0 {
+        let epoch = st.next;
+        let freed = if capture != Capture::None && pool == 0 {
             // The graph may use it; eager work may too. It comes back once the capture is over.
-            State::Deferred { stream }
+            self.slots[slot].heap.free(addr, State::Deferred { stream })
         } else {
             st.last_free = epoch;
-            State::Free(Owner::Stream { stream, epoch })
-        };
-        let freed = self.slots[slot].heap.free(addr, state).expect("checked live");
+            if capture == Capture::None {
+                self.slots[slot].heap.free_cached(addr, stream, epoch)
+            } else {
+                self.slots[slot].heap.free(addr, State::Free(Owner::Stream { stream, epoch }))
+            }
+        }
+        .expect("checked live");
         self.stats.frees += 1;
         self.stats.live -= freed.size;
         self.stats.requested -= freed.requested;
         Ok(freed)
+    }
+
+    pub(crate) fn flush_cached(&mut self) {
+        for s in &mut self.slots {
+            s.heap.flush_cached();
+        }
     }
 
     /// Remembers a stream seen under capture, so that `empty_cache` knows to refuse.
@@ -665,6 +682,7 @@ impl<B: Backend> Core<B> {
     }
 
     fn empty_cache_relaxed(&mut self) -> Result<u64> {
+        self.flush_cached();
         if self.any_capture()? {
             return Err(Error::invalid("cannot empty the cache while a stream is being captured"));
         }
@@ -688,6 +706,7 @@ impl<B: Backend> Core<B> {
     /// Gives the memory held for captured graphs back to the shared pool; returns the free bytes
     /// that came back (live ones follow when freed).
     pub(crate) fn release_graph_memory(&mut self) -> u64 {
+        self.flush_cached();
         self.pools.clear();
         self.slots.iter_mut().map(|s| s.heap.dissolve_pools()).sum()
     }

@@ -42,7 +42,17 @@ pub(crate) enum State {
     Deferred {
         stream: u64,
     },
+    /// Freed on `stream` and kept whole, unindexed, for that stream's next request of its size:
+    /// the common case of a training step costs a hash lookup instead of a best-fit search, a
+    /// split and a merge. Flushed into the index before anything else looks for free space.
+    Cached {
+        stream: u64,
+        epoch: u64,
+    },
 }
+
+/// Blocks kept per (stream, size) before frees go to the index directly.
+const CACHED_PER_SIZE: usize = 16;
 
 const NIL: u32 = u32::MAX;
 
@@ -63,7 +73,7 @@ pub(crate) struct AddrHasher(u64);
 
 impl Hasher for AddrHasher {
     fn finish(&self) -> u64 {
-        self.0
+        self.0 ^ (self.0 >> 29)
     }
     fn write(&mut self, bytes: &[u8]) {
         for &b in bytes {
@@ -71,7 +81,8 @@ impl Hasher for AddrHasher {
         }
     }
     fn write_u64(&mut self, v: u64) {
-        self.0 = (v >> 9).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        // Multiplying leaves low bits of multiples of 512 zero; `finish` folds high bits down.
+        self.0 = (self.0.rotate_left(23) ^ v).wrapping_mul(0x9E37_79B9_7F4A_7C15);
     }
 }
 
@@ -101,6 +112,9 @@ pub(crate) struct Heap {
     deferred: Vec<u32>,
     /// Bytes of blocks in graph pools.
     graph: u64,
+    /// `Cached` blocks by (stream, size).
+    cached: HashMap<(u64, u64), Vec<u32>, BuildHasherDefault<AddrHasher>>,
+    cached_count: usize,
 }
 
 impl Heap {
@@ -117,6 +131,8 @@ impl Heap {
             live: AddrMap::default(),
             deferred: Vec::new(),
             graph: 0,
+            cached: HashMap::default(),
+            cached_count: 0,
         }
     }
 
@@ -226,6 +242,48 @@ impl Heap {
         }
     }
 
+    /// A block `stream` freed whole with exactly `size` bytes, handed out again to it.
+    pub(crate) fn take_cached(&mut self, stream: u64, size: u64, requested: u64) -> Option<u64> {
+        let i = self.cached.get_mut(&(stream, size))?.pop()?;
+        self.cached_count -= 1;
+        let b = &mut self.blocks[i as usize];
+        b.state = State::Live { stream, requested };
+        let addr = b.addr;
+        self.live.insert(addr, i);
+        Some(addr)
+    }
+
+    /// Frees the live block at `addr` on `stream` at `epoch`, keeping it whole for the stream's
+    /// next request of its size when there is room; else as [`free`](Self::free) does.
+    pub(crate) fn free_cached(&mut self, addr: u64, stream: u64, epoch: u64) -> Option<Freed> {
+        let &i = self.live.get(&addr)?;
+        let (size, pool) = (self.blocks[i as usize].size, self.blocks[i as usize].pool);
+        let list = self.cached.entry((stream, size)).or_default();
+        if pool != 0 || list.len() >= CACHED_PER_SIZE {
+            return self.free(addr, State::Free(Owner::Stream { stream, epoch }));
+        }
+        self.live.remove(&addr);
+        let b = &mut self.blocks[i as usize];
+        let State::Live { requested, .. } = b.state else { unreachable!("live map names a free block") };
+        b.state = State::Cached { stream, epoch };
+        list.push(i);
+        self.cached_count += 1;
+        Some(Freed { size, requested, pool })
+    }
+
+    /// Moves every cached block into the index, merging as a free would have.
+    pub(crate) fn flush_cached(&mut self) {
+        if self.cached_count == 0 {
+            return;
+        }
+        let lists: Vec<u32> = self.cached.drain().flat_map(|(_, v)| v).collect();
+        self.cached_count = 0;
+        for i in lists {
+            let State::Cached { stream, epoch } = self.blocks[i as usize].state else { unreachable!() };
+            self.settle(i, Owner::Stream { stream, epoch });
+        }
+    }
+
     /// Frees the live block at `addr`, now owned by `owner` (or deferred), merging it with free
     /// neighbours of the same pool that `owner`'s stream may use.
     pub(crate) fn free(&mut self, addr: u64, state: State) -> Option<Freed> {
@@ -237,7 +295,7 @@ impl Heap {
         match state {
             State::Free(owner) => self.settle(i, owner),
             State::Deferred { .. } => self.deferred.push(i),
-            State::Live { .. } => unreachable!("free to a live state"),
+            State::Live { .. } | State::Cached { .. } => unreachable!("free to a live or cached state"),
         }
         Some(freed)
     }
@@ -439,7 +497,7 @@ impl Heap {
                     }
                 }
                 State::Live { .. } => assert_eq!(self.live.get(&b.addr), Some(&i)),
-                State::Deferred { .. } => {}
+                State::Deferred { .. } | State::Cached { .. } => {}
             }
             at += b.size;
             prev = i;

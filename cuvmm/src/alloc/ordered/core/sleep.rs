@@ -85,6 +85,7 @@ impl<B: Backend> Core<B> {
         }
         // The tag's blocks may be in use by any stream: wait for everything, as a free would.
         self.backend.synchronize()?;
+        self.flush_cached();
         let slots: Vec<usize> = (0..self.slots.len()).filter(|&i| self.slots[i].tag == tag).collect();
         let mut saved = Vec::new();
         if mode == SleepMode::Offload {
@@ -168,6 +169,7 @@ impl<B: Backend> Core<B> {
         if !self.is_asleep(tag) {
             return Err(Error::invalid("the tag is not asleep"));
         }
+        self.flush_cached();
         let slots: Vec<usize> = (0..self.slots.len()).filter(|&i| self.slots[i].tag == tag).collect();
         let mut mapped: Vec<(usize, u64)> = Vec::new();
         let r = self.wake_map(&slots, &mut mapped);
