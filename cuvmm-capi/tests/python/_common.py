@@ -1,0 +1,206 @@
+"""Plumbing shared by the proof scripts: allocator set-up, timing, exact checks, the RESULT line.
+
+Nothing here imports torch at module level, so the pure helpers can be tested without a GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import math
+import os
+import statistics
+import struct
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "python"))
+import cuvmm_torch  # noqa: E402
+
+KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
+ALLOCS = ("native", "cuvmm", "cuvmm-pool")
+
+
+def median(xs):
+    xs = list(xs)
+    return statistics.median(xs) if xs else None
+
+
+def f32_bits(x: float) -> str:
+    """Little-endian hex of x as an IEEE float32; exact for values that came from a float32."""
+    return struct.pack("<f", x).hex()
+
+
+def ranges_overlap(a: tuple[int, int], b: tuple[int, int]) -> bool:
+    """Half-open address ranges [start, end)."""
+    return a[0] < b[1] and b[0] < a[1]
+
+
+def mod_pattern_sum(n: int, mod: int, add: int) -> int:
+    """sum(k % mod + add for k in range(n)), closed form; the reference for fill_mod_pattern."""
+    q, r = divmod(n, mod)
+    return q * (mod * (mod - 1) // 2) + r * (r - 1) // 2 + n * add
+
+
+def fill_mod_pattern(t, mod: int, add: int):
+    """Fill an int32 CUDA tensor with k % mod + add in place, on the current stream, without
+    allocating: a kernel writes every element, and the exact sum is known (mod_pattern_sum)."""
+    import torch
+    torch.arange(t.numel(), out=t.view(-1))
+    t.remainder_(mod).add_(add)
+    return t
+
+
+def exact_sum(t):
+    """int64 sum of an integer tensor as a 0-d CUDA tensor, on the current stream."""
+    import torch
+    return t.sum(dtype=torch.int64)
+
+
+def driver_version() -> str | None:
+    try:
+        v = ctypes.c_int()
+        if ctypes.CDLL("libcuda.so.1").cuDriverGetVersion(ctypes.byref(v)) == 0:
+            return f"{v.value // 1000}.{v.value % 1000 // 10}"
+    except OSError:
+        pass
+    return None
+
+
+def env_info() -> dict:
+    import torch
+    p = torch.cuda.get_device_properties(torch.cuda.current_device())
+    return {
+        "device": p.name,
+        "device_mem_gib": round(p.total_memory / GiB, 2),
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "driver_cuda": driver_version(),
+    }
+
+
+def force_deterministic(seed: int) -> None:
+    """Bitwise-repeatable runs. CUBLAS_WORKSPACE_CONFIG must already be in the environment
+    (each script sets it before importing torch: cuBLAS reads it when its handle is made)."""
+    import torch
+    assert os.environ.get("CUBLAS_WORKSPACE_CONFIG") == ":4096:8"
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    torch.manual_seed(seed)
+
+
+class Alloc:
+    """The allocator under test, set up before anything touches CUDA memory.
+
+    native: PyTorch's caching allocator. cuvmm: change_current_allocator to cuvmm_malloc/free.
+    cuvmm-pool: a torch.cuda.MemPool over cuvmm_pool_malloc/free, entered with scope().
+
+    The driver-level baseline is taken once CUDA's context exists and before any tensor:
+    torch.cuda.init() sets up PyTorch's CUDA state without allocating, and mem_get_info()
+    (cudaMemGetInfo) creates the primary context, so the baseline holds the context and nothing
+    of the allocator. Memory that libraries take later outside the allocator (cuBLAS and cuDNN
+    handles, lazily loaded kernels) does count against every mode alike.
+    """
+
+    def __init__(self, mode: str):
+        if mode not in ALLOCS:
+            raise ValueError(f"--alloc must be one of {ALLOCS}, not {mode!r}")
+        self.mode = mode
+        self.pool = None
+        self.baseline_used = None
+        self.total = None
+
+    def setup(self):
+        import torch
+        if self.mode == "cuvmm":
+            cuvmm_torch.use_as_current_allocator()
+        torch.cuda.init()
+        free, total = torch.cuda.mem_get_info()
+        self.total, self.baseline_used = total, total - free
+        if self.mode == "cuvmm-pool":
+            self.pool = cuvmm_torch.mem_pool()
+        return self
+
+    @property
+    def uses_cuvmm(self) -> bool:
+        return self.mode != "native"
+
+    def scope(self, all_threads: bool = False):
+        """Route allocations to the pool (cuvmm-pool), else a no-op. all_threads: the whole
+        device, for code whose allocations happen on other threads (autograd's backward)."""
+        import torch
+        if self.pool is None:
+            return contextlib.nullcontext()
+        if all_threads:
+            return cuvmm_torch.use_mem_pool_all_threads(self.pool)
+        return torch.cuda.use_mem_pool(self.pool)
+
+    def driver_used(self) -> int:
+        """Device memory in use by everything (total - free) minus the baseline."""
+        import torch
+        free, total = torch.cuda.mem_get_info()
+        return total - free - self.baseline_used
+
+    def cuvmm_stats(self) -> dict | None:
+        return cuvmm_torch.stats() if self.uses_cuvmm else None
+
+    def empty_cache(self) -> None:
+        """Give every idle byte back to the driver, whichever allocator holds it."""
+        import torch
+        torch.cuda.synchronize()
+        if self.mode != "cuvmm":
+            torch.cuda.empty_cache()  # native blocks, and free MemPool segments back to cuvmm
+        if self.uses_cuvmm:
+            cuvmm_torch.empty_cache()
+
+    def torch_stats(self) -> dict:
+        """PyTorch's own peak counters; they raise under a pluggable current allocator."""
+        import torch
+        if self.mode == "cuvmm":
+            return {}
+        return {
+            "torch_max_memory_allocated": torch.cuda.max_memory_allocated(),
+            "torch_max_memory_reserved": torch.cuda.max_memory_reserved(),
+            "torch_memory_reserved": torch.cuda.memory_reserved(),
+        }
+
+
+def add_common_args(p, allocs=ALLOCS, default=None):
+    p.add_argument("--alloc", choices=allocs, default=default or allocs[0])
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--json", metavar="PATH", help="also write the result object here")
+    return p
+
+
+def finish(script: str, args, result: dict, checks: dict, goals: dict | None = None) -> int:
+    """Print the one RESULT line, write --json, and return the exit status.
+
+    checks are correctness conditions; goals are performance targets. Both decide "pass"; they
+    are kept apart so a reader sees which kind failed."""
+    goals = goals or {}
+    checks = {k: bool(v) for k, v in checks.items()}
+    goals = {k: bool(v) for k, v in goals.items()}
+    ok = all(checks.values()) and all(goals.values())
+    out = {"script": script, "alloc": getattr(args, "alloc", None), **result,
+           "checks": checks, "goals": goals, "pass": ok}
+    line = json.dumps(out, default=_json_default)
+    if getattr(args, "json", None):
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(line + "\n")
+    failed = [k for k, v in {**checks, **goals}.items() if not v]
+    if failed:
+        print(f"FAILED: {', '.join(failed)}", file=sys.stderr)
+    print("RESULT " + line, flush=True)
+    return 0 if ok else 1
+
+
+def _json_default(o):
+    if isinstance(o, float) and not math.isfinite(o):
+        return str(o)
+    if hasattr(o, "item"):
+        return o.item()
+    raise TypeError(f"not JSON serialisable: {type(o).__name__}")

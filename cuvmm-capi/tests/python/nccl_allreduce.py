@@ -1,0 +1,112 @@
+#!/usr/bin/env python3
+"""NCCL all-reduce on tensors from the native allocator or from cuvmm, exact results, bus bandwidth.
+
+    torchrun --standalone --nproc_per_node=2 nccl_allreduce.py --alloc native --json native.json
+    torchrun --standalone --nproc_per_node=2 nccl_allreduce.py --alloc cuvmm  --json cuvmm.json
+    python3 compare.py native.json cuvmm.json
+
+Sizes from --min-mib to --max-mib, doubling. Each rank fills float32 k % 251 + rank + 1, so
+every sum is an integer far below 2^24 and the reduced tensor must equal the exact expectation.
+Timing: --warmup then --iters in-place all-reduces, each between two CUDA events on the current
+stream; the median per rank, then the slowest rank's median. Bus bandwidth as nccl-tests counts
+it: algbw = bytes / time, busbw = algbw * 2 (n - 1) / n. Rank 0 prints the RESULT line.
+"""
+
+import os
+
+# NVLink multicast stays off: forced, not defaulted, so an inherited setting cannot turn it on.
+os.environ["NCCL_NVLS_ENABLE"] = "0"
+os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
+os.environ["NVSHMEM_DISABLE_NVLS"] = "1"
+
+import argparse  # noqa: E402
+import sys  # noqa: E402
+
+from _common import MiB, add_common_args, env_info, finish, median  # noqa: E402
+import cuvmm_torch  # noqa: E402
+
+MOD = 251
+
+
+def sizes(lo_mib, hi_mib):
+    out, s = [], int(lo_mib * MiB)
+    while s <= hi_mib * MiB:
+        out.append(s)
+        s *= 2
+    return out
+
+
+def main():
+    p = add_common_args(argparse.ArgumentParser(description=__doc__.split("\n\n")[0]),
+                        allocs=("native", "cuvmm"))
+    p.add_argument("--min-mib", type=float, default=1)
+    p.add_argument("--max-mib", type=float, default=1024)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--iters", type=int, default=20)
+    args = p.parse_args()
+
+    import torch
+    import torch.distributed as dist
+
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if args.alloc == "cuvmm":
+        cuvmm_torch.use_as_current_allocator()  # before set_device, which initializes CUDA
+    torch.cuda.set_device(local_rank)
+    dev = torch.device("cuda", local_rank)
+    dist.init_process_group("nccl", device_id=dev)
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    results = []
+    for size in sizes(args.min_mib, args.max_mib):
+        n = size // 4
+        k = torch.arange(n, dtype=torch.int32, device=dev).remainder_(MOD)
+        x = (k + (rank + 1)).float()
+        dist.all_reduce(x)
+        want = (k * world + world * (world + 1) // 2).float()
+        exact = torch.equal(x, want)
+        del want, k
+
+        y = x.clone()  # non-zero data; it grows by a factor `world` per call, still finite at these counts
+        times = []
+        for it in range(args.warmup + args.iters):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            dist.all_reduce(y)
+            end.record()
+            if it >= args.warmup:
+                times.append((start, end))
+        torch.cuda.synchronize()
+        med = median(s.elapsed_time(e) / 1e3 for s, e in times)
+        agg = torch.tensor([med, 0.0 if exact else 1.0], device=dev, dtype=torch.float64)
+        dist.all_reduce(agg, op=dist.ReduceOp.MAX)
+        slowest, any_wrong = agg.tolist()
+        algbw = size / slowest / 1e9
+        results.append({"bytes": size, "time_s": slowest, "algbw_gbps": algbw,
+                        "busbw_gbps": algbw * 2 * (world - 1) / world, "exact": any_wrong == 0.0,
+                        "finite_after_timing": bool(torch.isfinite(y).all().item())})
+        del x, y
+        if rank == 0:
+            r = results[-1]
+            print(f"{size / MiB:8.0f} MiB  {r['time_s'] * 1e6:9.1f} us  busbw {r['busbw_gbps']:7.1f} GB/s  "
+                  f"exact={r['exact']}", file=sys.stderr, flush=True)
+
+    rc = 0
+    if rank == 0:
+        result = {"env": env_info(), "world": world, "sizes": [r["bytes"] for r in results],
+                  "busbw_gbps": [r["busbw_gbps"] for r in results], "per_size": results,
+                  "nccl_version": ".".join(map(str, torch.cuda.nccl.version())),
+                  "multicast_env": {k: os.environ[k] for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST",
+                                                                 "NVSHMEM_DISABLE_NVLS")}}
+        if args.alloc == "cuvmm":
+            result["cuvmm"] = cuvmm_torch.stats()
+        checks = {"every size reduced exactly on every rank": all(r["exact"] for r in results),
+                  "timed buffers stayed finite": all(r["finite_after_timing"] for r in results)}
+        rc = finish("nccl_allreduce", args, result, checks)
+    ok = torch.tensor([rc], device=dev)
+    dist.broadcast(ok, 0)
+    dist.destroy_process_group()
+    return int(ok.item())
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,83 @@
+#!/usr/bin/env bash
+# Runs the PyTorch proof scripts against one libcuvmm.so and reports every result.
+#
+#   tests/python/run_all.sh BUNDLE_DIR          # uses BUNDLE_DIR/lib/libcuvmm.so
+#
+# Results go to $OUT_DIR (default BUNDLE_DIR/results): one JSON and one log per run, and
+# summary.txt. Every script runs even when an earlier one failed; the exit status is 1 if any
+# failed. Knobs: PYTHON (default python3), TRAIN_ARGS, SLEEP_ARGS (extra arguments), NCCL=0|1
+# (default: run the all-reduce when the machine has two or more GPUs).
+set -u -o pipefail
+
+if [ $# -ne 1 ] || [ ! -d "$1" ]; then
+    echo "usage: $0 BUNDLE_DIR   (with BUNDLE_DIR/lib/libcuvmm.so)" >&2
+    exit 2
+fi
+BUNDLE=$(cd "$1" && pwd)
+export CUVMM_LIB="$BUNDLE/lib/libcuvmm.so"
+if [ ! -f "$CUVMM_LIB" ]; then
+    echo "no $CUVMM_LIB" >&2
+    exit 2
+fi
+# NVLink multicast off for every process started from here (NCCL, PyTorch, NVSHMEM).
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1 CUBLAS_WORKSPACE_CONFIG=:4096:8
+
+HERE=$(cd "$(dirname "$0")" && pwd)
+PY=${PYTHON:-python3}
+OUT_DIR=${OUT_DIR:-$BUNDLE/results}
+mkdir -p "$OUT_DIR"
+SUMMARY="$OUT_DIR/summary.txt"
+: > "$SUMMARY"
+failed=0
+
+# run NAME CMD...: runs CMD in the scripts' folder, log to NAME.log, one summary line.
+run() {
+    local name=$1; shift
+    local log="$OUT_DIR/$name.log" t0 t1 rc
+    echo "=== $name: $*" >&2
+    t0=$(date +%s.%N)
+    (cd "$HERE" && "$@") 2>&1 | tee "$log"
+    rc=${PIPESTATUS[0]}
+    t1=$(date +%s.%N)
+    local secs
+    secs=$(awk -v a="$t0" -v b="$t1" 'BEGIN { printf "%.1f", b - a }')
+    local status=PASS
+    [ "$rc" -eq 0 ] || { status="FAIL(rc=$rc)"; failed=1; }
+    printf '%-28s %-12s %8ss\n' "$name" "$status" "$secs" | tee -a "$SUMMARY" >&2
+}
+
+$PY -c 'import torch, sys; print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name(0))' \
+    | tee "$OUT_DIR/env.txt" >&2
+echo "libcuvmm: $CUVMM_LIB" | tee -a "$OUT_DIR/env.txt" >&2
+
+# a. training under the three allocators, then the comparison
+for a in native cuvmm cuvmm-pool; do
+    run "train_$a" $PY train.py --alloc "$a" --json "$OUT_DIR/train_$a.json" ${TRAIN_ARGS:-}
+done
+run compare $PY compare.py "$OUT_DIR/train_native.json" "$OUT_DIR/train_cuvmm.json" "$OUT_DIR/train_cuvmm-pool.json"
+
+# b-d. both ways
+for a in cuvmm cuvmm-pool; do
+    run "two_streams_$a" $PY two_streams.py --alloc "$a" --json "$OUT_DIR/two_streams_$a.json"
+    run "graph_capture_$a" $PY graph_capture.py --alloc "$a" --json "$OUT_DIR/graph_capture_$a.json"
+    run "sleep_wake_$a" $PY sleep_wake.py --alloc "$a" --json "$OUT_DIR/sleep_wake_$a.json" ${SLEEP_ARGS:-}
+done
+
+# e. all-reduce, where there are GPUs for it
+gpus=$($PY -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
+if [ "${NCCL:-auto}" = 1 ] || { [ "${NCCL:-auto}" = auto ] && [ "$gpus" -ge 2 ]; }; then
+    for a in native cuvmm; do
+        run "nccl_allreduce_$a" $PY -m torch.distributed.run --standalone --nproc_per_node=2 \
+            nccl_allreduce.py --alloc "$a" --json "$OUT_DIR/nccl_allreduce_$a.json"
+    done
+    run compare_nccl $PY compare.py "$OUT_DIR/nccl_allreduce_native.json" "$OUT_DIR/nccl_allreduce_cuvmm.json"
+else
+    echo "nccl_allreduce: skipped ($gpus GPU(s))" | tee -a "$SUMMARY" >&2
+fi
+
+echo >&2
+echo "summary ($OUT_DIR):" >&2
+cat "$SUMMARY" >&2
+grep -h '^RESULT ' "$OUT_DIR"/*.log > "$OUT_DIR/results.jsonl" || true
+exit $failed

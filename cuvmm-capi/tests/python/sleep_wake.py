@@ -1,0 +1,295 @@
+#!/usr/bin/env python3
+"""Sleep and wake of tagged memory under a captured CUDA graph, with timings against copy bounds.
+
+    python3 sleep_wake.py --alloc cuvmm      [--gib 16] [--cache-gib 4] [--reps 3]
+    python3 sleep_wake.py --alloc cuvmm-pool [--gib 16]
+
+A stack of bf16 matrices (--gib GiB in all) is allocated under tag "weights" and a KV-cache-like
+set of buffers (--cache-gib) under tag "cache". A CUDA graph of the forward (matmuls through every
+weight, plus a reduction over the whole cache) is captured and replayed on a fixed input; its
+output and a checksum per weight are the reference. Then, --reps times:
+
+  sleep("weights", offload) and sleep("cache", discard); the driver's free memory must rise by at
+  least 0.97 x the bytes the two tags had mapped (tag_stats before); tag_stats must say asleep,
+  with the weights offloaded and the cache not; then something else takes most of the freed
+  memory (untagged tensors through the same allocator under cuvmm, PyTorch's own allocator under
+  cuvmm-pool), writes it, frees it and empties the caches; none of it may land on a sleeping
+  address; wake both; the cache, whose contents were discarded, is filled again as at the
+  start; the weight checksums and the graph's output must equal the reference bit for bit.
+  A second sleep of the sleeping weights and a wake of the woken cache must be refused.
+  Allocating under a sleeping tag is left out: cuvmm refuses it with NULL, which PyTorch turns
+  into an exception only under a MemPool; under change_current_allocator it makes a tensor at
+  address 0.
+
+Timings (medians over the reps): the offloading sleep against a pinned device-to-host copy of
+the same bytes measured in this run (per weight, copy_ with non_blocking, CUDA events), the wake
+of the weights against the host-to-device copy back, and the discarding sleep of the cache,
+whose goal is 25 ms (--discard-goal-ms).
+
+Under cuvmm-pool each tag has its own MemPool, entered with the tag set: PyTorch asks the pool's
+allocator for segments lazily, and the tag must be in force when it does; one pool for two tags
+would let PyTorch place a cache tensor inside a weights segment.
+"""
+
+import os
+
+os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
+
+import argparse  # noqa: E402
+import contextlib  # noqa: E402
+import math  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+
+from _common import GiB, MiB, Alloc, add_common_args, env_info, finish, median, ranges_overlap  # noqa: E402
+import cuvmm_torch  # noqa: E402
+
+
+def span(t):
+    return (t.data_ptr(), t.data_ptr() + t.numel() * t.element_size())
+
+
+def refused(call) -> bool:
+    """True when call raises RuntimeError, as cuvmm.h says a sleep of an asleep tag and a wake
+    of an awake one must."""
+    try:
+        call()
+    except RuntimeError:
+        return True
+    return False
+
+
+def main():
+    p = add_common_args(argparse.ArgumentParser(description=__doc__.split("\n\n")[0]),
+                        allocs=("cuvmm", "cuvmm-pool"))
+    p.add_argument("--gib", type=float, default=16, help="bytes of weights, GiB")
+    p.add_argument("--cache-gib", type=float, default=4, help="bytes of cache, GiB")
+    p.add_argument("--dim", type=int, default=8192, help="weights are dim x dim bf16")
+    p.add_argument("--cache-chunk-mib", type=int, default=256)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--bound-reps", type=int, default=3, help="timed copy-bound repetitions (after one warm-up)")
+    p.add_argument("--fill-fraction", type=float, default=0.9, help="of the freed memory, for the other user")
+    p.add_argument("--discard-goal-ms", type=float, default=25.0)
+    p.add_argument("--capture-error-mode", choices=("global", "thread_local", "relaxed"), default="global")
+    args = p.parse_args()
+    if not cuvmm_torch.has_sleep():
+        return finish("sleep_wake", args, {"error": f"{cuvmm_torch.library_path()} has no sleep/wake ABI"},
+                      {"library has cuvmm_set_tag, cuvmm_sleep, cuvmm_wake, cuvmm_get_tag_stats": False})
+
+    alloc = Alloc(args.alloc).setup()
+    import torch
+
+    torch.manual_seed(args.seed)
+    dev = torch.device("cuda")
+    bf16 = torch.bfloat16
+    n_weights = max(1, int(args.gib * GiB) // (args.dim * args.dim * 2))
+    chunk_elems = args.cache_chunk_mib * MiB // 2
+    if chunk_elems % args.dim:
+        p.error("--cache-chunk-mib must hold whole rows of --dim bf16 values")
+    n_chunks = max(1, int(args.cache_gib * GiB) // (chunk_elems * 2))
+    pools = {}
+
+    @contextlib.contextmanager
+    def tagged(name):
+        with cuvmm_torch.tag(name):
+            if alloc.mode == "cuvmm-pool":
+                pool = pools.setdefault(name, cuvmm_torch.mem_pool())
+                with torch.cuda.use_mem_pool(pool):
+                    yield
+            else:
+                yield
+
+    # Filled outside the tag so no temporary of the fill is tagged.
+    with tagged("weights"):
+        weights = [torch.empty(args.dim, args.dim, dtype=bf16, device=dev) for _ in range(n_weights)]
+    with tagged("cache"):
+        cache = [torch.empty(chunk_elems, dtype=bf16, device=dev) for _ in range(n_chunks)]
+    gen = torch.Generator(device=dev)
+    for i, w in enumerate(weights):
+        gen.manual_seed(args.seed * 7919 + i)
+        w.normal_(0.0, 1.0 / math.sqrt(args.dim), generator=gen)
+
+    def fill_cache():
+        for i, c in enumerate(cache):
+            gen.manual_seed(args.seed * 104729 + i)
+            c.uniform_(-1.0, 1.0, generator=gen)
+
+    fill_cache()
+    weight_bytes = sum(w.numel() * w.element_size() for w in weights)
+    cache_bytes = sum(c.numel() * c.element_size() for c in cache)
+
+    def checksums():
+        return torch.stack([w.view(torch.int16).sum(dtype=torch.int64) for w in weights]).tolist()
+
+    graph_pool = cuvmm_torch.mem_pool() if alloc.mode == "cuvmm-pool" else None
+    static_x = torch.randn(args.batch, args.dim, device=dev, dtype=bf16)
+
+    def forward(x):
+        c = torch.zeros(args.dim, dtype=torch.float32, device=dev)
+        for chunk in cache:
+            c += chunk.view(-1, args.dim).sum(0, dtype=torch.float32)
+        h = x + (c * (1.0 / (n_chunks * chunk_elems // args.dim))).to(bf16)
+        for w in weights:
+            h = torch.tanh(h @ w)
+        return h
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            forward(static_x)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, pool=graph_pool.id if graph_pool is not None else None,
+                          capture_error_mode=args.capture_error_mode):
+        static_y = forward(static_x)
+    g.replay()
+    torch.cuda.synchronize()
+    ref_y = static_y.clone()
+    ref_sums = checksums()
+    g.replay()
+    torch.cuda.synchronize()
+    replay_repeatable = torch.equal(static_y, ref_y)
+
+    # Copy bounds: the same bytes, the same per-tensor pieces, pinned host memory, events.
+    host = torch.empty(weight_bytes, dtype=torch.uint8, pin_memory=True)
+
+    def timed(fn):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+
+    def d2h():
+        off = 0
+        for w in weights:
+            nb = w.numel() * 2
+            host[off:off + nb].copy_(w.view(-1).view(torch.uint8), non_blocking=True)
+            off += nb
+
+    def h2d():  # writes back the bytes d2h just read, so the weights do not change
+        off = 0
+        for w in weights:
+            nb = w.numel() * 2
+            w.view(-1).view(torch.uint8).copy_(host[off:off + nb], non_blocking=True)
+            off += nb
+
+    d2h_s = [timed(d2h) for _ in range(args.bound_reps + 1)][1:]
+    h2d_s = [timed(h2d) for _ in range(args.bound_reps + 1)][1:]
+    del host
+    if hasattr(torch._C, "_host_emptyCache"):
+        torch._C._host_emptyCache()  # the pinned bound buffer must not crowd cuvmm's offload
+    bounds_kept_weights = checksums() == ref_sums
+
+    tagged_spans = [span(w) for w in weights] + [span(c) for c in cache]
+    reps = []
+    for rep in range(args.reps):
+        torch.cuda.synchronize()
+        tw0, tc0 = cuvmm_torch.tag_stats("weights"), cuvmm_torch.tag_stats("cache")
+        tagged_bytes = tw0["mapped"] + tc0["mapped"]
+        free0 = torch.cuda.mem_get_info()[0]
+
+        t0 = time.perf_counter()
+        cuvmm_torch.sleep("weights", offload=True)
+        torch.cuda.synchronize()
+        t1 = time.perf_counter()
+        cuvmm_torch.sleep("cache", offload=False)
+        torch.cuda.synchronize()
+        t2 = time.perf_counter()
+
+        free1 = torch.cuda.mem_get_info()[0]
+        tw1, tc1 = cuvmm_torch.tag_stats("weights"), cuvmm_torch.tag_stats("cache")
+        second_sleep_refused = refused(lambda: cuvmm_torch.sleep("weights", offload=True))
+
+        # Another user takes most of what was freed, writes it, and gives it back.
+        other_bytes = int(max(0, free1 - free0) * args.fill_fraction)
+        others, on_sleeping, t = [], 0, None
+        left = other_bytes
+        while left > 0:
+            nb = min(left, GiB)
+            t = torch.empty(nb, dtype=torch.uint8, device=dev).fill_(0xA5)
+            on_sleeping += any(ranges_overlap(span(t), s) for s in tagged_spans)
+            others.append(t)
+            left -= nb
+        torch.cuda.synchronize()
+        del others, t
+        alloc.empty_cache()
+        free2 = torch.cuda.mem_get_info()[0]
+
+        t3 = time.perf_counter()
+        cuvmm_torch.wake("weights")
+        torch.cuda.synchronize()
+        t4 = time.perf_counter()
+        cuvmm_torch.wake("cache")
+        torch.cuda.synchronize()
+        t5 = time.perf_counter()
+        tw2, tc2 = cuvmm_torch.tag_stats("weights"), cuvmm_torch.tag_stats("cache")
+        second_wake_refused = refused(lambda: cuvmm_torch.wake("cache"))
+
+        fill_cache()
+        sums_ok = checksums() == ref_sums
+        g.replay()
+        torch.cuda.synchronize()
+        out_ok = torch.equal(static_y, ref_y)
+        reps.append({
+            "tagged_mapped_before": tagged_bytes, "free_rise": free1 - free0,
+            "free_rise_over_tagged": (free1 - free0) / tagged_bytes if tagged_bytes else None,
+            "tag_weights_asleep": tw1, "tag_cache_asleep": tc1,
+            "other_user_bytes": other_bytes, "other_user_on_sleeping_address": on_sleeping,
+            "free_after_other_user_gone": free2, "tag_weights_awake": tw2, "tag_cache_awake": tc2,
+            "sleep_offload_s": t1 - t0, "sleep_discard_s": t2 - t1,
+            "wake_weights_s": t4 - t3, "wake_cache_s": t5 - t4,
+            "weights_intact": sums_ok, "graph_output_identical": out_ok,
+            "second_sleep_refused": second_sleep_refused, "second_wake_refused": second_wake_refused,
+        })
+        print(f"rep {rep}: sleep offload {t1 - t0:.3f}s discard {(t2 - t1) * 1e3:.1f}ms "
+              f"wake {t4 - t3:.3f}s + {(t5 - t4) * 1e3:.1f}ms, freed {(free1 - free0) / GiB:.2f} GiB "
+              f"of {tagged_bytes / GiB:.2f}, intact={sums_ok and out_ok}", file=sys.stderr, flush=True)
+
+    def all_reps(pred):
+        return all(pred(r) for r in reps)
+
+    sleep_s = median(r["sleep_offload_s"] for r in reps)
+    wake_s = median(r["wake_weights_s"] for r in reps)
+    discard_s = median(r["sleep_discard_s"] for r in reps)
+    d2h_b, h2d_b = median(d2h_s), median(h2d_s)
+    result = {
+        "env": env_info(), "weights": n_weights, "weight_bytes": weight_bytes, "cache_bytes": cache_bytes,
+        "d2h_bound_s": d2h_b, "h2d_bound_s": h2d_b,
+        "d2h_bound_gbps": weight_bytes / d2h_b / 1e9, "h2d_bound_gbps": weight_bytes / h2d_b / 1e9,
+        "sleep_offload_s": sleep_s, "wake_weights_s": wake_s, "sleep_discard_ms": discard_s * 1e3,
+        "wake_cache_ms": median(r["wake_cache_s"] for r in reps) * 1e3,
+        "sleep_offload_over_d2h_bound": sleep_s / d2h_b, "wake_over_h2d_bound": wake_s / h2d_b,
+        "reps": reps, "cuvmm": cuvmm_torch.stats(),
+    }
+    checks = {
+        "graph replay repeatable before any sleep": replay_repeatable,
+        "copy bounds left the weights unchanged": bounds_kept_weights,
+        "driver free memory rose by >= 0.97 x tagged bytes": all_reps(lambda r: r["free_rise"] >= 0.97 * r["tagged_mapped_before"]),
+        "asleep tags report asleep, nothing mapped": all_reps(
+            lambda r: r["tag_weights_asleep"]["asleep"] and r["tag_cache_asleep"]["asleep"]
+            and r["tag_weights_asleep"]["mapped"] == 0 and r["tag_cache_asleep"]["mapped"] == 0),
+        "weights offloaded, cache not": all_reps(
+            lambda r: r["tag_weights_asleep"]["offloaded"] >= weight_bytes and r["tag_cache_asleep"]["offloaded"] == 0),
+        "no other allocation on a sleeping address": all_reps(lambda r: r["other_user_on_sleeping_address"] == 0),
+        "woken tags map what they mapped before": all_reps(
+            lambda r: not r["tag_weights_awake"]["asleep"] and not r["tag_cache_awake"]["asleep"]
+            and r["tag_weights_awake"]["mapped"] + r["tag_cache_awake"]["mapped"] == r["tagged_mapped_before"]),
+        "weights bitwise intact after wake": all_reps(lambda r: r["weights_intact"]),
+        "sleeping an asleep tag and waking an awake one are refused": all_reps(
+            lambda r: r["second_sleep_refused"] and r["second_wake_refused"]),
+        "graph output bitwise identical after wake": all_reps(lambda r: r["graph_output_identical"]),
+    }
+    goals = {f"discarding sleep <= {args.discard_goal_ms:g} ms": discard_s * 1e3 <= args.discard_goal_ms}
+    rc = finish("sleep_wake", args, result, checks, goals)
+    del g, static_y, weights, cache
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

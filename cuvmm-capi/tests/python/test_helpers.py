@@ -1,0 +1,225 @@
+#!/usr/bin/env python3
+"""The pure parts of the proof scripts and of cuvmm_torch, testable with no GPU and no torch.
+
+    python3 -m pytest cuvmm-capi/tests/python/test_helpers.py      (or: python3 test_helpers.py)
+"""
+
+import contextlib
+import io
+import json
+import os
+import re
+import shutil
+import struct
+import subprocess
+import sys
+import tempfile
+import unittest
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _common  # noqa: E402
+import compare  # noqa: E402
+import cuvmm_torch  # noqa: E402
+import nccl_allreduce  # noqa: E402
+import train  # noqa: E402
+
+
+class Pure(unittest.TestCase):
+    def test_mod_pattern_sum_matches_brute_force(self):
+        for n in (0, 1, 96, 97, 98, 1000, 12345):
+            for add in (-7, 0, 5):
+                self.assertEqual(_common.mod_pattern_sum(n, 97, add), sum(k % 97 + add for k in range(n)))
+
+    def test_ranges_overlap_is_half_open(self):
+        self.assertTrue(_common.ranges_overlap((0, 10), (9, 20)))
+        self.assertFalse(_common.ranges_overlap((0, 10), (10, 20)))
+        self.assertTrue(_common.ranges_overlap((5, 6), (0, 100)))
+
+    def test_f32_bits_round_trip(self):
+        x = struct.unpack("<f", struct.pack("<f", 10.3731))[0]
+        self.assertEqual(struct.unpack("<f", bytes.fromhex(_common.f32_bits(x)))[0], x)
+
+    def test_schedule_is_seeded_varied_and_bounded(self):
+        a = train.make_schedule(50, 7, 256, 4096, 128, 4096, 16384)
+        self.assertEqual(a, train.make_schedule(50, 7, 256, 4096, 128, 4096, 16384))
+        self.assertNotEqual(a, train.make_schedule(50, 8, 256, 4096, 128, 4096, 16384))
+        self.assertGreater(len({b * l for b, l in a}), 30)
+        for b, l in a:
+            self.assertTrue(256 <= l <= 4096 and (l - 256) % 128 == 0 and b >= 1 and b * l <= 16384)
+
+    def test_nccl_sizes_double(self):
+        s = nccl_allreduce.sizes(1, 1024)
+        self.assertEqual(s[0], 1 << 20)
+        self.assertEqual(s[-1], 1 << 30)
+        self.assertEqual(len(s), 11)
+
+
+def train_result(alloc, bits, step_s, peak, max_alloc=None, mapped_peak=None):
+    r = {"script": "train", "alloc": alloc, "loss_bits": bits, "step_s": step_s,
+         "median_step_s": sorted(step_s[1:])[len(step_s[1:]) // 2], "config": {"warmup": 1},
+         "peak_driver_used": peak, "pass": True, "env": {"device": "test"}}
+    if max_alloc is not None:
+        r["torch_max_memory_allocated"] = max_alloc
+    if mapped_peak is not None:
+        r["cuvmm_mapped_peak"] = mapped_peak
+    return r
+
+
+class Compare(unittest.TestCase):
+    def test_passes_when_within_bounds(self):
+        native = train_result("native", ["aa", "bb"], [9.0, 1.0, 1.0, 1.0], 110, max_alloc=100)
+        cuvmm = train_result("cuvmm", ["aa", "bb"], [9.0, 1.01, 1.01, 1.01], 104, mapped_peak=103)
+        _, checks, rows = compare.compare_train([("n", native), ("c", cuvmm)])
+        self.assertTrue(all(checks.values()), checks)
+        self.assertEqual(len(rows), 2)
+
+    def test_each_bound_fails_on_its_own(self):
+        native = train_result("native", ["aa", "bb"], [9.0, 1.0, 1.0, 1.0], 110, max_alloc=100)
+        cases = {
+            "losses": train_result("cuvmm", ["aa", "bc"], [9.0, 1.0, 1.0, 1.0], 100, mapped_peak=100),
+            "time": train_result("cuvmm", ["aa", "bb"], [9.0, 1.03, 1.03, 1.03], 100, mapped_peak=100),
+            "peak driver": train_result("cuvmm", ["aa", "bb"], [9.0, 1.0, 1.0, 1.0], 106, mapped_peak=100),
+            "mapped_peak": train_result("cuvmm", ["aa", "bb"], [9.0, 1.0, 1.0, 1.0], 100, mapped_peak=106),
+        }
+        for what, run in cases.items():
+            _, checks, _ = compare.compare_train([("n", native), ("c", run)])
+            failed = [k for k, v in checks.items() if not v]
+            self.assertEqual(len(failed), 1, (what, failed))
+            self.assertIn(what, failed[0])
+
+    def test_pool_is_held_to_native_driver_peak_unless_asked(self):
+        native = train_result("native", ["aa", "bb"], [9.0, 1.0, 1.0, 1.0], 130, max_alloc=100)
+        pool = train_result("cuvmm-pool", ["aa", "bb"], [9.0, 1.0, 1.0, 1.0], 131, mapped_peak=130)
+        _, checks, _ = compare.compare_train([("n", native), ("p", pool)])
+        self.assertTrue(all(checks.values()), checks)
+        _, checks, _ = compare.compare_train([("n", native), ("p", pool)], pool_mem_ref="allocated")
+        self.assertEqual(sum(not v for v in checks.values()), 2)
+
+    def test_nccl_single_rank_has_no_bus_ratio(self):
+        r = {"script": "nccl_allreduce", "alloc": "native", "sizes": [1 << 20], "busbw_gbps": [0.0], "pass": True}
+        _, checks, rows = compare.compare_nccl([("a", r), ("b", dict(r, alloc="cuvmm"))])
+        self.assertTrue(all(checks.values()))
+        self.assertIn("n/a", rows[1])
+
+    def test_no_native_run_fails(self):
+        _, checks, _ = compare.compare_train([("c", train_result("cuvmm", ["aa"], [1.0, 1.0], 1))])
+        self.assertFalse(all(checks.values()))
+
+    def test_main_reads_files_and_sets_status(self):
+        with tempfile.TemporaryDirectory() as d:
+            a, b = Path(d, "a.json"), Path(d, "b.json")
+            a.write_text(json.dumps(train_result("native", ["aa"], [5.0, 1.0], 10, max_alloc=10)) + "\n")
+            b.write_text(json.dumps(train_result("cuvmm", ["aa"], [5.0, 1.0], 10, mapped_peak=10)) + "\n")
+            quiet = io.StringIO()
+            with contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet):
+                self.assertEqual(compare.main([str(a), str(b)]), 0)
+                b.write_text(json.dumps(train_result("cuvmm", ["ab"], [5.0, 1.0], 10)) + "\n")
+                self.assertEqual(compare.main([str(a), str(b)]), 1)
+            self.assertIn("RESULT ", quiet.getvalue())
+
+
+class FindLibrary(unittest.TestCase):
+    def test_explicit_path_must_exist(self):
+        with self.assertRaises(FileNotFoundError):
+            cuvmm_torch.find_library("/nonexistent/libcuvmm.so")
+
+    def test_env_wins_over_search_and_must_exist(self):
+        with tempfile.TemporaryDirectory() as d:
+            lib = Path(d, "libcuvmm.so")
+            lib.write_bytes(b"")
+            old = os.environ.get("CUVMM_LIB")
+            try:
+                os.environ["CUVMM_LIB"] = str(lib)
+                self.assertEqual(cuvmm_torch.find_library(), str(lib.resolve()))
+                os.environ["CUVMM_LIB"] = str(lib) + ".missing"
+                with self.assertRaises(FileNotFoundError):
+                    cuvmm_torch.find_library()
+            finally:
+                if old is None:
+                    os.environ.pop("CUVMM_LIB", None)
+                else:
+                    os.environ["CUVMM_LIB"] = old
+
+    def test_struct_layout_matches_header(self):
+        n = len(cuvmm_torch.STAT_FIELDS)
+        self.assertGreaterEqual(cuvmm_torch.ctypes.sizeof(cuvmm_torch.Stats), 2 * n * 8)
+        self.assertEqual(cuvmm_torch.Stats.graph_held.offset, 8 * cuvmm_torch.STAT_FIELDS.index("graph_held"))
+        self.assertEqual(cuvmm_torch.ctypes.sizeof(cuvmm_torch.TagStats), 3 * 8 + 2 * 4)
+        header = (Path(__file__).resolve().parents[2] / "include" / "cuvmm.h").read_text()
+        body = header.split("typedef struct cuvmm_stats {")[1].split("}")[0]
+        names = re.findall(r"uint64_t\s+(\w+)\s*;", body)
+        self.assertEqual(tuple(names), cuvmm_torch.STAT_FIELDS)
+
+
+FAKE_LIB = r"""
+#include <stdint.h>
+#include <string.h>
+#include <sys/types.h>
+static const char *err;
+void *cuvmm_malloc(ssize_t s, int d, void *st) { return 0; }
+void cuvmm_free(void *p, ssize_t s, int d, void *st) {}
+void *cuvmm_pool_malloc(ssize_t s, int d, void *st) { return 0; }
+void cuvmm_pool_free(void *p, ssize_t s, int d, void *st) {}
+int cuvmm_get_stats(int d, uint64_t *out) {
+    if (d != 0) { err = "cuvmm_get_stats: no device 1"; return -1; }
+    for (int i = 0; i < 15; i++) out[i] = 100 + i;
+    return 0;
+}
+ssize_t cuvmm_stats_json(char *buf, size_t len) {
+    const char *j = "{\"0\":{\"live\":100}}";
+    size_t n = strlen(j);
+    if (buf && len > n) memcpy(buf, j, n + 1);
+    return n;
+}
+int cuvmm_reset_peaks(int d) { return 0; }
+int cuvmm_empty_cache(int d) { err = "cuvmm_empty_cache: refused while capturing"; return -1; }
+int cuvmm_release_graph_memory(int d) { return 0; }
+const char *cuvmm_last_error(void) { return err; }
+"""
+
+
+@unittest.skipUnless(shutil.which("cc"), "needs a C compiler")
+class CtypesLayer(unittest.TestCase):
+    """cuvmm_torch's ctypes declarations against a fake library with the header's shape."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.dir = tempfile.TemporaryDirectory()
+        src, so = Path(cls.dir.name, "fake.c"), Path(cls.dir.name, "libcuvmm.so")
+        src.write_text(FAKE_LIB)
+        subprocess.run(["cc", "-shared", "-fPIC", "-o", str(so), str(src)], check=True)
+        cuvmm_torch._lib = None
+        cuvmm_torch.load(so)
+
+    @classmethod
+    def tearDownClass(cls):
+        cuvmm_torch._lib = None
+        cls.dir.cleanup()
+
+    def test_stats_fields_in_order(self):
+        st = cuvmm_torch.stats(0)
+        self.assertEqual(list(st), list(cuvmm_torch.STAT_FIELDS))
+        self.assertEqual(list(st.values()), list(range(100, 115)))
+
+    def test_errors_carry_the_library_text(self):
+        with self.assertRaisesRegex(RuntimeError, "no device 1"):
+            cuvmm_torch.stats(1)
+        with self.assertRaisesRegex(RuntimeError, "refused while capturing"):
+            cuvmm_torch.empty_cache()
+        self.assertIn("refused", cuvmm_torch.last_error())
+
+    def test_stats_json_parsed(self):
+        self.assertEqual(cuvmm_torch.stats_json(), {"0": {"live": 100}})
+
+    def test_missing_sleep_abi_is_reported_not_crashed(self):
+        self.assertFalse(cuvmm_torch.has_sleep())
+        with self.assertRaisesRegex(RuntimeError, "has no cuvmm_sleep"):
+            cuvmm_torch.sleep("weights")
+        cuvmm_torch.reset_peaks()
+        cuvmm_torch.release_graph_memory(0)
+
+
+if __name__ == "__main__":
+    unittest.main()
