@@ -101,3 +101,79 @@ fn the_tour_without_a_driver_prints_one_clear_line_and_fails() {
     assert!(err.starts_with("cuvmm: no CUDA driver found"), "{err}");
     let _ = std::fs::remove_dir_all(dir);
 }
+
+// `cuvmm bench trace` reads its trace before it needs a driver: a bad file is one clear line on
+// any machine.
+
+use std::path::PathBuf;
+
+/// A file with `text` in Cargo's scratch folder (the system's temporary folder for a copied test
+/// executable).
+fn file(name: &str, text: &[u8]) -> PathBuf {
+    let scratch = PathBuf::from(env!("CARGO_TARGET_TMPDIR"));
+    let base = if scratch.is_dir() { scratch } else { std::env::temp_dir() };
+    let dir = base.join(format!("cuvmm-trace-test-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let path = dir.join(name);
+    std::fs::write(&path, text).expect("write trace");
+    path
+}
+
+/// Runs `cuvmm bench trace ARGS` with no driver to be found; returns (exit code, stderr).
+fn trace(args: &[&std::ffi::OsStr]) -> (Option<i32>, String) {
+    let out = Command::new(cuvmm_bin())
+        .args(["bench", "trace"])
+        .args(args)
+        .env("CUVMM_LIBCUDA", "/nonexistent/libcuda.so.1")
+        .output()
+        .unwrap();
+    assert!(out.stdout.is_empty(), "{}", String::from_utf8_lossy(&out.stdout));
+    (out.status.code(), String::from_utf8(out.stderr).unwrap())
+}
+
+const HEADER: &str = "# cuvmm trace v1: op t_ns device stream size ptr\n";
+
+#[test]
+fn a_bad_trace_is_refused_naming_the_file_and_line_before_the_driver_is_needed() {
+    let path = file("unknown-free.trace", format!("{HEADER}a 1 0 0x0 8 0x10\nf 2 0 0x0 8 0x20\n").as_bytes());
+    let (code, err) = trace(&[path.as_os_str()]);
+    assert_eq!(code, Some(1));
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(
+        err.contains(&format!("trace {}: line 3: free of 0x20, which is not live", path.display())),
+        "{err}"
+    );
+    assert!(!err.contains("panicked"), "{err}");
+
+    let path = file("binary.trace", b"\x7fELF\x02\x01\x01\0\0\0\0\n");
+    let (code, err) = trace(&[path.as_os_str()]);
+    assert_eq!(code, Some(1));
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(err.contains("line 1: "), "{err}");
+}
+
+#[test]
+fn a_missing_trace_file_says_so() {
+    let path = file("x", b"").with_file_name("no-such.trace");
+    let (code, err) = trace(&[path.as_os_str()]);
+    assert_eq!(code, Some(1));
+    assert!(err.contains(&format!("trace {}: cannot open: ", path.display())), "{err}");
+}
+
+#[test]
+fn a_trace_without_records_of_the_device_is_refused() {
+    let path = file("device1.trace", format!("{HEADER}a 1 1 0x0 8 0x10\n").as_bytes());
+    let (code, err) = trace(&[path.as_os_str()]);
+    assert_eq!(code, Some(1));
+    assert!(err.contains("no successful allocation of device 0"), "{err}");
+}
+
+#[test]
+fn a_good_trace_or_none_gets_as_far_as_the_driver() {
+    let path = file("good.trace", format!("{HEADER}a 1 0 0x0 8 0x10\nf 2 0 0x0 8 0x10\n").as_bytes());
+    for args in [vec![path.as_os_str()], vec![]] {
+        let (code, err) = trace(&args);
+        assert_eq!(code, Some(1));
+        assert!(err.starts_with("cuvmm: no CUDA driver found"), "{err}");
+    }
+}

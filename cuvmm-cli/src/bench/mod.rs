@@ -13,7 +13,9 @@ pub mod ipc;
 pub mod order;
 pub mod overlap;
 pub mod peer;
+pub mod sleep;
 pub mod soak;
+pub mod trace;
 pub mod vmm_ops;
 
 use std::time::{Duration, Instant};

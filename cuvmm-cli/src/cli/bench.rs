@@ -2,7 +2,7 @@
 
 use super::size::{parse_size, parse_sizes, show};
 use super::CliResult;
-use crate::bench::{alloc, bandwidth, events, grow, ipc, order, overlap, peer, vmm_ops};
+use crate::bench::{alloc, bandwidth, events, grow, ipc, order, overlap, peer, sleep, trace, vmm_ops};
 use clap::Subcommand;
 use cuvmm::host::Staging;
 use cuvmm::vmm::ChunkPolicy;
@@ -117,6 +117,51 @@ pub enum Bench {
         /// Allocation sizes.
         #[arg(long, default_value = "4KiB,64KiB,1MiB,16MiB,64MiB", value_parser = parse_sizes)]
         sizes: std::vec::Vec<usize>,
+        /// Device ordinal.
+        #[arg(long, default_value_t = 0)]
+        device: usize,
+        /// JSON lines instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Replay an allocation trace (libcuvmm.so's `CUVMM_ALLOC_CONF=trace=PATH`) against cuvmm's
+    /// stream allocator, the driver's stream-ordered pool and cuMemAlloc: host time per call, peak
+    /// memory; then cached allocate+free pairs.
+    Trace {
+        /// The trace file; without one, a synthetic transformer-like trace.
+        path: Option<std::path::PathBuf>,
+        /// Measured passes per allocator (after one warm-up pass each).
+        #[arg(long, default_value_t = 3)]
+        reps: usize,
+        /// Allocate+free pairs per batch of the cached-pair measure (0 skips it).
+        #[arg(long, default_value_t = 1_000_000)]
+        pairs: usize,
+        /// Sizes of the cached-pair measure.
+        #[arg(long, default_value = "4KiB,1MiB", value_parser = parse_sizes)]
+        pair_sizes: std::vec::Vec<usize>,
+        /// Device ordinal to replay on; the trace's records of this device are replayed unless
+        /// --trace-device says otherwise.
+        #[arg(long, default_value_t = 0)]
+        device: usize,
+        /// Replay the trace's records of this device (default: --device).
+        #[arg(long)]
+        trace_device: Option<i32>,
+        /// JSON lines instead of tables.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Put tagged memory to sleep and wake it (with offload and discarding), beside the pinned
+    /// copy bounds measured in the same run.
+    Sleep {
+        /// Bytes tagged.
+        #[arg(long, default_value = "16GiB", value_parser = parse_size)]
+        size: usize,
+        /// Bytes per allocation.
+        #[arg(long, default_value = "1GiB", value_parser = parse_size)]
+        block: usize,
+        /// Sleep and wake cycles measured after the first.
+        #[arg(long, default_value_t = 3)]
+        reps: usize,
         /// Device ordinal.
         #[arg(long, default_value_t = 0)]
         device: usize,
@@ -390,6 +435,76 @@ pub fn run(b: Bench) -> CliResult {
                 }
             }
         }
+        Bench::Trace { path, reps, pairs, pair_sizes, device, trace_device, json } => {
+            let records = match trace_device {
+                Some(d) => d,
+                None => {
+                    i32::try_from(device).map_err(|_| crate::bench::invalid("device ordinal too large"))?
+                }
+            };
+            // Read before touching the driver: a bad file is reported on any machine.
+            let t = match &path {
+                Some(p) => trace::load(p, records)?,
+                None => trace::synthetic()?,
+            };
+            let ctx = Context::for_ordinal(device)?;
+            let cfg = trace::TraceConfig { reps, pairs, pair_sizes };
+            let r = trace::run(&ctx, &t, &cfg)?;
+            print_trace(&mut out, &ctx.device().name()?, path.as_deref(), &t, &r, json)?;
+        }
+        Bench::Sleep { size, block, reps, device, json } => {
+            let ctx = Context::for_ordinal(device)?;
+            let r = sleep::run(&ctx, size, block, reps)?;
+            if json {
+                let line = json!({"bench": "sleep", "bytes": r.bytes, "d2h_bound_ms": r.d2h_bound_ms,
+                    "h2d_bound_ms": r.h2d_bound_ms, "first_offload_ms": r.first_offload_ms,
+                    "offload_ms": r.offload_ms, "offload_ratio": r.offload_ratio(), "wake_ms": r.wake_ms,
+                    "wake_ratio": r.wake_ratio(), "discard_ms": r.discard_ms, "discard_wake_ms": r.discard_wake_ms,
+                    "freed_ratio": r.freed_ratio, "mismatches": r.mismatches});
+                writeln!(out, "{line}")?;
+            } else {
+                let gbs = |ms: f64| r.bytes as f64 / ms / 1e6;
+                writeln!(
+                    out,
+                    "{}: sleep and wake of {} tagged in {} blocks, {} cycles after the first",
+                    ctx.device().name()?,
+                    show(r.bytes),
+                    show(block),
+                    reps
+                )?;
+                writeln!(out, "| step | ms | GB/s | bound ms | ratio |")?;
+                writeln!(out, "|---|---|---|---|---|")?;
+                writeln!(
+                    out,
+                    "| sleep, offload | {:.1} | {:.1} | {:.1} (pinned D2H) | {:.3} |",
+                    r.offload_ms,
+                    gbs(r.offload_ms),
+                    r.d2h_bound_ms,
+                    r.offload_ratio()
+                )?;
+                writeln!(
+                    out,
+                    "| wake, restore | {:.1} | {:.1} | {:.1} (pinned H2D) | {:.3} |",
+                    r.wake_ms,
+                    gbs(r.wake_ms),
+                    r.h2d_bound_ms,
+                    r.wake_ratio()
+                )?;
+                writeln!(out, "| sleep, discard | {:.2} | | | |", r.discard_ms)?;
+                writeln!(out, "| wake after discard | {:.2} | | | |", r.discard_wake_ms)?;
+                writeln!(
+                    out,
+                    "first sleep with offload (pins its host backup): {:.1} ms",
+                    r.first_offload_ms
+                )?;
+                writeln!(
+                    out,
+                    "driver free memory gained by a sleep: {:.3} of the tagged bytes (lowest of the runs)",
+                    r.freed_ratio
+                )?;
+                writeln!(out, "elements changed across sleep and wake: {}", r.mismatches)?;
+            }
+        }
         Bench::Ipc { size, device, json, child } => {
             let ctx = Context::for_ordinal(device)?;
             if let Some(path) = child {
@@ -637,6 +752,190 @@ pub(super) fn print_overlap(
             s.total_ms / longest,
             s.total_ms / r.bound()
         )?;
+    }
+    Ok(())
+}
+
+/// The trace replay's report.
+pub(super) fn print_trace(
+    out: &mut impl Write,
+    name: &str,
+    path: Option<&std::path::Path>,
+    t: &trace::Trace,
+    r: &trace::TraceReport,
+    json: bool,
+) -> CliResult {
+    let source = match path {
+        Some(p) => format!("file {}", p.display()),
+        None => trace::SYNTHETIC.to_string(),
+    };
+    let threshold = "release threshold of the default pool raised to u64::MAX for the run, restored after";
+    if json {
+        writeln!(
+            out,
+            "{}",
+            json!({"bench": "trace", "device": name, "source": if path.is_some() { "file" } else { "synthetic" },
+                   "path": path.map(|p| p.display().to_string()), "trace_device": t.device, "ops": t.ops.len(),
+                   "allocations": t.allocations, "frees": t.frees, "freed_at_end": t.unfreed,
+                   "null_allocations_skipped": t.null_allocations, "other_device_records_skipped": t.other_devices,
+                   "streams": t.streams.len(), "peak_live": r.peak_live, "peak_op_index": r.peak_op, "reps": r.reps,
+                   "interleaved": r.interleaved, "free_at_start": r.free_at_start, "timer_ns": r.timer_ns,
+                   "pool_release_threshold": threshold})
+        )?;
+        for row in &r.rows {
+            let line = match &row.outcome {
+                trace::Outcome::Measured(m) => {
+                    let vs = r.vs_cuvmm(row);
+                    json!({"bench": "trace", "allocator": row.key, "alloc_median_ns": m.alloc_median_ns,
+                           "alloc_p99_ns": m.alloc_p99_ns, "free_median_ns": m.free_median_ns,
+                           "free_p99_ns": m.free_p99_ns, "total_ms": m.total_ms, "peak_physical": m.peak_physical,
+                           "peak_physical_is": row.physical, "physical_over_live": m.peak_physical as f64 / r.peak_live as f64,
+                           "alloc_median_vs_cuvmm": vs.map(|v| v.0), "free_median_vs_cuvmm": vs.map(|v| v.1)})
+                }
+                trace::Outcome::Unsupported(why) => {
+                    json!({"bench": "trace", "allocator": row.key, "unsupported": why})
+                }
+                trace::Outcome::Failed(why) => json!({"bench": "trace", "allocator": row.key, "failed": why}),
+            };
+            writeln!(out, "{line}")?;
+        }
+        for p in &r.pair_rows {
+            let fig = |v: &Result<f64, String>| match v {
+                Ok(ns) => json!(ns),
+                Err(why) => json!({"error": why}),
+            };
+            writeln!(
+                out,
+                "{}",
+                json!({"bench": "trace", "pair_size": p.size, "pairs": r.pairs, "batches": trace::PAIR_BATCHES,
+                       "cuvmm_ns": fig(&p.cuvmm_ns), "pool_ns": fig(&p.pool_ns), "goal_ns": trace::PAIR_GOAL_NS})
+            )?;
+        }
+        return Ok(());
+    }
+
+    writeln!(out, "trace: {source}")?;
+    writeln!(
+        out,
+        "  device {} records: {} allocations, {} frees, {} never freed (freed at the end); {} null allocations \
+         and {} records of other devices skipped; {} streams",
+        t.device,
+        t.allocations,
+        t.frees,
+        t.unfreed,
+        t.null_allocations,
+        t.other_devices,
+        t.streams.len()
+    )?;
+    writeln!(
+        out,
+        "  peak live {} (sizes asked for, alive at once), reached at op {} of {}",
+        show(r.peak_live as usize),
+        r.peak_op + 1,
+        t.ops.len()
+    )?;
+    writeln!(
+        out,
+        "replayed on {name}, one stream per trace stream, no kernels: 1 warm-up pass, then {} measured passes per allocator{}",
+        r.reps,
+        if r.interleaved { ", taking turns pass by pass" } else { "" }
+    )?;
+    if !r.interleaved {
+        writeln!(
+            out,
+            "  each allocator ran alone and gave its cache back before the next: 4x the peak live is more than the {} free at the start",
+            show(r.free_at_start as usize)
+        )?;
+    }
+    writeln!(out, "  cuMemAllocAsync: {threshold}, so that it caches like the others")?;
+    writeln!(
+        out,
+        "  host time around each call; the clock's own {:.0} ns is part of every per-call figure",
+        r.timer_ns
+    )?;
+    writeln!(
+        out,
+        "{:<22} {:>11} {:>11} {:>11} {:>11} {:>10} {:>13} {:>7} {:>11} {:>10}",
+        "allocator",
+        "alloc ns",
+        "alloc p99",
+        "free ns",
+        "free p99",
+        "replay ms",
+        "peak physical",
+        "/ live",
+        "alloc/cuvmm",
+        "free/cuvmm"
+    )?;
+    for row in &r.rows {
+        match &row.outcome {
+            trace::Outcome::Measured(m) => {
+                let (va, vf) = match r.vs_cuvmm(row) {
+                    Some((a, f)) => (format!("{a:.2}x"), format!("{f:.2}x")),
+                    None => ("-".into(), "-".into()),
+                };
+                writeln!(
+                    out,
+                    "{:<22} {:>11.0} {:>11.0} {:>11.0} {:>11.0} {:>10.2} {:>13} {:>7.3} {:>11} {:>10}",
+                    row.name,
+                    m.alloc_median_ns,
+                    m.alloc_p99_ns,
+                    m.free_median_ns,
+                    m.free_p99_ns,
+                    m.total_ms,
+                    show(m.peak_physical as usize),
+                    m.peak_physical as f64 / r.peak_live as f64,
+                    va,
+                    vf
+                )?;
+            }
+            trace::Outcome::Unsupported(why) => writeln!(out, "{:<22} unsupported: {why}", row.name)?,
+            trace::Outcome::Failed(why) => writeln!(out, "{:<22} failed: {why}", row.name)?,
+        }
+    }
+    writeln!(out, "ns are medians and 99th percentiles over every call of the measured passes; replay ms the median pass")?;
+    writeln!(out, "peak physical, the most over the measured passes:")?;
+    for row in &r.rows {
+        writeln!(out, "  {:<22} {}", row.name, row.physical)?;
+    }
+    if r.pair_rows.is_empty() {
+        return Ok(());
+    }
+    writeln!(
+        out,
+        "\nns per cached allocate+free pair of one size on one stream (median of {} batches of {}; cuvmm's goal ≤ {:.0} ns)",
+        trace::PAIR_BATCHES,
+        r.pairs,
+        trace::PAIR_GOAL_NS
+    )?;
+    writeln!(
+        out,
+        "{:>9} {:>10} {:>6} {:>16} {:>12}",
+        "size", "cuvmm", "goal", "cuMemAllocAsync", "pool/cuvmm"
+    )?;
+    let mut notes = Vec::new();
+    for p in &r.pair_rows {
+        let fig = |v: &Result<f64, String>, notes: &mut Vec<String>| match v {
+            Ok(ns) => format!("{ns:.1}"),
+            Err(why) => {
+                notes.push(why.clone());
+                format!("[{}]", notes.len())
+            }
+        };
+        let goal = match p.cuvmm_ns {
+            Ok(ns) if ns <= trace::PAIR_GOAL_NS => "met",
+            Ok(_) => "missed",
+            Err(_) => "-",
+        };
+        let ratio = match (&p.cuvmm_ns, &p.pool_ns) {
+            (Ok(c), Ok(q)) => format!("{:.2}x", q / c),
+            _ => "-".into(),
+        };
+        let (c, q) = (fig(&p.cuvmm_ns, &mut notes), fig(&p.pool_ns, &mut notes));
+        writeln!(out, "{:>9} {c:>10} {goal:>6} {q:>16} {ratio:>12}", show(p.size))?;
+    }
+    for (i, why) in notes.iter().enumerate() {
+        writeln!(out, "  [{}] {why}", i + 1)?;
     }
     Ok(())
 }

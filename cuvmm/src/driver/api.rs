@@ -162,6 +162,7 @@ entry_points! {
     optional fn cuMemFreeAsync @ 11020 (dptr: CUdeviceptr, stream: CUstream);
     optional fn cuDeviceGetDefaultMemPool @ 11020 (pool: *mut CUmemoryPool, dev: CUdevice);
     optional fn cuMemPoolSetAttribute @ 11020 (pool: CUmemoryPool, attr: CUmemPool_attribute, value: *mut c_void);
+    optional fn cuMemPoolGetAttribute @ 11020 (pool: CUmemoryPool, attr: CUmemPool_attribute, value: *mut c_void);
     optional fn cuMemPoolTrimTo @ 11020 (pool: CUmemoryPool, keep: usize);
 }
 

@@ -163,6 +163,7 @@ int_enum!(
     /// `CUmemPool_attribute` (only those this crate sets).
     CUmemPool_attribute: c_int {
         RELEASE_THRESHOLD = 4,
+        RESERVED_MEM_HIGH = 6,
     }
 );
 int_enum!(

@@ -1,0 +1,163 @@
+//! `cuvmm bench sleep`: putting tagged memory to sleep and waking it, beside the copy bounds.
+//!
+//! The bounds are measured in the same run: one asynchronous copy of the whole size between the
+//! device and pinned host memory, each way, timed with events. A sleep with offload must copy as
+//! much to the host, a wake as much back, so those copies are what they are judged against. The
+//! first sleep also pins its host backup (kept for later sleeps); it is reported apart.
+
+use super::{invalid, median};
+use cuvmm::alloc::{SleepMode, StreamAllocator, Tag};
+use cuvmm::context::Context;
+use cuvmm::error::Result;
+use cuvmm::host::PinnedBuffer;
+use cuvmm::kernels::Kernels;
+use cuvmm::memory::{DeviceSlice, DeviceSliceMut};
+use cuvmm::stream::{Event, Stream};
+use std::time::Instant;
+
+/// What one run measured (milliseconds unless named otherwise).
+#[derive(Clone, Debug, Default)]
+pub struct SleepReport {
+    /// Bytes tagged and put to sleep.
+    pub bytes: usize,
+    /// One device-to-pinned-host copy of `bytes` (median).
+    pub d2h_bound_ms: f64,
+    /// One pinned-host-to-device copy of `bytes` (median).
+    pub h2d_bound_ms: f64,
+    /// The first sleep with offload (pins its backup).
+    pub first_offload_ms: f64,
+    /// Later sleeps with offload (median).
+    pub offload_ms: f64,
+    /// Wakes after an offloading sleep, contents restored (median).
+    pub wake_ms: f64,
+    /// Sleeps that drop the contents (median).
+    pub discard_ms: f64,
+    /// Wakes after those (median).
+    pub discard_wake_ms: f64,
+    /// Driver free memory gained by a sleep, over the tagged bytes mapped before it.
+    pub freed_ratio: f64,
+    /// Elements that differed from what was written, over every wake that restored contents.
+    pub mismatches: u64,
+}
+
+impl SleepReport {
+    /// Sleep with offload over the device-to-host bound.
+    pub fn offload_ratio(&self) -> f64 {
+        self.offload_ms / self.d2h_bound_ms
+    }
+
+    /// Wake over the host-to-device bound.
+    pub fn wake_ratio(&self) -> f64 {
+        self.wake_ms / self.h2d_bound_ms
+    }
+}
+
+fn ms(start: Instant) -> f64 {
+    start.elapsed().as_secs_f64() * 1e3
+}
+
+/// Tags `bytes` (in `block`-byte allocations), then sleeps and wakes them `reps` times each way.
+pub fn run(ctx: &Context, bytes: usize, block: usize, reps: usize) -> Result<SleepReport> {
+    if block == 0 || block % 4 != 0 || bytes < block || reps == 0 {
+        return Err(invalid("need 0 < block <= size, block a multiple of 4, and reps > 0"));
+    }
+    let k = Kernels::load(ctx)?;
+    let alloc = StreamAllocator::new(ctx)?;
+    let s = Stream::non_blocking(ctx)?;
+    let tag = Tag::new("bench-sleep")?;
+    let blocks: Vec<_> =
+        (0..bytes / block).map(|_| alloc.allocate_tagged(block, &s, tag)).collect::<Result<_>>()?;
+    let n = block / 4;
+    let fill = |seed: u32| -> Result<()> {
+        for (i, b) in blocks.iter().enumerate() {
+            // SAFETY: a live block of `n` words, used only on `s`.
+            let mut v = unsafe { DeviceSliceMut::<u32>::from_raw_parts(b.ptr(), n) };
+            k.pattern_u32(&s, &mut v, (i * n) as u64, seed)?;
+        }
+        s.synchronize()
+    };
+    let check = |seed: u32| -> Result<u64> {
+        let mut bad = 0;
+        for (i, b) in blocks.iter().enumerate() {
+            // SAFETY: as in `fill`.
+            let v = unsafe { DeviceSlice::<u32>::from_raw_parts(b.ptr(), n) };
+            bad += k.count_pattern_mismatches(&s, &v, (i * n) as u64, seed)?;
+        }
+        Ok(bad)
+    };
+    let total = blocks.len() * block;
+    let mut r = SleepReport { bytes: total, ..SleepReport::default() };
+
+    // The bounds: the whole size in one copy each way, pinned host memory, device events.
+    {
+        let host = PinnedBuffer::<u8>::new(ctx, block)?;
+        let (start, end) = (Event::new(ctx)?, Event::new(ctx)?);
+        let api = cuvmm::driver::driver()?.api();
+        // Every block through the one host buffer, one way; milliseconds by device events.
+        let pass = |to_host: bool| -> Result<f64> {
+            start.record(&s)?;
+            for b in &blocks {
+                // SAFETY: the device range is a live block; the host buffer outlives the copy
+                // (synchronised below) and nothing else touches it.
+                unsafe {
+                    if to_host {
+                        api.cuMemcpyDtoHAsync(host.base_ptr().cast(), b.ptr(), block, s.raw())
+                    } else {
+                        api.cuMemcpyHtoDAsync(b.ptr(), host.base_ptr().cast(), block, s.raw())
+                    }
+                }?;
+            }
+            end.record(&s)?;
+            end.synchronize()?;
+            Ok(start.elapsed_ms(&end)? as f64)
+        };
+        pass(true)?;
+        pass(false)?;
+        let mut d2h = Vec::new();
+        let mut h2d = Vec::new();
+        for _ in 0..reps {
+            d2h.push(pass(true)?);
+            h2d.push(pass(false)?);
+        }
+        r.d2h_bound_ms = median(&d2h);
+        r.h2d_bound_ms = median(&h2d);
+    }
+
+    let (mut off, mut wake, mut disc, mut dwake) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    for rep in 0..=reps {
+        let seed = 1000 + rep as u32;
+        fill(seed)?;
+        let mapped = alloc.tag_stats(tag).mapped;
+        let free_before = ctx.memory_info()?.free;
+        let t = Instant::now();
+        alloc.sleep(tag, SleepMode::Offload)?;
+        let took = ms(t);
+        let gained = ctx.memory_info()?.free.saturating_sub(free_before);
+        let ratio = gained as f64 / mapped as f64;
+        r.freed_ratio = if rep == 0 { ratio } else { r.freed_ratio.min(ratio) };
+        if rep == 0 {
+            r.first_offload_ms = took;
+        } else {
+            off.push(took);
+        }
+        let t = Instant::now();
+        alloc.wake(tag)?;
+        let took = ms(t);
+        if rep > 0 {
+            wake.push(took);
+        }
+        r.mismatches += check(seed)?;
+
+        let t = Instant::now();
+        alloc.sleep(tag, SleepMode::Discard)?;
+        disc.push(ms(t));
+        let t = Instant::now();
+        alloc.wake(tag)?;
+        dwake.push(ms(t));
+    }
+    r.offload_ms = median(&off);
+    r.wake_ms = median(&wake);
+    r.discard_ms = median(&disc);
+    r.discard_wake_ms = median(&dwake);
+    Ok(r)
+}

@@ -1,0 +1,1507 @@
+//! `cuvmm bench trace`: an allocation trace replayed against cuvmm's
+//! [`StreamAllocator`], the driver's stream-ordered pool (`cuMemAllocAsync`) and `cuMemAlloc`:
+//! host time per call and peak memory of each.
+//!
+//! The trace is what libcuvmm.so writes with `CUVMM_ALLOC_CONF=trace=PATH`:
+//!
+//! ```text
+//! # cuvmm trace v1: op t_ns device stream size ptr
+//! a 1200 0 0x5581c0 4096 0x7f0000000000
+//! f 1900 0 0x5581c0 4096 0x7f0000000000
+//! ```
+//!
+//! The replay follows the order of the lines, not `t_ns`: threads take their time stamp before the
+//! file's lock, so stamps may run backwards while the lines keep the order the allocator saw.
+//! Allocations that returned null (failures, size 0) are skipped. A free's size is the caller's
+//! and goes unused, as libcuvmm.so ignores it too. Blocks never freed are freed after the last
+//! line, on their own streams, so that every pass ends empty.
+//!
+//! Each stream of the trace gets a non-blocking stream of its own (the legacy stream, named 0x0 or
+//! 0x1, is one of them) and no kernel runs: what is measured is the allocators' own cost. Each
+//! allocator replays the whole trace once to warm its cache, as after the first step of a long
+//! run; the measured passes then take turns between allocators, so that drift in the machine falls
+//! on all of them alike.
+
+use super::median;
+use cuvmm::alloc::{GraphMemory, StreamAllocator};
+use cuvmm::context::Context;
+use cuvmm::driver::{driver, sys::*, Api};
+use cuvmm::error::{Error, Result};
+use cuvmm::stream::Stream;
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::fmt;
+use std::io::BufRead;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+/// The first line of a trace.
+pub const HEADER: &str = "# cuvmm trace v1: op t_ns device stream size ptr";
+
+/// One call of a trace. Allocations are numbered in trace order; streams by first use.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Op {
+    /// Allocation `id`, `size` bytes, on stream number `stream`.
+    Alloc {
+        /// Number of the allocation.
+        id: u32,
+        /// Stream number.
+        stream: u32,
+        /// Bytes asked for.
+        size: u64,
+    },
+    /// Free of allocation `id` on stream number `stream`.
+    Free {
+        /// Number of the allocation.
+        id: u32,
+        /// Stream number.
+        stream: u32,
+        /// The allocation's size.
+        size: u64,
+    },
+}
+
+/// A parsed trace: one device's calls, ready to replay.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Trace {
+    /// The calls in trace order, then frees of the blocks never freed.
+    pub ops: Vec<Op>,
+    /// Raw handle of each stream number, as the trace names it first.
+    pub streams: Vec<u64>,
+    /// The device whose records these are.
+    pub device: i32,
+    /// Successful allocations.
+    pub allocations: usize,
+    /// Frees in the trace.
+    pub frees: usize,
+    /// Allocations never freed in the trace (freed at the end of the replay).
+    pub unfreed: usize,
+    /// Allocations that returned null, skipped.
+    pub null_allocations: usize,
+    /// Records of other devices, skipped.
+    pub other_devices: usize,
+}
+
+/// Why a trace was refused. Lines count from 1.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum TraceError {
+    /// The file could not be read.
+    Read {
+        /// Line being read.
+        line: usize,
+        /// The system's message.
+        why: String,
+    },
+    /// The first line is not [`HEADER`].
+    Header {
+        /// What the first line says (shortened).
+        found: String,
+    },
+    /// A record without six fields.
+    Fields {
+        /// The line.
+        line: usize,
+        /// How many fields it has.
+        found: usize,
+    },
+    /// An operation other than `a` or `f`.
+    Op {
+        /// The line.
+        line: usize,
+        /// The operation (shortened).
+        found: String,
+    },
+    /// A field that is not a number of its kind.
+    Number {
+        /// The line.
+        line: usize,
+        /// The field's name in the header.
+        field: &'static str,
+        /// Its text (shortened).
+        found: String,
+    },
+    /// A successful allocation of zero or fewer bytes.
+    Size {
+        /// The line.
+        line: usize,
+        /// The size.
+        size: i64,
+    },
+    /// An address allocated while already live.
+    AllocatedTwice {
+        /// The line.
+        line: usize,
+        /// The address.
+        ptr: u64,
+        /// The line of the allocation still live.
+        first: usize,
+    },
+    /// A free of an address that is not live.
+    UnknownFree {
+        /// The line.
+        line: usize,
+        /// The address.
+        ptr: u64,
+    },
+    /// More allocations or streams than a replay numbers (2^32).
+    TooMany {
+        /// The line.
+        line: usize,
+        /// Allocations or streams.
+        what: &'static str,
+    },
+    /// No successful allocation of the device.
+    NoAllocations {
+        /// The device.
+        device: i32,
+    },
+}
+
+impl fmt::Display for TraceError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            TraceError::Read { line, why } => write!(f, "line {line}: cannot read: {why}"),
+            TraceError::Header { found } if found.is_empty() => {
+                write!(f, "line 1: not a cuvmm trace: expected `{HEADER}`, found nothing")
+            }
+            TraceError::Header { found } => {
+                write!(f, "line 1: not a cuvmm trace: expected `{HEADER}`, found `{found}`")
+            }
+            TraceError::Fields { line, found } => {
+                write!(f, "line {line}: expected 6 fields (op t_ns device stream size ptr), found {found}")
+            }
+            TraceError::Op { line, found } => write!(f, "line {line}: unknown operation `{found}` (a or f)"),
+            TraceError::Number { line, field, found } => {
+                write!(f, "line {line}: {field} `{found}` is not a {}", number_kind(field))
+            }
+            TraceError::Size { line, size } => {
+                write!(f, "line {line}: an allocation of {size} bytes returned an address")
+            }
+            TraceError::AllocatedTwice { line, ptr, first } => {
+                write!(f, "line {line}: {ptr:#x} allocated again while live (allocated on line {first})")
+            }
+            TraceError::UnknownFree { line, ptr } => {
+                write!(f, "line {line}: free of {ptr:#x}, which is not live")
+            }
+            TraceError::TooMany { line, what } => write!(f, "line {line}: more than 2^32 {what}"),
+            TraceError::NoAllocations { device } => {
+                write!(f, "no successful allocation of device {device} in the trace")
+            }
+        }
+    }
+}
+
+impl std::error::Error for TraceError {}
+
+fn number_kind(field: &str) -> &'static str {
+    match field {
+        "stream" | "ptr" => "hexadecimal number with 0x",
+        "device" => "device number",
+        "size" => "signed integer",
+        _ => "non-negative integer",
+    }
+}
+
+/// At most 40 characters of `s`, so that an error about a binary file stays one short line.
+fn shorten(s: &str) -> String {
+    let mut out: String = s.chars().take(40).collect();
+    if out.len() < s.len() {
+        out.push('…');
+    }
+    out
+}
+
+fn hex(s: &str, line: usize, field: &'static str) -> Result<u64, TraceError> {
+    let bad = || TraceError::Number { line, field, found: shorten(s) };
+    let digits = s.strip_prefix("0x").ok_or_else(bad)?;
+    if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_hexdigit()) {
+        return Err(bad());
+    }
+    u64::from_str_radix(digits, 16).map_err(|_| bad())
+}
+
+fn number<T: std::str::FromStr>(s: &str, line: usize, field: &'static str) -> Result<T, TraceError> {
+    s.parse().map_err(|_| TraceError::Number { line, field, found: shorten(s) })
+}
+
+/// A block live while parsing.
+struct Live {
+    id: u32,
+    stream: u32,
+    size: u64,
+    line: usize,
+}
+
+/// Parses a trace, keeping `device`'s records. Every line is checked, other devices' included.
+pub fn parse(mut input: impl BufRead, device: i32) -> Result<Trace, TraceError> {
+    let mut t = Trace { device, ..Trace::default() };
+    // The null handle and CU_STREAM_LEGACY name the same stream.
+    let key = |s: u64| if s == 0 { CU_STREAM_LEGACY as u64 } else { s };
+    let mut stream_of: HashMap<u64, u32> = HashMap::new();
+    let mut live: HashMap<u64, Live> = HashMap::new();
+    let mut buf = String::new();
+    let mut line = 0;
+    loop {
+        buf.clear();
+        let n =
+            input.read_line(&mut buf).map_err(|e| TraceError::Read { line: line + 1, why: e.to_string() })?;
+        if n == 0 {
+            break;
+        }
+        line += 1;
+        let text = buf.strip_suffix('\n').unwrap_or(&buf);
+        let text = text.strip_suffix('\r').unwrap_or(text);
+        if line == 1 {
+            if text != HEADER {
+                return Err(TraceError::Header { found: shorten(text) });
+            }
+            continue;
+        }
+        let mut fields = [""; 6];
+        let mut count = 0;
+        for w in text.split_ascii_whitespace() {
+            if let Some(slot) = fields.get_mut(count) {
+                *slot = w;
+            }
+            count += 1;
+        }
+        if count != 6 {
+            return Err(TraceError::Fields { line, found: count });
+        }
+        let alloc = match fields[0] {
+            "a" => true,
+            "f" => false,
+            other => return Err(TraceError::Op { line, found: shorten(other) }),
+        };
+        let _t_ns: u64 = number(fields[1], line, "t_ns")?;
+        let dev: i32 = number(fields[2], line, "device")?;
+        let stream = hex(fields[3], line, "stream")?;
+        let size: i64 = number(fields[4], line, "size")?;
+        let ptr = hex(fields[5], line, "ptr")?;
+        if dev != device {
+            t.other_devices += 1;
+            continue;
+        }
+        if alloc && ptr == 0 {
+            t.null_allocations += 1;
+            continue;
+        }
+        let next = stream_of.len();
+        let stream = match stream_of.get(&key(stream)) {
+            Some(&s) => s,
+            None => {
+                let s = u32::try_from(next).map_err(|_| TraceError::TooMany { line, what: "streams" })?;
+                stream_of.insert(key(stream), s);
+                t.streams.push(stream);
+                s
+            }
+        };
+        if alloc {
+            if size <= 0 {
+                return Err(TraceError::Size { line, size });
+            }
+            if let Some(first) = live.get(&ptr) {
+                return Err(TraceError::AllocatedTwice { line, ptr, first: first.line });
+            }
+            let id = u32::try_from(t.allocations)
+                .map_err(|_| TraceError::TooMany { line, what: "allocations" })?;
+            let size = size as u64;
+            live.insert(ptr, Live { id, stream, size, line });
+            t.ops.push(Op::Alloc { id, stream, size });
+            t.allocations += 1;
+        } else {
+            let block = live.remove(&ptr).ok_or(TraceError::UnknownFree { line, ptr })?;
+            t.ops.push(Op::Free { id: block.id, stream, size: block.size });
+            t.frees += 1;
+        }
+    }
+    if line == 0 {
+        return Err(TraceError::Header { found: String::new() });
+    }
+    if t.allocations == 0 {
+        return Err(TraceError::NoAllocations { device });
+    }
+    let mut left: Vec<Live> = live.into_values().collect();
+    left.sort_by_key(|b| b.id);
+    t.unfreed = left.len();
+    t.ops.extend(left.iter().map(|b| Op::Free { id: b.id, stream: b.stream, size: b.size }));
+    Ok(t)
+}
+
+/// Reads the trace at `path`, keeping `device`'s records.
+pub fn load(path: &Path, device: i32) -> Result<Trace> {
+    let why = |e: &dyn fmt::Display| super::invalid(format!("trace {}: {e}", path.display()));
+    let file = std::fs::File::open(path).map_err(|e| why(&format_args!("cannot open: {e}")))?;
+    parse(std::io::BufReader::with_capacity(1 << 20, file), device).map_err(|e| why(&e))
+}
+
+/// The most bytes (sizes asked for) live at once, and the index of the first op after which that
+/// many are live (`None` for no allocation).
+pub fn peak_live(ops: &[Op]) -> (u64, Option<usize>) {
+    let (mut live, mut peak, mut at) = (0u64, 0u64, None);
+    for (i, op) in ops.iter().enumerate() {
+        match *op {
+            Op::Alloc { size, .. } => {
+                // Saturating: a hand-made trace may claim more than 2^64 bytes; it fails later,
+                // when allocated, rather than here.
+                live = live.saturating_add(size);
+                if live > peak || at.is_none() {
+                    (peak, at) = (live, Some(i));
+                }
+            }
+            Op::Free { size, .. } => live = live.saturating_sub(size),
+        }
+    }
+    (peak, at)
+}
+
+impl Trace {
+    /// [`peak_live`] of the trace's ops.
+    pub fn peak_live(&self) -> (u64, Option<usize>) {
+        peak_live(&self.ops)
+    }
+
+    /// Checks what the replay relies on (every allocation freed once, after it, numbers in
+    /// range), for traces built by hand rather than parsed.
+    pub fn check(&self) -> Result<()> {
+        let mut state = vec![0u8; self.allocations];
+        for (i, op) in self.ops.iter().enumerate() {
+            let (id, stream, want, next) = match *op {
+                Op::Alloc { id, stream, .. } => (id, stream, 0, 1),
+                Op::Free { id, stream, .. } => (id, stream, 1, 2),
+            };
+            match state.get_mut(id as usize) {
+                Some(s) if *s == want && (stream as usize) < self.streams.len() => *s = next,
+                _ => {
+                    return Err(super::invalid(format!(
+                        "trace op {i} ({op:?}) does not follow its allocation"
+                    )))
+                }
+            }
+        }
+        if state.iter().any(|&s| s != 2) {
+            return Err(super::invalid("the trace leaves allocations live or never makes them"));
+        }
+        Ok(())
+    }
+}
+
+/// What the synthetic trace stands for, for the report.
+pub const SYNTHETIC: &str = "synthetic (no trace file given): a 12-layer transformer training loop, 16 steps of \
+     4 sequences of 128 to 1024 tokens, on 3 streams (compute on the legacy stream, input batches, gradient buckets)";
+
+const LAYERS: usize = 12;
+const STEPS: usize = 16;
+const HIDDEN: u64 = 768;
+const HEADS: u64 = 12;
+const BATCH: u64 = 4;
+const VOCAB: u64 = 32_000;
+const COMPUTE: u64 = 0x0;
+const INPUT: u64 = 0x55d0_c3a0_1000;
+const BUCKETS: u64 = 0x55d0_c3a0_2000;
+
+#[derive(Clone, Copy)]
+struct Blk {
+    ptr: u64,
+    size: u64,
+}
+
+/// Writes trace lines with distinct addresses and a fixed random sequence.
+struct Gen {
+    out: String,
+    rng: u64,
+    t: u64,
+    next: u64,
+}
+
+impl Gen {
+    fn rand(&mut self) -> u64 {
+        // splitmix64: fixed seed, so the trace is the same on every run and machine.
+        self.rng = self.rng.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.rng;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in `lo..=hi`.
+    fn range(&mut self, lo: u64, hi: u64) -> u64 {
+        lo + self.rand() % (hi - lo + 1)
+    }
+
+    fn line(&mut self, op: char, stream: u64, size: u64, ptr: u64) {
+        use std::fmt::Write;
+        self.t += 300 + self.rand() % 2000;
+        // Writing to a String cannot fail.
+        let _ = writeln!(self.out, "{op} {} 0 {stream:#x} {size} {ptr:#x}", self.t);
+    }
+
+    fn a(&mut self, size: u64, stream: u64) -> Blk {
+        let ptr = self.next;
+        self.next += size.div_ceil(512) * 512;
+        self.line('a', stream, size, ptr);
+        Blk { ptr, size }
+    }
+
+    fn f(&mut self, b: Blk, stream: u64) {
+        self.line('f', stream, b.size, b.ptr);
+    }
+
+    /// A small allocation: 4 bytes to 1 MiB, most of them a few KiB or less.
+    fn small(&mut self) -> Blk {
+        let e = self.range(2, 19);
+        let size = (1 << e) + self.rand() % (1 << e);
+        self.a(size, COMPUTE)
+    }
+}
+
+/// Element counts of one layer's parameters: attention in and out, MLP up and down, two norms.
+fn layer_params() -> [u64; 10] {
+    let h = HIDDEN;
+    [3 * h * h, 3 * h, h * h, h, 4 * h * h, 4 * h, 4 * h * h, h, 2 * h, 2 * h]
+}
+
+/// The synthetic trace's text: deterministic, a transformer's training loop (bf16 activations,
+/// fp32 Adam states). Parameters and optimizer states live to the end and are never freed;
+/// gradients are replaced each step (`zero_grad(set_to_none=True)`); input batches come on their
+/// own stream and are freed on the compute stream; gradient buckets go to a third stream; small
+/// blocks come and go throughout, and each step has one size-0 call (null, skipped).
+pub fn synthetic_text() -> String {
+    let mut g = Gen { out: format!("{HEADER}\n"), rng: 0x5eed_c0de, t: 0, next: 0x7f40_0000_0000 };
+    let h = HIDDEN;
+    let params: Vec<u64> =
+        std::iter::once(VOCAB * h).chain((0..LAYERS).flat_map(|_| layer_params())).chain([h, h]).collect();
+    for &n in &params {
+        g.a(n * 2, COMPUTE);
+    }
+    let mut grads: Vec<Blk> = Vec::new();
+    let mut adam_made = false;
+    let mut small: Vec<Blk> = Vec::new();
+    for _ in 0..STEPS {
+        let s = 128 * g.range(1, 8);
+        let t = BATCH * s;
+        let ids = g.a(t * 8, INPUT);
+        let labels = g.a(t * 8, INPUT);
+        let mask = g.a(BATCH * s, INPUT);
+        for b in std::mem::take(&mut grads) {
+            g.f(b, COMPUTE);
+        }
+        g.line('a', COMPUTE, 0, 0);
+
+        // Forward: each layer keeps what its backward reads.
+        let mut x = g.a(t * h * 2, COMPUTE);
+        let mut saved: Vec<Vec<Blk>> = Vec::new();
+        for _ in 0..LAYERS {
+            let mut keep = vec![x];
+            keep.push(g.a(t * h * 2, COMPUTE));
+            keep.push(g.a(t * 4, COMPUTE));
+            keep.push(g.a(t * 4, COMPUTE));
+            keep.push(g.a(t * 3 * h * 2, COMPUTE));
+            let mib = g.range(1, 8);
+            let workspace = g.a(mib << 20, COMPUTE);
+            keep.push(g.a(t * h * 2, COMPUTE));
+            keep.push(g.a(BATCH * HEADS * s * 4, COMPUTE));
+            g.f(workspace, COMPUTE);
+            let proj = g.a(t * h * 2, COMPUTE);
+            keep.push(g.a(t * h * 2, COMPUTE));
+            g.f(proj, COMPUTE);
+            keep.push(g.a(t * h * 2, COMPUTE));
+            keep.push(g.a(t * 4, COMPUTE));
+            keep.push(g.a(t * 4, COMPUTE));
+            keep.push(g.a(t * 4 * h * 2, COMPUTE));
+            keep.push(g.a(t * 4 * h * 2, COMPUTE));
+            let down = g.a(t * h * 2, COMPUTE);
+            x = g.a(t * h * 2, COMPUTE);
+            g.f(down, COMPUTE);
+            for b in std::mem::take(&mut small) {
+                g.f(b, COMPUTE);
+            }
+            for _ in 0..g.range(2, 6) {
+                let b = g.small();
+                small.push(b);
+            }
+            saved.push(keep);
+        }
+        let norm = g.a(t * h * 2, COMPUTE);
+        let logits = g.a(t * VOCAB * 2, COMPUTE);
+        let softmax = g.a(t * VOCAB * 4, COMPUTE);
+        let loss = g.a(4, COMPUTE);
+        g.f(softmax, COMPUTE);
+
+        // Backward: gradients appear as the layers' activations go.
+        let dlogits = g.a(t * VOCAB * 2, COMPUTE);
+        g.f(logits, COMPUTE);
+        let mut dx = g.a(t * h * 2, COMPUTE);
+        g.f(dlogits, COMPUTE);
+        g.f(norm, COMPUTE);
+        g.f(x, COMPUTE);
+        let mut buckets: Vec<Blk> = Vec::new();
+        for layer in (0..LAYERS).rev() {
+            for n in layer_params() {
+                let b = g.a(n * 2, COMPUTE);
+                grads.push(b);
+            }
+            let dact = g.a(t * 4 * h * 2, COMPUTE);
+            let dup = g.a(t * 4 * h * 2, COMPUTE);
+            g.f(dact, COMPUTE);
+            let dmid = g.a(t * h * 2, COMPUTE);
+            g.f(dup, COMPUTE);
+            let dqkv = g.a(t * 3 * h * 2, COMPUTE);
+            let mib = g.range(1, 8);
+            let workspace = g.a(mib << 20, COMPUTE);
+            g.f(workspace, COMPUTE);
+            let dnext = g.a(t * h * 2, COMPUTE);
+            g.f(dqkv, COMPUTE);
+            g.f(dmid, COMPUTE);
+            g.f(dx, COMPUTE);
+            dx = dnext;
+            for b in saved.pop().unwrap_or_default() {
+                g.f(b, COMPUTE);
+            }
+            if layer % 2 == 0 {
+                let b = g.a(25 << 20, BUCKETS);
+                buckets.push(b);
+                if buckets.len() > 2 {
+                    let old = buckets.remove(0);
+                    g.f(old, BUCKETS);
+                }
+            }
+            for b in std::mem::take(&mut small) {
+                g.f(b, COMPUTE);
+            }
+            for _ in 0..g.range(1, 4) {
+                let b = g.small();
+                small.push(b);
+            }
+        }
+        let demb = g.a(VOCAB * h * 2, COMPUTE);
+        grads.push(demb);
+        for _ in 0..2 {
+            let b = g.a(h * 2, COMPUTE);
+            grads.push(b);
+        }
+        g.f(dx, COMPUTE);
+        for b in buckets {
+            g.f(b, BUCKETS);
+        }
+
+        // Optimizer: states made at the first step; per-layer fp32 temporaries.
+        if !adam_made {
+            for &n in &params {
+                g.a(n * 4, COMPUTE);
+                g.a(n * 4, COMPUTE);
+            }
+            adam_made = true;
+        }
+        let norms = g.a(params.len() as u64 * 4, COMPUTE);
+        for _ in 0..LAYERS {
+            let tmp = g.a(layer_params().iter().sum::<u64>() * 4, COMPUTE);
+            g.f(tmp, COMPUTE);
+        }
+        g.f(norms, COMPUTE);
+        g.f(loss, COMPUTE);
+        for b in [ids, labels, mask] {
+            g.f(b, COMPUTE);
+        }
+    }
+    for b in small {
+        g.f(b, COMPUTE);
+    }
+    g.out
+}
+
+/// The synthetic trace, parsed.
+pub fn synthetic() -> Result<Trace> {
+    parse(synthetic_text().as_bytes(), 0).map_err(|e| super::invalid(format!("synthetic trace: {e}")))
+}
+
+/// What to run.
+#[derive(Clone, Debug)]
+pub struct TraceConfig {
+    /// Measured passes per allocator (after one warm-up pass each).
+    pub reps: usize,
+    /// Allocate+free pairs per batch of the cached-pair measure; 0 skips it.
+    pub pairs: usize,
+    /// Sizes of the cached-pair measure.
+    pub pair_sizes: Vec<usize>,
+}
+
+impl Default for TraceConfig {
+    fn default() -> Self {
+        TraceConfig { reps: 3, pairs: 1_000_000, pair_sizes: vec![4 << 10, 1 << 20] }
+    }
+}
+
+/// One allocator's figures over the measured passes.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Measured {
+    /// Median host time of an allocation over every allocation of every measured pass, ns.
+    pub alloc_median_ns: f64,
+    /// Its 99th percentile (nearest rank), ns.
+    pub alloc_p99_ns: f64,
+    /// Median host time of a free, ns.
+    pub free_median_ns: f64,
+    /// Its 99th percentile, ns.
+    pub free_p99_ns: f64,
+    /// Median over passes of a whole pass (all calls, then a context synchronise), ms.
+    pub total_ms: f64,
+    /// Largest physical memory the allocator held during a measured pass, bytes (see
+    /// [`AllocatorRow::physical`]).
+    pub peak_physical: u64,
+}
+
+/// How an allocator fared.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Outcome {
+    /// It ran.
+    Measured(Measured),
+    /// The driver or device lacks it: what and why.
+    Unsupported(String),
+    /// It failed during the replay (its memory was given back and the others went on).
+    Failed(String),
+}
+
+/// One allocator.
+#[derive(Clone, Debug, PartialEq)]
+pub struct AllocatorRow {
+    /// Short name for JSON.
+    pub key: &'static str,
+    /// Name for the table.
+    pub name: &'static str,
+    /// What its peak physical memory is.
+    pub physical: &'static str,
+    /// Its figures.
+    pub outcome: Outcome,
+}
+
+impl AllocatorRow {
+    /// The figures, when it ran.
+    pub fn measured(&self) -> Option<&Measured> {
+        match &self.outcome {
+            Outcome::Measured(m) => Some(m),
+            _ => None,
+        }
+    }
+}
+
+/// The cached-pair measure for one size: ns per allocate+free pair, or why there is none.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PairRow {
+    /// Bytes per allocation.
+    pub size: usize,
+    /// cuvmm's stream allocator.
+    pub cuvmm_ns: Result<f64, String>,
+    /// cuMemAllocAsync / cuMemFreeAsync.
+    pub pool_ns: Result<f64, String>,
+}
+
+/// cuvmm's goal for a cached allocate+free pair, ns.
+pub const PAIR_GOAL_NS: f64 = 100.0;
+
+/// Batches per size of the cached-pair measure (after one shorter warm-up batch).
+pub const PAIR_BATCHES: usize = 5;
+
+/// Everything measured.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TraceReport {
+    /// Bytes asked for and live at the trace's peak.
+    pub peak_live: u64,
+    /// Index of the op that reaches it.
+    pub peak_op: usize,
+    /// Measured passes per allocator.
+    pub reps: usize,
+    /// Whether the allocators took turns per pass; false when their caches together might not
+    /// fit, and each then ran alone and gave its memory back before the next.
+    pub interleaved: bool,
+    /// Free device memory before the replay, bytes.
+    pub free_at_start: u64,
+    /// What `Instant::now()` twice costs, ns: part of every per-call figure.
+    pub timer_ns: f64,
+    /// cuvmm, the pool, cuMemAlloc, in that order.
+    pub rows: Vec<AllocatorRow>,
+    /// Allocate+free pairs per batch of the cached-pair measure.
+    pub pairs: usize,
+    /// The cached-pair measure per size.
+    pub pair_rows: Vec<PairRow>,
+}
+
+impl TraceReport {
+    /// `row`'s median allocation and free times over cuvmm's, when both ran.
+    pub fn vs_cuvmm(&self, row: &AllocatorRow) -> Option<(f64, f64)> {
+        let base = self.rows.first()?.measured()?;
+        let m = row.measured()?;
+        Some((m.alloc_median_ns / base.alloc_median_ns, m.free_median_ns / base.free_median_ns))
+    }
+}
+
+/// An allocator as the replay drives it.
+trait Side {
+    fn alloc(&mut self, size: usize, stream: CUstream) -> Result<u64>;
+    fn free(&mut self, ptr: u64, stream: CUstream) -> Result<()>;
+    /// Starts a new peak.
+    fn reset_peak(&mut self) -> Result<()>;
+    /// Physical memory held at most since `reset_peak`, where the allocator knows it.
+    fn peak(&mut self) -> Result<Option<u64>>;
+    /// Gives cached memory back to the driver.
+    fn release(&mut self) -> Result<()>;
+    /// Gives cached memory back and undoes any setting the run changed.
+    fn finish(&mut self) -> Result<()> {
+        self.release()
+    }
+}
+
+struct CuvmmSide {
+    alloc: StreamAllocator,
+}
+
+impl Side for CuvmmSide {
+    fn alloc(&mut self, size: usize, stream: CUstream) -> Result<u64> {
+        // SAFETY: `stream` is one of the replay's streams of this allocator's context, created
+        // before the allocator and destroyed after it (see `run`).
+        unsafe { self.alloc.allocate_raw(size, stream, GraphMemory::Keep) }
+    }
+    fn free(&mut self, ptr: u64, stream: CUstream) -> Result<()> {
+        // SAFETY: `ptr` came from `alloc` and is freed once (the trace is checked); no kernel
+        // uses it on any stream; `stream` as in `alloc`.
+        unsafe { self.alloc.free_raw(ptr, stream, GraphMemory::Keep) }
+    }
+    fn reset_peak(&mut self) -> Result<()> {
+        self.alloc.reset_peaks();
+        Ok(())
+    }
+    fn peak(&mut self) -> Result<Option<u64>> {
+        Ok(Some(self.alloc.stats().mapped_peak))
+    }
+    fn release(&mut self) -> Result<()> {
+        self.alloc.empty_cache().map(drop)
+    }
+}
+
+/// The device's default pool, its release threshold raised for the run.
+struct PoolSide {
+    ctx: Context,
+    api: &'static Api,
+    pool: CUmemoryPool,
+    old_threshold: u64,
+    restored: bool,
+}
+
+impl PoolSide {
+    fn new(ctx: &Context) -> Result<PoolSide> {
+        let device = ctx.device();
+        match device.attribute(CUdevice_attribute::MEMORY_POOLS_SUPPORTED) {
+            Ok(0) => return Err(super::unsupported("cuMemAllocAsync", "the device has no memory pools")),
+            Ok(_) => {}
+            Err(e) => return Err(super::unsupported("cuMemAllocAsync", e)),
+        }
+        let api = driver()?.api();
+        ctx.bind()?;
+        let mut pool: CUmemoryPool = std::ptr::null_mut();
+        // SAFETY: out-pointer valid; the device handle is live.
+        unsafe { api.cuDeviceGetDefaultMemPool(&mut pool, device.raw()) }?;
+        let mut old_threshold = 0u64;
+        // SAFETY: the release threshold attribute is a cuuint64_t, written to a valid local.
+        unsafe {
+            api.cuMemPoolGetAttribute(
+                pool,
+                CUmemPool_attribute::RELEASE_THRESHOLD,
+                (&mut old_threshold as *mut u64).cast::<c_void>(),
+            )
+        }?;
+        let mut side = PoolSide { ctx: ctx.clone(), api, pool, old_threshold, restored: true };
+        side.set_threshold(u64::MAX)?;
+        side.restored = false;
+        Ok(side)
+    }
+
+    fn set_threshold(&mut self, mut value: u64) -> Result<()> {
+        // SAFETY: the release threshold attribute takes a cuuint64_t; the pool is the device's
+        // default pool, which lives as long as the context.
+        unsafe {
+            self.api.cuMemPoolSetAttribute(
+                self.pool,
+                CUmemPool_attribute::RELEASE_THRESHOLD,
+                (&mut value as *mut u64).cast::<c_void>(),
+            )
+        }
+    }
+}
+
+impl Side for PoolSide {
+    fn alloc(&mut self, size: usize, stream: CUstream) -> Result<u64> {
+        let mut p = 0;
+        // SAFETY: out-pointer valid; `stream` is a live stream of the context, which is current
+        // (bound before each pass).
+        unsafe { self.api.cuMemAllocAsync(&mut p, size, stream) }?;
+        Ok(p)
+    }
+    fn free(&mut self, ptr: u64, stream: CUstream) -> Result<()> {
+        // SAFETY: `ptr` came from `alloc` and is freed once; no kernel uses it.
+        unsafe { self.api.cuMemFreeAsync(ptr, stream) }
+    }
+    fn reset_peak(&mut self) -> Result<()> {
+        let mut zero = 0u64;
+        // SAFETY: the high-water attribute takes a cuuint64_t, and 0 (resetting it) is the only
+        // value it accepts.
+        unsafe {
+            self.api.cuMemPoolSetAttribute(
+                self.pool,
+                CUmemPool_attribute::RESERVED_MEM_HIGH,
+                (&mut zero as *mut u64).cast::<c_void>(),
+            )
+        }
+    }
+    fn peak(&mut self) -> Result<Option<u64>> {
+        let mut v = 0u64;
+        // SAFETY: the high-water attribute is a cuuint64_t, written to a valid local.
+        unsafe {
+            self.api.cuMemPoolGetAttribute(
+                self.pool,
+                CUmemPool_attribute::RESERVED_MEM_HIGH,
+                (&mut v as *mut u64).cast::<c_void>(),
+            )
+        }?;
+        Ok(Some(v))
+    }
+    fn release(&mut self) -> Result<()> {
+        // Frees are stream-ordered: the pool trims only what their streams have passed.
+        self.ctx.synchronize()?;
+        // SAFETY: returns the pool's unused memory to the driver; nothing of it is live.
+        unsafe { self.api.cuMemPoolTrimTo(self.pool, 0) }
+    }
+    fn finish(&mut self) -> Result<()> {
+        self.release()?;
+        self.set_threshold(self.old_threshold)?;
+        self.restored = true;
+        Ok(())
+    }
+}
+
+impl Drop for PoolSide {
+    fn drop(&mut self) {
+        if !self.restored {
+            // After an error: the pool goes back to what the process had, as far as it can.
+            let _ = self.ctx.synchronize();
+            // SAFETY: as in `release`.
+            let _ = unsafe { self.api.cuMemPoolTrimTo(self.pool, 0) };
+            let _ = self.set_threshold(self.old_threshold);
+        }
+    }
+}
+
+struct DriverSide {
+    api: &'static Api,
+}
+
+impl Side for DriverSide {
+    fn alloc(&mut self, size: usize, _stream: CUstream) -> Result<u64> {
+        let mut p = 0;
+        // SAFETY: out-pointer valid; the context is current (bound before each pass).
+        unsafe { self.api.cuMemAlloc(&mut p, size) }?;
+        Ok(p)
+    }
+    fn free(&mut self, ptr: u64, _stream: CUstream) -> Result<()> {
+        // SAFETY: `ptr` came from `alloc` and is freed once; no kernel uses it.
+        unsafe { self.api.cuMemFree(ptr) }
+    }
+    fn reset_peak(&mut self) -> Result<()> {
+        Ok(())
+    }
+    fn peak(&mut self) -> Result<Option<u64>> {
+        // Measured by the pass itself, at the trace's peak.
+        Ok(None)
+    }
+    fn release(&mut self) -> Result<()> {
+        Ok(())
+    }
+}
+
+/// The trace bound to the replay's streams.
+struct Replay<'a> {
+    ctx: &'a Context,
+    trace: &'a Trace,
+    streams: Vec<CUstream>,
+    /// Address of each allocation while live, else 0.
+    ptrs: Vec<u64>,
+    peak_op: usize,
+}
+
+/// Per-call times of the measured passes.
+#[derive(Default)]
+struct Times {
+    alloc_ns: Vec<u32>,
+    free_ns: Vec<u32>,
+}
+
+struct Pass {
+    total: Duration,
+    /// Device memory in use at the peak op minus before the pass, when sampled.
+    sampled: Option<u64>,
+}
+
+fn ns(d: Duration) -> u32 {
+    u32::try_from(d.as_nanos()).unwrap_or(u32::MAX)
+}
+
+impl Replay<'_> {
+    /// One pass of the whole trace; every block is freed by its end. With `sample`, device memory
+    /// in use is read after the peak op (that time is left out of the total).
+    fn pass<S: Side>(&mut self, side: &mut S, mut times: Option<&mut Times>, sample: bool) -> Result<Pass> {
+        self.ctx.bind()?;
+        let before = if sample { Some(self.ctx.memory_info()?.used() as u64) } else { None };
+        let mut sampled = None;
+        let mut aside = Duration::ZERO;
+        let start = Instant::now();
+        for (i, op) in self.trace.ops.iter().enumerate() {
+            let r = match *op {
+                Op::Alloc { id, stream, size } => {
+                    let t = Instant::now();
+                    let r = side.alloc(size as usize, self.streams[stream as usize]);
+                    let dt = t.elapsed();
+                    r.map(|p| {
+                        self.ptrs[id as usize] = p;
+                        if let Some(times) = times.as_deref_mut() {
+                            times.alloc_ns.push(ns(dt));
+                        }
+                    })
+                }
+                Op::Free { id, stream, .. } => {
+                    let p = self.ptrs[id as usize];
+                    let t = Instant::now();
+                    let r = side.free(p, self.streams[stream as usize]);
+                    let dt = t.elapsed();
+                    r.map(|()| {
+                        self.ptrs[id as usize] = 0;
+                        if let Some(times) = times.as_deref_mut() {
+                            times.free_ns.push(ns(dt));
+                        }
+                    })
+                }
+            };
+            if let Err(e) = r {
+                self.clean_up(side);
+                return Err(e);
+            }
+            if let (Some(before), true) = (before, i == self.peak_op) {
+                let t = Instant::now();
+                match self.ctx.memory_info() {
+                    Ok(m) => sampled = Some((m.used() as u64).saturating_sub(before)),
+                    Err(e) => {
+                        self.clean_up(side);
+                        return Err(e);
+                    }
+                }
+                aside += t.elapsed();
+            }
+        }
+        self.ctx.synchronize()?;
+        Ok(Pass { total: start.elapsed().saturating_sub(aside), sampled })
+    }
+
+    /// Frees what a failed pass left live; errors are moot by then.
+    fn clean_up<S: Side>(&mut self, side: &mut S) {
+        let stream = self.streams[0];
+        for p in self.ptrs.iter_mut().filter(|p| **p != 0) {
+            let _ = side.free(*p, stream);
+            *p = 0;
+        }
+        let _ = self.ctx.synchronize();
+    }
+}
+
+/// One allocator through the run.
+struct Slot<S> {
+    key: &'static str,
+    name: &'static str,
+    physical: &'static str,
+    side: Option<S>,
+    /// Set when it cannot run or failed.
+    gone: Option<Outcome>,
+    sample: bool,
+    times: Times,
+    totals_ms: Vec<f64>,
+    peaks: Vec<u64>,
+}
+
+impl<S: Side> Slot<S> {
+    fn new(key: &'static str, name: &'static str, physical: &'static str, side: Result<S>) -> Slot<S> {
+        let (side, gone) = match side {
+            Ok(s) => (Some(s), None),
+            Err(Error::Unsupported { what, why }) => {
+                (None, Some(Outcome::Unsupported(format!("{what}: {why}"))))
+            }
+            Err(e) if e.is_code(CUresult::ERROR_NOT_SUPPORTED) => {
+                (None, Some(Outcome::Unsupported(e.to_string())))
+            }
+            Err(e) => (None, Some(Outcome::Failed(format!("setting up: {e}")))),
+        };
+        Slot {
+            key,
+            name,
+            physical,
+            side,
+            gone,
+            sample: false,
+            times: Times::default(),
+            totals_ms: Vec::new(),
+            peaks: Vec::new(),
+        }
+    }
+
+    /// Records the failure and lets the allocator go, with whatever it holds.
+    fn fail(&mut self, what: &str, e: Error) {
+        if let Some(mut side) = self.side.take() {
+            let _ = side.finish();
+        }
+        self.gone = Some(Outcome::Failed(format!("{what}: {e}")));
+    }
+
+    fn warm(&mut self, r: &mut Replay<'_>) {
+        let Some(side) = self.side.as_mut() else { return };
+        if let Err(e) = r.pass(side, None, false) {
+            self.fail("warm-up pass", e);
+        }
+    }
+
+    fn measure(&mut self, r: &mut Replay<'_>) {
+        let Some(side) = self.side.as_mut() else { return };
+        let run = |side: &mut S, r: &mut Replay<'_>, times: &mut Times, sample: bool| -> Result<(f64, u64)> {
+            side.reset_peak()?;
+            let p = r.pass(side, Some(times), sample)?;
+            let peak = side.peak()?.or(p.sampled).unwrap_or(0);
+            Ok((p.total.as_secs_f64() * 1e3, peak))
+        };
+        match run(side, r, &mut self.times, self.sample) {
+            Ok((ms, peak)) => {
+                self.totals_ms.push(ms);
+                self.peaks.push(peak);
+            }
+            Err(e) => self.fail("measured pass", e),
+        }
+    }
+
+    fn release(&mut self) -> Result<()> {
+        match self.side.as_mut() {
+            Some(side) => side.release(),
+            None => Ok(()),
+        }
+    }
+
+    fn finish(&mut self) -> Result<()> {
+        match self.side.as_mut() {
+            Some(side) => side.finish(),
+            None => Ok(()),
+        }
+    }
+
+    fn pairs(&mut self, stream: &Stream, size: usize, pairs: usize) -> Result<f64, String> {
+        match (self.side.as_mut(), &self.gone) {
+            (Some(side), _) => cached_pairs(side, stream, size, pairs).map_err(|e| e.to_string()),
+            (None, Some(Outcome::Unsupported(why))) => Err(format!("unsupported: {why}")),
+            (None, Some(Outcome::Failed(why))) => Err(format!("not run: {why}")),
+            (None, _) => Err("not run".into()),
+        }
+    }
+
+    fn row(self) -> AllocatorRow {
+        let outcome = match self.gone {
+            Some(o) => o,
+            None => {
+                let mut t = self.times;
+                let (alloc_median_ns, alloc_p99_ns) = quantiles(&mut t.alloc_ns);
+                let (free_median_ns, free_p99_ns) = quantiles(&mut t.free_ns);
+                Outcome::Measured(Measured {
+                    alloc_median_ns,
+                    alloc_p99_ns,
+                    free_median_ns,
+                    free_p99_ns,
+                    total_ms: median(&self.totals_ms),
+                    peak_physical: self.peaks.iter().copied().max().unwrap_or(0),
+                })
+            }
+        };
+        AllocatorRow { key: self.key, name: self.name, physical: self.physical, outcome }
+    }
+}
+
+/// Median (the mean of the middle two for an even count) and 99th percentile (nearest rank) of
+/// `v`, which is sorted; 0 for none.
+fn quantiles(v: &mut [u32]) -> (f64, f64) {
+    if v.is_empty() {
+        return (0.0, 0.0);
+    }
+    v.sort_unstable();
+    let n = v.len();
+    let median =
+        if n % 2 == 1 { f64::from(v[n / 2]) } else { (f64::from(v[n / 2 - 1]) + f64::from(v[n / 2])) / 2.0 };
+    let rank = ((0.99 * n as f64).ceil() as usize).clamp(1, n);
+    (median, f64::from(v[rank - 1]))
+}
+
+/// What two back-to-back `Instant::now()` calls cost, ns (median of 10,000).
+fn timer_floor() -> f64 {
+    let samples: Vec<f64> = (0..10_000)
+        .map(|_| {
+            let t = Instant::now();
+            t.elapsed().as_nanos() as f64
+        })
+        .collect();
+    median(&samples)
+}
+
+/// ns per allocate+free pair of `size` on one stream: median of [`PAIR_BATCHES`] batches of
+/// `pairs` (each ending with a synchronise of the stream), after a shorter warm-up batch.
+fn cached_pairs<S: Side>(side: &mut S, stream: &Stream, size: usize, pairs: usize) -> Result<f64> {
+    let s = stream.raw();
+    stream.context().bind()?;
+    let mut samples = Vec::new();
+    for batch in 0..=PAIR_BATCHES {
+        let n = if batch == 0 { (pairs / 10).max(1) } else { pairs };
+        let t = Instant::now();
+        for _ in 0..n {
+            let p = side.alloc(size, s)?;
+            side.free(std::hint::black_box(p), s)?;
+        }
+        stream.synchronize()?;
+        if batch > 0 {
+            samples.push(t.elapsed().as_secs_f64() * 1e9 / n as f64);
+        }
+    }
+    Ok(median(&samples))
+}
+
+/// Replays `trace` on `ctx`'s device against the three allocators, then measures cached pairs.
+pub fn run(ctx: &Context, trace: &Trace, cfg: &TraceConfig) -> Result<TraceReport> {
+    if cfg.reps == 0 {
+        return Err(super::invalid("reps must be positive"));
+    }
+    if cfg.pairs > 0 && (cfg.pair_sizes.is_empty() || cfg.pair_sizes.contains(&0)) {
+        return Err(super::invalid("pair sizes must be positive"));
+    }
+    trace.check()?;
+    let (peak_live, peak_op) = trace.peak_live();
+    let peak_op = peak_op.ok_or_else(|| super::invalid("the trace has no allocation"))?;
+
+    // Streams first: the allocators below may record events on them, so they must outlive them
+    // (locals drop in reverse order).
+    let streams = trace.streams.iter().map(|_| Stream::non_blocking(ctx)).collect::<Result<Vec<_>>>()?;
+    let pair_stream = Stream::non_blocking(ctx)?;
+    let api = driver()?.api();
+    let free_at_start = ctx.memory_info()?.free as u64;
+    // Warm caches of two allocators plus the third's live blocks, with room for fragmentation.
+    let interleaved = peak_live.saturating_mul(4) <= free_at_start;
+    let timer_ns = timer_floor();
+
+    let mut cu = Slot::new(
+        "cuvmm",
+        "cuvmm StreamAllocator",
+        "stats().mapped_peak: pages mapped plus spare pages",
+        StreamAllocator::new(ctx).map(|alloc| CuvmmSide { alloc }),
+    );
+    let mut pool = Slot::new(
+        "cuMemAllocAsync",
+        "cuMemAllocAsync pool",
+        "CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH of the default pool",
+        PoolSide::new(ctx),
+    );
+    let mut drv = Slot::new(
+        "cuMemAlloc",
+        "cuMemAlloc/cuMemFree",
+        "device memory in use (cuMemGetInfo) after the peak-live op minus before the pass, device-wide",
+        Ok(DriverSide { api }),
+    );
+    drv.sample = true;
+    let calls =
+        |alloc: bool| trace.ops.iter().filter(|o| matches!(o, Op::Alloc { .. }) == alloc).count() * cfg.reps;
+    // Reserved up front, so that no measured call pays for a vector growing.
+    for (times, runs) in [
+        (&mut cu.times, cu.side.is_some()),
+        (&mut pool.times, pool.side.is_some()),
+        (&mut drv.times, drv.side.is_some()),
+    ] {
+        if runs {
+            times.alloc_ns.reserve_exact(calls(true));
+            times.free_ns.reserve_exact(calls(false));
+        }
+    }
+
+    let mut r = Replay {
+        ctx,
+        trace,
+        streams: streams.iter().map(Stream::raw).collect(),
+        ptrs: vec![0; trace.allocations],
+        peak_op,
+    };
+    if interleaved {
+        cu.warm(&mut r);
+        pool.warm(&mut r);
+        drv.warm(&mut r);
+        for _ in 0..cfg.reps {
+            cu.measure(&mut r);
+            pool.measure(&mut r);
+            drv.measure(&mut r);
+        }
+    } else {
+        cu.warm(&mut r);
+        (0..cfg.reps).for_each(|_| cu.measure(&mut r));
+        cu.release()?;
+        pool.warm(&mut r);
+        (0..cfg.reps).for_each(|_| pool.measure(&mut r));
+        pool.release()?;
+        drv.warm(&mut r);
+        (0..cfg.reps).for_each(|_| drv.measure(&mut r));
+    }
+
+    let mut pair_rows = Vec::new();
+    if cfg.pairs > 0 {
+        for &size in &cfg.pair_sizes {
+            let cuvmm_ns = cu.pairs(&pair_stream, size, cfg.pairs);
+            let pool_ns = pool.pairs(&pair_stream, size, cfg.pairs);
+            pair_rows.push(PairRow { size, cuvmm_ns, pool_ns });
+        }
+    }
+    cu.finish()?;
+    pool.finish()?;
+    let rows = vec![cu.row(), pool.row(), drv.row()];
+    Ok(TraceReport {
+        peak_live,
+        peak_op,
+        reps: cfg.reps,
+        interleaved,
+        free_at_start,
+        timer_ns,
+        rows,
+        pairs: cfg.pairs,
+        pair_rows,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn trace(body: &str) -> String {
+        format!("{HEADER}\n{body}")
+    }
+
+    fn parse_str(s: &str, device: i32) -> Result<Trace, TraceError> {
+        parse(s.as_bytes(), device)
+    }
+
+    #[test]
+    fn a_good_trace_parses_in_order_with_streams_numbered_by_first_use() {
+        let t = parse_str(
+            &trace(
+                "a 10 0 0x5581c0 4096 0x7f0000000000\n\
+                 a 20 0 0x0 100 0x7f0000001000\n\
+                 a 25 0 0x1 0 0x0\n\
+                 f 30 0 0x1 100 0x7f0000001000\n\
+                 a 40 1 0x99 64 0x7e0000000000\n\
+                 a 50 0 0x5581c0 512 0x7f0000001000\n\
+                 f 60 0 0x5581c0 4096 0x7f0000000000\n",
+            ),
+            0,
+        )
+        .unwrap();
+        assert_eq!(
+            t.ops,
+            vec![
+                Op::Alloc { id: 0, stream: 0, size: 4096 },
+                Op::Alloc { id: 1, stream: 1, size: 100 },
+                // 0x0 and 0x1 are the same (legacy) stream.
+                Op::Free { id: 1, stream: 1, size: 100 },
+                // The address comes back: a new allocation.
+                Op::Alloc { id: 2, stream: 0, size: 512 },
+                Op::Free { id: 0, stream: 0, size: 4096 },
+                // Never freed: freed at the end on its own stream.
+                Op::Free { id: 2, stream: 0, size: 512 },
+            ]
+        );
+        assert_eq!(t.streams, vec![0x5581c0, 0x0]);
+        assert_eq!((t.allocations, t.frees, t.unfreed), (3, 2, 1));
+        assert_eq!((t.null_allocations, t.other_devices), (1, 1));
+        t.check().unwrap();
+    }
+
+    #[test]
+    fn another_device_is_chosen_and_checked_on_its_own() {
+        let text = trace(
+            "a 10 0 0x10 4096 0x7f0000000000\n\
+             a 20 1 0x20 8192 0x7f0000000000\n\
+             f 30 1 0x20 8192 0x7f0000000000\n",
+        );
+        let t = parse_str(&text, 1).unwrap();
+        assert_eq!(
+            t.ops,
+            vec![Op::Alloc { id: 0, stream: 0, size: 8192 }, Op::Free { id: 0, stream: 0, size: 8192 }]
+        );
+        assert_eq!((t.device, t.other_devices, t.unfreed), (1, 1, 0));
+        assert_eq!(parse_str(&text, 2), Err(TraceError::NoAllocations { device: 2 }));
+    }
+
+    #[test]
+    fn windows_line_ends_and_a_missing_final_newline_are_accepted() {
+        let t = parse_str(&format!("{HEADER}\r\na 1 0 0x0 8 0x100\r\nf 2 0 0x0 8 0x100"), 0).unwrap();
+        assert_eq!(t.ops.len(), 2);
+    }
+
+    #[test]
+    fn bad_traces_are_refused_naming_the_line() {
+        let cases: &[(&str, TraceError)] = &[
+            ("", TraceError::Header { found: String::new() }),
+            ("# cuvmm trace v2\n", TraceError::Header { found: "# cuvmm trace v2".into() }),
+            (&trace("a 1 0 0x0 8\n"), TraceError::Fields { line: 2, found: 5 }),
+            (&trace("a 1 0 0x0 8 0x10 extra\n"), TraceError::Fields { line: 2, found: 7 }),
+            (&trace("\n"), TraceError::Fields { line: 2, found: 0 }),
+            (&trace("m 1 0 0x0 8 0x10\n"), TraceError::Op { line: 2, found: "m".into() }),
+            (
+                &trace("a -1 0 0x0 8 0x10\n"),
+                TraceError::Number { line: 2, field: "t_ns", found: "-1".into() },
+            ),
+            (
+                &trace("a 1 x 0x0 8 0x10\n"),
+                TraceError::Number { line: 2, field: "device", found: "x".into() },
+            ),
+            (
+                &trace("a 1 0 10 8 0x10\n"),
+                TraceError::Number { line: 2, field: "stream", found: "10".into() },
+            ),
+            (
+                &trace("a 1 0 0x 8 0x10\n"),
+                TraceError::Number { line: 2, field: "stream", found: "0x".into() },
+            ),
+            (
+                &trace("a 1 0 0x0 8k 0x10\n"),
+                TraceError::Number { line: 2, field: "size", found: "8k".into() },
+            ),
+            (&trace("a 1 0 0x0 8 0xg\n"), TraceError::Number { line: 2, field: "ptr", found: "0xg".into() }),
+            (
+                &trace("a 1 0 0x0 8 0x10000000000000000\n"),
+                TraceError::Number { line: 2, field: "ptr", found: "0x10000000000000000".into() },
+            ),
+            (&trace("a 1 0 0x0 0 0x10\n"), TraceError::Size { line: 2, size: 0 }),
+            (&trace("a 1 0 0x0 -4 0x10\n"), TraceError::Size { line: 2, size: -4 }),
+            (
+                &trace("a 1 0 0x0 8 0x10\na 2 0 0x0 8 0x10\n"),
+                TraceError::AllocatedTwice { line: 3, ptr: 0x10, first: 2 },
+            ),
+            (&trace("a 1 0 0x0 8 0x10\nf 2 0 0x0 8 0x20\n"), TraceError::UnknownFree { line: 3, ptr: 0x20 }),
+            (
+                &trace("a 1 0 0x0 8 0x10\nf 2 0 0x0 8 0x10\nf 3 0 0x0 8 0x10\n"),
+                TraceError::UnknownFree { line: 4, ptr: 0x10 },
+            ),
+            (&trace("f 2 0 0x0 8 0x0\n"), TraceError::UnknownFree { line: 2, ptr: 0 }),
+            (&trace("a 1 0 0x0 8 0x0\n"), TraceError::NoAllocations { device: 0 }),
+        ];
+        for (text, want) in cases {
+            assert_eq!(parse_str(text, 0).as_ref(), Err(want), "{text:?}");
+        }
+        // Other devices' lines are checked too.
+        assert_eq!(
+            parse_str(&trace("a 1 0 0x0 8 0x10\na 1 7 0x0 8 0xzz\n"), 0),
+            Err(TraceError::Number { line: 3, field: "ptr", found: "0xzz".into() })
+        );
+        // A truncated last line, as a killed process leaves it.
+        assert_eq!(
+            parse_str(&trace("a 1 0 0x0 8 0x10\nf 2 0 0x"), 0),
+            Err(TraceError::Fields { line: 3, found: 4 })
+        );
+    }
+
+    #[test]
+    fn bytes_that_are_not_text_are_a_read_error_on_their_line() {
+        let mut bytes = trace("a 1 0 0x0 8 0x10\n").into_bytes();
+        bytes.extend_from_slice(b"f 2 0 0x0 8 \xff\xfe\n");
+        assert!(matches!(parse(&bytes[..], 0), Err(TraceError::Read { line: 3, .. })));
+    }
+
+    #[test]
+    fn errors_read_as_one_line_and_long_fields_are_shortened() {
+        let e = parse_str(&trace(&format!("a 1 0 0x0 8 0x{}\n", "f".repeat(100))), 0).unwrap_err();
+        let msg = e.to_string();
+        assert!(msg.starts_with("line 2: ptr `0xfff"), "{msg}");
+        assert!(msg.len() < 120 && !msg.contains('\n'), "{msg}");
+        assert_eq!(
+            TraceError::UnknownFree { line: 9, ptr: 0xab }.to_string(),
+            "line 9: free of 0xab, which is not live"
+        );
+    }
+
+    #[test]
+    fn the_peak_is_the_first_op_reaching_the_most_live_bytes() {
+        let a = |id, size| Op::Alloc { id, stream: 0, size };
+        let f = |id, size| Op::Free { id, stream: 0, size };
+        let ops = [a(0, 100), a(1, 50), f(0, 100), a(2, 100), f(1, 50), a(3, 50), f(2, 100), f(3, 50)];
+        assert_eq!(peak_live(&ops), (150, Some(1)));
+        let ops = [a(0, 10), f(0, 10), a(1, 30), a(2, 5), f(1, 30), f(2, 5)];
+        assert_eq!(peak_live(&ops), (35, Some(3)));
+        assert_eq!(peak_live(&[]), (0, None));
+        // Saturates rather than overflowing on an absurd trace.
+        assert_eq!(peak_live(&[a(0, u64::MAX), a(1, 2)]), (u64::MAX, Some(0)));
+        let t = parse_str(&trace("a 1 0 0x0 8 0x10\na 2 0 0x0 24 0x20\nf 3 0 0x0 8 0x10\n"), 0).unwrap();
+        assert_eq!(t.peak_live(), (32, Some(1)));
+    }
+
+    #[test]
+    fn the_check_catches_hand_made_traces_the_replay_could_not_run() {
+        let a = |id, stream| Op::Alloc { id, stream, size: 8 };
+        let f = |id| Op::Free { id, stream: 0, size: 8 };
+        let make =
+            |ops: Vec<Op>, allocations| Trace { ops, streams: vec![0], allocations, ..Trace::default() };
+        make(vec![a(0, 0), f(0)], 1).check().unwrap();
+        assert!(make(vec![f(0), a(0, 0)], 1).check().is_err());
+        assert!(make(vec![a(0, 0), f(0), f(0)], 1).check().is_err());
+        assert!(make(vec![a(0, 0)], 1).check().is_err());
+        assert!(make(vec![a(1, 0), f(1)], 1).check().is_err());
+        assert!(make(vec![a(0, 1), f(0)], 1).check().is_err());
+    }
+
+    #[test]
+    fn the_synthetic_trace_is_deterministic_and_transformer_shaped() {
+        let text = synthetic_text();
+        assert_eq!(text, synthetic_text());
+        let t = synthetic().unwrap();
+        assert_eq!(t, synthetic().unwrap());
+        t.check().unwrap();
+        assert_eq!(t.streams, vec![COMPUTE, INPUT, BUCKETS]);
+        assert_eq!(t.null_allocations, STEPS);
+        assert_eq!(t.other_devices, 0);
+        // Parameters, optimizer states and the last step's gradients are never freed.
+        assert!(t.unfreed > 3 * (LAYERS * layer_params().len()), "{}", t.unfreed);
+        assert!(t.allocations > 8_000, "{}", t.allocations);
+        let sizes: Vec<u64> = t
+            .ops
+            .iter()
+            .filter_map(|o| match *o {
+                Op::Alloc { size, .. } => Some(size),
+                Op::Free { .. } => None,
+            })
+            .collect();
+        let small = sizes.iter().filter(|&&s| s <= 1 << 20).count();
+        let large = sizes.iter().filter(|&&s| s >= 16 << 20).count();
+        assert!(small > sizes.len() / 4 && large > sizes.len() / 40, "{small} small, {large} large");
+        let distinct: std::collections::HashSet<_> = sizes.iter().collect();
+        assert!(distinct.len() > 1000, "{}", distinct.len());
+        // Input batches are freed on another stream than their own.
+        let mut home = vec![u32::MAX; t.allocations];
+        let mut crossed = 0;
+        for op in &t.ops {
+            match *op {
+                Op::Alloc { id, stream, .. } => home[id as usize] = stream,
+                Op::Free { id, stream, .. } => crossed += usize::from(home[id as usize] != stream),
+            }
+        }
+        assert_eq!(crossed, 3 * STEPS);
+        let (peak, at) = t.peak_live();
+        assert!(peak > 1 << 30 && peak < 5 << 30, "{peak}");
+        assert!(matches!(t.ops[at.unwrap()], Op::Alloc { .. }));
+    }
+
+    #[test]
+    fn quantiles_are_median_and_nearest_rank_p99() {
+        let mut v: Vec<u32> = (1..=200).rev().collect();
+        assert_eq!(quantiles(&mut v), (100.5, 198.0));
+        assert_eq!(quantiles(&mut [7, 1, 3]), (3.0, 7.0));
+        assert_eq!(quantiles(&mut []), (0.0, 0.0));
+    }
+}
