@@ -96,8 +96,10 @@
 //! * [`stream`]: streams, events, host functions, [`scope`]d copies, and the [`stream::order`]
 //!   record that keeps streams sharing memory from racing.
 //! * [`host`]: pinned and registered host memory, and the staging ring for pageable memory.
-//! * [`alloc`] and [`ipc`]: allocators whose memory other processes can import, and the sharing
-//!   itself.
+//! * [`alloc`]: [`alloc::StreamAllocator`], a stream-ordered caching allocator with sleep and wake
+//!   of tagged memory, for custom allocators; and allocators whose memory other processes can
+//!   import.
+//! * [`ipc`]: sharing memory with other processes.
 //! * [`module`] and [`kernels`]: loading PTX and launching kernels; the crate's own kernels.
 //! * [`caps`], [`device`], [`context`]: what the machine supports; devices and their contexts.
 //!
