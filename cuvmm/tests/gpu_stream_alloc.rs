@@ -248,3 +248,25 @@ fn a_process_that_exits_asleep_exits_cleanly() {
     assert!(out.status.success(), "{:?}: {}", out.status, String::from_utf8_lossy(&out.stderr));
     assert!(stdout.contains("child asleep"), "{stdout}");
 }
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn the_free_waits_for_work_queued_through_a_view_on_another_stream() {
+    let ctx = ctx();
+    let k = Kernels::load(&ctx).unwrap();
+    let alloc = StreamAllocator::new(&ctx).unwrap();
+    let (a, b) = (Stream::non_blocking(&ctx).unwrap(), Stream::non_blocking(&ctx).unwrap());
+    for round in 0..5u32 {
+        let mut x = alloc.allocate(N * 4, &a).unwrap();
+        // Through the block's own view: recorded, so the free below waits for it without use_on.
+        k.busy_f32(&b, &mut x.as_mut_slice(), ITERS).unwrap();
+        drop(x);
+        let mut y = alloc.allocate(N * 4, &a).unwrap();
+        let marker = 0xcafe_0000 + round;
+        k.fill_u32(&a, &mut y.as_mut_slice(), marker).unwrap();
+        a.synchronize().unwrap();
+        b.synchronize().unwrap();
+        let got = read(&ctx, y.ptr(), N);
+        assert!(got.iter().all(|&v| v == marker), "round {round}: B's kernel wrote after A's fill");
+    }
+}

@@ -482,6 +482,11 @@ impl std::fmt::Debug for Tracker {
 pub(crate) struct Pending(Vec<Entry<Arc<StreamInner>, Event>>);
 
 impl Pending {
+    /// The streams that used the memory.
+    pub(crate) fn streams(&self) -> impl Iterator<Item = &Arc<StreamInner>> {
+        self.0.iter().map(|e| &e.stream)
+    }
+
     /// Blocks until every recorded use has finished (errors are ignored: this runs in destructors,
     /// which then wait for the whole context as well).
     pub(crate) fn wait(self) {

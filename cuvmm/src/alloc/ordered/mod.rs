@@ -51,6 +51,8 @@ use self::core::{Capture, Core, Sizes};
 use crate::context::Context;
 use crate::driver::{driver, sys::*};
 use crate::error::{Error, Result};
+use crate::memory::{DeviceCopy, DeviceSlice, DeviceSliceMut};
+use crate::stream::order::Tracker;
 use crate::stream::{Event, Stream, StreamInner};
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -196,13 +198,7 @@ impl StreamAllocator {
             core.backend().keep(stream);
             core.allocate(size as u64, raw as u64, capture, 0)?
         };
-        Ok(StreamBlock {
-            alloc: self.clone(),
-            ptr,
-            len: size,
-            stream: stream.inner().clone(),
-            used_on: Vec::new(),
-        })
+        Ok(StreamBlock::new(self, ptr, size, stream))
     }
 
     /// Allocates `size` bytes for work on the raw stream `stream` and returns the address.
@@ -245,13 +241,7 @@ impl StreamAllocator {
             core.backend().keep(stream);
             core.allocate(size as u64, raw as u64, capture, tag.0)?
         };
-        Ok(StreamBlock {
-            alloc: self.clone(),
-            ptr,
-            len: size,
-            stream: stream.inner().clone(),
-            used_on: Vec::new(),
-        })
+        Ok(StreamBlock::new(self, ptr, size, stream))
     }
 
     /// Waits for all queued work, then releases the device memory of every block tagged `tag`,
@@ -348,15 +338,45 @@ fn stream_key(stream: CUstream) -> u64 {
 }
 
 /// Device memory from a [`StreamAllocator`], freed on its stream when dropped.
+///
+/// Work queued through its views ([`as_slice`](Self::as_slice), [`as_mut_slice`](Self::as_mut_slice))
+/// is ordered across streams as for every cuvmm memory type ([`crate::stream::order`]), and the
+/// free waits, on the device, for every stream that used it that way or was named by
+/// [`use_on`](Self::use_on).
 pub struct StreamBlock {
     alloc: StreamAllocator,
     ptr: u64,
     len: usize,
     stream: Arc<StreamInner>,
     used_on: Vec<Arc<StreamInner>>,
+    order: Tracker,
 }
 
 impl StreamBlock {
+    fn new(alloc: &StreamAllocator, ptr: u64, len: usize, stream: &Stream) -> StreamBlock {
+        StreamBlock {
+            alloc: alloc.clone(),
+            ptr,
+            len,
+            stream: stream.inner().clone(),
+            used_on: Vec::new(),
+            order: Tracker::new(),
+        }
+    }
+
+    /// A read-only view of the block as `len() / size_of::<T>()` elements of `T`.
+    pub fn as_slice<T: DeviceCopy>(&self) -> DeviceSlice<'_, T> {
+        // SAFETY: the block holds `len` bytes, 512-aligned (enough for any `DeviceCopy` type), and
+        // lives as long as the borrow; uses are recorded in the block's own tracker.
+        unsafe { DeviceSlice::tracked(self.ptr, self.len / std::mem::size_of::<T>().max(1), &self.order) }
+    }
+
+    /// A writable view of the block as `len() / size_of::<T>()` elements of `T`.
+    pub fn as_mut_slice<T: DeviceCopy>(&mut self) -> DeviceSliceMut<'_, T> {
+        // SAFETY: as in `as_slice`, and `&mut self` makes it the only writable view.
+        unsafe { DeviceSliceMut::tracked(self.ptr, self.len / std::mem::size_of::<T>().max(1), &self.order) }
+    }
+
     /// The device address.
     pub fn ptr(&self) -> CUdeviceptr {
         self.ptr
@@ -396,8 +416,13 @@ impl std::fmt::Debug for StreamBlock {
 
 impl Drop for StreamBlock {
     fn drop(&mut self) {
-        let (alloc, ptr, stream, used_on) =
+        let (alloc, ptr, stream, mut used_on) =
             (self.alloc.clone(), self.ptr, self.stream.clone(), std::mem::take(&mut self.used_on));
+        for s in self.order.take().streams() {
+            if s.id != stream.id && !used_on.iter().any(|u| u.id == s.id) {
+                used_on.push(s.clone());
+            }
+        }
         crate::driver::callback::release(move || {
             // The free must follow the work of every stream that used the block; if that cannot
             // be arranged the block is never reused (kept out of the cache) rather than freed.
