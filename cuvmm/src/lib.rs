@@ -69,7 +69,9 @@
 //! [`alloc::PeerAllocator`] makes exportable memory, [`ipc::share`] sends it over a Unix socket
 //! (the descriptor as `SCM_RIGHTS`, a header whose format `docs/WIRE.md` documents), and
 //! [`ipc::SharedMemory::import`] maps it in the receiver, after checking the peer and every byte
-//! it sent.
+//! it sent. A [`VmmVec`] that keeps growing is shared with [`VmmVec::share_growth`] and followed
+//! with [`ipc::GrowableImport`], which maps each new chunk at the exporter's offset in one range
+//! reserved up front.
 //!
 //! ```no_run
 //! # fn main() -> cuvmm::Result<()> {
@@ -96,8 +98,8 @@
 //! * [`stream`]: streams, events, host functions, [`scope`]d copies, and the [`stream::order`]
 //!   record that keeps streams sharing memory from racing.
 //! * [`host`]: pinned and registered host memory, and the staging ring for pageable memory.
-//! * [`alloc`] and [`ipc`]: allocators whose memory other processes can import, and the sharing
-//!   itself.
+//! * [`alloc`] and [`ipc`]: allocators whose memory other processes can import, the sharing
+//!   itself, and vectors other processes follow as they grow.
 //! * [`module`] and [`kernels`]: loading PTX and launching kernels; the crate's own kernels.
 //! * [`caps`], [`device`], [`context`]: what the machine supports; devices and their contexts.
 //!
