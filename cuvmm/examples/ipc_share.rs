@@ -15,7 +15,7 @@ use std::io::{Read, Write};
 use std::os::fd::AsFd;
 use std::os::unix::net::{UnixListener, UnixStream};
 
-type R = Result<(), Box<dyn std::error::Error>>;
+type R = common::Side;
 
 fn export(path: &str, spawn_importer: bool) -> R {
     let ctx = Context::for_ordinal(0)?;
@@ -70,16 +70,6 @@ fn import(path: &str) -> R {
     Ok(())
 }
 
-fn run() -> R {
-    let args: Vec<String> = std::env::args().collect();
-    let default_path = std::env::temp_dir().join("cuvmm-ipc-share.sock").to_string_lossy().into_owned();
-    match args.get(1).map(String::as_str) {
-        Some("export") => export(args.get(2).unwrap_or(&default_path), false),
-        Some("import") => import(args.get(2).unwrap_or(&default_path)),
-        _ => export(&default_path, true),
-    }
-}
-
 fn main() -> std::process::ExitCode {
-    common::report("ipc_share", run())
+    common::report("ipc_share", common::two_sides("cuvmm-ipc-share.sock", export, import))
 }

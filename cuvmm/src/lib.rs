@@ -69,7 +69,9 @@
 //! [`alloc::PeerAllocator`] makes exportable memory, [`ipc::share`] sends it over a Unix socket
 //! (the descriptor as `SCM_RIGHTS`, a header whose format `docs/WIRE.md` documents), and
 //! [`ipc::SharedMemory::import`] maps it in the receiver, after checking the peer and every byte
-//! it sent.
+//! it sent. A [`VmmVec`] that keeps growing is shared with [`VmmVec::share_growth`] and followed
+//! with [`ipc::GrowableImport`], which maps each new chunk at the exporter's offset in one range
+//! reserved up front.
 //!
 //! ```no_run
 //! # fn main() -> cuvmm::Result<()> {
@@ -99,7 +101,7 @@
 //! * [`alloc`]: [`alloc::StreamAllocator`], a stream-ordered caching allocator with sleep and wake
 //!   of tagged memory, for custom allocators; and allocators whose memory other processes can
 //!   import.
-//! * [`ipc`]: sharing memory with other processes.
+//! * [`ipc`]: sharing memory with other processes, and vectors they follow as they grow.
 //! * [`module`] and [`kernels`]: loading PTX and launching kernels; the crate's own kernels.
 //! * [`caps`], [`device`], [`context`]: what the machine supports; devices and their contexts.
 //!

@@ -56,8 +56,8 @@ fn every_failing_driver_call_in_a_growth_leaves_the_vector_intact() {
 use cuvmm::alloc::{CachingAllocator, ExportMode, PeerAllocator};
 use cuvmm::host::Staging;
 use cuvmm::host::{RegisterFlags, Registered};
-use cuvmm::ipc::{recv, PeerPolicy, SharedMemory};
-use cuvmm::vmm::{Access, PhysicalMemory, Reservation, Striped};
+use cuvmm::ipc::{recv, GrowableImport, PeerPolicy, SharedMemory, Update};
+use cuvmm::vmm::{Access, HandleTypes, PhysicalMemory, Reservation, Striped};
 use cuvmm::{DeviceBuffer, PinnedBuffer, Stream};
 use std::os::fd::AsFd;
 use std::os::unix::net::UnixStream;
@@ -78,6 +78,68 @@ fn failing<T>(call: &str, skip: usize, op: impl FnOnce() -> cuvmm::Result<T>) {
             assert!(e.is_out_of_memory(), "{call} #{skip}: {e}");
         }
         Ok(_) => assert_eq!(left, 1, "{call} #{skip}: the fault was consumed yet the operation succeeded"),
+    }
+}
+
+/// A shared vector whose new chunk cannot be exported does not grow, and its importer never hears
+/// of the chunk; an importer that fails to import, map or grant a chunk keeps what it mapped and
+/// stops there.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_failing_export_or_import_of_a_shared_chunk_leaves_both_sides_as_they_were() {
+    let ctx = Context::for_ordinal(0).unwrap();
+    let policy = ChunkPolicy { min_chunk: 2 * MIB, max_chunk: 2 * MIB, growth_percent: 0 };
+    let mut v = VmmVec::<u32>::builder(&ctx)
+        .handle_types(HandleTypes::POSIX_FD)
+        .chunk_policy(policy)
+        .reserve_address_space(64 * MIB)
+        .build()
+        .unwrap();
+    let (x, y) = UnixStream::pair().unwrap();
+    // A message that never comes fails the test instead of hanging it.
+    y.set_read_timeout(Some(std::time::Duration::from_secs(60))).unwrap();
+    v.share_growth(x, 0).unwrap();
+    let mut imp = GrowableImport::accept(&ctx, y, PeerPolicy::SameUid, 1 << 30, &[]).unwrap();
+    let data: Vec<u32> = (0..(MIB as u32)).collect(); // 4 MiB: two chunks
+    v.extend_from_slice(&data).unwrap();
+    for _ in 0..2 {
+        assert!(matches!(imp.next_update().unwrap(), Update::Grew { .. }));
+    }
+    for skip in 0..2 {
+        let before = (v.len(), v.mapped_bytes(), v.raw().chunk_count());
+        faults::inject("cuMemExportToShareableHandle", skip, CUresult::ERROR_OUT_OF_MEMORY);
+        let err = v.reserve(3 * MIB / 2).unwrap_err(); // 6 MiB more: three chunks
+        assert_eq!(faults::clear(), 0, "export #{skip} was not reached");
+        assert!(err.is_out_of_memory(), "export #{skip}: {err}");
+        assert_eq!((v.len(), v.mapped_bytes(), v.raw().chunk_count()), before, "export #{skip}");
+        assert_eq!(v.importer_count(), 1);
+    }
+    // The importer heard of none of it: the next thing it receives is the next note, and then
+    // the next growth that works.
+    v.notify_importers(1).unwrap();
+    assert_eq!(imp.next_update().unwrap(), Update::Note { tag: 1 });
+    v.push(7).unwrap();
+    assert_eq!(imp.next_update().unwrap(), Update::Grew { offset: 4 * MIB, size: 2 * MIB, tag: 0 });
+    assert_eq!(v.to_vec().unwrap()[..MIB], data[..]);
+
+    // A late importer receives the region and three chunks; its second chunk fails.
+    for call in ["cuMemImportFromShareableHandle", "cuMemMap", "cuMemSetAccess"] {
+        let (x, y) = UnixStream::pair().unwrap();
+        y.set_read_timeout(Some(std::time::Duration::from_secs(60))).unwrap();
+        v.share_growth(x, 0).unwrap();
+        let mut late = GrowableImport::accept(&ctx, y, PeerPolicy::SameUid, 1 << 30, &[]).unwrap();
+        assert!(matches!(late.next_update().unwrap(), Update::Grew { offset: 0, .. }));
+        let fds = open_fds();
+        faults::inject(call, 0, CUresult::ERROR_OUT_OF_MEMORY);
+        let err = late.next_update().unwrap_err();
+        assert_eq!(faults::clear(), 0, "{call} was not reached");
+        assert!(err.is_out_of_memory(), "{call}: {err}");
+        assert!(late.next_update().unwrap_err().is_out_of_memory(), "{call}: the error stays");
+        assert_eq!((late.mapped(), late.chunks().len()), (2 * MIB, 1), "{call}");
+        let mut first = [0u32; 4];
+        late.copy_to_host(0, &mut first).unwrap();
+        assert_eq!(first, [0, 1, 2, 3], "{call}");
+        assert_eq!(open_fds(), fds, "{call}: the chunk's fd leaked");
     }
 }
 

@@ -1,8 +1,8 @@
 //! The socket transport on the CPU: fds over socketpairs, malformed messages, fd leaks, peers of
 //! another uid.
 
-use cuvmm::ipc::wire::{Header, WireHandle, HEADER_LEN};
-use cuvmm::ipc::{recv, send, PeerPolicy};
+use cuvmm::ipc::wire::{Grow, HandleType, Header, Message, Region, WireHandle, HEADER_LEN};
+use cuvmm::ipc::{recv, recv_message, send, send_message, PeerPolicy};
 use cuvmm::Error;
 use nix::sys::socket::{sendmsg, setsockopt, sockopt, ControlMessage, MsgFlags};
 use std::io::{IoSlice, Read, Seek, Write};
@@ -103,6 +103,100 @@ fn extra_missing_and_malformed_messages_are_refused_without_leaking_fds() {
     raw_send(&a, &good[..HEADER_LEN / 2], &[]);
     drop(a);
     assert!(matches!(recv(b.as_fd(), PeerPolicy::SameUid), Err(Error::Protocol(_))));
+}
+
+fn grow(handle: WireHandle, offset: u64) -> Message {
+    Message::Grow(Grow::new(handle, 2 << 20, 2 << 20, offset, [3; 16], 0).unwrap())
+}
+
+#[test]
+fn growth_messages_travel_with_exactly_their_fds_and_a_close_between_messages_is_no_error() {
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let (a, b) = UnixStream::pair().unwrap();
+    let fd = memfd(b"chunk");
+    let before = open_fds();
+    let region = Message::Region(Region::new(HandleType::PosixFd, 1 << 30, 2 << 20, [3; 16], 5).unwrap());
+    let sent = [
+        (region, None),
+        (grow(WireHandle::PosixFd, 0), Some(fd.as_fd())),
+        (Message::Shrink { length: 0, tag: 1 }, None),
+        (Message::Note { tag: 42 }, None),
+    ];
+    for (m, f) in &sent {
+        send_message(a.as_fd(), m, *f).unwrap();
+    }
+    for (m, f) in &sent {
+        let got = recv_message(b.as_fd(), PeerPolicy::SameUid).unwrap().expect("a message");
+        assert_eq!(got.message(), m);
+        assert_eq!(got.fd().is_some(), f.is_some(), "{m:?}");
+        assert_eq!(got.peer().pid, std::process::id() as i32);
+        if let Some(fd) = got.fd() {
+            let mut file = std::fs::File::from(fd.try_clone_to_owned().unwrap());
+            file.rewind().unwrap();
+            let mut s = String::new();
+            file.read_to_string(&mut s).unwrap();
+            assert_eq!(s, "chunk", "the chunk's fd arrives with its grow message");
+        }
+    }
+    assert_eq!(open_fds(), before, "every received fd was closed with its message");
+    // The sender refuses an fd a message does not announce, or a missing one.
+    let refused = |m: &Message, f| matches!(send_message(a.as_fd(), m, f), Err(Error::InvalidArgument(_)));
+    assert!(refused(&region, Some(fd.as_fd())), "a region carries no fd");
+    assert!(refused(&grow(WireHandle::PosixFd, 0), None));
+    assert!(refused(&grow(WireHandle::Fabric([1; 64]), 0), Some(fd.as_fd())));
+    assert!(refused(&Message::Note { tag: 0 }, Some(fd.as_fd())));
+    // The peer closing between messages is the end of the stream, not an error.
+    drop(a);
+    assert!(recv_message(b.as_fd(), PeerPolicy::SameUid).unwrap().is_none());
+    assert!(matches!(recv(b.as_fd(), PeerPolicy::SameUid), Err(Error::Protocol(m)) if m.contains("closed")));
+}
+
+#[test]
+fn growth_messages_with_the_wrong_fds_and_shares_expected_elsewhere_are_refused_without_leaks() {
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let (a, b) = UnixStream::pair().unwrap();
+    let m1 = memfd(b"1");
+    let before = open_fds();
+    let region = Message::Region(Region::new(HandleType::PosixFd, 1 << 30, 2 << 20, [3; 16], 5).unwrap())
+        .encode()
+        .unwrap();
+    let posix_grow = grow(WireHandle::PosixFd, 0).encode().unwrap();
+    let fabric_grow = grow(WireHandle::Fabric([1; 64]), 0).encode().unwrap();
+    let note = Message::Note { tag: 1 }.encode().unwrap();
+    for (what, bytes, fds) in [
+        ("a region with an fd", &region, &[m1.as_raw_fd()][..]),
+        ("a POSIX grow without its fd", &posix_grow, &[][..]),
+        ("a POSIX grow with two fds", &posix_grow, &[m1.as_raw_fd(), m1.as_raw_fd()][..]),
+        ("a fabric grow with an fd", &fabric_grow, &[m1.as_raw_fd()][..]),
+        ("a note with an fd", &note, &[m1.as_raw_fd()][..]),
+    ] {
+        raw_send(&a, bytes, fds);
+        match recv_message(b.as_fd(), PeerPolicy::SameUid) {
+            Err(Error::Protocol(_)) => {}
+            other => panic!("{what}: {other:?}"),
+        }
+        assert_eq!(open_fds(), before, "{what}: a received fd was left open");
+    }
+    // `recv` wants a share: a valid grow, with its fd, is refused, naming its kind, and the fd closed.
+    send_message(a.as_fd(), &grow(WireHandle::PosixFd, 0), Some(m1.as_fd())).unwrap();
+    match recv(b.as_fd(), PeerPolicy::SameUid) {
+        Err(Error::Protocol(m)) => assert!(m.contains("a grow message"), "{m}"),
+        other => panic!("a grow was taken for a share: {other:?}"),
+    }
+    assert_eq!(open_fds(), before, "the grow's fd was left open");
+    // A version-1 share, as an older sender writes it, is still received.
+    let mut v1 = header(WireHandle::PosixFd).encode().unwrap();
+    v1[8] = 1;
+    raw_send(&a, &v1, &[m1.as_raw_fd()]);
+    assert_eq!(*recv(b.as_fd(), PeerPolicy::SameUid).unwrap().header(), header(WireHandle::PosixFd));
+    assert_eq!(open_fds(), before);
+    // A frame cut short is an error, not the end of the stream.
+    raw_send(&a, &note[..70], &[]);
+    drop(a);
+    match recv_message(b.as_fd(), PeerPolicy::SameUid) {
+        Err(Error::Protocol(m)) => assert!(m.contains("70 of 144"), "{m}"),
+        other => panic!("a cut frame: {other:?}"),
+    }
 }
 
 /// The receiver of a socket pair with SO_PASSCRED set: the kernel then puts the sender's

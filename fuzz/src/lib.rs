@@ -5,7 +5,8 @@
 //! `seeds::checked_in_seeds_are_current` fails when they differ from what [`seeds`] makes, and
 //! `CUVMM_WRITE_SEEDS=1 cargo test --manifest-path fuzz/Cargo.toml --lib` rewrites them.
 
-use cuvmm::ipc::wire::{Header, WireHandle, HEADER_LEN};
+use cuvmm::ipc::wire::{Grow, HandleType, Header, Message, Region, WireHandle, HEADER_LEN};
+use cuvmm::ipc::{RegionLayout, Step};
 
 /// The most descriptors Linux passes in one message (SCM_MAX_FD).
 pub const MAX_FDS: usize = 253;
@@ -23,7 +24,7 @@ pub const SO_PASSPIDFD: libc::c_int = 76;
 /// | 0 | number of descriptors sent, modulo 254 (0 to 253, the kernel's maximum) |
 /// | 1 | flags: bit 0 `SO_PASSCRED` on the receiver; bit 1 send the stream in two `sendmsg` calls; bit 2 the descriptors travel with the second call instead of the first; bit 3 `SO_PASSPIDFD` on the receiver; other bits ignored |
 /// | 2 | split point: with bit 1, the first call sends this many stream bytes (at most all) |
-/// | 3.. | the stream bytes the receiver reads (a 144-byte header, or anything) |
+/// | 3.. | the stream bytes the receiver reads (a 144-byte frame of any kind, or anything) |
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct RecvInput {
     /// Descriptors sent (0..=253), all `/dev/null`.
@@ -105,15 +106,16 @@ pub fn open_fds() -> usize {
 }
 
 /// Runs one `recv` target input: sets the receiving end of a socket pair up, sends the stream
-/// and the descriptors as the input says, closes the sending end and receives. Returns what
-/// `recv` returned, as the number of descriptors the accepted message kept.
+/// and the descriptors as the input says, closes the sending end and receives one message of any
+/// kind with `recv_message`. Returns what it returned: the number of descriptors the accepted
+/// message kept, or `None` when the stream ended before a frame began.
 ///
 /// # Panics
 ///
 /// If a refused message left a descriptor open, or an accepted one holds other than exactly the
-/// descriptors its header announces. Descriptors are counted for the whole process: run no other
+/// descriptors its message announces. Descriptors are counted for the whole process: run no other
 /// thread that opens or closes any meanwhile.
-pub fn run_recv(input: &RecvInput) -> cuvmm::Result<usize> {
+pub fn run_recv(input: &RecvInput) -> cuvmm::Result<Option<usize>> {
     use nix::sys::socket::{sendmsg, setsockopt, sockopt, ControlMessage, MsgFlags};
     use std::io::IoSlice;
     use std::os::fd::{AsFd, AsRawFd};
@@ -153,11 +155,21 @@ pub fn run_recv(input: &RecvInput) -> cuvmm::Result<usize> {
     }
     drop(a); // the receiver sees the end of the stream after the bytes
     let before = open_fds();
-    let out = match cuvmm::ipc::recv(b.as_fd(), cuvmm::ipc::PeerPolicy::SameUid) {
-        Ok(m) => {
-            let n = m.header().fd_count();
+    let out = match cuvmm::ipc::recv_message(b.as_fd(), cuvmm::ipc::PeerPolicy::SameUid) {
+        Ok(Some(m)) => {
+            let n = m.message().fd_count();
+            assert_eq!(
+                usize::from(m.fd().is_some()),
+                n,
+                "the message holds other descriptors than it announces"
+            );
             assert_eq!(open_fds(), before + n, "the accepted message holds other descriptors");
-            Ok(n)
+            Ok(Some(n))
+        }
+        Ok(None) => {
+            assert!(input.stream.is_empty(), "the end of a stream that held bytes");
+            assert_eq!(open_fds(), before, "descriptors arrived with no message");
+            Ok(None)
         }
         Err(e) => {
             assert_eq!(open_fds(), before, "a refused message left descriptors open");
@@ -168,6 +180,121 @@ pub fn run_recv(input: &RecvInput) -> cuvmm::Result<usize> {
     out
 }
 
+/// One run of the `growth` target: the importer's limits and the frames its connection delivers.
+///
+/// Byte layout (inputs shorter than 2 bytes read as if padded with zeroes):
+///
+/// | byte | meaning |
+/// |---|---|
+/// | 0 | the importer's granularity: 2 to the power 12 + (byte mod 19), 4 KiB to 1 GiB |
+/// | 1 | the importer's largest region: 2 to the power 20 + (byte mod 23), 1 MiB to 4 TiB |
+/// | 2.. | frames, 144 bytes each (a shorter last one is a frame cut short) |
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct GrowthInput {
+    /// The importer's allocation granularity, a power of two.
+    pub granularity: u64,
+    /// The most address space the importer reserves for a region.
+    pub max_capacity: u64,
+    /// What the connection delivers.
+    pub stream: Vec<u8>,
+}
+
+impl GrowthInput {
+    /// Decodes any bytes (see the layout above).
+    pub fn decode(data: &[u8]) -> GrowthInput {
+        let at = |i: usize| u32::from(data.get(i).copied().unwrap_or(0));
+        GrowthInput {
+            granularity: 1 << (12 + at(0) % 19),
+            max_capacity: 1 << (20 + at(1) % 23),
+            stream: data.get(2..).unwrap_or_default().to_vec(),
+        }
+    }
+
+    /// The bytes that decode to this input.
+    ///
+    /// # Panics
+    ///
+    /// If the granularity or limit is not one the layout can express.
+    pub fn encode(&self) -> Vec<u8> {
+        let shift = |x: u64, low: u32, n: u32| {
+            assert!(x.is_power_of_two() && (low..low + n).contains(&x.trailing_zeros()), "{x}");
+            (x.trailing_zeros() - low) as u8
+        };
+        let mut out = vec![shift(self.granularity, 12, 19), shift(self.max_capacity, 20, 23)];
+        out.extend_from_slice(&self.stream);
+        out
+    }
+
+    /// Its frames encoded one after the other.
+    pub fn of(granularity: u64, max_capacity: u64, messages: &[Message]) -> GrowthInput {
+        let stream = messages.iter().flat_map(|m| m.encode().expect("a valid message")).collect();
+        GrowthInput { granularity, max_capacity, stream }
+    }
+}
+
+/// What the `growth` target saw: how many frames were applied before the first refusal (or the
+/// end), and whether one was refused.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GrowthRun {
+    /// Frames decoded and applied.
+    pub applied: usize,
+    /// Whether a frame was refused (malformed, or not fitting the layout); nothing after it is
+    /// read, as a `GrowableImport` reads nothing after an error.
+    pub refused: bool,
+}
+
+/// Runs one `growth` target input: decodes each frame and applies it to a `RegionLayout`, as a
+/// `GrowableImport` does between receiving a message and mapping what it asks for, and checks
+/// what the layout promises after every step.
+///
+/// # Panics
+///
+/// If `check` and `apply` disagree, a refused message changed the layout, or the layout breaks
+/// its invariants: chunks that do not follow each other from offset 0, a chunk off the
+/// importer's granularity, a mapped part past the capacity, or a capacity past the importer's
+/// limit.
+pub fn run_growth(input: &GrowthInput) -> GrowthRun {
+    let mut layout = RegionLayout::new(input.max_capacity, input.granularity).expect("a power of two");
+    let mut applied = 0;
+    for frame in input.stream.chunks(HEADER_LEN) {
+        let before = layout.clone();
+        let Ok(m) = Message::decode(frame) else { return GrowthRun { applied, refused: true } };
+        let checked = layout.check(&m);
+        assert_eq!(layout, before, "check changed the layout");
+        let step = match (checked, layout.apply(&m)) {
+            (Ok(a), Ok(b)) => {
+                assert_eq!(a, b, "check and apply disagree");
+                b
+            }
+            (Err(_), Err(_)) => {
+                assert_eq!(layout, before, "a refused message changed the layout");
+                return GrowthRun { applied, refused: true };
+            }
+            (a, b) => panic!("check said {a:?}, apply {b:?}"),
+        };
+        match step {
+            Step::Open(r) => assert!(before.region().is_none() && r.capacity() <= input.max_capacity),
+            Step::Map(g) => assert_eq!(g.offset(), before.mapped(), "a chunk not at the end"),
+            Step::Unmap { keep, length } => {
+                assert_eq!((layout.chunks().len(), layout.mapped()), (keep, length));
+                assert!(length <= before.mapped());
+            }
+            Step::Note(_) => assert_eq!(layout, before),
+        }
+        let capacity = layout.region().expect("a step after the region").capacity();
+        assert!(capacity.is_multiple_of(input.granularity) && capacity <= input.max_capacity);
+        let mut end = 0;
+        for &(offset, size) in layout.chunks() {
+            assert_eq!(offset, end, "chunks do not follow each other");
+            assert!(size > 0 && size.is_multiple_of(input.granularity), "a chunk off the granularity");
+            end = offset + size;
+        }
+        assert!(end == layout.mapped() && end <= capacity, "mapped past the capacity");
+        applied += 1;
+    }
+    GrowthRun { applied, refused: false }
+}
+
 /// Byte offsets of the header's fields (docs/WIRE.md), for seeds that break one of them.
 pub mod field {
     /// Magic, 8 bytes.
@@ -176,8 +303,10 @@ pub mod field {
     pub const VERSION: usize = 8;
     /// Handle type, 2 bytes.
     pub const HANDLE_TYPE: usize = 10;
-    /// Flags, 4 bytes.
-    pub const FLAGS: usize = 12;
+    /// Kind, 2 bytes (in version 1, the first half of the flags).
+    pub const KIND: usize = 12;
+    /// Flags, 2 bytes (4 in version 1, from `KIND` on).
+    pub const FLAGS: usize = 14;
     /// Size, 8 bytes.
     pub const SIZE: usize = 16;
     /// Granularity, 8 bytes.
@@ -226,11 +355,58 @@ pub mod seeds {
         b
     }
 
-    /// Seeds of the `header` target: valid encoded headers, from the smallest to the largest.
+    /// A frame of any message.
+    fn frame(m: &Message) -> Vec<u8> {
+        m.encode().expect("a valid message encodes").to_vec()
+    }
+
+    /// `frame` of `m` with `value` written at `at`.
+    fn patched_frame(m: &Message, at: usize, value: &[u8]) -> Vec<u8> {
+        let mut b = frame(m);
+        b[at..at + value.len()].copy_from_slice(value);
+        b
+    }
+
+    const UUID: [u8; 16] = *b"0123456789abcdef";
+
+    /// A region of POSIX-fd chunks: 64 MiB, 2 MiB granularity.
+    pub fn region() -> Message {
+        Message::Region(Region::new(HandleType::PosixFd, 64 * MIB, 2 * MIB, UUID, 7).expect("a valid region"))
+    }
+
+    /// A POSIX-fd chunk of the region above.
+    pub fn grow(offset: u64, size: u64) -> Message {
+        Message::Grow(Grow::new(WireHandle::PosixFd, size, 2 * MIB, offset, UUID, 0).expect("a valid chunk"))
+    }
+
+    fn fabric_region() -> Message {
+        Message::Region(
+            Region::new(HandleType::Fabric, 64 * MIB, 2 * MIB, [1; 16], 8).expect("a valid region"),
+        )
+    }
+
+    fn fabric_grow(offset: u64, size: u64) -> Message {
+        Message::Grow(
+            Grow::new(WireHandle::Fabric([0x5a; 64]), size, 2 * MIB, offset, [1; 16], 0).expect("a chunk"),
+        )
+    }
+
+    fn shrink(length: u64) -> Message {
+        Message::Shrink { length, tag: 0 }
+    }
+
+    /// A version-1 share: the POSIX header above as an older sender writes it.
+    pub fn v1_posix() -> Vec<u8> {
+        patched(&posix(), field::VERSION, &1u16.to_le_bytes())
+    }
+
+    /// Seeds of the `header` target: valid frames of every kind, from the smallest to the
+    /// largest, and a version-1 share.
     pub fn header() -> Seeds {
         let h = |handle, size, g, off, len, tag| {
             bytes(&Header::new(handle, size, g, off, len, [0xee; 16], tag).expect("a valid header")).to_vec()
         };
+        let max = cuvmm::ipc::wire::MAX_CAPACITY;
         vec![
             ("posix", bytes(&posix()).to_vec()),
             ("fabric", bytes(&fabric()).to_vec()),
@@ -240,51 +416,89 @@ pub mod seeds {
                 "fabric-largest",
                 h(WireHandle::Fabric([0xff; 64]), cuvmm::ipc::wire::MAX_SIZE, 1 << 30, 0, 1 << 40, 1),
             ),
+            ("v1-posix", v1_posix()),
+            ("region", frame(&region())),
+            ("region-fabric-largest", {
+                let r = Region::new(HandleType::Fabric, max, 1 << 30, [0xff; 16], u64::MAX);
+                frame(&Message::Region(r.expect("the largest region")))
+            }),
+            ("grow-posix", frame(&grow(2 * MIB, 4 * MIB))),
+            ("grow-fabric-last", frame(&fabric_grow(max - 2 * MIB, 2 * MIB))),
+            ("shrink", frame(&shrink(2 * MIB))),
+            ("shrink-largest", frame(&shrink(max))),
+            ("note", frame(&Message::Note { tag: 1000 })),
         ]
     }
 
-    /// Seeds of the `recv` target, with whether `recv` accepts each: valid messages, each way a
-    /// message can be wrong, and each way the kernel can deliver one.
-    pub fn recv_cases() -> Vec<(&'static str, RecvInput, bool)> {
+    /// What the `recv` target does with a seed.
+    #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+    pub enum Expect {
+        /// A message is received.
+        Accepted,
+        /// It is refused with a protocol error.
+        Refused,
+        /// The stream ends before a frame begins.
+        Closed,
+    }
+
+    /// Seeds of the `recv` target, with what `recv_message` does with each: valid messages of every
+    /// kind, each way a message can be wrong, and each way the kernel can deliver one.
+    pub fn recv_cases() -> Vec<(&'static str, RecvInput, Expect)> {
+        use Expect::*;
         let posix = bytes(&posix());
         let fabric = bytes(&fabric());
         let one = |stream: &[u8]| RecvInput::new(stream, 1);
-        let mut cases: Vec<(&'static str, RecvInput, bool)> = vec![
-            ("posix-one-fd", one(&posix), true),
-            ("fabric-no-fd", RecvInput::new(fabric, 0), true),
-            ("posix-one-fd-passcred", RecvInput { pass_cred: true, ..one(&posix) }, true),
-            ("posix-one-fd-pidfd", RecvInput { pass_cred: true, pass_pidfd: true, ..one(&posix) }, true),
-            ("posix-split", RecvInput { split_at: Some(10), ..one(&posix) }, true),
+        let none = |stream: &[u8]| RecvInput::new(stream, 0);
+        let note = frame(&Message::Note { tag: 1 });
+        let mut cases: Vec<(&'static str, RecvInput, Expect)> = vec![
+            ("posix-one-fd", one(&posix), Accepted),
+            ("fabric-no-fd", RecvInput::new(fabric, 0), Accepted),
+            ("posix-one-fd-passcred", RecvInput { pass_cred: true, ..one(&posix) }, Accepted),
+            ("posix-one-fd-pidfd", RecvInput { pass_cred: true, pass_pidfd: true, ..one(&posix) }, Accepted),
+            ("posix-split", RecvInput { split_at: Some(10), ..one(&posix) }, Accepted),
             (
                 "posix-split-fd-with-second-passcred",
                 RecvInput { split_at: Some(100), fds_with_second: true, pass_cred: true, ..one(&posix) },
-                true,
+                Accepted,
             ),
-            ("fabric-split-at-1", RecvInput { split_at: Some(1), ..RecvInput::new(fabric, 0) }, true),
+            ("fabric-split-at-1", RecvInput { split_at: Some(1), ..RecvInput::new(fabric, 0) }, Accepted),
             // Trailing bytes stay in the socket for the next message.
-            ("posix-trailing-bytes", one(&[&posix[..], b"more"].concat()), true),
+            ("posix-trailing-bytes", one(&[&posix[..], b"more"].concat()), Accepted),
+            ("v1-posix-one-fd", one(&v1_posix()), Accepted),
+            // The messages of a growing region.
+            ("region-no-fd", none(&frame(&region())), Accepted),
+            ("grow-posix-one-fd", one(&frame(&grow(0, 2 * MIB))), Accepted),
+            ("grow-fabric-no-fd", none(&frame(&fabric_grow(0, 2 * MIB))), Accepted),
+            ("shrink-no-fd", none(&frame(&shrink(0))), Accepted),
+            ("note-split-at-143", RecvInput { split_at: Some(143), ..none(&note) }, Accepted),
             // Wrong descriptor counts.
-            ("posix-no-fd", RecvInput::new(posix, 0), false),
-            ("posix-two-fds", RecvInput::new(posix, 2), false),
-            ("fabric-one-fd", RecvInput::new(fabric, 1), false),
-            ("posix-252-fds-passcred", RecvInput { pass_cred: true, ..RecvInput::new(posix, 252) }, false),
-            ("posix-253-fds-passcred", RecvInput { pass_cred: true, ..RecvInput::new(posix, 253) }, false),
+            ("posix-no-fd", RecvInput::new(posix, 0), Refused),
+            ("posix-two-fds", RecvInput::new(posix, 2), Refused),
+            ("fabric-one-fd", RecvInput::new(fabric, 1), Refused),
+            ("posix-252-fds-passcred", RecvInput { pass_cred: true, ..RecvInput::new(posix, 252) }, Refused),
+            ("posix-253-fds-passcred", RecvInput { pass_cred: true, ..RecvInput::new(posix, 253) }, Refused),
             (
                 "posix-253-fds-pidfd",
                 RecvInput { pass_cred: true, pass_pidfd: true, ..RecvInput::new(posix, 253) },
-                false,
+                Refused,
             ),
-            // Cut short.
-            ("posix-cut-at-100", one(&posix[..100]), false),
-            ("empty", RecvInput::new(Vec::new(), 3), false),
+            ("region-one-fd", one(&frame(&region())), Refused),
+            ("grow-posix-no-fd", none(&frame(&grow(0, 2 * MIB))), Refused),
+            ("grow-fabric-one-fd", one(&frame(&fabric_grow(0, 2 * MIB))), Refused),
+            ("note-one-fd", one(&note), Refused),
+            // Cut short, or nothing at all.
+            ("posix-cut-at-100", one(&posix[..100]), Refused),
+            ("note-cut-at-70", none(&note[..70]), Refused),
+            ("empty", RecvInput::new(Vec::new(), 3), Closed),
         ];
         // Each check a receiver makes, failed by a POSIX message that carries its one fd.
         let h = super::seeds::posix();
         let broken: Vec<(&'static str, Vec<u8>)> = vec![
             ("bad-magic", patched(&h, field::MAGIC, b"CUVMMIPX")),
-            ("bad-version", patched(&h, field::VERSION, &2u16.to_le_bytes())),
+            ("bad-version", patched(&h, field::VERSION, &3u16.to_le_bytes())),
             ("bad-handle-type", patched(&h, field::HANDLE_TYPE, &2u16.to_le_bytes())),
-            ("bad-flags", patched(&h, field::FLAGS, &1u32.to_le_bytes())),
+            ("bad-kind", patched(&h, field::KIND, &5u16.to_le_bytes())),
+            ("bad-flags", patched(&h, field::FLAGS, &1u16.to_le_bytes())),
             ("bad-reserved", patched(&h, field::RESERVED, &1u32.to_le_bytes())),
             ("bad-fd-count", patched(&h, field::FD_COUNT, &2u32.to_le_bytes())),
             ("bad-fabric-bytes-in-posix", patched(&h, field::FABRIC, &[1])),
@@ -298,8 +512,53 @@ pub mod seeds {
             ("bad-length-past-end", patched(&h, field::LENGTH, &(63 * MIB).to_le_bytes())),
             ("bad-offset-past-end", patched(&h, field::OFFSET, &(64 * MIB).to_le_bytes())),
             ("bad-offset-overflows", patched(&h, field::OFFSET, &u64::MAX.to_le_bytes())),
+            // Version 1 has no kinds: its bytes 12 to 15 are flags.
+            ("bad-v1-grow", {
+                let mut b = patched_frame(&grow(0, 2 * MIB), field::VERSION, &1u16.to_le_bytes());
+                b[field::KIND] = 2;
+                b
+            }),
+            // The fields each growth kind leaves zero, and the bounds of those it uses.
+            ("bad-region-offset", patched_frame(&region(), field::OFFSET, &(2 * MIB).to_le_bytes())),
+            (
+                "bad-region-capacity-unaligned",
+                patched_frame(&region(), field::SIZE, &(64 * MIB + 4096).to_le_bytes()),
+            ),
+            (
+                "bad-region-capacity-over-max",
+                patched_frame(&region(), field::SIZE, &(2 * cuvmm::ipc::wire::MAX_CAPACITY).to_le_bytes()),
+            ),
+            ("bad-grow-length", patched_frame(&grow(0, 2 * MIB), field::LENGTH, &1u64.to_le_bytes())),
+            (
+                "bad-grow-offset-unaligned",
+                patched_frame(&grow(0, 2 * MIB), field::OFFSET, &MIB.to_le_bytes()),
+            ),
+            (
+                "bad-grow-past-max",
+                patched_frame(
+                    &grow(0, 2 * MIB),
+                    field::OFFSET,
+                    &cuvmm::ipc::wire::MAX_CAPACITY.to_le_bytes(),
+                ),
+            ),
+            (
+                "bad-grow-offset-overflows",
+                patched_frame(&grow(0, 2 * MIB), field::OFFSET, &u64::MAX.to_le_bytes()),
+            ),
+            ("bad-shrink-uuid", patched_frame(&shrink(0), 48, &[1])),
+            ("bad-shrink-handle-type", patched_frame(&shrink(0), field::HANDLE_TYPE, &1u16.to_le_bytes())),
+            (
+                "bad-shrink-past-max",
+                patched_frame(&shrink(0), field::LENGTH, &(cuvmm::ipc::wire::MAX_CAPACITY + 1).to_le_bytes()),
+            ),
+            ("bad-note-size", patched_frame(&Message::Note { tag: 1 }, field::SIZE, &1u64.to_le_bytes())),
         ];
-        cases.extend(broken.into_iter().map(|(name, b)| (name, one(&b), false)));
+        cases.extend(broken.into_iter().map(|(name, b)| {
+            // Each carries the one fd a POSIX share or grow announces, so that only the named
+            // field is wrong where it can be.
+            let fds = usize::from(b[field::HANDLE_TYPE] == 1 && b[field::KIND] != 1 && b[field::KIND] != 3);
+            (name, RecvInput::new(b, fds), Refused)
+        }));
         cases
     }
 
@@ -308,9 +567,93 @@ pub mod seeds {
         recv_cases().into_iter().map(|(name, input, _)| (name, input.encode())).collect()
     }
 
+    /// Seeds of the `growth` target, with what each run does: frames applied, and whether one
+    /// was refused. Each breaks one rule of `RegionLayout`, or follows them all.
+    pub fn growth_cases() -> Vec<(&'static str, GrowthInput, GrowthRun)> {
+        let g = 2 * MIB;
+        let of = |messages: &[Message]| GrowthInput::of(g, 1 << 30, messages);
+        let ok = |applied| GrowthRun { applied, refused: false };
+        let refused = |applied| GrowthRun { applied, refused: true };
+        let other = |f: fn(Grow) -> Result<Grow, cuvmm::Error>| {
+            Message::Grow(
+                f(match grow(2 * MIB, 2 * MIB) {
+                    Message::Grow(x) => x,
+                    _ => unreachable!("a grow"),
+                })
+                .expect("a valid chunk"),
+            )
+        };
+        let note = Message::Note { tag: 9 };
+        let mut late: Vec<Message> = vec![region()];
+        late.extend((0..32).map(|i| grow(i * g, g)));
+        let mut cut = of(&[region(), grow(0, g)]);
+        cut.stream.extend_from_slice(&frame(&grow(g, g))[..70]);
+        let mut corrupt = of(&[region(), grow(0, g), grow(g, g)]);
+        corrupt.stream[2 * HEADER_LEN + field::KIND] = 9;
+        vec![
+            (
+                "follow",
+                of(&[region(), grow(0, g), grow(g, 4 * MIB), note, shrink(g), grow(g, g), shrink(0), note]),
+                ok(8),
+            ),
+            (
+                "follow-fabric",
+                of(&[
+                    fabric_region(),
+                    fabric_grow(0, 4 * MIB),
+                    fabric_grow(4 * MIB, 60 * MIB),
+                    shrink(4 * MIB),
+                ]),
+                ok(4),
+            ),
+            ("late-importer-whole-region", of(&late), ok(33)),
+            ("overlap", of(&[region(), grow(0, 4 * MIB), grow(g, g)]), refused(2)),
+            ("gap", of(&[region(), grow(0, g), grow(2 * g, g)]), refused(2)),
+            ("past-capacity", of(&[region(), grow(0, g), grow(g, 64 * MIB)]), refused(2)),
+            ("second-region", of(&[region(), grow(0, g), region()]), refused(2)),
+            ("share-on-growth", of(&[region(), Message::Share(posix())]), refused(1)),
+            ("shrink-inside-chunk", of(&[region(), grow(0, 4 * MIB), shrink(g)]), refused(2)),
+            ("shrink-past-end", of(&[region(), grow(0, g), shrink(2 * g)]), refused(2)),
+            ("grow-before-region", of(&[grow(0, g), region()]), refused(0)),
+            ("note-before-region", of(&[note, region()]), refused(0)),
+            ("over-importer-limit", GrowthInput::of(g, 32 * MIB, &[region()]), refused(0)),
+            (
+                "importer-granularity-coarser",
+                GrowthInput::of(4 * MIB, 1 << 30, &[region(), grow(0, g)]),
+                refused(1),
+            ),
+            (
+                "other-device",
+                of(&[
+                    region(),
+                    grow(0, g),
+                    other(|x| Grow::new(x.handle(), x.size(), x.granularity(), x.offset(), [9; 16], 0)),
+                ]),
+                refused(2),
+            ),
+            (
+                "other-granularity",
+                of(&[
+                    region(),
+                    grow(0, g),
+                    other(|x| Grow::new(x.handle(), x.size(), 1 << 20, x.offset(), x.device_uuid(), 0)),
+                ]),
+                refused(2),
+            ),
+            ("fabric-chunk-in-posix-region", of(&[region(), fabric_grow(0, g)]), refused(1)),
+            ("cut-frame", cut, refused(2)),
+            ("corrupt-frame", corrupt, refused(2)),
+        ]
+    }
+
+    /// Seeds of the `growth` target, as its input bytes.
+    pub fn growth() -> Seeds {
+        growth_cases().into_iter().map(|(name, input, _)| (name, input.encode())).collect()
+    }
+
     /// Every target's seeds, by target name.
     pub fn all() -> Vec<(&'static str, Seeds)> {
-        vec![("header", header()), ("recv", recv())]
+        vec![("header", header()), ("recv", recv()), ("growth", growth())]
     }
 
     #[cfg(test)]
@@ -366,23 +709,47 @@ pub mod seeds {
         fn header_seeds_decode_and_re_encode() {
             let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
             for (name, b) in header() {
-                let h = Header::decode(&b).unwrap_or_else(|e| panic!("{name}: {e}"));
-                assert_eq!(h.encode().unwrap().to_vec(), b, "{name}");
+                let m = Message::decode(&b).unwrap_or_else(|e| panic!("{name}: {e}"));
+                let mut expect = b.clone();
+                expect[field::VERSION] = 2; // a version-1 share is written as version 2
+                assert_eq!(m.encode().unwrap().to_vec(), expect, "{name}");
+                assert_eq!(Header::decode(&b).is_ok(), matches!(m, Message::Share(_)), "{name}");
+            }
+        }
+
+        #[test]
+        fn growth_seeds_run_as_named_and_round_trip() {
+            for (name, input, expect) in growth_cases() {
+                assert_eq!(GrowthInput::decode(&input.encode()), input, "{name}");
+                assert_eq!(run_growth(&input), expect, "{name}");
+            }
+            // Any bytes decode; limits stay within what the layout expresses.
+            for b in [&[][..], &[255, 255], &[18, 22, 1, 2, 3]] {
+                let i = GrowthInput::decode(b);
+                assert!(i.granularity.is_power_of_two() && i.granularity <= 1 << 30);
+                assert!(i.max_capacity.is_power_of_two() && i.max_capacity <= 1 << 42);
+                assert_eq!(run_growth(&i).applied, 0);
             }
         }
 
         #[test]
         fn recv_seeds_round_trip_and_are_accepted_or_refused_as_named() {
             let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-            for (name, input, accepted) in recv_cases() {
+            for (name, input, expect) in recv_cases() {
                 assert_eq!(RecvInput::decode(&input.encode()), input, "{name}");
                 match run_recv(&input) {
-                    Ok(n) => assert!(accepted && n == input.fds, "{name} was accepted with {n} fds"),
-                    Err(Error::Protocol(_)) => assert!(!accepted, "{name} was refused"),
+                    Ok(Some(n)) => {
+                        assert!(
+                            expect == Expect::Accepted && n == input.fds,
+                            "{name} was accepted with {n} fds"
+                        )
+                    }
+                    Ok(None) => assert_eq!(expect, Expect::Closed, "{name} ended the stream"),
+                    Err(Error::Protocol(_)) => assert_eq!(expect, Expect::Refused, "{name} was refused"),
                     Err(e) => panic!("{name}: not a protocol error: {e}"),
                 }
                 if name.starts_with("bad-") {
-                    assert!(Header::decode(&input.stream).is_err(), "{name}: the header itself is wrong");
+                    assert!(Message::decode(&input.stream).is_err(), "{name}: the frame itself is wrong");
                 }
             }
         }

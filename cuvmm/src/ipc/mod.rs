@@ -3,13 +3,21 @@
 //!
 //! Reach for it to hand device memory to another process on the same machine (or, with fabric
 //! handles and IMEX, another node): [`share`] on one side, [`recv`] and [`SharedMemory::import`]
-//! on the other. Peers in other languages follow `docs/WIRE.md`. Everything received is
-//! validated; see the README's "Soundness" section for what a hostile peer cannot do.
+//! on the other. A vector that keeps growing is shared with
+//! [`VmmVec::share_growth`](crate::VmmVec::share_growth) and followed with [`GrowableImport`].
+//! Peers in other languages follow `docs/WIRE.md`. Everything received is validated; see the
+//! README's "Soundness" section for what a hostile peer cannot do.
 
+pub mod growth;
+pub mod region;
 pub mod shared;
 pub mod socket;
 pub mod wire;
 
+pub use growth::{GrowableImport, Update};
+pub use region::{RegionLayout, Step};
 pub use shared::{share, SharedMemory};
-pub use socket::{check_peer, recv, send, Credentials, PeerPolicy, Received};
-pub use wire::{Header, WireHandle};
+pub use socket::{
+    check_peer, recv, recv_message, send, send_message, Credentials, Incoming, PeerPolicy, Received,
+};
+pub use wire::{Header, Message, WireHandle};

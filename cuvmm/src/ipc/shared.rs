@@ -9,7 +9,7 @@ use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::memory::{DeviceCopy, DeviceSlice, DeviceSliceMut};
 use crate::vmm::{Access, HandleTypes, Location, Mapping, PhysicalMemory, Reservation};
-use std::os::fd::{AsFd, BorrowedFd};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 
 /// Exports `phys` (as a fabric handle if it was created with one, else as a POSIX fd) and sends
 /// it over `sock` with the range `[offset, offset + length)` and `tag`. Returns how it travelled.
@@ -48,6 +48,51 @@ pub fn share(
         let fd = phys.export_fd()?;
         super::socket::send(sock, &posix, Some(fd.as_fd()))?;
         Ok(posix.handle())
+    }
+}
+
+/// The minimum granularity of memory this process maps on `ctx`'s device.
+pub(crate) fn local_granularity(ctx: &Context) -> Result<usize> {
+    Ok(device_granularity(&ctx.device(), crate::driver::sys::CUmemAllocationHandleType::NONE)?.minimum)
+}
+
+/// Imports the `size`-byte allocation `handle` (and `fd`, for a POSIX-fd handle) names and maps
+/// all of it at `offset` in `va`, which must be free there. Access is not granted yet.
+pub(crate) fn import_and_map(
+    va: &Reservation,
+    offset: usize,
+    handle: WireHandle,
+    fd: Option<OwnedFd>,
+    size: usize,
+) -> Result<Mapping> {
+    let ctx = va.context();
+    let phys = match (handle, fd) {
+        (WireHandle::PosixFd, Some(fd)) => PhysicalMemory::import_fd(ctx, fd.as_fd(), size)?,
+        (WireHandle::Fabric(f), None) => PhysicalMemory::import_fabric(ctx, &f, size)?,
+        _ => return Err(Error::Protocol("the message's fds do not match its handle type".into())),
+    };
+    // The driver refuses a mapping larger than the allocation (driver 580 says
+    // CUDA_ERROR_NOT_SUPPORTED; INVALID_VALUE is accepted too): then the sender announced more
+    // than it exported. Any other failure (out of memory, say) is passed on as it is.
+    use crate::driver::sys::CUresult;
+    va.map(offset, &phys, 0, size).map_err(|e| match e {
+        Error::Driver { code, .. }
+            if code == CUresult::ERROR_NOT_SUPPORTED || code == CUresult::ERROR_INVALID_VALUE =>
+        {
+            Error::Protocol(format!(
+                "cannot map {size} bytes of the imported allocation ({e}): is the announced size \
+                 larger than what was exported?"
+            ))
+        }
+        other => other,
+    })
+}
+
+/// `bytes` at `byte_offset` of the `len`-byte range at `base`, as an address; refused past its end.
+pub(crate) fn range_at(base: u64, len: usize, byte_offset: usize, bytes: usize) -> Result<u64> {
+    match byte_offset.checked_add(bytes) {
+        Some(end) if end <= len => Ok(base + byte_offset as u64),
+        _ => Err(Error::invalid(format!("{byte_offset}+{bytes} is past the {len}-byte shared range"))),
     }
 }
 
@@ -92,29 +137,14 @@ impl SharedMemory {
         h.validate()?;
         let size = usize::try_from(h.size())
             .map_err(|_| Error::Protocol("size does not fit this machine".into()))?;
-        let ours =
-            device_granularity(&ctx.device(), crate::driver::sys::CUmemAllocationHandleType::NONE)?.minimum;
+        let ours = local_granularity(ctx)?;
         if size % ours != 0 {
             return Err(Error::Protocol(format!(
                 "size {size} is not a multiple of this device's granularity {ours}"
             )));
         }
-        let phys = match (h.handle(), fd) {
-            (WireHandle::PosixFd, Some(fd)) => PhysicalMemory::import_fd(ctx, fd.as_fd(), size)?,
-            (WireHandle::Fabric(f), None) => PhysicalMemory::import_fabric(ctx, &f, size)?,
-            _ => return Err(Error::Protocol("the message's fds do not match its handle type".into())),
-        };
         let va = Reservation::new(ctx, size)?;
-        // The driver refuses a mapping larger than the allocation (driver 580 says
-        // CUDA_ERROR_NOT_SUPPORTED; INVALID_VALUE is accepted too): then the sender announced more
-        // than it exported. Any other failure (out of memory, say) is passed on as it is.
-        use crate::driver::sys::CUresult;
-        let mapping = va.map(0, &phys, 0, size).map_err(|e| match e {
-            Error::Driver { code, .. } if code == CUresult::ERROR_NOT_SUPPORTED || code == CUresult::ERROR_INVALID_VALUE => Error::Protocol(format!(
-                "cannot map {size} bytes of the imported allocation ({e}): is the announced size larger than what was exported?"
-            )),
-            other => other,
-        })?;
+        let mapping = import_and_map(&va, 0, h.handle(), fd, size)?;
         // The driver reports no size for an imported handle, but the mapping above covers `size`
         // bytes of it and succeeds only if the allocation holds at least that many: so
         // `mapping.len()` bytes are really there. The shared range must lie inside them, or the
@@ -175,29 +205,40 @@ impl SharedMemory {
         }
     }
 
-    fn range(&self, byte_offset: usize, bytes: usize) -> Result<u64> {
-        match byte_offset.checked_add(bytes) {
-            Some(end) if end <= self.len() => Ok(self.ptr() + byte_offset as u64),
-            _ => Err(Error::invalid(format!(
-                "{byte_offset}+{bytes} is past the {}-byte shared range",
-                self.len()
-            ))),
-        }
-    }
-
     /// Copies from byte `byte_offset` of the range into `out`.
     pub fn copy_to_host<T: DeviceCopy>(&self, byte_offset: usize, out: &mut [T]) -> Result<()> {
-        let at = self.range(byte_offset, std::mem::size_of_val(out))?;
-        let end = at + std::mem::size_of_val(out) as u64;
-        let _turn = self.order.host_access(at, end, crate::stream::order::Use::Read)?;
-        crate::stream::copy::dtoh(self.mapping.reservation().context(), out, at, out.len())
+        let at = range_at(self.ptr(), self.len(), byte_offset, std::mem::size_of_val(out))?;
+        host_read(self.mapping.reservation().context(), &self.order, at, out)
     }
 
     /// Copies `data` to byte `byte_offset` of the range.
     pub fn copy_from_host<T: DeviceCopy>(&self, byte_offset: usize, data: &[T]) -> Result<()> {
-        let at = self.range(byte_offset, std::mem::size_of_val(data))?;
-        let end = at + std::mem::size_of_val(data) as u64;
-        let _turn = self.order.host_access(at, end, crate::stream::order::Use::Write)?;
-        crate::stream::copy::htod(self.mapping.reservation().context(), at, data, data.len())
+        let at = range_at(self.ptr(), self.len(), byte_offset, std::mem::size_of_val(data))?;
+        host_write(self.mapping.reservation().context(), &self.order, at, data)
     }
+}
+
+/// Copies the bytes at device address `at` into `out`, after the streams `order` knows of that
+/// write them.
+pub(crate) fn host_read<T: DeviceCopy>(
+    ctx: &Context,
+    order: &crate::stream::order::Tracker,
+    at: u64,
+    out: &mut [T],
+) -> Result<()> {
+    let end = at + std::mem::size_of_val(out) as u64;
+    let _turn = order.host_access(at, end, crate::stream::order::Use::Read)?;
+    crate::stream::copy::dtoh(ctx, out, at, out.len())
+}
+
+/// Copies `data` to device address `at`, after the streams `order` knows of that use it.
+pub(crate) fn host_write<T: DeviceCopy>(
+    ctx: &Context,
+    order: &crate::stream::order::Tracker,
+    at: u64,
+    data: &[T],
+) -> Result<()> {
+    let end = at + std::mem::size_of_val(data) as u64;
+    let _turn = order.host_access(at, end, crate::stream::order::Use::Write)?;
+    crate::stream::copy::htod(ctx, at, data, data.len())
 }

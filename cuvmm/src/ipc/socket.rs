@@ -1,7 +1,7 @@
-//! Passing shared-allocation messages over Unix-domain sockets: the header as data, the fd as
-//! SCM_RIGHTS ancillary data, the peer's credentials checked with SO_PEERCRED.
+//! Passing messages over Unix-domain sockets: the frame as data, the fd as SCM_RIGHTS ancillary
+//! data, the peer's credentials checked with SO_PEERCRED.
 
-use super::wire::{Header, HEADER_LEN};
+use super::wire::{Header, Message, HEADER_LEN};
 use crate::error::{Error, Result};
 use nix::sys::socket::{getsockopt, sendmsg, sockopt::PeerCredentials, ControlMessage, MsgFlags};
 use std::io::IoSlice;
@@ -30,7 +30,7 @@ pub struct Credentials {
     pub gid: u32,
 }
 
-/// A received message: the validated header and the fd it carried, if any.
+/// A received share message: the validated header and the fd it carried, if any.
 ///
 /// Only [`recv`] makes one, so a `Received` always holds a header that passed validation and
 /// exactly the descriptors that header announces; its parts can be read or taken, not replaced:
@@ -89,16 +89,25 @@ pub fn check_peer(sock: BorrowedFd<'_>, policy: PeerPolicy) -> Result<Credential
     Ok(creds)
 }
 
-/// Sends `header`, with `fd` as SCM_RIGHTS when the header says one travels.
+/// Sends the share message `header`, with `fd` as SCM_RIGHTS when the header says one travels.
 pub fn send(sock: BorrowedFd<'_>, header: &Header, fd: Option<BorrowedFd<'_>>) -> Result<()> {
-    if header.fd_count() != usize::from(fd.is_some()) {
+    send_message(sock, &Message::Share(*header), fd)
+}
+
+/// Sends any message, with `fd` as SCM_RIGHTS when the message says one travels. Refuses, before
+/// sending anything, an fd the message does not announce or a missing one
+/// ([`Error::InvalidArgument`]). A peer that has gone is an [`Error::Os`] (`EPIPE`), never a
+/// signal.
+pub fn send_message(sock: BorrowedFd<'_>, message: &Message, fd: Option<BorrowedFd<'_>>) -> Result<()> {
+    if message.fd_count() != usize::from(fd.is_some()) {
         return Err(Error::invalid(format!(
-            "the header announces {} fd(s), {} given",
-            header.fd_count(),
+            "the {} message announces {} fd(s), {} given",
+            message.kind(),
+            message.fd_count(),
             usize::from(fd.is_some())
         )));
     }
-    let bytes = header.encode()?;
+    let bytes = message.encode()?;
     let fds: Vec<RawFd> = fd.iter().map(|f| f.as_raw_fd()).collect();
     let cmsgs = if fds.is_empty() { vec![] } else { vec![ControlMessage::ScmRights(&fds)] };
     let mut sent = 0;
@@ -212,13 +221,71 @@ fn recv_chunk(sock: BorrowedFd<'_>, buf: &mut [u8], fds: &mut Vec<OwnedFd>) -> n
     Ok(Chunk { bytes: n as usize, control_truncated: msg.msg_flags & libc::MSG_CTRUNC != 0 })
 }
 
-/// Receives one message: checks the peer against `policy`, reads exactly one header, takes
+/// Receives one share message: checks the peer against `policy`, reads exactly one frame, takes
 /// ownership of every fd that arrived (close-on-exec), and refuses the message (closing them all)
-/// unless it is well formed and carries exactly the fds it announces.
+/// unless it is a well-formed share (version 1 or 2) that carries exactly the fds it announces.
+/// A peer that closes the connection first is an [`Error::Protocol`] too.
 ///
 /// Works with `SO_PASSCRED` or `SO_PASSPIDFD` set on `sock`: the credentials are ignored (the
 /// peer is checked with `SO_PEERCRED`) and a pidfd that arrives is closed.
 pub fn recv(sock: BorrowedFd<'_>, policy: PeerPolicy) -> Result<Received> {
+    match recv_message(sock, policy)? {
+        Some(Incoming { message: Message::Share(header), fd, peer }) => Ok(Received { header, fd, peer }),
+        // The fd of any other message is closed here, with it.
+        Some(other) => Err(Error::Protocol(format!(
+            "a {} message where a share message was expected (a growing vector is followed with \
+             GrowableImport)",
+            other.message.kind()
+        ))),
+        None => {
+            Err(Error::Protocol(format!("the peer closed the socket after 0 of {HEADER_LEN} header bytes")))
+        }
+    }
+}
+
+/// Any received message, validated on its own, with the fd it carried if any and its sender.
+///
+/// Only [`recv_message`] makes one, so its message passed validation and it holds exactly the
+/// descriptors the message announces.
+#[derive(Debug)]
+pub struct Incoming {
+    message: Message,
+    fd: Option<OwnedFd>,
+    peer: Credentials,
+}
+
+impl Incoming {
+    /// The message.
+    pub fn message(&self) -> &Message {
+        &self.message
+    }
+
+    /// Who sent it.
+    pub fn peer(&self) -> Credentials {
+        self.peer
+    }
+
+    /// The fd a share or grow message with a POSIX-fd handle carried, close-on-exec.
+    pub fn fd(&self) -> Option<BorrowedFd<'_>> {
+        self.fd.as_ref().map(|f| f.as_fd())
+    }
+
+    /// The message, the fd and the sender.
+    pub fn into_parts(self) -> (Message, Option<OwnedFd>, Credentials) {
+        (self.message, self.fd, self.peer)
+    }
+}
+
+/// Receives one message of any kind, as [`recv`] does a share: the peer checked against `policy`,
+/// exactly one frame read, every fd that arrived owned, and the message refused (its fds closed)
+/// unless it is well formed and carries exactly the fds it announces. `Ok(None)` when the peer
+/// closed the connection before the first byte of a frame: between messages, the end of the
+/// stream. A frame cut short is an [`Error::Protocol`].
+///
+/// Checks each frame on its own (see [`Message::decode`]); whether it fits what came before on
+/// the connection is for the receiver to check, as [`GrowableImport`](super::GrowableImport)
+/// does with a [`RegionLayout`](super::RegionLayout).
+pub fn recv_message(sock: BorrowedFd<'_>, policy: PeerPolicy) -> Result<Option<Incoming>> {
     let peer = check_peer(sock, policy)?;
     let mut buf = [0u8; HEADER_LEN];
     let mut got = 0;
@@ -237,6 +304,9 @@ pub fn recv(sock: BorrowedFd<'_>, policy: PeerPolicy) -> Result<Received> {
                 fds.len()
             )));
         }
+        if chunk.bytes == 0 && got == 0 && fds.is_empty() {
+            return Ok(None);
+        }
         if chunk.bytes == 0 {
             return Err(Error::Protocol(format!(
                 "the peer closed the socket after {got} of {HEADER_LEN} header bytes"
@@ -244,15 +314,16 @@ pub fn recv(sock: BorrowedFd<'_>, policy: PeerPolicy) -> Result<Received> {
         }
         got += chunk.bytes;
     }
-    let header = Header::decode(&buf)?;
-    if fds.len() != header.fd_count() {
+    let message = Message::decode(&buf)?;
+    if fds.len() != message.fd_count() {
         return Err(Error::Protocol(format!(
-            "the message announces {} fd(s) but carried {}",
-            header.fd_count(),
+            "the {} message announces {} fd(s) but carried {}",
+            message.kind(),
+            message.fd_count(),
             fds.len()
         )));
     }
-    Ok(Received { header, fd: fds.pop(), peer })
+    Ok(Some(Incoming { message, fd: fds.pop(), peer }))
 }
 
 #[cfg(test)]

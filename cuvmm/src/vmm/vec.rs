@@ -4,6 +4,7 @@
 use crate::context::Context;
 use crate::driver::{driver, sys::CUdeviceptr};
 use crate::error::{Error, Result};
+use crate::ipc::growth::Exports;
 use crate::memory::{DeviceCopy, DeviceSlice, DeviceSliceMut};
 use crate::stream::order::{Tracker, Turn, Use};
 use crate::vmm::{
@@ -12,6 +13,7 @@ use crate::vmm::{
 };
 use std::marker::PhantomData;
 use std::ops::Range;
+use std::os::fd::OwnedFd;
 
 /// The capacity half of a [`VmmVec`]: a reservation and the chunks mapped at its start, in bytes.
 /// Knows nothing of elements (like std's `RawVec`).
@@ -26,6 +28,8 @@ pub struct RawVmm {
     /// With [`VmmVecBuilder::create_ahead`]: the next chunk, being created on another thread.
     ahead: Option<Ahead>,
     create_ahead: bool,
+    /// With [`VmmVec::share_growth`]: the processes that follow the growth.
+    exports: Option<Exports>,
 }
 
 /// The smallest chunk made ahead (see [`RawVmm::start_ahead`]).
@@ -62,6 +66,7 @@ impl RawVmm {
             mapped: 0,
             ahead: None,
             create_ahead,
+            exports: None,
         };
         if create_ahead {
             // The first chunk is mapped while building (the first append would otherwise wait for
@@ -153,6 +158,15 @@ impl RawVmm {
             return Ok(());
         }
         let total = self.mapped + plan.iter().sum::<usize>();
+        if total > self.reservation.size() && self.importers() > 0 {
+            // Importers map each chunk at its offset in a reservation of this one's size: a move
+            // is something they could only follow by remapping everything.
+            return Err(Error::invalid(format!(
+                "growing to {total} bytes needs more than the {}-byte reservation, and a vector \
+                 with importers cannot move: reserve more address space before sharing it",
+                self.reservation.size()
+            )));
+        }
         // Before anything is mapped past `mapped`: the chunk made ahead lies there.
         let ready = self.take_ahead(self.mapped);
         if total > self.reservation.size() {
@@ -180,8 +194,16 @@ impl RawVmm {
             fresh.push(self.map_chunk(&self.reservation, offset, &phys)?);
             offset += size;
         }
+        // Exported before the growth is committed, so that a failure leaves everything as it was.
+        let announce = match &self.exports {
+            Some(e) => e.prepare(&fresh)?,
+            None => Vec::new(),
+        };
         self.chunks.extend(fresh);
         self.mapped = offset;
+        if let Some(e) = &mut self.exports {
+            e.send(&announce);
+        }
         self.start_ahead();
         Ok(())
     }
@@ -216,6 +238,7 @@ impl RawVmm {
         if self.chunks.last().is_some_and(|last| last.offset() >= keep) {
             drop(self.ahead.take().and_then(Ahead::finish));
         }
+        let before = self.mapped;
         while let Some(last) = self.chunks.last() {
             if last.offset() < keep {
                 break;
@@ -223,6 +246,23 @@ impl RawVmm {
             self.mapped = last.offset();
             self.chunks.pop();
         }
+        if let Some(e) = self.exports.as_mut().filter(|_| self.mapped != before) {
+            e.send(&[(crate::ipc::Message::Shrink { length: self.mapped as u64, tag: 0 }, None)]);
+        }
+    }
+
+    /// Connects an importer (see [`VmmVec::share_growth`]).
+    fn share_growth(&mut self, sock: OwnedFd, tag: u64) -> Result<()> {
+        let exports = match &mut self.exports {
+            Some(e) => e,
+            None => self.exports.insert(Exports::new(&self.phys, self.granularity)?),
+        };
+        exports.add(sock, self.reservation.size(), tag, &self.chunks)
+    }
+
+    /// Processes following this range's growth (see [`VmmVec::share_growth`]).
+    pub fn importers(&self) -> usize {
+        self.exports.as_ref().map_or(0, Exports::importers)
     }
 }
 
@@ -482,10 +522,74 @@ impl<T: DeviceCopy> VmmVec<T> {
         self.len = 0;
     }
 
-    /// Unmaps and releases every whole chunk past the last element.
+    /// Unmaps and releases every whole chunk past the last element. Importers (see
+    /// [`share_growth`](Self::share_growth)) are told, and unmap them too.
     pub fn shrink_to_fit(&mut self) -> Result<()> {
         self.raw.shrink_to(bytes_for(self.len, Self::elem())?);
         Ok(())
+    }
+
+    /// Shares this vector, and from now on every growth and shrink of it, with the process at the
+    /// other end of `sock`, which follows it with [`GrowableImport`](crate::ipc::GrowableImport).
+    ///
+    /// Sends a region message (the reservation's size, to be reserved by the importer once, and
+    /// `tag`) and a grow message for each chunk mapped so far; then each chunk the vector maps is
+    /// exported and announced before the growth returns, and a shrink that unmaps chunks
+    /// announces the new length. The vector must have been built with exportable chunks
+    /// ([`VmmVecBuilder::handle_types`] with [`HandleTypes::POSIX_FD`] or
+    /// [`FABRIC`](HandleTypes::FABRIC)), else [`Error::InvalidArgument`]. Call it again to add
+    /// importers; a failure closes `sock` and leaves the others as they were.
+    ///
+    /// While an importer is connected the vector never moves: a growth past the reservation is
+    /// refused with [`Error::InvalidArgument`] (and changes nothing), so reserve enough address
+    /// space up front ([`VmmVecBuilder::reserve_address_space`]). Once every importer has gone it
+    /// may move again, and a later importer reserves the new size.
+    ///
+    /// Messages are sent on the caller's thread, blocking while an importer's socket buffer is
+    /// full (after some hundreds of messages it has not read). An importer that cannot be sent to
+    /// any more (it exited; or, with `SO_SNDTIMEO` set on its socket, it stopped reading) is
+    /// disconnected, without failing the growth: its socket is closed and it keeps what it had
+    /// mapped. [`importer_count`](Self::importer_count) says how many remain.
+    ///
+    /// The importer's memory stays valid whatever happens to this process: it holds its own
+    /// handle on every chunk it has mapped, until it unmaps it (on a shrink) or drops the import.
+    /// ```no_run
+    /// # fn f(sock: std::os::unix::net::UnixStream) -> cuvmm::Result<()> {
+    /// use cuvmm::vmm::HandleTypes;
+    /// let ctx = cuvmm::Context::for_ordinal(0)?;
+    /// let mut v = cuvmm::VmmVec::<f32>::builder(&ctx)
+    ///     .handle_types(HandleTypes::POSIX_FD)
+    ///     .reserve_address_space(16 << 30)
+    ///     .build()?;
+    /// v.share_growth(sock, 0)?;
+    /// v.resize(1 << 28, 0.0)?; // 1 GiB: the importer maps each new chunk
+    /// v.notify_importers(v.len() as u64)?;
+    /// v.truncate(0);
+    /// v.shrink_to_fit()?; // and unmaps them again
+    /// # Ok(()) }
+    /// ```
+    pub fn share_growth(&mut self, sock: impl Into<OwnedFd>, tag: u64) -> Result<()> {
+        self.raw.share_growth(sock.into(), tag)
+    }
+
+    /// Sends every importer a note with `tag` (the number of elements written, say), once all
+    /// writes to the elements queued on streams the vector knows of have completed: an importer
+    /// that receives it sees every chunk announced before it mapped, and the elements written
+    /// before it. Disconnects importers that cannot be sent to, as growth does.
+    pub fn notify_importers(&mut self, tag: u64) -> Result<()> {
+        {
+            let _turn = self.host(0, self.len, Use::Read)?;
+        }
+        if let Some(e) = &mut self.raw.exports {
+            e.send(&[(crate::ipc::Message::Note { tag }, None)]);
+        }
+        Ok(())
+    }
+
+    /// Processes following this vector's growth (see [`share_growth`](Self::share_growth)), as far
+    /// as the last message sent to them tells.
+    pub fn importer_count(&self) -> usize {
+        self.raw.importers()
     }
 
     /// A read-only view of the elements, for kernels and copies.

@@ -1,0 +1,412 @@
+//! Sharing a growing vector: the exporting side's bookkeeping ([`VmmVec::share_growth`] and its
+//! growth and shrink call it) and [`GrowableImport`], which follows the vector from another
+//! process.
+//!
+//! The importer reserves the exporter's whole reservation once, when the connection opens, and
+//! maps each chunk, as it is announced, at the offset it has in the exporter's vector. Nothing it
+//! mapped is ever remapped, and its address space never grows: unlike an importer that reserves
+//! room for the largest possible growth anew with every segment it imports (PyTorch issue 186213
+//! describes the address space running out that way), one connection reserves exactly one
+//! region of the size the exporter announces, bounded by a limit the importer sets.
+//!
+//! [`VmmVec::share_growth`]: crate::VmmVec::share_growth
+
+use super::region::{RegionLayout, Step};
+use super::shared::{host_read, host_write, import_and_map, local_granularity, range_at};
+use super::socket::{recv_message, send_message, Credentials, PeerPolicy};
+use super::wire::{Grow, HandleType, Message, Region, WireHandle};
+use crate::context::Context;
+use crate::device::Device;
+use crate::error::{Error, Result};
+use crate::memory::{DeviceCopy, DeviceSlice, DeviceSliceMut};
+use crate::stream::order::Tracker;
+use crate::vmm::{Access, HandleTypes, Location, Mapping, PhysicalBuilder, Reservation};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+
+/// The importers of one growing vector and what every message to them carries. Lives in the
+/// vector's `RawVmm`, whose growth and shrink report to it.
+pub(crate) struct Exports {
+    importers: Vec<OwnedFd>,
+    handle: HandleType,
+    granularity: u64,
+    device_uuid: [u8; 16],
+}
+
+/// A message for every importer, with the fd it carries.
+pub(crate) type Outgoing = Vec<(Message, Option<OwnedFd>)>;
+
+impl Exports {
+    /// For chunks made by `phys`, of the given granularity. Refuses chunks that cannot be exported.
+    pub(crate) fn new(phys: &PhysicalBuilder, granularity: usize) -> Result<Exports> {
+        let Location::Device(dev) = phys.get_location() else {
+            return Err(Error::unsupported(
+                "sharing host-located memory",
+                "only device memory is shared by this crate",
+            ));
+        };
+        let types = phys.get_handle_types();
+        let handle = if types.contains(HandleTypes::FABRIC) {
+            HandleType::Fabric
+        } else if types.contains(HandleTypes::POSIX_FD) {
+            HandleType::PosixFd
+        } else {
+            return Err(Error::invalid(
+                "the vector's chunks cannot be exported: build it with handle_types(HandleTypes::POSIX_FD) \
+                 (or FABRIC) to share it",
+            ));
+        };
+        Ok(Exports {
+            importers: Vec::new(),
+            handle,
+            granularity: granularity as u64,
+            device_uuid: dev.uuid()?.0,
+        })
+    }
+
+    /// Importers still connected, as far as the last message sent to them tells.
+    pub(crate) fn importers(&self) -> usize {
+        self.importers.len()
+    }
+
+    /// The grow message for `chunk`, its handle exported.
+    fn grow(&self, chunk: &Mapping) -> Result<(Message, Option<OwnedFd>)> {
+        let phys = chunk.physical();
+        let (handle, fd) = match self.handle {
+            HandleType::PosixFd => (WireHandle::PosixFd, Some(phys.export_fd()?)),
+            HandleType::Fabric => (WireHandle::Fabric(phys.export_fabric()?), None),
+        };
+        let g = Grow::new(
+            handle,
+            phys.size() as u64,
+            self.granularity,
+            chunk.offset() as u64,
+            self.device_uuid,
+            0,
+        )?;
+        Ok((Message::Grow(g), fd))
+    }
+
+    /// The grow messages for `fresh` chunks, their handles exported: called before a growth is
+    /// committed, so that an export that fails fails the growth rather than leaving importers
+    /// behind. Nothing is exported while no importer is connected.
+    pub(crate) fn prepare(&self, fresh: &[Mapping]) -> Result<Outgoing> {
+        if self.importers.is_empty() {
+            return Ok(Vec::new());
+        }
+        fresh.iter().map(|c| self.grow(c)).collect()
+    }
+
+    /// Connects an importer: sends it the region (`capacity` bytes, `tag`) and a grow message for
+    /// each chunk mapped so far. On failure the socket is closed and nothing else changes.
+    pub(crate) fn add(&mut self, sock: OwnedFd, capacity: usize, tag: u64, chunks: &[Mapping]) -> Result<()> {
+        let region = Region::new(self.handle, capacity as u64, self.granularity, self.device_uuid, tag)?;
+        send_message(sock.as_fd(), &Message::Region(region), None)?;
+        for chunk in chunks {
+            let (m, fd) = self.grow(chunk)?;
+            send_message(sock.as_fd(), &m, fd.as_ref().map(AsFd::as_fd))?;
+        }
+        self.importers.push(sock);
+        Ok(())
+    }
+
+    /// Sends `messages` to every importer, in order. An importer that cannot be sent to (it
+    /// exited, or its socket's send timeout expired) is disconnected: its socket is closed, and
+    /// it keeps what it has mapped.
+    pub(crate) fn send(&mut self, messages: &[(Message, Option<OwnedFd>)]) {
+        self.importers.retain(|sock| {
+            messages.iter().all(|(m, fd)| send_message(sock.as_fd(), m, fd.as_ref().map(AsFd::as_fd)).is_ok())
+        });
+    }
+}
+
+/// What one message did to a [`GrowableImport`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Update {
+    /// A chunk of `size` bytes is mapped at `offset`, where the mapped part ended.
+    Grew {
+        /// Its offset in the region.
+        offset: usize,
+        /// Its size.
+        size: usize,
+        /// The exporter's tag (cuvmm's `VmmVec` sends 0).
+        tag: u64,
+    },
+    /// The chunks from `length` bytes on are unmapped.
+    Shrank {
+        /// Bytes still mapped.
+        length: usize,
+        /// The exporter's tag (cuvmm's `VmmVec` sends 0).
+        tag: u64,
+    },
+    /// The exporter's note, received after everything it sent before it.
+    Note {
+        /// Its value.
+        tag: u64,
+    },
+    /// The exporter closed the connection between two messages (it dropped the vector, exited or
+    /// was killed). What is mapped stays mapped and usable for as long as the import lives.
+    Closed,
+}
+
+/// Where a [`GrowableImport`]'s connection stands.
+enum State {
+    Open,
+    Closed,
+    /// The first error stays: later messages could only be judged against a layout that no
+    /// longer says what the exporter believes is mapped.
+    Failed(Error),
+}
+
+/// A vector another process grows, followed here: one reservation of the size the exporter
+/// announces, made up front, and each chunk mapped at the offset it has in the exporter's vector
+/// as its grow message arrives. The base address never changes and nothing is remapped; a shrink
+/// unmaps the chunks past the new length.
+///
+/// Every message is checked against the layout so far ([`RegionLayout`]): a chunk must start
+/// where the mapped part ends and end inside the reservation, a shrink must end on a chunk
+/// boundary, and so on. After any error (a refused message, a driver failure, a connection cut
+/// inside a message) the import receives nothing more, returns that error from every later
+/// [`next_update`](Self::next_update), and keeps what it has mapped, usable as before. What it
+/// maps stays valid when the exporter exits or is killed: the import holds its own handle on each
+/// chunk, and the memory is freed when the last process unmaps it.
+///
+/// As with [`SharedMemory`](super::SharedMemory), the other process may write the memory at any
+/// time, so this type hands out device pointers, device views and copies, never Rust references.
+///
+/// ```no_run
+/// use cuvmm::ipc::{GrowableImport, PeerPolicy, Update};
+/// use cuvmm::vmm::HandleTypes;
+/// use cuvmm::VmmVec;
+/// # fn f(exporter_sock: std::os::unix::net::UnixStream, importer_sock: std::os::unix::net::UnixStream) -> cuvmm::Result<()> {
+/// let ctx = cuvmm::Context::for_ordinal(0)?;
+/// // Exporting process: a vector whose chunks can be exported, with 1 GiB of address space.
+/// let mut v = VmmVec::<u32>::builder(&ctx)
+///     .handle_types(HandleTypes::POSIX_FD)
+///     .reserve_address_space(1 << 30)
+///     .build()?;
+/// v.share_growth(exporter_sock, /* tag */ 7)?;
+/// v.extend_from_slice(&[1, 2, 3])?; // the new chunk is announced
+/// v.notify_importers(v.len() as u64)?; // "3 elements are written"
+///
+/// // Importing process: reserves 1 GiB (at most the 4 GiB it allows), then follows.
+/// let mut import = GrowableImport::accept(&ctx, importer_sock, PeerPolicy::SameUid, 4 << 30, &[])?;
+/// if let Some(written) = import.next_note()? {
+///     let mut first = vec![0u32; written as usize];
+///     import.copy_to_host(0, &mut first)?;
+///     assert_eq!(first, [1, 2, 3]);
+/// }
+/// # Ok(()) }
+/// ```
+pub struct GrowableImport {
+    // Field order is drop order: chunks are unmapped before the reservation is freed.
+    chunks: Vec<Mapping>,
+    reservation: Reservation,
+    region: Region,
+    layout: RegionLayout,
+    sock: OwnedFd,
+    policy: PeerPolicy,
+    grants: Vec<(Device, Access)>,
+    peer: Credentials,
+    state: State,
+    /// Streams of this process that used the mapped part (see [`crate::stream::order`]).
+    order: Tracker,
+}
+
+fn to_usize(x: u64) -> Result<usize> {
+    usize::try_from(x).map_err(|_| Error::Protocol(format!("{x} does not fit this machine's usize")))
+}
+
+impl GrowableImport {
+    /// Waits on `sock` for the exporter's region message, checks it (the peer against `policy`,
+    /// the capacity against `max_capacity`, which bounds the address space this import may
+    /// reserve) and reserves the region. Chunks are mapped by the following calls to
+    /// [`next_update`](Self::next_update); each is granted `grants` (read-write for `ctx`'s device
+    /// if empty).
+    ///
+    /// A connection that closes first, or whose first message is anything but a region, is an
+    /// [`Error::Protocol`].
+    pub fn accept(
+        ctx: &Context,
+        sock: impl Into<OwnedFd>,
+        policy: PeerPolicy,
+        max_capacity: usize,
+        grants: &[(Device, Access)],
+    ) -> Result<GrowableImport> {
+        let sock = sock.into();
+        let mut layout = RegionLayout::new(max_capacity as u64, local_granularity(ctx)? as u64)?;
+        let Some(first) = recv_message(sock.as_fd(), policy)? else {
+            return Err(Error::Protocol("the peer closed the connection before sending its region".into()));
+        };
+        // A region carries no fd (`recv_message` checked), so nothing is dropped unseen here.
+        let (message, _, peer) = first.into_parts();
+        let Step::Open(region) = layout.apply(&message)? else {
+            return Err(Error::Protocol(format!("a {} message where a region was expected", message.kind())));
+        };
+        let reservation = Reservation::new(ctx, to_usize(region.capacity())?)?;
+        let grants =
+            if grants.is_empty() { vec![(ctx.device(), Access::ReadWrite)] } else { grants.to_vec() };
+        Ok(GrowableImport {
+            chunks: Vec::new(),
+            reservation,
+            region,
+            layout,
+            sock,
+            policy,
+            grants,
+            peer,
+            state: State::Open,
+            order: Tracker::new(),
+        })
+    }
+
+    /// Waits for the next message and applies it: maps an announced chunk, unmaps what a shrink
+    /// cuts, or returns a note. `Ok(Update::Closed)` once the exporter has closed the connection
+    /// between messages, then again at every call.
+    ///
+    /// Blocks until a message arrives; to wait with `poll` or an event loop instead, poll this
+    /// value's fd ([`AsFd`]) for input first. (A readable socket may hold only part of a message;
+    /// the call then waits for the rest.)
+    pub fn next_update(&mut self) -> Result<Update> {
+        match &self.state {
+            State::Failed(e) => return Err(e.clone()),
+            State::Closed => return Ok(Update::Closed),
+            State::Open => {}
+        }
+        let r = self.receive();
+        match &r {
+            Err(e) => self.state = State::Failed(e.clone()),
+            Ok(Update::Closed) => self.state = State::Closed,
+            Ok(_) => {}
+        }
+        r
+    }
+
+    /// Applies updates until the next note and returns its value; `None` if the connection
+    /// closes first.
+    pub fn next_note(&mut self) -> Result<Option<u64>> {
+        loop {
+            match self.next_update()? {
+                Update::Note { tag } => return Ok(Some(tag)),
+                Update::Closed => return Ok(None),
+                Update::Grew { .. } | Update::Shrank { .. } => {}
+            }
+        }
+    }
+
+    fn receive(&mut self) -> Result<Update> {
+        let Some(incoming) = recv_message(self.sock.as_fd(), self.policy)? else {
+            return Ok(Update::Closed);
+        };
+        let (message, fd, _) = incoming.into_parts();
+        match self.layout.check(&message)? {
+            Step::Map(g) => {
+                let (offset, size) = (to_usize(g.offset())?, to_usize(g.size())?);
+                // The layout is changed only once the chunk is mapped and accessible: on failure
+                // the mapping is dropped, and the layout still says what is mapped.
+                let chunk = import_and_map(&self.reservation, offset, g.handle(), fd, size)?;
+                chunk.set_access(&self.grants)?;
+                self.layout.apply(&message)?;
+                self.chunks.push(chunk);
+                Ok(Update::Grew { offset, size, tag: g.tag() })
+            }
+            Step::Unmap { keep, length } => {
+                self.layout.apply(&message)?;
+                // Dropping a mapping waits for the work queued on it, then unmaps.
+                self.chunks.truncate(keep);
+                Ok(Update::Shrank { length: to_usize(length)?, tag: message.tag() })
+            }
+            Step::Note(tag) => Ok(Update::Note { tag }),
+            // `check` opens a region only before the first one.
+            Step::Open(_) => Err(Error::Protocol("a second region message on one connection".into())),
+        }
+    }
+
+    /// The region as the exporter announced it.
+    pub fn region(&self) -> &Region {
+        &self.region
+    }
+
+    /// The layout: the chunks mapped, in order.
+    pub fn layout(&self) -> &RegionLayout {
+        &self.layout
+    }
+
+    /// The exporter, as the socket reported it.
+    pub fn peer(&self) -> Credentials {
+        self.peer
+    }
+
+    /// Whether the exporter has closed the connection (see [`Update::Closed`]).
+    pub fn is_closed(&self) -> bool {
+        matches!(self.state, State::Closed)
+    }
+
+    /// The first address of the region: the same for the import's whole life.
+    pub fn ptr(&self) -> u64 {
+        self.reservation.base()
+    }
+
+    /// Bytes mapped, from [`ptr`](Self::ptr) on.
+    pub fn mapped(&self) -> usize {
+        self.chunks.last().map_or(0, |c| c.offset() + c.len())
+    }
+
+    /// Bytes reserved: the region's capacity.
+    pub fn capacity(&self) -> usize {
+        self.reservation.size()
+    }
+
+    /// The mapped chunks, in address order.
+    pub fn chunks(&self) -> &[Mapping] {
+        &self.chunks
+    }
+
+    /// The mapped part as `T`s, for kernels and copies.
+    pub fn as_slice<T: DeviceCopy>(&self) -> DeviceSlice<'_, T> {
+        // SAFETY: the first `mapped()` bytes are mapped and accessible while self lives, and
+        // `&self` keeps `next_update` (which may unmap) from running meanwhile; device views are
+        // never dereferenced on the host.
+        unsafe {
+            DeviceSlice::tracked(self.ptr(), self.mapped() / std::mem::size_of::<T>().max(1), &self.order)
+        }
+    }
+
+    /// The mapped part as writable `T`s.
+    pub fn as_mut_slice<T: DeviceCopy>(&mut self) -> DeviceSliceMut<'_, T> {
+        // SAFETY: as above.
+        unsafe {
+            DeviceSliceMut::tracked(self.ptr(), self.mapped() / std::mem::size_of::<T>().max(1), &self.order)
+        }
+    }
+
+    /// Copies from byte `byte_offset` of the mapped part into `out`.
+    pub fn copy_to_host<T: DeviceCopy>(&self, byte_offset: usize, out: &mut [T]) -> Result<()> {
+        let at = range_at(self.ptr(), self.mapped(), byte_offset, std::mem::size_of_val(out))?;
+        host_read(self.reservation.context(), &self.order, at, out)
+    }
+
+    /// Copies `data` to byte `byte_offset` of the mapped part.
+    pub fn copy_from_host<T: DeviceCopy>(&self, byte_offset: usize, data: &[T]) -> Result<()> {
+        let at = range_at(self.ptr(), self.mapped(), byte_offset, std::mem::size_of_val(data))?;
+        host_write(self.reservation.context(), &self.order, at, data)
+    }
+}
+
+impl AsFd for GrowableImport {
+    /// The connection to the exporter, to poll for input.
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        self.sock.as_fd()
+    }
+}
+
+impl std::fmt::Debug for GrowableImport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GrowableImport")
+            .field("ptr", &format_args!("{:#x}", self.ptr()))
+            .field("mapped", &self.mapped())
+            .field("capacity", &self.capacity())
+            .field("chunks", &self.chunks.len())
+            .field("closed", &self.is_closed())
+            .finish()
+    }
+}
