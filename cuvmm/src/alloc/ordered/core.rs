@@ -616,8 +616,10 @@ impl<B: Backend> Core<B> {
     }
 
     pub(crate) fn flush_cached(&mut self) {
+        let streams = &self.streams;
+        let done = |s: u64, epoch: u64| streams.get(&s).is_some_and(|st| st.done >= epoch);
         for s in &mut self.slots {
-            s.heap.flush_cached();
+            s.heap.flush_cached(done);
         }
     }
 

@@ -209,6 +209,27 @@ impl Heap {
 
     /// Carves `size` bytes from the never-used part, if it holds them.
     pub(crate) fn carve(&mut self, size: u64, stream: u64, requested: u64, pool: u32) -> Option<u64> {
+        // A free block at the end that `stream` may use grows into the never-used part: its
+        // pages serve again instead of new ones beside them.
+        if self.last != NIL {
+            let l = self.blocks[self.last as usize];
+            if let State::Free(owner) = l.state {
+                let usable = l.pool == pool
+                    && match owner {
+                        Owner::Idle => true,
+                        Owner::Stream { stream: s, .. } => s == stream,
+                    };
+                let grow = size.saturating_sub(l.size);
+                if usable && grow > 0 && self.base + self.size - self.top >= grow {
+                    self.unindex(self.last);
+                    self.blocks[self.last as usize].size += grow;
+                    self.top += grow;
+                    self.blocks[self.last as usize].state = State::Free(owner);
+                    self.index(self.last);
+                    return Some(self.take(self.last as u64, size, stream, requested, pool));
+                }
+            }
+        }
         if self.base + self.size - self.top < size {
             return None;
         }
@@ -272,7 +293,9 @@ impl Heap {
     }
 
     /// Moves every cached block into the index, merging as a free would have.
-    pub(crate) fn flush_cached(&mut self) {
+    /// `done(stream, epoch)` says whether an event covering that free has completed: such a
+    /// block is idle at once.
+    pub(crate) fn flush_cached(&mut self, done: impl Fn(u64, u64) -> bool) {
         if self.cached_count == 0 {
             return;
         }
@@ -280,7 +303,8 @@ impl Heap {
         self.cached_count = 0;
         for i in lists {
             let State::Cached { stream, epoch } = self.blocks[i as usize].state else { unreachable!() };
-            self.settle(i, Owner::Stream { stream, epoch });
+            let owner = if done(stream, epoch) { Owner::Idle } else { Owner::Stream { stream, epoch } };
+            self.settle(i, owner);
         }
     }
 
@@ -461,9 +485,10 @@ impl Heap {
             let end = (b.addr + b.size - self.base) / page;
             out.extend(first..end);
         }
-        // Pages past `top` were never handed out: they are idle too.
+        // Past `top` nothing was ever handed out, so nothing is mapped there: only the pages from
+        // the idle end of the used part up to `top` can be.
         let first = (tail - self.base).div_ceil(page);
-        out.extend(first..self.size / page);
+        out.extend(first..(self.top - self.base).div_ceil(page));
         out.sort_unstable();
         out
     }
@@ -610,19 +635,19 @@ mod tests {
     }
 
     #[test]
-    fn idle_pages_are_whole_pages_inside_idle_blocks_and_the_untouched_tail() {
+    fn idle_pages_are_whole_pages_inside_idle_blocks_and_never_past_the_used_end() {
         let page = 4096;
         let mut h = Heap::new(0, 4 * page);
         let a = alloc(&mut h, page + 512, S); // pages 0, 1 (part)
-        let b = alloc(&mut h, page, S); // pages 1 (part), 2 (part)
-        assert_eq!(h.idle_pages(page), vec![3]);
+        let b = alloc(&mut h, page, S); // pages 1 (part), 2 (part); page 3 never used
+        assert_eq!(h.idle_pages(page), Vec::<u64>::new());
         h.free(a, State::Free(Owner::Idle));
-        assert_eq!(h.idle_pages(page), vec![0, 3]);
+        assert_eq!(h.idle_pages(page), vec![0]);
         // b freed on S merges with idle a: the whole is S's until an event covers it.
         h.free(b, State::Free(Owner::Stream { stream: S, epoch: 1 }));
-        assert_eq!(h.idle_pages(page), vec![3]);
+        assert_eq!(h.idle_pages(page), Vec::<u64>::new());
         h.promote(S, 1);
-        assert_eq!(h.idle_pages(page), vec![0, 1, 2, 3]);
+        assert_eq!(h.idle_pages(page), vec![0, 1, 2]);
         h.check();
     }
 

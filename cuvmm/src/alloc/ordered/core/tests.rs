@@ -313,7 +313,7 @@ fn a_block_freed_on_one_stream_is_reused_there_at_once_and_elsewhere_only_after_
     // Once stream 1 ran past the event recorded on the last miss, stream 2 may take it.
     c.backend().run_all();
     c.backend().queues.entry(2).or_default().push_back(Op::Use { addr: 0, len: 0 });
-    let _ = alloc(&mut c, &mut held, 1 << 20, 2); // a miss: polls the event
+    let _ = alloc(&mut c, &mut held, SMALL + 512, 2); // a miss (in the large heap): polls the event
     let again = alloc(&mut c, &mut held, 4096, 2).unwrap();
     assert!(again == a || again == b, "an idle block is reused: {again:#x}");
     assert_eq!(c.stats().live, held.iter().map(|h| h.size).sum::<u64>());
@@ -341,7 +341,7 @@ fn out_of_memory_waits_for_freed_memory_and_remaps_it_instead_of_failing() {
 #[test]
 fn fragmentation_costs_address_space_not_physical_memory() {
     // Each round frees a block that the next, larger request cannot use, behind a block kept live:
-    // the holes must give their pages to the new blocks instead of new pages being created.
+    // holes are filled again or give their pages away, so memory stays near what is live.
     let mut c = core(10_000);
     let mut held = Vec::new();
     let keep = SMALL + 512;
@@ -361,7 +361,6 @@ fn fragmentation_costs_address_space_not_physical_memory() {
         "mapped peak {} pages",
         s.mapped_peak / PAGE
     );
-    assert!(s.pages_remapped > 0);
 }
 
 #[test]
@@ -625,5 +624,62 @@ fn a_wake_out_of_memory_stays_asleep_with_nothing_lost_and_a_retry_works() {
     c.wake(TAG).unwrap();
     for k in 0..8 {
         assert_eq!(c.backend().read(a + k * TPAGE), 50 + k);
+    }
+}
+
+/// A training-like pattern: persistent weights; per step, activations sized by a random sequence
+/// length, some freed at once, the rest freed in reverse during a backward pass that allocates
+/// gradients; the GPU running `lag` operations behind. Physical memory must follow live memory.
+#[test]
+fn a_training_pattern_maps_at_most_five_percent_over_its_live_peak_whatever_the_lag() {
+    for lag in [0usize, 64, 1024] {
+        let gpu = Gpu { page_limit: 1 << 30, ..Gpu::default() };
+        let sizes = Sizes { page: PAGE, tag_page: 64 * PAGE, large_reserve: 1 << 34, small_reserve: 1 << 30 };
+        let mut c = Core::new(gpu, sizes);
+        let mut rng = 12345u64;
+        let mut next = move || {
+            rng ^= rng << 13;
+            rng ^= rng >> 7;
+            rng ^= rng << 17;
+            rng
+        };
+        let mut alloc = |c: &mut Core<Gpu>, size: u64| {
+            let a = c.allocate(size, 1, Capture::None, 0).unwrap();
+            c.backend().queues.entry(1).or_default().push_back(Op::Use { addr: a, len: size });
+            a
+        };
+        for _ in 0..20 {
+            alloc(&mut c, 3 << 20);
+        }
+        for _step in 0..30 {
+            let seq = 256 + (next() % 30) * 128;
+            let mut acts = Vec::new();
+            for _layer in 0..6 {
+                for k in 0..6u64 {
+                    let size = seq * 1024 * (1 + k % 3) * 2;
+                    let a = alloc(&mut c, size);
+                    if k % 2 == 1 {
+                        c.free(a, 1, Capture::None).unwrap();
+                    } else {
+                        acts.push((a, size));
+                    }
+                }
+            }
+            while let Some((a, size)) = acts.pop() {
+                let g = alloc(&mut c, size / 2);
+                c.free(a, 1, Capture::None).unwrap();
+                c.free(g, 1, Capture::None).unwrap();
+                let queued = c.backend().queues.entry(1).or_default().len();
+                c.backend().run(1, queued.saturating_sub(lag));
+            }
+        }
+        let st = c.stats();
+        let ratio = st.mapped_peak as f64 / st.live_peak as f64;
+        assert!(
+            ratio <= 1.05,
+            "lag {lag}: mapped peak {} over live peak {}: {ratio:.3}",
+            st.mapped_peak,
+            st.live_peak
+        );
     }
 }
