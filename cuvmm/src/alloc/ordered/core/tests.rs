@@ -643,7 +643,7 @@ fn a_training_pattern_maps_at_most_five_percent_over_its_live_peak_whatever_the_
             rng ^= rng << 17;
             rng
         };
-        let mut alloc = |c: &mut Core<Gpu>, size: u64| {
+        let alloc = |c: &mut Core<Gpu>, size: u64| {
             let a = c.allocate(size, 1, Capture::None, 0).unwrap();
             c.backend().queues.entry(1).or_default().push_back(Op::Use { addr: a, len: size });
             a
