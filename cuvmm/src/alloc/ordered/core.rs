@@ -385,7 +385,8 @@ impl<B: Backend> Core<B> {
         let page = self.slots[slot].page;
         let base = self.slots[slot].heap.base();
         for (k, &p) in missing.iter().enumerate() {
-            let handle = self.page_for(missing.len() - k, capture, page)?;
+            let want = if k == 0 { missing.len() } else { 0 };
+            let handle = self.page_for(want, capture, page)?;
             let at = base + p * page;
             if let Err(e) = self.backend.map(at, &handle, page) {
                 self.give_back(handle, page);
@@ -409,17 +410,18 @@ impl<B: Backend> Core<B> {
         Ok(())
     }
 
-    /// A page to map: a spare one, an idle one moved from elsewhere, or a new one. `want` is how
-    /// many the caller still needs, so idle pages are unmapped in one batch.
+    /// A page to map: a spare one, an idle one moved from elsewhere, or a new one. The first call
+    /// of a batch passes how many pages the batch needs (`want`), so idle pages are found and
+    /// unmapped once for all of them; the others pass 0 and take a spare page or make one.
     fn page_for(&mut self, want: usize, capture: Capture, size: u64) -> Result<B::Page> {
         if size != self.sizes.page {
             return self.large_page(size, capture);
         }
+        if want > 0 && self.spare.len() < want {
+            self.reclaim(want - self.spare.len())?;
+        }
         if let Some(p) = self.spare.pop() {
             return Ok(p);
-        }
-        if self.reclaim(want)? > 0 {
-            return Ok(self.spare.pop().expect("reclaimed"));
         }
         match self.backend.create_page(size) {
             Ok(p) => {

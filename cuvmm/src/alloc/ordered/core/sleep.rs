@@ -204,11 +204,14 @@ impl<B: Backend> Core<B> {
             let want = self.live_pages(slot);
             let page = self.slots[slot].page;
             let base = self.slots[slot].heap.base();
+            let missing = want.iter().filter(|&&p| self.slots[slot].pages[p as usize].is_none()).count();
+            let mut first = true;
             for p in want {
                 if self.slots[slot].pages[p as usize].is_some() {
                     continue;
                 }
-                let h = self.page_for(1, super::Capture::None, page)?;
+                let h = self.page_for(if first { missing } else { 0 }, super::Capture::None, page)?;
+                first = false;
                 if let Err(e) = self.backend.map(base + p * page, &h, page) {
                     self.give_back(h, page);
                     return Err(e);
