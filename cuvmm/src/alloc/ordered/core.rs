@@ -435,7 +435,8 @@ impl<B: Backend> Core<B> {
                 if capture == Capture::None {
                     self.settle_all()?;
                 }
-                if self.reclaim(want)? > 0 {
+                // All of them: the rest of the batch takes the spares instead of asking again.
+                if self.reclaim(usize::MAX)? > 0 {
                     return Ok(self.spare.pop().expect("reclaimed"));
                 }
                 self.backend.create_page(size).inspect(|_| self.stats.pages_created += 1)
