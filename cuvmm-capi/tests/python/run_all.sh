@@ -5,7 +5,9 @@
 #
 # Results go to $OUT_DIR (default BUNDLE_DIR/results): one JSON and one log per run, and
 # summary.txt. Every script runs even when an earlier one failed; the exit status is 1 if any
-# failed. Knobs: PYTHON (default python3), TRAIN_ARGS, SLEEP_ARGS (extra arguments), NCCL=0|1
+# failed. With BUNDLE_DIR/bin/cuvmm it also records a training run's allocations and runs
+# `cuvmm bench trace` on them and `cuvmm bench sleep`.
+# Knobs: PYTHON (default python3), TRAIN_ARGS, SLEEP_ARGS (extra arguments), NCCL=0|1
 # (default: run the all-reduce when the machine has two or more GPUs).
 set -u -o pipefail
 
@@ -56,6 +58,15 @@ for a in native cuvmm cuvmm-pool; do
     run "train_$a" $PY train.py --alloc "$a" --json "$OUT_DIR/train_$a.json" ${TRAIN_ARGS:-}
 done
 run compare $PY compare.py "$OUT_DIR/train_native.json" "$OUT_DIR/train_cuvmm.json" "$OUT_DIR/train_cuvmm-pool.json"
+
+# The same training once more, recording its allocations, and the trace replayed against the
+# driver's allocators; then sleep and wake of 16 GiB beside the copy bounds (bundle binaries).
+if [ -x "$BUNDLE/bin/cuvmm" ]; then
+    CUVMM_ALLOC_CONF="trace=$OUT_DIR/train.trace" run train_traced $PY train.py --alloc cuvmm \
+        --json "$OUT_DIR/train_traced.json" ${TRAIN_ARGS:-}
+    run bench_trace "$BUNDLE/bin/cuvmm" bench trace "$OUT_DIR/train.trace"
+    run bench_sleep "$BUNDLE/bin/cuvmm" bench sleep
+fi
 
 # b-d. both ways
 for a in cuvmm cuvmm-pool; do
