@@ -188,6 +188,10 @@ impl StreamAllocator {
     /// On a stream being captured into a graph, the block is kept for the graph
     /// ([`GraphMemory::Keep`]).
     pub fn allocate(&self, size: usize, stream: &Stream) -> Result<StreamBlock> {
+        self.allocate_on(size, stream, None)
+    }
+
+    fn allocate_on(&self, size: usize, stream: &Stream, tag: Option<Tag>) -> Result<StreamBlock> {
         if !stream.context().same_as(&self.inner.ctx) {
             return Err(Error::invalid("the stream belongs to another context than the allocator"));
         }
@@ -196,7 +200,7 @@ impl StreamAllocator {
         let ptr = {
             let mut core = lock(&self.inner.core);
             core.backend().keep(stream);
-            core.allocate(size as u64, raw as u64, capture, 0)?
+            core.allocate(size as u64, raw as u64, capture, tag.map_or(0, |t| t.0))?
         };
         Ok(StreamBlock::new(self, ptr, size, stream))
     }
@@ -208,10 +212,8 @@ impl StreamAllocator {
     /// stream), and stay alive until every block freed on it has been reused or
     /// [`empty_cache`](Self::empty_cache) has run: the allocator may record events on it.
     pub unsafe fn allocate_raw(&self, size: usize, stream: CUstream, graphs: GraphMemory) -> Result<u64> {
-        let capture = capture(stream, graphs)?;
-        // Every driver call the allocator may make binds the context itself: the cached path makes
-        // none.
-        lock(&self.inner.core).allocate(size as u64, stream_key(stream), capture, 0)
+        // SAFETY: the caller's contract, the same.
+        unsafe { self.allocate_raw_tagged(size, stream, graphs, None) }
     }
 
     /// [`allocate_raw`](Self::allocate_raw) for memory that sleeps and wakes with `tag`.
@@ -226,22 +228,14 @@ impl StreamAllocator {
         tag: Option<Tag>,
     ) -> Result<u64> {
         let capture = capture(stream, graphs)?;
+        // Every driver call the allocator may make binds the context itself: the cached path makes
+        // none.
         lock(&self.inner.core).allocate(size as u64, stream_key(stream), capture, tag.map_or(0, |t| t.0))
     }
 
     /// `size` bytes on `stream` that sleep and wake with `tag`.
     pub fn allocate_tagged(&self, size: usize, stream: &Stream, tag: Tag) -> Result<StreamBlock> {
-        if !stream.context().same_as(&self.inner.ctx) {
-            return Err(Error::invalid("the stream belongs to another context than the allocator"));
-        }
-        let raw = stream.raw();
-        let capture = capture(raw, GraphMemory::Keep)?;
-        let ptr = {
-            let mut core = lock(&self.inner.core);
-            core.backend().keep(stream);
-            core.allocate(size as u64, raw as u64, capture, tag.0)?
-        };
-        Ok(StreamBlock::new(self, ptr, size, stream))
+        self.allocate_on(size, stream, Some(tag))
     }
 
     /// Waits for all queued work, then releases the device memory of every block tagged `tag`,
