@@ -278,10 +278,19 @@ impl<B: Backend> Core<B> {
                 Ok(addr)
             }
             Err(e) => {
-                self.slots[slot].heap.free(addr, State::Free(Owner::Idle));
+                self.give_back_block(slot, addr, stream);
                 Err(e)
             }
         }
+    }
+
+    /// Returns a block whose pages could not be mapped. It may hold memory `stream`'s queued work
+    /// still uses (a hole it freed, grown or merged), so it goes back as freed on `stream` now.
+    fn give_back_block(&mut self, slot: usize, addr: u64, stream: u64) {
+        let st = self.streams.entry(stream).or_insert_with(Stream::new);
+        st.last_free = st.next;
+        let owner = Owner::Stream { stream, epoch: st.next };
+        self.slots[slot].heap.free(addr, State::Free(owner));
     }
 
     /// Takes a cached block of `pool` that `reuse` (a stream, or [`IDLE`]) may use, for the
@@ -313,7 +322,7 @@ impl<B: Backend> Core<B> {
         let addr = self.slots[slot].heap.take(id, n, stream, size, into_pool);
         let mapped_before = self.mapped_bytes;
         if let Err(e) = self.ensure_pages(slot, addr, n, capture) {
-            self.slots[slot].heap.free(addr, State::Free(Owner::Idle));
+            self.give_back_block(slot, addr, stream);
             return Err(e);
         }
         self.count_alloc(n, size, self.mapped_bytes == mapped_before);

@@ -35,6 +35,8 @@ struct Gpu {
     /// What each physical page holds (one value per page stands for its bytes).
     contents: HashMap<u32, u64>,
     synchronized: usize,
+    /// Makes `map` fail, as the driver may.
+    fail_map: bool,
 }
 
 struct Page(u32, usize, Rc<Cell<usize>>);
@@ -119,6 +121,9 @@ impl Backend for Gpu {
     }
     fn map(&mut self, addr: u64, page: &Page, size: u64) -> Result<()> {
         assert!(!self.any_capture_forbids());
+        if self.fail_map {
+            return Err(Error::invalid("mapping refused by the test"));
+        }
         assert_eq!(addr % PAGE, 0);
         assert!(!self.covered(addr) && !self.covered(addr + size - 1), "page at {addr:#x} mapped twice");
         self.mapped.insert(addr, (page.0, size));
@@ -682,4 +687,27 @@ fn a_training_pattern_maps_at_most_five_percent_over_its_live_peak_whatever_the_
             st.live_peak
         );
     }
+}
+
+#[test]
+fn a_block_that_cannot_be_mapped_goes_back_to_its_stream_not_to_every_stream() {
+    let mut c = core(1000);
+    let mut held = Vec::new();
+    // b (idle, its pages given back) then a (freed on 1 with work still queued): they merge.
+    let b = alloc(&mut c, &mut held, 4 * PAGE, 1).unwrap();
+    let a = alloc(&mut c, &mut held, 4 * PAGE, 1).unwrap();
+    alloc(&mut c, &mut held, PAGE, 1).unwrap();
+    free(&mut c, &mut held, 0);
+    c.empty_cache().unwrap();
+    assert!(!c.backend().covered(b), "b's pages went back");
+    c.backend().queues.entry(1).or_default().push_back(Op::Use { addr: a, len: 4 * PAGE });
+    let k = held.iter().position(|h| h.addr == a).unwrap();
+    free(&mut c, &mut held, k);
+    // Stream 1 takes both; mapping b's part fails.
+    c.backend().fail_map = true;
+    assert!(c.allocate(8 * PAGE, 1, Capture::None, 0).is_err());
+    c.backend().fail_map = false;
+    // Stream 2 must not get a's memory while stream 1's work on it is queued (the model checks).
+    alloc(&mut c, &mut held, 8 * PAGE, 2).unwrap();
+    alloc(&mut c, &mut held, 4 * PAGE, 2).unwrap();
 }
