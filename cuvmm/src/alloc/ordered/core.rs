@@ -378,11 +378,11 @@ impl<B: Backend> Core<B> {
         let base = self.slots[slot].heap.base();
         let first = (addr - base) / page;
         let end = (addr + n - base).div_ceil(page);
-        let missing: Vec<u64> =
-            (first..end).filter(|&p| self.slots[slot].pages[p as usize].is_none()).collect();
-        if missing.is_empty() {
+        if self.slots[slot].pages[first as usize..end as usize].iter().all(Option::is_some) {
             return Ok(());
         }
+        let missing: Vec<u64> =
+            (first..end).filter(|&p| self.slots[slot].pages[p as usize].is_none()).collect();
         let old = self.backend.relax()?;
         let r = self.map_pages(slot, &missing, capture);
         self.backend.restore(old);
@@ -390,30 +390,45 @@ impl<B: Backend> Core<B> {
         r
     }
 
+    /// Maps `missing` (page indexes, ascending) run by run of adjacent pages, granting access once
+    /// per run. A run that fails part-way is unmapped again: a page stays in the table only with
+    /// access granted, since later blocks on it take it as usable.
     fn map_pages(&mut self, slot: usize, missing: &[u64], capture: Capture) -> Result<()> {
         let page = self.slots[slot].page;
         let base = self.slots[slot].heap.base();
-        for (k, &p) in missing.iter().enumerate() {
-            let want = if k == 0 { missing.len() } else { 0 };
-            let handle = self.page_for(want, capture, page)?;
-            let at = base + p * page;
-            if let Err(e) = self.backend.map(at, &handle, page) {
-                self.give_back(handle, page);
-                return Err(e);
-            }
-            self.slots[slot].pages[p as usize] = Some(handle);
-            self.mapped_bytes += page;
-            // Access is granted per run of adjacent new pages: one call where one suffices.
-            let run_ends = k + 1 == missing.len() || missing[k + 1] != p + 1;
-            if run_ends {
-                let mut start = p;
-                let mut j = k;
-                while j > 0 && missing[j - 1] + 1 == start {
-                    j -= 1;
-                    start -= 1;
+        let mut first = true;
+        for run in missing.chunk_by(|a, b| a + 1 == *b) {
+            let mut done = 0;
+            let mut r = Ok(());
+            for &p in run {
+                let want = if std::mem::take(&mut first) { missing.len() } else { 0 };
+                let handle = match self.page_for(want, capture, page) {
+                    Ok(h) => h,
+                    Err(e) => {
+                        r = Err(e);
+                        break;
+                    }
+                };
+                if let Err(e) = self.backend.map(base + p * page, &handle, page) {
+                    self.give_back(handle, page);
+                    r = Err(e);
+                    break;
                 }
-                let len = (p + 1 - start) * page;
-                self.backend.set_access(base + start * page, len)?;
+                self.slots[slot].pages[p as usize] = Some(handle);
+                self.mapped_bytes += page;
+                done += 1;
+            }
+            if r.is_ok() {
+                r = self.backend.set_access(base + run[0] * page, run.len() as u64 * page);
+            }
+            if let Err(e) = r {
+                for &q in &run[..done] {
+                    let _ = self.backend.unmap(base + q * page, page);
+                    let h = self.slots[slot].pages[q as usize].take().expect("just mapped");
+                    self.mapped_bytes -= page;
+                    self.give_back(h, page);
+                }
+                return Err(e);
             }
         }
         Ok(())

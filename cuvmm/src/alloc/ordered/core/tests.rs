@@ -37,6 +37,10 @@ struct Gpu {
     synchronized: usize,
     /// Makes `map` fail, as the driver may.
     fail_map: bool,
+    /// Makes `set_access` fail.
+    fail_access: bool,
+    /// Pages (by address) the device may access.
+    accessible: HashSet<u64>,
 }
 
 struct Page(u32, usize, Rc<Cell<usize>>);
@@ -132,14 +136,21 @@ impl Backend for Gpu {
     fn unmap(&mut self, addr: u64, size: u64) -> Result<()> {
         assert!(!self.any_capture_forbids());
         assert!(self.mapped.remove(&addr).is_some(), "unmap of an unmapped page");
+        for p in (addr..addr + size).step_by(PAGE as usize) {
+            self.accessible.remove(&p);
+        }
         if let Some(s) = self.pending_use(addr, size, None) {
             panic!("page {addr:#x} unmapped while stream {s} still has work queued on it");
         }
         Ok(())
     }
     fn set_access(&mut self, addr: u64, len: u64) -> Result<()> {
+        if self.fail_access {
+            return Err(Error::invalid("access refused by the test"));
+        }
         for p in (addr..addr + len).step_by(PAGE as usize) {
             assert!(self.covered(p), "access set on an unmapped page");
+            self.accessible.insert(p);
         }
         Ok(())
     }
@@ -279,6 +290,7 @@ fn alloc(c: &mut Core<Gpu>, held: &mut Vec<Held>, size: u64, stream: u64) -> Opt
     }
     for p in (addr / PAGE * PAGE..addr + n).step_by(PAGE as usize) {
         assert!(gpu.covered(p), "page {p:#x} of a new block is not mapped");
+        assert!(gpu.accessible.contains(&p), "page {p:#x} of a new block is not accessible");
     }
     gpu.queues.entry(stream).or_default().push_back(Op::Use { addr, len: n });
     let pool = capture_id(capture);
@@ -710,4 +722,18 @@ fn a_block_that_cannot_be_mapped_goes_back_to_its_stream_not_to_every_stream() {
     // Stream 2 must not get a's memory while stream 1's work on it is queued (the model checks).
     alloc(&mut c, &mut held, 8 * PAGE, 2).unwrap();
     alloc(&mut c, &mut held, 4 * PAGE, 2).unwrap();
+}
+
+#[test]
+fn pages_whose_access_could_not_be_set_are_not_left_mapped_for_later_blocks() {
+    let mut c = core(1000);
+    let mut held = Vec::new();
+    c.backend().fail_access = true;
+    assert!(c.allocate(4 * PAGE, 1, Capture::None, 0).is_err());
+    assert_eq!(c.stats().live, 0);
+    c.backend().fail_access = false;
+    // The same place again: its pages must be mapped with access (the model checks).
+    alloc(&mut c, &mut held, 4 * PAGE, 1).unwrap();
+    let s = c.stats();
+    assert_eq!(c.backend().units.get() as u64 * PAGE, s.mapped, "every page made is held or mapped");
 }
