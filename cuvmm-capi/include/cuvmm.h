@@ -82,7 +82,8 @@ int cuvmm_release_graph_memory(int device);
  * cuvmm_set_tag: later allocations of the calling thread carry this tag (copied; NULL: none).
  * cuvmm_sleep: waits for queued work, then releases the device memory of every allocation
  *   tagged `tag`, first copying it to pinned host memory when `offload` is non-zero; addresses
- *   stay reserved. 0 on success; -1 when already asleep, during a capture, or on failure.
+ *   stay reserved. 0 on success; -1 when already asleep, during a capture, or on failure (then
+ *   no device is left asleep by this call).
  * cuvmm_wake: maps memory again at the same addresses and restores offloaded contents. 0 on
  *   success; -1 when not asleep, or on failure (out of memory included): the tag then stays
  *   asleep with nothing lost, and a later call may succeed.

@@ -369,8 +369,15 @@ pub unsafe extern "C" fn cuvmm_sleep(tag: *const c_char, offload: c_int) -> c_in
         // SAFETY: the caller's contract.
         let t = tag_of(unsafe { c_str(tag) }?)?;
         let mode = if offload != 0 { SleepMode::Offload } else { SleepMode::Discard };
-        for a in allocators() {
-            a.sleep(t, mode).map_err(|e| (kind(&e), e.to_string()))?;
+        let all = allocators();
+        for (i, a) in all.iter().enumerate() {
+            if let Err(e) = a.sleep(t, mode) {
+                // All or nothing: the devices already asleep wake again (their contents kept).
+                for b in &all[..i] {
+                    let _ = b.wake(t);
+                }
+                return Err((kind(&e), e.to_string()));
+            }
         }
         Ok(0)
     })
