@@ -372,7 +372,8 @@ pub unsafe extern "C" fn cuvmm_sleep(tag: *const c_char, offload: c_int) -> c_in
         let all = allocators();
         for (i, a) in all.iter().enumerate() {
             if let Err(e) = a.sleep(t, mode) {
-                // All or nothing: the devices already asleep wake again (their contents kept).
+                // All or nothing: the devices this call put to sleep wake again (what an offload
+                // saved comes back; discarded contents do not).
                 for b in &all[..i] {
                     let _ = b.wake(t);
                 }
