@@ -15,11 +15,14 @@ pub struct Config {
     pub log: bool,
     /// Where allocations and frees are recorded (`trace`).
     pub trace: Option<PathBuf>,
+    /// Whether running out of memory aborts the process (`oom=abort`) instead of returning NULL
+    /// (`oom=null`): PyTorch's pluggable allocator turns a NULL into a tensor at address 0.
+    pub abort_on_oom: bool,
 }
 
 impl Default for Config {
     fn default() -> Self {
-        Config { page: 2 << 20, reserve: 0, tag_page: 128 << 20, log: true, trace: None }
+        Config { page: 2 << 20, reserve: 0, tag_page: 128 << 20, log: true, trace: None, abort_on_oom: false }
     }
 }
 
@@ -59,7 +62,16 @@ impl Config {
                     }
                 }
                 "trace" => c.trace = Some(PathBuf::from(v.trim())),
-                other => return Err(format!("unknown key `{other}` (page, reserve, tag_page, log, trace)")),
+                "oom" => {
+                    c.abort_on_oom = match v.trim() {
+                        "null" => false,
+                        "abort" => true,
+                        _ => return Err(format!("oom must be null or abort, not `{v}`")),
+                    }
+                }
+                other => {
+                    return Err(format!("unknown key `{other}` (page, reserve, tag_page, log, trace, oom)"))
+                }
             }
         }
         Ok(c)
@@ -84,15 +96,19 @@ mod tests {
 
     #[test]
     fn every_key_is_read_and_unknown_ones_are_refused() {
-        let c = Config::parse(Some("page=4MiB, reserve=64GiB,tag_page=256MiB,log=0,trace=/tmp/t")).unwrap();
+        let c = Config::parse(Some("page=4MiB, reserve=64GiB,tag_page=256MiB,log=0,trace=/tmp/t,oom=abort"))
+            .unwrap();
         let want = Config {
             page: 4 << 20,
             reserve: 64 << 30,
             tag_page: 256 << 20,
             log: false,
             trace: Some("/tmp/t".into()),
+            abort_on_oom: true,
         };
         assert_eq!(c, want);
+        assert!(!Config::parse(Some("oom=null")).unwrap().abort_on_oom);
+        assert!(Config::parse(Some("oom=crash")).is_err());
         assert_eq!(Config::parse(None).unwrap(), Config::default());
         assert_eq!(Config::parse(Some("")).unwrap(), Config::default());
         assert!(Config::parse(Some("pages=2MiB")).is_err());

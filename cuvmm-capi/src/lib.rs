@@ -146,8 +146,15 @@ fn malloc_with(
         let tag = TAG.with(|t| t.get());
         // SAFETY: the C contract (cuvmm.h) makes `stream` a live stream of the device's primary
         // context that outlives the blocks freed on it.
-        unsafe { a.allocate_raw_tagged(size as usize, stream, graphs, tag) }
-            .map_err(|e| (kind(&e), e.to_string()))
+        unsafe { a.allocate_raw_tagged(size as usize, stream, graphs, tag) }.map_err(|e| {
+            if e.is_out_of_memory() && matches!(GLOBAL.get(), Some(Ok(g)) if g.config.abort_on_oom) {
+                eprintln!(
+                    "cuvmm: {function}: out of memory for {size} bytes on device {device}: {e} (oom=abort)"
+                );
+                std::process::abort();
+            }
+            (kind(&e), e.to_string())
+        })
     });
     if let Some(Ok(Global { trace: Some(t), .. })) = GLOBAL.get() {
         t.record('a', device, stream as usize, size, ptr);
