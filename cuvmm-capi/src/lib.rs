@@ -119,12 +119,14 @@ fn guard<T>(function: &str, on_error: T, f: impl FnOnce() -> Result<T, (String, 
     }
 }
 
-/// An error's kind for logging once: the driver's code name, or the message itself.
-fn kind(e: &cuvmm_lib::Error) -> String {
-    match e {
+/// An error as (kind, message): the kind, for logging once, is the driver's call and code name,
+/// or the message itself.
+fn reported(e: cuvmm_lib::Error) -> (String, String) {
+    let kind = match &e {
         cuvmm_lib::Error::Driver { call, name, .. } => format!("{call} {name}"),
         other => other.to_string(),
-    }
+    };
+    (kind, e.to_string())
 }
 
 fn plain(msg: String) -> (String, String) {
@@ -153,7 +155,7 @@ fn malloc_with(
                 );
                 std::process::abort();
             }
-            (kind(&e), e.to_string())
+            reported(e)
         })
     });
     if let Some(Ok(Global { trace: Some(t), .. })) = GLOBAL.get() {
@@ -180,7 +182,7 @@ fn free_with(
         let a = allocator(device).map_err(plain)?;
         // SAFETY: the C contract: `ptr` came from this library's malloc for `device` and every use
         // on other streams is ordered before the work queued on `stream`.
-        unsafe { a.free_raw(ptr as usize as u64, stream, graphs) }.map_err(|e| (kind(&e), e.to_string()))
+        unsafe { a.free_raw(ptr as usize as u64, stream, graphs) }.map_err(reported)
     })
 }
 
@@ -228,26 +230,21 @@ pub unsafe extern "C" fn cuvmm_get_stats(device: c_int, out: *mut CuvmmStats) ->
     })
 }
 
-/// The devices whose allocator exists, with their counters.
-fn used() -> Vec<(usize, AllocatorStats)> {
+/// The allocators made so far, with their device ordinals.
+fn allocators() -> Vec<(usize, &'static StreamAllocator)> {
     match GLOBAL.get() {
-        Some(Ok(g)) => g
-            .devices
-            .iter()
-            .enumerate()
-            .filter_map(|(d, s)| match s.get() {
-                Some(Ok(a)) => Some((d, a.stats())),
-                _ => None,
-            })
-            .collect(),
+        Some(Ok(g)) => {
+            g.devices.iter().enumerate().filter_map(|(d, s)| Some((d, s.get()?.as_ref().ok()?))).collect()
+        }
         _ => Vec::new(),
     }
 }
 
 fn stats_json() -> String {
-    let devices: Vec<String> = used()
+    let devices: Vec<String> = allocators()
         .into_iter()
-        .map(|(d, s)| {
+        .map(|(d, a)| {
+            let s = a.stats();
             format!(
                 "\"{d}\":{{\"live\":{},\"live_peak\":{},\"requested\":{},\"mapped\":{},\"mapped_peak\":{},\"reserved\":{},\"allocations\":{},\"frees\":{},\"cache_hits\":{},\"pages_created\":{},\"pages_released\":{},\"pages_remapped\":{},\"events_recorded\":{},\"oom_retries\":{},\"graph_held\":{}}}",
                 s.live, s.live_peak, s.requested, s.mapped, s.mapped_peak, s.reserved, s.allocations, s.frees,
@@ -285,14 +282,12 @@ fn each_device(
 ) -> c_int {
     guard(function, -1, || {
         if device == -1 {
-            if let Some(Ok(g)) = GLOBAL.get() {
-                for a in g.devices.iter().filter_map(|s| s.get()).filter_map(|r| r.as_ref().ok()) {
-                    f(a).map_err(|e| (kind(&e), e.to_string()))?;
-                }
+            for (_, a) in allocators() {
+                f(a).map_err(reported)?;
             }
             return Ok(0);
         }
-        f(allocator(device).map_err(plain)?).map_err(|e| (kind(&e), e.to_string()))?;
+        f(allocator(device).map_err(plain)?).map_err(reported)?;
         Ok(0)
     })
 }
@@ -358,14 +353,6 @@ pub unsafe extern "C" fn cuvmm_set_tag(tag: *const c_char) {
     })
 }
 
-/// The allocators that exist.
-fn allocators() -> Vec<&'static StreamAllocator> {
-    match GLOBAL.get() {
-        Some(Ok(g)) => g.devices.iter().filter_map(|s| s.get()).filter_map(|r| r.as_ref().ok()).collect(),
-        _ => Vec::new(),
-    }
-}
-
 /// Puts `tag` to sleep on every device (offloading its contents when `offload` is non-zero).
 ///
 /// # Safety
@@ -377,14 +364,14 @@ pub unsafe extern "C" fn cuvmm_sleep(tag: *const c_char, offload: c_int) -> c_in
         let t = tag_of(unsafe { c_str(tag) }?)?;
         let mode = if offload != 0 { SleepMode::Offload } else { SleepMode::Discard };
         let all = allocators();
-        for (i, a) in all.iter().enumerate() {
+        for (i, (_, a)) in all.iter().enumerate() {
             if let Err(e) = a.sleep(t, mode) {
                 // All or nothing: the devices this call put to sleep wake again (what an offload
                 // saved comes back; discarded contents do not).
-                for b in &all[..i] {
+                for (_, b) in &all[..i] {
                     let _ = b.wake(t);
                 }
-                return Err((kind(&e), e.to_string()));
+                return Err(reported(e));
             }
         }
         Ok(0)
@@ -400,8 +387,8 @@ pub unsafe extern "C" fn cuvmm_wake(tag: *const c_char) -> c_int {
     guard("cuvmm_wake", -1, || {
         // SAFETY: the caller's contract.
         let t = tag_of(unsafe { c_str(tag) }?)?;
-        for a in allocators() {
-            a.wake(t).map_err(|e| (kind(&e), e.to_string()))?;
+        for (_, a) in allocators() {
+            a.wake(t).map_err(reported)?;
         }
         Ok(0)
     })
@@ -431,7 +418,7 @@ pub unsafe extern "C" fn cuvmm_get_tag_stats(tag: *const c_char, out: *mut Cuvmm
         // SAFETY: the caller's contract.
         let t = tag_of(unsafe { c_str(tag) }?)?;
         let mut sum = CuvmmTagStats::default();
-        for a in allocators() {
+        for (_, a) in allocators() {
             let TagStats { live, mapped, offloaded, asleep } = a.tag_stats(t);
             sum.live += live;
             sum.mapped += mapped;
