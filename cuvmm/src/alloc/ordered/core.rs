@@ -128,6 +128,21 @@ struct Slot<P> {
     pages: Vec<Option<P>>,
 }
 
+/// One allocation under way.
+#[derive(Clone, Copy)]
+struct Request {
+    /// Bytes handed out: `size` rounded up to [`ALIGN`].
+    n: u64,
+    /// Bytes asked for.
+    size: u64,
+    stream: u64,
+    /// (small, tag): which heaps serve it.
+    kind: (bool, u32),
+    /// The pool the block goes to: the capture's graph pool, or 0.
+    pool: u32,
+    capture: Capture,
+}
+
 /// Sizes chosen at creation.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Sizes {
@@ -147,7 +162,6 @@ pub(crate) struct Core<B: Backend> {
     idle_events: Vec<B::Event>,
     pools: HashMap<u64, u32>,
     next_pool: u32,
-    current_pool: u32,
     /// Streams seen under capture since the last `empty_cache`.
     captured: Vec<u64>,
     /// Bytes of pages mapped (spare ones apart).
@@ -167,7 +181,6 @@ impl<B: Backend> Core<B> {
             idle_events: Vec::new(),
             pools: HashMap::new(),
             next_pool: 1,
-            current_pool: 0,
             captured: Vec::new(),
             mapped_bytes: 0,
             stats: AllocatorStats::default(),
@@ -221,14 +234,14 @@ impl<B: Backend> Core<B> {
             .checked_add(ALIGN - 1)
             .map(|s| s & !(ALIGN - 1))
             .ok_or_else(|| Error::invalid(format!("{size} bytes cannot be allocated")))?;
-        let small = (n <= SMALL, tag);
         let pool = match capture {
             Capture::Private(id) => self.pool_of(id),
             _ => 0,
         };
+        let req = Request { n, size, stream, kind: (n <= SMALL, tag), pool, capture };
         if capture == Capture::None {
             self.undefer(stream);
-            for slot in self.slots.iter_mut().filter(|s| (s.small, s.tag) == small) {
+            for slot in self.slots.iter_mut().filter(|s| (s.small, s.tag) == req.kind) {
                 if let Some(addr) = slot.heap.take_cached(stream, n, size) {
                     self.count_alloc(n, size, true);
                     return Ok(addr);
@@ -241,44 +254,36 @@ impl<B: Backend> Core<B> {
         // During a capture nothing may be queried, so only blocks known idle (or this capture's
         // own, reused in capture order) qualify.
         let reuse = if capture == Capture::Shared { IDLE } else { stream };
-        if let Some(addr) = self.reuse(n, size, stream, reuse, pool, small, capture)? {
+        if let Some(addr) = self.reuse(&req, reuse, pool)? {
             return Ok(addr);
         }
         if pool != 0 {
-            if let Some(addr) = self.reuse(n, size, stream, IDLE, 0, small, capture)? {
+            if let Some(addr) = self.reuse(&req, IDLE, 0)? {
                 return Ok(addr);
             }
         }
         let old = self.backend.relax()?;
-        let r = self.allocate_slow(n, size, stream, capture, small, pool);
+        let r = self.allocate_slow(&req);
         self.backend.restore(old);
         r
     }
 
-    fn allocate_slow(
-        &mut self,
-        n: u64,
-        size: u64,
-        stream: u64,
-        capture: Capture,
-        small: (bool, u32),
-        pool: u32,
-    ) -> Result<u64> {
-        if capture == Capture::None {
+    fn allocate_slow(&mut self, req: &Request) -> Result<u64> {
+        if req.capture == Capture::None {
             self.poll_all()?;
-            if let Some(addr) = self.reuse(n, size, stream, stream, pool, small, capture)? {
+            if let Some(addr) = self.reuse(req, req.stream, req.pool)? {
                 return Ok(addr);
             }
         }
         // Fresh address space; its pages come from idle ones, spare ones, or the driver.
-        let (slot, addr) = self.carve(n, size, stream, small, pool)?;
-        match self.ensure_pages(slot, addr, n, capture) {
+        let (slot, addr) = self.carve(req)?;
+        match self.ensure_pages(slot, addr, req.n, req.capture) {
             Ok(()) => {
-                self.count_alloc(n, size, false);
+                self.count_alloc(req.n, req.size, false);
                 Ok(addr)
             }
             Err(e) => {
-                self.give_back_block(slot, addr, stream);
+                self.give_back_block(slot, addr, req.stream);
                 Err(e)
             }
         }
@@ -293,39 +298,25 @@ impl<B: Backend> Core<B> {
         self.slots[slot].heap.free(addr, State::Free(owner));
     }
 
-    /// Takes a cached block of `pool` that `reuse` (a stream, or [`IDLE`]) may use, for the
-    /// allocation's pool.
-    #[allow(clippy::too_many_arguments)]
-    fn reuse(
-        &mut self,
-        n: u64,
-        size: u64,
-        stream: u64,
-        reuse: u64,
-        pool: u32,
-        small: (bool, u32),
-        capture: Capture,
-    ) -> Result<Option<u64>> {
+    /// Takes a free block of pool `pool` that `reuse` (a stream, or [`IDLE`]) may use, for `req`
+    /// (and its pool).
+    fn reuse(&mut self, req: &Request, reuse: u64, pool: u32) -> Result<Option<u64>> {
         // Heaps of one kind are few (more only when one's address space ran out): the first that
         // fits wins.
         let found = self
             .slots
             .iter()
             .enumerate()
-            .filter(|(_, s)| (s.small, s.tag) == small)
-            .find_map(|(i, s)| s.heap.find(pool, reuse, n).map(|(_, id)| (i, id)));
+            .filter(|(_, s)| (s.small, s.tag) == req.kind)
+            .find_map(|(i, s)| s.heap.find(pool, reuse, req.n).map(|(_, id)| (i, id)));
         let Some((slot, id)) = found else { return Ok(None) };
-        let into_pool = match capture {
-            Capture::Private(_) => self.pool_of_current(),
-            _ => 0,
-        };
-        let addr = self.slots[slot].heap.take(id, n, stream, size, into_pool);
+        let addr = self.slots[slot].heap.take(id, req.n, req.stream, req.size, req.pool);
         let mapped_before = self.mapped_bytes;
-        if let Err(e) = self.ensure_pages(slot, addr, n, capture) {
-            self.give_back_block(slot, addr, stream);
+        if let Err(e) = self.ensure_pages(slot, addr, req.n, req.capture) {
+            self.give_back_block(slot, addr, req.stream);
             return Err(e);
         }
-        self.count_alloc(n, size, self.mapped_bytes == mapped_before);
+        self.count_alloc(req.n, req.size, self.mapped_bytes == mapped_before);
         Ok(Some(addr))
     }
 
@@ -338,17 +329,11 @@ impl<B: Backend> Core<B> {
         s.live_peak = s.live_peak.max(s.live);
     }
 
-    fn carve(
-        &mut self,
-        n: u64,
-        size: u64,
-        stream: u64,
-        kind: (bool, u32),
-        pool: u32,
-    ) -> Result<(usize, u64)> {
-        let (small, tag) = kind;
+    fn carve(&mut self, req: &Request) -> Result<(usize, u64)> {
+        let (small, tag) = req.kind;
+        let Request { n, size, stream, pool, .. } = *req;
         for (i, s) in self.slots.iter_mut().enumerate() {
-            if (s.small, s.tag) == kind {
+            if (s.small, s.tag) == req.kind {
                 if let Some(a) = s.heap.carve(n, stream, size, pool) {
                     return Ok((i, a));
                 }
@@ -672,21 +657,15 @@ impl<B: Backend> Core<B> {
         }
     }
 
+    /// The graph pool of a capture.
     fn pool_of(&mut self, capture: u64) -> u32 {
         if let Some(&p) = self.pools.get(&capture) {
-            self.current_pool = p;
             return p;
         }
         let p = self.next_pool;
         self.next_pool += 1;
         self.pools.insert(capture, p);
-        self.current_pool = p;
         p
-    }
-
-    /// The pool [`pool_of`](Self::pool_of) chose for the allocation under way.
-    fn pool_of_current(&self) -> u32 {
-        self.current_pool
     }
 
     /// Whether any stream this allocator has seen is being captured.
