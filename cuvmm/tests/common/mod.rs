@@ -16,11 +16,14 @@ pub fn fake_driver(mode: &str) -> PathBuf {
     let base = if scratch.is_dir() { scratch } else { std::env::temp_dir() };
     let dir = base.join(format!("cuvmm-fake-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("temp dir");
-    let src = dir.join("fake_libcuda.c");
-    std::fs::write(&src, FAKE_SOURCE).expect("write fake source");
     let lib = dir.join(format!("libfakecuda-{mode}.so"));
     if !lib.exists() {
-        let tmp = dir.join(format!("libfakecuda-{mode}.so.{:?}", std::thread::current().id()));
+        // Each thread writes and compiles its own copy: tests run in parallel, and one rewriting
+        // a shared source file while another's `cc` reads it built libraries missing symbols.
+        let thread = format!("{:?}", std::thread::current().id());
+        let src = dir.join(format!("fake_libcuda-{mode}-{thread}.c"));
+        std::fs::write(&src, FAKE_SOURCE).expect("write fake source");
+        let tmp = dir.join(format!("libfakecuda-{mode}.so.{thread}"));
         let status = Command::new("cc")
             .args(["-shared", "-fPIC", "-O1", &format!("-D{mode}"), "-o"])
             .arg(&tmp)
