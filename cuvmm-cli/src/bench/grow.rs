@@ -49,6 +49,9 @@ pub struct GrowRun {
     /// Per step of the first timed run: (seconds, most device bytes in use above the start during
     /// the step).
     pub trace: Vec<(f64, usize)>,
+    /// With chunks made ahead: growths that waited for one (over all runs), and the longest wait,
+    /// seconds.
+    pub ahead_waits: (usize, f64),
 }
 
 /// The strategies and their ratios.
@@ -128,7 +131,8 @@ fn run_vmm(ctx: &Context, cfg: &GrowConfig, target: usize, ahead: bool) -> Resul
             return Err(crate::bench::invalid(format!("VmmVec contents wrong at step starting {s}")));
         }
     }
-    Ok(finish(&steps, &mem, total, peak))
+    let (waits, longest) = v.raw().ahead_waits();
+    Ok(GrowRun { ahead_waits: (waits, longest.as_secs_f64()), ..finish(&steps, &mem, total, peak) })
 }
 
 fn run_copy(ctx: &Context, cfg: &GrowConfig, target: usize) -> Result<GrowRun> {
@@ -259,6 +263,7 @@ fn finish(steps: &[f64], mem: &[usize], total: Duration, peak: usize) -> GrowRun
         p99_step_s: percentile(steps, 0.99),
         peak_bytes: peak,
         steps: steps.len(),
+        ahead_waits: (0, 0.0),
     }
 }
 
@@ -295,6 +300,10 @@ fn summarise(runs: &[GrowRun]) -> GrowRun {
         peak_bytes: runs.iter().map(|r| r.peak_bytes).max().unwrap_or(0),
         steps: runs.first().map_or(0, |r| r.steps),
         trace: runs.first().map_or_else(Vec::new, |r| r.trace.clone()),
+        ahead_waits: (
+            runs.iter().map(|r| r.ahead_waits.0).sum(),
+            runs.iter().map(|r| r.ahead_waits.1).fold(0.0, f64::max),
+        ),
     }
 }
 

@@ -11,9 +11,12 @@ use crate::vmm::{
     bytes_for, Access, ChunkPolicy, HandleTypes, Location, Mapping, PhysicalBuilder, PhysicalMemory,
     Reservation,
 };
+use std::collections::VecDeque;
 use std::marker::PhantomData;
 use std::ops::Range;
 use std::os::fd::OwnedFd;
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
 
 /// The capacity half of a [`VmmVec`]: a reservation and the chunks mapped at its start, in bytes.
 /// Knows nothing of elements (like std's `RawVec`).
@@ -25,29 +28,108 @@ pub struct RawVmm {
     policy: ChunkPolicy,
     granularity: usize,
     mapped: usize,
-    /// With [`VmmVecBuilder::create_ahead`]: the next chunk, being created on another thread.
-    ahead: Option<Ahead>,
+    /// With [`VmmVecBuilder::create_ahead`]: the next chunks (at most [`AHEAD_DEPTH`]), in address
+    /// order from `mapped`, being created on another thread.
+    ahead: VecDeque<Ahead>,
+    /// Growths that found a chunk made ahead not ready yet, and the longest such wait.
+    ahead_waits: (usize, Duration),
     create_ahead: bool,
+    /// Started with the first chunk made ahead.
+    worker: Option<AheadWorker>,
+    /// Bytes the last growth mapped: sets the size of the chunk made ahead.
+    last_growth: usize,
     /// With [`VmmVec::share_growth`]: the processes that follow the growth.
     exports: Option<Exports>,
 }
 
+/// Chunks made ahead at once: while the appends use one, the next is on its way, so that a chunk
+/// whose creation takes longer than usual (the driver stalls now and then) is not waited for.
+const AHEAD_DEPTH: usize = 2;
+
 /// The smallest chunk made ahead (see [`RawVmm::start_ahead`]).
 const AHEAD_FLOOR: usize = 256 << 20;
+
+/// How many of the last growth's increments the chunk made ahead covers. Making a chunk (create,
+/// map, set access) takes time roughly in proportion to its size, as does filling it; keeping the
+/// chunk made ahead a few appends long, rather than as long as the policy's chunks (up to 1 GiB),
+/// lets the thread that makes it finish before the appends reach it, and keeps each of its driver
+/// calls short while the appending thread launches work.
+const AHEAD_GROWTHS: usize = 4;
 
 /// The next chunk, created, mapped at `offset` (the end of what is mapped) and made accessible
 /// off the growth path, so that the growth which needs it only takes it.
 struct Ahead {
     offset: usize,
     size: usize,
-    chunk: std::thread::JoinHandle<Result<Mapping>>,
+    chunk: mpsc::Receiver<Result<Mapping>>,
 }
 
 impl Ahead {
-    /// Waits for the chunk; `None` if making it failed.
-    fn finish(self) -> Option<(usize, Mapping)> {
-        let mapping = self.chunk.join().ok()?.ok()?;
-        Some((self.offset, mapping))
+    /// Waits for the chunk; `None` if making it failed. The second value is how long it waited,
+    /// zero when the chunk was ready.
+    fn finish(self) -> (Option<(usize, Mapping)>, Duration) {
+        let (made, waited) = match self.chunk.try_recv() {
+            Ok(made) => (Some(made), Duration::ZERO),
+            Err(_) => {
+                let t = Instant::now();
+                (self.chunk.recv().ok(), t.elapsed())
+            }
+        };
+        (made.and_then(Result::ok).map(|m| (self.offset, m)), waited)
+    }
+}
+
+/// The size of the chunk to make ahead when the policy's next chunk is `next` bytes and the last
+/// growth mapped `last_growth`. While the vector is small its next chunk would be needed right
+/// after it is started, so it is never smaller than [`AHEAD_FLOOR`] (nor than the policy's
+/// largest chunk, where that is smaller); past that, no larger than [`AHEAD_GROWTHS`] growths like
+/// the last one.
+fn ahead_size(next: usize, last_growth: usize, max_chunk: usize, granularity: usize) -> Result<usize> {
+    let floor = max_chunk.min(AHEAD_FLOOR);
+    let span = last_growth.saturating_mul(AHEAD_GROWTHS).max(floor);
+    crate::vmm::round_up(next.min(span).max(floor), granularity)
+}
+
+/// One chunk to make ahead, and where to send it.
+struct AheadJob {
+    phys: PhysicalBuilder,
+    reservation: Reservation,
+    offset: usize,
+    size: usize,
+    done: mpsc::SyncSender<Result<Mapping>>,
+}
+
+impl AheadJob {
+    fn run(self) {
+        let made = (|| {
+            let chunk = self.phys.create(self.size)?;
+            let m = self.reservation.map(self.offset, &chunk, 0, self.size)?;
+            m.set_access(&[(self.phys.context().device(), Access::ReadWrite)])?;
+            Ok(m)
+        })();
+        // A vector dropped meanwhile no longer wants it: the mapping is undone here.
+        let _ = self.done.send(made);
+    }
+}
+
+/// The thread that makes a vector's chunks ahead: one per vector for its life (a thread started
+/// per chunk would cost its start on the growth path), ending when the vector drops its sender.
+struct AheadWorker {
+    jobs: mpsc::Sender<AheadJob>,
+}
+
+impl AheadWorker {
+    fn start() -> Option<AheadWorker> {
+        let (jobs, rx) = mpsc::channel::<AheadJob>();
+        std::thread::Builder::new()
+            .name("cuvmm-grow-ahead".into())
+            .spawn(move || {
+                for job in rx {
+                    job.run();
+                }
+            })
+            .ok()?;
+        Some(AheadWorker { jobs })
     }
 }
 
@@ -64,8 +146,11 @@ impl RawVmm {
             policy,
             granularity,
             mapped: 0,
-            ahead: None,
+            ahead: VecDeque::new(),
+            ahead_waits: (0, Duration::ZERO),
             create_ahead,
+            worker: None,
+            last_growth: 0,
             exports: None,
         };
         if create_ahead {
@@ -77,46 +162,87 @@ impl RawVmm {
         Ok(raw)
     }
 
-    /// The chunk made ahead, waited for, if it lies at `offset` (whatever its size: the growth
-    /// plans the rest around it).
-    /// Any other (or one that failed) is dropped here, unmapped, so that nothing else is mapped
-    /// where it lies: call it before mapping anything past `mapped`.
-    fn take_ahead(&mut self, offset: usize) -> Option<Mapping> {
-        let (o, m) = self.ahead.take()?.finish()?;
-        (o == offset).then_some(m)
+    /// The chunks made ahead that lie from `mapped` on and start below `need`, waited for, in
+    /// address order (whatever their sizes: the growth plans the rest around them). Any that
+    /// failed, and all after it, are dropped here, unmapped, so that nothing else is mapped
+    /// where they lie: call it before mapping anything past `mapped`.
+    fn take_ahead(&mut self, need: usize) -> Vec<Mapping> {
+        let mut ready = Vec::new();
+        if self.ahead.front().is_some_and(|a| a.offset != self.mapped) {
+            // Made for an end that a failed growth did not reach.
+            self.drop_ahead();
+        }
+        let mut at = self.mapped;
+        while at < need && self.ahead.front().is_some_and(|a| a.offset == at) {
+            let (made, waited) = self.ahead.pop_front().expect("checked").finish();
+            if !waited.is_zero() {
+                self.ahead_waits.0 += 1;
+                self.ahead_waits.1 = self.ahead_waits.1.max(waited);
+            }
+            match made {
+                Some((_, m)) => {
+                    at += m.len();
+                    ready.push(m);
+                }
+                None => {
+                    self.drop_ahead();
+                    break;
+                }
+            }
+        }
+        ready
     }
 
-    /// Starts making the chunk the next growth will map, if asked to and none is under way.
+    /// Waits for every chunk made ahead and lets it go.
+    fn drop_ahead(&mut self) {
+        for a in self.ahead.drain(..) {
+            drop(a.finish());
+        }
+    }
+
+    /// Starts making the chunks the next growths will map, if asked to, up to [`AHEAD_DEPTH`].
     fn start_ahead(&mut self) {
-        if !self.create_ahead || self.ahead.is_some() {
+        if !self.create_ahead {
             return;
         }
-        let Ok(plan) = self.policy.plan(self.mapped, self.mapped + 1, self.granularity) else { return };
-        let Some(&next) = plan.first() else { return };
-        // While the vector is small its next chunk would be needed right after it is started, so
-        // the chunk made ahead is never smaller than AHEAD_FLOOR (nor than the policy's largest).
-        let floor = self.policy.max_chunk.min(AHEAD_FLOOR);
-        let Ok(size) = crate::vmm::round_up(next.max(floor), self.granularity) else { return };
-        let offset = self.mapped;
-        if offset + size > self.reservation.size() {
-            return; // the next growth relocates; nothing to gain
-        }
-        let (phys, res) = (self.phys.clone(), self.reservation.clone());
-        let spawned = std::thread::Builder::new().name("cuvmm-grow-ahead".into()).spawn(move || {
-            let chunk = phys.create(size)?;
-            let m = res.map(offset, &chunk, 0, size)?;
-            m.set_access(&[(phys.context().device(), Access::ReadWrite)])?;
-            Ok(m)
-        });
-        // Without a thread the next growth simply makes its chunk itself.
-        if let Ok(chunk) = spawned {
-            self.ahead = Some(Ahead { offset, size, chunk });
+        while self.ahead.len() < AHEAD_DEPTH {
+            let offset = self.mapped + self.ahead_bytes();
+            let Ok(plan) = self.policy.plan(offset, offset + 1, self.granularity) else { return };
+            let Some(&next) = plan.first() else { return };
+            let Ok(size) = ahead_size(next, self.last_growth, self.policy.max_chunk, self.granularity) else {
+                return;
+            };
+            if offset + size > self.reservation.size() {
+                return; // the next growth relocates; nothing to gain
+            }
+            if self.worker.is_none() {
+                self.worker = AheadWorker::start();
+            }
+            // Without a thread the next growth simply makes its chunk itself.
+            let Some(worker) = &self.worker else { return };
+            let (done, chunk) = mpsc::sync_channel(1);
+            let job = AheadJob {
+                phys: self.phys.clone(),
+                reservation: self.reservation.clone(),
+                offset,
+                size,
+                done,
+            };
+            if worker.jobs.send(job).is_err() {
+                return;
+            }
+            self.ahead.push_back(Ahead { offset, size, chunk });
         }
     }
 
-    /// Bytes of the chunk being created (or created) ahead, not yet mapped.
+    /// Bytes of the chunks being created (or created) ahead, not yet mapped.
     pub fn ahead_bytes(&self) -> usize {
-        self.ahead.as_ref().map_or(0, |a| a.size)
+        self.ahead.iter().map(|a| a.size).sum()
+    }
+
+    /// How many growths had to wait for a chunk made ahead, and the longest wait.
+    pub fn ahead_waits(&self) -> (usize, Duration) {
+        self.ahead_waits
     }
 
     /// Bytes mapped.
@@ -167,28 +293,34 @@ impl RawVmm {
                 self.reservation.size()
             )));
         }
-        // Before anything is mapped past `mapped`: the chunk made ahead lies there.
-        let ready = self.take_ahead(self.mapped);
+        // Before anything is mapped past `mapped`: the chunks made ahead lie there.
+        let ready = self.take_ahead(need);
         if total > self.reservation.size() {
-            drop(ready); // it lies in the reservation about to be replaced
+            drop(ready); // they lie in the reservation about to be replaced
+            self.drop_ahead();
             return self.relocate_and_grow(total, &plan);
         }
-        let mut fresh = Vec::with_capacity(plan.len());
+        let taken: usize = ready.iter().map(Mapping::len).sum();
+        let mut fresh = Vec::with_capacity(plan.len() + ready.len());
         let mut offset = self.mapped;
-        // The chunk made ahead comes first, whatever its size; the policy plans what it leaves.
-        let after = |m: &Mapping| self.policy.plan(self.mapped + m.len(), need, self.granularity);
-        let rest = match ready.map(|m| (after(&m), m)) {
-            // Only if the rest fits the reservation; else the chunk goes and the plan (which fits)
-            // is followed as if nothing had been made ahead.
-            Some((Ok(rest), m))
-                if self.mapped + m.len() + rest.iter().sum::<usize>() <= self.reservation.size() =>
-            {
-                offset += m.len();
-                fresh.push(m);
+        // The chunks made ahead come first, whatever their sizes; the policy plans what they
+        // leave, only if that fits the reservation; else they go and the plan (which fits) is
+        // followed as if nothing had been made ahead.
+        let rest = match self.policy.plan(self.mapped + taken, need, self.granularity) {
+            Ok(rest) if self.mapped + taken + rest.iter().sum::<usize>() <= self.reservation.size() => {
+                offset += taken;
+                fresh.extend(ready);
                 rest
             }
-            _ => plan,
+            _ => {
+                drop(ready);
+                plan
+            }
         };
+        if !rest.is_empty() {
+            // What is still being made ahead lies where `rest` goes.
+            self.drop_ahead();
+        }
         for size in rest {
             let phys = self.phys.create(size)?;
             fresh.push(self.map_chunk(&self.reservation, offset, &phys)?);
@@ -200,6 +332,7 @@ impl RawVmm {
             None => Vec::new(),
         };
         self.chunks.extend(fresh);
+        self.last_growth = need - self.mapped;
         self.mapped = offset;
         if let Some(e) = &mut self.exports {
             e.send(&announce);
@@ -226,6 +359,7 @@ impl RawVmm {
         }
         self.chunks = chunks;
         self.reservation = res;
+        self.last_growth = total - self.mapped;
         self.mapped = offset;
         self.start_ahead();
         Ok(())
@@ -233,10 +367,10 @@ impl RawVmm {
 
     /// Unmaps and releases every chunk that lies wholly past `keep` bytes.
     pub fn shrink_to(&mut self, keep: usize) {
-        // A chunk made ahead for the old end would not fit the next growth: wait for it and let
-        // it go, so that its mapping cannot land where a later growth maps.
+        // Chunks made ahead for the old end would not fit the next growth: wait for them and let
+        // them go, so that their mappings cannot land where a later growth maps.
         if self.chunks.last().is_some_and(|last| last.offset() >= keep) {
-            drop(self.ahead.take().and_then(Ahead::finish));
+            self.drop_ahead();
         }
         let before = self.mapped;
         while let Some(last) = self.chunks.last() {
@@ -312,12 +446,13 @@ pub struct VmmVecBuilder<T: DeviceCopy> {
 }
 
 impl<T: DeviceCopy> VmmVecBuilder<T> {
-    /// Makes each next chunk on another thread as soon as the previous one is mapped (created,
-    /// mapped past the end and made accessible), so the growth that needs it only takes it: no
-    /// `cuMemCreate`, `cuMemMap` or `cuMemSetAccess` on the growth's path unless the growth
-    /// outruns the thread. Costs one chunk of physical memory beyond the capacity while the vector
-    /// grows (at least 256 MiB, or the policy's largest chunk if smaller), and `build` maps the
-    /// first such chunk at once; off by default.
+    /// Makes the next two chunks on another thread (created, mapped past the end and made
+    /// accessible), so the growth that needs one only takes it: no `cuMemCreate`, `cuMemMap` or
+    /// `cuMemSetAccess` on the growth's path unless the growth outruns the thread. A chunk made
+    /// ahead spans four growths like the last one, at least 256 MiB (or the policy's largest
+    /// chunk if smaller) and at most the policy's next chunk. Costs those two chunks of physical
+    /// memory beyond the capacity while the vector grows, and `build` maps the first at once; off
+    /// by default. [`RawVmm::ahead_waits`] says how often a growth outran the thread.
     pub fn create_ahead(mut self, on: bool) -> Self {
         self.create_ahead = on;
         self
@@ -639,5 +774,27 @@ impl<T: DeviceCopy> std::fmt::Debug for VmmVec<T> {
             .field("mapped_bytes", &self.raw.mapped())
             .field("reserved_bytes", &self.raw.reserved())
             .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MIB: usize = 1 << 20;
+    const GIB: usize = 1 << 30;
+
+    #[test]
+    fn the_chunk_made_ahead_spans_a_few_appends_not_a_policy_chunk() {
+        // 64 MiB appends into a vector whose policy has reached 1 GiB chunks.
+        assert_eq!(ahead_size(GIB, 64 * MIB, GIB, 2 * MIB).unwrap(), 256 * MIB);
+        // Appends of 512 MiB: two of them, still within the policy's chunk.
+        assert_eq!(ahead_size(GIB, 512 * MIB, GIB, 2 * MIB).unwrap(), GIB);
+        // Small appends, a small vector: the floor.
+        assert_eq!(ahead_size(2 * MIB, 4096, GIB, 2 * MIB).unwrap(), 256 * MIB);
+        // A policy whose chunks are all smaller than the floor caps it.
+        assert_eq!(ahead_size(8 * MIB, 64 * MIB, 64 * MIB, 2 * MIB).unwrap(), 64 * MIB);
+        // Rounded to the granularity.
+        assert_eq!(ahead_size(GIB, 100 * MIB + 1, GIB, 2 * MIB).unwrap(), 402 * MIB);
     }
 }
