@@ -723,6 +723,9 @@ pub struct TraceReport {
     pub pairs: usize,
     /// The cached-pair measure per size.
     pub pair_rows: Vec<PairRow>,
+    /// ns per `cuStreamGetCaptureInfo` on the pair measure's stream, alone (the check cuvmm makes
+    /// on each allocation and each free), or why there is none.
+    pub capture_query_ns: Option<Result<f64, String>>,
 }
 
 impl TraceReport {
@@ -1170,6 +1173,37 @@ fn cached_pairs<S: Side>(side: &mut S, stream: &Stream, size: usize, pairs: usiz
     Ok(median(&samples))
 }
 
+/// ns per `cuStreamGetCaptureInfo` of `stream` (as the allocator asks it: status and id), the
+/// median of [`PAIR_BATCHES`] batches of `n` after a shorter warm-up batch.
+fn capture_queries(stream: &Stream, n: usize) -> Result<f64> {
+    let api = driver()?.api();
+    stream.context().bind()?;
+    let mut samples = Vec::new();
+    for batch in 0..=PAIR_BATCHES {
+        let n = if batch == 0 { (n / 10).max(1) } else { n };
+        let t = Instant::now();
+        for _ in 0..n {
+            let (mut status, mut id) = (0, 0u64);
+            // SAFETY: a live stream; the out-pointers are valid locals, the optional ones null.
+            unsafe {
+                api.cuStreamGetCaptureInfo(
+                    stream.raw(),
+                    &mut status,
+                    &mut id,
+                    std::ptr::null_mut(),
+                    std::ptr::null_mut(),
+                    std::ptr::null_mut(),
+                )?
+            };
+            std::hint::black_box((status, id));
+        }
+        if batch > 0 {
+            samples.push(t.elapsed().as_secs_f64() * 1e9 / n as f64);
+        }
+    }
+    Ok(median(&samples))
+}
+
 /// Replays `trace` on `ctx`'s device against the three allocators, then measures cached pairs.
 pub fn run(ctx: &Context, trace: &Trace, cfg: &TraceConfig) -> Result<TraceReport> {
     if cfg.reps == 0 {
@@ -1260,6 +1294,8 @@ pub fn run(ctx: &Context, trace: &Trace, cfg: &TraceConfig) -> Result<TraceRepor
             pair_rows.push(PairRow { size, cuvmm_ns, pool_ns });
         }
     }
+    let capture_query_ns =
+        (cfg.pairs > 0).then(|| capture_queries(&pair_stream, cfg.pairs).map_err(|e| e.to_string()));
     cu.finish()?;
     pool.finish()?;
     let rows = vec![cu.row(), pool.row(), drv.row()];
@@ -1273,6 +1309,7 @@ pub fn run(ctx: &Context, trace: &Trace, cfg: &TraceConfig) -> Result<TraceRepor
         rows,
         pairs: cfg.pairs,
         pair_rows,
+        capture_query_ns,
     })
 }
 

@@ -232,7 +232,8 @@ pub fn run(b: Bench) -> CliResult {
                         "{}",
                         json!({"bench": "grow", "device": name, "strategy": which, "step": step, "target": target,
                                "reps": reps, "steps": run.steps, "total_s": run.total_s, "worst_step_s": run.worst_step_s, "worst_later_step_s": run.worst_later_step_s,
-                               "median_step_s": run.median_step_s, "p99_step_s": run.p99_step_s, "slowest_steps": run.slowest, "peak_bytes": run.peak_bytes})
+                               "median_step_s": run.median_step_s, "p99_step_s": run.p99_step_s, "slowest_steps": run.slowest, "peak_bytes": run.peak_bytes,
+                               "ahead_waits": run.ahead_waits.0, "ahead_longest_wait_s": run.ahead_waits.1})
                     )?;
                 }
                 if let Some(why) = &r.copy_failed {
@@ -283,6 +284,12 @@ pub fn run(b: Bench) -> CliResult {
                         slow.join(", ")
                     )?;
                 }
+                writeln!(
+                    out,
+                    "VmmVec, ahead: {} growths over the {reps} runs waited for a chunk made ahead (longest {:.3} ms)",
+                    r.ahead.ahead_waits.0,
+                    r.ahead.ahead_waits.1 * 1e3
+                )?;
                 match &r.copy_failed {
                     Some(why) => writeln!(out, "copy-doubling    could not reach {}: {why}", show(target))?,
                     None => writeln!(
@@ -811,6 +818,13 @@ pub(super) fn print_trace(
                        "cuvmm_ns": fig(&p.cuvmm_ns), "pool_ns": fig(&p.pool_ns), "goal_ns": trace::PAIR_GOAL_NS})
             )?;
         }
+        if let Some(q) = &r.capture_query_ns {
+            let v = match q {
+                Ok(ns) => json!(ns),
+                Err(why) => json!({"error": why}),
+            };
+            writeln!(out, "{}", json!({"bench": "trace", "capture_query_ns": v}))?;
+        }
         return Ok(());
     }
 
@@ -936,6 +950,14 @@ pub(super) fn print_trace(
     }
     for (i, why) in notes.iter().enumerate() {
         writeln!(out, "  [{}] {why}", i + 1)?;
+    }
+    match &r.capture_query_ns {
+        Some(Ok(ns)) => writeln!(
+            out,
+            "cuStreamGetCaptureInfo alone, the capture check cuvmm makes on each allocation and each free: {ns:.1} ns"
+        )?,
+        Some(Err(why)) => writeln!(out, "cuStreamGetCaptureInfo alone: {why}")?,
+        None => {}
     }
     Ok(())
 }
