@@ -408,3 +408,36 @@ fn a_registration_never_outlives_its_closure() {
     // The memory is the caller's again, unchanged.
     assert!(v.iter().all(|&b| b == 3) && w.iter().all(|&b| b == 4));
 }
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn large_pinned_buffers_are_zeroed_registered_and_round_trip() {
+    let ctx = ctx();
+    let st = Stream::non_blocking(&ctx).unwrap();
+    // 96 MiB: past the size from which pinned buffers are mapped and registered.
+    let n = 24 << 20;
+    let mut src = PinnedBuffer::<u32>::new(&ctx, n).unwrap();
+    assert!(src.iter().all(|&x| x == 0), "a new pinned buffer reads as zeros");
+    // Its pages are page-locked already: the driver refuses to register them again.
+    let bytes: &mut [u8] =
+        // SAFETY: the same memory viewed as bytes; u32 has no invalid bit patterns.
+        unsafe { std::slice::from_raw_parts_mut(src.as_mut_ptr().cast(), 4096) };
+    assert!(!registrable_again(&ctx, bytes), "a large pinned buffer is registered");
+    let data = fresh(n, 7);
+    src.copy_from_slice(&data);
+    let mut dev = DeviceBuffer::<u32>::new(&ctx, n).unwrap();
+    let mut back = PinnedBuffer::<u32>::with_flags(
+        &ctx,
+        n,
+        PinnedFlags { portable: true, device_mapped: true, write_combined: false },
+    )
+    .unwrap();
+    scope(|s| {
+        s.copy_to_device(&st, &src, dev.as_mut_slice())?;
+        let _ = s.copy_to_host(&st, dev.as_slice(), &mut back)?;
+        Ok(())
+    })
+    .unwrap();
+    assert!(back[..] == data[..]);
+    assert!(back.device_ptr().unwrap() != 0, "device-mapped registration has a device address");
+}

@@ -285,7 +285,11 @@ def main():
             lambda r: r["second_sleep_refused"] and r["second_wake_refused"]),
         "graph output bitwise identical after wake": all_reps(lambda r: r["graph_output_identical"]),
     }
-    goals = {f"discarding sleep <= {args.discard_goal_ms:g} ms": discard_s * 1e3 <= args.discard_goal_ms}
+    goals = {
+        f"discarding sleep <= {args.discard_goal_ms:g} ms": discard_s * 1e3 <= args.discard_goal_ms,
+        "sleep with offload <= 1.1 x the pinned device-to-host bound": sleep_s / d2h_b <= 1.1,
+        "wake <= 1.1 x the pinned host-to-device bound": wake_s / h2d_b <= 1.1,
+    }
     rc = finish("sleep_wake", args, result, checks, goals)
     del g, static_y, weights, cache
     return rc

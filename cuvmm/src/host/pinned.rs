@@ -37,6 +37,83 @@ pub struct PinnedBuffer<T: DeviceCopy> {
     ptr: NonNull<T>,
     len: usize,
     flags: PinnedFlags,
+    /// For a large buffer: the anonymous mapping (address, length) that holds it, registered
+    /// with the driver; `None` for `cuMemHostAlloc` memory.
+    mapping: Option<(usize, usize)>,
+}
+
+/// From this size on, a pinned buffer without write-combining is mapped by the process,
+/// faulted in by several threads (with transparent huge pages where the system allows) and then
+/// registered: measured on a 16-core host with 16 GiB, 0.94 s instead of about ten for
+/// `cuMemHostAlloc`, which faults in and locks the pages on one thread.
+const MAPPED_FROM: usize = 64 << 20;
+
+/// Huge-page size the mapping is aligned to.
+const HUGE: usize = 2 << 20;
+
+/// Maps `bytes` of anonymous memory aligned to [`HUGE`], asks for huge pages, faults it in on
+/// several threads and registers it with `flags` (`CU_MEMHOSTREGISTER_*`). Returns the buffer's
+/// address and the mapping (address, length). The memory reads as zeros (fresh anonymous pages).
+fn map_and_register(ctx: &Context, bytes: usize, flags: u32) -> Result<(NonNull<u8>, (usize, usize))> {
+    let map_len = bytes.checked_add(HUGE).ok_or_else(|| Error::invalid("pinned buffer too large"))?;
+    // SAFETY: a fresh private anonymous mapping; no existing memory is touched.
+    let base = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            map_len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+            -1,
+            0,
+        )
+    };
+    if base == libc::MAP_FAILED {
+        return Err(Error::invalid(format!(
+            "mmap of {map_len} bytes for a pinned buffer failed: {}",
+            std::io::Error::last_os_error()
+        )));
+    }
+    let unmap = |reason: Error| {
+        // SAFETY: the mapping made above, not registered and not referenced by anything.
+        unsafe { libc::munmap(base, map_len) };
+        reason
+    };
+    let start = (base as usize).next_multiple_of(HUGE);
+    // SAFETY: [start, start + bytes) lies inside the mapping. The advice only affects how the
+    // kernel backs the range; failure (no transparent huge pages) leaves ordinary pages.
+    unsafe { libc::madvise(start as *mut libc::c_void, bytes, libc::MADV_HUGEPAGE) };
+    fault_in(start, bytes);
+    if let Err(e) = ctx.bind() {
+        return Err(unmap(e));
+    }
+    // SAFETY: the range is mapped, readable and writable, and owned by the buffer being built.
+    let r = unsafe { driver().and_then(|d| d.api().cuMemHostRegister(start as *mut _, bytes, flags)) };
+    if let Err(e) = r {
+        return Err(unmap(e));
+    }
+    let ptr = NonNull::new(start as *mut u8).expect("mmap never returns a null mapping");
+    Ok((ptr, (base as usize, map_len)))
+}
+
+/// Writes a zero into every page of `[start, start + bytes)` (fresh anonymous memory, so the
+/// contents stay zero) from several threads: the kernel's page faults and zeroing, which take most
+/// of the time of pinning, run in parallel.
+fn fault_in(start: usize, bytes: usize) {
+    let threads =
+        std::thread::available_parallelism().map_or(1, |n| n.get()).min(16).min(bytes / MAPPED_FROM).max(1);
+    let per = bytes.div_ceil(threads).next_multiple_of(4096);
+    std::thread::scope(|s| {
+        for k in 0..threads {
+            let (lo, hi) = (start + k * per, (start + (k + 1) * per).min(start + bytes));
+            s.spawn(move || {
+                for page in (lo..hi).step_by(4096) {
+                    // SAFETY: inside the fresh mapping, which no reference covers yet; each
+                    // thread writes only its own part.
+                    unsafe { std::ptr::write_volatile(page as *mut u8, 0) };
+                }
+            });
+        }
+    });
 }
 
 // SAFETY: the buffer owns its memory exclusively, like a Box<[T]>; T: DeviceCopy is Send + Sync.
@@ -56,6 +133,13 @@ impl<T: DeviceCopy> PinnedBuffer<T> {
         if bytes == 0 {
             return Err(Error::invalid("a pinned buffer needs at least one byte"));
         }
+        if bytes >= MAPPED_FROM && !flags.write_combined {
+            let reg = (flags.portable as u32 * CU_MEMHOSTREGISTER_PORTABLE)
+                | (flags.device_mapped as u32 * CU_MEMHOSTREGISTER_DEVICEMAP);
+            let (p, mapping) = map_and_register(ctx, bytes, reg)?;
+            // Fresh anonymous pages read as zeros: a valid T (DeviceCopy).
+            return Ok(PinnedBuffer { ctx: ctx.clone(), ptr: p.cast(), len, flags, mapping: Some(mapping) });
+        }
         ctx.bind()?;
         let mut p: *mut std::ffi::c_void = std::ptr::null_mut();
         // SAFETY: out-pointer valid; bytes > 0; flags are CU_MEMHOSTALLOC_* bits.
@@ -65,7 +149,7 @@ impl<T: DeviceCopy> PinnedBuffer<T> {
         // SAFETY: the allocation holds `bytes` bytes; zero bytes are a valid T (DeviceCopy), and
         // writing them initialises the memory before any &[T] exists.
         unsafe { std::ptr::write_bytes(ptr.as_ptr().cast::<u8>(), 0, bytes) };
-        Ok(PinnedBuffer { ctx: ctx.clone(), ptr, len, flags })
+        Ok(PinnedBuffer { ctx: ctx.clone(), ptr, len, flags, mapping: None })
     }
 
     /// A pinned copy of `data`.
@@ -116,6 +200,21 @@ impl<T: DeviceCopy> DerefMut for PinnedBuffer<T> {
 
 impl<T: DeviceCopy> Drop for PinnedBuffer<T> {
     fn drop(&mut self) {
+        if let Some((base, map_len)) = self.mapping {
+            let ptr = self.ptr.as_ptr() as usize;
+            crate::driver::callback::release_in(
+                &self.ctx,
+                (ptr, base, map_len),
+                |api, (ptr, base, map_len)| {
+                    // SAFETY: registered by `map_and_register`; nothing uses the buffer any more (as
+                    // below). The mapping is the buffer's own, referenced by nothing once it drops.
+                    let _ = unsafe { api.cuMemHostUnregister(ptr as *mut _) };
+                    // SAFETY: as above.
+                    unsafe { libc::munmap(base as *mut libc::c_void, map_len) };
+                },
+            );
+            return;
+        }
         crate::driver::callback::release_in(&self.ctx, self.ptr, |api, ptr| {
             // SAFETY: allocated by cuMemHostAlloc; asynchronous copies borrow the buffer only
             // inside a `scope`, which synchronises before the borrow ends, so nothing uses it any
