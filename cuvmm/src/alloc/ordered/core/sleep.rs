@@ -10,6 +10,7 @@
 
 use super::{Backend, Core};
 use crate::error::{Error, Result};
+use std::collections::HashMap;
 
 /// What a sleep does with the contents.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -138,15 +139,28 @@ impl<B: Backend> Core<B> {
     ) -> Result<()> {
         let Some(host) = host else { return Ok(()) };
         let mut lane = 0;
+        self.queue_copies(pages, host, out, &mut lane)?;
+        self.backend.finish_copies()
+    }
+
+    /// Queues the copies of `pages` (slot, page, offset in `host`), in runs of pages adjacent both
+    /// on the device and in the backup of up to [`CHUNK`] bytes, alternating lanes from `lane`.
+    fn queue_copies(
+        &mut self,
+        pages: &[(usize, u64, u64)],
+        host: &mut B::Host,
+        out: bool,
+        lane: &mut usize,
+    ) -> Result<()> {
         let mut i = 0;
         while i < pages.len() {
-            // A run of pages adjacent both on the device and in the backup.
             let (slot, p0, h0) = pages[i];
             let page = self.slots[slot].page;
             let mut j = i + 1;
             while j < pages.len()
                 && pages[j].0 == slot
                 && pages[j].1 == p0 + (j - i) as u64
+                && pages[j].2 == h0 + (j - i) as u64 * page
                 && (j - i) as u64 * page < CHUNK
             {
                 j += 1;
@@ -154,27 +168,38 @@ impl<B: Backend> Core<B> {
             let dev = self.slots[slot].heap.base() + p0 * page;
             let len = (j - i) as u64 * page;
             if out {
-                self.backend.copy_out(host, h0, dev, len, lane)?;
+                self.backend.copy_out(host, h0, dev, len, *lane)?;
             } else {
-                self.backend.copy_in(dev, host, h0, len, lane)?;
+                self.backend.copy_in(dev, host, h0, len, *lane)?;
             }
-            lane ^= 1;
+            *lane ^= 1;
             i = j;
         }
-        self.backend.finish_copies()
+        Ok(())
     }
 
-    /// Maps `tag`'s live blocks again at their addresses and restores what was offloaded.
+    /// Maps `tag`'s live blocks again at their addresses and restores what was offloaded. Each
+    /// page's copy is queued as soon as the page is mapped, so that making and mapping the next
+    /// pages overlaps the copies.
     pub(crate) fn wake(&mut self, tag: u32) -> Result<()> {
         if !self.is_asleep(tag) {
             return Err(Error::invalid("the tag is not asleep"));
         }
         self.flush_cached();
         let slots: Vec<usize> = (0..self.slots.len()).filter(|&i| self.slots[i].tag == tag).collect();
+        let saved: HashMap<(usize, u64), u64> = match &self.sleepers[&tag].state {
+            State::Asleep { saved, .. } => saved.iter().map(|&(s, p, h)| ((s, p), h)).collect(),
+            State::Awake => unreachable!("checked asleep"),
+        };
+        let mut host = self.sleepers.get_mut(&tag).and_then(|t| t.backup.take());
         let mut mapped: Vec<(usize, u64)> = Vec::new();
-        let r = self.wake_map(&slots, &mut mapped);
+        let r = self.wake_map(&slots, &saved, host.as_mut(), &mut mapped);
+        // Whatever was queued has to land (or fail) before anything is unmapped or reused.
+        let r = r.and(self.backend.finish_copies());
+        self.sleepers.get_mut(&tag).expect("known").backup = host;
         if let Err(e) = r {
-            // Back to asleep as it was: nothing half-mapped stays behind.
+            let _ = self.backend.finish_copies();
+            // Back to asleep as it was: nothing half-mapped stays behind; the backup is intact.
             for (slot, p) in mapped {
                 let base = self.slots[slot].heap.base();
                 let page = self.slots[slot].page;
@@ -186,20 +211,21 @@ impl<B: Backend> Core<B> {
             self.note_mapped();
             return Err(e);
         }
-        let t = self.sleepers.get_mut(&tag).expect("asleep");
-        let State::Asleep { saved, .. } = std::mem::replace(&mut t.state, State::Awake) else {
-            unreachable!()
-        };
-        // Only pages still under live blocks come back (blocks freed while asleep lost theirs).
-        let saved: Vec<_> =
-            saved.into_iter().filter(|&(s, p, _)| self.slots[s].pages[p as usize].is_some()).collect();
-        let mut host = self.sleepers.get_mut(&tag).and_then(|t| t.backup.take());
-        let r = self.copy_pages(&saved, host.as_mut(), false);
-        self.sleepers.get_mut(&tag).expect("known").backup = host;
-        r
+        self.sleepers.get_mut(&tag).expect("known").state = State::Awake;
+        Ok(())
     }
 
-    fn wake_map(&mut self, slots: &[usize], mapped: &mut Vec<(usize, u64)>) -> Result<()> {
+    /// Maps the pages under `slots`' live blocks, recording each in `mapped`, and queues the copy
+    /// back of each whose contents `saved` holds (page -> offset in `host`), a run at a time.
+    fn wake_map(
+        &mut self,
+        slots: &[usize],
+        saved: &HashMap<(usize, u64), u64>,
+        mut host: Option<&mut B::Host>,
+        mapped: &mut Vec<(usize, u64)>,
+    ) -> Result<()> {
+        let mut lane = 0;
+        let mut run: Vec<(usize, u64, u64)> = Vec::new();
         for &slot in slots {
             let want = self.live_pages(slot);
             let page = self.slots[slot].page;
@@ -220,7 +246,17 @@ impl<B: Backend> Core<B> {
                 self.mapped_bytes += page;
                 mapped.push((slot, p));
                 self.backend.set_access(base + p * page, page)?;
+                let (Some(host), Some(&at)) = (host.as_deref_mut(), saved.get(&(slot, p))) else { continue };
+                run.push((slot, p, at));
+                if run.len() as u64 * page >= CHUNK {
+                    self.queue_copies(&run, host, false, &mut lane)?;
+                    run.clear();
+                }
             }
+            if let Some(host) = host.as_deref_mut() {
+                self.queue_copies(&run, host, false, &mut lane)?;
+            }
+            run.clear();
         }
         self.note_mapped();
         Ok(())
