@@ -159,6 +159,8 @@ impl RawVmm {
             // it), and the next one started.
             raw.start_ahead();
             raw.grow_to(1)?;
+            // That first chunk is waited for by design: not a growth that outran the thread.
+            raw.ahead_waits = (0, Duration::ZERO);
         }
         Ok(raw)
     }
