@@ -58,7 +58,7 @@ typedef struct cuvmm_stats {
     uint64_t cache_hits;    /* allocations served without mapping memory */
     uint64_t pages_created;
     uint64_t pages_released;
-    uint64_t pages_remapped;/* idle pages moved to where they were needed */
+    uint64_t pages_remapped;/* pages moved to where they were needed (idle, or lent) */
     uint64_t events_recorded;
     uint64_t oom_retries;   /* out-of-memory answers retried after releasing idle memory */
     uint64_t graph_held;    /* bytes kept for captured CUDA graphs */

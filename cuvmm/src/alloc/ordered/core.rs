@@ -92,7 +92,8 @@ pub struct AllocatorStats {
     pub pages_created: u64,
     /// Pages given back to the driver.
     pub pages_released: u64,
-    /// Idle pages unmapped to be mapped where they were needed.
+    /// Pages moved to where they were needed: idle ones unmapped, or pages of blocks a stream
+    /// freed lent to that stream's next blocks.
     pub pages_remapped: u64,
     /// Events recorded to learn when freed blocks became idle.
     pub events_recorded: u64,
@@ -116,6 +117,16 @@ impl<E> Stream<E> {
     fn new() -> Self {
         Stream { next: 1, done: 0, last_free: 0, fences: VecDeque::new() }
     }
+}
+
+/// Pages of a lent block (see [`super::heap::State::Lent`]): still mapped at its address (as
+/// well as where they now serve) until the work queued on `stream` before the block's free has run.
+struct Lent {
+    slot: usize,
+    stream: u64,
+    epoch: u64,
+    /// Page indexes in the slot.
+    pages: Vec<u64>,
 }
 
 struct Slot<P> {
@@ -168,6 +179,11 @@ pub(crate) struct Core<B: Backend> {
     mapped_bytes: u64,
     stats: AllocatorStats,
     sleepers: HashMap<u32, sleep::Tag<B::Host>>,
+    /// Blocks whose pages were lent, until their stream's work has caught up.
+    lent: Vec<Lent>,
+    /// Pages lent to the batch being mapped: for it alone (they are still mapped where they came
+    /// from), never kept beyond it.
+    borrowed: Vec<B::Page>,
 }
 
 impl<B: Backend> Core<B> {
@@ -185,6 +201,8 @@ impl<B: Backend> Core<B> {
             mapped_bytes: 0,
             stats: AllocatorStats::default(),
             sleepers: HashMap::new(),
+            lent: Vec::new(),
+            borrowed: Vec::new(),
         }
     }
 
@@ -208,6 +226,10 @@ impl<B: Backend> Core<B> {
                     .filter(|(_, p)| p.is_some())
                     .map(|(i, _)| (base + i as u64 * s.page, s.page)),
             );
+        }
+        for l in &self.lent {
+            let s = &self.slots[l.slot];
+            out.extend(l.pages.iter().map(|&p| (s.heap.base() + p * s.page, s.page)));
         }
         out
     }
@@ -277,7 +299,7 @@ impl<B: Backend> Core<B> {
         }
         // Fresh address space; its pages come from idle ones, spare ones, or the driver.
         let (slot, addr) = self.carve(req)?;
-        match self.ensure_pages(slot, addr, req.n, req.capture) {
+        match self.ensure_pages(slot, addr, req.n, req.capture, req.stream) {
             Ok(()) => {
                 self.count_alloc(req.n, req.size, false);
                 Ok(addr)
@@ -312,7 +334,7 @@ impl<B: Backend> Core<B> {
         let Some((slot, id)) = found else { return Ok(None) };
         let addr = self.slots[slot].heap.take(id, req.n, req.stream, req.size, req.pool);
         let mapped_before = self.mapped_bytes;
-        if let Err(e) = self.ensure_pages(slot, addr, req.n, req.capture) {
+        if let Err(e) = self.ensure_pages(slot, addr, req.n, req.capture, req.stream) {
             self.give_back_block(slot, addr, req.stream);
             return Err(e);
         }
@@ -358,7 +380,7 @@ impl<B: Backend> Core<B> {
     }
 
     /// Maps every page under `[addr, addr + n)` of `slot` that is not mapped yet.
-    fn ensure_pages(&mut self, slot: usize, addr: u64, n: u64, capture: Capture) -> Result<()> {
+    fn ensure_pages(&mut self, slot: usize, addr: u64, n: u64, capture: Capture, stream: u64) -> Result<()> {
         let page = self.slots[slot].page;
         let base = self.slots[slot].heap.base();
         let first = (addr - base) / page;
@@ -369,25 +391,54 @@ impl<B: Backend> Core<B> {
         let missing: Vec<u64> =
             (first..end).filter(|&p| self.slots[slot].pages[p as usize].is_none()).collect();
         let old = self.backend.relax()?;
-        let r = self.map_pages(slot, &missing, capture);
+        let r = self.map_pages(slot, (addr, n), &missing, capture, stream);
+        // Lent pages left over (a failure part-way) are released: the memory stays mapped where
+        // it came from until that mapping is undone.
+        self.stats.pages_released += self.borrowed.len() as u64;
+        self.borrowed.clear();
         self.backend.restore(old);
         self.note_mapped();
         r
     }
 
-    /// Maps `missing` (page indexes, ascending) run by run of adjacent pages, granting access once
-    /// per run. A run that fails part-way is unmapped again: a page stays in the table only with
-    /// access granted, since later blocks on it take it as usable.
-    fn map_pages(&mut self, slot: usize, missing: &[u64], capture: Capture) -> Result<()> {
+    /// Maps `missing` (page indexes, ascending) under block `(addr, n)` run by run of adjacent
+    /// pages, granting access once per run. A run that fails part-way is unmapped again: a page
+    /// stays in the table only with access granted, since later blocks on it take it as usable.
+    ///
+    /// Pages come from spare ones, idle ones moved from elsewhere, pages lent by blocks `stream`
+    /// freed whose work may not have run yet, and new ones, in that order. A lent page stays
+    /// mapped where it came from until that work has run; serving a block of the same stream,
+    /// whose work is queued after it, is safe, but only a page wholly inside the block: the rest
+    /// of an edge page may go to blocks of other streams.
+    fn map_pages(
+        &mut self,
+        slot: usize,
+        (addr, n): (u64, u64),
+        missing: &[u64],
+        capture: Capture,
+        stream: u64,
+    ) -> Result<()> {
         let page = self.slots[slot].page;
         let base = self.slots[slot].heap.base();
-        let mut first = true;
+        let whole = |p: u64| base + p * page >= addr && base + (p + 1) * page <= addr + n;
+        if self.spare.len() < missing.len() && page == self.sizes.page {
+            self.reclaim(missing.len() - self.spare.len())?;
+            if capture == Capture::None && self.slots[slot].tag == 0 {
+                let short = missing.len().saturating_sub(self.spare.len());
+                let whole_missing = missing.iter().filter(|&&p| whole(p)).count();
+                self.lend(short.min(whole_missing), stream);
+            }
+        }
+        // Pages lent to this block: never given back as spare ones, since their memory may still
+        // be in use where they came from.
+        let mut lent_here = Vec::new();
         for run in missing.chunk_by(|a, b| a + 1 == *b) {
             let mut done = 0;
             let mut r = Ok(());
             for &p in run {
-                let want = if std::mem::take(&mut first) { missing.len() } else { 0 };
-                let handle = match self.page_for(want, capture, page) {
+                let borrowed = if whole(p) { self.borrowed.pop() } else { None };
+                let is_lent = borrowed.is_some();
+                let handle = match borrowed.map_or_else(|| self.page_for(0, capture, page), Ok) {
                     Ok(h) => h,
                     Err(e) => {
                         r = Err(e);
@@ -395,9 +446,12 @@ impl<B: Backend> Core<B> {
                     }
                 };
                 if let Err(e) = self.backend.map(base + p * page, &handle, page) {
-                    self.give_back(handle, page);
+                    self.give_back_unless_lent(handle, page, is_lent);
                     r = Err(e);
                     break;
+                }
+                if is_lent {
+                    lent_here.push(p);
                 }
                 self.slots[slot].pages[p as usize] = Some(handle);
                 self.mapped_bytes += page;
@@ -411,7 +465,7 @@ impl<B: Backend> Core<B> {
                     let _ = self.backend.unmap(base + q * page, page);
                     let h = self.slots[slot].pages[q as usize].take().expect("just mapped");
                     self.mapped_bytes -= page;
-                    self.give_back(h, page);
+                    self.give_back_unless_lent(h, page, lent_here.contains(&q));
                 }
                 return Err(e);
             }
@@ -454,6 +508,71 @@ impl<B: Backend> Core<B> {
         }
     }
 
+    /// Moves up to `want` mapped pages out of blocks `stream` freed (oldest frees first) into
+    /// `borrowed`, leaving them mapped where they are; each block they came from is out of use
+    /// until its stream's work has caught up with its free (see [`Core::poll`]).
+    fn lend(&mut self, want: usize, stream: u64) {
+        let page = self.sizes.page;
+        let mut got = 0;
+        for slot in 0..self.slots.len() {
+            if got >= want {
+                return;
+            }
+            if self.slots[slot].page != page || self.slots[slot].tag != 0 {
+                continue;
+            }
+            let base = self.slots[slot].heap.base();
+            for (id, addr, size, epoch) in self.slots[slot].heap.stream_free(stream) {
+                if got >= want {
+                    return;
+                }
+                // The first run of mapped whole pages in the block, as many as still wanted.
+                let (first, end) = ((addr - base).div_ceil(page), (addr + size - base) / page);
+                let mapped = |p: &u64| self.slots[slot].pages[*p as usize].is_some();
+                let Some(from) = (first..end).find(mapped) else { continue };
+                let pages: Vec<u64> = (from..end).take_while(mapped).take(want - got).collect();
+                let span = (base + from * page, base + (from + pages.len() as u64) * page);
+                self.slots[slot].heap.lend(id, span.0, span.1);
+                for &p in &pages {
+                    let h = self.slots[slot].pages[p as usize].take().expect("mapped");
+                    self.borrowed.push(h);
+                    self.mapped_bytes -= page;
+                }
+                got += pages.len();
+                self.stats.pages_remapped += pages.len() as u64;
+                self.lent.push(Lent { slot, stream, epoch, pages });
+            }
+        }
+    }
+
+    /// Unmaps the lent pages of `stream`'s blocks freed up to `epoch` from where they came from,
+    /// and frees those blocks, idle.
+    fn return_lent(&mut self, stream: u64, epoch: u64) -> Result<()> {
+        let mut r = Ok(());
+        let mut slots = Vec::new();
+        let backend = &mut self.backend;
+        let all = &self.slots;
+        self.lent.retain(|l| {
+            if l.stream != stream || l.epoch > epoch {
+                return true;
+            }
+            let (base, page) = (all[l.slot].heap.base(), all[l.slot].page);
+            for &p in &l.pages {
+                if let Err(e) = backend.unmap(base + p * page, page) {
+                    r = Err(e);
+                }
+            }
+            slots.push(l.slot);
+            false
+        });
+        slots.sort_unstable();
+        slots.dedup();
+        for slot in slots {
+            self.slots[slot].heap.return_lent(stream, epoch);
+        }
+        r
+    }
+
     /// A page of a tagged heap's size: created, or, out of memory, created after every idle
     /// ordinary page went back to the driver.
     fn large_page(&mut self, size: u64, capture: Capture) -> Result<B::Page> {
@@ -480,6 +599,17 @@ impl<B: Backend> Core<B> {
             self.spare.push(handle);
         } else {
             self.stats.pages_released += 1;
+        }
+    }
+
+    /// [`give_back`](Self::give_back), except for a lent page (whose memory may still be in use
+    /// where it came from), which is released.
+    fn give_back_unless_lent(&mut self, handle: B::Page, size: u64, lent: bool) {
+        if lent {
+            drop(handle);
+            self.stats.pages_released += 1;
+        } else {
+            self.give_back(handle, size);
         }
     }
 
@@ -554,6 +684,7 @@ impl<B: Backend> Core<B> {
             for slot in &mut self.slots {
                 slot.heap.promote(s, n);
             }
+            self.return_lent(s, n)?;
         }
         Ok(())
     }

@@ -49,6 +49,13 @@ pub(crate) enum State {
         stream: u64,
         epoch: u64,
     },
+    /// Freed on `stream`, whose whole pages were lent to a later block of the same stream (mapped
+    /// there too) before the work queued ahead of the free had run: out of use, and still mapped
+    /// here, until an event recorded on `stream` after the free (number `epoch`) has completed.
+    Lent {
+        stream: u64,
+        epoch: u64,
+    },
 }
 
 /// Blocks kept per (stream, size) before frees go to the index directly.
@@ -106,6 +113,8 @@ pub(crate) struct Heap {
     last: u32,
     blocks: Vec<Block>,
     spare: Vec<u32>,
+    /// Blocks in the `Lent` state.
+    lent: Vec<u32>,
     /// Free blocks by (owner key, pool, size, address): a best fit for one stream is one range query.
     free: BTreeSet<(u64, u32, u64, u64, u32)>,
     live: AddrMap<u32>,
@@ -130,6 +139,7 @@ impl Heap {
             free: BTreeSet::new(),
             live: AddrMap::default(),
             deferred: Vec::new(),
+            lent: Vec::new(),
             graph: 0,
             cached: HashMap::default(),
             cached_count: 0,
@@ -180,21 +190,7 @@ impl Heap {
         debug_assert!(b.size >= size && size % ALIGN == 0);
         self.free.remove(&(owner.key(), b.pool, b.size, b.addr, i));
         if b.size > size {
-            let rest = self.slot(Block {
-                addr: b.addr + size,
-                size: b.size - size,
-                prev: i,
-                next: b.next,
-                pool: b.pool,
-                state: State::Free(owner),
-            });
-            if b.next != NIL {
-                self.blocks[b.next as usize].prev = rest;
-            } else {
-                self.last = rest;
-            }
-            self.blocks[i as usize].next = rest;
-            self.blocks[i as usize].size = size;
+            let rest = self.split(i, size);
             self.index(rest);
         }
         if b.pool == 0 && pool != 0 {
@@ -319,7 +315,9 @@ impl Heap {
         match state {
             State::Free(owner) => self.settle(i, owner),
             State::Deferred { .. } => self.deferred.push(i),
-            State::Live { .. } | State::Cached { .. } => unreachable!("free to a live or cached state"),
+            State::Live { .. } | State::Cached { .. } | State::Lent { .. } => {
+                unreachable!("free to a live, cached or lent state")
+            }
         }
         Some(freed)
     }
@@ -423,6 +421,89 @@ impl Heap {
         due.len()
     }
 
+    /// Free blocks of the shared pool freed on `stream` whose work may not have run yet, as
+    /// (id, address, size, epoch), oldest free first.
+    pub(crate) fn stream_free(&self, stream: u64) -> Vec<(u64, u64, u64, u64)> {
+        let mut v: Vec<(u64, u64, u64, u64)> = self
+            .free
+            .range((stream, 0, 0, 0, 0)..=(stream, 0, u64::MAX, u64::MAX, u32::MAX))
+            .filter_map(|&(_, _, size, addr, i)| match self.blocks[i as usize].state {
+                State::Free(Owner::Stream { epoch, .. }) => Some((epoch, u64::from(i), addr, size)),
+                _ => None,
+            })
+            .collect();
+        v.sort_unstable();
+        v.into_iter().map(|(e, i, a, s)| (i, a, s, e)).collect()
+    }
+
+    /// Takes `[start, end)` of free block `id` (from [`stream_free`](Self::stream_free)) out of
+    /// use, as a block of its own: its pages are being lent. The rest stays free as it was.
+    pub(crate) fn lend(&mut self, id: u64, start: u64, end: u64) {
+        let mut i = id as u32;
+        let b = self.blocks[i as usize];
+        let State::Free(Owner::Stream { stream, epoch }) = b.state else {
+            unreachable!("only blocks freed on a stream are lent")
+        };
+        debug_assert!(b.addr <= start && start < end && end <= b.addr + b.size);
+        self.unindex(i);
+        if start > b.addr {
+            let j = self.split(i, start - b.addr);
+            self.index(i);
+            i = j;
+        }
+        let b = self.blocks[i as usize];
+        if end < b.addr + b.size {
+            let k = self.split(i, end - b.addr);
+            self.index(k);
+        }
+        self.blocks[i as usize].state = State::Lent { stream, epoch };
+        self.lent.push(i);
+    }
+
+    /// Cuts block `i` (not indexed) after `at` bytes; the part after, in the same state and pool,
+    /// becomes a new block (not indexed), whose id is returned.
+    fn split(&mut self, i: u32, at: u64) -> u32 {
+        let b = self.blocks[i as usize];
+        debug_assert!(at > 0 && at < b.size && at % ALIGN == 0);
+        let rest = self.slot(Block {
+            addr: b.addr + at,
+            size: b.size - at,
+            prev: i,
+            next: b.next,
+            pool: b.pool,
+            state: b.state,
+        });
+        if b.next != NIL {
+            self.blocks[b.next as usize].prev = rest;
+        } else {
+            self.last = rest;
+        }
+        self.blocks[i as usize].next = rest;
+        self.blocks[i as usize].size = at;
+        rest
+    }
+
+    /// Frees, idle, the lent blocks of `stream` up to `epoch`. Returns their addresses, whose
+    /// lent pages the caller unmaps first.
+    pub(crate) fn return_lent(&mut self, stream: u64, epoch: u64) -> Vec<u64> {
+        let mut due = Vec::new();
+        self.lent.retain(|&i| {
+            let State::Lent { stream: s, epoch: e } = self.blocks[i as usize].state else { unreachable!() };
+            let hit = s == stream && e <= epoch;
+            if hit {
+                due.push(i);
+            }
+            !hit
+        });
+        due.iter()
+            .map(|&i| {
+                let addr = self.blocks[i as usize].addr;
+                self.settle(i, Owner::Idle);
+                addr
+            })
+            .collect()
+    }
+
     /// Whether blocks freed during a capture wait to come back.
     pub(crate) fn has_deferred(&self) -> bool {
         !self.deferred.is_empty()
@@ -522,6 +603,7 @@ impl Heap {
                     }
                 }
                 State::Live { .. } => assert_eq!(self.live.get(&b.addr), Some(&i)),
+                State::Lent { .. } => assert!(self.lent.contains(&i)),
                 State::Deferred { .. } | State::Cached { .. } => {}
             }
             at += b.size;

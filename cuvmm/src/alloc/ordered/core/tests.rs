@@ -78,6 +78,34 @@ impl Gpu {
         None
     }
 
+    /// A stream other than `except` with queued work on bytes `[lo, hi)` of physical page `page`
+    /// (through any address the page is mapped at).
+    fn pending_physical(&self, page: u32, lo: u64, hi: u64, except: u64) -> Option<u64> {
+        for (&s, q) in &self.queues {
+            if s == except {
+                continue;
+            }
+            for op in q {
+                if let Op::Use { addr, len } = *op {
+                    let hit = self
+                        .mapped
+                        .range(..addr + len)
+                        .rev()
+                        .take_while(|(&a, &(_, n))| a + n > addr)
+                        .filter(|(_, &(p, _))| p == page)
+                        .any(|(&a, &(_, n))| {
+                            let (from, to) = (addr.max(a) - a, (addr + len).min(a + n) - a);
+                            from < hi && lo < to
+                        });
+                    if hit {
+                        return Some(s);
+                    }
+                }
+            }
+        }
+        None
+    }
+
     fn run(&mut self, stream: u64, ops: usize) {
         let q = self.queues.entry(stream).or_default();
         for _ in 0..ops {
@@ -291,6 +319,13 @@ fn alloc(c: &mut Core<Gpu>, held: &mut Vec<Held>, size: u64, stream: u64) -> Opt
     for p in (addr / PAGE * PAGE..addr + n).step_by(PAGE as usize) {
         assert!(gpu.covered(p), "page {p:#x} of a new block is not mapped");
         assert!(gpu.accessible.contains(&p), "page {p:#x} of a new block is not accessible");
+        let (&at, &(id, _)) = gpu.mapped.range(..=p).next_back().expect("covered");
+        let (lo, hi) = (addr.max(p) - at, (addr + n).min(p + PAGE) - at);
+        if let Some(s) = gpu.pending_physical(id, lo, hi, stream) {
+            panic!(
+                "page {p:#x} of a block for stream {stream} is memory stream {s} still has work queued on"
+            );
+        }
     }
     gpu.queues.entry(stream).or_default().push_back(Op::Use { addr, len: n });
     let pool = capture_id(capture);
@@ -736,4 +771,37 @@ fn pages_whose_access_could_not_be_set_are_not_left_mapped_for_later_blocks() {
     alloc(&mut c, &mut held, 4 * PAGE, 1).unwrap();
     let s = c.stats();
     assert_eq!(c.backend().units.get() as u64 * PAGE, s.mapped, "every page made is held or mapped");
+}
+
+/// A stream's freed blocks lend their pages to its next blocks before the work queued ahead of
+/// the free has run (mapped at both addresses until it has); other streams get none of that
+/// memory meanwhile (the model's checks), and the lending block comes back idle once it has run.
+#[test]
+fn pages_a_stream_freed_serve_its_next_blocks_before_its_work_has_run() {
+    let mut c = core(1000);
+    let mut held = Vec::new();
+    let a = alloc(&mut c, &mut held, 8 * PAGE, 1).unwrap();
+    alloc(&mut c, &mut held, PAGE, 1).unwrap(); // keeps `a` from growing at the heap's end
+    free(&mut c, &mut held, 0);
+    // Larger than the freed block: new address space, whose pages are those 8 and 4 new ones.
+    let b = alloc(&mut c, &mut held, 12 * PAGE, 1).unwrap();
+    assert!(b >= a + 9 * PAGE);
+    assert_eq!(c.stats().pages_created, 13, "the freed block's pages serve the new one");
+    assert_eq!(c.stats().mapped, 13 * PAGE);
+    // Another stream, while stream 1 has not run: memory of its own (the model would catch a
+    // lent page).
+    let d = alloc(&mut c, &mut held, 8 * PAGE, 2).unwrap();
+    assert!(d + 8 * PAGE <= a || a + 8 * PAGE <= d, "stream 2 got the lending block");
+    assert_eq!(c.stats().pages_created, 21);
+    // Once stream 1 has run past the free, the block's old mapping goes and its address space
+    // serves anyone.
+    c.backend().run_all();
+    let e = alloc(&mut c, &mut held, 24 * PAGE, 3).unwrap(); // a miss: polls the event
+    let _ = e;
+    c.backend().run_all();
+    let again = alloc(&mut c, &mut held, 8 * PAGE, 3).unwrap();
+    assert_eq!(again, a, "the lending block is idle again: {again:#x}");
+    for slot in &c.slots {
+        slot.heap.check();
+    }
 }
