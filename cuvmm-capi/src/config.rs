@@ -13,6 +13,8 @@ pub struct Config {
     pub tag_page: usize,
     /// Whether errors are written to stderr (`log`).
     pub log: bool,
+    /// Whether freed pages are lent to the same stream's next blocks (`lend`).
+    pub lend: bool,
     /// Where allocations and frees are recorded (`trace`).
     pub trace: Option<PathBuf>,
     /// Whether running out of memory aborts the process (`oom=abort`) instead of returning NULL
@@ -22,12 +24,28 @@ pub struct Config {
 
 impl Default for Config {
     fn default() -> Self {
-        Config { page: 2 << 20, reserve: 0, tag_page: 128 << 20, log: true, trace: None, abort_on_oom: false }
+        Config {
+            page: 2 << 20,
+            reserve: 0,
+            tag_page: 128 << 20,
+            log: true,
+            lend: false,
+            trace: None,
+            abort_on_oom: false,
+        }
     }
 }
 
 /// Parses `512`, `2MiB`, `2M`, `1.5GiB`-free integers with binary suffixes.
-pub fn parse_size(s: &str) -> Result<usize, String> {
+pub fn parse_bool(key: &str, v: &str) -> Result<bool, String> {
+    match v.trim() {
+        "1" | "true" | "on" => Ok(true),
+        "0" | "false" | "off" => Ok(false),
+        _ => Err(format!("{key} must be 0 or 1, not `{v}`")),
+    }
+}
+
+fn parse_size(s: &str) -> Result<usize, String> {
     let s = s.trim();
     let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
     let (num, unit) = s.split_at(split);
@@ -54,13 +72,8 @@ impl Config {
                 "page" => c.page = parse_size(v)?,
                 "reserve" => c.reserve = parse_size(v)?,
                 "tag_page" => c.tag_page = parse_size(v)?,
-                "log" => {
-                    c.log = match v.trim() {
-                        "1" | "true" | "on" => true,
-                        "0" | "false" | "off" => false,
-                        _ => return Err(format!("log must be 0 or 1, not `{v}`")),
-                    }
-                }
+                "log" => c.log = parse_bool("log", v)?,
+                "lend" => c.lend = parse_bool("lend", v)?,
                 "trace" => c.trace = Some(PathBuf::from(v.trim())),
                 "oom" => {
                     c.abort_on_oom = match v.trim() {
@@ -70,7 +83,9 @@ impl Config {
                     }
                 }
                 other => {
-                    return Err(format!("unknown key `{other}` (page, reserve, tag_page, log, trace, oom)"))
+                    return Err(format!(
+                        "unknown key `{other}` (page, reserve, tag_page, log, lend, trace, oom)"
+                    ))
                 }
             }
         }
@@ -96,13 +111,16 @@ mod tests {
 
     #[test]
     fn every_key_is_read_and_unknown_ones_are_refused() {
-        let c = Config::parse(Some("page=4MiB, reserve=64GiB,tag_page=256MiB,log=0,trace=/tmp/t,oom=abort"))
-            .unwrap();
+        let c = Config::parse(Some(
+            "page=4MiB, reserve=64GiB,tag_page=256MiB,log=0,lend=1,trace=/tmp/t,oom=abort",
+        ))
+        .unwrap();
         let want = Config {
             page: 4 << 20,
             reserve: 64 << 30,
             tag_page: 256 << 20,
             log: false,
+            lend: true,
             trace: Some("/tmp/t".into()),
             abort_on_oom: true,
         };

@@ -80,8 +80,12 @@ fn allocator(device: c_int) -> Result<&'static StreamAllocator, String> {
         .ok_or_else(|| format!("no device {device} ({} present)", g.devices.len()))?;
     slot.get_or_init(|| {
         let ctx = Context::for_ordinal(device as usize).map_err(|e| e.to_string())?;
-        let cfg =
-            AllocatorConfig { page: g.config.page, reserve: g.config.reserve, tag_page: g.config.tag_page };
+        let cfg = AllocatorConfig {
+            page: g.config.page,
+            reserve: g.config.reserve,
+            tag_page: g.config.tag_page,
+            lend: g.config.lend,
+        };
         StreamAllocator::with_config(&ctx, cfg).map_err(|e| e.to_string())
     })
     .as_ref()

@@ -52,6 +52,12 @@ pub(crate) trait Backend {
     fn synchronize(&mut self) -> Result<()>;
 }
 
+/// Pages are lent (see [`Core::lend`]) only when new ones would bring the memory held past this
+/// many times the largest live total so far. Replaying a recorded training run on the model:
+/// lending whenever it can keeps 0.7-3.4% over the live peak but moves 14,000-29,000 pages; from
+/// 2% on, 2.1% and 6,500-16,500 (no lending: 6.1% and 1,100).
+const LEND_ABOVE: f64 = 1.02;
+
 /// Requests up to this size come from the small heaps, so small blocks never pin large pages.
 pub(crate) const SMALL: u64 = 1 << 20;
 
@@ -162,6 +168,8 @@ pub(crate) struct Sizes {
     pub tag_page: u64,
     pub large_reserve: u64,
     pub small_reserve: u64,
+    /// Whether pages are lent (see [`Core::lend`]).
+    pub lend: bool,
 }
 
 pub(crate) struct Core<B: Backend> {
@@ -423,8 +431,17 @@ impl<B: Backend> Core<B> {
         let whole = |p: u64| base + p * page >= addr && base + (p + 1) * page <= addr + n;
         if self.spare.len() < missing.len() && page == self.sizes.page {
             self.reclaim(missing.len() - self.spare.len())?;
-            if capture == Capture::None && self.slots[slot].tag == 0 {
-                let short = missing.len().saturating_sub(self.spare.len());
+            // Lending moves pages back and forth (a map, an access grant and later an unmap each),
+            // so it is kept for when new pages would take the memory held past LEND_ABOVE times
+            // the largest live total so far.
+            let short = missing.len().saturating_sub(self.spare.len());
+            let after = self.stats.mapped + short as u64 * page;
+            let peak = (self.stats.live + n).max(self.stats.live_peak);
+            if self.sizes.lend
+                && capture == Capture::None
+                && self.slots[slot].tag == 0
+                && after as f64 > peak as f64 * LEND_ABOVE
+            {
                 let whole_missing = missing.iter().filter(|&&p| whole(p)).count();
                 self.lend(short.min(whole_missing), stream);
             }

@@ -282,7 +282,13 @@ fn core(page_limit: usize) -> Core<Gpu> {
     let gpu = Gpu { page_limit, ..Gpu::default() };
     Core::new(
         gpu,
-        Sizes { page: PAGE, tag_page: 4 * PAGE, large_reserve: 64 * PAGE, small_reserve: 16 * PAGE },
+        Sizes {
+            page: PAGE,
+            tag_page: 4 * PAGE,
+            large_reserve: 64 * PAGE,
+            small_reserve: 16 * PAGE,
+            lend: true,
+        },
     )
 }
 
@@ -686,7 +692,13 @@ fn a_wake_out_of_memory_stays_asleep_with_nothing_lost_and_a_retry_works() {
 fn a_training_pattern_maps_at_most_five_percent_over_its_live_peak_whatever_the_lag() {
     for lag in [0usize, 64, 1024] {
         let gpu = Gpu { page_limit: 1 << 30, ..Gpu::default() };
-        let sizes = Sizes { page: PAGE, tag_page: 64 * PAGE, large_reserve: 1 << 34, small_reserve: 1 << 30 };
+        let sizes = Sizes {
+            page: PAGE,
+            tag_page: 64 * PAGE,
+            large_reserve: 1 << 34,
+            small_reserve: 1 << 30,
+            lend: false,
+        };
         let mut c = Core::new(gpu, sizes);
         let mut rng = 12345u64;
         let mut next = move || {
