@@ -1,13 +1,13 @@
 //! Physical memory: `cuMemCreate` behind a builder, released on drop.
 
 use super::layout::{check_aligned, round_up};
-use crate::caps::{granularity_of, Granularity, ImexStatus};
+use crate::caps::{cached_granularity, granularity_of, Granularity, ImexStatus};
 use crate::context::Context;
 use crate::device::Device;
 use crate::driver::{driver, sys::*};
 use crate::error::{Error, Result};
 use std::ops::BitOr;
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 
 /// Where physical memory lives.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -154,8 +154,16 @@ impl PhysicalBuilder {
         if let Some(g) = self.cache.get() {
             return Ok(*g);
         }
-        self.ctx.bind()?;
-        let g = granularity_of(&self.prop(), Some(&self.ctx.device()))?;
+        let prop = self.prop();
+        // Asked of the driver once per process (see `caps::granularity_of`): a fresh builder for
+        // the same kind of memory binds nothing and calls nothing.
+        let g = match cached_granularity(&prop) {
+            Some(g) => g,
+            None => {
+                self.ctx.bind()?;
+                granularity_of(&prop, Some(&self.ctx.device()))?
+            }
+        };
         Ok(*self.cache.get_or_init(|| g))
     }
 
@@ -168,7 +176,29 @@ impl PhysicalBuilder {
         if self.checked.get().is_some() {
             return Ok(());
         }
-        self.check_supported_uncached()?;
+        // The attributes asked below are what the device can do, which does not change while the
+        // process runs: a combination found supported once is not asked about again, even by a
+        // fresh builder. Refusals are not remembered.
+        static SUPPORTED: Mutex<Vec<SupportKey>> = Mutex::new(Vec::new());
+        let key = SupportKey {
+            device: self.ctx.device().raw(),
+            location: match self.location {
+                Location::Device(_) => 0,
+                Location::Host => 1,
+                Location::HostNuma(_) => 2,
+            },
+            handles: self.handles,
+            compression: self.compression,
+            rdma: self.rdma,
+        };
+        let lock = || SUPPORTED.lock().unwrap_or_else(|e| e.into_inner());
+        if !lock().contains(&key) {
+            self.check_supported_uncached()?;
+            let mut known = lock();
+            if !known.contains(&key) {
+                known.push(key);
+            }
+        }
         let _ = self.checked.set(());
         Ok(())
     }
@@ -238,6 +268,17 @@ impl PhysicalBuilder {
             Err(e) => Err(e),
         }
     }
+}
+
+/// What [`PhysicalBuilder::check_supported`] asks the driver about.
+#[derive(Clone, Copy, PartialEq, Eq)]
+struct SupportKey {
+    device: CUdevice,
+    /// 0 device, 1 host, 2 host NUMA node (any node: the attribute is the same).
+    location: u8,
+    handles: HandleTypes,
+    compression: bool,
+    rdma: bool,
 }
 
 /// Physical memory from `cuMemCreate` (or imported from another process). Cloning shares it;
