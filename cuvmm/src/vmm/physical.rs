@@ -292,7 +292,9 @@ struct PhysInner {
     ctx: Context,
     handle: CUmemGenericAllocationHandle,
     size: usize,
-    location: Location,
+    /// Known from the builder for created memory; for imported memory asked of the driver the
+    /// first time [`PhysicalMemory::location`] needs it, not on the import path.
+    location: OnceLock<Location>,
     handles: HandleTypes,
 }
 
@@ -331,6 +333,7 @@ impl PhysicalMemory {
         location: Location,
         handles: HandleTypes,
     ) -> PhysicalMemory {
+        let location = OnceLock::from(location);
         PhysicalMemory { inner: Arc::new(PhysInner { ctx, handle, size, location, handles }) }
     }
 
@@ -344,9 +347,32 @@ impl PhysicalMemory {
         self.inner.handle
     }
 
-    /// Where it lives.
+    /// Where it lives. For imported memory the driver is asked the first time
+    /// (`cuMemGetAllocationPropertiesFromHandle`); where it cannot say, or says the memory is not
+    /// on a device, the importing context's device is assumed.
     pub fn location(&self) -> Location {
-        self.inner.location
+        if let Some(l) = self.inner.location.get() {
+            return *l;
+        }
+        match self.imported_location() {
+            Some(l) => *self.inner.location.get_or_init(|| l),
+            // Not remembered: a later call (outside a host function, say) may learn the answer.
+            None => Location::Device(self.inner.ctx.device()),
+        }
+    }
+
+    /// The device the driver says imported memory lives on; `None` if the driver cannot answer
+    /// now.
+    fn imported_location(&self) -> Option<Location> {
+        let ctx = &self.inner.ctx;
+        ctx.bind().ok()?;
+        let p = raw_properties(self.inner.handle).ok()?;
+        let here = ctx.device();
+        if p.location.type_ != CUmemLocationType::DEVICE || p.location.id == here.raw() {
+            return Some(Location::Device(here));
+        }
+        let devices = crate::device::Device::all().ok()?;
+        Some(Location::Device(devices.into_iter().find(|d| d.raw() == p.location.id).unwrap_or(here)))
     }
 
     /// The handle types it was created for.
@@ -433,19 +459,17 @@ impl PhysicalMemory {
         Ok(PhysicalMemory::imported(ctx, handle, size, HandleTypes::FABRIC))
     }
 
+    /// Takes ownership of an imported handle. Where the memory lives is left to
+    /// [`location`](Self::location) to ask when needed: importing is on the path every sharing
+    /// waits for, and the answer (a driver query and a device enumeration) serves only re-sharing.
     fn imported(
         ctx: &Context,
         handle: CUmemGenericAllocationHandle,
         size: usize,
         handles: HandleTypes,
     ) -> PhysicalMemory {
-        // Where it really lives, when the driver says so; else assume the importing device.
-        let location = raw_properties(handle)
-            .ok()
-            .filter(|p| p.location.type_ == CUmemLocationType::DEVICE)
-            .and_then(|p| crate::device::Device::all().ok()?.into_iter().find(|d| d.raw() == p.location.id))
-            .map_or(Location::Device(ctx.device()), Location::Device);
-        PhysicalMemory::from_parts(ctx.clone(), handle, size, location, handles)
+        let inner = PhysInner { ctx: ctx.clone(), handle, size, location: OnceLock::new(), handles };
+        PhysicalMemory { inner: Arc::new(inner) }
     }
 
     /// Asks the driver what was granted (compression in particular).
@@ -474,7 +498,7 @@ impl std::fmt::Debug for PhysicalMemory {
         f.debug_struct("PhysicalMemory")
             .field("handle", &self.inner.handle)
             .field("size", &self.inner.size)
-            .field("location", &self.inner.location)
+            .field("location", &self.inner.location.get())
             .finish()
     }
 }
