@@ -177,3 +177,26 @@ fn a_good_trace_or_none_gets_as_far_as_the_driver() {
         assert!(err.starts_with("cuvmm: no CUDA driver found"), "{err}");
     }
 }
+
+/// `bench ipc` runs its whole protocol (importer processes, both paths, bandwidth, legacy)
+/// against the fake driver's FAKE_VMM device, whose calls succeed without doing anything: the
+/// figures mean nothing, but the exchange and the report are checked before GPU time is spent.
+#[test]
+fn bench_ipc_runs_both_paths_end_to_end_on_the_fake_device() {
+    let lib = common::fake_driver("FAKE_VMM");
+    let out = Command::new(cuvmm_bin())
+        .args(["bench", "ipc", "--size", "4MiB", "--processes", "2", "--pairs", "1", "--json"])
+        .env("CUVMM_LIBCUDA", &lib)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["bench"], "ipc");
+    assert_eq!(v["processes"], 2);
+    for path in ["cuvmm", "raw"] {
+        assert_eq!(v[path]["warm_n"], 2, "{v}");
+        assert_eq!(v[path]["first_n"], 1, "{v}");
+        assert!(v[path]["warm_us"]["export → mapped"].as_f64().unwrap() > 0.0, "{v}");
+    }
+    assert!(v["ratio_export_to_mapped"].as_f64().unwrap() > 0.0);
+}

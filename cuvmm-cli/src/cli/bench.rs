@@ -169,12 +169,20 @@ pub enum Bench {
         #[arg(long)]
         json: bool,
     },
-    /// Share an allocation with a child process: export, send, receive, import, map, access;
-    /// bandwidth on the imported memory; the legacy cuIpc* path.
+    /// Share an allocation with a child process: export, send, receive, import, map, access,
+    /// through cuvmm and through raw driver and socket calls in the same run; bandwidth on the
+    /// imported memory; the legacy cuIpc* path.
     Ipc {
         /// Bytes shared.
         #[arg(long, default_value = "1GiB", value_parser = parse_size)]
         size: usize,
+        /// Importer processes, one after the other (each starts with one exchange of each path,
+        /// half of them with cuvmm's first).
+        #[arg(long, default_value_t = 4)]
+        processes: usize,
+        /// Further exchanges of each path per importer process, taking turns.
+        #[arg(long, default_value_t = 4)]
+        pairs: usize,
         /// Device ordinal.
         #[arg(long, default_value_t = 0)]
         device: usize,
@@ -505,78 +513,41 @@ pub fn run(b: Bench) -> CliResult {
                 writeln!(out, "elements changed across sleep and wake: {}", r.mismatches)?;
             }
         }
-        Bench::Ipc { size, device, json, child } => {
+        Bench::Ipc { size, processes, pairs, device, json, child } => {
             let ctx = Context::for_ordinal(device)?;
             if let Some(path) = child {
                 let mut sock = std::os::unix::net::UnixStream::connect(path)?;
                 let r = ipc::import_side(&ctx, &mut sock)?;
-                let line = json!({"export_to_received_us": r.export_to_received_us, "import_us": r.import_us,
-                    "map_us": r.map_us, "access_us": r.access_us, "export_to_mapped_us": r.export_to_mapped_us,
-                    "imported_gbs": r.imported_gbs, "local_gbs": r.local_gbs, "legacy_open_us": r.legacy_open_us,
-                    "legacy_gbs": r.legacy_gbs});
-                writeln!(out, "{line}")?;
+                writeln!(out, "{}", r.to_json())?;
                 return Ok(());
+            }
+            if processes == 0 {
+                return Err("--processes must be at least 1".into());
             }
             let dir = std::env::temp_dir().join(format!("cuvmm-bench-ipc-{}", std::process::id()));
             std::fs::create_dir_all(&dir)?;
             let path = dir.join("sock");
             let listener = std::os::unix::net::UnixListener::bind(&path)?;
             let me = std::env::current_exe()?;
-            let mut results = Vec::new();
-            for _ in 0..3 {
+            let mut children = Vec::new();
+            for c in 0..processes {
                 let child = std::process::Command::new(&me)
                     .args(["bench", "ipc", "--device", &device.to_string(), "--child"])
                     .arg(&path)
                     .stdout(std::process::Stdio::piped())
                     .spawn()?;
                 let (mut sock, _) = listener.accept()?;
-                ipc::export_side(&ctx, &mut sock, size)?;
+                let exported = ipc::export_side(&ctx, &mut sock, size, c, pairs)?;
                 let o = child.wait_with_output()?;
                 if !o.status.success() {
                     return Err("the importer process failed".into());
                 }
                 let v: serde_json::Value = serde_json::from_slice(&o.stdout)?;
-                results.push(v);
+                children.push((exported, ipc::ImporterReport::from_json(&v)?));
             }
             let _ = std::fs::remove_dir_all(&dir);
-            // The middle run by export-to-mapped time.
-            results.sort_by(|a, b| {
-                a["export_to_mapped_us"]
-                    .as_f64()
-                    .partial_cmp(&b["export_to_mapped_us"].as_f64())
-                    .unwrap_or(std::cmp::Ordering::Equal)
-            });
-            let r = &results[results.len() / 2];
-            if json {
-                writeln!(
-                    out,
-                    "{}",
-                    json!({"bench": "ipc", "size": size, "median_of": results.len(), "result": r})
-                )?;
-            } else {
-                let f = |k: &str| r[k].as_f64().unwrap_or(f64::NAN);
-                writeln!(
-                    out,
-                    "{} shared with a child process on {} (median of {} runs)",
-                    show(size),
-                    ctx.device().name()?,
-                    results.len()
-                )?;
-                writeln!(out, "  export + send + receive        {:>9.1} µs", f("export_to_received_us"))?;
-                writeln!(out, "  import                         {:>9.1} µs", f("import_us"))?;
-                writeln!(out, "  reserve + map                  {:>9.1} µs", f("map_us"))?;
-                writeln!(out, "  set access                     {:>9.1} µs", f("access_us"))?;
-                writeln!(out, "  export → mapped and accessible {:>9.1} µs", f("export_to_mapped_us"))?;
-                writeln!(out, "  legacy cuIpcOpenMemHandle      {:>9.1} µs", f("legacy_open_us"))?;
-                writeln!(
-                    out,
-                    "  importer D2D bandwidth: imported {:.0} GB/s, local {:.0} GB/s ({:.3}x), legacy-opened {:.0} GB/s",
-                    f("imported_gbs"),
-                    f("local_gbs"),
-                    f("imported_gbs") / f("local_gbs"),
-                    f("legacy_gbs")
-                )?;
-            }
+            let r = ipc::summarize(&children)?;
+            print_ipc(&mut out, &ctx.device().name()?, size, &r, json)?;
         }
         Bench::Peer { size, json } => {
             let devices = cuvmm::Device::all()?;
@@ -717,6 +688,75 @@ pub(super) fn print_bandwidth(
         writeln!(out, "[Staged pageable (cuvmm)]")?;
         writeln!(out, "  Transfer BW:  {:.1} GB/s H2D, {:.1} GB/s D2H", r.staged[0], r.staged[1])?;
     }
+    Ok(())
+}
+
+/// The sharing benchmark's report: cuvmm's steps beside the raw ones, and the ratio.
+pub(super) fn print_ipc(
+    out: &mut impl Write,
+    name: &str,
+    size: usize,
+    r: &ipc::IpcSummary,
+    json: bool,
+) -> CliResult {
+    if json {
+        let path = |p: &ipc::PathStats| {
+            let steps = |v: &[f64; 6]| {
+                let m: serde_json::Map<String, serde_json::Value> =
+                    ipc::STEPS.iter().zip(v).map(|(k, x)| (k.to_string(), json!(x))).collect();
+                serde_json::Value::Object(m)
+            };
+            json!({"warm_us": steps(&p.warm_us), "warm_n": p.warm_n, "first_us": steps(&p.first_us), "first_n": p.first_n})
+        };
+        writeln!(
+            out,
+            "{}",
+            json!({"bench": "ipc", "device": name, "size": size, "processes": r.children,
+                   "cuvmm": path(&r.cuvmm), "raw": path(&r.raw),
+                   "ratio_export_to_mapped": r.ratio(), "ratio_first_export_to_mapped": r.first_ratio(),
+                   "imported_gbs": r.imported_gbs, "local_gbs": r.local_gbs,
+                   "legacy_open_us": r.legacy_open_us, "legacy_gbs": r.legacy_gbs})
+        )?;
+        return Ok(());
+    }
+    writeln!(
+        out,
+        "{} shared with {} child processes on {name}: median µs over {} exchanges per path \
+         (raw = cuMemExportToShareableHandle, sendmsg, recvmsg, cuMemImportFromShareableHandle, \
+         cuMemAddressReserve, cuMemMap, cuMemSetAccess, same run)",
+        show(size),
+        r.children,
+        r.cuvmm.warm_n.min(r.raw.warm_n)
+    )?;
+    writeln!(out, "{:<24} {:>10} {:>10} {:>8}", "step", "cuvmm", "raw", "ratio")?;
+    for (i, step) in ipc::STEPS.iter().enumerate() {
+        let (c, w) = (r.cuvmm.warm_us[i], r.raw.warm_us[i]);
+        writeln!(out, "{step:<24} {c:>10.1} {w:>10.1} {:>7.3}x", c / w)?;
+    }
+    writeln!(
+        out,
+        "export → mapped, first exchange of a fresh importer ({} / {} processes): cuvmm {:.1} µs, raw {:.1} µs, {:.3}x",
+        r.cuvmm.first_n,
+        r.raw.first_n,
+        r.cuvmm.first_us[5],
+        r.raw.first_us[5],
+        r.first_ratio()
+    )?;
+    writeln!(
+        out,
+        "export → mapped and accessible: cuvmm / raw = {:.3}x (goal ≤ 1.05x: {})",
+        r.ratio(),
+        if r.ratio() <= 1.05 { "met" } else { "not met" }
+    )?;
+    writeln!(out, "legacy cuIpcOpenMemHandle {:.1} µs", r.legacy_open_us)?;
+    writeln!(
+        out,
+        "importer D2D bandwidth: imported {:.0} GB/s, local {:.0} GB/s ({:.3}x), legacy-opened {:.0} GB/s",
+        r.imported_gbs,
+        r.local_gbs,
+        r.imported_gbs / r.local_gbs,
+        r.legacy_gbs
+    )?;
     Ok(())
 }
 
