@@ -574,6 +574,7 @@ pub fn run(b: Bench) -> CliResult {
         Bench::VmmOps { sizes, reps, device, json } => {
             let ctx = Context::for_ordinal(device)?;
             let rows = vmm_ops::run(&ctx, &sizes, reps)?;
+            let costs = vmm_ops::call_costs(&ctx)?;
             if json {
                 for r in &rows {
                     for (i, op) in vmm_ops::OPS.iter().enumerate() {
@@ -581,9 +582,13 @@ pub fn run(b: Bench) -> CliResult {
                             out,
                             "{}",
                             json!({"bench": "vmm-ops", "size": r.size, "op": op, "reps": r.reps,
-                                   "raw_us": r.raw_us[i], "cuvmm_us": r.crate_us[i], "overhead": r.overhead()[i]})
+                                   "raw_us": r.raw_us[i], "cuvmm_us": r.crate_us[i], "overhead": r.overhead()[i],
+                                   "ratio": r.crate_us[i] / r.raw_us[i]})
                         )?;
                     }
+                }
+                for c in &costs {
+                    writeln!(out, "{}", json!({"bench": "vmm-ops", "call": c.what, "ns": c.ns}))?;
                 }
             } else {
                 writeln!(out, "median µs per op over {reps} reps (raw driver / cuvmm; unmap includes the context sync both do)")?;
@@ -599,6 +604,32 @@ pub fn run(b: Bench) -> CliResult {
                     }
                     let per_gib = r.crate_us.iter().sum::<f64>() * (1u64 << 30) as f64 / r.size as f64;
                     writeln!(out, " {:>9.1}% {:>10.0}", r.total_overhead() * 100.0, per_gib)?;
+                }
+                writeln!(out, "cuvmm / raw per op:")?;
+                for r in &rows {
+                    write!(out, "{:>9}", show(r.size))?;
+                    for i in 0..5 {
+                        write!(out, " {:>19.3}", r.crate_us[i] / r.raw_us[i])?;
+                    }
+                    writeln!(out)?;
+                }
+                if let Some(r) = rows.iter().min_by_key(|r| r.size) {
+                    let map = r.crate_us[1] / r.raw_us[1];
+                    writeln!(
+                        out,
+                        "cuMemMap of {}: cuvmm {:.3} µs / raw {:.3} µs = {map:.3}x (goal ≤ 1.05x: {})",
+                        show(r.size),
+                        r.crate_us[1],
+                        r.raw_us[1],
+                        if map <= 1.05 { "met" } else { "not met" }
+                    )?;
+                }
+                writeln!(
+                    out,
+                    "what the calls cuvmm may add cost here (ns per call, median of 7 batches of 2000):"
+                )?;
+                for c in &costs {
+                    writeln!(out, "  {:<40} {:>8.1}", c.what, c.ns)?;
                 }
             }
         }
