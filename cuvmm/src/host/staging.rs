@@ -103,6 +103,8 @@ struct State {
     done: Vec<usize>,
     /// Per chunk (to host): its DMA is queued and its slot's event recorded after it.
     issued: Vec<bool>,
+    /// Per chunk (to host): a thread has seen its DMA complete, so the others need not ask.
+    landed: Vec<bool>,
     failed: Option<Error>,
 }
 
@@ -122,6 +124,7 @@ impl Shared {
                 slot_for: (0..slots).collect(),
                 done: vec![0; chunks],
                 issued: vec![false; chunks],
+                landed: vec![false; chunks],
                 failed: None,
             }),
             workers: Condvar::new(),
@@ -385,14 +388,17 @@ impl Staging {
             let Some(p) = shared.claim(plan.pieces) else { return };
             let (j, at, len) = plan.piece(p);
             let s = j % k;
-            if shared.wait_until(&shared.workers, |g| g.issued[j]).is_err() {
-                return;
-            }
+            let Ok(g) = shared.wait_until(&shared.workers, |g| g.issued[j]) else { return };
+            let landed = g.landed[j];
+            drop(g);
             // The event was recorded after chunk j's DMA, before `issued[j]` was published, and is
             // not recorded again until every piece of chunk j is drained.
-            if let Err(e) = events[s].synchronize() {
-                shared.fail(e);
-                return;
+            if !landed {
+                if let Err(e) = events[s].synchronize() {
+                    shared.fail(e);
+                    return;
+                }
+                shared.lock().landed[j] = true;
             }
             // SAFETY: slot s holds chunk j (its DMA completed); these bytes of `dst` (borrowed
             // mutably for this call) are written by this thread alone (pieces are disjoint). Any
