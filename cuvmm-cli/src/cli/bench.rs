@@ -1,10 +1,10 @@
 //! `cuvmm bench …`.
 
-use super::size::{parse_size, parse_sizes, show};
+use super::size::{parse_counts, parse_size, parse_sizes, show};
 use super::CliResult;
 use crate::bench::{alloc, bandwidth, events, grow, ipc, order, overlap, peer, sleep, trace, vmm_ops};
 use clap::Subcommand;
-use cuvmm::host::Staging;
+use cuvmm::host::{Staging, StagingConfig};
 use cuvmm::vmm::ChunkPolicy;
 use cuvmm::Context;
 use serde_json::json;
@@ -44,9 +44,22 @@ pub enum Bench {
         /// Timed repetitions per size.
         #[arg(long, default_value_t = 5)]
         reps: usize,
-        /// Host threads of the staged path (default: cores, at most 8).
+        /// Host threads of the staged path (default: one per core, at most 16); a list sweeps.
+        #[arg(long, value_parser = parse_counts)]
+        threads: Option<std::vec::Vec<usize>>,
+        /// Bytes per chunk (per DMA and pinned slot) of the staged path (default 2MiB); a list sweeps.
+        #[arg(long, value_parser = parse_sizes)]
+        chunk: Option<std::vec::Vec<usize>>,
+        /// Bytes per piece a thread copies (default 512KiB, or the chunk if smaller); a list sweeps.
+        #[arg(long, value_parser = parse_sizes)]
+        piece: Option<std::vec::Vec<usize>>,
+        /// Pinned slots in the staging ring (default 16); a list sweeps.
+        #[arg(long, value_parser = parse_counts)]
+        slots: Option<std::vec::Vec<usize>>,
+        /// Only the staged path, for every combination of --threads, --chunk, --piece and
+        /// --slots, with its references (pinned DMA, host memcpy per thread count).
         #[arg(long)]
-        threads: Option<usize>,
+        sweep: bool,
         /// Device ordinal.
         #[arg(long, default_value_t = 0)]
         device: usize,
@@ -306,12 +319,28 @@ pub fn run(b: Bench) -> CliResult {
                 }
             }
         }
-        Bench::Bandwidth { sizes, reps, threads, device, json } => {
+        Bench::Bandwidth { sizes, reps, threads, chunk, piece, slots, sweep, device, json } => {
             let ctx = Context::for_ordinal(device)?;
-            let mut staging = match threads {
-                Some(t) => Staging::new(&ctx, 8 << 20, 2 * t.max(1), t.max(1))?,
-                None => Staging::with_defaults(&ctx)?,
+            let d = StagingConfig::default();
+            let shapes = bandwidth::ring_shapes(
+                &chunk.unwrap_or_else(|| vec![d.chunk]),
+                piece.as_deref(),
+                &slots.unwrap_or_else(|| vec![d.slots]),
+                &threads.unwrap_or_else(|| vec![d.threads]),
+            );
+            if sweep {
+                let (rows, refs) = bandwidth::sweep(&ctx, &sizes, reps, &shapes)?;
+                print_sweep(&mut out, &ctx.device().name()?, &rows, &refs, reps, json)?;
+                return Ok(());
+            }
+            let [shape] = shapes[..] else {
+                return Err(format!(
+                    "{} ring shapes given (a piece larger than its chunk is left out); several need --sweep",
+                    shapes.len()
+                )
+                .into());
             };
+            let mut staging = Staging::with_config(&ctx, shape)?;
             let rows = bandwidth::run(&ctx, &sizes, reps, &mut staging)?;
             print_bandwidth(&mut out, &ctx, &rows, &staging, json)?;
         }
@@ -656,7 +685,9 @@ pub(super) fn print_bandwidth(
                 "pinned_h2d": r.pinned[0], "pinned_d2h": r.pinned[1],
                 "registered_h2d": r.registered[0], "registered_d2h": r.registered[1],
                 "bidirectional": r.bidirectional, "staged_h2d": r.staged[0], "staged_d2h": r.staged[1],
-                "register_us": r.register_us, "staging_threads": staging.threads(), "staging_chunk": staging.chunk()})
+                "memcpy_h2d": r.memcpy[0], "memcpy_d2h": r.memcpy[1],
+                "register_us": r.register_us, "staging_threads": staging.threads(), "staging_chunk": staging.chunk(),
+                "staging_piece": staging.config().piece, "staging_slots": staging.config().slots})
             )?;
         }
         return Ok(());
@@ -664,13 +695,21 @@ pub(super) fn print_bandwidth(
     writeln!(out, "GB/s on {name} (median of {} reps; H2D / D2H)", rows.first().map_or(0, |r| r.reps))?;
     writeln!(
         out,
-        "{:>9} {:>15} {:>15} {:>15} {:>15} {:>9} {:>15} {:>12}",
-        "size", "pageable", "pinned (raw)", "pinned (cuvmm)", "registered", "both", "staged", "register µs"
+        "{:>9} {:>15} {:>15} {:>15} {:>15} {:>9} {:>15} {:>15} {:>12}",
+        "size",
+        "pageable",
+        "pinned (raw)",
+        "pinned (cuvmm)",
+        "registered",
+        "both",
+        "staged",
+        "memcpy",
+        "register µs"
     )?;
     for r in rows {
         writeln!(
             out,
-            "{:>9} {:>7.1} /{:>6.1} {:>7.1} /{:>6.1} {:>7.1} /{:>6.1} {:>7.1} /{:>6.1} {:>9.1} {:>7.1} /{:>6.1} {:>12.0}",
+            "{:>9} {:>7.1} /{:>6.1} {:>7.1} /{:>6.1} {:>7.1} /{:>6.1} {:>7.1} /{:>6.1} {:>9.1} {:>7.1} /{:>6.1} {:>7.1} /{:>6.1} {:>12.0}",
             show(r.size),
             r.pageable[0],
             r.pageable[1],
@@ -683,7 +722,34 @@ pub(super) fn print_bandwidth(
             r.bidirectional,
             r.staged[0],
             r.staged[1],
+            r.memcpy[0],
+            r.memcpy[1],
             r.register_us
+        )?;
+    }
+    let c = staging.config();
+    writeln!(
+        out,
+        "staged: {} threads, {} chunks in {} pieces, {} slots; memcpy: host memcpy on the same threads, \
+         pageable → pinned / pinned → pageable (the staged path's copying side alone)",
+        c.threads,
+        show(c.chunk),
+        show(c.piece),
+        c.slots
+    )?;
+    let big: Vec<_> = rows.iter().filter(|r| r.size >= 64 << 20).collect();
+    if !big.is_empty() {
+        let worst = |i: usize| big.iter().map(|r| r.staged[i]).fold(f64::INFINITY, f64::min);
+        let (h, d) = (worst(0), worst(1));
+        writeln!(
+            out,
+            "staged at ≥ 64 MiB, slowest size: {h:.1} GB/s H2D, {d:.1} GB/s D2H (goal ≥ 39 both ways: {}); \
+             over memcpy on the same threads {:.3}x / {:.3}x, over pinned DMA {:.3}x / {:.3}x",
+            if h >= 39.0 && d >= 39.0 { "met" } else { "not met" },
+            big.iter().map(|r| r.staged[0] / r.memcpy[0]).fold(f64::INFINITY, f64::min),
+            big.iter().map(|r| r.staged[1] / r.memcpy[1]).fold(f64::INFINITY, f64::min),
+            big.iter().map(|r| r.staged[0] / r.pinned_raw[0]).fold(f64::INFINITY, f64::min),
+            big.iter().map(|r| r.staged[1] / r.pinned_raw[1]).fold(f64::INFINITY, f64::min),
         )?;
     }
     if let Some(r) = rows.iter().max_by_key(|r| r.size) {
@@ -788,6 +854,98 @@ pub(super) fn print_ipc(
         r.imported_gbs / r.local_gbs,
         r.legacy_gbs
     )?;
+    Ok(())
+}
+
+/// The staged path's sweep: GB/s per ring shape and size, the references, the best shapes.
+pub(super) fn print_sweep(
+    out: &mut impl Write,
+    name: &str,
+    rows: &[bandwidth::SweepRow],
+    refs: &[bandwidth::SweepReference],
+    reps: usize,
+    json: bool,
+) -> CliResult {
+    let mut sizes: Vec<usize> = rows.iter().map(|r| r.size).collect();
+    sizes.sort_unstable();
+    sizes.dedup();
+    if json {
+        for r in rows {
+            let c = r.config;
+            writeln!(
+                out,
+                "{}",
+                json!({"bench": "bandwidth-sweep", "device": name, "size": r.size, "chunk": c.chunk, "piece": c.piece,
+                       "slots": c.slots, "threads": c.threads, "staged_h2d": r.staged[0], "staged_d2h": r.staged[1]})
+            )?;
+        }
+        for f in refs {
+            let memcpy: Vec<_> =
+                f.memcpy.iter().map(|(t, m)| json!({"threads": t, "h2d": m[0], "d2h": m[1]})).collect();
+            writeln!(
+                out,
+                "{}",
+                json!({"bench": "bandwidth-sweep", "size": f.size, "pinned_h2d": f.pinned[0],
+                       "pinned_d2h": f.pinned[1], "memcpy": memcpy})
+            )?;
+        }
+        return Ok(());
+    }
+    writeln!(out, "staged pageable GB/s on {name}, H2D / D2H, median of {reps} (host clock, to completion)")?;
+    write!(out, "{:>9} {:>9} {:>6} {:>8}", "chunk", "piece", "slots", "threads")?;
+    for &s in &sizes {
+        write!(out, " {:>15}", show(s))?;
+    }
+    writeln!(out)?;
+    let mut shapes: Vec<cuvmm::host::StagingConfig> = Vec::new();
+    for r in rows {
+        if !shapes.contains(&r.config) {
+            shapes.push(r.config);
+        }
+    }
+    for c in &shapes {
+        write!(out, "{:>9} {:>9} {:>6} {:>8}", show(c.chunk), show(c.piece), c.slots, c.threads)?;
+        for &s in &sizes {
+            match rows.iter().find(|r| r.config == *c && r.size == s) {
+                Some(r) => write!(out, " {:>7.1} /{:>6.1}", r.staged[0], r.staged[1])?,
+                None => write!(out, " {:>15}", "-")?,
+            }
+        }
+        writeln!(out)?;
+    }
+    writeln!(out, "references, same run (H2D / D2H): pinned DMA (raw cuMemcpy*Async, device events); host memcpy pageable → pinned / pinned → pageable")?;
+    for f in refs {
+        write!(out, "{:>9}  pinned {:>5.1} /{:>5.1}", show(f.size), f.pinned[0], f.pinned[1])?;
+        for (t, m) in &f.memcpy {
+            write!(out, "   memcpy {t} threads {:>5.1} /{:>5.1}", m[0], m[1])?;
+        }
+        writeln!(out)?;
+    }
+    // The shape whose slower direction at its slowest size ≥ 64 MiB (or at all sizes) is fastest.
+    let judged: Vec<usize> = if sizes.iter().any(|&s| s >= 64 << 20) {
+        sizes.iter().copied().filter(|&s| s >= 64 << 20).collect()
+    } else {
+        sizes.clone()
+    };
+    let floor = |c: &cuvmm::host::StagingConfig| {
+        rows.iter()
+            .filter(|r| r.config == *c && judged.contains(&r.size))
+            .map(|r| r.staged[0].min(r.staged[1]))
+            .fold(f64::INFINITY, f64::min)
+    };
+    if let Some(best) = shapes.iter().max_by(|a, b| floor(a).total_cmp(&floor(b))) {
+        let f = floor(best);
+        writeln!(
+            out,
+            "best shape: {} chunks, {} pieces, {} slots, {} threads: at least {f:.1} GB/s both ways at {} (goal ≥ 39: {})",
+            show(best.chunk),
+            show(best.piece),
+            best.slots,
+            best.threads,
+            judged.iter().map(|&s| show(s)).collect::<Vec<_>>().join(", "),
+            if f >= 39.0 { "met" } else { "not met" }
+        )?;
+    }
     Ok(())
 }
 
