@@ -246,3 +246,43 @@ fn bench_bandwidth_and_its_sweep_run_on_the_fake_device() {
     // 2 thread counts x 2 slot counts x (256 KiB chunks: 1 piece size; 1 MiB: 2) x 2 sizes.
     assert_eq!(shapes, 2 * 2 * 3 * 2, "{lines}");
 }
+
+/// `bench overlap` against the fake device, whose busy kernel runs on the CPU: every schedule,
+/// cuvmm's and the raw reference's, runs, and the output of the fastest of each is checked
+/// against the CPU's multiply-adds.
+#[test]
+fn bench_overlap_runs_every_schedule_and_checks_both_paths_on_the_fake_device() {
+    let lib = common::fake_driver("FAKE_VMM");
+    let out = Command::new(cuvmm_bin())
+        .args([
+            "bench",
+            "overlap",
+            "--n",
+            "10000",
+            "--reps",
+            "1",
+            "--iters",
+            "5",
+            "--streams",
+            "3,5",
+            "--chunks",
+            "7",
+            "--lanes",
+            "1,3",
+            "--json",
+        ])
+        .env("CUVMM_LIBCUDA", &lib)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let text = String::from_utf8(out.stdout).unwrap();
+    let schedules: Vec<serde_json::Value> = text
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .filter(|v| v.get("schedule").is_some())
+        .collect();
+    // serial, 2 x 2 breadth/depth each way, 2 pipelines.
+    assert_eq!(schedules.len(), 1 + 4 + 4 + 2, "{text}");
+    assert_eq!(schedules.iter().filter(|v| v["raw"] == true).count(), 4);
+    assert!(text.contains("\"ratio\""), "{text}");
+}
