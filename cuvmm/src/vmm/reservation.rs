@@ -211,11 +211,15 @@ impl Reservation {
         let map = || unsafe { api.cuMemMap(ptr, len, phys_offset, phys.handle(), 0) };
         // cuMemMap names everything it works on (a process-wide address range, an allocation
         // handle), so it does not re-bind a context cuvmm last bound on this thread: that cost a
-        // cuCtxSetCurrent per map. A thread on which no context is current at all may be refused
-        // (CUDA_ERROR_INVALID_CONTEXT): then the context is bound and the map tried again.
+        // cuCtxSetCurrent per map. If code outside cuvmm left no usable context current since
+        // (none at all, or one it destroyed), the driver may refuse: then the context is bound
+        // and the map tried again.
         self.inner.ctx.bind_unless_last()?;
         match map() {
-            Err(e) if e.is_code(CUresult::ERROR_INVALID_CONTEXT) => {
+            Err(e)
+                if e.is_code(CUresult::ERROR_INVALID_CONTEXT)
+                    || e.is_code(CUresult::ERROR_CONTEXT_IS_DESTROYED) =>
+            {
                 self.inner.ctx.bind()?;
                 map()
             }
