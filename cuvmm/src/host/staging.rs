@@ -48,10 +48,11 @@ impl Default for StagingConfig {
 
 /// A reusable ring of pinned slots and the threads that fill or drain them.
 pub struct Staging {
+    /// First, so that its threads (idle between transfers) stop before the slots are freed.
+    pool: Pool,
     slots: Vec<PinnedBuffer<u8>>,
     events: Vec<Event>,
     config: StagingConfig,
-    pool: Pool,
 }
 
 /// How a transfer of `bytes` is cut: chunks of `chunk` bytes (the last one shorter), each in
@@ -233,7 +234,7 @@ impl Staging {
         }
         let slots_v = (0..slots).map(|_| PinnedBuffer::<u8>::new(ctx, chunk)).collect::<Result<Vec<_>>>()?;
         let events = (0..slots).map(|_| Event::without_timing(ctx)).collect::<Result<Vec<_>>>()?;
-        Ok(Staging { slots: slots_v, events, config, pool: Pool::new(threads)? })
+        Ok(Staging { pool: Pool::new(threads)?, slots: slots_v, events, config })
     }
 
     /// [`StagingConfig::default`].
