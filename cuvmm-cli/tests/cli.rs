@@ -177,3 +177,112 @@ fn a_good_trace_or_none_gets_as_far_as_the_driver() {
         assert!(err.starts_with("cuvmm: no CUDA driver found"), "{err}");
     }
 }
+
+/// `bench ipc` runs its whole protocol (importer processes, both paths, bandwidth, legacy)
+/// against the fake driver's FAKE_VMM device, whose calls succeed without doing anything: the
+/// figures mean nothing, but the exchange and the report are checked before GPU time is spent.
+#[test]
+fn bench_ipc_runs_both_paths_end_to_end_on_the_fake_device() {
+    let lib = common::fake_driver("FAKE_VMM");
+    let out = Command::new(cuvmm_bin())
+        .args(["bench", "ipc", "--size", "4MiB", "--processes", "2", "--pairs", "1", "--json"])
+        .env("CUVMM_LIBCUDA", &lib)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["bench"], "ipc");
+    assert_eq!(v["processes"], 2);
+    for path in ["cuvmm", "raw"] {
+        assert_eq!(v[path]["warm_n"], 2, "{v}");
+        assert_eq!(v[path]["first_n"], 1, "{v}");
+        assert!(v[path]["warm_us"]["export → mapped"].as_f64().unwrap() > 0.0, "{v}");
+    }
+    assert!(v["ratio_export_to_mapped"].as_f64().unwrap() > 0.0);
+}
+
+/// `bench bandwidth`, plain and as a sweep, against the fake device, whose copies really move data:
+/// the staged round trips it checks byte for byte pass, and the report comes out.
+#[test]
+fn bench_bandwidth_and_its_sweep_run_on_the_fake_device() {
+    let lib = common::fake_driver("FAKE_VMM");
+    let run = |args: &[&str]| {
+        let out = Command::new(cuvmm_bin()).args(args).env("CUVMM_LIBCUDA", &lib).output().unwrap();
+        assert!(out.status.success(), "{args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let text = run(&[
+        "bench",
+        "bandwidth",
+        "--sizes",
+        "1MiB,3MiB",
+        "--reps",
+        "1",
+        "--threads",
+        "3",
+        "--chunk",
+        "256KiB",
+    ]);
+    assert!(text.contains("staged: 3 threads, 256 KiB chunks"), "{text}");
+    let lines = run(&[
+        "bench",
+        "bandwidth",
+        "--sweep",
+        "--json",
+        "--sizes",
+        "1MiB,3MiB",
+        "--reps",
+        "1",
+        "--threads",
+        "1,4",
+        "--chunk",
+        "256KiB,1MiB",
+        "--piece",
+        "64KiB,512KiB",
+        "--slots",
+        "2,5",
+    ]);
+    let shapes = lines.lines().filter(|l| l.contains("\"staged_h2d\"")).count();
+    // 2 thread counts x 2 slot counts x (256 KiB chunks: 1 piece size; 1 MiB: 2) x 2 sizes.
+    assert_eq!(shapes, 2 * 2 * 3 * 2, "{lines}");
+}
+
+/// `bench overlap` against the fake device, whose busy kernel runs on the CPU: every schedule,
+/// cuvmm's and the raw reference's, runs, and the output of the fastest of each is checked
+/// against the CPU's multiply-adds.
+#[test]
+fn bench_overlap_runs_every_schedule_and_checks_both_paths_on_the_fake_device() {
+    let lib = common::fake_driver("FAKE_VMM");
+    let out = Command::new(cuvmm_bin())
+        .args([
+            "bench",
+            "overlap",
+            "--n",
+            "10000",
+            "--reps",
+            "1",
+            "--iters",
+            "5",
+            "--streams",
+            "3,5",
+            "--chunks",
+            "7",
+            "--lanes",
+            "1,3",
+            "--json",
+        ])
+        .env("CUVMM_LIBCUDA", &lib)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let text = String::from_utf8(out.stdout).unwrap();
+    let schedules: Vec<serde_json::Value> = text
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .filter(|v| v.get("schedule").is_some())
+        .collect();
+    // serial, 2 x 2 breadth/depth each way, 2 pipelines.
+    assert_eq!(schedules.len(), 1 + 4 + 4 + 2, "{text}");
+    assert_eq!(schedules.iter().filter(|v| v["raw"] == true).count(), 4);
+    assert!(text.contains("\"ratio\""), "{text}");
+}

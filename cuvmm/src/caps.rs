@@ -179,9 +179,57 @@ pub fn device_granularity(dev: &Device, handles: CUmemAllocationHandleType) -> R
     granularity_of(&prop, Some(dev))
 }
 
-/// Granularity for an allocation described by `prop`. Some drivers want a current context for
-/// this query; `dev`'s primary context is bound and the query retried if so.
+/// What a granularity answer depends on: every field of `CUmemAllocationProp` but the Windows
+/// handle metadata (always null here).
+#[derive(Clone, Copy, PartialEq, Eq)]
+struct GranularityKey {
+    kind: CUmemAllocationType,
+    handles: CUmemAllocationHandleType,
+    location: CUmemLocation,
+    flags: CUmemAllocFlags,
+}
+
+/// The granularities the driver has reported so far in this process. They depend only on the
+/// properties asked about and on the device, which do not change while the process runs, so each
+/// is asked once: `Reservation::new`, `ipc::share`, `SharedMemory::import` and every fresh
+/// `PhysicalBuilder` used to make two `cuMemGetAllocationGranularity` calls each time.
+static GRANULARITIES: std::sync::Mutex<Vec<(GranularityKey, Granularity)>> =
+    std::sync::Mutex::new(Vec::new());
+
+fn granularity_key(prop: &CUmemAllocationProp) -> Option<GranularityKey> {
+    prop.win32HandleMetaData.is_null().then_some(GranularityKey {
+        kind: prop.type_,
+        handles: prop.requestedHandleTypes,
+        location: prop.location,
+        flags: prop.allocFlags,
+    })
+}
+
+/// The cached granularity for `prop`, if the driver was asked before.
+pub(crate) fn cached_granularity(prop: &CUmemAllocationProp) -> Option<Granularity> {
+    let key = granularity_key(prop)?;
+    let cache = GRANULARITIES.lock().unwrap_or_else(|e| e.into_inner());
+    cache.iter().find(|(k, _)| *k == key).map(|(_, g)| *g)
+}
+
+/// Granularity for an allocation described by `prop`, asked of the driver once per process (see
+/// [`GRANULARITIES`]). Some drivers want a current context for this query; `dev`'s primary
+/// context is bound and the query retried if so. Failures are not remembered.
 pub(crate) fn granularity_of(prop: &CUmemAllocationProp, dev: Option<&Device>) -> Result<Granularity> {
+    if let Some(g) = cached_granularity(prop) {
+        return Ok(g);
+    }
+    let g = query_granularity(prop, dev)?;
+    if let Some(key) = granularity_key(prop) {
+        let mut cache = GRANULARITIES.lock().unwrap_or_else(|e| e.into_inner());
+        if !cache.iter().any(|(k, _)| *k == key) {
+            cache.push((key, g));
+        }
+    }
+    Ok(g)
+}
+
+fn query_granularity(prop: &CUmemAllocationProp, dev: Option<&Device>) -> Result<Granularity> {
     let api = driver()?.api();
     let query = |flag| {
         let mut g = 0usize;

@@ -3,7 +3,14 @@
 use crate::device::Device;
 use crate::driver::{driver, sys::CUcontext};
 use crate::error::Result;
+use std::cell::Cell;
 use std::sync::Arc;
+
+thread_local! {
+    /// The context cuvmm last made current on this thread (its handle as an integer; 0 for none
+    /// or unknown). Only a hint: code outside cuvmm may have changed the current context since.
+    static LAST_BOUND: Cell<usize> = const { Cell::new(0) };
+}
 
 /// A device's primary context, shared by cloning (an `Arc` inside).
 ///
@@ -47,7 +54,24 @@ impl Context {
     /// Makes this context current on the calling thread.
     pub fn bind(&self) -> Result<()> {
         // SAFETY: the context is retained for as long as `self` lives.
-        unsafe { driver()?.api().cuCtxSetCurrent(self.inner.raw) }
+        let r = unsafe { driver()?.api().cuCtxSetCurrent(self.inner.raw) };
+        LAST_BOUND.with(|c| c.set(if r.is_ok() { self.inner.raw as usize } else { 0 }));
+        r
+    }
+
+    /// Makes this context current unless cuvmm's last bind on this thread was of this context.
+    ///
+    /// Only for driver calls whose meaning does not depend on the current context, because they
+    /// name everything they act on (`cuMemMap`: an address range of the process-wide space and an
+    /// allocation handle): code outside cuvmm may have made another context current since, and
+    /// such a call is then made in that one. They must still tolerate
+    /// `CUDA_ERROR_INVALID_CONTEXT` (no context current at all) by binding and retrying. This
+    /// saves a `cuCtxSetCurrent` per call where nothing else switches contexts.
+    pub(crate) fn bind_unless_last(&self) -> Result<()> {
+        if LAST_BOUND.with(Cell::get) == self.inner.raw as usize {
+            return Ok(());
+        }
+        self.bind()
     }
 
     /// The device this context belongs to.

@@ -4,6 +4,7 @@ use crate::driver::{driver, sys::*};
 use crate::error::{Error, Result};
 use std::ffi::{c_char, c_int, CStr};
 use std::fmt;
+use std::sync::Mutex;
 
 /// A CUDA device, by ordinal.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -85,11 +86,21 @@ impl Device {
         Ok(c_string(&buf))
     }
 
-    /// The device's UUID.
+    /// The device's UUID. Asked of the driver once per device and process: it names the hardware
+    /// and never changes, and `ipc::share` puts it in every message it sends.
     pub fn uuid(&self) -> Result<Uuid> {
+        static KNOWN: Mutex<Vec<(CUdevice, Uuid)>> = Mutex::new(Vec::new());
+        let lock = || KNOWN.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(&(_, u)) = lock().iter().find(|(d, _)| *d == self.raw) {
+            return Ok(u);
+        }
         let mut u = CUuuid::default();
         // SAFETY: the out-pointer is a valid local CUuuid.
         unsafe { driver()?.api().cuDeviceGetUuid(&mut u, self.raw) }?;
+        let mut known = lock();
+        if !known.iter().any(|(d, _)| *d == self.raw) {
+            known.push((self.raw, Uuid(u.bytes)));
+        }
         Ok(Uuid(u.bytes))
     }
 

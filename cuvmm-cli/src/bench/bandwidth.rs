@@ -1,12 +1,14 @@
 //! `cuvmm bench bandwidth`: host↔device copies from pageable, pinned and registered memory, and the
-//! staged pageable path, 1 MiB to 1 GiB.
+//! staged pageable path, 1 MiB to 1 GiB, with the references the staged path is judged against
+//! measured in the same run: the pinned DMA and host memcpy on the staging ring's threads. A sweep
+//! mode runs the staged path alone for every ring shape asked for.
 
 use super::{median, timed};
 use cuvmm::context::Context;
 use cuvmm::driver::driver;
 use cuvmm::error::Result;
-use cuvmm::host::Staging;
 use cuvmm::host::{PinnedBuffer, RegisterFlags, Registered};
+use cuvmm::host::{Staging, StagingConfig};
 use cuvmm::memory::DeviceBuffer;
 use cuvmm::stream::scope;
 use cuvmm::stream::Event;
@@ -33,6 +35,9 @@ pub struct BandwidthRow {
     pub staged: [f64; 2],
     /// Registering plus unregistering `size` bytes, microseconds.
     pub register_us: f64,
+    /// Host memcpy on the staging ring's threads, pageable to pinned and pinned to pageable: what
+    /// the staged path's copying side can do at best (host clock).
+    pub memcpy: [f64; 2],
 }
 
 fn gbs(bytes: usize, secs: f64) -> f64 {
@@ -84,6 +89,10 @@ pub fn run(ctx: &Context, sizes: &[usize], reps: usize, staging: &mut Staging) -
     for &size in sizes {
         let mut row = BandwidthRow { size, reps, ..Default::default() };
         let mut samples: Vec<Vec<f64>> = vec![Vec::new(); 12];
+        row.memcpy = [
+            memcpy_gbs(&page_src[..size], &mut pin_dst[..size], staging.threads(), reps),
+            memcpy_gbs(&pin_src[..size], &mut page_dst[..size], staging.threads(), reps),
+        ];
         for rep in 0..=reps {
             let keep = rep > 0; // the first round warms up
             let mut put = |i: usize, value: f64| {
@@ -205,4 +214,202 @@ pub fn run(ctx: &Context, sizes: &[usize], reps: usize, staging: &mut Staging) -
     }
     drop(dev2);
     Ok(rows)
+}
+
+/// Median GB/s of copying `src` into `dst` on `threads` threads, each taking an equal contiguous
+/// part, `reps` times after a warm-up. The threads are started once and released together for
+/// each copy, as the staging ring's threads are: host clock from the release to the last one done.
+pub fn memcpy_gbs(src: &[u8], dst: &mut [u8], threads: usize, reps: usize) -> f64 {
+    let bytes = src.len().min(dst.len());
+    if bytes == 0 {
+        return 0.0;
+    }
+    let per = bytes.div_ceil(threads.max(1));
+    let parts = dst[..bytes].chunks_mut(per).zip(src[..bytes].chunks(per)).collect::<Vec<_>>();
+    let start = std::sync::Barrier::new(parts.len() + 1);
+    let end = std::sync::Barrier::new(parts.len() + 1);
+    std::thread::scope(|sc| {
+        for (d, s) in parts {
+            let (start, end) = (&start, &end);
+            sc.spawn(move || {
+                for _ in 0..=reps {
+                    start.wait();
+                    d.copy_from_slice(s);
+                    end.wait();
+                }
+            });
+        }
+        let mut samples = Vec::new();
+        for rep in 0..=reps {
+            let t = std::time::Instant::now();
+            start.wait();
+            end.wait();
+            if rep > 0 {
+                samples.push(gbs(bytes, t.elapsed().as_secs_f64()));
+            }
+        }
+        median(&samples)
+    })
+}
+
+/// Every combination of the values given, invalid ones (a piece larger than its chunk) left out.
+/// Without pieces, each chunk gets the default piece, or the chunk itself if that is smaller.
+pub fn ring_shapes(
+    chunks: &[usize],
+    pieces: Option<&[usize]>,
+    slots: &[usize],
+    threads: &[usize],
+) -> Vec<StagingConfig> {
+    let mut out = Vec::new();
+    for &chunk in chunks {
+        let own = [StagingConfig::default().piece.min(chunk)];
+        for &piece in pieces.unwrap_or(&own) {
+            for &slots in slots {
+                for &threads in threads {
+                    if piece > 0 && piece <= chunk && slots >= 2 && threads > 0 {
+                        out.push(StagingConfig { chunk, piece, slots, threads });
+                    }
+                }
+            }
+        }
+    }
+    out
+}
+
+/// The staged path with one ring shape at one size: median GB/s each way.
+#[derive(Clone, Debug)]
+pub struct SweepRow {
+    /// The ring.
+    pub config: StagingConfig,
+    /// Bytes per transfer.
+    pub size: usize,
+    /// Staged pageable H2D and D2H, GB/s (host clock, to completion).
+    pub staged: [f64; 2],
+}
+
+/// What the sweep is judged against, per size (and thread count for memcpy).
+#[derive(Clone, Debug)]
+pub struct SweepReference {
+    /// Bytes per transfer.
+    pub size: usize,
+    /// Raw `cuMemcpy*Async` from and to pinned memory, H2D and D2H, GB/s (device events).
+    pub pinned: [f64; 2],
+    /// Host memcpy pageable→pinned and pinned→pageable per thread count swept, GB/s.
+    pub memcpy: Vec<(usize, [f64; 2])>,
+}
+
+/// The staged path alone for every ring shape in `shapes` and every size, `reps` times after a
+/// warm-up each; then the references, in the same run. Checks that the last round trip of each
+/// shape brought back what went in.
+pub fn sweep(
+    ctx: &Context,
+    sizes: &[usize],
+    reps: usize,
+    shapes: &[StagingConfig],
+) -> Result<(Vec<SweepRow>, Vec<SweepReference>)> {
+    let max = *sizes.iter().max().ok_or_else(|| crate::bench::invalid("no sizes"))?;
+    if reps == 0 || sizes.contains(&0) || shapes.is_empty() {
+        return Err(crate::bench::invalid("sizes, reps and ring shapes must be positive"));
+    }
+    let api = driver()?.api();
+    let s1 = Stream::non_blocking(ctx)?;
+    let (e0, e1) = (Event::new(ctx)?, Event::new(ctx)?);
+    let mut dev = DeviceBuffer::<u8>::new(ctx, max)?;
+    let mut page_src = vec![0u8; max];
+    let mut page_dst = vec![0u8; max];
+    fresh(&mut page_src, 5);
+    fresh(&mut page_dst, 0);
+    let mut rows = Vec::new();
+    for &config in shapes {
+        let mut staging = Staging::with_config(ctx, config)?;
+        for &size in sizes {
+            let mut samples = [Vec::new(), Vec::new()];
+            for rep in 0..=reps {
+                let (r, t) = timed(|| {
+                    staging.to_device(&s1, &page_src[..size], dev.as_mut_slice().slice_mut(0..size)?)
+                });
+                r?;
+                let h2d = gbs(size, t.as_secs_f64());
+                let (r, t) =
+                    timed(|| staging.to_host(&s1, dev.as_slice().slice(0..size)?, &mut page_dst[..size]));
+                r?;
+                if rep > 0 {
+                    samples[0].push(h2d);
+                    samples[1].push(gbs(size, t.as_secs_f64()));
+                }
+            }
+            if page_dst[..size] != page_src[..size] {
+                return Err(crate::bench::invalid(format!(
+                    "staged round trip of {size} bytes with {config:?} corrupted the data"
+                )));
+            }
+            fresh(&mut page_dst[..size], 0);
+            rows.push(SweepRow { config, size, staged: [median(&samples[0]), median(&samples[1])] });
+        }
+    }
+    // References.
+    let mut pin_src = PinnedBuffer::<u8>::new(ctx, max)?;
+    let mut pin_dst = PinnedBuffer::<u8>::new(ctx, max)?;
+    fresh(&mut pin_src, 3);
+    let mut threads: Vec<usize> = shapes.iter().map(|c| c.threads).collect();
+    threads.sort_unstable();
+    threads.dedup();
+    let mut refs = Vec::new();
+    for &size in sizes {
+        let dptr = dev.ptr();
+        let mut pinned = [Vec::new(), Vec::new()];
+        for rep in 0..=reps {
+            for (dir, p) in pinned.iter_mut().enumerate() {
+                e0.record(&s1)?;
+                // SAFETY: pinned buffers and the device buffer hold `max` >= size bytes; the
+                // stream is synchronised (through e1) before they are touched again.
+                unsafe {
+                    if dir == 0 {
+                        api.cuMemcpyHtoDAsync(dptr, pin_src.as_ptr().cast(), size, s1.raw())
+                    } else {
+                        api.cuMemcpyDtoHAsync(pin_dst.as_mut_ptr().cast(), dptr, size, s1.raw())
+                    }
+                }?;
+                e1.record(&s1)?;
+                e1.synchronize()?;
+                if rep > 0 {
+                    p.push(gbs(size, e0.elapsed_ms(&e1)? as f64 / 1e3));
+                }
+            }
+        }
+        let memcpy = threads
+            .iter()
+            .map(|&t| {
+                let h = memcpy_gbs(&page_src[..size], &mut pin_dst[..size], t, reps);
+                let d = memcpy_gbs(&pin_src[..size], &mut page_dst[..size], t, reps);
+                (t, [h, d])
+            })
+            .collect();
+        refs.push(SweepReference { size, pinned: [median(&pinned[0]), median(&pinned[1])], memcpy });
+    }
+    Ok((rows, refs))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn memcpy_reference_copies_everything() {
+        let src: Vec<u8> = (0..1_000_003u32).map(|i| (i % 251) as u8).collect();
+        let mut dst = vec![0u8; src.len()];
+        assert!(memcpy_gbs(&src, &mut dst, 3, 2) > 0.0);
+        assert!(dst == src);
+    }
+
+    #[test]
+    fn ring_shapes_are_every_valid_combination() {
+        let shapes = ring_shapes(&[1 << 20, 4 << 20], Some(&[512 << 10, 2 << 20]), &[8], &[4, 16]);
+        // 1 MiB chunks with 2 MiB pieces are left out.
+        assert_eq!(shapes.len(), 6);
+        assert!(shapes.iter().all(|c| c.piece <= c.chunk));
+        // Without pieces, the default one, or the chunk if smaller.
+        let shapes = ring_shapes(&[256 << 10, 4 << 20], None, &[8], &[4]);
+        assert_eq!(shapes.iter().map(|c| c.piece).collect::<Vec<_>>(), [256 << 10, 512 << 10]);
+    }
 }

@@ -1,37 +1,56 @@
-//! `cuvmm bench overlap`: the multi-stream overlap workload. N floats go host→device, through a compute
-//! kernel and back, scheduled serially, breadth-first over N streams (all copies in, all kernels,
-//! all copies out), depth-first over N streams, and as cuvmm's
-//! event-ordered pipeline (one stream per stage, events between the stages of each chunk).
+//! `cuvmm bench overlap`: the multi-stream overlap workload. N floats go host→device, through a
+//! compute kernel and back, scheduled serially, breadth-first over S streams (all copies in, all
+//! kernels, all copies out), depth-first over S streams, and as cuvmm's event-ordered pipeline (C
+//! chunks through L lanes of three streams, one per stage, events between the stages of a chunk).
+//!
+//! The reference is what a hand-written CUDA C program does: the breadth-first and depth-first
+//! schedules over the same stream counts, as raw `cuMemcpy*Async` and `cuLaunchKernel` calls on the
+//! same buffers with the same kernel, and its best. Every schedule is timed the same way (an event
+//! on stream 0 that every stream waits for, an event on each stream joined back on stream 0, no
+//! events in between) and the schedules take turns, repetition by repetition. Per-operation
+//! events, for the timeline, are recorded in one more run of the fastest cuvmm schedule only.
 
 use cuvmm::context::Context;
+use cuvmm::driver::{driver, sys::CUfunction};
 use cuvmm::error::Result;
 use cuvmm::host::PinnedBuffer;
 use cuvmm::kernels::Kernels;
 use cuvmm::memory::DeviceBuffer;
+use cuvmm::module::{LaunchConfig, Module};
 use cuvmm::stream::Event;
 use cuvmm::stream::Stream;
 use cuvmm::stream::{scope, Scope};
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
+use std::ffi::c_void;
 
 /// What to run.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub struct OverlapConfig {
     /// Floats moved and computed.
     pub n: usize,
-    /// Streams of the breadth-first and depth-first schedules.
-    pub streams: usize,
-    /// Chunks of the pipeline.
-    pub chunks: usize,
+    /// Stream counts of the breadth-first and depth-first schedules, cuvmm's and raw.
+    pub streams: Vec<usize>,
+    /// Chunk counts of the pipeline.
+    pub chunks: Vec<usize>,
+    /// Lane counts of the pipeline (three streams each; chunks go round the lanes).
+    pub lanes: Vec<usize>,
     /// Multiply-adds per element in the kernel; `None` tunes it so the kernel takes as long as
     /// the longer copy.
     pub iters: Option<u32>,
-    /// Timed repetitions of each schedule (the median run is kept).
+    /// Timed repetitions of each schedule (the median is kept).
     pub reps: usize,
 }
 
 impl Default for OverlapConfig {
     fn default() -> Self {
-        OverlapConfig { n: 64 << 20, streams: 4, chunks: 32, iters: None, reps: 5 }
+        OverlapConfig {
+            n: 64 << 20,
+            streams: vec![2, 4, 8, 16, 32],
+            chunks: vec![32],
+            lanes: vec![1],
+            iters: None,
+            reps: 5,
+        }
     }
 }
 
@@ -48,14 +67,54 @@ pub struct Span {
     pub end: f64,
 }
 
+/// A way to schedule the workload.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Plan {
+    /// Everything on one stream.
+    Serial,
+    /// All copies in, then all kernels, then all copies out, over this many streams.
+    Breadth(usize),
+    /// Each stream's copy in, kernel and copy out, stream after stream.
+    Depth(usize),
+    /// cuvmm's pipeline: chunks, lanes.
+    Pipeline(usize, usize),
+}
+
+impl Plan {
+    /// Streams it uses.
+    fn streams(self) -> usize {
+        match self {
+            Plan::Serial => 1,
+            Plan::Breadth(s) | Plan::Depth(s) => s,
+            Plan::Pipeline(_, lanes) => 3 * lanes,
+        }
+    }
+
+    /// Its name in the report.
+    pub fn name(self, raw: bool) -> String {
+        let who = if raw { "raw " } else { "" };
+        match self {
+            Plan::Serial => format!("{who}serial"),
+            Plan::Breadth(s) => format!("{who}breadth-first, {s} streams"),
+            Plan::Depth(s) => format!("{who}depth-first, {s} streams"),
+            Plan::Pipeline(c, 1) => format!("pipeline, {c} chunks"),
+            Plan::Pipeline(c, l) => format!("pipeline, {c} chunks, {l} lanes"),
+        }
+    }
+}
+
 /// One schedule's result.
 #[derive(Clone, Debug)]
 pub struct Schedule {
     /// Its name.
-    pub name: &'static str,
-    /// Start of the first operation to end of the last, ms (median run).
+    pub name: String,
+    /// The plan.
+    pub plan: Plan,
+    /// Raw driver calls (the reference) rather than cuvmm's.
+    pub raw: bool,
+    /// From the common start event to the joined end, ms (median run).
     pub total_ms: f64,
-    /// The median run's operations.
+    /// Its operations, from a run with an event around each (the fastest cuvmm schedule only).
     pub spans: Vec<Span>,
 }
 
@@ -71,7 +130,7 @@ pub struct OverlapReport {
     /// Both copies at once (H2D and D2H of all N floats on two streams), ms: what the bus allows
     /// a schedule that overlaps them, since both directions together move less than twice one.
     pub copies_together_ms: f64,
-    /// Each schedule.
+    /// Each schedule, cuvmm's then the raw ones.
     pub schedules: Vec<Schedule>,
 }
 
@@ -87,37 +146,67 @@ impl OverlapReport {
         self.longest_stage().max(self.copies_together_ms)
     }
 
-    /// The fastest schedule.
+    fn best(&self, raw: bool) -> Option<&Schedule> {
+        self.schedules.iter().filter(|s| s.raw == raw).min_by(|a, b| a.total_ms.total_cmp(&b.total_ms))
+    }
+
+    /// The fastest cuvmm schedule (the one with a timeline).
     pub fn fastest(&self) -> &Schedule {
-        self.schedules.iter().min_by(|a, b| a.total_ms.total_cmp(&b.total_ms)).expect("schedules")
+        self.best(false).expect("cuvmm schedules")
+    }
+
+    /// The fastest raw schedule: the reference.
+    pub fn fastest_raw(&self) -> Option<&Schedule> {
+        self.best(true)
+    }
+
+    /// The fastest cuvmm schedule's time over the fastest raw one's.
+    pub fn ratio(&self) -> Option<f64> {
+        Some(self.fastest().total_ms / self.fastest_raw()?.total_ms)
     }
 }
 
 struct Rig<'r> {
     ctx: &'r Context,
     k: Kernels,
+    /// The same kernel, for raw launches.
+    busy: CUfunction,
+    launch: LaunchConfig,
+    _module: Module,
     input: PinnedBuffer<f32>,
     output: PinnedBuffer<f32>,
     dev: DeviceBuffer<f32>,
     origin: Event,
+    fin: Event,
+    /// Ordering events: one per stream to join, two per pipeline chunk. Reused by each run.
+    joins: Vec<Event>,
+    steps: Vec<Event>,
+    /// Whether operations are bracketed by timing events (the timeline run).
+    timeline: Cell<bool>,
     /// Recorded spans: (lane, kind, start event, end event).
     marks: RefCell<Vec<(String, &'static str, Event, Event)>>,
 }
 
 impl Rig<'_> {
-    /// Queues one stage over elements `r` on `stream`, bracketed by timing events.
+    /// Queues one stage over elements `r` on `stream` through cuvmm, bracketed by timing events
+    /// in a timeline run.
     fn op<'a>(
         &'a self,
         s: &Scope<'a>,
         stream: &'a Stream,
-        lane: &str,
+        lane: &dyn Fn() -> String,
         kind: &'static str,
         r: std::ops::Range<usize>,
         iters: u32,
     ) -> Result<()> {
-        let (a, b) = (Event::new(self.ctx)?, Event::new(self.ctx)?);
+        let marks = if self.timeline.get() {
+            let (a, b) = (Event::new(self.ctx)?, Event::new(self.ctx)?);
+            a.record(stream)?;
+            Some((a, b))
+        } else {
+            None
+        };
         s.track(stream);
-        a.record(stream)?;
         let dev_mut = || {
             // SAFETY: `dev` holds n floats and outlives the scope; ranges are checked by slice_mut.
             unsafe { cuvmm::DeviceSliceMut::<f32>::from_raw_parts(self.dev.ptr(), self.dev.len()) }
@@ -134,9 +223,66 @@ impl Rig<'_> {
                 let _ = s.copy_to_host(stream, self.dev.as_slice().slice(r.clone())?, out)?;
             }
         }
-        b.record(stream)?;
-        self.marks.borrow_mut().push((lane.to_owned(), kind, a, b));
+        if let Some((a, b)) = marks {
+            b.record(stream)?;
+            self.marks.borrow_mut().push((lane(), kind, a, b));
+        }
         Ok(())
+    }
+
+    /// Queues one stage over elements `r` on `stream` with raw driver calls, as C would.
+    fn raw_op(
+        &self,
+        stream: &Stream,
+        kind: &'static str,
+        r: std::ops::Range<usize>,
+        iters: u32,
+    ) -> Result<()> {
+        let api = driver()?.api();
+        let f = std::mem::size_of::<f32>();
+        let d = self.dev.ptr() + (r.start * f) as u64;
+        // SAFETY: every range lies inside the n-float pinned and device buffers, which outlive the
+        // run; the caller synchronises (through the joined end event) before the host reads
+        // `output` or touches `input` again. The kernel's parameters are its (ptr, n, iters).
+        unsafe {
+            match kind {
+                "H2D" => api.cuMemcpyHtoDAsync(
+                    d,
+                    self.input.base_ptr().add(r.start).cast(),
+                    r.len() * f,
+                    stream.raw(),
+                ),
+                "kernel" => {
+                    let (mut p, mut n, mut it) = (d, r.len() as u64, iters);
+                    let mut params: [*mut c_void; 3] = [
+                        (&mut p as *mut u64).cast(),
+                        (&mut n as *mut u64).cast(),
+                        (&mut it as *mut u32).cast(),
+                    ];
+                    let c =
+                        LaunchConfig::grid_stride(r.len() as u64, self.launch.block.0, self.launch.grid.0);
+                    api.cuLaunchKernel(
+                        self.busy,
+                        c.grid.0,
+                        c.grid.1,
+                        c.grid.2,
+                        c.block.0,
+                        c.block.1,
+                        c.block.2,
+                        c.shared_bytes,
+                        stream.raw(),
+                        params.as_mut_ptr(),
+                        std::ptr::null_mut(),
+                    )
+                }
+                _ => api.cuMemcpyDtoHAsync(
+                    self.output.base_ptr().add(r.start).cast(),
+                    d,
+                    r.len() * f,
+                    stream.raw(),
+                ),
+            }
+        }
     }
 
     fn spans(&self) -> Result<(f64, Vec<Span>)> {
@@ -157,6 +303,48 @@ impl Rig<'_> {
         }
         Ok((end - start, spans))
     }
+
+    /// Runs `plan` once, raw or through cuvmm, timed from a start event every stream waits for to
+    /// an end event after every stream's work; ms.
+    fn time(&self, st: &[Stream], plan: Plan, raw: bool, iters: u32) -> Result<f64> {
+        let used = &st[..plan.streams()];
+        let start = || -> Result<()> {
+            self.origin.record(&used[0])?;
+            for s in &used[1..] {
+                s.wait_event(&self.origin)?;
+            }
+            Ok(())
+        };
+        let join = || -> Result<()> {
+            for (s, e) in used[1..].iter().zip(&self.joins) {
+                e.record(s)?;
+                used[0].wait_event(e)?;
+            }
+            self.fin.record(&used[0])
+        };
+        if raw {
+            self.bind()?;
+            start()?;
+            let r = plan_raw(self, used, plan, iters);
+            // Whatever was queued is waited for before the buffers are touched again.
+            let j = join();
+            used.iter().try_for_each(|s| s.synchronize())?;
+            r?;
+            j?;
+        } else {
+            scope(|s| {
+                start()?;
+                plan_cuvmm(s, self, used, plan, iters)?;
+                join()
+            })?;
+        }
+        self.fin.synchronize()?;
+        Ok(self.origin.elapsed_ms(&self.fin)? as f64)
+    }
+
+    fn bind(&self) -> Result<()> {
+        self.ctx.bind()
+    }
 }
 
 fn split(n: usize, parts: usize) -> Vec<std::ops::Range<usize>> {
@@ -166,8 +354,14 @@ fn split(n: usize, parts: usize) -> Vec<std::ops::Range<usize>> {
 
 /// Runs the experiment.
 pub fn run(ctx: &Context, cfg: OverlapConfig) -> Result<OverlapReport> {
-    if cfg.n == 0 || cfg.streams == 0 || cfg.chunks == 0 || cfg.reps == 0 {
-        return Err(crate::bench::invalid("n, streams, chunks and reps must be positive"));
+    let positive = |v: &[usize]| !v.is_empty() && v.iter().all(|&x| x > 0);
+    if cfg.n == 0
+        || cfg.reps == 0
+        || !positive(&cfg.streams)
+        || !positive(&cfg.chunks)
+        || !positive(&cfg.lanes)
+    {
+        return Err(crate::bench::invalid("n, reps and every stream, chunk and lane count must be positive"));
     }
     let mut input = PinnedBuffer::<f32>::new(ctx, cfg.n)?;
     let mut seed = 0x2545_f491_u32;
@@ -177,17 +371,37 @@ pub fn run(ctx: &Context, cfg: OverlapConfig) -> Result<OverlapReport> {
         seed ^= seed << 5;
         *x = (seed >> 8) as f32 / (1u32 << 24) as f32 + 0.5;
     }
+    let module = Module::from_ptx(ctx, cuvmm::kernels::PTX)?;
+    let busy = module.function("cuvmm_busy_f32")?.raw();
+    let sms =
+        ctx.device().attribute(cuvmm::driver::sys::CUdevice_attribute::MULTIPROCESSOR_COUNT)?.max(1) as u32;
+    let max_streams = cfg
+        .streams
+        .iter()
+        .max()
+        .copied()
+        .unwrap_or(1)
+        .max(3 * cfg.lanes.iter().max().copied().unwrap_or(1))
+        .max(3);
+    let max_chunks = cfg.chunks.iter().max().copied().unwrap_or(1);
     let rig = Rig {
         ctx,
         k: Kernels::load(ctx)?,
+        busy,
+        // As `Kernels` launches it: 256 threads a block, one resident wave of blocks at most.
+        launch: LaunchConfig::grid_stride(u64::MAX, 256, sms * 8),
+        _module: module,
         input,
         output: PinnedBuffer::<f32>::new(ctx, cfg.n)?,
         dev: DeviceBuffer::<f32>::new(ctx, cfg.n)?,
         origin: Event::new(ctx)?,
+        fin: Event::new(ctx)?,
+        joins: (0..max_streams).map(|_| Event::without_timing(ctx)).collect::<Result<_>>()?,
+        steps: (0..2 * max_chunks).map(|_| Event::without_timing(ctx)).collect::<Result<_>>()?,
+        timeline: Cell::new(true),
         marks: RefCell::new(Vec::new()),
     };
-    let streams: Vec<Stream> =
-        (0..cfg.streams.max(3)).map(|_| Stream::non_blocking(ctx)).collect::<Result<_>>()?;
+    let streams: Vec<Stream> = (0..max_streams).map(|_| Stream::non_blocking(ctx)).collect::<Result<_>>()?;
     let all = 0..cfg.n;
 
     // Stage times alone (median of reps after a warm-up), tuning the kernel first.
@@ -196,7 +410,7 @@ pub fn run(ctx: &Context, cfg: OverlapConfig) -> Result<OverlapReport> {
         for rep in 0..=cfg.reps {
             scope(|s| {
                 rig.origin.record(&streams[0])?;
-                rig.op(s, &streams[0], "s0", kind, all.clone(), iters)
+                rig.op(s, &streams[0], &|| "s0".into(), kind, all.clone(), iters)
             })?;
             let (ms, _) = rig.spans()?;
             if rep > 0 {
@@ -221,8 +435,8 @@ pub fn run(ctx: &Context, cfg: OverlapConfig) -> Result<OverlapReport> {
         scope(|s| {
             rig.origin.record(&streams[0])?;
             streams[1].wait_event(&rig.origin)?;
-            rig.op(s, &streams[0], "s0", "H2D", all.clone(), 0)?;
-            rig.op(s, &streams[1], "s1", "D2H", all.clone(), 0)
+            rig.op(s, &streams[0], &|| "s0".into(), "H2D", all.clone(), 0)?;
+            rig.op(s, &streams[1], &|| "s1".into(), "D2H", all.clone(), 0)
         })?;
         let (ms, _) = rig.spans()?;
         if rep > 0 {
@@ -231,41 +445,83 @@ pub fn run(ctx: &Context, cfg: OverlapConfig) -> Result<OverlapReport> {
     }
     let copies_together_ms = super::median(&together);
 
-    let parts = split(cfg.n, cfg.streams);
-    let chunks = split(cfg.n, cfg.chunks);
-    let mut schedules = Vec::new();
-    for name in ["serial", "breadth-first", "depth-first", "pipeline"] {
-        let mut runs = Vec::new();
-        for rep in 0..=cfg.reps {
-            scope(|s| {
-                // Every stream starts after the common origin.
-                rig.origin.record(&streams[0])?;
-                for st in &streams[1..] {
-                    st.wait_event(&rig.origin)?;
+    // Every schedule, cuvmm's then the raw reference's, taking turns repetition by repetition.
+    let mut plans: Vec<(Plan, bool)> = vec![(Plan::Serial, false)];
+    for raw in [false, true] {
+        for &s in &cfg.streams {
+            plans.push((Plan::Breadth(s), raw));
+            plans.push((Plan::Depth(s), raw));
+        }
+        if !raw {
+            for &c in &cfg.chunks {
+                for &l in &cfg.lanes {
+                    plans.push((Plan::Pipeline(c, l), false));
                 }
-                plan(name, s, &rig, &streams, &parts, &chunks, iters)
-            })?;
-            let (ms, spans) = rig.spans()?;
-            if rep > 0 {
-                runs.push((ms, spans));
             }
         }
-        runs.sort_by(|a, b| a.0.total_cmp(&b.0));
-        let (total_ms, spans) = runs.swap_remove(runs.len() / 2);
-        schedules.push(Schedule { name, total_ms, spans });
     }
+    rig.timeline.set(false);
+    let mut samples = vec![Vec::new(); plans.len()];
+    for rep in 0..=cfg.reps {
+        for (i, &(plan, raw)) in plans.iter().enumerate() {
+            let ms = rig.time(&streams, plan, raw, iters)?;
+            if rep > 0 {
+                samples[i].push(ms);
+            }
+        }
+    }
+    let mut schedules: Vec<Schedule> = plans
+        .iter()
+        .zip(&samples)
+        .map(|(&(plan, raw), t)| Schedule {
+            name: plan.name(raw),
+            plan,
+            raw,
+            total_ms: super::median(t),
+            spans: Vec::new(),
+        })
+        .collect();
 
-    // The result is right: a sample checked against the same multiply-adds on the CPU
-    // (f32::mul_add is the fused fmaf the kernel uses, so results match bit for bit).
-    for i in (0..cfg.n).step_by((cfg.n / 997).max(1)) {
-        let mut x = rig.input[i];
-        for _ in 0..iters {
-            x = x.mul_add(0.999, 0.001);
+    let fastest = |raw: bool| {
+        (0..schedules.len())
+            .filter(|&i| schedules[i].raw == raw)
+            .min_by(|&a, &b| schedules[a].total_ms.total_cmp(&schedules[b].total_ms))
+    };
+    // Each result is right: the output, cleared first, checked on a sample against the same
+    // multiply-adds on the CPU (f32::mul_add is the fused fmaf the kernel uses, so results match
+    // bit for bit).
+    let clear = || {
+        // SAFETY: every stream is synchronised (each run ends so), no reference to `output`
+        // exists, and `base_ptr` is derived from none.
+        unsafe { std::ptr::write_bytes(rig.output.base_ptr(), 0, cfg.n) };
+    };
+    let verify = |what: &str| -> Result<()> {
+        for i in (0..cfg.n).step_by((cfg.n / 997).max(1)) {
+            let mut x = rig.input[i];
+            for _ in 0..iters {
+                x = x.mul_add(0.999, 0.001);
+            }
+            if rig.output[i].to_bits() != x.to_bits() {
+                return Err(crate::bench::invalid(format!(
+                    "{what}: element {i}: device {} != host {x}",
+                    rig.output[i]
+                )));
+            }
         }
-        if rig.output[i].to_bits() != x.to_bits() {
-            return Err(crate::bench::invalid(format!("element {i}: device {} != host {x}", rig.output[i])));
-        }
+        Ok(())
+    };
+    if let Some(raw) = fastest(true) {
+        clear();
+        rig.time(&streams, schedules[raw].plan, true, iters)?;
+        verify(&schedules[raw].name)?;
     }
+    // The fastest cuvmm schedule once more, each operation bracketed by events, for its timeline.
+    let best = fastest(false).expect("cuvmm schedules");
+    clear();
+    rig.timeline.set(true);
+    rig.time(&streams, schedules[best].plan, false, iters)?;
+    schedules[best].spans = rig.spans()?.1;
+    verify(&schedules[best].name)?;
     Ok(OverlapReport {
         config: OverlapConfig { iters: Some(iters), ..cfg },
         iters,
@@ -275,53 +531,74 @@ pub fn run(ctx: &Context, cfg: OverlapConfig) -> Result<OverlapReport> {
     })
 }
 
-/// Queues one schedule.
-fn plan<'a>(
-    name: &str,
-    s: &Scope<'a>,
-    rig: &'a Rig<'_>,
-    st: &'a [Stream],
-    parts: &[std::ops::Range<usize>],
-    chunks: &[std::ops::Range<usize>],
-    iters: u32,
-) -> Result<()> {
-    const STAGES: [&str; 3] = ["H2D", "kernel", "D2H"];
-    match name {
-        "serial" => {
+const STAGES: [&str; 3] = ["H2D", "kernel", "D2H"];
+
+/// Queues `plan` through cuvmm on `st` (as many streams as it uses).
+fn plan_cuvmm<'a>(s: &Scope<'a>, rig: &'a Rig<'_>, st: &'a [Stream], plan: Plan, iters: u32) -> Result<()> {
+    let n = rig.dev.len();
+    match plan {
+        Plan::Serial => {
             for kind in STAGES {
-                rig.op(s, &st[0], "stream 0", kind, 0..rig.dev.len(), iters)?;
+                rig.op(s, &st[0], &|| "stream 0".into(), kind, 0..n, iters)?;
             }
         }
-        "breadth-first" => {
+        Plan::Breadth(streams) => {
+            let parts = split(n, streams);
             for kind in STAGES {
                 for (i, r) in parts.iter().enumerate() {
-                    rig.op(s, &st[i], &format!("stream {i}"), kind, r.clone(), iters)?;
+                    rig.op(s, &st[i], &|| format!("stream {i}"), kind, r.clone(), iters)?;
                 }
             }
         }
-        "depth-first" => {
-            for (i, r) in parts.iter().enumerate() {
+        Plan::Depth(streams) => {
+            for (i, r) in split(n, streams).into_iter().enumerate() {
                 for kind in STAGES {
-                    rig.op(s, &st[i], &format!("stream {i}"), kind, r.clone(), iters)?;
+                    rig.op(s, &st[i], &|| format!("stream {i}"), kind, r.clone(), iters)?;
                 }
             }
         }
-        _ => {
-            // One stream per stage; each chunk's kernel waits for its copy in, and its copy out
-            // for its kernel, through events. Copies in both directions and kernels overlap.
-            let (h, k, d) = (&st[0], &st[1], &st[2]);
-            for r in chunks {
-                rig.op(s, h, "copy in", "H2D", r.clone(), iters)?;
-                let e = Event::without_timing(rig.ctx)?;
-                e.record(h)?;
-                k.wait_event(&e)?;
-                rig.op(s, k, "compute", "kernel", r.clone(), iters)?;
-                let e = Event::without_timing(rig.ctx)?;
-                e.record(k)?;
-                d.wait_event(&e)?;
-                rig.op(s, d, "copy out", "D2H", r.clone(), iters)?;
+        Plan::Pipeline(chunks, lanes) => {
+            // One stream per stage in each lane; each chunk's kernel waits for its copy in, and its
+            // copy out for its kernel, through events. Copies in both directions and kernels overlap.
+            for (c, r) in split(n, chunks).into_iter().enumerate() {
+                let lane = c % lanes;
+                let (h, k, d) = (&st[3 * lane], &st[3 * lane + 1], &st[3 * lane + 2]);
+                let name = |what: &str| if lanes == 1 { what.to_string() } else { format!("{what} {lane}") };
+                rig.op(s, h, &|| name("copy in"), "H2D", r.clone(), iters)?;
+                let (e1, e2) = (&rig.steps[2 * c], &rig.steps[2 * c + 1]);
+                e1.record(h)?;
+                k.wait_event(e1)?;
+                rig.op(s, k, &|| name("compute"), "kernel", r.clone(), iters)?;
+                e2.record(k)?;
+                d.wait_event(e2)?;
+                rig.op(s, d, &|| name("copy out"), "D2H", r.clone(), iters)?;
             }
         }
+    }
+    Ok(())
+}
+
+/// Queues `plan` with raw driver calls on `st`: the hand-written reference (breadth- and
+/// depth-first only).
+fn plan_raw(rig: &Rig<'_>, st: &[Stream], plan: Plan, iters: u32) -> Result<()> {
+    let n = rig.dev.len();
+    match plan {
+        Plan::Breadth(streams) => {
+            let parts = split(n, streams);
+            for kind in STAGES {
+                for (i, r) in parts.iter().enumerate() {
+                    rig.raw_op(&st[i], kind, r.clone(), iters)?;
+                }
+            }
+        }
+        Plan::Depth(streams) => {
+            for (i, r) in split(n, streams).into_iter().enumerate() {
+                for kind in STAGES {
+                    rig.raw_op(&st[i], kind, r.clone(), iters)?;
+                }
+            }
+        }
+        other => return Err(crate::bench::invalid(format!("no raw form of {other:?}"))),
     }
     Ok(())
 }
@@ -405,7 +682,9 @@ mod tests {
     #[test]
     fn svg_has_one_box_per_span_and_a_lane_per_stream() {
         let sched = Schedule {
-            name: "pipeline",
+            name: "pipeline".into(),
+            plan: Plan::Pipeline(2, 1),
+            raw: false,
             total_ms: 2.0,
             spans: vec![
                 Span { lane: "copy in".into(), kind: "H2D", start: 0.0, end: 1.0 },

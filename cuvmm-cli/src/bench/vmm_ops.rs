@@ -82,7 +82,7 @@ fn crate_cycle(ctx: &Context, size: usize, va: &Reservation) -> Result<[f64; 5]>
 }
 
 /// Measures each size in `sizes` (bytes; multiples of the granularity), `reps` times per side after
-/// two warm-up cycles, alternating raw and crate cycles.
+/// two warm-up cycles, alternating raw and crate cycles (each side going first every other time).
 pub fn run(ctx: &Context, sizes: &[usize], reps: usize) -> Result<Vec<OpsRow>> {
     if reps == 0 || sizes.is_empty() {
         return Err(crate::bench::invalid("need at least one size and one repetition"));
@@ -105,9 +105,14 @@ pub fn run(ctx: &Context, sizes: &[usize], reps: usize) -> Result<Vec<OpsRow>> {
         }
         let mut raw: Vec<[f64; 5]> = Vec::with_capacity(reps);
         let mut ours: Vec<[f64; 5]> = Vec::with_capacity(reps);
-        for _ in 0..reps {
-            raw.push(raw_cycle(ctx, size, raw_va.base(), &prop)?);
-            ours.push(crate_cycle(ctx, size, &crate_va)?);
+        for rep in 0..reps {
+            if rep % 2 == 0 {
+                raw.push(raw_cycle(ctx, size, raw_va.base(), &prop)?);
+                ours.push(crate_cycle(ctx, size, &crate_va)?);
+            } else {
+                ours.push(crate_cycle(ctx, size, &crate_va)?);
+                raw.push(raw_cycle(ctx, size, raw_va.base(), &prop)?);
+            }
         }
         let med = |v: &[[f64; 5]], i: usize| median(&v.iter().map(|a| a[i]).collect::<Vec<_>>());
         rows.push(OpsRow {
@@ -118,4 +123,93 @@ pub fn run(ctx: &Context, sizes: &[usize], reps: usize) -> Result<Vec<OpsRow>> {
         });
     }
     Ok(rows)
+}
+
+/// What one call cuvmm may add to a raw sequence costs, nanoseconds (median of batches).
+#[derive(Clone, Debug)]
+pub struct CallCost {
+    /// The call, as the report names it.
+    pub what: &'static str,
+    /// Nanoseconds per call.
+    pub ns: f64,
+}
+
+/// Times, in this process and context, the driver calls a cuvmm path makes beyond the raw ones
+/// (or made before they were cached), and the host clock read around every timed operation: what
+/// a difference between the two sides of the table is made of.
+pub fn call_costs(ctx: &Context) -> Result<Vec<CallCost>> {
+    use std::time::Instant;
+    let api = driver()?.api();
+    ctx.bind()?;
+    let dev = ctx.device();
+    let prop = CUmemAllocationProp {
+        type_: CUmemAllocationType::PINNED,
+        location: CUmemLocation { type_: CUmemLocationType::DEVICE, id: dev.raw() },
+        ..Default::default()
+    };
+    const N: usize = 2000;
+    let per_call = |f: &mut dyn FnMut() -> Result<()>| -> Result<f64> {
+        let mut batches = Vec::new();
+        for _ in 0..7 {
+            let t = Instant::now();
+            for _ in 0..N {
+                f()?;
+            }
+            batches.push(t.elapsed().as_secs_f64() * 1e9 / N as f64);
+        }
+        Ok(median(&batches))
+    };
+    let mut out = Vec::new();
+    let mut add = |what, ns| out.push(CallCost { what, ns });
+    add(
+        "Instant::now() pair",
+        per_call(&mut || {
+            std::hint::black_box(Instant::now().elapsed());
+            Ok(())
+        })?,
+    );
+    // SAFETY: the context is retained by `ctx`; making it current again changes nothing.
+    add("cuCtxSetCurrent, same context", per_call(&mut || unsafe { api.cuCtxSetCurrent(ctx.raw()) })?);
+    let mut cur = std::ptr::null_mut();
+    // SAFETY: the out-pointer is a valid local.
+    add("cuCtxGetCurrent", per_call(&mut || unsafe { api.cuCtxGetCurrent(&mut cur) })?);
+    let mut g = 0usize;
+    add(
+        "cuMemGetAllocationGranularity",
+        // SAFETY: both pointers are valid; `prop` is fully initialised.
+        per_call(&mut || unsafe {
+            api.cuMemGetAllocationGranularity(&mut g, &prop, CUmemAllocationGranularity_flags::MINIMUM)
+        })?,
+    );
+    let mut v = 0;
+    add(
+        "cuDeviceGetAttribute",
+        // SAFETY: the out-pointer is a valid local.
+        per_call(&mut || unsafe {
+            api.cuDeviceGetAttribute(
+                &mut v,
+                CUdevice_attribute::VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED,
+                dev.raw(),
+            )
+        })?,
+    );
+    let mut u = CUuuid::default();
+    // SAFETY: the out-pointer is a valid local.
+    match per_call(&mut || unsafe { api.cuDeviceGetUuid(&mut u, dev.raw()) }) {
+        Ok(ns) => add("cuDeviceGetUuid", ns),
+        Err(cuvmm::Error::Unsupported { .. }) => {}
+        Err(e) => return Err(e),
+    }
+    let mut n = 0;
+    // SAFETY: the out-pointer is a valid local.
+    add("cuDeviceGetCount", per_call(&mut || unsafe { api.cuDeviceGetCount(&mut n) })?);
+    // An allocation's properties: what importing used to ask right after every import.
+    let phys = PhysicalMemory::builder(ctx).create(PhysicalMemory::builder(ctx).round_up(1)?)?;
+    let mut p = CUmemAllocationProp::default();
+    add(
+        "cuMemGetAllocationPropertiesFromHandle",
+        // SAFETY: the out-pointer is a valid local; the handle is live while `phys` is.
+        per_call(&mut || unsafe { api.cuMemGetAllocationPropertiesFromHandle(&mut p, phys.handle()) })?,
+    );
+    Ok(out)
 }

@@ -1,10 +1,10 @@
 //! `cuvmm bench …`.
 
-use super::size::{parse_size, parse_sizes, show};
+use super::size::{parse_counts, parse_size, parse_sizes, show};
 use super::CliResult;
 use crate::bench::{alloc, bandwidth, events, grow, ipc, order, overlap, peer, sleep, trace, vmm_ops};
 use clap::Subcommand;
-use cuvmm::host::Staging;
+use cuvmm::host::{Staging, StagingConfig};
 use cuvmm::vmm::ChunkPolicy;
 use cuvmm::Context;
 use serde_json::json;
@@ -44,9 +44,22 @@ pub enum Bench {
         /// Timed repetitions per size.
         #[arg(long, default_value_t = 5)]
         reps: usize,
-        /// Host threads of the staged path (default: cores, at most 8).
+        /// Host threads of the staged path (default: one per core, at most 16); a list sweeps.
+        #[arg(long, value_parser = parse_counts)]
+        threads: Option<std::vec::Vec<usize>>,
+        /// Bytes per chunk (per DMA and pinned slot) of the staged path (default 2MiB); a list sweeps.
+        #[arg(long, value_parser = parse_sizes)]
+        chunk: Option<std::vec::Vec<usize>>,
+        /// Bytes per piece a thread copies (default 512KiB, or the chunk if smaller); a list sweeps.
+        #[arg(long, value_parser = parse_sizes)]
+        piece: Option<std::vec::Vec<usize>>,
+        /// Pinned slots in the staging ring (default 16); a list sweeps.
+        #[arg(long, value_parser = parse_counts)]
+        slots: Option<std::vec::Vec<usize>>,
+        /// Only the staged path, for every combination of --threads, --chunk, --piece and
+        /// --slots, with its references (pinned DMA, host memcpy per thread count).
         #[arg(long)]
-        threads: Option<usize>,
+        sweep: bool,
         /// Device ordinal.
         #[arg(long, default_value_t = 0)]
         device: usize,
@@ -54,17 +67,21 @@ pub enum Bench {
         #[arg(long)]
         json: bool,
     },
-    /// The multi-stream overlap workload: serial, breadth-first, depth-first and pipelined schedules.
+    /// The multi-stream overlap workload: serial, breadth-first, depth-first and pipelined
+    /// schedules through cuvmm, against the raw-driver breadth- and depth-first schedules.
     Overlap {
         /// Floats (64 Mi = 256 MiB).
         #[arg(long, default_value_t = 64 << 20)]
         n: usize,
-        /// Streams of the breadth-first and depth-first schedules.
-        #[arg(long, default_value_t = 4)]
-        streams: usize,
-        /// Chunks of the pipeline.
-        #[arg(long, default_value_t = 32)]
-        chunks: usize,
+        /// Stream counts of the breadth-first and depth-first schedules, cuvmm's and raw.
+        #[arg(long, default_value = "2,4,8,16,32", value_parser = parse_counts)]
+        streams: std::vec::Vec<usize>,
+        /// Chunk counts of the pipeline.
+        #[arg(long, default_value = "32", value_parser = parse_counts)]
+        chunks: std::vec::Vec<usize>,
+        /// Lane counts of the pipeline (three streams each, chunks going round them).
+        #[arg(long, default_value = "1", value_parser = parse_counts)]
+        lanes: std::vec::Vec<usize>,
         /// Kernel multiply-adds per element (default: tuned to balance the stages).
         #[arg(long)]
         iters: Option<u32>,
@@ -169,12 +186,20 @@ pub enum Bench {
         #[arg(long)]
         json: bool,
     },
-    /// Share an allocation with a child process: export, send, receive, import, map, access;
-    /// bandwidth on the imported memory; the legacy cuIpc* path.
+    /// Share an allocation with a child process: export, send, receive, import, map, access,
+    /// through cuvmm and through raw driver and socket calls in the same run; bandwidth on the
+    /// imported memory; the legacy cuIpc* path.
     Ipc {
         /// Bytes shared.
         #[arg(long, default_value = "1GiB", value_parser = parse_size)]
         size: usize,
+        /// Importer processes, one after the other (each starts with one exchange of each path,
+        /// half of them with cuvmm's first).
+        #[arg(long, default_value_t = 4)]
+        processes: usize,
+        /// Further exchanges of each path per importer process, taking turns.
+        #[arg(long, default_value_t = 4)]
+        pairs: usize,
         /// Device ordinal.
         #[arg(long, default_value_t = 0)]
         device: usize,
@@ -305,18 +330,34 @@ pub fn run(b: Bench) -> CliResult {
                 }
             }
         }
-        Bench::Bandwidth { sizes, reps, threads, device, json } => {
+        Bench::Bandwidth { sizes, reps, threads, chunk, piece, slots, sweep, device, json } => {
             let ctx = Context::for_ordinal(device)?;
-            let mut staging = match threads {
-                Some(t) => Staging::new(&ctx, 8 << 20, 2 * t.max(1), t.max(1))?,
-                None => Staging::with_defaults(&ctx)?,
+            let d = StagingConfig::default();
+            let shapes = bandwidth::ring_shapes(
+                &chunk.unwrap_or_else(|| vec![d.chunk]),
+                piece.as_deref(),
+                &slots.unwrap_or_else(|| vec![d.slots]),
+                &threads.unwrap_or_else(|| vec![d.threads]),
+            );
+            if sweep {
+                let (rows, refs) = bandwidth::sweep(&ctx, &sizes, reps, &shapes)?;
+                print_sweep(&mut out, &ctx.device().name()?, &rows, &refs, reps, json)?;
+                return Ok(());
+            }
+            let [shape] = shapes[..] else {
+                return Err(format!(
+                    "{} ring shapes given (a piece larger than its chunk is left out); several need --sweep",
+                    shapes.len()
+                )
+                .into());
             };
+            let mut staging = Staging::with_config(&ctx, shape)?;
             let rows = bandwidth::run(&ctx, &sizes, reps, &mut staging)?;
             print_bandwidth(&mut out, &ctx, &rows, &staging, json)?;
         }
-        Bench::Overlap { n, streams, chunks, iters, reps, svg, device, json } => {
+        Bench::Overlap { n, streams, chunks, lanes, iters, reps, svg, device, json } => {
             let ctx = Context::for_ordinal(device)?;
-            let r = overlap::run(&ctx, overlap::OverlapConfig { n, streams, chunks, iters, reps })?;
+            let r = overlap::run(&ctx, overlap::OverlapConfig { n, streams, chunks, lanes, iters, reps })?;
             let name = ctx.device().name()?;
             if let Some(path) = &svg {
                 let title = format!("{} floats on {name}", n);
@@ -334,10 +375,17 @@ pub fn run(b: Bench) -> CliResult {
                     writeln!(
                         out,
                         "{}",
-                        json!({"bench": "overlap", "schedule": s.name, "total_ms": s.total_ms,
+                        json!({"bench": "overlap", "schedule": s.name, "raw": s.raw, "total_ms": s.total_ms,
                         "over_longest_stage": s.total_ms / r.longest_stage(), "over_bound": s.total_ms / r.bound()})
                     )?;
                 }
+                writeln!(
+                    out,
+                    "{}",
+                    json!({"bench": "overlap", "fastest_cuvmm": r.fastest().name, "fastest_cuvmm_ms": r.fastest().total_ms,
+                           "fastest_raw": r.fastest_raw().map(|s| s.name.clone()),
+                           "fastest_raw_ms": r.fastest_raw().map(|s| s.total_ms), "ratio": r.ratio()})
+                )?;
             } else {
                 print_overlap(&mut out, &r, &name)?;
                 if let Some(path) = &svg {
@@ -512,78 +560,41 @@ pub fn run(b: Bench) -> CliResult {
                 writeln!(out, "elements changed across sleep and wake: {}", r.mismatches)?;
             }
         }
-        Bench::Ipc { size, device, json, child } => {
+        Bench::Ipc { size, processes, pairs, device, json, child } => {
             let ctx = Context::for_ordinal(device)?;
             if let Some(path) = child {
                 let mut sock = std::os::unix::net::UnixStream::connect(path)?;
                 let r = ipc::import_side(&ctx, &mut sock)?;
-                let line = json!({"export_to_received_us": r.export_to_received_us, "import_us": r.import_us,
-                    "map_us": r.map_us, "access_us": r.access_us, "export_to_mapped_us": r.export_to_mapped_us,
-                    "imported_gbs": r.imported_gbs, "local_gbs": r.local_gbs, "legacy_open_us": r.legacy_open_us,
-                    "legacy_gbs": r.legacy_gbs});
-                writeln!(out, "{line}")?;
+                writeln!(out, "{}", r.to_json())?;
                 return Ok(());
+            }
+            if processes == 0 {
+                return Err("--processes must be at least 1".into());
             }
             let dir = std::env::temp_dir().join(format!("cuvmm-bench-ipc-{}", std::process::id()));
             std::fs::create_dir_all(&dir)?;
             let path = dir.join("sock");
             let listener = std::os::unix::net::UnixListener::bind(&path)?;
             let me = std::env::current_exe()?;
-            let mut results = Vec::new();
-            for _ in 0..3 {
+            let mut children = Vec::new();
+            for c in 0..processes {
                 let child = std::process::Command::new(&me)
                     .args(["bench", "ipc", "--device", &device.to_string(), "--child"])
                     .arg(&path)
                     .stdout(std::process::Stdio::piped())
                     .spawn()?;
                 let (mut sock, _) = listener.accept()?;
-                ipc::export_side(&ctx, &mut sock, size)?;
+                let exported = ipc::export_side(&ctx, &mut sock, size, c, pairs)?;
                 let o = child.wait_with_output()?;
                 if !o.status.success() {
                     return Err("the importer process failed".into());
                 }
                 let v: serde_json::Value = serde_json::from_slice(&o.stdout)?;
-                results.push(v);
+                children.push((exported, ipc::ImporterReport::from_json(&v)?));
             }
             let _ = std::fs::remove_dir_all(&dir);
-            // The middle run by export-to-mapped time.
-            results.sort_by(|a, b| {
-                a["export_to_mapped_us"]
-                    .as_f64()
-                    .partial_cmp(&b["export_to_mapped_us"].as_f64())
-                    .unwrap_or(std::cmp::Ordering::Equal)
-            });
-            let r = &results[results.len() / 2];
-            if json {
-                writeln!(
-                    out,
-                    "{}",
-                    json!({"bench": "ipc", "size": size, "median_of": results.len(), "result": r})
-                )?;
-            } else {
-                let f = |k: &str| r[k].as_f64().unwrap_or(f64::NAN);
-                writeln!(
-                    out,
-                    "{} shared with a child process on {} (median of {} runs)",
-                    show(size),
-                    ctx.device().name()?,
-                    results.len()
-                )?;
-                writeln!(out, "  export + send + receive        {:>9.1} µs", f("export_to_received_us"))?;
-                writeln!(out, "  import                         {:>9.1} µs", f("import_us"))?;
-                writeln!(out, "  reserve + map                  {:>9.1} µs", f("map_us"))?;
-                writeln!(out, "  set access                     {:>9.1} µs", f("access_us"))?;
-                writeln!(out, "  export → mapped and accessible {:>9.1} µs", f("export_to_mapped_us"))?;
-                writeln!(out, "  legacy cuIpcOpenMemHandle      {:>9.1} µs", f("legacy_open_us"))?;
-                writeln!(
-                    out,
-                    "  importer D2D bandwidth: imported {:.0} GB/s, local {:.0} GB/s ({:.3}x), legacy-opened {:.0} GB/s",
-                    f("imported_gbs"),
-                    f("local_gbs"),
-                    f("imported_gbs") / f("local_gbs"),
-                    f("legacy_gbs")
-                )?;
-            }
+            let r = ipc::summarize(&children)?;
+            print_ipc(&mut out, &ctx.device().name()?, size, &r, json)?;
         }
         Bench::Peer { size, json } => {
             let devices = cuvmm::Device::all()?;
@@ -610,6 +621,7 @@ pub fn run(b: Bench) -> CliResult {
         Bench::VmmOps { sizes, reps, device, json } => {
             let ctx = Context::for_ordinal(device)?;
             let rows = vmm_ops::run(&ctx, &sizes, reps)?;
+            let costs = vmm_ops::call_costs(&ctx)?;
             if json {
                 for r in &rows {
                     for (i, op) in vmm_ops::OPS.iter().enumerate() {
@@ -617,9 +629,13 @@ pub fn run(b: Bench) -> CliResult {
                             out,
                             "{}",
                             json!({"bench": "vmm-ops", "size": r.size, "op": op, "reps": r.reps,
-                                   "raw_us": r.raw_us[i], "cuvmm_us": r.crate_us[i], "overhead": r.overhead()[i]})
+                                   "raw_us": r.raw_us[i], "cuvmm_us": r.crate_us[i], "overhead": r.overhead()[i],
+                                   "ratio": r.crate_us[i] / r.raw_us[i]})
                         )?;
                     }
+                }
+                for c in &costs {
+                    writeln!(out, "{}", json!({"bench": "vmm-ops", "call": c.what, "ns": c.ns}))?;
                 }
             } else {
                 writeln!(out, "median µs per op over {reps} reps (raw driver / cuvmm; unmap includes the context sync both do)")?;
@@ -635,6 +651,32 @@ pub fn run(b: Bench) -> CliResult {
                     }
                     let per_gib = r.crate_us.iter().sum::<f64>() * (1u64 << 30) as f64 / r.size as f64;
                     writeln!(out, " {:>9.1}% {:>10.0}", r.total_overhead() * 100.0, per_gib)?;
+                }
+                writeln!(out, "cuvmm / raw per op:")?;
+                for r in &rows {
+                    write!(out, "{:>9}", show(r.size))?;
+                    for i in 0..5 {
+                        write!(out, " {:>19.3}", r.crate_us[i] / r.raw_us[i])?;
+                    }
+                    writeln!(out)?;
+                }
+                if let Some(r) = rows.iter().min_by_key(|r| r.size) {
+                    let map = r.crate_us[1] / r.raw_us[1];
+                    writeln!(
+                        out,
+                        "cuMemMap of {}: cuvmm {:.3} µs / raw {:.3} µs = {map:.3}x (goal ≤ 1.05x: {})",
+                        show(r.size),
+                        r.crate_us[1],
+                        r.raw_us[1],
+                        if map <= 1.05 { "met" } else { "not met" }
+                    )?;
+                }
+                writeln!(
+                    out,
+                    "what the calls cuvmm may add cost here (ns per call, median of 7 batches of 2000):"
+                )?;
+                for c in &costs {
+                    writeln!(out, "  {:<40} {:>8.1}", c.what, c.ns)?;
                 }
             }
         }
@@ -661,7 +703,9 @@ pub(super) fn print_bandwidth(
                 "pinned_h2d": r.pinned[0], "pinned_d2h": r.pinned[1],
                 "registered_h2d": r.registered[0], "registered_d2h": r.registered[1],
                 "bidirectional": r.bidirectional, "staged_h2d": r.staged[0], "staged_d2h": r.staged[1],
-                "register_us": r.register_us, "staging_threads": staging.threads(), "staging_chunk": staging.chunk()})
+                "memcpy_h2d": r.memcpy[0], "memcpy_d2h": r.memcpy[1],
+                "register_us": r.register_us, "staging_threads": staging.threads(), "staging_chunk": staging.chunk(),
+                "staging_piece": staging.config().piece, "staging_slots": staging.config().slots})
             )?;
         }
         return Ok(());
@@ -669,13 +713,21 @@ pub(super) fn print_bandwidth(
     writeln!(out, "GB/s on {name} (median of {} reps; H2D / D2H)", rows.first().map_or(0, |r| r.reps))?;
     writeln!(
         out,
-        "{:>9} {:>15} {:>15} {:>15} {:>15} {:>9} {:>15} {:>12}",
-        "size", "pageable", "pinned (raw)", "pinned (cuvmm)", "registered", "both", "staged", "register µs"
+        "{:>9} {:>15} {:>15} {:>15} {:>15} {:>9} {:>15} {:>15} {:>12}",
+        "size",
+        "pageable",
+        "pinned (raw)",
+        "pinned (cuvmm)",
+        "registered",
+        "both",
+        "staged",
+        "memcpy",
+        "register µs"
     )?;
     for r in rows {
         writeln!(
             out,
-            "{:>9} {:>7.1} /{:>6.1} {:>7.1} /{:>6.1} {:>7.1} /{:>6.1} {:>7.1} /{:>6.1} {:>9.1} {:>7.1} /{:>6.1} {:>12.0}",
+            "{:>9} {:>7.1} /{:>6.1} {:>7.1} /{:>6.1} {:>7.1} /{:>6.1} {:>7.1} /{:>6.1} {:>9.1} {:>7.1} /{:>6.1} {:>7.1} /{:>6.1} {:>12.0}",
             show(r.size),
             r.pageable[0],
             r.pageable[1],
@@ -688,7 +740,34 @@ pub(super) fn print_bandwidth(
             r.bidirectional,
             r.staged[0],
             r.staged[1],
+            r.memcpy[0],
+            r.memcpy[1],
             r.register_us
+        )?;
+    }
+    let c = staging.config();
+    writeln!(
+        out,
+        "staged: {} threads, {} chunks in {} pieces, {} slots; memcpy: host memcpy on the same threads, \
+         pageable → pinned / pinned → pageable (the staged path's copying side alone)",
+        c.threads,
+        show(c.chunk),
+        show(c.piece),
+        c.slots
+    )?;
+    let big: Vec<_> = rows.iter().filter(|r| r.size >= 64 << 20).collect();
+    if !big.is_empty() {
+        let worst = |i: usize| big.iter().map(|r| r.staged[i]).fold(f64::INFINITY, f64::min);
+        let (h, d) = (worst(0), worst(1));
+        writeln!(
+            out,
+            "staged at ≥ 64 MiB, slowest size: {h:.1} GB/s H2D, {d:.1} GB/s D2H (goal ≥ 39 both ways: {}); \
+             over memcpy on the same threads {:.3}x / {:.3}x, over pinned DMA {:.3}x / {:.3}x",
+            if h >= 39.0 && d >= 39.0 { "met" } else { "not met" },
+            big.iter().map(|r| r.staged[0] / r.memcpy[0]).fold(f64::INFINITY, f64::min),
+            big.iter().map(|r| r.staged[1] / r.memcpy[1]).fold(f64::INFINITY, f64::min),
+            big.iter().map(|r| r.staged[0] / r.pinned_raw[0]).fold(f64::INFINITY, f64::min),
+            big.iter().map(|r| r.staged[1] / r.pinned_raw[1]).fold(f64::INFINITY, f64::min),
         )?;
     }
     if let Some(r) = rows.iter().max_by_key(|r| r.size) {
@@ -727,6 +806,167 @@ pub(super) fn print_bandwidth(
     Ok(())
 }
 
+/// The sharing benchmark's report: cuvmm's steps beside the raw ones, and the ratio.
+pub(super) fn print_ipc(
+    out: &mut impl Write,
+    name: &str,
+    size: usize,
+    r: &ipc::IpcSummary,
+    json: bool,
+) -> CliResult {
+    if json {
+        let path = |p: &ipc::PathStats| {
+            let steps = |v: &[f64; 6]| {
+                let m: serde_json::Map<String, serde_json::Value> =
+                    ipc::STEPS.iter().zip(v).map(|(k, x)| (k.to_string(), json!(x))).collect();
+                serde_json::Value::Object(m)
+            };
+            json!({"warm_us": steps(&p.warm_us), "warm_n": p.warm_n, "first_us": steps(&p.first_us), "first_n": p.first_n})
+        };
+        writeln!(
+            out,
+            "{}",
+            json!({"bench": "ipc", "device": name, "size": size, "processes": r.children,
+                   "cuvmm": path(&r.cuvmm), "raw": path(&r.raw),
+                   "ratio_export_to_mapped": r.ratio(), "ratio_first_export_to_mapped": r.first_ratio(),
+                   "imported_gbs": r.imported_gbs, "local_gbs": r.local_gbs,
+                   "legacy_open_us": r.legacy_open_us, "legacy_gbs": r.legacy_gbs})
+        )?;
+        return Ok(());
+    }
+    writeln!(
+        out,
+        "{} shared with {} child processes on {name}: median µs over {} exchanges per path \
+         (raw = cuMemExportToShareableHandle, sendmsg, recvmsg, cuMemImportFromShareableHandle, \
+         cuMemAddressReserve, cuMemMap, cuMemSetAccess, same run)",
+        show(size),
+        r.children,
+        r.cuvmm.warm_n.min(r.raw.warm_n)
+    )?;
+    writeln!(out, "{:<24} {:>10} {:>10} {:>8}", "step", "cuvmm", "raw", "ratio")?;
+    for (i, step) in ipc::STEPS.iter().enumerate() {
+        let (c, w) = (r.cuvmm.warm_us[i], r.raw.warm_us[i]);
+        writeln!(out, "{step:<24} {c:>10.1} {w:>10.1} {:>7.3}x", c / w)?;
+    }
+    writeln!(
+        out,
+        "export → mapped, first exchange of a fresh importer ({} / {} processes): cuvmm {:.1} µs, raw {:.1} µs, {:.3}x",
+        r.cuvmm.first_n,
+        r.raw.first_n,
+        r.cuvmm.first_us[5],
+        r.raw.first_us[5],
+        r.first_ratio()
+    )?;
+    writeln!(
+        out,
+        "export → mapped and accessible: cuvmm / raw = {:.3}x (goal ≤ 1.05x: {})",
+        r.ratio(),
+        if r.ratio() <= 1.05 { "met" } else { "not met" }
+    )?;
+    writeln!(out, "legacy cuIpcOpenMemHandle {:.1} µs", r.legacy_open_us)?;
+    writeln!(
+        out,
+        "importer D2D bandwidth: imported {:.0} GB/s, local {:.0} GB/s ({:.3}x), legacy-opened {:.0} GB/s",
+        r.imported_gbs,
+        r.local_gbs,
+        r.imported_gbs / r.local_gbs,
+        r.legacy_gbs
+    )?;
+    Ok(())
+}
+
+/// The staged path's sweep: GB/s per ring shape and size, the references, the best shapes.
+pub(super) fn print_sweep(
+    out: &mut impl Write,
+    name: &str,
+    rows: &[bandwidth::SweepRow],
+    refs: &[bandwidth::SweepReference],
+    reps: usize,
+    json: bool,
+) -> CliResult {
+    let mut sizes: Vec<usize> = rows.iter().map(|r| r.size).collect();
+    sizes.sort_unstable();
+    sizes.dedup();
+    if json {
+        for r in rows {
+            let c = r.config;
+            writeln!(
+                out,
+                "{}",
+                json!({"bench": "bandwidth-sweep", "device": name, "size": r.size, "chunk": c.chunk, "piece": c.piece,
+                       "slots": c.slots, "threads": c.threads, "staged_h2d": r.staged[0], "staged_d2h": r.staged[1]})
+            )?;
+        }
+        for f in refs {
+            let memcpy: Vec<_> =
+                f.memcpy.iter().map(|(t, m)| json!({"threads": t, "h2d": m[0], "d2h": m[1]})).collect();
+            writeln!(
+                out,
+                "{}",
+                json!({"bench": "bandwidth-sweep", "size": f.size, "pinned_h2d": f.pinned[0],
+                       "pinned_d2h": f.pinned[1], "memcpy": memcpy})
+            )?;
+        }
+        return Ok(());
+    }
+    writeln!(out, "staged pageable GB/s on {name}, H2D / D2H, median of {reps} (host clock, to completion)")?;
+    write!(out, "{:>9} {:>9} {:>6} {:>8}", "chunk", "piece", "slots", "threads")?;
+    for &s in &sizes {
+        write!(out, " {:>15}", show(s))?;
+    }
+    writeln!(out)?;
+    let mut shapes: Vec<cuvmm::host::StagingConfig> = Vec::new();
+    for r in rows {
+        if !shapes.contains(&r.config) {
+            shapes.push(r.config);
+        }
+    }
+    for c in &shapes {
+        write!(out, "{:>9} {:>9} {:>6} {:>8}", show(c.chunk), show(c.piece), c.slots, c.threads)?;
+        for &s in &sizes {
+            match rows.iter().find(|r| r.config == *c && r.size == s) {
+                Some(r) => write!(out, " {:>7.1} /{:>6.1}", r.staged[0], r.staged[1])?,
+                None => write!(out, " {:>15}", "-")?,
+            }
+        }
+        writeln!(out)?;
+    }
+    writeln!(out, "references, same run (H2D / D2H): pinned DMA (raw cuMemcpy*Async, device events); host memcpy pageable → pinned / pinned → pageable")?;
+    for f in refs {
+        write!(out, "{:>9}  pinned {:>5.1} /{:>5.1}", show(f.size), f.pinned[0], f.pinned[1])?;
+        for (t, m) in &f.memcpy {
+            write!(out, "   memcpy {t} threads {:>5.1} /{:>5.1}", m[0], m[1])?;
+        }
+        writeln!(out)?;
+    }
+    // The shape whose slower direction at its slowest size ≥ 64 MiB (or at all sizes) is fastest.
+    let judged: Vec<usize> = if sizes.iter().any(|&s| s >= 64 << 20) {
+        sizes.iter().copied().filter(|&s| s >= 64 << 20).collect()
+    } else {
+        sizes.clone()
+    };
+    let floor = |c: &cuvmm::host::StagingConfig| {
+        rows.iter()
+            .filter(|r| r.config == *c && judged.contains(&r.size))
+            .map(|r| r.staged[0].min(r.staged[1]))
+            .fold(f64::INFINITY, f64::min)
+    };
+    if let Some(best) = shapes.iter().max_by(|a, b| floor(a).total_cmp(&floor(b))) {
+        let f = floor(best);
+        writeln!(
+            out,
+            "best shape: {} chunks, {} pieces, {} slots, {} threads: at least {f:.1} GB/s both ways at {} (goal ≥ 39: {})",
+            show(best.chunk),
+            show(best.piece),
+            best.slots,
+            best.threads,
+            judged.iter().map(|&s| show(s)).collect::<Vec<_>>().join(", "),
+            if f >= 39.0 { "met" } else { "not met" }
+        )?;
+    }
+    Ok(())
+}
+
 /// The overlap experiment's text table.
 pub(super) fn print_overlap(
     out: &mut impl Write,
@@ -749,15 +989,32 @@ pub(super) fn print_overlap(
         "both copies at once: {:.3} ms (the bus's bound for a schedule that overlaps them)",
         r.copies_together_ms
     )?;
-    writeln!(out, "{:<16} {:>10} {:>18} {:>14}", "schedule", "total ms", "/ longest stage", "/ bus bound")?;
+    writeln!(
+        out,
+        "median of {} runs each, schedules taking turns; each timed from one start event to all streams joined",
+        r.config.reps
+    )?;
+    writeln!(out, "{:<36} {:>10} {:>18} {:>14}", "schedule", "total ms", "/ longest stage", "/ bus bound")?;
     for s in &r.schedules {
         writeln!(
             out,
-            "{:<16} {:>10.3} {:>17.3}x {:>13.3}x",
+            "{:<36} {:>10.3} {:>17.3}x {:>13.3}x",
             s.name,
             s.total_ms,
             s.total_ms / longest,
             s.total_ms / r.bound()
+        )?;
+    }
+    if let (Some(raw), Some(ratio)) = (r.fastest_raw(), r.ratio()) {
+        let best = r.fastest();
+        writeln!(
+            out,
+            "fastest cuvmm: {} {:.3} ms; fastest raw (hand-written reference): {} {:.3} ms; cuvmm / raw = {ratio:.3}x (goal ≤ 1.0x: {})",
+            best.name,
+            best.total_ms,
+            raw.name,
+            raw.total_ms,
+            if ratio <= 1.0 { "met" } else { "not met" }
         )?;
     }
     Ok(())

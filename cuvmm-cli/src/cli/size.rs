@@ -22,6 +22,16 @@ pub fn parse_sizes(s: &str) -> Result<Vec<usize>, String> {
     s.split(',').map(parse_size).collect()
 }
 
+/// Parses a comma-separated list of positive counts (`4,8,16`).
+pub fn parse_counts(s: &str) -> Result<Vec<usize>, String> {
+    s.split(',')
+        .map(|t| match t.trim().parse::<usize>() {
+            Ok(n) if n > 0 => Ok(n),
+            _ => Err(format!("'{t}' is not a positive count (in '{s}')")),
+        })
+        .collect()
+}
+
 /// `67108864` → `64 MiB`.
 pub fn show(bytes: usize) -> String {
     const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
@@ -55,6 +65,9 @@ mod tests {
         assert!(parse_size("99999999999999999999").is_err());
         assert!(parse_size("20000000TiB").is_err());
         assert_eq!(parse_sizes("2MiB,8MiB").unwrap(), vec![2 << 20, 8 << 20]);
+        assert_eq!(parse_counts("4, 8,16").unwrap(), vec![4, 8, 16]);
+        assert!(parse_counts("4,0").is_err());
+        assert!(parse_counts("x").is_err());
     }
 
     #[test]

@@ -23,6 +23,7 @@ thread_local! {
 }
 
 /// Whether the calling thread is running a stream host function queued through cuvmm.
+#[inline]
 pub fn in_host_function() -> bool {
     IN_HOST_FN.with(Cell::get)
 }

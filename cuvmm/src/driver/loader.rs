@@ -90,6 +90,7 @@ static GLOBAL: OnceLock<Result<Driver>> = OnceLock::new();
 ///
 /// Inside a stream host function it returns [`Error::InHostFunction`]: CUDA forbids driver calls
 /// there (see [`callback`](super::callback)).
+#[inline]
 pub fn driver() -> Result<&'static Driver> {
     if super::callback::in_host_function() {
         return Err(super::callback::refuse("the CUDA driver"));

@@ -10,4 +10,4 @@ mod pinned;
 mod staging;
 
 pub use pinned::{PinnedBuffer, PinnedFlags, RegisterFlags, Registered};
-pub use staging::Staging;
+pub use staging::{Staging, StagingConfig};

@@ -1,6 +1,13 @@
 //! Pageable host memory moved through a ring of pinned staging buffers, the host-side copies done
 //! by several threads while the DMA engine moves earlier chunks: much faster than the driver's own
 //! pageable path, which stages through one small buffer on one thread.
+//!
+//! A transfer is cut into chunks, one DMA each, through `slots` pinned buffers of `chunk` bytes
+//! used in turn; each chunk is cut into pieces of `piece` bytes, which the threads copy in order.
+//! So the threads work on one or two chunks at a time and chunks complete in order: the first DMA
+//! starts once one chunk is filled, not once every thread has filled a whole chunk of its own, and
+//! the last DMA moves one chunk, not one per thread. The threads are started with the ring and
+//! kept: a transfer starts none.
 
 use crate::context::Context;
 use crate::driver::driver;
@@ -10,39 +17,119 @@ use crate::memory::{DeviceCopy, DeviceSlice, DeviceSliceMut};
 use crate::stream::Event;
 use crate::stream::Stream;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+
+/// The shape of a staging ring: see the module documentation.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StagingConfig {
+    /// Bytes per chunk: per DMA, and per pinned slot.
+    pub chunk: usize,
+    /// Bytes per piece, the unit one thread copies (at most `chunk`; a chunk holds whole pieces
+    /// and a shorter last one).
+    pub piece: usize,
+    /// Pinned slots in the ring (at least 2): chunks in flight between the threads and the DMA.
+    pub slots: usize,
+    /// Host threads copying.
+    pub threads: usize,
+}
+
+impl Default for StagingConfig {
+    /// 2 MiB chunks in 512 KiB pieces, 16 slots (32 MiB pinned), one thread per core up to 16.
+    ///
+    /// Small chunks because the copy, not the DMA, is the slower side (a PCIe 5 link moves ~55
+    /// GB/s, host memcpy on 16 threads ~44 GB/s): a transfer takes the copy time plus the last
+    /// chunk's DMA, 40 µs at 2 MiB against 150 µs at 8 MiB. `cuvmm bench bandwidth --sweep`
+    /// measures the alternatives.
+    fn default() -> Self {
+        let threads = std::thread::available_parallelism().map_or(4, |n| n.get()).min(16);
+        StagingConfig { chunk: 2 << 20, piece: 512 << 10, slots: 16, threads }
+    }
+}
 
 /// A reusable ring of pinned slots and the threads that fill or drain them.
 pub struct Staging {
+    /// First, so that its threads (idle between transfers) stop before the slots are freed.
+    pool: Pool,
     slots: Vec<PinnedBuffer<u8>>,
     events: Vec<Event>,
+    config: StagingConfig,
+}
+
+/// How a transfer of `bytes` is cut: chunks of `chunk` bytes (the last one shorter), each in
+/// pieces of `piece` bytes (the last one of a chunk shorter), numbered in address order.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Plan {
+    bytes: usize,
     chunk: usize,
-    threads: usize,
+    piece: usize,
+    /// Pieces in a full chunk.
+    per_chunk: usize,
+    /// Chunks.
+    chunks: usize,
+    /// Pieces in all.
+    pieces: usize,
+}
+
+impl Plan {
+    /// `bytes`, `chunk` and `piece` must be non-zero, `piece <= chunk`.
+    fn new(bytes: usize, chunk: usize, piece: usize) -> Plan {
+        let per_chunk = chunk.div_ceil(piece);
+        let chunks = bytes.div_ceil(chunk);
+        let last = (bytes - (chunks - 1) * chunk).div_ceil(piece);
+        Plan { bytes, chunk, piece, per_chunk, chunks, pieces: (chunks - 1) * per_chunk + last }
+    }
+
+    fn chunk_len(&self, j: usize) -> usize {
+        self.chunk.min(self.bytes - j * self.chunk)
+    }
+
+    fn pieces_in(&self, j: usize) -> usize {
+        self.chunk_len(j).div_ceil(self.piece)
+    }
+
+    /// Piece `p`: its chunk, its offset in the chunk, its length.
+    fn piece(&self, p: usize) -> (usize, usize, usize) {
+        let (j, q) = (p / self.per_chunk, p % self.per_chunk);
+        let at = q * self.piece;
+        (j, at, self.piece.min(self.chunk_len(j) - at))
+    }
 }
 
 struct State {
-    next_claim: usize,
+    /// The next piece to claim.
+    next: usize,
     /// For each slot, the chunk allowed to use it next.
     slot_for: Vec<usize>,
-    /// Per chunk: filled (to device) or queued (to host).
-    ready: Vec<bool>,
+    /// Per chunk: pieces filled (to device) or drained (to host).
+    done: Vec<usize>,
+    /// Per chunk (to host): its DMA is queued and its slot's event recorded after it.
+    issued: Vec<bool>,
+    /// Per chunk (to host): a thread has seen its DMA complete, so the others need not ask.
+    landed: Vec<bool>,
     failed: Option<Error>,
 }
 
 struct Shared {
     state: Mutex<State>,
-    cv: Condvar,
+    /// The copying threads wait here (for a slot, or for a chunk's DMA to be queued).
+    workers: Condvar,
+    /// The issuing thread waits here (for a chunk to be filled, or a slot drained).
+    issuer: Condvar,
 }
 
 impl Shared {
     fn new(slots: usize, chunks: usize) -> Shared {
         Shared {
             state: Mutex::new(State {
-                next_claim: 0,
+                next: 0,
                 slot_for: (0..slots).collect(),
-                ready: vec![false; chunks],
+                done: vec![0; chunks],
+                issued: vec![false; chunks],
+                landed: vec![false; chunks],
                 failed: None,
             }),
-            cv: Condvar::new(),
+            workers: Condvar::new(),
+            issuer: Condvar::new(),
         }
     }
 
@@ -50,9 +137,10 @@ impl Shared {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Waits until `cond` holds or someone failed; `Err` in the latter case.
+    /// Waits on `cv` until `cond` holds or someone failed; `Err` in the latter case.
     fn wait_until(
         &self,
+        cv: &Condvar,
         mut cond: impl FnMut(&State) -> bool,
     ) -> std::result::Result<MutexGuard<'_, State>, ()> {
         let mut g = self.lock();
@@ -63,13 +151,13 @@ impl Shared {
             if cond(&g) {
                 return Ok(g);
             }
-            g = self.cv.wait(g).unwrap_or_else(|e| e.into_inner());
+            g = cv.wait(g).unwrap_or_else(|e| e.into_inner());
         }
     }
 
-    /// As [`wait_until`](Self::wait_until), but also gives up (failing everyone) when `stream`
-    /// reports an error: the driver runs no host function after a device fault, so the slots they
-    /// hand on would never come back.
+    /// As [`wait_until`](Self::wait_until) on the issuer's condition variable, but also gives up
+    /// (failing everyone) when `stream` reports an error: the driver runs no host function after a
+    /// device fault, so the slots they hand on would never come back.
     fn wait_watching(
         &self,
         stream: &Stream,
@@ -84,7 +172,7 @@ impl Shared {
                 return Ok(g);
             }
             let (next, timeout) = self
-                .cv
+                .issuer
                 .wait_timeout(g, std::time::Duration::from_millis(20))
                 .unwrap_or_else(|e| e.into_inner());
             g = next;
@@ -99,15 +187,14 @@ impl Shared {
         }
     }
 
-    /// The next chunk to work on and its slot, or `None` when all are taken or someone failed.
-    fn claim(&self, n: usize, k: usize) -> Option<(usize, usize)> {
+    /// The next piece to work on, or `None` when all are taken or someone failed.
+    fn claim(&self, pieces: usize) -> Option<usize> {
         let mut g = self.lock();
-        if g.next_claim >= n || g.failed.is_some() {
+        if g.next >= pieces || g.failed.is_some() {
             return None;
         }
-        let j = g.next_claim;
-        g.next_claim += 1;
-        Some((j, j % k))
+        g.next += 1;
+        Some(g.next - 1)
     }
 
     /// The first failure, else the final synchronisation's result.
@@ -120,7 +207,8 @@ impl Shared {
 
     fn fail(&self, e: Error) {
         self.lock().failed.get_or_insert(e);
-        self.cv.notify_all();
+        self.workers.notify_all();
+        self.issuer.notify_all();
     }
 }
 
@@ -129,30 +217,44 @@ impl Shared {
 struct Addr(usize);
 
 impl Staging {
-    /// `slots` pinned buffers of `chunk` bytes each, filled or drained by `threads` threads.
+    /// `slots` pinned buffers of `chunk` bytes each, filled or drained by `threads` threads, in
+    /// pieces of a quarter chunk (at least 64 KiB, at most the chunk).
     pub fn new(ctx: &Context, chunk: usize, slots: usize, threads: usize) -> Result<Staging> {
-        if chunk == 0 || slots < 2 || threads == 0 {
-            return Err(Error::invalid("staging needs chunk > 0, at least 2 slots and 1 thread"));
+        let piece = (chunk / 4).max(64 << 10).min(chunk);
+        Staging::with_config(ctx, StagingConfig { chunk, piece, slots, threads })
+    }
+
+    /// A ring of the given shape.
+    pub fn with_config(ctx: &Context, config: StagingConfig) -> Result<Staging> {
+        let StagingConfig { chunk, piece, slots, threads } = config;
+        if chunk == 0 || piece == 0 || piece > chunk || slots < 2 || threads == 0 {
+            return Err(Error::invalid(format!(
+                "staging needs chunk > 0, 0 < piece <= chunk, at least 2 slots and 1 thread ({config:?})"
+            )));
         }
         let slots_v = (0..slots).map(|_| PinnedBuffer::<u8>::new(ctx, chunk)).collect::<Result<Vec<_>>>()?;
         let events = (0..slots).map(|_| Event::without_timing(ctx)).collect::<Result<Vec<_>>>()?;
-        Ok(Staging { slots: slots_v, events, chunk, threads })
+        Ok(Staging { pool: Pool::new(threads)?, slots: slots_v, events, config })
     }
 
-    /// 8 MiB chunks, two slots per thread, one thread per core up to 8.
+    /// [`StagingConfig::default`].
     pub fn with_defaults(ctx: &Context) -> Result<Staging> {
-        let threads = std::thread::available_parallelism().map_or(4, |n| n.get()).min(8);
-        Staging::new(ctx, 8 << 20, 2 * threads, threads)
+        Staging::with_config(ctx, StagingConfig::default())
+    }
+
+    /// Its shape.
+    pub fn config(&self) -> StagingConfig {
+        self.config
     }
 
     /// Bytes per chunk.
     pub fn chunk(&self) -> usize {
-        self.chunk
+        self.config.chunk
     }
 
     /// Host threads.
     pub fn threads(&self) -> usize {
-        self.threads
+        self.config.threads
     }
 
     fn slot_addrs(&mut self) -> Vec<Addr> {
@@ -161,8 +263,8 @@ impl Staging {
 
     /// Copies pageable `src` into `dst` on `stream`; returns when the data is on the device.
     ///
-    /// Workers fill slots in parallel, chunk after chunk; this thread queues each chunk's DMA as
-    /// soon as it is filled, and a host function queued behind that DMA hands the slot to the chunk
+    /// The threads fill pieces in order; this thread queues each chunk's DMA as soon as its last
+    /// piece is filled, and a host function queued behind that DMA hands the slot to the chunk
     /// `slots` places later, so filling never waits for this thread.
     pub fn to_device<T: DeviceCopy>(
         &mut self,
@@ -183,71 +285,81 @@ impl Staging {
         }
         let mut dst = dst;
         let _turn = dst.prepare_write(stream)?;
-        let (k, chunk) = (self.slots.len(), self.chunk);
-        let n = bytes.div_ceil(chunk);
+        let k = self.slots.len();
+        let plan = Plan::new(bytes, self.config.chunk, self.config.piece);
         // Shared with host functions, which may in principle outlive this call: reference-counted.
-        let shared = Arc::new(Shared::new(k, n));
+        let shared = Arc::new(Shared::new(k, plan.chunks));
         let slots = self.slot_addrs();
         let src_addr = Addr(src.as_ptr() as usize);
         let api = driver()?.api();
-        std::thread::scope(|sc| {
-            for _ in 0..self.threads.min(n) {
-                let (shared, slots) = (&*shared, &slots);
-                sc.spawn(move || loop {
-                    let Some((j, s)) = shared.claim(n, k) else { return };
-                    if shared.wait_until(|g| g.slot_for[s] == j).is_err() {
-                        return;
-                    }
-                    let len = chunk.min(bytes - j * chunk);
-                    // SAFETY: chunk j of `src` (borrowed for this call) goes to slot s, which no
-                    // DMA and no other thread uses until `ready[j]` is published below.
-                    unsafe {
-                        std::ptr::copy_nonoverlapping(
-                            (src_addr.0 + j * chunk) as *const u8,
-                            slots[s].0 as *mut u8,
-                            len,
-                        )
-                    };
-                    shared.lock().ready[j] = true;
-                    shared.cv.notify_all();
-                });
+        let fill = || loop {
+            let Some(p) = shared.claim(plan.pieces) else { return };
+            let (j, at, len) = plan.piece(p);
+            let s = j % k;
+            if shared.wait_until(&shared.workers, |g| g.slot_for[s] == j).is_err() {
+                return;
             }
-            let issue = || -> Result<()> {
-                stream.context().bind()?;
-                for i in 0..n {
-                    let s = i % k;
-                    if shared.wait_watching(stream, |g| g.ready[i]).is_err() {
-                        return Ok(()); // a worker or the stream failed; the error is in `shared`
-                    }
-                    let len = chunk.min(bytes - i * chunk);
-                    // SAFETY: slot s holds chunk i (published under the lock); `dst` has room
-                    // for it at this offset; the slot is handed on only after this DMA completes.
-                    unsafe {
-                        api.cuMemcpyHtoDAsync(
-                            dst.ptr() + (i * chunk) as u64,
-                            slots[s].0 as *const _,
-                            len,
-                            stream.raw(),
-                        )
-                    }?;
-                    let release = Arc::clone(&shared);
-                    stream.launch_host_fn(move || {
-                        release.lock().slot_for[s] = i + k;
-                        release.cv.notify_all();
-                    })?;
-                }
-                Ok(())
+            // SAFETY: these bytes of `src` (borrowed for this call) go to their place in slot s,
+            // which no DMA uses until chunk j is complete, and no other thread writes (pieces are
+            // disjoint).
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    (src_addr.0 + j * plan.chunk + at) as *const u8,
+                    (slots[s].0 + at) as *mut u8,
+                    len,
+                )
             };
-            if let Err(e) = issue() {
-                shared.fail(e);
+            let mut g = shared.lock();
+            g.done[j] += 1;
+            if g.done[j] == plan.pieces_in(j) {
+                drop(g);
+                shared.issuer.notify_all();
             }
-        });
+        };
+        let issue = || -> Result<()> {
+            stream.context().bind()?;
+            for i in 0..plan.chunks {
+                let s = i % k;
+                if shared.wait_watching(stream, |g| g.done[i] == plan.pieces_in(i)).is_err() {
+                    return Ok(()); // a worker or the stream failed; the error is in `shared`
+                }
+                // SAFETY: slot s holds chunk i (published under the lock); `dst` has room for it
+                // at this offset; the slot is handed on only after this DMA completes.
+                unsafe {
+                    api.cuMemcpyHtoDAsync(
+                        dst.ptr() + (i * plan.chunk) as u64,
+                        slots[s].0 as *const _,
+                        plan.chunk_len(i),
+                        stream.raw(),
+                    )
+                }?;
+                let release = Arc::clone(&shared);
+                stream.launch_host_fn(move || {
+                    release.lock().slot_for[s] = i + k;
+                    release.workers.notify_all();
+                })?;
+            }
+            Ok(())
+        };
+        self.pool.run(
+            &fill,
+            || {
+                if let Err(e) = issue() {
+                    shared.fail(e);
+                }
+            },
+            || shared.fail(Error::invalid("the staging transfer was abandoned")),
+        );
         // Whatever happened, no DMA may still read the slots when this returns.
         let synced = crate::stream::confirm(stream);
         shared.outcome(synced)
     }
 
     /// Copies `src` into pageable `dst` on `stream`; returns when the data is in `dst`.
+    ///
+    /// This thread queues each chunk's DMA into its slot once the slot is drained, and records
+    /// the slot's event after it; the threads wait for that event and drain the chunk's pieces
+    /// in order.
     pub fn to_host<T: DeviceCopy>(
         &mut self,
         stream: &Stream,
@@ -266,70 +378,321 @@ impl Staging {
             return Ok(());
         }
         let _turn = src.prepare_read(stream)?;
-        let (k, chunk) = (self.slots.len(), self.chunk);
-        let n = bytes.div_ceil(chunk);
-        let shared = Shared::new(k, n);
+        let k = self.slots.len();
+        let plan = Plan::new(bytes, self.config.chunk, self.config.piece);
+        let shared = Shared::new(k, plan.chunks);
         let slots = self.slot_addrs();
         let dst_addr = Addr(dst.as_mut_ptr() as usize);
         let api = driver()?.api();
         let events = &self.events;
-        std::thread::scope(|sc| {
-            for _ in 0..self.threads.min(n) {
-                let (shared, slots) = (&shared, &slots);
-                sc.spawn(move || loop {
-                    let Some((j, s)) = shared.claim(n, k) else { return };
-                    if shared.wait_until(|g| g.ready[j]).is_err() {
-                        return;
-                    }
-                    // The event was recorded before ready[j] was published, and is not recorded
-                    // again until this thread hands the slot on.
-                    if let Err(e) = events[s].synchronize() {
-                        shared.fail(e);
-                        return;
-                    }
-                    let len = chunk.min(bytes - j * chunk);
-                    // SAFETY: slot s holds chunk j (its DMA completed); chunk j of `dst`
-                    // (borrowed mutably for this call) is written by this thread alone. Any bytes
-                    // are a valid T.
-                    unsafe {
-                        std::ptr::copy_nonoverlapping(
-                            slots[s].0 as *const u8,
-                            (dst_addr.0 + j * chunk) as *mut u8,
-                            len,
-                        )
-                    };
-                    shared.lock().slot_for[s] = j + k;
-                    shared.cv.notify_all();
-                });
-            }
-            let issue = || -> Result<()> {
-                stream.context().bind()?;
-                for i in 0..n {
-                    let s = i % k;
-                    if shared.wait_until(|g| g.slot_for[s] == i).is_err() {
-                        return Ok(());
-                    }
-                    let len = chunk.min(bytes - i * chunk);
-                    // SAFETY: slot s is free (its last chunk was drained); `src` holds chunk i.
-                    unsafe {
-                        api.cuMemcpyDtoHAsync(
-                            slots[s].0 as *mut _,
-                            src.ptr() + (i * chunk) as u64,
-                            len,
-                            stream.raw(),
-                        )
-                    }?;
-                    events[s].record(stream)?;
-                    shared.lock().ready[i] = true;
-                    shared.cv.notify_all();
+        let drain = || loop {
+            let Some(p) = shared.claim(plan.pieces) else { return };
+            let (j, at, len) = plan.piece(p);
+            let s = j % k;
+            let Ok(g) = shared.wait_until(&shared.workers, |g| g.issued[j]) else { return };
+            let landed = g.landed[j];
+            drop(g);
+            // The event was recorded after chunk j's DMA, before `issued[j]` was published, and is
+            // not recorded again until every piece of chunk j is drained.
+            if !landed {
+                if let Err(e) = events[s].synchronize() {
+                    shared.fail(e);
+                    return;
                 }
-                Ok(())
-            };
-            if let Err(e) = issue() {
-                shared.fail(e);
+                shared.lock().landed[j] = true;
             }
-        });
+            // SAFETY: slot s holds chunk j (its DMA completed); these bytes of `dst` (borrowed
+            // mutably for this call) are written by this thread alone (pieces are disjoint). Any
+            // bytes are a valid T.
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    (slots[s].0 + at) as *const u8,
+                    (dst_addr.0 + j * plan.chunk + at) as *mut u8,
+                    len,
+                )
+            };
+            let mut g = shared.lock();
+            g.done[j] += 1;
+            if g.done[j] == plan.pieces_in(j) {
+                g.slot_for[s] = j + k;
+                drop(g);
+                shared.issuer.notify_all();
+            }
+        };
+        let issue = || -> Result<()> {
+            stream.context().bind()?;
+            for i in 0..plan.chunks {
+                let s = i % k;
+                if shared.wait_until(&shared.issuer, |g| g.slot_for[s] == i).is_err() {
+                    return Ok(());
+                }
+                // SAFETY: slot s is free (its last chunk was drained); `src` holds chunk i.
+                unsafe {
+                    api.cuMemcpyDtoHAsync(
+                        slots[s].0 as *mut _,
+                        src.ptr() + (i * plan.chunk) as u64,
+                        plan.chunk_len(i),
+                        stream.raw(),
+                    )
+                }?;
+                events[s].record(stream)?;
+                shared.lock().issued[i] = true;
+                shared.workers.notify_all();
+            }
+            Ok(())
+        };
+        self.pool.run(
+            &drain,
+            || {
+                if let Err(e) = issue() {
+                    shared.fail(e);
+                }
+            },
+            || shared.fail(Error::invalid("the staging transfer was abandoned")),
+        );
         let synced = crate::stream::confirm(stream);
         shared.outcome(synced)
+    }
+}
+
+/// A job for the pool's threads, its lifetime erased. [`Pool::run`] returns only once every
+/// thread is done with it, so the closure it points to, and everything that borrows, outlives
+/// every use.
+#[derive(Clone, Copy)]
+struct JobRef(*const (dyn Fn() + Sync + 'static));
+
+// SAFETY: the pointee is `Sync` (shared calls from several threads are allowed), and `Pool::run`
+// keeps it alive until no thread uses it any more (see the type's documentation).
+unsafe impl Send for JobRef {}
+
+struct PoolState {
+    job: Option<JobRef>,
+    /// Bumped for each job; each thread runs each job once.
+    generation: u64,
+    /// Threads not yet done with the current job.
+    busy: usize,
+    /// A thread's run of the current job panicked.
+    panicked: bool,
+    shutdown: bool,
+}
+
+struct PoolShared {
+    state: Mutex<PoolState>,
+    start: Condvar,
+    done: Condvar,
+}
+
+impl PoolShared {
+    fn lock(&self) -> MutexGuard<'_, PoolState> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// Threads kept for a ring's lifetime, each running every job it is given once: starting
+/// threads for each transfer cost tens of microseconds per thread.
+struct Pool {
+    shared: Arc<PoolShared>,
+    threads: Vec<JoinHandle<()>>,
+}
+
+impl Pool {
+    fn new(threads: usize) -> Result<Pool> {
+        let shared = Arc::new(PoolShared {
+            state: Mutex::new(PoolState {
+                job: None,
+                generation: 0,
+                busy: 0,
+                panicked: false,
+                shutdown: false,
+            }),
+            start: Condvar::new(),
+            done: Condvar::new(),
+        });
+        let mut pool = Pool { shared, threads: Vec::with_capacity(threads) };
+        for _ in 0..threads {
+            let shared = Arc::clone(&pool.shared);
+            let spawned =
+                std::thread::Builder::new().name("cuvmm-staging".into()).spawn(move || work(&shared));
+            match spawned {
+                Ok(t) => pool.threads.push(t),
+                // Dropping `pool` stops the threads started so far.
+                Err(e) => return Err(Error::invalid(format!("cannot start a staging thread: {e}"))),
+            }
+        }
+        Ok(pool)
+    }
+
+    /// Runs `job` on every thread of the pool and `here` on this one, then waits until every
+    /// thread is done with `job`. If `here` panics, `cancel` (which must make `job` return soon)
+    /// runs and the threads are still waited for before the panic goes on; a panic in `job` is
+    /// passed on after the wait.
+    fn run<R>(&self, job: &(dyn Fn() + Sync), here: impl FnOnce() -> R, cancel: impl Fn()) -> R {
+        /// Waits for the threads when dropped, so also while unwinding from `here`.
+        struct Wait<'p, C: Fn()> {
+            pool: &'p Pool,
+            cancel: Option<C>,
+        }
+        impl<C: Fn()> Drop for Wait<'_, C> {
+            fn drop(&mut self) {
+                if let Some(cancel) = &self.cancel {
+                    cancel();
+                }
+                let mut g = self.pool.shared.lock();
+                while g.busy > 0 {
+                    g = self.pool.shared.done.wait(g).unwrap_or_else(|e| e.into_inner());
+                }
+                g.job = None;
+            }
+        }
+        if self.threads.is_empty() {
+            job();
+            return here();
+        }
+        // SAFETY: only the lifetime changes; `Wait` below keeps `job` borrowed until no thread
+        // uses it (see JobRef).
+        let erased = unsafe {
+            std::mem::transmute::<*const (dyn Fn() + Sync + '_), *const (dyn Fn() + Sync + 'static)>(job)
+        };
+        {
+            let mut g = self.shared.lock();
+            g.job = Some(JobRef(erased));
+            g.generation += 1;
+            g.busy = self.threads.len();
+            g.panicked = false;
+        }
+        self.shared.start.notify_all();
+        let mut wait = Wait { pool: self, cancel: Some(cancel) };
+        let r = here();
+        wait.cancel = None;
+        drop(wait);
+        if std::mem::take(&mut self.shared.lock().panicked) {
+            std::panic::panic_any("a cuvmm staging thread panicked");
+        }
+        r
+    }
+}
+
+/// A pool thread: runs each job once, until the pool is dropped.
+fn work(shared: &PoolShared) {
+    let mut seen = 0;
+    loop {
+        let job = {
+            let mut g = shared.lock();
+            loop {
+                if g.shutdown {
+                    return;
+                }
+                if g.generation != seen {
+                    seen = g.generation;
+                    break g.job;
+                }
+                g = shared.start.wait(g).unwrap_or_else(|e| e.into_inner());
+            }
+        };
+        let ok = match job {
+            Some(job) => std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                // SAFETY: `Pool::run` published this job and keeps it alive until `busy` reaches
+                // 0, which this thread's decrement below is part of.
+                unsafe { (*job.0)() }
+            }))
+            .is_ok(),
+            None => true,
+        };
+        let mut g = shared.lock();
+        g.panicked |= !ok;
+        g.busy -= 1;
+        if g.busy == 0 {
+            shared.done.notify_all();
+        }
+    }
+}
+
+impl Drop for Pool {
+    fn drop(&mut self) {
+        self.shared.lock().shutdown = true;
+        self.shared.start.notify_all();
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    #[test]
+    fn a_plan_covers_every_byte_once_in_order() {
+        for (bytes, chunk, piece) in [
+            (1, 8, 8),
+            (8, 8, 8),
+            (9, 8, 3),
+            (100, 16, 5),
+            (64 << 20, 2 << 20, 512 << 10),
+            (5 << 20 | 3, 1 << 20, 256 << 10),
+        ] {
+            let plan = Plan::new(bytes, chunk, piece);
+            let mut at = 0;
+            let mut done = vec![0; plan.chunks];
+            for p in 0..plan.pieces {
+                let (j, off, len) = plan.piece(p);
+                assert_eq!(j * chunk + off, at, "{bytes} {chunk} {piece}: piece {p}");
+                assert!(len > 0 && len <= piece && off + len <= plan.chunk_len(j));
+                done[j] += 1;
+                at += len;
+            }
+            assert_eq!(at, bytes);
+            assert!((0..plan.chunks).all(|j| done[j] == plan.pieces_in(j)));
+            assert_eq!((0..plan.chunks).map(|j| plan.chunk_len(j)).sum::<usize>(), bytes);
+        }
+    }
+
+    #[test]
+    fn the_pool_runs_each_job_once_per_thread_and_waits_for_it() {
+        let pool = Pool::new(3).unwrap();
+        for round in 1..=50 {
+            let ran = AtomicUsize::new(0);
+            let claimed = AtomicUsize::new(0);
+            let job = || {
+                ran.fetch_add(1, Ordering::SeqCst);
+                while claimed.fetch_add(1, Ordering::SeqCst) < 100 {}
+            };
+            let here = pool.run(&job, || round, || {});
+            assert_eq!(here, round);
+            assert_eq!(ran.load(Ordering::SeqCst), 3, "every thread ran the job once, and is done");
+        }
+    }
+
+    #[test]
+    fn a_panic_here_cancels_and_still_waits_and_a_panic_in_a_thread_is_passed_on() {
+        let pool = Pool::new(2).unwrap();
+        let stop = std::sync::atomic::AtomicBool::new(false);
+        let left = AtomicUsize::new(0);
+        let job = || {
+            while !stop.load(Ordering::SeqCst) {
+                std::thread::yield_now();
+            }
+            left.fetch_add(1, Ordering::SeqCst);
+        };
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            pool.run(&job, || panic!("issuer"), || stop.store(true, Ordering::SeqCst))
+        }));
+        assert!(r.is_err());
+        assert_eq!(left.load(Ordering::SeqCst), 2, "both threads finished before the panic went on");
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            pool.run(&|| panic!("worker"), || (), || {})
+        }));
+        assert!(r.is_err());
+        // The pool still works.
+        let ran = AtomicUsize::new(0);
+        pool.run(
+            &|| {
+                ran.fetch_add(1, Ordering::SeqCst);
+            },
+            || (),
+            || {},
+        );
+        assert_eq!(ran.load(Ordering::SeqCst), 2);
     }
 }

@@ -3,8 +3,7 @@
 
 use super::wire::{Header, Message, HEADER_LEN};
 use crate::error::{Error, Result};
-use nix::sys::socket::{getsockopt, sendmsg, sockopt::PeerCredentials, ControlMessage, MsgFlags};
-use std::io::IoSlice;
+use nix::sys::socket::{getsockopt, sockopt::PeerCredentials};
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 
 /// Whose messages a receiver accepts.
@@ -108,20 +107,53 @@ pub fn send_message(sock: BorrowedFd<'_>, message: &Message, fd: Option<Borrowed
         )));
     }
     let bytes = message.encode()?;
-    let fds: Vec<RawFd> = fd.iter().map(|f| f.as_raw_fd()).collect();
-    let cmsgs = if fds.is_empty() { vec![] } else { vec![ControlMessage::ScmRights(&fds)] };
     let mut sent = 0;
     while sent < bytes.len() {
-        let iov = [IoSlice::new(&bytes[sent..])];
-        // The fds go with the first byte only.
-        let c: &[ControlMessage<'_>] = if sent == 0 { &cmsgs } else { &[] };
-        match sendmsg::<()>(sock.as_raw_fd(), &iov, c, MsgFlags::MSG_NOSIGNAL, None) {
+        // The fd goes with the first byte only.
+        match send_chunk(sock, &bytes[sent..], if sent == 0 { fd } else { None }) {
             Ok(n) => sent += n,
             Err(nix::errno::Errno::EINTR) => continue,
             Err(errno) => return Err(Error::Os { call: "sendmsg", errno }),
         }
     }
     Ok(())
+}
+
+/// One `sendmsg` of `bytes`, with `fd` as SCM_RIGHTS if given (`MSG_NOSIGNAL`: a peer that has
+/// gone is `EPIPE`, never a signal). The control data is built on the stack: nothing is allocated.
+fn send_chunk(sock: BorrowedFd<'_>, bytes: &[u8], fd: Option<BorrowedFd<'_>>) -> nix::Result<usize> {
+    const FD_SPACE: usize = cmsg_space(std::mem::size_of::<RawFd>());
+    // `cmsghdr` holds a `size_t`: the buffer is aligned for it.
+    #[repr(C, align(8))]
+    struct Control([u8; FD_SPACE]);
+    let mut control = Control([0; FD_SPACE]);
+    let mut iov = libc::iovec { iov_base: bytes.as_ptr() as *mut libc::c_void, iov_len: bytes.len() };
+    // SAFETY: msghdr is plain data; all zeroes is a valid value (null pointers, zero lengths).
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = &mut iov;
+    msg.msg_iovlen = 1;
+    if let Some(fd) = fd {
+        // SAFETY: cmsghdr is plain data (integers, and padding on some libcs); zeroes are valid.
+        let mut hdr: libc::cmsghdr = unsafe { std::mem::zeroed() };
+        hdr.cmsg_len = (CMSG_HDR + std::mem::size_of::<RawFd>()) as _;
+        hdr.cmsg_level = libc::SOL_SOCKET;
+        hdr.cmsg_type = libc::SCM_RIGHTS;
+        // SAFETY: `control` has room for a header and one fd (FD_SPACE = CMSG_SPACE(sizeof(int)))
+        // and is aligned for cmsghdr; the fd's bytes go where CMSG_DATA points, CMSG_HDR bytes in.
+        unsafe {
+            std::ptr::write(control.0.as_mut_ptr().cast::<libc::cmsghdr>(), hdr);
+            std::ptr::write_unaligned(control.0.as_mut_ptr().add(CMSG_HDR).cast::<RawFd>(), fd.as_raw_fd());
+        }
+        msg.msg_control = control.0.as_mut_ptr().cast();
+        msg.msg_controllen = FD_SPACE as _;
+    }
+    // SAFETY: `msg` points at `iov` (which describes `bytes`, only read) and at `control`, alive
+    // for the call; the fd in the control data is open (borrowed) and the kernel duplicates it.
+    let n = unsafe { libc::sendmsg(sock.as_raw_fd(), &msg, libc::MSG_NOSIGNAL) };
+    if n < 0 {
+        return Err(nix::errno::Errno::last());
+    }
+    Ok(n as usize)
 }
 
 /// `SCM_PIDFD` (Linux 6.5): a pidfd of the sender, installed in the receiver when it set

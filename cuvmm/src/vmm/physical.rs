@@ -1,13 +1,13 @@
 //! Physical memory: `cuMemCreate` behind a builder, released on drop.
 
 use super::layout::{check_aligned, round_up};
-use crate::caps::{granularity_of, Granularity, ImexStatus};
+use crate::caps::{cached_granularity, granularity_of, Granularity, ImexStatus};
 use crate::context::Context;
 use crate::device::Device;
 use crate::driver::{driver, sys::*};
 use crate::error::{Error, Result};
 use std::ops::BitOr;
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 
 /// Where physical memory lives.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -154,8 +154,16 @@ impl PhysicalBuilder {
         if let Some(g) = self.cache.get() {
             return Ok(*g);
         }
-        self.ctx.bind()?;
-        let g = granularity_of(&self.prop(), Some(&self.ctx.device()))?;
+        let prop = self.prop();
+        // Asked of the driver once per process (see `caps::granularity_of`): a fresh builder for
+        // the same kind of memory binds nothing and calls nothing.
+        let g = match cached_granularity(&prop) {
+            Some(g) => g,
+            None => {
+                self.ctx.bind()?;
+                granularity_of(&prop, Some(&self.ctx.device()))?
+            }
+        };
         Ok(*self.cache.get_or_init(|| g))
     }
 
@@ -168,7 +176,29 @@ impl PhysicalBuilder {
         if self.checked.get().is_some() {
             return Ok(());
         }
-        self.check_supported_uncached()?;
+        // The attributes asked below are what the device can do, which does not change while the
+        // process runs: a combination found supported once is not asked about again, even by a
+        // fresh builder. Refusals are not remembered.
+        static SUPPORTED: Mutex<Vec<SupportKey>> = Mutex::new(Vec::new());
+        let key = SupportKey {
+            device: self.ctx.device().raw(),
+            location: match self.location {
+                Location::Device(_) => 0,
+                Location::Host => 1,
+                Location::HostNuma(_) => 2,
+            },
+            handles: self.handles,
+            compression: self.compression,
+            rdma: self.rdma,
+        };
+        let lock = || SUPPORTED.lock().unwrap_or_else(|e| e.into_inner());
+        if !lock().contains(&key) {
+            self.check_supported_uncached()?;
+            let mut known = lock();
+            if !known.contains(&key) {
+                known.push(key);
+            }
+        }
         let _ = self.checked.set(());
         Ok(())
     }
@@ -240,6 +270,17 @@ impl PhysicalBuilder {
     }
 }
 
+/// What [`PhysicalBuilder::check_supported`] asks the driver about.
+#[derive(Clone, Copy, PartialEq, Eq)]
+struct SupportKey {
+    device: CUdevice,
+    /// 0 device, 1 host, 2 host NUMA node (any node: the attribute is the same).
+    location: u8,
+    handles: HandleTypes,
+    compression: bool,
+    rdma: bool,
+}
+
 /// Physical memory from `cuMemCreate` (or imported from another process). Cloning shares it;
 /// the last clone, including those held by mappings, releases it with `cuMemRelease`.
 #[derive(Clone)]
@@ -251,7 +292,9 @@ struct PhysInner {
     ctx: Context,
     handle: CUmemGenericAllocationHandle,
     size: usize,
-    location: Location,
+    /// Known from the builder for created memory; for imported memory asked of the driver the
+    /// first time [`PhysicalMemory::location`] needs it, not on the import path.
+    location: OnceLock<Location>,
     handles: HandleTypes,
 }
 
@@ -290,6 +333,7 @@ impl PhysicalMemory {
         location: Location,
         handles: HandleTypes,
     ) -> PhysicalMemory {
+        let location = OnceLock::from(location);
         PhysicalMemory { inner: Arc::new(PhysInner { ctx, handle, size, location, handles }) }
     }
 
@@ -303,9 +347,32 @@ impl PhysicalMemory {
         self.inner.handle
     }
 
-    /// Where it lives.
+    /// Where it lives. For imported memory the driver is asked the first time
+    /// (`cuMemGetAllocationPropertiesFromHandle`); where it cannot say, or says the memory is not
+    /// on a device, the importing context's device is assumed.
     pub fn location(&self) -> Location {
-        self.inner.location
+        if let Some(l) = self.inner.location.get() {
+            return *l;
+        }
+        match self.imported_location() {
+            Some(l) => *self.inner.location.get_or_init(|| l),
+            // Not remembered: a later call (outside a host function, say) may learn the answer.
+            None => Location::Device(self.inner.ctx.device()),
+        }
+    }
+
+    /// The device the driver says imported memory lives on; `None` if the driver cannot answer
+    /// now.
+    fn imported_location(&self) -> Option<Location> {
+        let ctx = &self.inner.ctx;
+        ctx.bind().ok()?;
+        let p = raw_properties(self.inner.handle).ok()?;
+        let here = ctx.device();
+        if p.location.type_ != CUmemLocationType::DEVICE || p.location.id == here.raw() {
+            return Some(Location::Device(here));
+        }
+        let devices = crate::device::Device::all().ok()?;
+        Some(Location::Device(devices.into_iter().find(|d| d.raw() == p.location.id).unwrap_or(here)))
     }
 
     /// The handle types it was created for.
@@ -392,19 +459,17 @@ impl PhysicalMemory {
         Ok(PhysicalMemory::imported(ctx, handle, size, HandleTypes::FABRIC))
     }
 
+    /// Takes ownership of an imported handle. Where the memory lives is left to
+    /// [`location`](Self::location) to ask when needed: importing is on the path every sharing
+    /// waits for, and the answer (a driver query and a device enumeration) serves only re-sharing.
     fn imported(
         ctx: &Context,
         handle: CUmemGenericAllocationHandle,
         size: usize,
         handles: HandleTypes,
     ) -> PhysicalMemory {
-        // Where it really lives, when the driver says so; else assume the importing device.
-        let location = raw_properties(handle)
-            .ok()
-            .filter(|p| p.location.type_ == CUmemLocationType::DEVICE)
-            .and_then(|p| crate::device::Device::all().ok()?.into_iter().find(|d| d.raw() == p.location.id))
-            .map_or(Location::Device(ctx.device()), Location::Device);
-        PhysicalMemory::from_parts(ctx.clone(), handle, size, location, handles)
+        let inner = PhysInner { ctx: ctx.clone(), handle, size, location: OnceLock::new(), handles };
+        PhysicalMemory { inner: Arc::new(inner) }
     }
 
     /// Asks the driver what was granted (compression in particular).
@@ -433,7 +498,7 @@ impl std::fmt::Debug for PhysicalMemory {
         f.debug_struct("PhysicalMemory")
             .field("handle", &self.inner.handle)
             .field("size", &self.inner.size)
-            .field("location", &self.inner.location)
+            .field("location", &self.inner.location.get())
             .finish()
     }
 }

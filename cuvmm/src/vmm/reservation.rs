@@ -7,7 +7,6 @@ use crate::context::Context;
 use crate::device::Device;
 use crate::driver::{driver, sys::*};
 use crate::error::{Error, Result};
-use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 /// What a device may do with a mapped range.
@@ -54,8 +53,10 @@ struct ResInner {
     base: CUdeviceptr,
     size: usize,
     granularity: usize,
-    /// Live mappings: offset → length.
-    mapped: Mutex<BTreeMap<usize, usize>>,
+    /// Live mappings as (offset, length), sorted by offset, never overlapping. A vector rather
+    /// than a `BTreeMap`: a reservation holds few mappings, and once it has held one, mapping and
+    /// unmapping allocate nothing (inserting into a `BTreeMap` was most of `map`'s own cost).
+    mapped: Mutex<Vec<(usize, usize)>>,
     /// Every device granted access to any part of the range: synchronised before an unmap.
     accessors: Mutex<Vec<Context>>,
 }
@@ -94,7 +95,7 @@ impl Reservation {
                 base,
                 size,
                 granularity,
-                mapped: Mutex::new(BTreeMap::new()),
+                mapped: Mutex::new(Vec::new()),
                 accessors: Mutex::new(Vec::new()),
             }),
         })
@@ -120,9 +121,21 @@ impl Reservation {
         &self.inner.ctx
     }
 
+    /// `x` modulo the granularity: a mask for the powers of two every driver reports, no division.
+    fn misalignment(&self, x: usize) -> usize {
+        let g = self.inner.granularity;
+        if g.is_power_of_two() {
+            x & (g - 1)
+        } else {
+            x % g
+        }
+    }
+
     fn check_range(&self, offset: usize, len: usize) -> Result<()> {
-        check_aligned("length", len, self.inner.granularity)?;
-        if offset % self.inner.granularity != 0 {
+        if len == 0 || self.misalignment(len) != 0 {
+            return check_aligned("length", len, self.inner.granularity);
+        }
+        if self.misalignment(offset) != 0 {
             return Err(Error::invalid(format!(
                 "offset {offset} is not a multiple of the granularity ({})",
                 self.inner.granularity
@@ -142,7 +155,8 @@ impl Reservation {
         let mapped = lock(&self.inner.mapped);
         let mut at = offset;
         let end = offset.saturating_add(len);
-        for (&o, &l) in mapped.range(..end) {
+        let before_end = mapped.partition_point(|&(o, _)| o < end);
+        for &(o, l) in &mapped[..before_end] {
             if o + l <= at {
                 continue;
             }
@@ -170,7 +184,7 @@ impl Reservation {
         len: usize,
     ) -> Result<Mapping> {
         self.check_range(offset, len)?;
-        if phys_offset % self.inner.granularity != 0
+        if self.misalignment(phys_offset) != 0
             || phys_offset.checked_add(len).map_or(true, |end| end > phys.size())
         {
             return Err(Error::invalid(format!(
@@ -180,20 +194,38 @@ impl Reservation {
         }
         let mut mapped = lock(&self.inner.mapped);
         let end = offset + len;
-        if let Some((&o, &l)) = mapped.range(..end).next_back() {
+        // Mappings before `at` start before the end of the new one; only the last of them can
+        // reach into it, and the new one goes right after it.
+        let at = mapped.partition_point(|&(o, _)| o < end);
+        if let Some(&(o, l)) = at.checked_sub(1).map(|i| &mapped[i]) {
             if o + l > offset {
                 return Err(Error::invalid(format!(
                     "range {offset}+{len} overlaps the live mapping at {o}+{l}: unmap it first"
                 )));
             }
         }
-        self.inner.ctx.bind()?;
+        let api = driver()?.api();
+        let ptr = self.inner.base + offset as u64;
         // SAFETY: the range lies inside our reservation and overlaps no live mapping; the physical
         // range lies inside a live allocation; both are granularity-aligned.
-        unsafe {
-            driver()?.api().cuMemMap(self.inner.base + offset as u64, len, phys_offset, phys.handle(), 0)
+        let map = || unsafe { api.cuMemMap(ptr, len, phys_offset, phys.handle(), 0) };
+        // cuMemMap names everything it works on (a process-wide address range, an allocation
+        // handle), so it does not re-bind a context cuvmm last bound on this thread: that cost a
+        // cuCtxSetCurrent per map. If code outside cuvmm left no usable context current since
+        // (none at all, or one it destroyed), the driver may refuse: then the context is bound
+        // and the map tried again.
+        self.inner.ctx.bind_unless_last()?;
+        match map() {
+            Err(e)
+                if e.is_code(CUresult::ERROR_INVALID_CONTEXT)
+                    || e.is_code(CUresult::ERROR_CONTEXT_IS_DESTROYED) =>
+            {
+                self.inner.ctx.bind()?;
+                map()
+            }
+            r => r,
         }?;
-        mapped.insert(offset, len);
+        mapped.insert(at, (offset, len));
         Ok(Mapping { res: self.clone(), phys: phys.clone(), offset, len })
     }
 
@@ -246,12 +278,13 @@ impl Reservation {
         Ok(Access::from_raw(flags))
     }
 
-    /// Waits for every device that may touch this range.
+    /// Waits for every device that may touch this range; the reservation's own context last, so
+    /// that it is the one left current for the unmap that follows.
     fn synchronize_users(&self) {
-        let _ = self.inner.ctx.synchronize();
         for c in lock(&self.inner.accessors).iter() {
             let _ = c.synchronize();
         }
+        let _ = self.inner.ctx.synchronize();
     }
 }
 
@@ -344,11 +377,17 @@ impl Drop for Mapping {
             // fault the context. Unlike cuMemFree, cuMemUnmap does not wait for it.
             res.synchronize_users();
             if let Ok(d) = driver() {
-                let _ = res.inner.ctx.bind();
+                // Bound by the synchronisation just above: no cuCtxSetCurrent of its own.
+                let _ = res.inner.ctx.bind_unless_last();
                 // SAFETY: this range was mapped by `Reservation::map` and is unmapped once, here.
                 let _ = unsafe { d.api().cuMemUnmap(res.base() + offset as u64, len) };
             }
-            lock(&res.inner.mapped).remove(&offset);
+            {
+                let mut mapped = lock(&res.inner.mapped);
+                if let Ok(i) = mapped.binary_search_by_key(&offset, |&(o, _)| o) {
+                    mapped.remove(i);
+                }
+            }
             drop(phys);
         });
     }

@@ -1,0 +1,82 @@
+//! The staging ring on the CPU, against the fake driver's FAKE_VMM device, whose device memory is
+//! host memory, whose copies are memcpy and whose host functions run at once: data really moves,
+//! so every way of cutting a transfer into chunks and pieces is checked byte for byte, and (with
+//! `--features fault-injection`) a copy failing part-way returns its error without a thread left
+//! waiting.
+//!
+//! One test only: the driver is loaded once per process, from `CUVMM_LIBCUDA`, which must be set
+//! before anything touches it.
+
+mod common;
+
+use cuvmm::host::{Staging, StagingConfig};
+use cuvmm::{Context, DeviceBuffer, Stream};
+
+const KIB: usize = 1 << 10;
+
+fn fresh(n: usize, seed: u32) -> Vec<u32> {
+    (0..n as u32).map(|i| i.wrapping_mul(2_654_435_761).wrapping_add(seed)).collect()
+}
+
+#[test]
+fn staged_transfers_round_trip_for_every_shape() {
+    let lib = common::fake_driver("FAKE_VMM");
+    // The only test of this process, and nothing has touched the driver yet.
+    std::env::set_var(cuvmm::driver::LIBRARY_ENV, &lib);
+    let ctx = Context::for_ordinal(0).unwrap();
+    let st = Stream::non_blocking(&ctx).unwrap();
+    let shapes = [
+        // chunk, piece, slots, threads
+        (64 * KIB, 64 * KIB, 2, 1),
+        (64 * KIB, 16 * KIB, 2, 4),
+        (64 * KIB, 24 * KIB, 3, 3), // pieces that do not divide the chunk
+        (256 * KIB, 64 * KIB, 4, 8),
+        (1024 * KIB, 256 * KIB, 16, 2),
+    ];
+    for (chunk, piece, slots, threads) in shapes {
+        let config = StagingConfig { chunk, piece, slots, threads };
+        let mut staging = Staging::with_config(&ctx, config).unwrap();
+        assert_eq!(staging.config(), config);
+        for n in [1usize, 1000, 16 * KIB, (300 * KIB) + 3, 2 * 1024 * KIB + 5] {
+            let data = fresh(n, n as u32);
+            let mut dev = DeviceBuffer::<u32>::new(&ctx, n).unwrap();
+            staging.to_device(&st, &data, dev.as_mut_slice()).unwrap();
+            assert!(dev.to_vec().unwrap() == data, "to device, {config:?}, n = {n}");
+            let mut back = vec![0u32; n];
+            staging.to_host(&st, dev.as_slice(), &mut back).unwrap();
+            assert!(back == data, "to host, {config:?}, n = {n}");
+        }
+    }
+    let bad = StagingConfig { chunk: 64 * KIB, piece: 128 * KIB, slots: 2, threads: 1 };
+    assert!(Staging::with_config(&ctx, bad).is_err());
+
+    #[cfg(feature = "fault-injection")]
+    {
+        use cuvmm::driver::sys::CUresult;
+        use cuvmm::faults;
+        let config = StagingConfig { chunk: 64 * KIB, piece: 16 * KIB, slots: 3, threads: 4 };
+        let mut staging = Staging::with_config(&ctx, config).unwrap();
+        let data = fresh(320 * KIB / 4, 9); // five chunks
+        let mut dev = DeviceBuffer::<u32>::new(&ctx, data.len()).unwrap();
+        for skip in [0, 2, 4] {
+            faults::inject("cuMemcpyHtoDAsync", skip, CUresult::ERROR_OUT_OF_MEMORY);
+            let err = staging.to_device(&st, &data, dev.as_mut_slice()).unwrap_err();
+            assert_eq!(faults::clear(), 0);
+            assert!(err.is_out_of_memory(), "{err}");
+            faults::inject("cuMemcpyDtoHAsync", skip, CUresult::ERROR_OUT_OF_MEMORY);
+            let mut back = vec![0u32; data.len()];
+            let err = staging.to_host(&st, dev.as_slice(), &mut back).unwrap_err();
+            assert_eq!(faults::clear(), 0);
+            assert!(err.is_out_of_memory(), "{err}");
+            faults::inject("cuEventSynchronize", skip, CUresult::ERROR_OUT_OF_MEMORY);
+            let err = staging.to_host(&st, dev.as_slice(), &mut back).unwrap_err();
+            assert_eq!(faults::clear(), 0);
+            assert!(err.is_out_of_memory(), "{err}");
+        }
+        // The ring still works.
+        staging.to_device(&st, &data, dev.as_mut_slice()).unwrap();
+        let mut back = vec![0u32; data.len()];
+        staging.to_host(&st, dev.as_slice(), &mut back).unwrap();
+        assert!(back == data);
+    }
+}
