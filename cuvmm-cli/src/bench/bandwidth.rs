@@ -410,6 +410,6 @@ mod tests {
         assert!(shapes.iter().all(|c| c.piece <= c.chunk));
         // Without pieces, the default one, or the chunk if smaller.
         let shapes = ring_shapes(&[256 << 10, 4 << 20], None, &[8], &[4]);
-        assert_eq!(shapes.iter().map(|c| c.piece).collect::<Vec<_>>(), [256 << 10, 512 << 10]);
+        assert_eq!(shapes.iter().map(|c| c.piece).collect::<Vec<_>>(), [256 << 10, 1 << 20]);
     }
 }

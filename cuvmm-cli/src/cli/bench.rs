@@ -44,16 +44,16 @@ pub enum Bench {
         /// Timed repetitions per size.
         #[arg(long, default_value_t = 5)]
         reps: usize,
-        /// Host threads of the staged path (default: one per core, at most 16); a list sweeps.
+        /// Host threads of the staged path (default: one per core, at most 8); a list sweeps.
         #[arg(long, value_parser = parse_counts)]
         threads: Option<std::vec::Vec<usize>>,
-        /// Bytes per chunk (per DMA and pinned slot) of the staged path (default 2MiB); a list sweeps.
+        /// Bytes per chunk (per DMA and pinned slot) of the staged path (default 8MiB); a list sweeps.
         #[arg(long, value_parser = parse_sizes)]
         chunk: Option<std::vec::Vec<usize>>,
-        /// Bytes per piece a thread copies (default 512KiB, or the chunk if smaller); a list sweeps.
+        /// Bytes per piece a thread copies (default 1MiB, or the chunk if smaller); a list sweeps.
         #[arg(long, value_parser = parse_sizes)]
         piece: Option<std::vec::Vec<usize>>,
-        /// Pinned slots in the staging ring (default 16); a list sweeps.
+        /// Pinned slots in the staging ring (default 8); a list sweeps.
         #[arg(long, value_parser = parse_counts)]
         slots: Option<std::vec::Vec<usize>>,
         /// Only the staged path, for every combination of --threads, --chunk, --piece and
