@@ -5,7 +5,7 @@
 //! against a model of the GPU that checks every page is mapped only where no queued work can see
 //! the change.
 
-use super::heap::{Freed, Heap, Owner, State, ALIGN, IDLE};
+use super::heap::{AddrMap, Freed, Heap, Owner, State, ALIGN, IDLE};
 use crate::error::{Error, Result};
 use std::collections::{HashMap, VecDeque};
 
@@ -177,7 +177,8 @@ pub(crate) struct Core<B: Backend> {
     sizes: Sizes,
     slots: Vec<Slot<B::Page>>,
     spare: Vec<B::Page>,
-    streams: HashMap<u64, Stream<B::Event>>,
+    /// By stream handle (a pointer, which the address hash suits).
+    streams: AddrMap<Stream<B::Event>>,
     idle_events: Vec<B::Event>,
     pools: HashMap<u64, u32>,
     next_pool: u32,
@@ -201,7 +202,7 @@ impl<B: Backend> Core<B> {
             sizes,
             slots: Vec::new(),
             spare: Vec::new(),
-            streams: HashMap::new(),
+            streams: AddrMap::default(),
             idle_events: Vec::new(),
             pools: HashMap::new(),
             next_pool: 1,
@@ -749,30 +750,35 @@ impl<B: Backend> Core<B> {
         let Some(slot) = self.slots.iter().position(|s| s.heap.contains(addr)) else {
             return Err(Error::invalid(format!("{addr:#x} was not allocated here")));
         };
-        let Some((_, _, pool)) = self.slots[slot].heap.live(addr) else {
-            return Err(Error::invalid(format!("{addr:#x} is not a live allocation (freed twice?)")));
-        };
-        if capture != Capture::None {
-            self.note_capture(stream);
+        let not_live = || Error::invalid(format!("{addr:#x} is not a live allocation (freed twice?)"));
+        if capture == Capture::None {
+            // The common case, in one lookup of the block.
+            let st = self.streams.entry(stream).or_insert_with(Stream::new);
+            let epoch = st.next;
+            let freed = self.slots[slot].heap.free_cached(addr, stream, epoch).ok_or_else(not_live)?;
+            st.last_free = epoch;
+            return Ok(self.count_free(freed));
         }
+        let Some((_, _, pool)) = self.slots[slot].heap.live(addr) else { return Err(not_live()) };
+        self.note_capture(stream);
         let st = self.streams.entry(stream).or_insert_with(Stream::new);
         let epoch = st.next;
-        let freed = if capture != Capture::None && pool == 0 {
+        let freed = if pool == 0 {
             // The graph may use it; eager work may too. It comes back once the capture is over.
             self.slots[slot].heap.free(addr, State::Deferred { stream })
         } else {
             st.last_free = epoch;
-            if capture == Capture::None {
-                self.slots[slot].heap.free_cached(addr, stream, epoch)
-            } else {
-                self.slots[slot].heap.free(addr, State::Free(Owner::Stream { stream, epoch }))
-            }
+            self.slots[slot].heap.free(addr, State::Free(Owner::Stream { stream, epoch }))
         }
         .expect("checked live");
+        Ok(self.count_free(freed))
+    }
+
+    fn count_free(&mut self, freed: Freed) -> Freed {
         self.stats.frees += 1;
         self.stats.live -= freed.size;
         self.stats.requested -= freed.requested;
-        Ok(freed)
+        freed
     }
 
     pub(crate) fn flush_cached(&mut self) {

@@ -273,13 +273,12 @@ impl Heap {
     /// Frees the live block at `addr` on `stream` at `epoch`, keeping it whole for the stream's
     /// next request of its size when there is room; else as [`free`](Self::free) does.
     pub(crate) fn free_cached(&mut self, addr: u64, stream: u64, epoch: u64) -> Option<Freed> {
-        let &i = self.live.get(&addr)?;
+        let i = self.live.remove(&addr)?;
         let (size, pool) = (self.blocks[i as usize].size, self.blocks[i as usize].pool);
         let list = self.cached.entry((stream, size)).or_default();
         if pool != 0 || list.len() >= CACHED_PER_SIZE {
-            return self.free(addr, State::Free(Owner::Stream { stream, epoch }));
+            return Some(self.free_block(i, State::Free(Owner::Stream { stream, epoch })));
         }
-        self.live.remove(&addr);
         let b = &mut self.blocks[i as usize];
         let State::Live { requested, .. } = b.state else { unreachable!("live map names a free block") };
         b.state = State::Cached { stream, epoch };
@@ -308,6 +307,11 @@ impl Heap {
     /// neighbours of the same pool that `owner`'s stream may use.
     pub(crate) fn free(&mut self, addr: u64, state: State) -> Option<Freed> {
         let i = self.live.remove(&addr)?;
+        Some(self.free_block(i, state))
+    }
+
+    /// [`free`](Self::free) of block `i`, already out of the live map.
+    fn free_block(&mut self, i: u32, state: State) -> Freed {
         let b = self.blocks[i as usize];
         let State::Live { requested, .. } = b.state else { unreachable!("live map names a free block") };
         let freed = Freed { size: b.size, requested, pool: b.pool };
@@ -319,7 +323,7 @@ impl Heap {
                 unreachable!("free to a live, cached or lent state")
             }
         }
-        Some(freed)
+        freed
     }
 
     /// Indexes free block `i` with `owner`, merging it with neighbours it may share with.
