@@ -91,6 +91,19 @@ fn ahead_size(next: usize, last_growth: usize, max_chunk: usize, granularity: us
     crate::vmm::round_up(next.min(span).max(floor), granularity)
 }
 
+/// Maps all of `phys` at `offset` of `res` and makes it accessible to the device `builder`
+/// creates memory on: a chunk ready for the vector's elements.
+fn map_chunk(
+    builder: &PhysicalBuilder,
+    res: &Reservation,
+    offset: usize,
+    phys: &PhysicalMemory,
+) -> Result<Mapping> {
+    let m = res.map(offset, phys, 0, phys.size())?;
+    m.set_access(&[(builder.context().device(), Access::ReadWrite)])?;
+    Ok(m)
+}
+
 /// One chunk to make ahead, and where to send it.
 struct AheadJob {
     phys: PhysicalBuilder,
@@ -102,12 +115,10 @@ struct AheadJob {
 
 impl AheadJob {
     fn run(self) {
-        let made = (|| {
-            let chunk = self.phys.create(self.size)?;
-            let m = self.reservation.map(self.offset, &chunk, 0, self.size)?;
-            m.set_access(&[(self.phys.context().device(), Access::ReadWrite)])?;
-            Ok(m)
-        })();
+        let made = self
+            .phys
+            .create(self.size)
+            .and_then(|c| map_chunk(&self.phys, &self.reservation, self.offset, &c));
         // A vector dropped meanwhile no longer wants it: the mapping is undone here.
         let _ = self.done.send(made);
     }
@@ -273,12 +284,6 @@ impl RawVmm {
         self.reservation.base()
     }
 
-    fn map_chunk(&self, res: &Reservation, offset: usize, phys: &PhysicalMemory) -> Result<Mapping> {
-        let m = res.map(offset, phys, 0, phys.size())?;
-        m.set_access(&[(self.phys.context().device(), Access::ReadWrite)])?;
-        Ok(m)
-    }
-
     /// Maps chunks until at least `need` bytes are mapped. On any failure nothing changes: the
     /// chunks created so far are unmapped and released, and the old mapping is untouched.
     pub fn grow_to(&mut self, need: usize) -> Result<()> {
@@ -326,7 +331,7 @@ impl RawVmm {
         }
         for size in rest {
             let phys = self.phys.create(size)?;
-            fresh.push(self.map_chunk(&self.reservation, offset, &phys)?);
+            fresh.push(map_chunk(&self.phys, &self.reservation, offset, &phys)?);
             offset += size;
         }
         // Exported before the growth is committed, so that a failure leaves everything as it was.
@@ -352,12 +357,12 @@ impl RawVmm {
         let res = Reservation::new(self.phys.context(), size)?;
         let mut chunks = Vec::with_capacity(self.chunks.len() + plan.len());
         for old in &self.chunks {
-            chunks.push(self.map_chunk(&res, old.offset(), old.physical())?);
+            chunks.push(map_chunk(&self.phys, &res, old.offset(), old.physical())?);
         }
         let mut offset = self.mapped;
         for &size in plan {
             let phys = self.phys.create(size)?;
-            chunks.push(self.map_chunk(&res, offset, &phys)?);
+            chunks.push(map_chunk(&self.phys, &res, offset, &phys)?);
             offset += size;
         }
         self.chunks = chunks;
