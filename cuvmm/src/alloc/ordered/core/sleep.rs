@@ -194,11 +194,12 @@ impl<B: Backend> Core<B> {
         let mut host = self.sleepers.get_mut(&tag).and_then(|t| t.backup.take());
         let mut mapped: Vec<(usize, u64)> = Vec::new();
         let r = self.wake_map(&slots, &saved, host.as_mut(), &mut mapped);
-        // Whatever was queued has to land (or fail) before anything is unmapped or reused.
-        let r = r.and(self.backend.finish_copies());
+        // Whatever was queued has to land (or fail) before anything is unmapped or reused: waited
+        // for once, whether the mapping failed or not.
+        let finished = self.backend.finish_copies();
+        let r = r.and(finished);
         self.sleepers.get_mut(&tag).expect("known").backup = host;
         if let Err(e) = r {
-            let _ = self.backend.finish_copies();
             // Back to asleep as it was: nothing half-mapped stays behind; the backup is intact.
             for (slot, p) in mapped {
                 let base = self.slots[slot].heap.base();
