@@ -1157,15 +1157,31 @@ fn timer_floor() -> f64 {
 fn cached_pairs<S: Side>(side: &mut S, stream: &Stream, size: usize, pairs: usize) -> Result<f64> {
     let s = stream.raw();
     stream.context().bind()?;
+    per_call_ns(
+        pairs,
+        || {
+            let p = side.alloc(size, s)?;
+            side.free(std::hint::black_box(p), s)
+        },
+        || stream.synchronize(),
+    )
+}
+
+/// ns per call of `call`: the median of [`PAIR_BATCHES`] batches of `n` calls, each batch
+/// closed by `after` (inside the timing), after a warm-up batch of a tenth as many.
+fn per_call_ns(
+    n: usize,
+    mut call: impl FnMut() -> Result<()>,
+    mut after: impl FnMut() -> Result<()>,
+) -> Result<f64> {
     let mut samples = Vec::new();
     for batch in 0..=PAIR_BATCHES {
-        let n = if batch == 0 { (pairs / 10).max(1) } else { pairs };
+        let n = if batch == 0 { (n / 10).max(1) } else { n };
         let t = Instant::now();
         for _ in 0..n {
-            let p = side.alloc(size, s)?;
-            side.free(std::hint::black_box(p), s)?;
+            call()?;
         }
-        stream.synchronize()?;
+        after()?;
         if batch > 0 {
             samples.push(t.elapsed().as_secs_f64() * 1e9 / n as f64);
         }
@@ -1178,30 +1194,23 @@ fn cached_pairs<S: Side>(side: &mut S, stream: &Stream, size: usize, pairs: usiz
 fn capture_queries(stream: &Stream, n: usize) -> Result<f64> {
     let api = driver()?.api();
     stream.context().bind()?;
-    let mut samples = Vec::new();
-    for batch in 0..=PAIR_BATCHES {
-        let n = if batch == 0 { (n / 10).max(1) } else { n };
-        let t = Instant::now();
-        for _ in 0..n {
-            let (mut status, mut id) = (0, 0u64);
-            // SAFETY: a live stream; the out-pointers are valid locals, the optional ones null.
-            unsafe {
-                api.cuStreamGetCaptureInfo(
-                    stream.raw(),
-                    &mut status,
-                    &mut id,
-                    std::ptr::null_mut(),
-                    std::ptr::null_mut(),
-                    std::ptr::null_mut(),
-                )?
-            };
-            std::hint::black_box((status, id));
-        }
-        if batch > 0 {
-            samples.push(t.elapsed().as_secs_f64() * 1e9 / n as f64);
-        }
-    }
-    Ok(median(&samples))
+    let query = || {
+        let (mut status, mut id) = (0, 0u64);
+        // SAFETY: a live stream; the out-pointers are valid locals, the optional ones null.
+        unsafe {
+            api.cuStreamGetCaptureInfo(
+                stream.raw(),
+                &mut status,
+                &mut id,
+                std::ptr::null_mut(),
+                std::ptr::null_mut(),
+                std::ptr::null_mut(),
+            )?
+        };
+        std::hint::black_box((status, id));
+        Ok(())
+    };
+    per_call_ns(n, query, || Ok(()))
 }
 
 /// Replays `trace` on `ctx`'s device against the three allocators, then measures cached pairs.
