@@ -142,18 +142,9 @@ impl Shared {
     fn wait_until(
         &self,
         cv: &Condvar,
-        mut cond: impl FnMut(&State) -> bool,
+        cond: impl FnMut(&State) -> bool,
     ) -> std::result::Result<MutexGuard<'_, State>, ()> {
-        let mut g = self.lock();
-        loop {
-            if g.failed.is_some() {
-                return Err(());
-            }
-            if cond(&g) {
-                return Ok(g);
-            }
-            g = cv.wait(g).unwrap_or_else(|e| e.into_inner());
-        }
+        self.wait(cv, None, cond)
     }
 
     /// As [`wait_until`](Self::wait_until) on the issuer's condition variable, but also gives up
@@ -162,6 +153,16 @@ impl Shared {
     fn wait_watching(
         &self,
         stream: &Stream,
+        cond: impl FnMut(&State) -> bool,
+    ) -> std::result::Result<MutexGuard<'_, State>, ()> {
+        self.wait(&self.issuer, Some(stream), cond)
+    }
+
+    /// The loop of both: with a stream to watch, wakes every 20 ms to ask it for errors.
+    fn wait(
+        &self,
+        cv: &Condvar,
+        watch: Option<&Stream>,
         mut cond: impl FnMut(&State) -> bool,
     ) -> std::result::Result<MutexGuard<'_, State>, ()> {
         let mut g = self.lock();
@@ -172,10 +173,12 @@ impl Shared {
             if cond(&g) {
                 return Ok(g);
             }
-            let (next, timeout) = self
-                .issuer
-                .wait_timeout(g, std::time::Duration::from_millis(20))
-                .unwrap_or_else(|e| e.into_inner());
+            let Some(stream) = watch else {
+                g = cv.wait(g).unwrap_or_else(|e| e.into_inner());
+                continue;
+            };
+            let (next, timeout) =
+                cv.wait_timeout(g, std::time::Duration::from_millis(20)).unwrap_or_else(|e| e.into_inner());
             g = next;
             if timeout.timed_out() {
                 drop(g);
