@@ -179,8 +179,11 @@ def main():
             w.view(-1).view(torch.uint8).copy_(host[off:off + nb], non_blocking=True)
             off += nb
 
-    d2h_s = [timed(d2h) for _ in range(args.bound_reps + 1)][1:]
-    h2d_s = [timed(h2d) for _ in range(args.bound_reps + 1)][1:]
+    def bound(fn):
+        """Median of --bound-reps timed copies, after one untimed warm-up."""
+        return median([timed(fn) for _ in range(args.bound_reps + 1)][1:])
+
+    d2h_b, h2d_b = bound(d2h), bound(h2d)
     del host
     if hasattr(torch._C, "_host_emptyCache"):
         torch._C._host_emptyCache()  # the pinned bound buffer must not crowd cuvmm's offload
@@ -257,8 +260,7 @@ def main():
     # The same copy bounds again, now into the memory the last wake mapped: whether copies into
     # that memory run slower than into the memory the first bounds used.
     host = torch.empty(weight_bytes, dtype=torch.uint8, pin_memory=True)
-    d2h_after = median([timed(d2h) for _ in range(args.bound_reps + 1)][1:])
-    h2d_after = median([timed(h2d) for _ in range(args.bound_reps + 1)][1:])
+    d2h_after, h2d_after = bound(d2h), bound(h2d)
     del host
     after_kept_weights = checksums() == ref_sums
 
@@ -268,7 +270,6 @@ def main():
     sleep_s = median(r["sleep_offload_s"] for r in timed)
     wake_s = median(r["wake_weights_s"] for r in timed)
     discard_s = median(r["sleep_discard_s"] for r in timed)
-    d2h_b, h2d_b = median(d2h_s), median(h2d_s)
     result = {
         "env": env_info(), "weights": n_weights, "weight_bytes": weight_bytes, "cache_bytes": cache_bytes,
         "d2h_bound_s": d2h_b, "h2d_bound_s": h2d_b,
