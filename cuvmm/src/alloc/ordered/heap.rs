@@ -432,12 +432,13 @@ impl Heap {
             .free
             .range((stream, 0, 0, 0, 0)..=(stream, 0, u64::MAX, u64::MAX, u32::MAX))
             .filter_map(|&(_, _, size, addr, i)| match self.blocks[i as usize].state {
-                State::Free(Owner::Stream { epoch, .. }) => Some((epoch, u64::from(i), addr, size)),
+                State::Free(Owner::Stream { epoch, .. }) => Some((u64::from(i), addr, size, epoch)),
                 _ => None,
             })
             .collect();
-        v.sort_unstable();
-        v.into_iter().map(|(e, i, a, s)| (i, a, s, e)).collect()
+        // Oldest free first (their work is the likeliest to have run).
+        v.sort_unstable_by_key(|&(i, _, _, epoch)| (epoch, i));
+        v
     }
 
     /// Takes `[start, end)` of free block `id` (from [`stream_free`](Self::stream_free)) out of
