@@ -1,9 +1,10 @@
 //! `cuvmm bench sleep`: putting tagged memory to sleep and waking it, beside the copy bounds.
 //!
-//! The bounds are measured in the same run: one asynchronous copy of the whole size between the
-//! device and pinned host memory, each way, timed with events. A sleep with offload must copy as
-//! much to the host, a wake as much back, so those copies are what they are judged against. The
-//! first sleep also pins its host backup (kept for later sleeps); it is reported apart.
+//! The bounds are measured in every cycle, beside the sleep and the wake: the tagged bytes copied
+//! between the device and pinned host memory, each way, timed with events. A sleep with offload
+//! must copy as much to the host, a wake as much back, so those copies are what they are judged
+//! against. The first sleep also pins its host backup (kept for later sleeps); it is reported
+//! apart, with its cycle.
 
 use super::{invalid, median};
 use cuvmm::alloc::{SleepMode, StreamAllocator, Tag};
@@ -20,9 +21,9 @@ use std::time::Instant;
 pub struct SleepReport {
     /// Bytes tagged and put to sleep.
     pub bytes: usize,
-    /// One device-to-pinned-host copy of `bytes` (median).
+    /// Device-to-pinned-host copies of `bytes`, one per cycle, just before its sleep (median).
     pub d2h_bound_ms: f64,
-    /// One pinned-host-to-device copy of `bytes` (median).
+    /// Pinned-host-to-device copies of `bytes`, one per cycle, just after its wake (median).
     pub h2d_bound_ms: f64,
     /// The first sleep with offload (pins its backup).
     pub first_offload_ms: f64,
@@ -38,6 +39,18 @@ pub struct SleepReport {
     pub freed_ratio: f64,
     /// Elements that differed from what was written, over every wake that restored contents.
     pub mismatches: u64,
+    /// Fastest and slowest of each timed series: offload, D2H bound, wake, H2D bound.
+    pub spread: Spread,
+}
+
+/// (fastest, slowest) milliseconds of the offloads, the D2H bounds, the wakes and the H2D bounds.
+#[derive(Clone, Debug, Default)]
+pub struct Spread(pub [(f64, f64); 4]);
+
+impl Spread {
+    fn of(series: [&[f64]; 4]) -> Spread {
+        Spread(series.map(|v| v.iter().fold((f64::INFINITY, 0.0_f64), |(lo, hi), &x| (lo.min(x), hi.max(x)))))
+    }
 }
 
 impl SleepReport {
@@ -88,45 +101,39 @@ pub fn run(ctx: &Context, bytes: usize, block: usize, reps: usize) -> Result<Sle
     let total = blocks.len() * block;
     let mut r = SleepReport { bytes: total, ..SleepReport::default() };
 
-    // The bounds: the whole size in one copy each way, pinned host memory, device events.
-    {
-        let host = PinnedBuffer::<u8>::new(ctx, block)?;
-        let (start, end) = (Event::new(ctx)?, Event::new(ctx)?);
-        let api = cuvmm::driver::driver()?.api();
-        // Every block through the one host buffer, one way; milliseconds by device events.
-        let pass = |to_host: bool| -> Result<f64> {
-            start.record(&s)?;
-            for b in &blocks {
-                // SAFETY: the device range is a live block; the host buffer outlives the copy
-                // (synchronised below) and nothing else touches it.
-                unsafe {
-                    if to_host {
-                        api.cuMemcpyDtoHAsync(host.base_ptr().cast(), b.ptr(), block, s.raw())
-                    } else {
-                        api.cuMemcpyHtoDAsync(b.ptr(), host.base_ptr().cast(), block, s.raw())
-                    }
-                }?;
-            }
-            end.record(&s)?;
-            end.synchronize()?;
-            Ok(start.elapsed_ms(&end)? as f64)
-        };
-        pass(true)?;
-        pass(false)?;
-        let mut d2h = Vec::new();
-        let mut h2d = Vec::new();
-        for _ in 0..reps {
-            d2h.push(pass(true)?);
-            h2d.push(pass(false)?);
+    // The bounds: every block through one pinned host buffer, one way, timed with device events.
+    // They are taken in every cycle, next to the sleep and the wake they judge: bus copies on one
+    // machine vary by more than a tenth from one pass to the next, so bounds measured once, apart
+    // from the cycles, would make the ratios a matter of luck.
+    let host = PinnedBuffer::<u8>::new(ctx, block)?;
+    let (start, end) = (Event::new(ctx)?, Event::new(ctx)?);
+    let api = cuvmm::driver::driver()?.api();
+    let pass = |to_host: bool| -> Result<f64> {
+        start.record(&s)?;
+        for b in &blocks {
+            // SAFETY: the device range is a live, mapped block; the host buffer outlives the
+            // copy (synchronised below) and nothing else touches it.
+            unsafe {
+                if to_host {
+                    api.cuMemcpyDtoHAsync(host.base_ptr().cast(), b.ptr(), block, s.raw())
+                } else {
+                    api.cuMemcpyHtoDAsync(b.ptr(), host.base_ptr().cast(), block, s.raw())
+                }
+            }?;
         }
-        r.d2h_bound_ms = median(&d2h);
-        r.h2d_bound_ms = median(&h2d);
-    }
+        end.record(&s)?;
+        end.synchronize()?;
+        Ok(start.elapsed_ms(&end)? as f64)
+    };
+    pass(true)?;
+    pass(false)?;
 
     let (mut off, mut wake, mut disc, mut dwake) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let (mut d2h, mut h2d) = (Vec::new(), Vec::new());
     for rep in 0..=reps {
         let seed = 1000 + rep as u32;
         fill(seed)?;
+        let d2h_ms = pass(true)?;
         let mapped = alloc.tag_stats(tag).mapped;
         let free_before = ctx.memory_info()?.free;
         let t = Instant::now();
@@ -139,14 +146,18 @@ pub fn run(ctx: &Context, bytes: usize, block: usize, reps: usize) -> Result<Sle
             r.first_offload_ms = took;
         } else {
             off.push(took);
+            d2h.push(d2h_ms);
         }
         let t = Instant::now();
         alloc.wake(tag)?;
         let took = ms(t);
+        r.mismatches += check(seed)?;
+        // Overwrites the blocks, which the next cycle fills again.
+        let h2d_ms = pass(false)?;
         if rep > 0 {
             wake.push(took);
+            h2d.push(h2d_ms);
         }
-        r.mismatches += check(seed)?;
 
         let t = Instant::now();
         alloc.sleep(tag, SleepMode::Discard)?;
@@ -155,6 +166,9 @@ pub fn run(ctx: &Context, bytes: usize, block: usize, reps: usize) -> Result<Sle
         alloc.wake(tag)?;
         dwake.push(ms(t));
     }
+    r.d2h_bound_ms = median(&d2h);
+    r.h2d_bound_ms = median(&h2d);
+    r.spread = Spread::of([&off, &d2h, &wake, &h2d]);
     r.offload_ms = median(&off);
     r.wake_ms = median(&wake);
     r.discard_ms = median(&disc);

@@ -168,7 +168,7 @@ pub enum Bench {
         json: bool,
     },
     /// Put tagged memory to sleep and wake it (with offload and discarding), beside the pinned
-    /// copy bounds measured in the same run.
+    /// copy bounds measured in each cycle.
     Sleep {
         /// Bytes tagged.
         #[arg(long, default_value = "16GiB", value_parser = parse_size)]
@@ -177,7 +177,7 @@ pub enum Bench {
         #[arg(long, default_value = "1GiB", value_parser = parse_size)]
         block: usize,
         /// Sleep and wake cycles measured after the first.
-        #[arg(long, default_value_t = 3)]
+        #[arg(long, default_value_t = 5)]
         reps: usize,
         /// Device ordinal.
         #[arg(long, default_value_t = 0)]
@@ -515,38 +515,52 @@ pub fn run(b: Bench) -> CliResult {
                     "h2d_bound_ms": r.h2d_bound_ms, "first_offload_ms": r.first_offload_ms,
                     "offload_ms": r.offload_ms, "offload_ratio": r.offload_ratio(), "wake_ms": r.wake_ms,
                     "wake_ratio": r.wake_ratio(), "discard_ms": r.discard_ms, "discard_wake_ms": r.discard_wake_ms,
-                    "freed_ratio": r.freed_ratio, "mismatches": r.mismatches});
+                    "freed_ratio": r.freed_ratio, "mismatches": r.mismatches,
+                    "fastest_slowest_ms": {"offload": r.spread.0[0], "d2h_bound": r.spread.0[1],
+                        "wake": r.spread.0[2], "h2d_bound": r.spread.0[3]}});
                 writeln!(out, "{line}")?;
             } else {
                 let gbs = |ms: f64| r.bytes as f64 / ms / 1e6;
                 writeln!(
                     out,
-                    "{}: sleep and wake of {} tagged in {} blocks, {} cycles after the first",
+                    "{}: sleep and wake of {} tagged in {} blocks, {} cycles after the first; bounds taken in each cycle",
                     ctx.device().name()?,
                     show(r.bytes),
                     show(block),
                     reps
                 )?;
-                writeln!(out, "| step | ms | GB/s | bound ms | ratio |")?;
-                writeln!(out, "|---|---|---|---|---|")?;
+                let [off, d2h, wake, h2d] = r.spread.0;
                 writeln!(
                     out,
-                    "| sleep, offload | {:.1} | {:.1} | {:.1} (pinned D2H) | {:.3} |",
+                    "| step | ms | fastest-slowest | GB/s | bound ms | bound fastest-slowest | ratio |"
+                )?;
+                writeln!(out, "|---|---|---|---|---|---|---|")?;
+                writeln!(
+                    out,
+                    "| sleep, offload | {:.1} | {:.1}-{:.1} | {:.1} | {:.1} (pinned D2H) | {:.1}-{:.1} | {:.3} |",
                     r.offload_ms,
+                    off.0,
+                    off.1,
                     gbs(r.offload_ms),
                     r.d2h_bound_ms,
+                    d2h.0,
+                    d2h.1,
                     r.offload_ratio()
                 )?;
                 writeln!(
                     out,
-                    "| wake, restore | {:.1} | {:.1} | {:.1} (pinned H2D) | {:.3} |",
+                    "| wake, restore | {:.1} | {:.1}-{:.1} | {:.1} | {:.1} (pinned H2D) | {:.1}-{:.1} | {:.3} |",
                     r.wake_ms,
+                    wake.0,
+                    wake.1,
                     gbs(r.wake_ms),
                     r.h2d_bound_ms,
+                    h2d.0,
+                    h2d.1,
                     r.wake_ratio()
                 )?;
-                writeln!(out, "| sleep, discard | {:.2} | | | |", r.discard_ms)?;
-                writeln!(out, "| wake after discard | {:.2} | | | |", r.discard_wake_ms)?;
+                writeln!(out, "| sleep, discard | {:.2} | | | | | |", r.discard_ms)?;
+                writeln!(out, "| wake after discard | {:.2} | | | | | |", r.discard_wake_ms)?;
                 writeln!(
                     out,
                     "first sleep with offload (pins its host backup): {:.1} ms",
