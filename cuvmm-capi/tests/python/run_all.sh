@@ -68,6 +68,9 @@ if [ -x "$BUNDLE/bin/cuvmm" ]; then
     run bench_sleep "$BUNDLE/bin/cuvmm" bench sleep
 fi
 
+# What another user's frees alone cost a copy that follows them (the wake's conditions below).
+run copy_after_free $PY copy_after_free.py --json "$OUT_DIR/copy_after_free.json"
+
 # b-d. both ways
 for a in cuvmm cuvmm-pool; do
     run "two_streams_$a" $PY two_streams.py --alloc "$a" --json "$OUT_DIR/two_streams_$a.json"
