@@ -168,14 +168,7 @@ fn malloc_with(
     ptr as usize as *mut c_void
 }
 
-fn free_with(
-    function: &str,
-    ptr: *mut c_void,
-    size: isize,
-    device: c_int,
-    stream: CUstream,
-    graphs: GraphMemory,
-) {
+fn free_with(function: &str, ptr: *mut c_void, size: isize, device: c_int, stream: CUstream) {
     if ptr.is_null() {
         return;
     }
@@ -186,7 +179,7 @@ fn free_with(
         let a = allocator(device).map_err(plain)?;
         // SAFETY: the C contract: `ptr` came from this library's malloc for `device` and every use
         // on other streams is ordered before the work queued on `stream`.
-        unsafe { a.free_raw(ptr as usize as u64, stream, graphs) }.map_err(reported)
+        unsafe { a.free_raw(ptr as usize as u64, stream) }.map_err(reported)
     })
 }
 
@@ -199,7 +192,7 @@ pub extern "C" fn cuvmm_malloc(size: isize, device: c_int, stream: CUstream) -> 
 /// Frees a block of [`cuvmm_malloc`] on `stream`.
 #[no_mangle]
 pub extern "C" fn cuvmm_free(ptr: *mut c_void, size: isize, device: c_int, stream: CUstream) {
-    free_with("cuvmm_free", ptr, size, device, stream, GraphMemory::Keep)
+    free_with("cuvmm_free", ptr, size, device, stream)
 }
 
 /// Allocates a segment for PyTorch's `MemPool`.
@@ -211,7 +204,7 @@ pub extern "C" fn cuvmm_pool_malloc(size: isize, device: c_int, stream: CUstream
 /// Frees a segment of [`cuvmm_pool_malloc`].
 #[no_mangle]
 pub extern "C" fn cuvmm_pool_free(ptr: *mut c_void, size: isize, device: c_int, stream: CUstream) {
-    free_with("cuvmm_pool_free", ptr, size, device, stream, GraphMemory::Share)
+    free_with("cuvmm_pool_free", ptr, size, device, stream)
 }
 
 /// `cuvmm_stats_t` of cuvmm.h: the library's counters are laid out as C declares them.

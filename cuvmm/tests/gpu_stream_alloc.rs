@@ -163,7 +163,7 @@ fn the_per_thread_default_stream_and_wrong_contexts_are_refused() {
     let s = Stream::new(&ctx).unwrap();
     let x = alloc.allocate(4096, &s).unwrap();
     // SAFETY: a wrong address is refused without touching memory.
-    let r = unsafe { alloc.free_raw(x.ptr() + 512, s.raw(), cuvmm::alloc::GraphMemory::Keep) };
+    let r = unsafe { alloc.free_raw(x.ptr() + 512, s.raw()) };
     assert!(matches!(r, Err(cuvmm::Error::InvalidArgument(_))), "{r:?}");
 }
 

@@ -766,7 +766,7 @@ impl Side for CuvmmSide {
     fn free(&mut self, ptr: u64, stream: CUstream) -> Result<()> {
         // SAFETY: `ptr` came from `alloc` and is freed once (the trace is checked); no kernel
         // uses it on any stream; `stream` as in `alloc`.
-        unsafe { self.alloc.free_raw(ptr, stream, GraphMemory::Keep) }
+        unsafe { self.alloc.free_raw(ptr, stream) }
     }
     fn reset_peak(&mut self) -> Result<()> {
         self.alloc.reset_peaks();

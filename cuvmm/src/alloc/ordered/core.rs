@@ -5,7 +5,7 @@
 //! against a model of the GPU that checks every page is mapped only where no queued work can see
 //! the change.
 
-use super::heap::{AddrMap, Freed, Heap, Owner, State, ALIGN, IDLE};
+use super::heap::{AddrMap, Freed, Heap, Owner, ALIGN, IDLE};
 use crate::error::{Error, Result};
 use std::collections::{HashMap, VecDeque};
 
@@ -53,13 +53,18 @@ pub(crate) trait Backend {
 }
 
 /// Pages are lent (see [`Core::lend`]) only when new ones would bring the memory held past this
-/// many times the largest live total so far. Every page moved costs the driver about 50 µs of the
-/// calling thread (cuMemMap, cuMemSetAccess and later cuMemUnmap of a 2 MiB page on an H100), and
-/// a call that moves a thousand can starve the device. Replaying a recorded training run on the
-/// model: lending whenever it can keeps 0.7-3.4% over the live peak but moves 14,000-29,000 pages;
-/// from 2% on, 2.1% and 6,500-16,500 (no lending: 6.1% and 1,100). On the H100 that training run
-/// moved 6,404 pages from 3% on, held 1.038x and ran at native speed; from 2% on it lost 4.4% of
-/// its median step in two of three runs.
+/// many times the largest live total so far. Every page moved costs the calling thread about 50 µs
+/// of driver calls (cuMemMap, cuMemSetAccess and later cuMemUnmap of a 2 MiB page on an H100; about
+/// the same for a 4 MiB one), and a call that moves a thousand can starve the device. Replaying a
+/// recorded training run on the model with 2 MiB pages: lending whenever it can keeps 0.7-3.4%
+/// over the live peak but moves 14,000-29,000 pages; from 2% on, 2.1% and 6,500-16,500; from 3%
+/// on, 3.1% and 6,500-8,900 (no lending: 6.1% and 1,100). With 4 MiB pages from 3% on: 3.1-3.4%
+/// and 2,100-3,300 moves. On the H100 that run, from 3% on, held 1.032x with 4 MiB pages (3,291
+/// moves) at 0.995-1.000x native step time in three runs; with 2 MiB pages 1.038-1.047x (6,404-
+/// 10,706 moves) and up to 1.033x the step time; from 2% on it lost 4.4% of its step time.
+/// Replayed four times in a row on 4 MiB pages, though, lending drifts: 1.03x, then 1.04-1.07x, 1.09-1.11x and
+/// 1.14-1.17x, moving more pages each time, where without it the peak stays at 1.061x and no
+/// page moves after the first replay.
 const LEND_ABOVE: f64 = 1.03;
 
 /// Requests up to this size come from the small heaps, so small blocks never pin large pages.
@@ -275,7 +280,6 @@ impl<B: Backend> Core<B> {
         };
         let req = Request { n, size, stream, kind: (n <= SMALL, tag), pool, capture };
         if capture == Capture::None {
-            self.undefer(stream);
             for slot in self.slots.iter_mut().filter(|s| (s.small, s.tag) == req.kind) {
                 if let Some(addr) = slot.heap.take_cached(stream, n, size) {
                     self.count_alloc(n, size, true);
@@ -330,7 +334,7 @@ impl<B: Backend> Core<B> {
         let st = self.streams.entry(stream).or_insert_with(Stream::new);
         st.last_free = st.next;
         let owner = Owner::Stream { stream, epoch: st.next };
-        self.slots[slot].heap.free(addr, State::Free(owner));
+        self.slots[slot].heap.free(addr, owner);
     }
 
     /// Takes a free block of pool `pool` that `reuse` (a stream, or [`IDLE`]) may use, for `req`
@@ -672,10 +676,7 @@ impl<B: Backend> Core<B> {
         for s in streams {
             self.poll(s)?;
             let st = &self.streams[&s];
-            if st.fences.is_empty()
-                && st.last_free < st.next
-                && !self.slots.iter().any(|x| x.heap.has_deferred())
-            {
+            if st.fences.is_empty() && st.last_free < st.next {
                 // Everything freed on it is idle: forget it, so that a destroyed stream's handle is
                 // never used again.
                 self.streams.remove(&s);
@@ -750,31 +751,25 @@ impl<B: Backend> Core<B> {
     }
 
     /// Frees the block at `addr`, last used on `stream`.
-    pub(crate) fn free(&mut self, addr: u64, stream: u64, capture: Capture) -> Result<Freed> {
+    ///
+    /// The same whether or not `stream` is being captured, so a free asks the driver nothing: a
+    /// block freed during a capture is owned by its stream like any other, and becomes anyone's
+    /// only once an event recorded on that stream after the free has completed, which cannot be
+    /// recorded before the capture ends. Until then only the stream's own eager requests could
+    /// take it, and those cannot come during the capture: captured requests take blocks of their
+    /// graph's pool or idle ones. A graph's own blocks freed during its capture go back to its
+    /// pool as always.
+    pub(crate) fn free(&mut self, addr: u64, stream: u64) -> Result<Freed> {
         let Some(slot) = self.slots.iter().position(|s| s.heap.contains(addr)) else {
             return Err(Error::invalid(format!("{addr:#x} was not allocated here")));
         };
-        let not_live = || Error::invalid(format!("{addr:#x} is not a live allocation (freed twice?)"));
-        if capture == Capture::None {
-            // The common case, in one lookup of the block.
-            let st = self.streams.entry(stream).or_insert_with(Stream::new);
-            let epoch = st.next;
-            let freed = self.slots[slot].heap.free_cached(addr, stream, epoch).ok_or_else(not_live)?;
-            st.last_free = epoch;
-            return Ok(self.count_free(freed));
-        }
-        let Some((_, _, pool)) = self.slots[slot].heap.live(addr) else { return Err(not_live()) };
-        self.note_capture(stream);
         let st = self.streams.entry(stream).or_insert_with(Stream::new);
         let epoch = st.next;
-        let freed = if pool == 0 {
-            // The graph may use it; eager work may too. It comes back once the capture is over.
-            self.slots[slot].heap.free(addr, State::Deferred { stream })
-        } else {
-            st.last_free = epoch;
-            self.slots[slot].heap.free(addr, State::Free(Owner::Stream { stream, epoch }))
-        }
-        .expect("checked live");
+        let freed = self.slots[slot]
+            .heap
+            .free_cached(addr, stream, epoch)
+            .ok_or_else(|| Error::invalid(format!("{addr:#x} is not a live allocation (freed twice?)")))?;
+        st.last_free = epoch;
         Ok(self.count_free(freed))
     }
 
@@ -797,21 +792,6 @@ impl<B: Backend> Core<B> {
     fn note_capture(&mut self, stream: u64) {
         if !self.captured.contains(&stream) {
             self.captured.push(stream);
-        }
-    }
-
-    fn undefer(&mut self, stream: u64) {
-        if !self.slots.iter().any(|s| s.heap.has_deferred()) {
-            return;
-        }
-        let st = self.streams.entry(stream).or_insert_with(Stream::new);
-        let epoch = st.next;
-        let mut n = 0;
-        for slot in &mut self.slots {
-            n += slot.heap.undefer(Some(stream), |_| epoch);
-        }
-        if n > 0 {
-            self.streams.get_mut(&stream).expect("inserted").last_free = epoch;
         }
     }
 
@@ -853,13 +833,6 @@ impl<B: Backend> Core<B> {
             return Err(Error::invalid("cannot empty the cache while a stream is being captured"));
         }
         self.captured.clear();
-        for slot in &mut self.slots {
-            let next: HashMap<u64, u64> = self.streams.iter().map(|(&s, st)| (s, st.next)).collect();
-            slot.heap.undefer(None, |s| next.get(&s).copied().unwrap_or(1));
-        }
-        for (_, st) in self.streams.iter_mut() {
-            st.last_free = st.next;
-        }
         self.settle_all()?;
         self.reclaim(usize::MAX)?;
         let n = self.spare.len() as u64;

@@ -38,10 +38,6 @@ pub(crate) enum State {
         stream: u64,
         requested: u64,
     },
-    /// Freed while its stream was being captured into a graph: taken back once the capture ended.
-    Deferred {
-        stream: u64,
-    },
     /// Freed on `stream` and kept whole, unindexed, for that stream's next request of its size:
     /// the common case of a training step costs a hash lookup instead of a best-fit search, a
     /// split and a merge. Flushed into the index before anything else looks for free space.
@@ -118,7 +114,6 @@ pub(crate) struct Heap {
     /// Free blocks by (owner key, pool, size, address): a best fit for one stream is one range query.
     free: BTreeSet<(u64, u32, u64, u64, u32)>,
     live: AddrMap<u32>,
-    deferred: Vec<u32>,
     /// Bytes of blocks in graph pools.
     graph: u64,
     /// `Cached` blocks by (stream, size).
@@ -138,7 +133,6 @@ impl Heap {
             spare: Vec::new(),
             free: BTreeSet::new(),
             live: AddrMap::default(),
-            deferred: Vec::new(),
             lent: Vec::new(),
             graph: 0,
             cached: HashMap::default(),
@@ -249,16 +243,6 @@ impl Heap {
         Some(self.top - size)
     }
 
-    /// The live block at `addr`: (size, stream, pool).
-    pub(crate) fn live(&self, addr: u64) -> Option<(u64, u64, u32)> {
-        let &i = self.live.get(&addr)?;
-        let b = &self.blocks[i as usize];
-        match b.state {
-            State::Live { stream, .. } => Some((b.size, stream, b.pool)),
-            _ => None,
-        }
-    }
-
     /// A block `stream` freed whole with exactly `size` bytes, handed out again to it.
     pub(crate) fn take_cached(&mut self, stream: u64, size: u64, requested: u64) -> Option<u64> {
         let i = self.cached.get_mut(&(stream, size))?.pop()?;
@@ -277,7 +261,7 @@ impl Heap {
         let (size, pool) = (self.blocks[i as usize].size, self.blocks[i as usize].pool);
         let list = self.cached.entry((stream, size)).or_default();
         if pool != 0 || list.len() >= CACHED_PER_SIZE {
-            return Some(self.free_block(i, State::Free(Owner::Stream { stream, epoch })));
+            return Some(self.free_block(i, Owner::Stream { stream, epoch }));
         }
         let b = &mut self.blocks[i as usize];
         let State::Live { requested, .. } = b.state else { unreachable!("live map names a free block") };
@@ -303,26 +287,20 @@ impl Heap {
         }
     }
 
-    /// Frees the live block at `addr`, now owned by `owner` (or deferred), merging it with free
-    /// neighbours of the same pool that `owner`'s stream may use.
-    pub(crate) fn free(&mut self, addr: u64, state: State) -> Option<Freed> {
+    /// Frees the live block at `addr`, now owned by `owner`, merging it with free neighbours of
+    /// the same pool that `owner`'s stream may use.
+    pub(crate) fn free(&mut self, addr: u64, owner: Owner) -> Option<Freed> {
         let i = self.live.remove(&addr)?;
-        Some(self.free_block(i, state))
+        Some(self.free_block(i, owner))
     }
 
     /// [`free`](Self::free) of block `i`, already out of the live map.
-    fn free_block(&mut self, i: u32, state: State) -> Freed {
+    fn free_block(&mut self, i: u32, owner: Owner) -> Freed {
         let b = self.blocks[i as usize];
         let State::Live { requested, .. } = b.state else { unreachable!("live map names a free block") };
         let freed = Freed { size: b.size, requested, pool: b.pool };
-        self.blocks[i as usize].state = state;
-        match state {
-            State::Free(owner) => self.settle(i, owner),
-            State::Deferred { .. } => self.deferred.push(i),
-            State::Live { .. } | State::Cached { .. } | State::Lent { .. } => {
-                unreachable!("free to a live, cached or lent state")
-            }
-        }
+        self.blocks[i as usize].state = State::Free(owner);
+        self.settle(i, owner);
         freed
     }
 
@@ -509,30 +487,6 @@ impl Heap {
             .collect()
     }
 
-    /// Whether blocks freed during a capture wait to come back.
-    pub(crate) fn has_deferred(&self) -> bool {
-        !self.deferred.is_empty()
-    }
-
-    /// Frees, as freed on their stream at `epoch`, the deferred blocks of `stream` (or of every
-    /// stream when `stream` is `None`; each then gets the epoch `epoch_of` gives).
-    pub(crate) fn undefer(&mut self, stream: Option<u64>, mut epoch_of: impl FnMut(u64) -> u64) -> usize {
-        let mut due = Vec::new();
-        self.deferred.retain(|&i| {
-            let State::Deferred { stream: s } = self.blocks[i as usize].state else { unreachable!() };
-            let hit = stream.map_or(true, |t| t == s);
-            if hit {
-                due.push(i);
-            }
-            !hit
-        });
-        for &i in &due {
-            let State::Deferred { stream: s } = self.blocks[i as usize].state else { unreachable!() };
-            self.settle(i, Owner::Stream { stream: s, epoch: epoch_of(s) });
-        }
-        due.len()
-    }
-
     /// Moves every free block of graph pools into the shared pool, each owned as it was; live
     /// blocks of those pools join the shared pool when freed (`pool_of` then says 0).
     pub(crate) fn dissolve_pools(&mut self) -> u64 {
@@ -546,9 +500,6 @@ impl Heap {
             self.settle(i, owner);
         }
         for &i in self.live.values() {
-            self.blocks[i as usize].pool = 0;
-        }
-        for &i in &self.deferred {
             self.blocks[i as usize].pool = 0;
         }
         self.graph = 0;
@@ -609,7 +560,7 @@ impl Heap {
                 }
                 State::Live { .. } => assert_eq!(self.live.get(&b.addr), Some(&i)),
                 State::Lent { .. } => assert!(self.lent.contains(&i)),
-                State::Deferred { .. } | State::Cached { .. } => {}
+                State::Cached { .. } => {}
             }
             at += b.size;
             prev = i;
@@ -648,7 +599,7 @@ mod tests {
     fn a_block_freed_on_a_stream_is_reused_there_and_not_elsewhere_until_idle() {
         let mut h = Heap::new(1 << 20, 1 << 20);
         let a = alloc(&mut h, 4096, S);
-        h.free(a, State::Free(Owner::Stream { stream: S, epoch: 1 }));
+        h.free(a, Owner::Stream { stream: S, epoch: 1 });
         assert_eq!(h.find(0, T, 4096), None, "another stream must not see it");
         assert_eq!(h.find(0, S, 4096).map(|(a, _)| a), Some(a));
         assert_eq!(h.promote(S, 0), 0, "epoch 0 does not cover a free at epoch 1");
@@ -663,11 +614,11 @@ mod tests {
         let a = alloc(&mut h, 512, S);
         let b = alloc(&mut h, 512, S);
         let c = alloc(&mut h, 512, S);
-        h.free(a, State::Free(Owner::Stream { stream: S, epoch: 1 }));
-        h.free(c, State::Free(Owner::Stream { stream: T, epoch: 1 }));
+        h.free(a, Owner::Stream { stream: S, epoch: 1 });
+        h.free(c, Owner::Stream { stream: T, epoch: 1 });
         h.check();
         // b between a (S) and c (T): freed on S it merges with a only.
-        h.free(b, State::Free(Owner::Stream { stream: S, epoch: 2 }));
+        h.free(b, Owner::Stream { stream: S, epoch: 2 });
         h.check();
         assert_eq!(h.find(0, S, 1024).map(|(x, _)| x), Some(a));
         assert_eq!(h.find(0, S, 1536), None);
@@ -685,8 +636,8 @@ mod tests {
         let _sep = alloc(&mut h, 512, S);
         let small = alloc(&mut h, 2048, T);
         let _sep2 = alloc(&mut h, 512, S);
-        h.free(big, State::Free(Owner::Stream { stream: S, epoch: 1 }));
-        h.free(small, State::Free(Owner::Idle));
+        h.free(big, Owner::Stream { stream: S, epoch: 1 });
+        h.free(small, Owner::Idle);
         assert_eq!(h.find(0, S, 1024).map(|(x, _)| x), Some(small), "the idle block is the tighter fit");
         let (_, id) = h.find(0, S, 4096).unwrap();
         assert_eq!(h.take(id, 4096, S, 4000, 0), big);
@@ -700,24 +651,12 @@ mod tests {
     fn graph_pools_are_kept_apart_until_dissolved() {
         let mut h = Heap::new(0, 1 << 20);
         let g = h.carve(4096, S, 4096, 7).unwrap();
-        h.free(g, State::Free(Owner::Idle));
+        h.free(g, Owner::Idle);
         assert_eq!(h.find(0, S, 512), None);
         assert_eq!(h.find(7, S, 512).map(|(x, _)| x), Some(g));
         assert!(h.idle_pages(4096).is_empty() || !h.idle_pages(4096).contains(&0));
         assert_eq!(h.dissolve_pools(), 4096);
         assert_eq!(h.find(0, S, 512).map(|(x, _)| x), Some(g));
-        h.check();
-    }
-
-    #[test]
-    fn deferred_blocks_come_back_on_their_stream() {
-        let mut h = Heap::new(0, 1 << 20);
-        let a = alloc(&mut h, 1024, S);
-        h.free(a, State::Deferred { stream: S });
-        assert_eq!(h.find(0, S, 512), None);
-        assert_eq!(h.undefer(Some(T), |_| 5), 0);
-        assert_eq!(h.undefer(Some(S), |_| 5), 1);
-        assert_eq!(h.find(0, S, 512).map(|(x, _)| x), Some(a));
         h.check();
     }
 
@@ -728,10 +667,10 @@ mod tests {
         let a = alloc(&mut h, page + 512, S); // pages 0, 1 (part)
         let b = alloc(&mut h, page, S); // pages 1 (part), 2 (part); page 3 never used
         assert_eq!(h.idle_pages(page), Vec::<u64>::new());
-        h.free(a, State::Free(Owner::Idle));
+        h.free(a, Owner::Idle);
         assert_eq!(h.idle_pages(page), vec![0]);
         // b freed on S merges with idle a: the whole is S's until an event covers it.
-        h.free(b, State::Free(Owner::Stream { stream: S, epoch: 1 }));
+        h.free(b, Owner::Stream { stream: S, epoch: 1 });
         assert_eq!(h.idle_pages(page), Vec::<u64>::new());
         h.promote(S, 1);
         assert_eq!(h.idle_pages(page), vec![0, 1, 2]);
@@ -742,9 +681,9 @@ mod tests {
     fn freeing_an_unknown_or_already_freed_address_is_refused() {
         let mut h = Heap::new(0, 1 << 20);
         let a = alloc(&mut h, 512, S);
-        assert!(h.free(a + 512, State::Free(Owner::Idle)).is_none());
-        assert!(h.free(a, State::Free(Owner::Idle)).is_some());
-        assert!(h.free(a, State::Free(Owner::Idle)).is_none());
+        assert!(h.free(a + 512, Owner::Idle).is_none());
+        assert!(h.free(a, Owner::Idle).is_some());
+        assert!(h.free(a, Owner::Idle).is_none());
         h.check();
     }
 }

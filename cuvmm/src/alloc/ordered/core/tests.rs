@@ -348,11 +348,7 @@ fn capture_id(c: Capture) -> Option<u64> {
 
 fn free(c: &mut Core<Gpu>, held: &mut Vec<Held>, k: usize) {
     let h = held.swap_remove(k);
-    let capture = match c.backend().captures.get(&h.stream) {
-        Some(&id) => Capture::Private(id),
-        None => Capture::None,
-    };
-    c.free(h.addr, h.stream, capture).expect("free of a live block");
+    c.free(h.addr, h.stream).expect("free of a live block");
 }
 
 #[test]
@@ -649,7 +645,7 @@ fn every_other_transition_is_refused_and_changes_nothing() {
     assert_eq!(c.stats(), s);
     assert_eq!(c.tag_stats(TAG).offloaded, 0, "a discarding sleep keeps nothing");
     // Freeing while asleep is allowed; the freed block's pages do not come back.
-    c.free(b, 1, Capture::None).unwrap();
+    c.free(b, 1).unwrap();
     c.wake(TAG).unwrap();
     assert_eq!(c.tag_stats(TAG).mapped, 2 * TPAGE);
     assert!(c.backend().covered(a) && !c.backend().covered(b));
@@ -676,7 +672,7 @@ fn a_wake_out_of_memory_stays_asleep_with_nothing_lost_and_a_retry_works() {
     let st = c.tag_stats(TAG);
     assert!(st.asleep && st.mapped == 0 && st.offloaded == 8 * TPAGE, "{st:?}");
     assert_eq!(c.backend().pages_alive as u64 - c.stats().pages_released, c.stats().mapped / PAGE);
-    c.free(hog, 2, Capture::None).unwrap();
+    c.free(hog, 2).unwrap();
     c.backend().run_all();
     c.empty_cache().unwrap();
     c.wake(TAG).unwrap();
@@ -723,7 +719,7 @@ fn a_training_pattern_maps_at_most_five_percent_over_its_live_peak_whatever_the_
                     let size = seq * 1024 * (1 + k % 3) * 2;
                     let a = alloc(&mut c, size);
                     if k % 2 == 1 {
-                        c.free(a, 1, Capture::None).unwrap();
+                        c.free(a, 1).unwrap();
                     } else {
                         acts.push((a, size));
                     }
@@ -731,8 +727,8 @@ fn a_training_pattern_maps_at_most_five_percent_over_its_live_peak_whatever_the_
             }
             while let Some((a, size)) = acts.pop() {
                 let g = alloc(&mut c, size / 2);
-                c.free(a, 1, Capture::None).unwrap();
-                c.free(g, 1, Capture::None).unwrap();
+                c.free(a, 1).unwrap();
+                c.free(g, 1).unwrap();
                 let queued = c.backend().queues.entry(1).or_default().len();
                 c.backend().run(1, queued.saturating_sub(lag));
             }
