@@ -23,13 +23,15 @@ pub struct Config {
 }
 
 impl Default for Config {
+    /// The library's own defaults ([`cuvmm_lib::alloc::AllocatorConfig`]), logging on.
     fn default() -> Self {
+        let lib = cuvmm_lib::alloc::AllocatorConfig::default();
         Config {
-            page: 2 << 20,
-            reserve: 0,
-            tag_page: 128 << 20,
+            page: lib.page,
+            reserve: lib.reserve,
+            tag_page: lib.tag_page,
             log: true,
-            lend: false,
+            lend: lib.lend,
             trace: None,
             abort_on_oom: false,
         }
@@ -112,11 +114,11 @@ mod tests {
     #[test]
     fn every_key_is_read_and_unknown_ones_are_refused() {
         let c = Config::parse(Some(
-            "page=4MiB, reserve=64GiB,tag_page=256MiB,log=0,lend=1,trace=/tmp/t,oom=abort",
+            "page=8MiB, reserve=64GiB,tag_page=256MiB,log=0,lend=1,trace=/tmp/t,oom=abort",
         ))
         .unwrap();
         let want = Config {
-            page: 4 << 20,
+            page: 8 << 20,
             reserve: 64 << 30,
             tag_page: 256 << 20,
             log: false,
