@@ -79,7 +79,7 @@ pub struct AllocatorConfig {
     /// pages would bring the memory held past 1.03x the largest live total. Without it, a block
     /// that fits no free block takes new pages while freed ones sit in blocks too small for it: a
     /// transformer training run of 40 steps on an H100 held 1.061x its live peak without lending,
-    /// and 1.031-1.032x with it on 4 MiB pages, at native step time (each page moved costs the
+    /// and 1.030-1.032x with it on 4 MiB pages, at native step time (each page moved costs the
     /// calling thread about 50 µs of driver calls; on 2 MiB pages the same run moved twice as
     /// many and lost up to 3% of its step time). Off by default: repeated, the same allocations
     /// drift with lending on (replayed four times on the model, the peak grew to 1.07-1.17x,
