@@ -202,6 +202,8 @@ pub(crate) struct Core<B: Backend> {
     /// Pages lent to the batch being mapped: for it alone (they are still mapped where they came
     /// from), never kept beyond it.
     borrowed: Vec<B::Page>,
+    /// The latest free among the blocks that lent `borrowed`.
+    borrowed_epoch: u64,
 }
 
 impl<B: Backend> Core<B> {
@@ -221,6 +223,7 @@ impl<B: Backend> Core<B> {
             sleepers: HashMap::new(),
             lent: Vec::new(),
             borrowed: Vec::new(),
+            borrowed_epoch: 0,
         }
     }
 
@@ -413,6 +416,7 @@ impl<B: Backend> Core<B> {
         // it came from until that mapping is undone.
         self.stats.pages_released += self.borrowed.len() as u64;
         self.borrowed.clear();
+        self.borrowed_epoch = 0;
         self.backend.restore(old);
         self.note_mapped();
         r
@@ -425,8 +429,11 @@ impl<B: Backend> Core<B> {
     /// Pages come from spare ones, idle ones moved from elsewhere, pages lent by blocks `stream`
     /// freed whose work may not have run yet, and new ones, in that order. A lent page stays
     /// mapped where it came from until that work has run; serving a block of the same stream,
-    /// whose work is queued after it, is safe, but only a page wholly inside the block: the rest
-    /// of an edge page may go to blocks of other streams.
+    /// whose work is queued after it, is safe. A page the block covers only in part takes one
+    /// only when the rest of the page is free for that stream, and the rest is then kept the
+    /// stream's until the same work has run: otherwise another stream's block could share memory
+    /// the lender's queued work still touches. Without edge pages each lending block took a new
+    /// page for its last one, and those added up over repeated steps.
     fn map_pages(
         &mut self,
         slot: usize,
@@ -438,6 +445,10 @@ impl<B: Backend> Core<B> {
         let page = self.slots[slot].page;
         let base = self.slots[slot].heap.base();
         let whole = |p: u64| base + p * page >= addr && base + (p + 1) * page <= addr + n;
+        let edge = |c: &Self, p: u64| {
+            !whole(p)
+                && c.slots[slot].heap.edges_claimable(addr, base + p * page, base + (p + 1) * page, stream)
+        };
         if self.spare.len() < missing.len() && page == self.sizes.page {
             self.reclaim(missing.len() - self.spare.len())?;
             // Lending moves pages back and forth (a map, an access grant and later an unmap each),
@@ -451,8 +462,8 @@ impl<B: Backend> Core<B> {
                 && self.slots[slot].tag == 0
                 && after as f64 > peak as f64 * LEND_ABOVE
             {
-                let whole_missing = missing.iter().filter(|&&p| whole(p)).count();
-                self.lend(short.min(whole_missing), stream);
+                let lendable = missing.iter().filter(|&&p| whole(p) || edge(self, p)).count();
+                self.lend(short.min(lendable), stream);
             }
         }
         // Pages lent to this block: never given back as spare ones, since their memory may still
@@ -462,7 +473,8 @@ impl<B: Backend> Core<B> {
             let mut done = 0;
             let mut r = Ok(());
             for &p in run {
-                let borrowed = if whole(p) { self.borrowed.pop() } else { None };
+                let lend_edge = !self.borrowed.is_empty() && !whole(p) && edge(self, p);
+                let borrowed = if whole(p) || lend_edge { self.borrowed.pop() } else { None };
                 let is_lent = borrowed.is_some();
                 let handle = match borrowed.map_or_else(|| self.page_for(0, capture, page), Ok) {
                     Ok(h) => h,
@@ -478,6 +490,10 @@ impl<B: Backend> Core<B> {
                 }
                 if is_lent {
                     lent_here.push(p);
+                }
+                if lend_edge {
+                    let (lo, hi) = (base + p * page, base + (p + 1) * page);
+                    self.slots[slot].heap.claim_edges(addr, lo, hi, stream, self.borrowed_epoch);
                 }
                 self.slots[slot].pages[p as usize] = Some(handle);
                 self.mapped_bytes += page;
@@ -565,6 +581,7 @@ impl<B: Backend> Core<B> {
                     self.mapped_bytes -= page;
                 }
                 got += pages.len();
+                self.borrowed_epoch = self.borrowed_epoch.max(epoch);
                 self.stats.pages_remapped += pages.len() as u64;
                 self.lent.push(Lent { slot, stream, epoch, pages });
             }

@@ -681,58 +681,64 @@ fn a_wake_out_of_memory_stays_asleep_with_nothing_lost_and_a_retry_works() {
     }
 }
 
-/// A training-like pattern: persistent weights; per step, activations sized by a random sequence
-/// length, some freed at once, the rest freed in reverse during a backward pass that allocates
-/// gradients; the GPU running `lag` operations behind. Physical memory must follow live memory.
+/// A training-like pattern: persistent weights (allocated by the caller); per step, activations
+/// sized by a random sequence length, some freed at once, the rest freed in reverse during a
+/// backward pass that allocates gradients; the GPU running `lag` operations behind.
+fn training_steps(c: &mut Core<Gpu>, seed: u64, steps: usize, lag: usize) {
+    let mut rng = seed;
+    let mut next = move || {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        rng
+    };
+    let alloc = |c: &mut Core<Gpu>, size: u64| {
+        let a = c.allocate(size, 1, Capture::None, 0).unwrap();
+        c.backend().queues.entry(1).or_default().push_back(Op::Use { addr: a, len: size });
+        a
+    };
+    for _step in 0..steps {
+        let seq = 256 + (next() % 30) * 128;
+        let mut acts = Vec::new();
+        for _layer in 0..6 {
+            for k in 0..6u64 {
+                let size = seq * 1024 * (1 + k % 3) * 2;
+                let a = alloc(c, size);
+                if k % 2 == 1 {
+                    c.free(a, 1).unwrap();
+                } else {
+                    acts.push((a, size));
+                }
+            }
+        }
+        while let Some((a, size)) = acts.pop() {
+            let g = alloc(c, size / 2);
+            c.free(a, 1).unwrap();
+            c.free(g, 1).unwrap();
+            let queued = c.backend().queues.entry(1).or_default().len();
+            c.backend().run(1, queued.saturating_sub(lag));
+        }
+    }
+}
+
+fn training_core(lend: bool) -> Core<Gpu> {
+    let gpu = Gpu { page_limit: 1 << 30, ..Gpu::default() };
+    let sizes =
+        Sizes { page: PAGE, tag_page: 64 * PAGE, large_reserve: 1 << 34, small_reserve: 1 << 30, lend };
+    let mut c = Core::new(gpu, sizes);
+    for _ in 0..20 {
+        let a = c.allocate(3 << 20, 1, Capture::None, 0).unwrap();
+        c.backend().queues.entry(1).or_default().push_back(Op::Use { addr: a, len: 3 << 20 });
+    }
+    c
+}
+
+/// Physical memory must follow live memory.
 #[test]
 fn a_training_pattern_maps_at_most_five_percent_over_its_live_peak_whatever_the_lag() {
     for lag in [0usize, 64, 1024] {
-        let gpu = Gpu { page_limit: 1 << 30, ..Gpu::default() };
-        let sizes = Sizes {
-            page: PAGE,
-            tag_page: 64 * PAGE,
-            large_reserve: 1 << 34,
-            small_reserve: 1 << 30,
-            lend: false,
-        };
-        let mut c = Core::new(gpu, sizes);
-        let mut rng = 12345u64;
-        let mut next = move || {
-            rng ^= rng << 13;
-            rng ^= rng >> 7;
-            rng ^= rng << 17;
-            rng
-        };
-        let alloc = |c: &mut Core<Gpu>, size: u64| {
-            let a = c.allocate(size, 1, Capture::None, 0).unwrap();
-            c.backend().queues.entry(1).or_default().push_back(Op::Use { addr: a, len: size });
-            a
-        };
-        for _ in 0..20 {
-            alloc(&mut c, 3 << 20);
-        }
-        for _step in 0..30 {
-            let seq = 256 + (next() % 30) * 128;
-            let mut acts = Vec::new();
-            for _layer in 0..6 {
-                for k in 0..6u64 {
-                    let size = seq * 1024 * (1 + k % 3) * 2;
-                    let a = alloc(&mut c, size);
-                    if k % 2 == 1 {
-                        c.free(a, 1).unwrap();
-                    } else {
-                        acts.push((a, size));
-                    }
-                }
-            }
-            while let Some((a, size)) = acts.pop() {
-                let g = alloc(&mut c, size / 2);
-                c.free(a, 1).unwrap();
-                c.free(g, 1).unwrap();
-                let queued = c.backend().queues.entry(1).or_default().len();
-                c.backend().run(1, queued.saturating_sub(lag));
-            }
-        }
+        let mut c = training_core(false);
+        training_steps(&mut c, 12345, 30, lag);
         let st = c.stats();
         let ratio = st.mapped_peak as f64 / st.live_peak as f64;
         assert!(
@@ -740,6 +746,88 @@ fn a_training_pattern_maps_at_most_five_percent_over_its_live_peak_whatever_the_
             "lag {lag}: mapped peak {} over live peak {}: {ratio:.3}",
             st.mapped_peak,
             st.live_peak
+        );
+    }
+}
+
+/// The start of a training run's allocations (the first 14,000 events `train.py` asked of
+/// `libcuvmm.so` on an H100, recorded with `trace=`, less 132 of zero bytes, which get NULL):
+/// per event a LEB128 number, `2 * size` for an allocation, `2 * k + 1` for the free of the
+/// allocation made `k` allocations earlier.
+const TRAIN_START: &[u8] = include_bytes!("testdata/train_start.bin");
+
+enum Event {
+    Alloc(u64),
+    /// Frees the allocation this many allocations back.
+    Free(usize),
+}
+
+fn train_start() -> Vec<Event> {
+    let mut out = Vec::new();
+    let (mut v, mut shift) = (0u64, 0);
+    for &b in TRAIN_START {
+        v |= u64::from(b & 0x7f) << shift;
+        shift += 7;
+        if b & 0x80 == 0 {
+            out.push(if v & 1 == 0 { Event::Alloc(v / 2) } else { Event::Free((v / 2) as usize) });
+            (v, shift) = (0, 0);
+        }
+    }
+    out
+}
+
+/// Replays `events` once on stream 1 with the GPU `lag` operations behind, freeing what is left
+/// at the end in allocation order. Returns (mapped peak / live peak, pages moved).
+fn replay(c: &mut Core<Gpu>, events: &[Event], lag: usize) -> (f64, u64) {
+    let moved = c.stats().pages_remapped;
+    let mut addrs: Vec<Option<u64>> = Vec::new();
+    for e in events {
+        match *e {
+            Event::Alloc(size) => {
+                let a = c.allocate(size, 1, Capture::None, 0).unwrap();
+                c.backend().queues.entry(1).or_default().push_back(Op::Use { addr: a, len: size });
+                addrs.push(Some(a));
+            }
+            Event::Free(back) => {
+                let k = addrs.len() - back;
+                c.free(addrs[k].take().expect("freed once"), 1).unwrap();
+            }
+        }
+        let queued = c.backend().queues.entry(1).or_default().len();
+        c.backend().run(1, queued.saturating_sub(lag));
+    }
+    for a in addrs.into_iter().flatten() {
+        c.free(a, 1).unwrap();
+    }
+    let st = c.stats();
+    (st.mapped_peak as f64 / st.live_peak as f64, st.pages_remapped - moved)
+}
+
+/// With lending, a training run's steps repeated must settle: memory stays near where the first
+/// pass left it and pages move no more from pass to pass. Before blocks were placed lowest
+/// address first, lent from the top of the heap and edge pages lent too, six replays of this
+/// recording on 4 MiB pages (lag 50) went from 1.031x to 1.065x the live peak, the last moving
+/// 3.0 times the pages of the first; now they hold 1.026-1.043x, moving fewer than the first.
+#[test]
+fn lending_settles_when_a_training_runs_steps_repeat() {
+    let events = train_start();
+    assert_eq!(events.len(), 13_868);
+    for lag in [50usize, 1000] {
+        let gpu = Gpu { page_limit: 1 << 30, ..Gpu::default() };
+        let page = 4 << 20;
+        let sizes = Sizes {
+            page,
+            tag_page: 32 * page,
+            large_reserve: 160 << 30,
+            small_reserve: 10 << 30,
+            lend: true,
+        };
+        let mut c = Core::new(gpu, sizes);
+        let passes: Vec<(f64, u64)> = (0..6).map(|_| replay(&mut c, &events, lag)).collect();
+        let later: u64 = passes[1..].iter().map(|p| p.1).sum();
+        assert!(
+            passes.iter().all(|p| p.0 <= 1.05) && later <= 5 * passes[0].1,
+            "lag {lag}: (mapped peak / live peak, pages moved) per pass: {passes:?}"
         );
     }
 }
@@ -809,6 +897,53 @@ fn pages_a_stream_freed_serve_its_next_blocks_before_its_work_has_run() {
     c.backend().run_all();
     let again = alloc(&mut c, &mut held, 8 * PAGE, 3).unwrap();
     assert_eq!(again, a, "the lending block is idle again: {again:#x}");
+    for slot in &c.slots {
+        slot.heap.check();
+    }
+}
+
+/// A block's last page, partly its own, takes a lent page too: the rest of that page is then
+/// kept for the same stream until the lender's work has run, so no other stream's block shares
+/// memory the lender's queued work may still touch (the model checks), and no page is made for it.
+#[test]
+fn an_edge_page_takes_a_lent_page_and_keeps_its_rest_for_the_stream() {
+    use super::super::heap::{Owner, State};
+    let gpu = Gpu { page_limit: 1000, ..Gpu::default() };
+    let sizes = Sizes {
+        page: PAGE,
+        tag_page: 4 * PAGE,
+        large_reserve: 256 * PAGE,
+        small_reserve: 16 * PAGE,
+        lend: true,
+    };
+    let mut c = Core::new(gpu, sizes);
+    let mut held = Vec::new();
+    // Two blocks of 20 pages, each followed by one that stays; both freed with work queued.
+    for _ in 0..2 {
+        alloc(&mut c, &mut held, 20 * PAGE, 1).unwrap();
+        alloc(&mut c, &mut held, 20 * PAGE, 1).unwrap();
+    }
+    free(&mut c, &mut held, 2);
+    free(&mut c, &mut held, 0);
+    // 30 whole pages and half of a 31st, at the end of the heap: all 31 lent.
+    let b = alloc(&mut c, &mut held, 30 * PAGE + PAGE / 2, 1).unwrap();
+    let base = c.slots[0].heap.base();
+    assert_eq!(b, base + 80 * PAGE);
+    assert_eq!(c.stats().pages_created, 80, "every page of the new block was lent, the edge one too");
+    let rest = b + 30 * PAGE + PAGE / 2;
+    let owner =
+        |c: &Core<Gpu>| c.slots[0].heap.blocks_in_order().0.into_iter().find(|b| b.0 == rest).map(|b| b.2);
+    assert!(matches!(owner(&c), Some(State::Free(Owner::Stream { stream: 1, .. }))), "{:?}", owner(&c));
+    // Stream 2 gets memory past that page.
+    let d = alloc(&mut c, &mut held, 20 * PAGE, 2).unwrap();
+    assert_eq!(d, b + 31 * PAGE);
+    // Once stream 1's work has run past the frees and the allocator has seen it, the rest of the
+    // page is anyone's.
+    c.backend().run_all();
+    alloc(&mut c, &mut held, 64 * PAGE, 3).unwrap(); // a miss: records an event
+    c.backend().run_all();
+    alloc(&mut c, &mut held, 64 * PAGE, 3).unwrap(); // another: sees it complete
+    assert_eq!(owner(&c), Some(State::Free(Owner::Idle)));
     for slot in &c.slots {
         slot.heap.check();
     }
