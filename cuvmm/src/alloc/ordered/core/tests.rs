@@ -5,7 +5,7 @@
 use super::*;
 use crate::driver::sys::CUresult;
 use proptest::prelude::*;
-use std::cell::Cell;
+use std::cell::{Cell, RefCell};
 use std::collections::{BTreeMap, HashSet};
 use std::rc::Rc;
 
@@ -23,6 +23,10 @@ struct Gpu {
     mapped: BTreeMap<u64, (u32, u64)>,
     /// Memory in use, in units of PAGE, against `page_limit`.
     units: Rc<Cell<usize>>,
+    /// Mappings of each page, and pages released while still mapped: as with the driver, the
+    /// memory of a released page is freed when its last mapping goes.
+    mappings: Rc<RefCell<HashMap<u32, usize>>>,
+    released_mapped: Rc<RefCell<HashMap<u32, usize>>>,
     pages_alive: usize,
     page_limit: usize,
     next_page: u32,
@@ -43,11 +47,21 @@ struct Gpu {
     accessible: HashSet<u64>,
 }
 
-struct Page(u32, usize, Rc<Cell<usize>>);
+struct Page {
+    id: u32,
+    units: usize,
+    mem: Rc<Cell<usize>>,
+    mappings: Rc<RefCell<HashMap<u32, usize>>>,
+    released_mapped: Rc<RefCell<HashMap<u32, usize>>>,
+}
 
 impl Drop for Page {
     fn drop(&mut self) {
-        self.2.set(self.2.get() - self.1);
+        if self.mappings.borrow().get(&self.id).is_some_and(|&n| n > 0) {
+            self.released_mapped.borrow_mut().insert(self.id, self.units);
+        } else {
+            self.mem.set(self.mem.get() - self.units);
+        }
     }
 }
 struct Ev(u32);
@@ -149,7 +163,13 @@ impl Backend for Gpu {
         self.units.set(self.units.get() + units);
         self.pages_alive += 1;
         self.next_page += 1;
-        Ok(Page(self.next_page, units, self.units.clone()))
+        Ok(Page {
+            id: self.next_page,
+            units,
+            mem: self.units.clone(),
+            mappings: self.mappings.clone(),
+            released_mapped: self.released_mapped.clone(),
+        })
     }
     fn map(&mut self, addr: u64, page: &Page, size: u64) -> Result<()> {
         assert!(!self.any_capture_forbids());
@@ -158,12 +178,24 @@ impl Backend for Gpu {
         }
         assert_eq!(addr % PAGE, 0);
         assert!(!self.covered(addr) && !self.covered(addr + size - 1), "page at {addr:#x} mapped twice");
-        self.mapped.insert(addr, (page.0, size));
+        self.mapped.insert(addr, (page.id, size));
+        *self.mappings.borrow_mut().entry(page.id).or_default() += 1;
         Ok(())
     }
     fn unmap(&mut self, addr: u64, size: u64) -> Result<()> {
         assert!(!self.any_capture_forbids());
-        assert!(self.mapped.remove(&addr).is_some(), "unmap of an unmapped page");
+        let (id, _) = self.mapped.remove(&addr).expect("unmap of an unmapped page");
+        let left = {
+            let mut m = self.mappings.borrow_mut();
+            let n = m.get_mut(&id).expect("mapped");
+            *n -= 1;
+            *n
+        };
+        if left == 0 {
+            if let Some(units) = self.released_mapped.borrow_mut().remove(&id) {
+                self.units.set(self.units.get() - units);
+            }
+        }
         for p in (addr..addr + size).step_by(PAGE as usize) {
             self.accessible.remove(&p);
         }
@@ -469,6 +501,7 @@ fn empty_cache_returns_every_idle_page_and_is_refused_during_capture() {
     assert_eq!(c.empty_cache().unwrap(), 4 * PAGE);
     assert_eq!(c.stats().mapped, PAGE, "only the small block's page stays");
     assert_eq!(c.backend().pages_alive - c.stats().pages_released as usize, 1);
+    assert_eq!(c.backend().units.get(), 1, "the driver freed the memory of every page released");
 }
 
 #[test]
@@ -570,6 +603,10 @@ proptest! {
                     let seen = c.backend().captures.keys().any(|s| seen_capturing.contains(s));
                     let r = c.empty_cache();
                     prop_assert!(!seen || r.is_err());
+                    if r.is_ok() {
+                        // Every page given back is freed: none is still mapped anywhere.
+                        prop_assert_eq!(c.backend().units.get() as u64 * PAGE, c.stats().mapped);
+                    }
                     prop_assert!(c.backend().captures.is_empty() || r.is_err() || !seen);
                 }
                 Step::ReleaseGraphs => {
@@ -900,6 +937,39 @@ fn pages_a_stream_freed_serve_its_next_blocks_before_its_work_has_run() {
     for slot in &c.slots {
         slot.heap.check();
     }
+}
+
+/// Lent pages released after a failure (access refused) keep their memory only until the
+/// blocks that lent them come back and their mapping there goes: then the driver frees it.
+#[test]
+fn lent_pages_released_after_a_failure_free_their_memory_when_the_lenders_come_back() {
+    let gpu = Gpu { page_limit: 1000, ..Gpu::default() };
+    let sizes = Sizes {
+        page: PAGE,
+        tag_page: 4 * PAGE,
+        large_reserve: 256 * PAGE,
+        small_reserve: 16 * PAGE,
+        lend: true,
+    };
+    let mut c = Core::new(gpu, sizes);
+    let mut held = Vec::new();
+    for _ in 0..2 {
+        alloc(&mut c, &mut held, 20 * PAGE, 1).unwrap();
+        alloc(&mut c, &mut held, 20 * PAGE, 1).unwrap();
+    }
+    free(&mut c, &mut held, 2);
+    free(&mut c, &mut held, 0);
+    c.backend().fail_access = true;
+    assert!(c.allocate(30 * PAGE, 1, Capture::None, 0).is_err());
+    c.backend().fail_access = false;
+    let released = c.stats().pages_released;
+    assert!(released >= 30, "the lent pages were released ({released})");
+    // Stream 1 runs past its frees (the failed call recorded an event after them); the next
+    // miss, too large for the lenders' space, sees it complete.
+    c.backend().run_all();
+    alloc(&mut c, &mut held, 100 * PAGE, 2).unwrap();
+    assert!(c.lent.is_empty(), "the lending blocks came back");
+    assert_eq!(c.backend().units.get() as u64 * PAGE, c.stats().mapped, "released memory is freed");
 }
 
 /// A block's last page, partly its own, takes a lent page too: the rest of that page is then
