@@ -648,6 +648,9 @@ pub struct Measured {
     /// Largest physical memory the allocator held during a measured pass, bytes (see
     /// [`AllocatorRow::physical`]).
     pub peak_physical: u64,
+    /// Pages the allocator moved from one address to another in a measured pass (median), where
+    /// it counts them: each costs the calling thread driver calls.
+    pub pages_moved: Option<u64>,
 }
 
 /// How an allocator fared.
@@ -745,6 +748,10 @@ trait Side {
     fn reset_peak(&mut self) -> Result<()>;
     /// Physical memory held at most since `reset_peak`, where the allocator knows it.
     fn peak(&mut self) -> Result<Option<u64>>;
+    /// Pages moved so far, where the allocator counts them.
+    fn moved(&mut self) -> Option<u64> {
+        None
+    }
     /// Gives cached memory back to the driver.
     fn release(&mut self) -> Result<()>;
     /// Gives cached memory back and undoes any setting the run changed.
@@ -774,6 +781,9 @@ impl Side for CuvmmSide {
     }
     fn peak(&mut self) -> Result<Option<u64>> {
         Ok(Some(self.alloc.stats().mapped_peak))
+    }
+    fn moved(&mut self) -> Option<u64> {
+        Some(self.alloc.stats().pages_remapped)
     }
     fn release(&mut self) -> Result<()> {
         self.alloc.empty_cache().map(drop)
@@ -1024,6 +1034,7 @@ struct Slot<S> {
     times: Times,
     totals_ms: Vec<f64>,
     peaks: Vec<u64>,
+    moved: Vec<u64>,
 }
 
 impl<S: Side> Slot<S> {
@@ -1048,6 +1059,7 @@ impl<S: Side> Slot<S> {
             times: Times::default(),
             totals_ms: Vec::new(),
             peaks: Vec::new(),
+            moved: Vec::new(),
         }
     }
 
@@ -1068,16 +1080,23 @@ impl<S: Side> Slot<S> {
 
     fn measure(&mut self, r: &mut Replay<'_>) {
         let Some(side) = self.side.as_mut() else { return };
-        let run = |side: &mut S, r: &mut Replay<'_>, times: &mut Times, sample: bool| -> Result<(f64, u64)> {
+        let run = |side: &mut S,
+                   r: &mut Replay<'_>,
+                   times: &mut Times,
+                   sample: bool|
+         -> Result<(f64, u64, Option<u64>)> {
             side.reset_peak()?;
+            let before = side.moved();
             let p = r.pass(side, Some(times), sample)?;
             let peak = side.peak()?.or(p.sampled).unwrap_or(0);
-            Ok((p.total.as_secs_f64() * 1e3, peak))
+            let moved = before.zip(side.moved()).map(|(a, b)| b - a);
+            Ok((p.total.as_secs_f64() * 1e3, peak, moved))
         };
         match run(side, r, &mut self.times, self.sample) {
-            Ok((ms, peak)) => {
+            Ok((ms, peak, moved)) => {
                 self.totals_ms.push(ms);
                 self.peaks.push(peak);
+                self.moved.extend(moved);
             }
             Err(e) => self.fail("measured pass", e),
         }
@@ -1120,6 +1139,11 @@ impl<S: Side> Slot<S> {
                     free_p99_ns,
                     total_ms: median(&self.totals_ms),
                     peak_physical: self.peaks.iter().copied().max().unwrap_or(0),
+                    pages_moved: (!self.moved.is_empty()).then(|| {
+                        let mut m = self.moved.clone();
+                        m.sort_unstable();
+                        m[m.len() / 2]
+                    }),
                 })
             }
         };

@@ -1068,6 +1068,7 @@ pub(super) fn print_trace(
                            "alloc_p99_ns": m.alloc_p99_ns, "free_median_ns": m.free_median_ns,
                            "free_p99_ns": m.free_p99_ns, "total_ms": m.total_ms, "peak_physical": m.peak_physical,
                            "peak_physical_is": row.physical, "physical_over_live": m.peak_physical as f64 / r.peak_live as f64,
+                           "pages_moved_per_pass": m.pages_moved,
                            "alloc_median_vs_cuvmm": vs.map(|v| v.0), "free_median_vs_cuvmm": vs.map(|v| v.1)})
                 }
                 trace::Outcome::Unsupported(why) => {
@@ -1183,6 +1184,15 @@ pub(super) fn print_trace(
     for row in &r.rows {
         writeln!(out, "  {:<22} {}", row.name, row.physical)?;
     }
+    for row in &r.rows {
+        if let trace::Outcome::Measured(trace::Measured { pages_moved: Some(n), .. }) = &row.outcome {
+            writeln!(
+                out,
+                "{}: {n} pages moved per measured pass (median), each a few driver calls on the calling thread",
+                row.name
+            )?;
+        }
+    }
     if r.pair_rows.is_empty() {
         return Ok(());
     }
@@ -1225,7 +1235,7 @@ pub(super) fn print_trace(
     match &r.capture_query_ns {
         Some(Ok(ns)) => writeln!(
             out,
-            "cuStreamGetCaptureInfo alone, the capture check cuvmm makes on each allocation and each free: {ns:.1} ns"
+            "cuStreamGetCaptureInfo alone, the capture check cuvmm makes on each allocation: {ns:.1} ns"
         )?,
         Some(Err(why)) => writeln!(out, "cuStreamGetCaptureInfo alone: {why}")?,
         None => {}
