@@ -7,7 +7,7 @@
  * calling thread's last error is available from cuvmm_last_error().
  *
  * Configuration comes from one environment variable, read at the first call:
- *   CUVMM_ALLOC_CONF="page=2MiB,reserve=160GiB,tag_page=128MiB,log=1,lend=0,trace=/tmp/cuvmm.trace,oom=null"
+ *   CUVMM_ALLOC_CONF="page=4MiB,reserve=160GiB,tag_page=128MiB,log=1,lend=1,trace=/tmp/cuvmm.trace,oom=null"
  * (see the README for every key).
  */
 #ifndef CUVMM_H

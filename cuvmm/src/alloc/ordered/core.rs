@@ -56,15 +56,13 @@ pub(crate) trait Backend {
 /// many times the largest live total so far. Every page moved costs the calling thread about 50 µs
 /// of driver calls (cuMemMap, cuMemSetAccess and later cuMemUnmap of a 2 MiB page on an H100; about
 /// the same for a 4 MiB one), and a call that moves a thousand can starve the device. Replaying a
-/// recorded training run on the model with 2 MiB pages: lending whenever it can keeps 0.7-3.4%
-/// over the live peak but moves 14,000-29,000 pages; from 2% on, 2.1% and 6,500-16,500; from 3%
-/// on, 3.1% and 6,500-8,900 (no lending: 6.1% and 1,100). With 4 MiB pages from 3% on: 3.1-3.4%
-/// and 2,100-3,300 moves. On the H100 that run, from 3% on, held 1.032x with 4 MiB pages (3,291
-/// moves) at 0.995-1.000x native step time in three runs; with 2 MiB pages 1.038-1.047x (6,404-
-/// 10,706 moves) and up to 1.033x the step time; from 2% on it lost 4.4% of its step time.
-/// Replayed four times in a row on 4 MiB pages, though, lending drifts: 1.03x, then 1.04-1.07x, 1.09-1.11x and
-/// 1.14-1.17x, moving more pages each time, where without it the peak stays at 1.061x and no
-/// page moves after the first replay.
+/// recorded training run on the model with 2 MiB pages (before placement went lowest address
+/// first): lending whenever it can kept 0.7-3.4% over the live peak but moved 14,000-29,000
+/// pages; from 2% on, 2.1% and 6,500-16,500; from 3% on, 3.1% and 6,500-8,900 (no lending: 6.1%
+/// and 1,100). On the H100 that run, from 3% on, lost up to 3.3% of its step time on 2 MiB pages,
+/// from 2% on 4.4%. Now, on 4 MiB pages, six replays in a row hold 1.02-1.04x moving 1,000-3,500
+/// pages each; from 3.5% or 4% on, or on 8 MiB pages, the peak was no lower than that and
+/// sometimes higher (up to 1.057x) for no clear saving in moves.
 const LEND_ABOVE: f64 = 1.03;
 
 /// Requests up to this size come from the small heaps, so small blocks never pin large pages.
