@@ -939,10 +939,9 @@ fn pages_a_stream_freed_serve_its_next_blocks_before_its_work_has_run() {
     }
 }
 
-/// Lent pages released after a failure (access refused) keep their memory only until the
-/// blocks that lent them come back and their mapping there goes: then the driver frees it.
-#[test]
-fn lent_pages_released_after_a_failure_free_their_memory_when_the_lenders_come_back() {
+/// Lending on 64 KiB pages: two blocks of 20 pages on stream 1, each followed by one that stays,
+/// both freed with their work still queued.
+fn two_freed_blocks_of_20_pages() -> (Core<Gpu>, Vec<Held>) {
     let gpu = Gpu { page_limit: 1000, ..Gpu::default() };
     let sizes = Sizes {
         page: PAGE,
@@ -959,6 +958,14 @@ fn lent_pages_released_after_a_failure_free_their_memory_when_the_lenders_come_b
     }
     free(&mut c, &mut held, 2);
     free(&mut c, &mut held, 0);
+    (c, held)
+}
+
+/// Lent pages released after a failure (access refused) keep their memory only until the
+/// blocks that lent them come back and their mapping there goes: then the driver frees it.
+#[test]
+fn lent_pages_released_after_a_failure_free_their_memory_when_the_lenders_come_back() {
+    let (mut c, mut held) = two_freed_blocks_of_20_pages();
     c.backend().fail_access = true;
     assert!(c.allocate(30 * PAGE, 1, Capture::None, 0).is_err());
     c.backend().fail_access = false;
@@ -978,23 +985,7 @@ fn lent_pages_released_after_a_failure_free_their_memory_when_the_lenders_come_b
 #[test]
 fn an_edge_page_takes_a_lent_page_and_keeps_its_rest_for_the_stream() {
     use super::super::heap::{Owner, State};
-    let gpu = Gpu { page_limit: 1000, ..Gpu::default() };
-    let sizes = Sizes {
-        page: PAGE,
-        tag_page: 4 * PAGE,
-        large_reserve: 256 * PAGE,
-        small_reserve: 16 * PAGE,
-        lend: true,
-    };
-    let mut c = Core::new(gpu, sizes);
-    let mut held = Vec::new();
-    // Two blocks of 20 pages, each followed by one that stays; both freed with work queued.
-    for _ in 0..2 {
-        alloc(&mut c, &mut held, 20 * PAGE, 1).unwrap();
-        alloc(&mut c, &mut held, 20 * PAGE, 1).unwrap();
-    }
-    free(&mut c, &mut held, 2);
-    free(&mut c, &mut held, 0);
+    let (mut c, mut held) = two_freed_blocks_of_20_pages();
     // 30 whole pages and half of a 31st, at the end of the heap: all 31 lent.
     let b = alloc(&mut c, &mut held, 30 * PAGE + PAGE / 2, 1).unwrap();
     let base = c.slots[0].heap.base();
