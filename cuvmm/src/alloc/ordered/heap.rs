@@ -455,12 +455,25 @@ impl Heap {
         self.lent.push(i);
     }
 
+    /// The blocks beside block `i` that reach into `[lo, hi)`, before it then after it.
+    fn beside(&self, i: u32, lo: u64, hi: u64) -> impl Iterator<Item = u32> + '_ {
+        let step = move |j: u32, next: bool| {
+            let b = &self.blocks[j as usize];
+            let k = if next { b.next } else { b.prev };
+            let c = self.blocks.get(k as usize)?;
+            (if next { c.addr < hi } else { c.addr + c.size > lo }).then_some(k)
+        };
+        let before = std::iter::successors(step(i, false), move |&j| step(j, false));
+        before.chain(std::iter::successors(step(i, true), move |&j| step(j, true)))
+    }
+
     /// Whether every byte of `[lo, hi)` outside the live block at `addr` lies in free blocks of
     /// the shared pool that `stream` may take now (its own or idle ones), or past the used part
     /// and inside the heap: the rest of a page that the block partly covers.
     pub(crate) fn edges_claimable(&self, addr: u64, lo: u64, hi: u64, stream: u64) -> bool {
         let Some(&i) = self.live.get(&addr) else { return false };
-        let ok = |b: &Block| {
+        let ok = |j: u32| {
+            let b = &self.blocks[j as usize];
             b.pool == 0
                 && match b.state {
                     State::Free(Owner::Idle) => true,
@@ -468,21 +481,7 @@ impl Heap {
                     _ => false,
                 }
         };
-        let mut j = self.blocks[i as usize].prev;
-        while j != NIL && self.blocks[j as usize].addr + self.blocks[j as usize].size > lo {
-            if !ok(&self.blocks[j as usize]) {
-                return false;
-            }
-            j = self.blocks[j as usize].prev;
-        }
-        let mut j = self.blocks[i as usize].next;
-        while j != NIL && self.blocks[j as usize].addr < hi {
-            if !ok(&self.blocks[j as usize]) {
-                return false;
-            }
-            j = self.blocks[j as usize].next;
-        }
-        hi <= self.base + self.size
+        hi <= self.base + self.size && self.beside(i, lo, hi).all(ok)
     }
 
     /// Makes the free bytes of `[lo, hi)` around the live block at `addr` (checked with
@@ -506,27 +505,11 @@ impl Heap {
             self.top = hi;
             self.settle(t, owner);
         }
+        // Each re-owned block may merge with its neighbours, so the walk starts over after each.
         let claimed = |b: &Block| matches!(b.state, State::Free(Owner::Stream { stream: s, epoch: e }) if s == stream && e >= epoch);
         loop {
-            let mut due = NIL;
-            let mut j = self.blocks[i as usize].prev;
-            while j != NIL && self.blocks[j as usize].addr + self.blocks[j as usize].size > lo {
-                if !claimed(&self.blocks[j as usize]) {
-                    due = j;
-                    break;
-                }
-                j = self.blocks[j as usize].prev;
-            }
-            let mut j = self.blocks[i as usize].next;
-            while due == NIL && j != NIL && self.blocks[j as usize].addr < hi {
-                if !claimed(&self.blocks[j as usize]) {
-                    due = j;
-                }
-                j = self.blocks[j as usize].next;
-            }
-            if due == NIL {
-                return;
-            }
+            let due = self.beside(i, lo, hi).find(|&j| !claimed(&self.blocks[j as usize]));
+            let Some(due) = due else { return };
             let State::Free(old) = self.blocks[due as usize].state else { unreachable!("checked claimable") };
             let e = match old {
                 Owner::Stream { epoch: e, .. } => e.max(epoch),
