@@ -82,9 +82,9 @@ pub struct AllocatorConfig {
     /// too small for it: a transformer training run on an H100 (40 steps, 2 MiB pages) mapped
     /// 1.061x the native run's peak of allocated bytes without lending; with it, on 4 MiB pages,
     /// 1.029-1.030x over 40 steps and 1.025-1.027x over 160 (1.032-1.037x in driver memory), at
-    /// 0.992-1.000x native median step time over 40 steps (over 160: 1.025x, 0.997x and 0.995x
+    /// 0.992-1.004x native median step time over 40 steps (over 160: 1.025x, 0.997x and 0.995x
     /// in three runs, the same steps 0.999-1.001x apart by their median ratio, 1.6-1.8% more in
-    /// total). Each page moved costs the calling thread about 50 µs of driver calls (3,300-4,200
+    /// total). Each page moved costs the calling thread about 50 µs of driver calls (2,700-4,200
     /// in 40 steps, 6,800-8,800 in 160). Off, nothing moves once a repeated pattern has its pages.
     pub lend: bool,
 }
