@@ -471,7 +471,7 @@ impl<B: Backend> Core<B> {
             let mut done = 0;
             let mut r = Ok(());
             for &p in run {
-                let lend_edge = !self.borrowed.is_empty() && !whole(p) && edge(self, p);
+                let lend_edge = !self.borrowed.is_empty() && edge(self, p);
                 let borrowed = if whole(p) || lend_edge { self.borrowed.pop() } else { None };
                 let is_lent = borrowed.is_some();
                 let handle = match borrowed.map_or_else(|| self.page_for(0, capture, page), Ok) {
