@@ -8,6 +8,7 @@
 
 mod pinned;
 mod staging;
+mod stream_copy;
 
 pub use pinned::{PinnedBuffer, PinnedFlags, RegisterFlags, Registered};
 pub use staging::{Staging, StagingConfig};

@@ -9,6 +9,7 @@
 //! the last DMA moves one chunk, not one per thread. The threads are started with the ring and
 //! kept: a transfer starts none.
 
+use super::stream_copy::copy_streaming;
 use crate::context::Context;
 use crate::driver::driver;
 use crate::error::{Error, Result};
@@ -16,8 +17,10 @@ use crate::host::PinnedBuffer;
 use crate::memory::{DeviceCopy, DeviceSlice, DeviceSliceMut};
 use crate::stream::Event;
 use crate::stream::Stream;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
 
 /// The shape of a staging ring: see the module documentation.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -34,16 +37,16 @@ pub struct StagingConfig {
 }
 
 impl Default for StagingConfig {
-    /// 8 MiB chunks in 1 MiB pieces, 8 slots (64 MiB pinned), up to 8 threads.
+    /// 4 MiB chunks in 1 MiB pieces, 8 slots (32 MiB pinned), up to 8 threads.
     ///
-    /// Measured with `cuvmm bench bandwidth --sweep` on an H100 host (16 cores, PCIe 5): this
-    /// shape moved 30.9-38.8 GB/s both ways at 64 MiB-1 GiB; 2 MiB chunks on 16 threads only
-    /// 15 GB/s host-to-device (many threads and small DMAs contend for the same memory bus), and
-    /// whole-chunk pieces 18-37. The copy is the slower side: host memcpy from pageable into
-    /// pinned memory ran at 37.6 GB/s on 8 threads, 44.8 on 16, for 1 GiB.
+    /// Measured with `cuvmm bench bandwidth --sweep` on an H100 host (16 cores, PCIe 5), sources
+    /// and destinations out of the host's caches: this shape moved 37.3-42.7 GB/s host to device
+    /// and 44.3-51.2 device to host at 64 MiB-1 GiB; 2 MiB chunks 21.9-47.3 / 31.2-32.4, 8 MiB
+    /// chunks 27.5-39.2 / 29.2-53.1 on 8 threads; 12 threads were no better. Host to device, the
+    /// copy out of pageable memory is the slow side (it reads memory; the ring stays in cache).
     fn default() -> Self {
         let threads = std::thread::available_parallelism().map_or(4, |n| n.get()).min(8);
-        StagingConfig { chunk: 8 << 20, piece: 1 << 20, slots: 8, threads }
+        StagingConfig { chunk: 4 << 20, piece: 1 << 20, slots: 8, threads }
     }
 }
 
@@ -96,123 +99,95 @@ impl Plan {
     }
 }
 
-struct State {
+/// The progress of one transfer, shared by the issuing thread and the copying threads. Waits
+/// spin, then yield, rather than sleep: a transfer's waits last microseconds, and waking a
+/// sleeping thread took longer than that (a staged transfer with sleeping waits and a host
+/// function handing slots back ran at 28-37 GB/s where the same pipeline spinning ran at 36-47).
+struct Shared {
     /// The next piece to claim.
-    next: usize,
+    next: AtomicUsize,
     /// For each slot, the chunk allowed to use it next.
-    slot_for: Vec<usize>,
+    slot_for: Vec<AtomicUsize>,
     /// Per chunk: pieces filled (to device) or drained (to host).
-    done: Vec<usize>,
+    done: Vec<AtomicUsize>,
     /// Per chunk (to host): its DMA is queued and its slot's event recorded after it.
-    issued: Vec<bool>,
+    issued: Vec<AtomicBool>,
     /// Per chunk (to host): a thread has seen its DMA complete, so the others need not ask.
-    landed: Vec<bool>,
-    failed: Option<Error>,
+    landed: Vec<AtomicBool>,
+    failed: AtomicBool,
+    error: Mutex<Option<Error>>,
 }
 
-struct Shared {
-    state: Mutex<State>,
-    /// The copying threads wait here (for a slot, or for a chunk's DMA to be queued).
-    workers: Condvar,
-    /// The issuing thread waits here (for a chunk to be filled, or a slot drained).
-    issuer: Condvar,
-}
+/// Spins this many times before yielding in a wait.
+const SPINS: u32 = 256;
+/// Yields this long before sleeping in a wait.
+const YIELD_FOR: Duration = Duration::from_millis(1);
 
 impl Shared {
     fn new(slots: usize, chunks: usize) -> Shared {
         Shared {
-            state: Mutex::new(State {
-                next: 0,
-                slot_for: (0..slots).collect(),
-                done: vec![0; chunks],
-                issued: vec![false; chunks],
-                landed: vec![false; chunks],
-                failed: None,
-            }),
-            workers: Condvar::new(),
-            issuer: Condvar::new(),
+            next: AtomicUsize::new(0),
+            slot_for: (0..slots).map(AtomicUsize::new).collect(),
+            done: (0..chunks).map(|_| AtomicUsize::new(0)).collect(),
+            issued: (0..chunks).map(|_| AtomicBool::new(false)).collect(),
+            landed: (0..chunks).map(|_| AtomicBool::new(false)).collect(),
+            failed: AtomicBool::new(false),
+            error: Mutex::new(None),
         }
     }
 
-    fn lock(&self) -> MutexGuard<'_, State> {
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    /// Waits on `cv` until `cond` holds or someone failed; `Err` in the latter case.
-    fn wait_until(
-        &self,
-        cv: &Condvar,
-        cond: impl FnMut(&State) -> bool,
-    ) -> std::result::Result<MutexGuard<'_, State>, ()> {
-        self.wait(cv, None, cond)
-    }
-
-    /// As [`wait_until`](Self::wait_until) on the issuer's condition variable, but also gives up
-    /// (failing everyone) when `stream` reports an error: the driver runs no host function after a
-    /// device fault, so the slots they hand on would never come back.
-    fn wait_watching(
-        &self,
-        stream: &Stream,
-        cond: impl FnMut(&State) -> bool,
-    ) -> std::result::Result<MutexGuard<'_, State>, ()> {
-        self.wait(&self.issuer, Some(stream), cond)
-    }
-
-    /// The loop of both: with a stream to watch, wakes every 20 ms to ask it for errors.
-    fn wait(
-        &self,
-        cv: &Condvar,
-        watch: Option<&Stream>,
-        mut cond: impl FnMut(&State) -> bool,
-    ) -> std::result::Result<MutexGuard<'_, State>, ()> {
-        let mut g = self.lock();
+    /// Waits until `cond` holds (`Ok`) or someone failed (`Err`). `cond` reads with `Acquire`
+    /// what it needs to see published.
+    ///
+    /// Spins, then yields; a wait longer than [`YIELD_FOR`] (the stream is busy with other work
+    /// before the transfer) sleeps between checks instead, so that idle threads do not hold cores.
+    fn wait_until(&self, mut cond: impl FnMut() -> bool) -> std::result::Result<(), ()> {
+        let mut spins = 0;
+        let mut since = None;
         loop {
-            if g.failed.is_some() {
+            if self.failed.load(Ordering::Acquire) {
                 return Err(());
             }
-            if cond(&g) {
-                return Ok(g);
+            if cond() {
+                return Ok(());
             }
-            let Some(stream) = watch else {
-                g = cv.wait(g).unwrap_or_else(|e| e.into_inner());
-                continue;
-            };
-            let (next, timeout) =
-                cv.wait_timeout(g, std::time::Duration::from_millis(20)).unwrap_or_else(|e| e.into_inner());
-            g = next;
-            if timeout.timed_out() {
-                drop(g);
-                if let Err(e) = stream.is_idle() {
-                    self.fail(e);
-                    return Err(());
-                }
-                g = self.lock();
+            if spins < SPINS {
+                spins += 1;
+                std::hint::spin_loop();
+            } else if since.get_or_insert_with(Instant::now).elapsed() < YIELD_FOR {
+                std::thread::yield_now();
+            } else {
+                std::thread::sleep(Duration::from_micros(50));
             }
         }
     }
 
     /// The next piece to work on, or `None` when all are taken or someone failed.
     fn claim(&self, pieces: usize) -> Option<usize> {
-        let mut g = self.lock();
-        if g.next >= pieces || g.failed.is_some() {
+        if self.failed.load(Ordering::Acquire) {
             return None;
         }
-        g.next += 1;
-        Some(g.next - 1)
+        let p = self.next.fetch_add(1, Ordering::Relaxed);
+        (p < pieces).then_some(p)
+    }
+
+    /// Counts one more piece of chunk `j` done (after its bytes were copied); true for the
+    /// chunk's last. Each piece's copy happens before whoever acquires the count seeing it full.
+    fn piece_done(&self, j: usize, pieces: usize) -> bool {
+        self.done[j].fetch_add(1, Ordering::AcqRel) + 1 == pieces
     }
 
     /// The first failure, else the final synchronisation's result.
     fn outcome(&self, synced: Result<()>) -> Result<()> {
-        match self.lock().failed.take() {
+        match self.error.lock().unwrap_or_else(|e| e.into_inner()).take() {
             Some(e) => Err(e),
             None => synced,
         }
     }
 
     fn fail(&self, e: Error) {
-        self.lock().failed.get_or_insert(e);
-        self.workers.notify_all();
-        self.issuer.notify_all();
+        self.error.lock().unwrap_or_else(|e| e.into_inner()).get_or_insert(e);
+        self.failed.store(true, Ordering::Release);
     }
 }
 
@@ -268,8 +243,8 @@ impl Staging {
     /// Copies pageable `src` into `dst` on `stream`; returns when the data is on the device.
     ///
     /// The threads fill pieces in order; this thread queues each chunk's DMA as soon as its last
-    /// piece is filled, and a host function queued behind that DMA hands the slot to the chunk
-    /// `slots` places later, so filling never waits for this thread.
+    /// piece is filled, records the slot's event after it, and hands the slot to the chunk
+    /// `slots` places later once that event has completed.
     pub fn to_device<T: DeviceCopy>(
         &mut self,
         stream: &Stream,
@@ -291,44 +266,70 @@ impl Staging {
         let _turn = dst.prepare_write(stream)?;
         let k = self.slots.len();
         let plan = Plan::new(bytes, self.config.chunk, self.config.piece);
-        // Shared with host functions, which may in principle outlive this call: reference-counted.
-        let shared = Arc::new(Shared::new(k, plan.chunks));
+        let shared = Shared::new(k, plan.chunks);
         let slots = self.slot_addrs();
         let src_addr = Addr(src.as_ptr() as usize);
         let api = driver()?.api();
+        let events = &self.events;
         let fill = || loop {
             let Some(p) = shared.claim(plan.pieces) else { return };
             let (j, at, len) = plan.piece(p);
             let s = j % k;
-            if shared.wait_until(&shared.workers, |g| g.slot_for[s] == j).is_err() {
+            if shared.wait_until(|| shared.slot_for[s].load(Ordering::Acquire) == j).is_err() {
                 return;
             }
-            // SAFETY: these bytes of `src` (borrowed for this call) go to their place in slot s,
-            // which no DMA uses until chunk j is complete, and no other thread writes (pieces are
-            // disjoint).
-            unsafe {
-                std::ptr::copy_nonoverlapping(
-                    (src_addr.0 + j * plan.chunk + at) as *const u8,
-                    (slots[s].0 + at) as *mut u8,
-                    len,
+            // SAFETY: these bytes of `src` (borrowed for this call; `T` has no padding) go to
+            // their place in slot s, which no DMA uses until chunk j is complete (the slot's last
+            // DMA completed before it was handed to chunk j), and which no other thread touches
+            // meanwhile (pieces are disjoint).
+            let (from, to) = unsafe {
+                (
+                    std::slice::from_raw_parts((src_addr.0 + j * plan.chunk + at) as *const u8, len),
+                    std::slice::from_raw_parts_mut((slots[s].0 + at) as *mut u8, len),
                 )
             };
-            let mut g = shared.lock();
-            g.done[j] += 1;
-            if g.done[j] == plan.pieces_in(j) {
-                drop(g);
-                shared.issuer.notify_all();
-            }
+            to.copy_from_slice(from);
+            shared.piece_done(j, plan.pieces_in(j));
         };
         let issue = || -> Result<()> {
             stream.context().bind()?;
+            // Chunks whose slot was handed on: their DMA has completed.
+            let mut freed = 0;
             for i in 0..plan.chunks {
                 let s = i % k;
-                if shared.wait_watching(stream, |g| g.done[i] == plan.pieces_in(i)).is_err() {
-                    return Ok(()); // a worker or the stream failed; the error is in `shared`
+                let mut failure = None;
+                let filled = shared.wait_until(|| {
+                    if shared.done[i].load(Ordering::Acquire) == plan.pieces_in(i) {
+                        return true;
+                    }
+                    // Meanwhile, hand on the slot of the oldest chunk in flight once its DMA has
+                    // completed, asking only when a thread has claimed a piece that needs it:
+                    // a query is a driver call, and asking in a tight loop slowed the copies.
+                    let claimed = shared.next.load(Ordering::Relaxed) / plan.per_chunk;
+                    if freed < i && freed + k <= claimed {
+                        match events[freed % k].is_complete() {
+                            Ok(true) => {
+                                shared.slot_for[freed % k].store(freed + k, Ordering::Release);
+                                freed += 1;
+                            }
+                            Ok(false) => {}
+                            Err(e) => {
+                                failure = Some(e);
+                                return true;
+                            }
+                        }
+                    }
+                    false
+                });
+                if let Some(e) = failure {
+                    return Err(e);
                 }
-                // SAFETY: slot s holds chunk i (published under the lock); `dst` has room for it
-                // at this offset; the slot is handed on only after this DMA completes.
+                if filled.is_err() {
+                    return Ok(()); // a worker failed; the error is in `shared`
+                }
+                // SAFETY: slot s holds chunk i (every piece's copy happened before the count
+                // acquired above); `dst` has room for it at this offset; the slot is handed on
+                // only after the event recorded next completes.
                 unsafe {
                     api.cuMemcpyHtoDAsync(
                         dst.ptr() + (i * plan.chunk) as u64,
@@ -337,11 +338,7 @@ impl Staging {
                         stream.raw(),
                     )
                 }?;
-                let release = Arc::clone(&shared);
-                stream.launch_host_fn(move || {
-                    release.lock().slot_for[s] = i + k;
-                    release.workers.notify_all();
-                })?;
+                events[s].record(stream)?;
             }
             Ok(())
         };
@@ -363,7 +360,7 @@ impl Staging {
     ///
     /// This thread queues each chunk's DMA into its slot once the slot is drained, and records
     /// the slot's event after it; the threads wait for that event and drain the chunk's pieces
-    /// in order.
+    /// in order, with non-temporal stores ([`copy_streaming`]).
     pub fn to_host<T: DeviceCopy>(
         &mut self,
         stream: &Stream,
@@ -393,44 +390,41 @@ impl Staging {
             let Some(p) = shared.claim(plan.pieces) else { return };
             let (j, at, len) = plan.piece(p);
             let s = j % k;
-            let Ok(g) = shared.wait_until(&shared.workers, |g| g.issued[j]) else { return };
-            let landed = g.landed[j];
-            drop(g);
+            if shared.wait_until(|| shared.issued[j].load(Ordering::Acquire)).is_err() {
+                return;
+            }
             // The event was recorded after chunk j's DMA, before `issued[j]` was published, and is
             // not recorded again until every piece of chunk j is drained.
-            if !landed {
+            if !shared.landed[j].load(Ordering::Acquire) {
                 if let Err(e) = events[s].synchronize() {
                     shared.fail(e);
                     return;
                 }
-                shared.lock().landed[j] = true;
+                shared.landed[j].store(true, Ordering::Release);
             }
             // SAFETY: slot s holds chunk j (its DMA completed); these bytes of `dst` (borrowed
-            // mutably for this call) are written by this thread alone (pieces are disjoint). Any
+            // mutably for this call) are touched by this thread alone (pieces are disjoint). Any
             // bytes are a valid T.
-            unsafe {
-                std::ptr::copy_nonoverlapping(
-                    (slots[s].0 + at) as *const u8,
-                    (dst_addr.0 + j * plan.chunk + at) as *mut u8,
-                    len,
+            let (from, to) = unsafe {
+                (
+                    std::slice::from_raw_parts((slots[s].0 + at) as *const u8, len),
+                    std::slice::from_raw_parts_mut((dst_addr.0 + j * plan.chunk + at) as *mut u8, len),
                 )
             };
-            let mut g = shared.lock();
-            g.done[j] += 1;
-            if g.done[j] == plan.pieces_in(j) {
-                g.slot_for[s] = j + k;
-                drop(g);
-                shared.issuer.notify_all();
+            copy_streaming(to, from);
+            if shared.piece_done(j, plan.pieces_in(j)) {
+                shared.slot_for[s].store(j + k, Ordering::Release);
             }
         };
         let issue = || -> Result<()> {
             stream.context().bind()?;
             for i in 0..plan.chunks {
                 let s = i % k;
-                if shared.wait_until(&shared.issuer, |g| g.slot_for[s] == i).is_err() {
+                if shared.wait_until(|| shared.slot_for[s].load(Ordering::Acquire) == i).is_err() {
                     return Ok(());
                 }
-                // SAFETY: slot s is free (its last chunk was drained); `src` holds chunk i.
+                // SAFETY: slot s is free (every read of its last chunk happened before the hand-on
+                // acquired above); `src` holds chunk i.
                 unsafe {
                     api.cuMemcpyDtoHAsync(
                         slots[s].0 as *mut _,
@@ -440,8 +434,7 @@ impl Staging {
                     )
                 }?;
                 events[s].record(stream)?;
-                shared.lock().issued[i] = true;
-                shared.workers.notify_all();
+                shared.issued[i].store(true, Ordering::Release);
             }
             Ok(())
         };
