@@ -726,8 +726,8 @@ pub struct TraceReport {
     pub pairs: usize,
     /// The cached-pair measure per size.
     pub pair_rows: Vec<PairRow>,
-    /// ns per `cuStreamGetCaptureInfo` on the pair measure's stream, alone (the check cuvmm makes
-    /// on each allocation and each free), or why there is none.
+    /// ns per `cuStreamIsCapturing` on the pair measure's stream, alone (the check cuvmm makes
+    /// on each allocation), or why there is none.
     pub capture_query_ns: Option<Result<f64, String>>,
 }
 
@@ -1213,25 +1213,16 @@ fn per_call_ns(
     Ok(median(&samples))
 }
 
-/// ns per `cuStreamGetCaptureInfo` of `stream` (as the allocator asks it: status and id), the
-/// median of [`PAIR_BATCHES`] batches of `n` after a shorter warm-up batch.
+/// ns per `cuStreamIsCapturing` of `stream` (the question the allocator asks on every
+/// allocation), the median of [`PAIR_BATCHES`] batches of `n` after a shorter warm-up batch.
 fn capture_queries(stream: &Stream, n: usize) -> Result<f64> {
     let api = driver()?.api();
     stream.context().bind()?;
     let query = || {
-        let (mut status, mut id) = (0, 0u64);
-        // SAFETY: a live stream; the out-pointers are valid locals, the optional ones null.
-        unsafe {
-            api.cuStreamGetCaptureInfo(
-                stream.raw(),
-                &mut status,
-                &mut id,
-                std::ptr::null_mut(),
-                std::ptr::null_mut(),
-                std::ptr::null_mut(),
-            )?
-        };
-        std::hint::black_box((status, id));
+        let mut status = 0;
+        // SAFETY: a live stream; the out-pointer is a valid local.
+        unsafe { api.cuStreamIsCapturing(stream.raw(), &mut status)? };
+        std::hint::black_box(status);
         Ok(())
     };
     per_call_ns(n, query, || Ok(()))

@@ -47,7 +47,7 @@ pub enum Bench {
         /// Host threads of the staged path (default: one per core, at most 8); a list sweeps.
         #[arg(long, value_parser = parse_counts)]
         threads: Option<std::vec::Vec<usize>>,
-        /// Bytes per chunk (per DMA and pinned slot) of the staged path (default 8MiB); a list sweeps.
+        /// Bytes per chunk (per DMA and pinned slot) of the staged path (default 4MiB); a list sweeps.
         #[arg(long, value_parser = parse_sizes)]
         chunk: Option<std::vec::Vec<usize>>,
         /// Bytes per piece a thread copies (default 1MiB, or the chunk if smaller); a list sweeps.
@@ -1235,9 +1235,9 @@ pub(super) fn print_trace(
     match &r.capture_query_ns {
         Some(Ok(ns)) => writeln!(
             out,
-            "cuStreamGetCaptureInfo alone, the capture check cuvmm makes on each allocation: {ns:.1} ns"
+            "cuStreamIsCapturing alone, the capture check cuvmm makes on each allocation: {ns:.1} ns"
         )?,
-        Some(Err(why)) => writeln!(out, "cuStreamGetCaptureInfo alone: {why}")?,
+        Some(Err(why)) => writeln!(out, "cuStreamIsCapturing alone: {why}")?,
         None => {}
     }
     Ok(())

@@ -138,6 +138,7 @@ entry_points! {
     required fn cuStreamQuery @ 2000 (stream: CUstream);
     required fn cuStreamWaitEvent @ 3020 (stream: CUstream, event: CUevent, flags: c_uint);
     optional fn cuStreamGetCaptureInfo @ 11030 (stream: CUstream, status: *mut c_int, id: *mut c_ulonglong, graph: *mut *mut c_void, deps: *mut *const *mut c_void, count: *mut usize);
+    optional fn cuStreamIsCapturing @ 10000 (stream: CUstream, status: *mut c_int);
     optional fn cuThreadExchangeStreamCaptureMode @ 10010 (mode: *mut c_int);
     required fn cuLaunchHostFunc @ 10000 (stream: CUstream, f: CUhostFn, user_data: *mut c_void);
 

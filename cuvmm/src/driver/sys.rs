@@ -231,7 +231,9 @@ pub const CU_STREAM_NON_BLOCKING: c_uint = 1;
 pub const CU_STREAM_LEGACY: usize = 1;
 /// `CU_STREAM_PER_THREAD`: each thread's own default stream.
 pub const CU_STREAM_PER_THREAD: usize = 2;
-/// `CU_STREAM_CAPTURE_STATUS_ACTIVE` (`CUstreamCaptureStatus`; 0 is none, 2 invalidated).
+/// `CU_STREAM_CAPTURE_STATUS_NONE` (`CUstreamCaptureStatus`).
+pub const CU_STREAM_CAPTURE_STATUS_NONE: c_int = 0;
+/// `CU_STREAM_CAPTURE_STATUS_ACTIVE`.
 pub const CU_STREAM_CAPTURE_STATUS_ACTIVE: c_int = 1;
 /// `CU_STREAM_CAPTURE_STATUS_INVALIDATED`.
 pub const CU_STREAM_CAPTURE_STATUS_INVALIDATED: c_int = 2;

@@ -218,10 +218,20 @@ pub(crate) fn capture_of(stream: CUstream) -> Result<Option<u64>> {
     if stream.is_null() || stream as usize == CU_STREAM_LEGACY {
         return Ok(None);
     }
+    let api = driver()?.api();
+    // Asked on every allocation: the plain question first (19.3-21.6 ns a call on an H100 host,
+    // against 21.5-23.5 for the one that also gives the capture's id), the id only when it is yes.
+    let mut status = 0;
+    // SAFETY: the out-pointer is a valid local.
+    match unsafe { api.cuStreamIsCapturing(stream, &mut status) } {
+        Ok(()) if status == CU_STREAM_CAPTURE_STATUS_NONE => return Ok(None),
+        Ok(()) | Err(Error::Unsupported { .. }) => {}
+        Err(e) => return Err(e),
+    }
     let (mut status, mut id) = (0, 0u64);
     // SAFETY: the out-pointers are valid locals; the optional ones may be null.
     let r = unsafe {
-        driver()?.api().cuStreamGetCaptureInfo(
+        api.cuStreamGetCaptureInfo(
             stream,
             &mut status,
             &mut id,
