@@ -360,7 +360,7 @@ impl Staging {
     ///
     /// This thread queues each chunk's DMA into its slot once the slot is drained, and records
     /// the slot's event after it; the threads wait for that event and drain the chunk's pieces
-    /// in order, with non-temporal stores ([`copy_streaming`]).
+    /// in order, writing `dst` with non-temporal stores (they skip reading each line before writing it).
     pub fn to_host<T: DeviceCopy>(
         &mut self,
         stream: &Stream,
