@@ -100,7 +100,7 @@ impl Plan {
 }
 
 /// The progress of one transfer, shared by the issuing thread and the copying threads. Waits
-/// spin, then yield, rather than sleep: a transfer's waits last microseconds, and waking a
+/// spin, then yield, rather than sleep at once: a transfer's waits last microseconds, and waking a
 /// sleeping thread took longer than that (a staged transfer with sleeping waits and a host
 /// function handing slots back ran at 28-37 GB/s where the same pipeline spinning ran at 36-47).
 struct Shared {
@@ -297,7 +297,6 @@ impl Staging {
             let mut freed = 0;
             for i in 0..plan.chunks {
                 let s = i % k;
-                let mut failure = None;
                 let filled = shared.wait_until(|| {
                     if shared.done[i].load(Ordering::Acquire) == plan.pieces_in(i) {
                         return true;
@@ -313,19 +312,14 @@ impl Staging {
                                 freed += 1;
                             }
                             Ok(false) => {}
-                            Err(e) => {
-                                failure = Some(e);
-                                return true;
-                            }
+                            // Ends this wait and every thread's: the error is in `shared`.
+                            Err(e) => shared.fail(e),
                         }
                     }
                     false
                 });
-                if let Some(e) = failure {
-                    return Err(e);
-                }
                 if filled.is_err() {
-                    return Ok(()); // a worker failed; the error is in `shared`
+                    return Ok(()); // a query or a worker failed; the error is in `shared`
                 }
                 // SAFETY: slot s holds chunk i (every piece's copy happened before the count
                 // acquired above); `dst` has room for it at this offset; the slot is handed on
@@ -360,7 +354,8 @@ impl Staging {
     ///
     /// This thread queues each chunk's DMA into its slot once the slot is drained, and records
     /// the slot's event after it; the threads wait for that event and drain the chunk's pieces
-    /// in order, writing `dst` with non-temporal stores (they skip reading each line before writing it).
+    /// in order, writing `dst` with non-temporal stores (they skip reading each line before
+    /// writing it).
     pub fn to_host<T: DeviceCopy>(
         &mut self,
         stream: &Stream,
