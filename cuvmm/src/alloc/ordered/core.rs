@@ -202,6 +202,10 @@ pub(crate) struct Core<B: Backend> {
     borrowed: Vec<B::Page>,
     /// The latest free among the blocks that lent `borrowed`.
     borrowed_epoch: u64,
+    /// A stream whose latest free is stamped with the number of its next event, and that number:
+    /// until an event is recorded there, another free on it changes nothing in `streams`, so it
+    /// skips the lookup (the common case of a training step's frees).
+    stamped: Option<(u64, u64)>,
 }
 
 impl<B: Backend> Core<B> {
@@ -222,6 +226,7 @@ impl<B: Backend> Core<B> {
             lent: Vec::new(),
             borrowed: Vec::new(),
             borrowed_epoch: 0,
+            stamped: None,
         }
     }
 
@@ -695,6 +700,7 @@ impl<B: Backend> Core<B> {
                 // Everything freed on it is idle: forget it, so that a destroyed stream's handle is
                 // never used again.
                 self.streams.remove(&s);
+                self.stamped = self.stamped.filter(|&(t, _)| t != s);
                 self.backend.forget(s);
                 continue;
             }
@@ -748,6 +754,7 @@ impl<B: Backend> Core<B> {
         let st = self.streams.get_mut(&s).expect("known stream");
         st.fences.push_back((st.next, ev));
         st.next += 1;
+        self.stamped = None;
         Ok(())
     }
 
@@ -778,13 +785,20 @@ impl<B: Backend> Core<B> {
         let Some(slot) = self.slots.iter().position(|s| s.heap.contains(addr)) else {
             return Err(Error::invalid(format!("{addr:#x} was not allocated here")));
         };
-        let st = self.streams.entry(stream).or_insert_with(Stream::new);
-        let epoch = st.next;
-        let freed = self.slots[slot]
-            .heap
-            .free_cached(addr, stream, epoch)
-            .ok_or_else(|| Error::invalid(format!("{addr:#x} is not a live allocation (freed twice?)")))?;
-        st.last_free = epoch;
+        let twice = || Error::invalid(format!("{addr:#x} is not a live allocation (freed twice?)"));
+        let freed = match self.stamped {
+            Some((s, epoch)) if s == stream => {
+                self.slots[slot].heap.free_cached(addr, stream, epoch).ok_or_else(twice)?
+            }
+            _ => {
+                let st = self.streams.entry(stream).or_insert_with(Stream::new);
+                let epoch = st.next;
+                let freed = self.slots[slot].heap.free_cached(addr, stream, epoch).ok_or_else(twice)?;
+                st.last_free = epoch;
+                self.stamped = Some((stream, epoch));
+                freed
+            }
+        };
         Ok(self.count_free(freed))
     }
 

@@ -117,11 +117,17 @@ pub(crate) struct Heap {
     lent: Vec<u32>,
     /// Free blocks by (owner key, pool, size, address): a best fit for one stream is one range query.
     free: BTreeSet<(u64, u32, u64, u64, u32)>,
+    /// Blocks handed out and not yet back in the index: `Live` and `Cached` ones. A cached block
+    /// stays here, so that a free and the next request of its size touch the map once between
+    /// them (a lookup) instead of removing and inserting.
     live: AddrMap<u32>,
     /// Bytes of blocks in graph pools.
     graph: u64,
-    /// `Cached` blocks by (stream, size).
-    cached: HashMap<(u64, u64), Vec<u32>, BuildHasherDefault<AddrHasher>>,
+    /// `Cached` blocks: one list per (stream, size), found through `cached_lists`, and the list
+    /// used last, which a free followed by a request of the same size finds without hashing.
+    cached: Vec<Vec<u32>>,
+    cached_lists: HashMap<(u64, u64), u32, BuildHasherDefault<AddrHasher>>,
+    cached_last: Option<((u64, u64), u32)>,
     cached_count: usize,
 }
 
@@ -139,7 +145,9 @@ impl Heap {
             live: AddrMap::default(),
             lent: Vec::new(),
             graph: 0,
-            cached: HashMap::default(),
+            cached: Vec::new(),
+            cached_lists: HashMap::default(),
+            cached_last: None,
             cached_count: 0,
         }
     }
@@ -154,7 +162,11 @@ impl Heap {
 
     /// (address, size) of every live block.
     pub(crate) fn live_blocks(&self) -> impl Iterator<Item = (u64, u64)> + '_ {
-        self.live.values().map(|&i| (self.blocks[i as usize].addr, self.blocks[i as usize].size))
+        self.live
+            .values()
+            .map(|&i| &self.blocks[i as usize])
+            .filter(|b| matches!(b.state, State::Live { .. }))
+            .map(|b| (b.addr, b.size))
     }
 
     /// Bytes in graph pools, free or live.
@@ -254,32 +266,57 @@ impl Heap {
         Some(self.top - size)
     }
 
+    /// The cached list of `key`, created if `create`.
+    fn cached_list(&mut self, key: (u64, u64), create: bool) -> Option<u32> {
+        if let Some((k, l)) = self.cached_last {
+            if k == key {
+                return Some(l);
+            }
+        }
+        let l = match self.cached_lists.get(&key) {
+            Some(&l) => l,
+            None if create => {
+                self.cached.push(Vec::new());
+                let l = (self.cached.len() - 1) as u32;
+                self.cached_lists.insert(key, l);
+                l
+            }
+            None => return None,
+        };
+        self.cached_last = Some((key, l));
+        Some(l)
+    }
+
     /// A block `stream` freed whole with exactly `size` bytes, handed out again to it.
     pub(crate) fn take_cached(&mut self, stream: u64, size: u64, requested: u64) -> Option<u64> {
-        let i = self.cached.get_mut(&(stream, size))?.pop()?;
+        if self.cached_count == 0 {
+            return None;
+        }
+        let l = self.cached_list((stream, size), false)?;
+        let i = self.cached[l as usize].pop()?;
         self.cached_count -= 1;
         let b = &mut self.blocks[i as usize];
         b.state = State::Live { stream, requested };
-        let addr = b.addr;
-        self.live.insert(addr, i);
-        Some(addr)
+        Some(b.addr)
     }
 
     /// Frees the live block at `addr` on `stream` at `epoch`, keeping it whole for the stream's
     /// next request of its size when there is room; else as [`free`](Self::free) does.
     pub(crate) fn free_cached(&mut self, addr: u64, stream: u64, epoch: u64) -> Option<Freed> {
-        let i = self.live.remove(&addr)?;
-        let (size, pool) = (self.blocks[i as usize].size, self.blocks[i as usize].pool);
-        let list = self.cached.entry((stream, size)).or_default();
-        if pool != 0 || list.len() >= CACHED_PER_SIZE {
-            return Some(self.free_block(i, Owner::Stream { stream, epoch }));
+        let i = *self.live.get(&addr)?;
+        let b = self.blocks[i as usize];
+        let State::Live { requested, .. } = b.state else { return None };
+        if b.pool == 0 {
+            let l = self.cached_list((stream, b.size), true).expect("created") as usize;
+            if self.cached[l].len() < CACHED_PER_SIZE {
+                self.cached[l].push(i);
+                self.cached_count += 1;
+                self.blocks[i as usize].state = State::Cached { stream, epoch };
+                return Some(Freed { size: b.size, requested, pool: 0 });
+            }
         }
-        let b = &mut self.blocks[i as usize];
-        let State::Live { requested, .. } = b.state else { unreachable!("live map names a free block") };
-        b.state = State::Cached { stream, epoch };
-        list.push(i);
-        self.cached_count += 1;
-        Some(Freed { size, requested, pool })
+        self.live.remove(&addr);
+        Some(self.free_block(i, Owner::Stream { stream, epoch }))
     }
 
     /// Moves every cached block into the index, merging as a free would have.
@@ -289,10 +326,15 @@ impl Heap {
         if self.cached_count == 0 {
             return;
         }
-        let lists: Vec<u32> = self.cached.drain().flat_map(|(_, v)| v).collect();
+        let lists: Vec<u32> = self.cached.iter_mut().flat_map(std::mem::take).collect();
+        self.cached.clear();
+        self.cached_lists.clear();
+        self.cached_last = None;
         self.cached_count = 0;
         for i in lists {
-            let State::Cached { stream, epoch } = self.blocks[i as usize].state else { unreachable!() };
+            let b = self.blocks[i as usize];
+            let State::Cached { stream, epoch } = b.state else { unreachable!() };
+            self.live.remove(&b.addr);
             let owner = if done(stream, epoch) { Owner::Idle } else { Owner::Stream { stream, epoch } };
             self.settle(i, owner);
         }
@@ -301,7 +343,11 @@ impl Heap {
     /// Frees the live block at `addr`, now owned by `owner`, merging it with free neighbours of
     /// the same pool that `owner`'s stream may use.
     pub(crate) fn free(&mut self, addr: u64, owner: Owner) -> Option<Freed> {
-        let i = self.live.remove(&addr)?;
+        let i = *self.live.get(&addr)?;
+        if !matches!(self.blocks[i as usize].state, State::Live { .. }) {
+            return None;
+        }
+        self.live.remove(&addr);
         Some(self.free_block(i, owner))
     }
 
@@ -613,7 +659,7 @@ impl Heap {
         let mut at = self.base;
         let mut i = if self.top == self.base { NIL } else { self.first() };
         let mut prev = NIL;
-        let mut free = 0;
+        let (mut free, mut live, mut cached) = (0, 0, 0);
         while i != NIL {
             let b = &self.blocks[i as usize];
             assert_eq!(b.addr, at, "blocks are contiguous");
@@ -635,9 +681,15 @@ impl Heap {
                         }
                     }
                 }
-                State::Live { .. } => assert_eq!(self.live.get(&b.addr), Some(&i)),
+                State::Live { .. } => {
+                    live += 1;
+                    assert_eq!(self.live.get(&b.addr), Some(&i));
+                }
                 State::Lent { .. } => assert!(self.lent.contains(&i)),
-                State::Cached { .. } => {}
+                State::Cached { .. } => {
+                    cached += 1;
+                    assert_eq!(self.live.get(&b.addr), Some(&i));
+                }
             }
             at += b.size;
             prev = i;
@@ -645,6 +697,9 @@ impl Heap {
         }
         assert_eq!(at, self.top);
         assert_eq!(free, self.free.len());
+        assert_eq!(cached, self.cached_count);
+        assert_eq!(cached, self.cached.iter().map(Vec::len).sum::<usize>());
+        assert_eq!(live + cached, self.live.len(), "the map holds live and cached blocks only");
         assert_eq!(prev, self.last);
     }
 

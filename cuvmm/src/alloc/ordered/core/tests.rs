@@ -517,6 +517,34 @@ fn a_stream_whose_frees_all_completed_is_forgotten() {
     assert!(c.backend().forgotten.contains(&9));
 }
 
+/// A cached block stays in the heap's address map (a free and the next request of its size do
+/// one lookup between them), so the map alone no longer says a block is live: each way of
+/// freeing must still refuse a block that is cached or back in the index.
+#[test]
+fn a_second_free_is_refused_whether_the_block_is_cached_or_indexed() {
+    let mut c = core(1000);
+    let a = c.allocate(4096, 7, Capture::None, 0).unwrap();
+    c.free(a, 7).unwrap(); // kept whole for stream 7
+    assert!(c.free(a, 7).is_err(), "freed twice while cached");
+    assert!(c.free(a, 8).is_err(), "freed twice while cached, on another stream");
+    let stats = c.stats();
+    assert_eq!((stats.live, stats.frees), (0, 1));
+    assert!(c.slots[0].heap.live_blocks().next().is_none(), "a cached block is not live");
+    // Handed out once, then again after its free.
+    assert_eq!(c.allocate(4096, 7, Capture::None, 0).unwrap(), a);
+    assert_ne!(c.allocate(4096, 7, Capture::None, 0).unwrap(), a);
+    assert_eq!(c.slots[0].heap.live_blocks().count(), 2);
+    c.free(a, 7).unwrap();
+    c.flush_cached(); // into the index
+    assert!(c.free(a, 7).is_err(), "freed twice after the flush");
+    let owner = Owner::Stream { stream: 7, epoch: 1 };
+    assert!(c.slots[0].heap.free(a, owner).is_none(), "freed twice through the uncached path");
+    for slot in &c.slots {
+        slot.heap.check();
+    }
+    assert_eq!(c.stats().frees, 2);
+}
+
 #[derive(Clone, Debug)]
 enum Step {
     Alloc { size: u64, stream: u64 },
