@@ -6,6 +6,7 @@ use cuvmm::context::Context;
 use cuvmm::driver::{driver, sys::*};
 use cuvmm::error::Result;
 use cuvmm::vmm::{Access, PhysicalMemory, Reservation};
+use std::sync::{Arc, Mutex};
 
 /// The operations measured, in the order a chunk's life runs through them.
 pub const OPS: [&str; 5] = ["create", "map", "set_access", "unmap", "release"];
@@ -23,6 +24,11 @@ pub struct OpsRow {
     /// The crate's types: `PhysicalBuilder::create`, `Reservation::map`, `Mapping::set_access`,
     /// dropping the `Mapping`, dropping the `PhysicalMemory`.
     pub crate_us: [f64; 5],
+    /// The raw `cuMemMap` with the synchronisation and ownership a `Mapping` of a shared,
+    /// thread-safe `Reservation` needs around it, done on structures of its own: a mutex locked
+    /// across the call, the range recorded in a sorted vector under it, and two reference counts
+    /// raised (the reservation's and the physical memory's), as `Reservation::map` does.
+    pub floor_map_us: f64,
 }
 
 impl OpsRow {
@@ -41,7 +47,21 @@ fn us(d: std::time::Duration) -> f64 {
     d.as_secs_f64() * 1e6
 }
 
-fn raw_cycle(ctx: &Context, size: usize, va: CUdeviceptr, prop: &CUmemAllocationProp) -> Result<[f64; 5]> {
+/// What [`raw_cycle`] does around its `cuMemMap` when it measures the floor (see
+/// [`OpsRow::floor_map_us`]): heap structures like the crate's, touched the way its map touches them.
+struct Floor {
+    ranges: Mutex<Vec<(usize, usize)>>,
+    reservation: Arc<u64>,
+    physical: Arc<u64>,
+}
+
+fn raw_cycle(
+    ctx: &Context,
+    size: usize,
+    va: CUdeviceptr,
+    prop: &CUmemAllocationProp,
+    floor: Option<&Floor>,
+) -> Result<[f64; 5]> {
     let api = driver()?.api();
     let desc = CUmemAccessDesc {
         location: CUmemLocation { type_: CUmemLocationType::DEVICE, id: ctx.device().raw() },
@@ -53,9 +73,23 @@ fn raw_cycle(ctx: &Context, size: usize, va: CUdeviceptr, prop: &CUmemAllocation
     // SAFETY: see above.
     let (r, t0) = timed(|| unsafe { api.cuMemCreate(&mut h, size, prop, 0) });
     r?;
-    // SAFETY: see above.
-    let (r, t1) = timed(|| unsafe { api.cuMemMap(va, size, 0, h, 0) });
-    r?;
+    let (r, t1) = timed(|| {
+        let Some(f) = floor else {
+            // SAFETY: see above.
+            return unsafe { api.cuMemMap(va, size, 0, h, 0) }.map(|()| None);
+        };
+        let mut ranges = f.ranges.lock().unwrap_or_else(|e| e.into_inner());
+        let at = ranges.partition_point(|&(o, _)| o < size);
+        // SAFETY: see above.
+        unsafe { api.cuMemMap(va, size, 0, h, 0) }?;
+        ranges.insert(at, (0, size));
+        Ok(Some((Arc::clone(&f.reservation), Arc::clone(&f.physical))))
+    });
+    let owners = r?;
+    if let Some(f) = floor {
+        f.ranges.lock().unwrap_or_else(|e| e.into_inner()).clear();
+    }
+    drop(owners);
     // SAFETY: see above.
     let (r, t2) = timed(|| unsafe { api.cuMemSetAccess(va, size, &desc, 1) });
     r?;
@@ -82,7 +116,8 @@ fn crate_cycle(ctx: &Context, size: usize, va: &Reservation) -> Result<[f64; 5]>
 }
 
 /// Measures each size in `sizes` (bytes; multiples of the granularity), `reps` times per side after
-/// two warm-up cycles, alternating raw and crate cycles (each side going first every other time).
+/// two warm-up cycles, the raw, crate and floor cycles taking turns (each first every third time),
+/// each in a reservation of its own.
 pub fn run(ctx: &Context, sizes: &[usize], reps: usize) -> Result<Vec<OpsRow>> {
     if reps == 0 || sizes.is_empty() {
         return Err(crate::bench::invalid("need at least one size and one repetition"));
@@ -99,19 +134,28 @@ pub fn run(ctx: &Context, sizes: &[usize], reps: usize) -> Result<Vec<OpsRow>> {
         cuvmm::vmm::check_aligned("chunk size", size, builder.granularity()?.minimum)?;
         let raw_va = Reservation::new(ctx, size)?;
         let crate_va = Reservation::new(ctx, size)?;
+        let floor_va = Reservation::new(ctx, size)?;
+        let floor = Floor {
+            ranges: Mutex::new(Vec::with_capacity(4)),
+            reservation: Arc::new(0),
+            physical: Arc::new(0),
+        };
         for _ in 0..2 {
-            raw_cycle(ctx, size, raw_va.base(), &prop)?;
+            raw_cycle(ctx, size, raw_va.base(), &prop, None)?;
             crate_cycle(ctx, size, &crate_va)?;
+            raw_cycle(ctx, size, floor_va.base(), &prop, Some(&floor))?;
         }
         let mut raw: Vec<[f64; 5]> = Vec::with_capacity(reps);
         let mut ours: Vec<[f64; 5]> = Vec::with_capacity(reps);
+        let mut floors: Vec<[f64; 5]> = Vec::with_capacity(reps);
         for rep in 0..reps {
-            if rep % 2 == 0 {
-                raw.push(raw_cycle(ctx, size, raw_va.base(), &prop)?);
-                ours.push(crate_cycle(ctx, size, &crate_va)?);
-            } else {
-                ours.push(crate_cycle(ctx, size, &crate_va)?);
-                raw.push(raw_cycle(ctx, size, raw_va.base(), &prop)?);
+            // Each of the three goes first, second and third in turn.
+            for k in 0..3 {
+                match (rep + k) % 3 {
+                    0 => raw.push(raw_cycle(ctx, size, raw_va.base(), &prop, None)?),
+                    1 => ours.push(crate_cycle(ctx, size, &crate_va)?),
+                    _ => floors.push(raw_cycle(ctx, size, floor_va.base(), &prop, Some(&floor))?),
+                }
             }
         }
         let med = |v: &[[f64; 5]], i: usize| median(&v.iter().map(|a| a[i]).collect::<Vec<_>>());
@@ -120,6 +164,7 @@ pub fn run(ctx: &Context, sizes: &[usize], reps: usize) -> Result<Vec<OpsRow>> {
             reps,
             raw_us: std::array::from_fn(|i| med(&raw, i)),
             crate_us: std::array::from_fn(|i| med(&ours, i)),
+            floor_map_us: med(&floors, 1),
         });
     }
     Ok(rows)
