@@ -10,8 +10,8 @@
 //! stores made the host-to-device side slower (26.4-35.5 against 28.1-37.0 GB/s).
 
 /// Copies `src` into `dst` (equal lengths) with non-temporal stores where the platform has them,
-/// and returns once those stores are ordered before any later store of this thread (so a lock
-/// released afterwards publishes them).
+/// and returns once those stores are ordered before any later store of this thread (so a release
+/// store or an unlock afterwards publishes them).
 ///
 /// # Panics
 /// If the lengths differ.

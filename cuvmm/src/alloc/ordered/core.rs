@@ -699,8 +699,9 @@ impl<B: Backend> Core<B> {
             if st.fences.is_empty() && st.last_free < st.next {
                 // Everything freed on it is idle: forget it, so that a destroyed stream's handle is
                 // never used again.
+                // A stamped stream's latest free has no event after it yet, so it is never idle.
+                debug_assert!(self.stamped.map_or(true, |(t, _)| t != s), "forgetting a stamped stream");
                 self.streams.remove(&s);
-                self.stamped = self.stamped.filter(|&(t, _)| t != s);
                 self.backend.forget(s);
                 continue;
             }
@@ -786,19 +787,18 @@ impl<B: Backend> Core<B> {
             return Err(Error::invalid(format!("{addr:#x} was not allocated here")));
         };
         let twice = || Error::invalid(format!("{addr:#x} is not a live allocation (freed twice?)"));
-        let freed = match self.stamped {
-            Some((s, epoch)) if s == stream => {
-                self.slots[slot].heap.free_cached(addr, stream, epoch).ok_or_else(twice)?
-            }
+        let (epoch, unstamped) = match self.stamped {
+            Some((s, epoch)) if s == stream => (epoch, None),
             _ => {
                 let st = self.streams.entry(stream).or_insert_with(Stream::new);
-                let epoch = st.next;
-                let freed = self.slots[slot].heap.free_cached(addr, stream, epoch).ok_or_else(twice)?;
-                st.last_free = epoch;
-                self.stamped = Some((stream, epoch));
-                freed
+                (st.next, Some(st))
             }
         };
+        let freed = self.slots[slot].heap.free_cached(addr, stream, epoch).ok_or_else(twice)?;
+        if let Some(st) = unstamped {
+            st.last_free = epoch;
+            self.stamped = Some((stream, epoch));
+        }
         Ok(self.count_free(freed))
     }
 

@@ -326,8 +326,7 @@ impl Heap {
         if self.cached_count == 0 {
             return;
         }
-        let lists: Vec<u32> = self.cached.iter_mut().flat_map(std::mem::take).collect();
-        self.cached.clear();
+        let lists: Vec<u32> = self.cached.drain(..).flatten().collect();
         self.cached_lists.clear();
         self.cached_last = None;
         self.cached_count = 0;
