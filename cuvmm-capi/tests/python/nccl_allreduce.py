@@ -7,9 +7,14 @@
 
 Sizes from --min-mib to --max-mib, doubling. Each rank fills float32 k % 251 + rank + 1, so
 every sum is an integer far below 2^24 and the reduced tensor must equal the exact expectation.
-Timing: --warmup then --iters in-place all-reduces, each between two CUDA events on the current
-stream; the median per rank, then the slowest rank's median. Bus bandwidth as nccl-tests counts
-it: algbw = bytes / time, busbw = algbw * 2 (n - 1) / n. Rank 0 prints the RESULT line.
+Timing (--timing graph, the default): --graph-calls in-place all-reduces captured in one CUDA
+graph, replayed --warmup then --iters times, each replay between two CUDA events: the time of a
+call is the replay's over the calls in it, so the host's launch work (PyTorch's and NCCL's, tens
+of microseconds a call) is not counted, as it is not in nccl-tests. --timing call times each
+eager call between two events on the current stream instead (the launch work included: below
+~8 MiB it is most of the time). The median per rank, then the slowest rank's median. Bus
+bandwidth as nccl-tests counts it: algbw = bytes / time, busbw = algbw * 2 (n - 1) / n. Rank 0
+prints the RESULT line.
 """
 
 import os
@@ -37,6 +42,55 @@ def sizes(lo_mib, hi_mib):
     return out
 
 
+def time_calls(torch, dist, y, world, args):
+    """Median seconds of one eager all-reduce of y, timed alone between two events."""
+    times = []
+    for it in range(args.warmup + args.iters):
+        if it and it % RESCALE_EVERY == 0:
+            # Outside the timed events: scaling back what the last calls multiplied keeps it
+            # finite (float32 overflows past 2^128: 200 calls on two ranks would not be).
+            y.mul_(float(world) ** -RESCALE_EVERY)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dist.all_reduce(y)
+        end.record()
+        if it >= args.warmup:
+            times.append((start, end))
+    torch.cuda.synchronize()
+    return median(s.elapsed_time(e) / 1e3 for s, e in times)
+
+
+def time_graph(torch, dist, y, world, args):
+    """Median seconds per all-reduce of y over replays of a graph of --graph-calls of them."""
+    k = args.graph_calls
+    # Graph capture wants the collective's first (eager) use on a side stream behind it.
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        dist.all_reduce(y)
+    torch.cuda.current_stream().wait_stream(side)
+    y.div_(float(world))
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    # thread_local: NCCL's and PyTorch's other threads may query the device during the capture.
+    with torch.cuda.graph(g, capture_error_mode="thread_local"):
+        for _ in range(k):
+            dist.all_reduce(y)
+    scale = float(world) ** -k  # a power of two here: the rescale is exact
+    times = []
+    for it in range(args.warmup + args.iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        g.replay()
+        end.record()
+        y.mul_(scale)  # outside the timed events: keeps y finite
+        if it >= args.warmup:
+            times.append((start, end))
+    torch.cuda.synchronize()
+    del g
+    return median(s.elapsed_time(e) / 1e3 / k for s, e in times)
+
+
 def main():
     p = add_common_args(argparse.ArgumentParser(description=__doc__.split("\n\n")[0]),
                         allocs=("native", "cuvmm"))
@@ -44,7 +98,11 @@ def main():
     p.add_argument("--max-mib", type=float, default=1024)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--timing", choices=("graph", "call"), default="graph")
+    p.add_argument("--graph-calls", type=int, default=20)
     args = p.parse_args()
+    if args.graph_calls < 1 or args.iters < 1:
+        p.error("--graph-calls and --iters must be positive")
 
     import torch
     import torch.distributed as dist
@@ -68,20 +126,10 @@ def main():
         del want, k
 
         y = x.clone()  # non-zero data; it grows by a factor `world` per call
-        times = []
-        for it in range(args.warmup + args.iters):
-            if it and it % RESCALE_EVERY == 0:
-                # Outside the timed events: scaling back what the last calls multiplied keeps it
-                # finite (float32 overflows past 2^128: 200 calls on two ranks would not be).
-                y.mul_(float(world) ** -RESCALE_EVERY)
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            dist.all_reduce(y)
-            end.record()
-            if it >= args.warmup:
-                times.append((start, end))
-        torch.cuda.synchronize()
-        med = median(s.elapsed_time(e) / 1e3 for s, e in times)
+        if args.timing == "graph":
+            med = time_graph(torch, dist, y, world, args)
+        else:
+            med = time_calls(torch, dist, y, world, args)
         agg = torch.tensor([med, 0.0 if exact else 1.0], device=dev, dtype=torch.float64)
         dist.all_reduce(agg, op=dist.ReduceOp.MAX)
         slowest, any_wrong = agg.tolist()
@@ -97,7 +145,9 @@ def main():
 
     rc = 0
     if rank == 0:
-        result = {"env": env_info(), "world": world, "sizes": [r["bytes"] for r in results],
+        result = {"env": env_info(), "world": world, "timing": args.timing,
+                  "graph_calls": args.graph_calls if args.timing == "graph" else None,
+                  "sizes": [r["bytes"] for r in results],
                   "busbw_gbps": [r["busbw_gbps"] for r in results], "per_size": results,
                   "nccl_version": ".".join(map(str, torch.cuda.nccl.version())),
                   "multicast_env": {k: os.environ[k] for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST",

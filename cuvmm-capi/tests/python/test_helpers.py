@@ -103,6 +103,14 @@ class Compare(unittest.TestCase):
         self.assertTrue(all(checks.values()))
         self.assertIn("n/a", rows[1])
 
+    def test_nccl_runs_timed_differently_do_not_compare(self):
+        r = {"script": "nccl_allreduce", "alloc": "native", "sizes": [1 << 20], "busbw_gbps": [9.0], "pass": True,
+             "timing": "graph", "graph_calls": 20}
+        _, checks, _ = compare.compare_nccl([("a", r), ("b", dict(r, alloc="cuvmm"))])
+        self.assertTrue(all(checks.values()), checks)
+        _, checks, _ = compare.compare_nccl([("a", r), ("b", dict(r, alloc="cuvmm", timing="call", graph_calls=None))])
+        self.assertEqual([k for k, v in checks.items() if not v], ["b: timed as the native run was"])
+
     def test_no_native_run_fails(self):
         _, checks, _ = compare.compare_train([("c", train_result("cuvmm", ["aa"], [1.0, 1.0], 1))])
         self.assertFalse(all(checks.values()))
