@@ -35,8 +35,8 @@ pub struct BandwidthRow {
     pub staged: [f64; 2],
     /// Registering plus unregistering `size` bytes, microseconds.
     pub register_us: f64,
-    /// Host memcpy on the staging ring's threads, pageable to pinned and pinned to pageable: what
-    /// the staged path's copying side can do at best (host clock).
+    /// Host memcpy on the staging ring's threads in its pieces, pageable to pinned and pinned to
+    /// pageable: what the staged path's copying side can do at best (host clock).
     pub memcpy: [f64; 2],
 }
 
@@ -121,10 +121,11 @@ pub fn run(ctx: &Context, sizes: &[usize], reps: usize, staging: &mut Staging) -
     let mut rows = Vec::new();
     for &size in sizes {
         let mut row = BandwidthRow { size, reps, ..Default::default() };
+        let piece = staging.config().piece;
         let mut samples: Vec<Vec<f64>> = vec![Vec::new(); 12];
         row.memcpy = [
-            memcpy_gbs(&page_src[..size], &mut pin_dst[..size], staging.threads(), reps, &evictor),
-            memcpy_gbs(&pin_src[..size], &mut page_dst[..size], staging.threads(), reps, &evictor),
+            memcpy_gbs(&page_src[..size], &mut pin_dst[..size], staging.threads(), piece, reps, &evictor),
+            memcpy_gbs(&pin_src[..size], &mut page_dst[..size], staging.threads(), piece, reps, &evictor),
         ];
         for rep in 0..=reps {
             let keep = rep > 0; // the first round warms up
@@ -251,25 +252,46 @@ pub fn run(ctx: &Context, sizes: &[usize], reps: usize, staging: &mut Staging) -
     Ok(rows)
 }
 
-/// Median GB/s of copying `src` into `dst` on `threads` threads, each taking an equal contiguous
-/// part, `reps` times after a warm-up. The threads are started once and released together for
-/// each copy, as the staging ring's threads are: host clock from the release to the last one done.
-pub fn memcpy_gbs(src: &[u8], dst: &mut [u8], threads: usize, reps: usize, evictor: &Evictor) -> f64 {
+/// Median GB/s of copying `src` into `dst` on `threads` threads as the staging ring's threads copy,
+/// without its DMA: pieces of `piece` bytes, each thread taking the next piece not yet taken,
+/// `reps` times after a warm-up. The threads are started once and released together for each
+/// copy, as the ring's threads are: host clock from the release to the last one done.
+///
+/// Taking pieces in turn, rather than one equal part each, keeps one slow thread (a core busy
+/// with something else) from holding up the end, as it does not hold up the ring.
+pub fn memcpy_gbs(
+    src: &[u8],
+    dst: &mut [u8],
+    threads: usize,
+    piece: usize,
+    reps: usize,
+    evictor: &Evictor,
+) -> f64 {
     let bytes = src.len().min(dst.len());
     if bytes == 0 {
         return 0.0;
     }
-    let per = bytes.div_ceil(threads.max(1));
-    let parts = dst[..bytes].chunks_mut(per).zip(src[..bytes].chunks(per)).collect::<Vec<_>>();
-    let start = std::sync::Barrier::new(parts.len() + 1);
-    let end = std::sync::Barrier::new(parts.len() + 1);
+    let piece = piece.max(1);
+    // A lock per piece: taken once per copy of a piece (hundreds of microseconds), uncontended.
+    let pieces: Vec<std::sync::Mutex<(&[u8], &mut [u8])>> =
+        src[..bytes].chunks(piece).zip(dst[..bytes].chunks_mut(piece)).map(std::sync::Mutex::new).collect();
+    let threads = threads.clamp(1, pieces.len());
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let start = std::sync::Barrier::new(threads + 1);
+    let end = std::sync::Barrier::new(threads + 1);
     std::thread::scope(|sc| {
-        for (d, s) in parts {
-            let (start, end) = (&start, &end);
+        for _ in 0..threads {
+            let (start, end, next, pieces) = (&start, &end, &next, &pieces);
             sc.spawn(move || {
                 for _ in 0..=reps {
                     start.wait();
-                    d.copy_from_slice(s);
+                    loop {
+                        let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        let Some(p) = pieces.get(i) else { break };
+                        let mut p = p.lock().unwrap_or_else(|e| e.into_inner());
+                        let (from, to) = &mut *p;
+                        to.copy_from_slice(from);
+                    }
                     end.wait();
                 }
             });
@@ -277,6 +299,8 @@ pub fn memcpy_gbs(src: &[u8], dst: &mut [u8], threads: usize, reps: usize, evict
         let mut samples = Vec::new();
         for rep in 0..=reps {
             evictor.evict();
+            // Published to the threads by the barrier.
+            next.store(0, std::sync::atomic::Ordering::Relaxed);
             let t = std::time::Instant::now();
             start.wait();
             end.wait();
@@ -393,6 +417,8 @@ pub fn sweep(
     let mut threads: Vec<usize> = shapes.iter().map(|c| c.threads).collect();
     threads.sort_unstable();
     threads.dedup();
+    // The default ring's piece: the references are per thread count, not per shape.
+    let piece = StagingConfig::default().piece;
     let mut refs = Vec::new();
     for &size in sizes {
         let dptr = dev.ptr();
@@ -419,8 +445,8 @@ pub fn sweep(
         let memcpy = threads
             .iter()
             .map(|&t| {
-                let h = memcpy_gbs(&page_src[..size], &mut pin_dst[..size], t, reps, &evictor);
-                let d = memcpy_gbs(&pin_src[..size], &mut page_dst[..size], t, reps, &evictor);
+                let h = memcpy_gbs(&page_src[..size], &mut pin_dst[..size], t, piece, reps, &evictor);
+                let d = memcpy_gbs(&pin_src[..size], &mut page_dst[..size], t, piece, reps, &evictor);
                 (t, [h, d])
             })
             .collect();
@@ -436,9 +462,12 @@ mod tests {
     #[test]
     fn memcpy_reference_copies_everything() {
         let src: Vec<u8> = (0..1_000_003u32).map(|i| (i % 251) as u8).collect();
-        let mut dst = vec![0u8; src.len()];
-        assert!(memcpy_gbs(&src, &mut dst, 3, 2, &Evictor(vec![1; 1000])) > 0.0);
-        assert!(dst == src);
+        // Pieces that do not divide the length, more threads than pieces.
+        for (threads, piece) in [(3, 4096), (16, 300_000), (2, 1 << 30)] {
+            let mut dst = vec![0u8; src.len()];
+            assert!(memcpy_gbs(&src, &mut dst, threads, piece, 2, &Evictor(vec![1; 1000])) > 0.0);
+            assert!(dst == src);
+        }
     }
 
     #[test]
@@ -448,7 +477,8 @@ mod tests {
         assert_eq!(shapes.len(), 6);
         assert!(shapes.iter().all(|c| c.piece <= c.chunk));
         // Without pieces, the default one, or the chunk if smaller.
-        let shapes = ring_shapes(&[256 << 10, 4 << 20], None, &[8], &[4]);
-        assert_eq!(shapes.iter().map(|c| c.piece).collect::<Vec<_>>(), [256 << 10, 1 << 20]);
+        let own = StagingConfig::default().piece;
+        let shapes = ring_shapes(&[own / 2, 4 << 20], None, &[8], &[4]);
+        assert_eq!(shapes.iter().map(|c| c.piece).collect::<Vec<_>>(), [own / 2, own]);
     }
 }

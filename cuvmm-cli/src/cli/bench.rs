@@ -50,7 +50,7 @@ pub enum Bench {
         /// Bytes per chunk (per DMA and pinned slot) of the staged path (default 4MiB); a list sweeps.
         #[arg(long, value_parser = parse_sizes)]
         chunk: Option<std::vec::Vec<usize>>,
-        /// Bytes per piece a thread copies (default 1MiB, or the chunk if smaller); a list sweeps.
+        /// Bytes per piece a thread copies (default 256KiB, or the chunk if smaller); a list sweeps.
         #[arg(long, value_parser = parse_sizes)]
         piece: Option<std::vec::Vec<usize>>,
         /// Pinned slots in the staging ring (default 8); a list sweeps.
@@ -783,8 +783,9 @@ pub(super) fn print_bandwidth(
     let c = staging.config();
     writeln!(
         out,
-        "staged: {} threads, {} chunks in {} pieces, {} slots; memcpy: host memcpy on the same threads, \
-         pageable → pinned / pinned → pageable (the staged path's copying side alone)",
+        "staged: {} threads, {} chunks in {} pieces, {} slots; memcpy: host memcpy on the same threads in \
+         the same pieces, taken in turn, pageable → pinned / pinned → pageable (the staged path's \
+         copying side alone, without its DMA)",
         c.threads,
         show(c.chunk),
         show(c.piece),
@@ -966,7 +967,7 @@ pub(super) fn print_sweep(
         }
         writeln!(out)?;
     }
-    writeln!(out, "references, same run (H2D / D2H): pinned DMA (raw cuMemcpy*Async, device events); host memcpy pageable → pinned / pinned → pageable")?;
+    writeln!(out, "references, same run (H2D / D2H): pinned DMA (raw cuMemcpy*Async, device events); host memcpy pageable → pinned / pinned → pageable in the default ring's pieces, taken in turn")?;
     for f in refs {
         write!(out, "{:>9}  pinned {:>5.1} /{:>5.1}", show(f.size), f.pinned[0], f.pinned[1])?;
         for (t, m) in &f.memcpy {

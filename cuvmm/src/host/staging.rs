@@ -37,16 +37,20 @@ pub struct StagingConfig {
 }
 
 impl Default for StagingConfig {
-    /// 4 MiB chunks in 1 MiB pieces, 8 slots (32 MiB pinned), up to 8 threads.
+    /// 4 MiB chunks in 256 KiB pieces, 8 slots (32 MiB pinned), up to 8 threads.
     ///
     /// Measured with `cuvmm bench bandwidth --sweep` on an H100 host (16 cores, PCIe 5), sources
-    /// and destinations out of the host's caches: this shape moved 37.3-42.7 GB/s host to device
-    /// and 44.3-51.2 device to host at 64 MiB-1 GiB; 2 MiB chunks 21.9-47.3 / 31.2-32.4, 8 MiB
-    /// chunks 27.5-39.2 / 29.2-53.1 on 8 threads; 12 threads were no better. Host to device, the
-    /// copy out of pageable memory is the slow side (it reads memory; the ring stays in cache).
+    /// and destinations out of the host's caches: this shape moved at least 41.0 GB/s both ways
+    /// at 64 MiB-1 GiB in two sweeps of 2 and 4 MiB chunks, 128 KiB-1 MiB pieces and 8 or 16
+    /// slots; with 1 MiB pieces, 34.2-38.5 GB/s host to device at 64 MiB in the same sweeps.
+    /// What smaller pieces save is the end of a transfer: the threads finish their last pieces
+    /// within a small piece of one another, and the last DMA follows sooner. Rings of 8 MiB or
+    /// less starved the threads (16-23 GB/s); 12 and 16 threads were no better than 8. Host to
+    /// device, the copy out of pageable memory is the slow side (it reads memory; the ring stays
+    /// in cache).
     fn default() -> Self {
         let threads = std::thread::available_parallelism().map_or(4, |n| n.get()).min(8);
-        StagingConfig { chunk: 4 << 20, piece: 1 << 20, slots: 8, threads }
+        StagingConfig { chunk: 4 << 20, piece: 256 << 10, slots: 8, threads }
     }
 }
 
@@ -197,9 +201,9 @@ struct Addr(usize);
 
 impl Staging {
     /// `slots` pinned buffers of `chunk` bytes each, filled or drained by `threads` threads, in
-    /// pieces of a quarter chunk (at least 64 KiB, at most the chunk).
+    /// pieces of a sixteenth of a chunk (at least 64 KiB, at most the chunk), the default's ratio.
     pub fn new(ctx: &Context, chunk: usize, slots: usize, threads: usize) -> Result<Staging> {
-        let piece = (chunk / 4).max(64 << 10).min(chunk);
+        let piece = (chunk / 16).max(64 << 10).min(chunk);
         Staging::with_config(ctx, StagingConfig { chunk, piece, slots, threads })
     }
 
