@@ -118,6 +118,17 @@ impl Backend for DriverBackend {
         event.is_complete()
     }
 
+    fn stream_idle(&mut self, stream: u64) -> Result<bool> {
+        self.ctx.bind()?;
+        // SAFETY: the stream is one the caller handed to the allocator and promised alive (C ABI)
+        // or that `kept` keeps alive (safe API); it is not being captured (the caller asked).
+        match unsafe { driver()?.api().cuStreamQuery(Self::stream(stream)) } {
+            Ok(()) => Ok(true),
+            Err(e) if e.is_code(CUresult::ERROR_NOT_READY) => Ok(false),
+            Err(e) => Err(e),
+        }
+    }
+
     fn wait(&mut self, event: &Event) -> Result<()> {
         event.synchronize()
     }

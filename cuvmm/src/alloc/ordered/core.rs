@@ -27,6 +27,8 @@ pub(crate) trait Backend {
     fn new_event(&mut self) -> Result<Self::Event>;
     fn record(&mut self, event: &Self::Event, stream: u64) -> Result<()>;
     fn query(&mut self, event: &Self::Event) -> Result<bool>;
+    /// Whether all work queued on `stream` so far has run; `stream` is not being captured.
+    fn stream_idle(&mut self, stream: u64) -> Result<bool>;
     fn wait(&mut self, event: &Self::Event) -> Result<()>;
     /// The capture under way on `stream`, if any.
     fn capture_of(&mut self, stream: u64) -> Result<Option<u64>>;
@@ -705,9 +707,38 @@ impl<B: Backend> Core<B> {
                 self.backend.forget(s);
                 continue;
             }
-            self.fence(s)?;
+            if !self.caught_up(s)? {
+                self.fence(s)?;
+            }
         }
         Ok(())
+    }
+
+    /// If `s` has frees no completed event covers and has run all its work, makes them idle at
+    /// once, as a completed event recorded now would. Asked only when a request found no block:
+    /// otherwise another stream had those blocks only after an event recorded then had completed,
+    /// seen at a later request, and when the device keeps up with the host (short kernels, or
+    /// none) a stream that frees much while another allocates kept its memory to itself in the
+    /// meantime: replaying `cuvmm bench trace`'s synthetic three-stream trace with no kernels on
+    /// an H100 held 1.27x the live peak after one pass, 1.45x after three and 1.71x after six,
+    /// the other streams taking new pages each time.
+    fn caught_up(&mut self, s: u64) -> Result<bool> {
+        let st = &self.streams[&s];
+        if st.last_free <= st.done || self.backend.capture_of(s)?.is_some() || !self.backend.stream_idle(s)? {
+            return Ok(false);
+        }
+        let st = self.streams.get_mut(&s).expect("known stream");
+        // Every event recorded there has completed too.
+        self.idle_events.extend(st.fences.drain(..).map(|(_, ev)| ev));
+        let n = st.next;
+        st.done = n;
+        st.next += 1;
+        self.stamped = None;
+        for slot in &mut self.slots {
+            slot.heap.promote(s, n);
+        }
+        self.return_lent(s, n)?;
+        Ok(true)
     }
 
     fn poll(&mut self, s: u64) -> Result<()> {

@@ -4,7 +4,9 @@
 //! Memory is allocated *on a stream*. A block freed on a stream may be handed out again at once
 //! for work on that stream (the stream runs it after the work that used the block), and for
 //! another stream only once an event recorded on the first stream after the free has completed.
-//! Events are recorded lazily, one per stream for many frees, when another stream needs memory.
+//! Events are recorded lazily, one per stream for many frees, when another stream needs memory;
+//! a stream that has run all its work by then needs none (`cuStreamQuery` says so), and its frees
+//! serve every stream at once.
 //!
 //! Address space is reserved in large heaps (by default twice the device's memory: address space
 //! costs nothing) and physical pages are mapped under blocks only as they are handed out. A heap
