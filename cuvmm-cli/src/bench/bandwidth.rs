@@ -36,7 +36,8 @@ pub struct BandwidthRow {
     /// Registering plus unregistering `size` bytes, microseconds.
     pub register_us: f64,
     /// Host memcpy on the staging ring's threads in its pieces, pageable to pinned and pinned to
-    /// pageable: what the staged path's copying side can do at best (host clock).
+    /// pageable: the staged path's copying side alone (host clock). Not a strict bound: the copy
+    /// writes a destination as large as the transfer, the ring a few slots that stay in cache.
     pub memcpy: [f64; 2],
 }
 
