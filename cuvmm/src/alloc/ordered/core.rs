@@ -734,10 +734,7 @@ impl<B: Backend> Core<B> {
         st.done = n;
         st.next += 1;
         self.stamped = None;
-        for slot in &mut self.slots {
-            slot.heap.promote(s, n);
-        }
-        self.return_lent(s, n)?;
+        self.work_ran(s, n)?;
         Ok(true)
     }
 
@@ -756,13 +753,19 @@ impl<B: Backend> Core<B> {
             self.idle_events.push(ev);
             done = Some(n);
         }
-        if let Some(n) = done {
-            for slot in &mut self.slots {
-                slot.heap.promote(s, n);
-            }
-            self.return_lent(s, n)?;
+        match done {
+            Some(n) => self.work_ran(s, n),
+            None => Ok(()),
         }
-        Ok(())
+    }
+
+    /// The work `s` queued before its event number `n` has run: blocks freed there until then
+    /// are idle, and pages they lent come home.
+    fn work_ran(&mut self, s: u64, n: u64) -> Result<()> {
+        for slot in &mut self.slots {
+            slot.heap.promote(s, n);
+        }
+        self.return_lent(s, n)
     }
 
     /// Records an event on `s` if a free there is not covered by one yet and `s` is not captured.
