@@ -12,7 +12,8 @@ out of the pool's segments just as it does natively, so its slack comes along). 
 the README) and the RESULT line; exit status 1 on any failed check.
 
 nccl_allreduce.py results may be given too (all ranks' JSONs are not needed, rank 0's is the
-result): they are checked for correctness and their bus bandwidth is set against the native run's.
+result): they are checked for correctness and their bus bandwidth is set against the native run's;
+a run made with --ab must have its cuvmm-pool buffers within 2% of its native ones at every size.
 """
 
 from __future__ import annotations
@@ -100,8 +101,9 @@ TRAIN_HEADER = ("| allocator | device | steps | median step (ms) | time / native
                 "| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
 
 
-def compare_nccl(runs):
-    """Bus bandwidth of each nccl_allreduce run against the native one, size by size. Pure."""
+def compare_nccl(runs, min_ab_ratio=0.98):
+    """Bus bandwidth of each nccl_allreduce run against the native one, size by size; a run made
+    with --ab also sets its MemPool buffers against its native ones. Pure."""
     checks, rows, summary = {}, [], {}
     ref = next((r for _, r in runs if r.get("alloc") == "native"), None)
     for name, r in runs:
@@ -118,6 +120,16 @@ def compare_nccl(runs):
             rows.append(f"| {r['alloc']} | {size / (1 << 20):g} MiB | {bw:.1f} | "
                         + (f"{ratio:.3f} |" if ratio is not None else "n/a |"))
             summary.setdefault(name, {})[str(size)] = {"busbw_gbps": bw, "over_native": ratio}
+        ab = r.get("ab")
+        if ab:
+            # Both memories in one process, timed in turn: the launch's own speed is common.
+            # The second buffer is cuvmm's, or (a control) PyTorch's again.
+            second = ab.get("second", "cuvmm-pool")
+            for size, bw, ratio in zip(r["sizes"], ab["busbw_gbps"], ab["ratio"]):
+                rows.append(f"| {second}, same process | {size / (1 << 20):g} MiB | {bw:.1f} | {ratio:.3f} |")
+                summary[name][str(size)][f"{second}_same_process"] = {"busbw_gbps": bw, "over_native": ratio}
+            checks[f"{name}: {second} buffers at least {min_ab_ratio} of native ones in the same process"] = (
+                len(ab["ratio"]) == len(r["sizes"]) and all(x >= min_ab_ratio for x in ab["ratio"]))
     return summary, checks, rows
 
 

@@ -15,6 +15,14 @@ eager call between two events on the current stream instead (the launch work inc
 ~8 MiB it is most of the time). The median per rank, then the slowest rank's median. Bus
 bandwidth as nccl-tests counts it: algbw = bytes / time, busbw = algbw * 2 (n - 1) / n. Rank 0
 prints the RESULT line.
+
+--ab (with --alloc native) compares the two allocators' memory inside one process: at each size
+one buffer from PyTorch's allocator and one from a torch.cuda.MemPool whose segments cuvmm maps,
+reduced on the same communicator and timed in turn, --ab-rounds times each, first one then the
+other. A launch's own speed (it varies from one launch to the next at small sizes, whatever the
+allocator) is then common to both, and the ratio is the memory's alone. --ab-second native takes
+the second buffer from PyTorch's allocator too: a control, showing how far two buffers of the
+same allocator differ.
 """
 
 import os
@@ -25,6 +33,7 @@ os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
 os.environ["NVSHMEM_DISABLE_NVLS"] = "1"
 
 import argparse  # noqa: E402
+import contextlib  # noqa: E402
 import sys  # noqa: E402
 
 from _common import MiB, add_common_args, env_info, finish, median  # noqa: E402
@@ -100,9 +109,15 @@ def main():
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--timing", choices=("graph", "call"), default="graph")
     p.add_argument("--graph-calls", type=int, default=20)
+    p.add_argument("--ab", action="store_true", help="native and cuvmm-pool buffers in one process")
+    p.add_argument("--ab-rounds", type=int, default=4)
+    p.add_argument("--ab-second", choices=("cuvmm-pool", "native"), default="cuvmm-pool",
+                   help="where --ab's second buffer comes from: native makes a control, two native buffers")
     args = p.parse_args()
-    if args.graph_calls < 1 or args.iters < 1:
-        p.error("--graph-calls and --iters must be positive")
+    if args.graph_calls < 1 or args.iters < 1 or args.ab_rounds < 1:
+        p.error("--graph-calls, --iters and --ab-rounds must be positive")
+    if args.ab and args.alloc != "native":
+        p.error("--ab runs with --alloc native (the cuvmm buffers come from a MemPool)")
 
     import torch
     import torch.distributed as dist
@@ -115,8 +130,8 @@ def main():
     dist.init_process_group("nccl", device_id=dev)
     rank, world = dist.get_rank(), dist.get_world_size()
 
-    results = []
-    for size in sizes(args.min_mib, args.max_mib):
+    def filled(size):
+        """A buffer of size bytes, all-reduced once and checked exact; then the timed copy."""
         n = size // 4
         k = torch.arange(n, dtype=torch.int32, device=dev).remainder_(MOD)
         x = (k + (rank + 1)).float()
@@ -124,24 +139,62 @@ def main():
         want = (k * world + world * (world + 1) // 2).float()
         exact = torch.equal(x, want)
         del want, k
+        return x, exact
 
-        y = x.clone()  # non-zero data; it grows by a factor `world` per call
-        if args.timing == "graph":
-            med = time_graph(torch, dist, y, world, args)
-        else:
-            med = time_calls(torch, dist, y, world, args)
-        agg = torch.tensor([med, 0.0 if exact else 1.0], device=dev, dtype=torch.float64)
+    def timed(y):
+        """The slowest rank's median seconds per all-reduce of y."""
+        med = time_graph(torch, dist, y, world, args) if args.timing == "graph" else \
+            time_calls(torch, dist, y, world, args)
+        agg = torch.tensor([med], device=dev, dtype=torch.float64)
         dist.all_reduce(agg, op=dist.ReduceOp.MAX)
-        slowest, any_wrong = agg.tolist()
+        return agg.item()
+
+    def all_exact(exact):
+        agg = torch.tensor([0.0 if exact else 1.0], device=dev, dtype=torch.float64)
+        dist.all_reduce(agg, op=dist.ReduceOp.MAX)
+        return agg.item() == 0.0
+
+    def row(size, slowest, exact, y):
         algbw = size / slowest / 1e9
-        results.append({"bytes": size, "time_s": slowest, "algbw_gbps": algbw,
-                        "busbw_gbps": algbw * 2 * (world - 1) / world, "exact": any_wrong == 0.0,
-                        "finite_after_timing": bool(torch.isfinite(y).all().item())})
-        del x, y
+        return {"bytes": size, "time_s": slowest, "algbw_gbps": algbw,
+                "busbw_gbps": algbw * 2 * (world - 1) / world, "exact": exact,
+                "finite_after_timing": bool(torch.isfinite(y).all().item())}
+
+    pool = cuvmm_torch.mem_pool() if args.ab and args.ab_second == "cuvmm-pool" else None
+    results, ab = [], []
+    for size in sizes(args.min_mib, args.max_mib):
+        if not args.ab:
+            x, exact = filled(size)
+            y = x.clone()  # non-zero data; it grows by a factor `world` per call
+            results.append(row(size, timed(y), all_exact(exact), y))
+            del x, y
+        else:
+            x, exact_n = filled(size)
+            y_n = x.clone()
+            with torch.cuda.use_mem_pool(pool) if pool is not None else contextlib.nullcontext():
+                xc, exact_c = filled(size)
+                y_c = xc.clone()
+            times = {"native": [], "cuvmm": []}
+            for r in range(args.ab_rounds):
+                order = ("native", "cuvmm") if r % 2 == 0 else ("cuvmm", "native")
+                for which in order:
+                    times[which].append(timed(y_n if which == "native" else y_c))
+            t_n, t_c = median(times["native"]), median(times["cuvmm"])
+            results.append(row(size, t_n, all_exact(exact_n), y_n))
+            c = row(size, t_c, all_exact(exact_c), y_c)
+            c["busbw_ratio_cuvmm_over_native"] = c["busbw_gbps"] / results[-1]["busbw_gbps"]
+            c["rounds_s"] = times
+            ab.append(c)
+            del x, y_n, xc, y_c
         if rank == 0:
             r = results[-1]
-            print(f"{size / MiB:8.0f} MiB  {r['time_s'] * 1e6:9.1f} us  busbw {r['busbw_gbps']:7.1f} GB/s  "
-                  f"exact={r['exact']}", file=sys.stderr, flush=True)
+            line = (f"{size / MiB:8.0f} MiB  {r['time_s'] * 1e6:9.1f} us  busbw {r['busbw_gbps']:7.1f} GB/s  "
+                    f"exact={r['exact']}")
+            if ab:
+                c = ab[-1]
+                line += (f"  {args.ab_second} {c['busbw_gbps']:7.1f} GB/s exact={c['exact']}  "
+                         f"ratio {c['busbw_ratio_cuvmm_over_native']:.3f}")
+            print(line, file=sys.stderr, flush=True)
 
     rc = 0
     if rank == 0:
@@ -152,10 +205,14 @@ def main():
                   "nccl_version": ".".join(map(str, torch.cuda.nccl.version())),
                   "multicast_env": {k: os.environ[k] for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST",
                                                                  "NVSHMEM_DISABLE_NVLS")}}
-        if args.alloc == "cuvmm":
+        if args.alloc == "cuvmm" or args.ab:
             result["cuvmm"] = cuvmm_torch.stats()
-        checks = {"every size reduced exactly on every rank": all(r["exact"] for r in results),
-                  "timed buffers stayed finite": all(r["finite_after_timing"] for r in results)}
+        if args.ab:
+            result["ab"] = {"rounds": args.ab_rounds, "second": args.ab_second, "cuvmm_pool": ab,
+                            "busbw_gbps": [c["busbw_gbps"] for c in ab],
+                            "ratio": [c["busbw_ratio_cuvmm_over_native"] for c in ab]}
+        checks = {"every size reduced exactly on every rank": all(r["exact"] for r in results + ab),
+                  "timed buffers stayed finite": all(r["finite_after_timing"] for r in results + ab)}
         rc = finish("nccl_allreduce", args, result, checks)
     ok = torch.tensor([rc], device=dev)
     dist.broadcast(ok, 0)

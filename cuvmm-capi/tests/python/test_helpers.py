@@ -111,6 +111,20 @@ class Compare(unittest.TestCase):
         _, checks, _ = compare.compare_nccl([("a", r), ("b", dict(r, alloc="cuvmm", timing="call", graph_calls=None))])
         self.assertEqual([k for k, v in checks.items() if not v], ["b: timed as the native run was"])
 
+    def test_nccl_same_process_comparison_is_held_to_two_percent(self):
+        r = {"script": "nccl_allreduce", "alloc": "native", "sizes": [1 << 20, 2 << 20], "busbw_gbps": [50.0, 60.0],
+             "pass": True, "timing": "graph", "graph_calls": 20,
+             "ab": {"busbw_gbps": [49.5, 60.0], "ratio": [0.99, 1.0]}}
+        _, checks, rows = compare.compare_nccl([("a", r)])
+        self.assertTrue(all(checks.values()), checks)
+        self.assertIn("| cuvmm-pool, same process | 1 MiB | 49.5 | 0.990 |", rows)
+        slow = dict(r, ab={"busbw_gbps": [48.0, 60.0], "ratio": [0.96, 1.0]})
+        _, checks, _ = compare.compare_nccl([("a", slow)])
+        self.assertEqual(len([k for k, v in checks.items() if not v]), 1)
+        short = dict(r, ab={"busbw_gbps": [50.0], "ratio": [1.0]})
+        _, checks, _ = compare.compare_nccl([("a", short)])
+        self.assertFalse(all(checks.values()))
+
     def test_no_native_run_fails(self):
         _, checks, _ = compare.compare_train([("c", train_result("cuvmm", ["aa"], [1.0, 1.0], 1))])
         self.assertFalse(all(checks.values()))
