@@ -269,29 +269,72 @@ pub fn memcpy_gbs(
     evictor: &Evictor,
 ) -> f64 {
     let bytes = src.len().min(dst.len());
-    if bytes == 0 {
-        return 0.0;
-    }
     let piece = piece.max(1);
     // A lock per piece: taken once per copy of a piece (hundreds of microseconds), uncontended.
     let pieces: Vec<std::sync::Mutex<(&[u8], &mut [u8])>> =
         src[..bytes].chunks(piece).zip(dst[..bytes].chunks_mut(piece)).map(std::sync::Mutex::new).collect();
-    let threads = threads.clamp(1, pieces.len());
+    in_turns(bytes, pieces.len(), threads, reps, evictor, &|i| {
+        let mut p = pieces[i].lock().unwrap_or_else(|e| e.into_inner());
+        let (from, to) = &mut *p;
+        to.copy_from_slice(from);
+    })
+}
+
+/// Median GB/s of reading `src` (and nothing else) on `threads` threads in pieces of `piece`
+/// bytes taken in turn, out of memory as [`memcpy_gbs`] reads it. Host to device, the staged path
+/// must read every byte of its source once: on as many threads, this is as fast as it can go.
+pub fn read_gbs(src: &[u8], threads: usize, piece: usize, reps: usize, evictor: &Evictor) -> f64 {
+    let pieces: Vec<&[u8]> = src.chunks(piece.max(1)).collect();
+    in_turns(src.len(), pieces.len(), threads, reps, evictor, &|i| {
+        std::hint::black_box(fold_words(pieces[i]));
+    })
+}
+
+/// A sum of `bytes` read as 64-bit words, in eight lanes so that the loads need not wait on one
+/// another.
+fn fold_words(bytes: &[u8]) -> u64 {
+    let mut lanes = [0u64; 8];
+    let mut blocks = bytes.chunks_exact(64);
+    for b in &mut blocks {
+        for (lane, w) in lanes.iter_mut().zip(b.chunks_exact(8)) {
+            *lane = lane.wrapping_add(u64::from_ne_bytes(w.try_into().unwrap_or_default()));
+        }
+    }
+    let tail = blocks.remainder().iter().fold(0u64, |a, &b| a.wrapping_add(u64::from(b)));
+    lanes.iter().fold(tail, |a, &l| a.wrapping_add(l))
+}
+
+/// Runs `work(i)` for every piece `i < pieces` on `threads` threads, each taking the next piece
+/// not yet taken, `reps` times after a warm-up, the host's caches emptied before each; returns
+/// the median GB/s for `bytes`. The threads are started once and released together each time,
+/// as the ring's threads are: host clock from the release to the last one done.
+fn in_turns(
+    bytes: usize,
+    pieces: usize,
+    threads: usize,
+    reps: usize,
+    evictor: &Evictor,
+    work: &(dyn Fn(usize) + Sync),
+) -> f64 {
+    if bytes == 0 || pieces == 0 {
+        return 0.0;
+    }
+    let threads = threads.clamp(1, pieces);
     let next = std::sync::atomic::AtomicUsize::new(0);
     let start = std::sync::Barrier::new(threads + 1);
     let end = std::sync::Barrier::new(threads + 1);
     std::thread::scope(|sc| {
         for _ in 0..threads {
-            let (start, end, next, pieces) = (&start, &end, &next, &pieces);
+            let (start, end, next) = (&start, &end, &next);
             sc.spawn(move || {
                 for _ in 0..=reps {
                     start.wait();
                     loop {
                         let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                        let Some(p) = pieces.get(i) else { break };
-                        let mut p = p.lock().unwrap_or_else(|e| e.into_inner());
-                        let (from, to) = &mut *p;
-                        to.copy_from_slice(from);
+                        if i >= pieces {
+                            break;
+                        }
+                        work(i);
                     }
                     end.wait();
                 }
@@ -357,6 +400,9 @@ pub struct SweepReference {
     pub pinned: [f64; 2],
     /// Host memcpy pageable→pinned and pinned→pageable per thread count swept, GB/s.
     pub memcpy: Vec<(usize, [f64; 2])>,
+    /// Reading the pageable source alone, per thread count swept and on every core, GB/s: what
+    /// host to device can reach on as many threads.
+    pub read: Vec<(usize, f64)>,
 }
 
 /// The staged path alone for every ring shape in `shapes` and every size, `reps` times after a
@@ -451,7 +497,14 @@ pub fn sweep(
                 (t, [h, d])
             })
             .collect();
-        refs.push(SweepReference { size, pinned: [median(&pinned[0]), median(&pinned[1])], memcpy });
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let mut readers = threads.clone();
+        if !readers.contains(&cores) {
+            readers.push(cores);
+        }
+        let read =
+            readers.iter().map(|&t| (t, read_gbs(&page_src[..size], t, piece, reps, &evictor))).collect();
+        refs.push(SweepReference { size, pinned: [median(&pinned[0]), median(&pinned[1])], memcpy, read });
     }
     Ok((rows, refs))
 }
@@ -469,6 +522,32 @@ mod tests {
             assert!(memcpy_gbs(&src, &mut dst, threads, piece, 2, &Evictor(vec![1; 1000])) > 0.0);
             assert!(dst == src);
         }
+    }
+
+    #[test]
+    fn every_piece_is_worked_once_a_round() {
+        let seen: Vec<std::sync::atomic::AtomicUsize> = (0..37).map(|_| Default::default()).collect();
+        // More threads than pieces, and fewer.
+        for threads in [64, 5] {
+            seen.iter().for_each(|s| s.store(0, std::sync::atomic::Ordering::Relaxed));
+            let gbs = in_turns(37 << 10, 37, threads, 3, &Evictor(vec![1; 1000]), &|i| {
+                seen[i].fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            });
+            assert!(gbs > 0.0);
+            // A warm-up and three timed rounds.
+            assert!(seen.iter().all(|s| s.load(std::sync::atomic::Ordering::Relaxed) == 4));
+        }
+        assert_eq!(read_gbs(&[], 3, 4096, 2, &Evictor(vec![1; 10])), 0.0);
+    }
+
+    #[test]
+    fn words_are_summed_whole_and_the_tail_by_bytes() {
+        assert_eq!(fold_words(&[7u8; 5]), 35);
+        assert_eq!(fold_words(&[1u8; 64]), 8 * u64::from_ne_bytes([1; 8]));
+        let mut v = vec![0u8; 67];
+        v[63] = 2; // the last byte of the eighth word
+        v[66] = 5; // in the tail
+        assert_eq!(fold_words(&v), u64::from_ne_bytes([0, 0, 0, 0, 0, 0, 0, 2]) + 5);
     }
 
     #[test]

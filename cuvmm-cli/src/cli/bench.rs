@@ -936,11 +936,12 @@ pub(super) fn print_sweep(
         for f in refs {
             let memcpy: Vec<_> =
                 f.memcpy.iter().map(|(t, m)| json!({"threads": t, "h2d": m[0], "d2h": m[1]})).collect();
+            let read: Vec<_> = f.read.iter().map(|(t, r)| json!({"threads": t, "gbps": r})).collect();
             writeln!(
                 out,
                 "{}",
                 json!({"bench": "bandwidth-sweep", "size": f.size, "pinned_h2d": f.pinned[0],
-                       "pinned_d2h": f.pinned[1], "memcpy": memcpy})
+                       "pinned_d2h": f.pinned[1], "memcpy": memcpy, "read_source": read})
             )?;
         }
         return Ok(());
@@ -967,11 +968,16 @@ pub(super) fn print_sweep(
         }
         writeln!(out)?;
     }
-    writeln!(out, "references, same run (H2D / D2H): pinned DMA (raw cuMemcpy*Async, device events); host memcpy pageable → pinned / pinned → pageable in the default ring's pieces, taken in turn")?;
+    writeln!(out, "references, same run (H2D / D2H): pinned DMA (raw cuMemcpy*Async, device events); host memcpy pageable → pinned / pinned → pageable in the default ring's pieces, taken in turn; reading the source alone (host to device cannot be faster on as many threads)")?;
     for f in refs {
         write!(out, "{:>9}  pinned {:>5.1} /{:>5.1}", show(f.size), f.pinned[0], f.pinned[1])?;
         for (t, m) in &f.memcpy {
             write!(out, "   memcpy {t} threads {:>5.1} /{:>5.1}", m[0], m[1])?;
+        }
+        writeln!(out)?;
+        write!(out, "{:>9}  reading the pageable source alone:", "")?;
+        for (t, r) in &f.read {
+            write!(out, "   {t} threads {r:>5.1}")?;
         }
         writeln!(out)?;
     }
