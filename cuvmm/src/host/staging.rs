@@ -45,9 +45,11 @@ impl Default for StagingConfig {
     /// slots; with 1 MiB pieces, 34.2-38.5 GB/s host to device at 64 MiB in the same sweeps.
     /// What smaller pieces save is the end of a transfer: the threads finish their last pieces
     /// within a small piece of one another, and the last DMA follows sooner. Rings of 8 MiB or
-    /// less starved the threads (16-23 GB/s); 12 and 16 threads were no better than 8. Host to
-    /// device, the copy out of pageable memory is the slow side (it reads memory; the ring stays
-    /// in cache).
+    /// less starved the threads (16-23 GB/s); 12 and 16 threads were no better than 8. Reading
+    /// the source is not what holds host to device back (8 threads read it alone at 47-70
+    /// GB/s): the DMAs of the last chunks were, which is why the last 16 MiB of a transfer go into
+    /// the ring with streaming stores, and a host that has idled for tens of milliseconds before
+    /// the transfer starts slower.
     fn default() -> Self {
         let threads = std::thread::available_parallelism().map_or(4, |n| n.get()).min(8);
         StagingConfig { chunk: 4 << 20, piece: 256 << 10, slots: 8, threads }
