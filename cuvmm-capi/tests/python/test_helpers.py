@@ -124,6 +124,11 @@ class Compare(unittest.TestCase):
         short = dict(r, ab={"busbw_gbps": [50.0], "ratio": [1.0]})
         _, checks, _ = compare.compare_nccl([("a", short)])
         self.assertFalse(all(checks.values()))
+        # One rank: no bus, no judgement of a no-op's timing.
+        one = dict(r, busbw_gbps=[0.0, 0.0], ab={"busbw_gbps": [0.0, 0.0], "ratio": [0.84, 1.0]})
+        _, checks, rows = compare.compare_nccl([("a", one)])
+        self.assertTrue(all(checks.values()), checks)
+        self.assertIn("| cuvmm-pool, same process | 1 MiB | 0.0 | n/a |", rows)
 
     def test_no_native_run_fails(self):
         _, checks, _ = compare.compare_train([("c", train_result("cuvmm", ["aa"], [1.0, 1.0], 1))])
