@@ -117,9 +117,8 @@ impl Plan {
 /// the lines they wrote earlier leave their cores' private caches for the shared cache, from
 /// which the DMA reads them quickly; the lines of the last chunks stay in the private caches,
 /// where, as the timings below suggest, every DMA read is a snoop into a core (an idle one at
-/// that, once the threads are done). Transfers of 16 MiB or less are streamed whole: at 4 and
-/// 16 MiB they ran as before (14.6-15.7 and 27.9-30.7 GB/s, against 15.3-16.6 and 26.6-29.2
-/// with the last 8 MiB streamed, other sittings).
+/// that, once the threads are done). Transfers of 16 MiB or less are streamed whole: 16 MiB ran
+/// at 27.9-30.7 GB/s so, against 26.6-29.2 with only its last 8 MiB streamed (two sittings).
 /// Traced with device events on an H100 host (4 MiB chunks, 64 MiB): the last two chunks' DMAs
 /// took 128-337 µs each against 80-90 µs for the others; with these bytes streamed to memory
 /// (and the threads kept busy until the end), 83 µs. `cuvmm bench bandwidth --sweep`, 64 MiB host
