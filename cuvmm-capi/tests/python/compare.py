@@ -13,7 +13,8 @@ the README) and the RESULT line; exit status 1 on any failed check.
 
 nccl_allreduce.py results may be given too (all ranks' JSONs are not needed, rank 0's is the
 result): they are checked for correctness and their bus bandwidth is set against the native run's;
-a run made with --ab must have its cuvmm-pool buffers within 2% of its native ones at every size.
+a run made with --ab on two ranks or more must have its second buffers (cuvmm-pool's, or native
+ones in the control) at least 0.98 of its first ones at every size.
 """
 
 from __future__ import annotations

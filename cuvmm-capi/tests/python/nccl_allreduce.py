@@ -205,7 +205,7 @@ def main():
                   "nccl_version": ".".join(map(str, torch.cuda.nccl.version())),
                   "multicast_env": {k: os.environ[k] for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST",
                                                                  "NVSHMEM_DISABLE_NVLS")}}
-        if args.alloc == "cuvmm" or args.ab:
+        if args.alloc == "cuvmm" or pool is not None:
             result["cuvmm"] = cuvmm_torch.stats()
         if args.ab:
             result["ab"] = {"rounds": args.ab_rounds, "second": args.ab_second, "second_buffers": ab,
