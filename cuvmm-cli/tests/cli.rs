@@ -245,6 +245,29 @@ fn bench_bandwidth_and_its_sweep_run_on_the_fake_device() {
     let shapes = lines.lines().filter(|l| l.contains("\"staged_h2d\"")).count();
     // 2 thread counts x 2 slot counts x (256 KiB chunks: 1 piece size; 1 MiB: 2) x 2 sizes.
     assert_eq!(shapes, 2 * 2 * 3 * 2, "{lines}");
+
+    // With the host idle before every timed transfer: one shape, one size, one timed round after
+    // a warm-up, so each of staged, pinned and memcpy pauses 2 rounds x 2 directions, and the
+    // source is read alone 2 rounds on at least one thread count: 14 pauses at least.
+    let start = std::time::Instant::now();
+    let args = "bench bandwidth --sweep --json --sizes 1MiB --reps 1 --threads 2 --idle-ms 30";
+    let lines = run(&args.split(' ').collect::<Vec<_>>());
+    assert!(start.elapsed() >= std::time::Duration::from_millis(14 * 30), "{lines}");
+    let refs: Vec<serde_json::Value> = lines
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .filter(|v: &serde_json::Value| v.get("pinned_host_clock_h2d").is_some())
+        .collect();
+    assert_eq!(refs.len(), 1, "{lines}");
+    assert_eq!(refs[0]["idle_ms"], 30);
+    assert!(refs[0]["pinned_host_clock_h2d"].as_f64().unwrap() > 0.0, "{lines}");
+    // The pause is for the sweep only.
+    let out = Command::new(cuvmm_bin())
+        .args(["bench", "bandwidth", "--idle-ms", "30"])
+        .env("CUVMM_LIBCUDA", &lib)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2), "{}", String::from_utf8_lossy(&out.stderr));
 }
 
 /// `bench overlap` against the fake device, whose busy kernel runs on the CPU: every schedule,

@@ -1,7 +1,8 @@
 //! `cuvmm bench bandwidth`: host↔device copies from pageable, pinned and registered memory, and the
 //! staged pageable path, 1 MiB to 1 GiB, with the references the staged path is judged against
 //! measured in the same run: the pinned DMA and host memcpy on the staging ring's threads. A sweep
-//! mode runs the staged path alone for every ring shape asked for.
+//! mode runs the staged path alone for every ring shape asked for, back to back or with the host
+//! idle for a while before every timed transfer.
 
 use super::{median, timed};
 use cuvmm::context::Context;
@@ -13,6 +14,7 @@ use cuvmm::memory::DeviceBuffer;
 use cuvmm::stream::scope;
 use cuvmm::stream::Event;
 use cuvmm::stream::Stream;
+use std::time::Duration;
 
 /// GB/s (10^9 bytes per second) for one transfer size; `None` where not measured.
 #[derive(Clone, Debug, Default)]
@@ -77,6 +79,17 @@ impl Default for Evictor {
     }
 }
 
+/// No pause before a timed round.
+pub const NO_IDLE: Duration = Duration::ZERO;
+
+/// Sleeps `idle` (if any): the host's cores idle before the next timed round, as they do when a
+/// program copies now and then rather than back to back.
+fn pause(idle: Duration) {
+    if !idle.is_zero() {
+        std::thread::sleep(idle);
+    }
+}
+
 fn fresh(v: &mut [u8], seed: u8) {
     for (i, b) in v.iter_mut().enumerate() {
         *b = (i as u8).wrapping_mul(31).wrapping_add(seed) | 1;
@@ -123,10 +136,11 @@ pub fn run(ctx: &Context, sizes: &[usize], reps: usize, staging: &mut Staging) -
     for &size in sizes {
         let mut row = BandwidthRow { size, reps, ..Default::default() };
         let piece = staging.config().piece;
-        let mut samples: Vec<Vec<f64>> = vec![Vec::new(); 12];
+        let mut samples: Vec<Vec<f64>> = vec![Vec::new(); 10];
+        let host = HostTurns { threads: staging.threads(), piece, reps, evictor: &evictor, idle: NO_IDLE };
         row.memcpy = [
-            memcpy_gbs(&page_src[..size], &mut pin_dst[..size], staging.threads(), piece, reps, &evictor),
-            memcpy_gbs(&pin_src[..size], &mut page_dst[..size], staging.threads(), piece, reps, &evictor),
+            host.memcpy_gbs(&page_src[..size], &mut pin_dst[..size]),
+            host.memcpy_gbs(&pin_src[..size], &mut page_dst[..size]),
         ];
         for rep in 0..=reps {
             let keep = rep > 0; // the first round warms up
@@ -209,7 +223,7 @@ pub fn run(ctx: &Context, sizes: &[usize], reps: usize, staging: &mut Staging) -
                 })?;
             let t_unreg = left.elapsed();
             put(7, gbs(size, t? as f64 / 1e3));
-            put(11, (t_reg + t_unreg).as_secs_f64() * 1e6);
+            put(9, (t_reg + t_unreg).as_secs_f64() * 1e6);
             let t = Registered::with(ctx, &mut reg_dst[..size], RegisterFlags::default(), |reg_dst| {
                 scope(|s| {
                     e0.record(&s1)?;
@@ -220,18 +234,13 @@ pub fn run(ctx: &Context, sizes: &[usize], reps: usize, staging: &mut Staging) -
                 .and_then(|()| e0.elapsed_ms(&e1))
             })??;
             put(8, gbs(size, t as f64 / 1e3));
-            // Staged pageable path: host clock to completion, from and to memory out of cache.
-            evictor.evict();
-            let (r, t) =
-                timed(|| staging.to_device(&s1, &page_src[..size], dev.as_mut_slice().slice_mut(0..size)?));
-            r?;
-            put(9, gbs(size, t.as_secs_f64()));
-            evictor.evict();
-            let (r, t) =
-                timed(|| staging.to_host(&s1, dev.as_slice().slice(0..size)?, &mut page_dst[..size]));
-            r?;
-            put(10, gbs(size, t.as_secs_f64()));
         }
+        // The staged path's rounds follow one another (after a warm-up), as a program streaming
+        // data through it runs them. Timed in turn with the driver's copies, each staged transfer
+        // followed ~0.1 s in which the ring's threads slept, and a host whose cores idled that
+        // long starts a copy slower: `--sweep --idle-ms` measures that case.
+        let mut turns = Turns { s1: &s1, dev: &mut dev, evictor: &evictor, idle: NO_IDLE };
+        row.staged = turns.rounds(staging, &page_src[..size], &mut page_dst[..size], reps)?;
         // The last staged round trip must have brought back exactly what went in.
         if page_dst[..size] != page_src[..size] {
             return Err(crate::bench::invalid(format!(
@@ -245,49 +254,96 @@ pub fn run(ctx: &Context, sizes: &[usize], reps: usize, staging: &mut Staging) -
         row.pinned = [m(4), m(5)];
         row.bidirectional = m(6);
         row.registered = [m(7), m(8)];
-        row.staged = [m(9), m(10)];
-        row.register_us = m(11);
+        row.register_us = m(9);
         rows.push(row);
     }
     drop(dev2);
     Ok(rows)
 }
 
-/// Median GB/s of copying `src` into `dst` on `threads` threads as the staging ring's threads copy,
-/// without its DMA: pieces of `piece` bytes, each thread taking the next piece not yet taken,
-/// `reps` times after a warm-up. The threads are started once and released together for each
-/// copy, as the ring's threads are: host clock from the release to the last one done.
-///
-/// Taking pieces in turn, rather than one equal part each, keeps one slow thread (a core busy
-/// with something else) from holding up the end, as it does not hold up the ring.
-pub fn memcpy_gbs(
-    src: &[u8],
-    dst: &mut [u8],
-    threads: usize,
-    piece: usize,
-    reps: usize,
-    evictor: &Evictor,
-) -> f64 {
-    let bytes = src.len().min(dst.len());
-    let piece = piece.max(1);
-    // A lock per piece: taken once per copy of a piece (hundreds of microseconds), uncontended.
-    let pieces: Vec<std::sync::Mutex<(&[u8], &mut [u8])>> =
-        src[..bytes].chunks(piece).zip(dst[..bytes].chunks_mut(piece)).map(std::sync::Mutex::new).collect();
-    in_turns(bytes, pieces.len(), threads, reps, evictor, &|i| {
-        let mut p = pieces[i].lock().unwrap_or_else(|e| e.into_inner());
-        let (from, to) = &mut *p;
-        to.copy_from_slice(from);
-    })
+/// What the staged path's timed rounds share: the stream, the device buffer, the cache-emptying
+/// read and the pause before each transfer.
+struct Turns<'a> {
+    s1: &'a Stream,
+    dev: &'a mut DeviceBuffer<u8>,
+    evictor: &'a Evictor,
+    idle: Duration,
 }
 
-/// Median GB/s of reading `src` (and nothing else) on `threads` threads in pieces of `piece`
-/// bytes taken in turn, out of memory as [`memcpy_gbs`] reads it. Host to device, the staged path
-/// must read every byte of its source once: on as many threads, this is as fast as it can go.
-pub fn read_gbs(src: &[u8], threads: usize, piece: usize, reps: usize, evictor: &Evictor) -> f64 {
-    let pieces: Vec<&[u8]> = src.chunks(piece.max(1)).collect();
-    in_turns(src.len(), pieces.len(), threads, reps, evictor, &|i| {
-        std::hint::black_box(fold_words(pieces[i]));
-    })
+impl Turns<'_> {
+    /// Median GB/s host to device and back of `src` through `staging` into `dst`, `reps` round
+    /// trips after a warm-up, each transfer timed on the host clock to completion, from and to
+    /// memory out of cache, after the pause.
+    fn rounds(&mut self, staging: &mut Staging, src: &[u8], dst: &mut [u8], reps: usize) -> Result<[f64; 2]> {
+        let size = src.len();
+        let mut samples = [Vec::new(), Vec::new()];
+        for rep in 0..=reps {
+            self.evictor.evict();
+            pause(self.idle);
+            let (r, t) =
+                timed(|| staging.to_device(self.s1, src, self.dev.as_mut_slice().slice_mut(0..size)?));
+            r?;
+            let h2d = gbs(size, t.as_secs_f64());
+            self.evictor.evict();
+            pause(self.idle);
+            let (r, t) = timed(|| staging.to_host(self.s1, self.dev.as_slice().slice(0..size)?, dst));
+            r?;
+            if rep > 0 {
+                samples[0].push(h2d);
+                samples[1].push(gbs(size, t.as_secs_f64()));
+            }
+        }
+        Ok([median(&samples[0]), median(&samples[1])])
+    }
+}
+
+/// How the host-side references are timed: on `threads` threads in pieces of `piece` bytes, each
+/// thread taking the next piece not yet taken, `reps` times after a warm-up, the host's caches
+/// emptied by `evictor` and then `idle` slept before each time.
+pub struct HostTurns<'a> {
+    pub threads: usize,
+    pub piece: usize,
+    pub reps: usize,
+    pub evictor: &'a Evictor,
+    pub idle: Duration,
+}
+
+impl HostTurns<'_> {
+    /// Median GB/s of copying `src` into `dst` as the staging ring's threads copy, without its
+    /// DMA. The threads are started once and released together for each copy, as the ring's
+    /// threads are: host clock from the release to the last one done.
+    ///
+    /// Taking pieces in turn, rather than one equal part each, keeps one slow thread (a core busy
+    /// with something else) from holding up the end, as it does not hold up the ring.
+    pub fn memcpy_gbs(&self, src: &[u8], dst: &mut [u8]) -> f64 {
+        let bytes = src.len().min(dst.len());
+        let piece = self.piece.max(1);
+        // A lock per piece: taken once per copy of a piece (hundreds of microseconds), uncontended.
+        let pieces: Vec<std::sync::Mutex<(&[u8], &mut [u8])>> = src[..bytes]
+            .chunks(piece)
+            .zip(dst[..bytes].chunks_mut(piece))
+            .map(std::sync::Mutex::new)
+            .collect();
+        self.run(bytes, pieces.len(), &|i| {
+            let mut p = pieces[i].lock().unwrap_or_else(|e| e.into_inner());
+            let (from, to) = &mut *p;
+            to.copy_from_slice(from);
+        })
+    }
+
+    /// Median GB/s of reading `src` (and nothing else), out of memory as [`Self::memcpy_gbs`]
+    /// reads it. Host to device, the staged path must read every byte of its source once: on as
+    /// many threads, this is as fast as it can go.
+    pub fn read_gbs(&self, src: &[u8]) -> f64 {
+        let pieces: Vec<&[u8]> = src.chunks(self.piece.max(1)).collect();
+        self.run(src.len(), pieces.len(), &|i| {
+            std::hint::black_box(fold_words(pieces[i]));
+        })
+    }
+
+    fn run(&self, bytes: usize, pieces: usize, work: &(dyn Fn(usize) + Sync)) -> f64 {
+        in_turns(bytes, pieces, self.threads, self.reps, self.evictor, self.idle, work)
+    }
 }
 
 /// A sum of `bytes` read as 64-bit words, in eight lanes so that the loads need not wait on one
@@ -305,15 +361,16 @@ fn fold_words(bytes: &[u8]) -> u64 {
 }
 
 /// Runs `work(i)` for every piece `i < pieces` on `threads` threads, each taking the next piece
-/// not yet taken, `reps` times after a warm-up, the host's caches emptied before each; returns
-/// the median GB/s for `bytes`. The threads are started once and released together each time,
-/// as the ring's threads are: host clock from the release to the last one done.
+/// not yet taken, `reps` times after a warm-up, the host's caches emptied and then `idle` slept
+/// before each; returns the median GB/s for `bytes`. The threads are started once and released
+/// together each time, as the ring's threads are: host clock from the release to the last one done.
 fn in_turns(
     bytes: usize,
     pieces: usize,
     threads: usize,
     reps: usize,
     evictor: &Evictor,
+    idle: Duration,
     work: &(dyn Fn(usize) + Sync),
 ) -> f64 {
     if bytes == 0 || pieces == 0 {
@@ -343,6 +400,7 @@ fn in_turns(
         let mut samples = Vec::new();
         for rep in 0..=reps {
             evictor.evict();
+            pause(idle);
             // Published to the threads by the barrier.
             next.store(0, std::sync::atomic::Ordering::Relaxed);
             let t = std::time::Instant::now();
@@ -398,6 +456,10 @@ pub struct SweepReference {
     pub size: usize,
     /// Raw `cuMemcpy*Async` from and to pinned memory, H2D and D2H, GB/s (device events).
     pub pinned: [f64; 2],
+    /// The same copies on the host clock, from the call to its completion, as the staged path
+    /// is timed: what the device events leave out (the time before the copy starts on the
+    /// device) counts here.
+    pub pinned_host: [f64; 2],
     /// Host memcpy pageable→pinned and pinned→pageable per thread count swept, GB/s.
     pub memcpy: Vec<(usize, [f64; 2])>,
     /// Reading the pageable source alone, per thread count swept and on every core, GB/s: what
@@ -406,13 +468,15 @@ pub struct SweepReference {
 }
 
 /// The staged path alone for every ring shape in `shapes` and every size, `reps` times after a
-/// warm-up each; then the references, in the same run. Checks that the last round trip of each
-/// shape brought back what went in.
+/// warm-up each; then the references, in the same run. Before every timed transfer, staged or
+/// reference, the host sleeps `idle` (after emptying its caches). Checks that the last round trip
+/// of each shape brought back what went in.
 pub fn sweep(
     ctx: &Context,
     sizes: &[usize],
     reps: usize,
     shapes: &[StagingConfig],
+    idle: Duration,
 ) -> Result<(Vec<SweepRow>, Vec<SweepReference>)> {
     let max = *sizes.iter().max().ok_or_else(|| crate::bench::invalid("no sizes"))?;
     if reps == 0 || sizes.contains(&0) || shapes.is_empty() {
@@ -431,30 +495,15 @@ pub fn sweep(
     for &config in shapes {
         let mut staging = Staging::with_config(ctx, config)?;
         for &size in sizes {
-            let mut samples = [Vec::new(), Vec::new()];
-            for rep in 0..=reps {
-                evictor.evict();
-                let (r, t) = timed(|| {
-                    staging.to_device(&s1, &page_src[..size], dev.as_mut_slice().slice_mut(0..size)?)
-                });
-                r?;
-                let h2d = gbs(size, t.as_secs_f64());
-                evictor.evict();
-                let (r, t) =
-                    timed(|| staging.to_host(&s1, dev.as_slice().slice(0..size)?, &mut page_dst[..size]));
-                r?;
-                if rep > 0 {
-                    samples[0].push(h2d);
-                    samples[1].push(gbs(size, t.as_secs_f64()));
-                }
-            }
+            let mut turns = Turns { s1: &s1, dev: &mut dev, evictor: &evictor, idle };
+            let staged = turns.rounds(&mut staging, &page_src[..size], &mut page_dst[..size], reps)?;
             if page_dst[..size] != page_src[..size] {
                 return Err(crate::bench::invalid(format!(
                     "staged round trip of {size} bytes with {config:?} corrupted the data"
                 )));
             }
             fresh(&mut page_dst[..size], 0);
-            rows.push(SweepRow { config, size, staged: [median(&samples[0]), median(&samples[1])] });
+            rows.push(SweepRow { config, size, staged });
         }
     }
     // References.
@@ -470,8 +519,11 @@ pub fn sweep(
     for &size in sizes {
         let dptr = dev.ptr();
         let mut pinned = [Vec::new(), Vec::new()];
+        let mut pinned_host = [Vec::new(), Vec::new()];
         for rep in 0..=reps {
             for (dir, p) in pinned.iter_mut().enumerate() {
+                pause(idle);
+                let start = std::time::Instant::now();
                 e0.record(&s1)?;
                 // SAFETY: pinned buffers and the device buffer hold `max` >= size bytes; the
                 // stream is synchronised (through e1) before they are touched again.
@@ -484,16 +536,19 @@ pub fn sweep(
                 }?;
                 e1.record(&s1)?;
                 e1.synchronize()?;
+                let host = start.elapsed();
                 if rep > 0 {
                     p.push(gbs(size, e0.elapsed_ms(&e1)? as f64 / 1e3));
+                    pinned_host[dir].push(gbs(size, host.as_secs_f64()));
                 }
             }
         }
+        let on = |threads: usize| HostTurns { threads, piece, reps, evictor: &evictor, idle };
         let memcpy = threads
             .iter()
             .map(|&t| {
-                let h = memcpy_gbs(&page_src[..size], &mut pin_dst[..size], t, piece, reps, &evictor);
-                let d = memcpy_gbs(&pin_src[..size], &mut page_dst[..size], t, piece, reps, &evictor);
+                let h = on(t).memcpy_gbs(&page_src[..size], &mut pin_dst[..size]);
+                let d = on(t).memcpy_gbs(&pin_src[..size], &mut page_dst[..size]);
                 (t, [h, d])
             })
             .collect();
@@ -502,9 +557,14 @@ pub fn sweep(
         if !readers.contains(&cores) {
             readers.push(cores);
         }
-        let read =
-            readers.iter().map(|&t| (t, read_gbs(&page_src[..size], t, piece, reps, &evictor))).collect();
-        refs.push(SweepReference { size, pinned: [median(&pinned[0]), median(&pinned[1])], memcpy, read });
+        let read = readers.iter().map(|&t| (t, on(t).read_gbs(&page_src[..size]))).collect();
+        refs.push(SweepReference {
+            size,
+            pinned: [median(&pinned[0]), median(&pinned[1])],
+            pinned_host: [median(&pinned_host[0]), median(&pinned_host[1])],
+            memcpy,
+            read,
+        });
     }
     Ok((rows, refs))
 }
@@ -519,7 +579,9 @@ mod tests {
         // Pieces that do not divide the length, more threads than pieces.
         for (threads, piece) in [(3, 4096), (16, 300_000), (2, 1 << 30)] {
             let mut dst = vec![0u8; src.len()];
-            assert!(memcpy_gbs(&src, &mut dst, threads, piece, 2, &Evictor(vec![1; 1000])) > 0.0);
+            let evictor = Evictor(vec![1; 1000]);
+            let host = HostTurns { threads, piece, reps: 2, evictor: &evictor, idle: NO_IDLE };
+            assert!(host.memcpy_gbs(&src, &mut dst) > 0.0);
             assert!(dst == src);
         }
     }
@@ -530,14 +592,28 @@ mod tests {
         // More threads than pieces, and fewer.
         for threads in [64, 5] {
             seen.iter().for_each(|s| s.store(0, std::sync::atomic::Ordering::Relaxed));
-            let gbs = in_turns(37 << 10, 37, threads, 3, &Evictor(vec![1; 1000]), &|i| {
+            let gbs = in_turns(37 << 10, 37, threads, 3, &Evictor(vec![1; 1000]), NO_IDLE, &|i| {
                 seen[i].fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             });
             assert!(gbs > 0.0);
             // A warm-up and three timed rounds.
             assert!(seen.iter().all(|s| s.load(std::sync::atomic::Ordering::Relaxed) == 4));
         }
-        assert_eq!(read_gbs(&[], 3, 4096, 2, &Evictor(vec![1; 10])), 0.0);
+        let evictor = Evictor(vec![1; 10]);
+        let host = HostTurns { threads: 3, piece: 4096, reps: 2, evictor: &evictor, idle: NO_IDLE };
+        assert_eq!(host.read_gbs(&[]), 0.0);
+    }
+
+    #[test]
+    fn the_idle_pause_comes_before_each_round_and_outside_its_time() {
+        let idle = Duration::from_millis(40);
+        let start = std::time::Instant::now();
+        let gbs = in_turns(1 << 20, 4, 2, 2, &Evictor(vec![1; 10]), idle, &|_| {});
+        // A warm-up and two timed rounds, each after the pause...
+        assert!(start.elapsed() >= 3 * idle);
+        // ...which the rounds' times leave out: a round of empty work takes far less than it.
+        let round = Duration::from_secs_f64((1 << 20) as f64 / (gbs * 1e9));
+        assert!(round < idle, "{round:?}");
     }
 
     #[test]

@@ -44,7 +44,7 @@ pub enum Bench {
         /// Timed repetitions per size.
         #[arg(long, default_value_t = 5)]
         reps: usize,
-        /// Host threads of the staged path (default: one per core, at most 8); a list sweeps.
+        /// Host threads of the staged path (default: three quarters of the cores, at most 12); a list sweeps.
         #[arg(long, value_parser = parse_counts)]
         threads: Option<std::vec::Vec<usize>>,
         /// Bytes per chunk (per DMA and pinned slot) of the staged path (default 4MiB); a list sweeps.
@@ -60,6 +60,10 @@ pub enum Bench {
         /// --slots, with its references (pinned DMA, host memcpy per thread count).
         #[arg(long)]
         sweep: bool,
+        /// With --sweep: milliseconds the host sleeps before each timed transfer, staged and
+        /// references alike (a program that copies now and then rather than back to back).
+        #[arg(long, default_value_t = 0, requires = "sweep")]
+        idle_ms: u64,
         /// Device ordinal.
         #[arg(long, default_value_t = 0)]
         device: usize,
@@ -330,7 +334,7 @@ pub fn run(b: Bench) -> CliResult {
                 }
             }
         }
-        Bench::Bandwidth { sizes, reps, threads, chunk, piece, slots, sweep, device, json } => {
+        Bench::Bandwidth { sizes, reps, threads, chunk, piece, slots, sweep, idle_ms, device, json } => {
             let ctx = Context::for_ordinal(device)?;
             let d = StagingConfig::default();
             let shapes = bandwidth::ring_shapes(
@@ -340,8 +344,9 @@ pub fn run(b: Bench) -> CliResult {
                 &threads.unwrap_or_else(|| vec![d.threads]),
             );
             if sweep {
-                let (rows, refs) = bandwidth::sweep(&ctx, &sizes, reps, &shapes)?;
-                print_sweep(&mut out, &ctx.device().name()?, &rows, &refs, reps, json)?;
+                let idle = std::time::Duration::from_millis(idle_ms);
+                let (rows, refs) = bandwidth::sweep(&ctx, &sizes, reps, &shapes, idle)?;
+                print_sweep(&mut out, &ctx.device().name()?, &rows, &refs, reps, idle_ms, json)?;
                 return Ok(());
             }
             let [shape] = shapes[..] else {
@@ -918,6 +923,7 @@ pub(super) fn print_sweep(
     rows: &[bandwidth::SweepRow],
     refs: &[bandwidth::SweepReference],
     reps: usize,
+    idle_ms: u64,
     json: bool,
 ) -> CliResult {
     let mut sizes: Vec<usize> = rows.iter().map(|r| r.size).collect();
@@ -929,7 +935,7 @@ pub(super) fn print_sweep(
             writeln!(
                 out,
                 "{}",
-                json!({"bench": "bandwidth-sweep", "device": name, "size": r.size, "chunk": c.chunk, "piece": c.piece,
+                json!({"bench": "bandwidth-sweep", "device": name, "idle_ms": idle_ms, "size": r.size, "chunk": c.chunk, "piece": c.piece,
                        "slots": c.slots, "threads": c.threads, "staged_h2d": r.staged[0], "staged_d2h": r.staged[1]})
             )?;
         }
@@ -940,13 +946,20 @@ pub(super) fn print_sweep(
             writeln!(
                 out,
                 "{}",
-                json!({"bench": "bandwidth-sweep", "size": f.size, "pinned_h2d": f.pinned[0],
-                       "pinned_d2h": f.pinned[1], "memcpy": memcpy, "read_source": read})
+                json!({"bench": "bandwidth-sweep", "idle_ms": idle_ms, "size": f.size, "pinned_h2d": f.pinned[0],
+                       "pinned_d2h": f.pinned[1], "pinned_host_clock_h2d": f.pinned_host[0],
+                       "pinned_host_clock_d2h": f.pinned_host[1], "memcpy": memcpy, "read_source": read})
             )?;
         }
         return Ok(());
     }
     writeln!(out, "staged pageable GB/s on {name}, H2D / D2H, median of {reps} (host clock, to completion)")?;
+    if idle_ms > 0 {
+        writeln!(
+            out,
+            "every timed transfer, staged and references alike, after the host slept {idle_ms} ms"
+        )?;
+    }
     write!(out, "{:>9} {:>9} {:>6} {:>8}", "chunk", "piece", "slots", "threads")?;
     for &s in &sizes {
         write!(out, " {:>15}", show(s))?;
@@ -968,9 +981,17 @@ pub(super) fn print_sweep(
         }
         writeln!(out)?;
     }
-    writeln!(out, "references, same run (H2D / D2H): pinned DMA (raw cuMemcpy*Async, device events); host memcpy pageable → pinned / pinned → pageable in the default ring's pieces, taken in turn; reading the source alone (host to device cannot be faster on as many threads)")?;
+    writeln!(out, "references, same run (H2D / D2H): pinned DMA (raw cuMemcpy*Async, device events, and on the host clock from the call to completion as the staged path is timed); host memcpy pageable → pinned / pinned → pageable in the default ring's pieces, taken in turn; reading the source alone (host to device cannot be faster on as many threads)")?;
     for f in refs {
-        write!(out, "{:>9}  pinned {:>5.1} /{:>5.1}", show(f.size), f.pinned[0], f.pinned[1])?;
+        write!(
+            out,
+            "{:>9}  pinned {:>5.1} /{:>5.1} (host clock {:>5.1} /{:>5.1})",
+            show(f.size),
+            f.pinned[0],
+            f.pinned[1],
+            f.pinned_host[0],
+            f.pinned_host[1]
+        )?;
         for (t, m) in &f.memcpy {
             write!(out, "   memcpy {t} threads {:>5.1} /{:>5.1}", m[0], m[1])?;
         }
