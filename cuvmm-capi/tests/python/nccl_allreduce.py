@@ -184,6 +184,8 @@ def main():
             c = row(size, t_c, all_exact(exact_c), y_c)
             c["busbw_over_first"] = t_n / t_c  # as busbw's ratio, and defined on one rank too
             c["rounds_s"] = times
+            # Where each buffer sits: a slow buffer can then be told apart by its placement.
+            c["ptr_first"], c["ptr_second"] = y_n.data_ptr(), y_c.data_ptr()
             ab.append(c)
             del x, y_n, xc, y_c
         if rank == 0:
