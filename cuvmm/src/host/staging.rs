@@ -62,7 +62,7 @@ impl Default for StagingConfig {
 /// On an H100 host of 16 cores, five sweeps of back-to-back transfers (`cuvmm bench bandwidth
 /// --sweep --threads 8,12`, one sitting): 12 threads moved 43.1-44.3 GB/s host to device at
 /// 64 MiB where 8 moved 37.1-41.3, and 46.9-50.1 against 41.5-47.4 at 256 MiB; device to host
-/// 43.1-52.7 against 47.0-53.3 (the drain needs fewer threads). 16 threads, every core, were
+/// 43.1-52.7 against 47.0-53.3. 16 threads, every core, were
 /// no better than 12 (36.2-41.1 at 64 MiB).
 fn default_threads(cores: usize) -> usize {
     (cores - cores / 4).clamp(1, 12)
