@@ -311,8 +311,20 @@ impl<B: Backend> Core<B> {
         }
         let old = self.backend.relax()?;
         let r = self.allocate_slow(&req);
+        if matches!(&r, Err(e) if e.is_out_of_memory()) {
+            // The pages made or moved for a request that failed would hold the device's memory
+            // for nothing: even a kernel's first launch needs some.
+            self.release_spare();
+        }
         self.backend.restore(old);
         r
+    }
+
+    /// Gives every spare page back to the driver.
+    fn release_spare(&mut self) {
+        self.stats.pages_released += self.spare.len() as u64;
+        self.spare.clear();
+        self.note_mapped();
     }
 
     fn allocate_slow(&mut self, req: &Request) -> Result<u64> {
@@ -631,9 +643,7 @@ impl<B: Backend> Core<B> {
                     self.settle_all()?;
                 }
                 self.reclaim(usize::MAX)?;
-                self.stats.pages_released += self.spare.len() as u64;
-                self.spare.clear();
-                self.note_mapped();
+                self.release_spare();
                 self.backend.create_page(size)
             }
             r => r,
@@ -899,9 +909,7 @@ impl<B: Backend> Core<B> {
         self.settle_all()?;
         self.reclaim(usize::MAX)?;
         let n = self.spare.len() as u64;
-        self.spare.clear();
-        self.stats.pages_released += n;
-        self.note_mapped();
+        self.release_spare();
         Ok(n * self.sizes.page)
     }
 

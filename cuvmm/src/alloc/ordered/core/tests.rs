@@ -1128,3 +1128,23 @@ fn memory_given_back_on_one_stream_serves_the_others_soon() {
         );
     }
 }
+
+/// A request that runs out of memory leaves no page behind for it: the pages made and moved for
+/// it go back to the driver, so the memory is free for others (a kernel's first launch needs some).
+#[test]
+fn a_request_out_of_memory_gives_back_the_pages_made_for_it() {
+    let mut c = core(12);
+    let mut held = Vec::new();
+    let a = alloc(&mut c, &mut held, 4 * PAGE, 1).unwrap();
+    alloc(&mut c, &mut held, 2 * PAGE, 1).unwrap();
+    let k = held.iter().position(|h| h.addr == a).unwrap();
+    free(&mut c, &mut held, k);
+    c.backend().run_all();
+    assert!(alloc(&mut c, &mut held, 20 * PAGE, 2).is_none(), "more than the device holds");
+    let s = c.stats();
+    assert_eq!(s.mapped, 2 * PAGE, "only the live block's pages stay: {s:?}");
+    assert_eq!(c.backend().units.get(), 2, "the model's memory in use");
+    // What is live is intact and the allocator goes on.
+    assert_eq!(held.len(), 1);
+    alloc(&mut c, &mut held, 8 * PAGE, 2).unwrap();
+}
