@@ -33,7 +33,8 @@ typedef struct CUstream_st *cuvmm_stream_t;
  * cuvmm_release_graph_memory), and nothing illegal during capture is called.
  * Streams handed to these functions must stay alive while blocks freed on them may still be
  * reused (PyTorch never destroys its streams); the per-thread default stream is refused.
- * Returns NULL on failure (out of memory included); size 0 returns NULL without error.
+ * Returns NULL on failure (out of memory included, unless oom=abort stops the process); size 0
+ * returns NULL without error.
  */
 void *cuvmm_malloc(ssize_t size, int device, cuvmm_stream_t stream);
 void cuvmm_free(void *ptr, ssize_t size, int device, cuvmm_stream_t stream);
@@ -41,6 +42,7 @@ void cuvmm_free(void *ptr, ssize_t size, int device, cuvmm_stream_t stream);
 /*
  * The same for torch.cuda.MemPool: PyTorch caches blocks inside the segments it gets here and
  * manages CUDA graphs itself, so memory obtained during a capture is not held back for the graph.
+ * Out of memory it returns NULL whatever oom= says: PyTorch raises OutOfMemoryError for it.
  */
 void *cuvmm_pool_malloc(ssize_t size, int device, cuvmm_stream_t stream);
 void cuvmm_pool_free(void *ptr, ssize_t size, int device, cuvmm_stream_t stream);

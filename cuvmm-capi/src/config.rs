@@ -17,8 +17,10 @@ pub struct Config {
     pub lend: bool,
     /// Where allocations and frees are recorded (`trace`).
     pub trace: Option<PathBuf>,
-    /// Whether running out of memory aborts the process (`oom=abort`) instead of returning NULL
-    /// (`oom=null`): PyTorch's pluggable allocator turns a NULL into a tensor at address 0.
+    /// Whether running out of memory in `cuvmm_malloc` aborts the process (`oom=abort`) instead of
+    /// returning NULL (`oom=null`): under `change_current_allocator` PyTorch turns a NULL into a
+    /// tensor at address 0. `cuvmm_pool_malloc` always returns NULL, which PyTorch's `MemPool`
+    /// turns into an `OutOfMemoryError`.
     pub abort_on_oom: bool,
 }
 

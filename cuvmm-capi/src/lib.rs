@@ -137,13 +137,22 @@ fn plain(msg: String) -> (String, String) {
     (msg.clone(), msg)
 }
 
-fn malloc_with(
-    function: &str,
-    size: isize,
-    device: c_int,
-    stream: CUstream,
-    graphs: GraphMemory,
-) -> *mut c_void {
+/// Who receives a NULL from an allocation entry point.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Caller {
+    /// `change_current_allocator`: PyTorch makes a tensor at address 0 of a NULL, so `oom=abort`
+    /// may stop the process instead.
+    Tensors,
+    /// `MemPool`: PyTorch frees cached segments of the pool if it can and asks again, or raises
+    /// `OutOfMemoryError`; a NULL is always returned.
+    Pool,
+}
+
+fn malloc_with(function: &str, size: isize, device: c_int, stream: CUstream, caller: Caller) -> *mut c_void {
+    let graphs = match caller {
+        Caller::Tensors => GraphMemory::Keep,
+        Caller::Pool => GraphMemory::Share,
+    };
     let ptr = guard(function, 0u64, || {
         if size <= 0 {
             return if size == 0 { Ok(0) } else { Err(plain(format!("negative size {size}"))) };
@@ -153,7 +162,10 @@ fn malloc_with(
         // SAFETY: the C contract (cuvmm.h) makes `stream` a live stream of the device's primary
         // context that outlives the blocks freed on it.
         unsafe { a.allocate_raw_tagged(size as usize, stream, graphs, tag) }.map_err(|e| {
-            if e.is_out_of_memory() && matches!(GLOBAL.get(), Some(Ok(g)) if g.config.abort_on_oom) {
+            if caller == Caller::Tensors
+                && e.is_out_of_memory()
+                && matches!(GLOBAL.get(), Some(Ok(g)) if g.config.abort_on_oom)
+            {
                 eprintln!(
                     "cuvmm: {function}: out of memory for {size} bytes on device {device}: {e} (oom=abort)"
                 );
@@ -186,7 +198,7 @@ fn free_with(function: &str, ptr: *mut c_void, size: isize, device: c_int, strea
 /// Allocates `size` bytes on `device` for work on `stream`; capture-aware (see cuvmm.h).
 #[no_mangle]
 pub extern "C" fn cuvmm_malloc(size: isize, device: c_int, stream: CUstream) -> *mut c_void {
-    malloc_with("cuvmm_malloc", size, device, stream, GraphMemory::Keep)
+    malloc_with("cuvmm_malloc", size, device, stream, Caller::Tensors)
 }
 
 /// Frees a block of [`cuvmm_malloc`] on `stream`.
@@ -198,7 +210,7 @@ pub extern "C" fn cuvmm_free(ptr: *mut c_void, size: isize, device: c_int, strea
 /// Allocates a segment for PyTorch's `MemPool`.
 #[no_mangle]
 pub extern "C" fn cuvmm_pool_malloc(size: isize, device: c_int, stream: CUstream) -> *mut c_void {
-    malloc_with("cuvmm_pool_malloc", size, device, stream, GraphMemory::Share)
+    malloc_with("cuvmm_pool_malloc", size, device, stream, Caller::Pool)
 }
 
 /// Frees a segment of [`cuvmm_pool_malloc`].

@@ -77,6 +77,8 @@ for a in cuvmm cuvmm-pool; do
     run "graph_capture_$a" $PY graph_capture.py --alloc "$a" --json "$OUT_DIR/graph_capture_$a.json"
     run "sleep_wake_$a" $PY sleep_wake.py --alloc "$a" --json "$OUT_DIR/sleep_wake_$a.json" ${SLEEP_ARGS:-}
 done
+# Out of memory through MemPool is PyTorch's exception, whatever oom= says.
+run pool_oom $PY pool_oom.py --json "$OUT_DIR/pool_oom.json"
 
 # e. all-reduce, where there are GPUs for it
 gpus=$($PY -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
