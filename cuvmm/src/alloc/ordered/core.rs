@@ -311,11 +311,6 @@ impl<B: Backend> Core<B> {
         }
         let old = self.backend.relax()?;
         let r = self.allocate_slow(&req);
-        if matches!(&r, Err(e) if e.is_out_of_memory()) {
-            // The pages made or moved for a request that failed would hold the device's memory
-            // for nothing: even a kernel's first launch needs some.
-            self.release_spare();
-        }
         self.backend.restore(old);
         r
     }
@@ -434,6 +429,11 @@ impl<B: Backend> Core<B> {
         self.stats.pages_released += self.borrowed.len() as u64;
         self.borrowed.clear();
         self.borrowed_epoch = 0;
+        if matches!(&r, Err(e) if e.is_out_of_memory()) {
+            // The pages made or moved for a block that could not have them all would hold the
+            // device's memory for nothing: even a kernel's first launch needs some.
+            self.release_spare();
+        }
         self.backend.restore(old);
         self.note_mapped();
         r
