@@ -2,12 +2,18 @@
 //! by several threads while the DMA engine moves earlier chunks: much faster than the driver's own
 //! pageable path, which stages through one small buffer on one thread.
 //!
-//! A transfer is cut into chunks, one DMA each, through `slots` pinned buffers of `chunk` bytes
-//! used in turn; each chunk is cut into pieces of `piece` bytes, which the threads copy in order.
-//! So the threads work on one or two chunks at a time and chunks complete in order: the first DMA
-//! starts once one chunk is filled, not once every thread has filled a whole chunk of its own, and
-//! the last DMA moves one chunk, not one per thread. The threads are started with the ring and
-//! kept: a transfer starts none.
+//! A transfer is cut into chunks, one DMA each, through `slots` pinned buffers of `chunk` bytes;
+//! each chunk is cut into pieces of `piece` bytes, which the threads copy in order. So the threads
+//! work on one or two chunks at a time and chunks mostly complete in order: the first DMA starts
+//! once one chunk is filled, not once every thread has filled a whole chunk of its own, and the
+//! last DMA moves one chunk, not one per thread. The threads are started with the ring and kept:
+//! a transfer starts none.
+//!
+//! To the device, a chunk's DMA is queued as soon as the chunk is filled, whatever the order, and
+//! a slot goes to the next chunk as soon as the DMA through it completes: a thread descheduled in
+//! the middle of a piece (a busy host) then holds back only its own chunk, while the other
+//! threads and the DMA engine go on. With slots used in turn and DMAs queued in chunk order, one
+//! late piece stopped the DMA engine until it was copied. To the host, slots are used in turn.
 
 use super::stream_copy::copy_streaming;
 use crate::context::Context;
@@ -17,6 +23,7 @@ use crate::host::PinnedBuffer;
 use crate::memory::{DeviceCopy, DeviceSlice, DeviceSliceMut};
 use crate::stream::Event;
 use crate::stream::Stream;
+use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
@@ -149,8 +156,10 @@ const STREAMED_TAIL: usize = 16 << 20;
 struct Shared {
     /// The next piece to claim.
     next: AtomicUsize,
-    /// For each slot, the chunk allowed to use it next.
+    /// For each slot, the chunk allowed to use it next (to host).
     slot_for: Vec<AtomicUsize>,
+    /// For each chunk, the slot it goes through, [`NO_SLOT`] until it has one (to device).
+    slot_of: Vec<AtomicUsize>,
     /// Per chunk: pieces filled (to device) or drained (to host).
     done: Vec<AtomicUsize>,
     /// Per chunk (to host): its DMA is queued and its slot's event recorded after it.
@@ -160,6 +169,9 @@ struct Shared {
     failed: AtomicBool,
     error: Mutex<Option<Error>>,
 }
+
+/// In [`Shared::slot_of`]: the chunk has no slot yet.
+const NO_SLOT: usize = usize::MAX;
 
 /// Spins this many times before yielding in a wait.
 const SPINS: u32 = 256;
@@ -171,6 +183,7 @@ impl Shared {
         Shared {
             next: AtomicUsize::new(0),
             slot_for: (0..slots).map(AtomicUsize::new).collect(),
+            slot_of: (0..chunks).map(|j| AtomicUsize::new(if j < slots { j } else { NO_SLOT })).collect(),
             done: (0..chunks).map(|_| AtomicUsize::new(0)).collect(),
             issued: (0..chunks).map(|_| AtomicBool::new(false)).collect(),
             landed: (0..chunks).map(|_| AtomicBool::new(false)).collect(),
@@ -234,6 +247,85 @@ impl Shared {
     }
 }
 
+/// The issuing thread's view of a transfer to the device: which chunk has which slot, which
+/// chunks have their DMA queued, and which slots wait for their DMA to complete.
+///
+/// The first chunks get the slots in order; each later chunk, in chunk order, gets the slot whose
+/// DMA was queued first (so completes first, the stream running them in order) once that DMA has
+/// completed. DMAs are queued in the order chunks are filled, which is mostly chunk order; a slot
+/// goes wherever it is needed next, so a chunk filled late holds back no other chunk's slot.
+struct Issuer {
+    slot_of: Vec<Option<usize>>,
+    queued: Vec<bool>,
+    /// Every chunk before it has its DMA queued.
+    first_unqueued: usize,
+    /// Every chunk before it has a slot; none after it has.
+    slotted: usize,
+    /// Slots whose chunk's DMA is queued, in the order queued.
+    in_flight: VecDeque<usize>,
+}
+
+impl Issuer {
+    fn new(chunks: usize, slots: usize) -> Issuer {
+        let slotted = slots.min(chunks);
+        Issuer {
+            slot_of: (0..chunks).map(|j| (j < slotted).then_some(j)).collect(),
+            queued: vec![false; chunks],
+            first_unqueued: 0,
+            slotted,
+            in_flight: VecDeque::with_capacity(slots),
+        }
+    }
+
+    /// The lowest chunk whose DMA is not queued; `None` once all are.
+    fn first_unqueued(&self) -> Option<usize> {
+        (self.first_unqueued < self.queued.len()).then_some(self.first_unqueued)
+    }
+
+    /// Chunks before it have a slot, so may be filled.
+    fn slotted(&self) -> usize {
+        self.slotted
+    }
+
+    fn queued(&self, i: usize) -> bool {
+        self.queued[i]
+    }
+
+    /// Chunk `i` (filled, through its slot) has its DMA queued; returns the slot.
+    ///
+    /// # Panics
+    /// If chunk `i` has no slot or was queued before.
+    fn queue(&mut self, i: usize) -> usize {
+        let s = self.slot_of[i].expect("a filled chunk has a slot");
+        assert!(!std::mem::replace(&mut self.queued[i], true), "chunk {i} queued twice");
+        self.in_flight.push_back(s);
+        while self.queued.get(self.first_unqueued) == Some(&true) {
+            self.first_unqueued += 1;
+        }
+        s
+    }
+
+    /// The slot whose DMA to ask about: the one queued first, when the next chunk without a slot
+    /// exists and a thread has claimed pieces up to it (`claimed`, a chunk index).
+    fn to_free(&self, claimed: usize) -> Option<usize> {
+        let needed = self.slotted < self.queued.len() && self.slotted <= claimed;
+        self.in_flight.front().copied().filter(|_| needed)
+    }
+
+    /// [`Issuer::to_free`]'s slot's DMA has completed: it goes to the next chunk. Returns that
+    /// chunk and the slot.
+    ///
+    /// # Panics
+    /// If no slot is in flight or every chunk has one.
+    fn freed(&mut self) -> (usize, usize) {
+        let s = self.in_flight.pop_front().expect("a slot in flight");
+        let j = self.slotted;
+        self.slot_of[j] = Some(s);
+        self.slotted += 1;
+        (j, s)
+    }
+}
+
 /// A raw base address that worker threads write through at disjoint offsets.
 #[derive(Clone, Copy)]
 struct Addr(usize);
@@ -286,8 +378,8 @@ impl Staging {
     /// Copies pageable `src` into `dst` on `stream`; returns when the data is on the device.
     ///
     /// The threads fill pieces in order; this thread queues each chunk's DMA as soon as its last
-    /// piece is filled, records the slot's event after it, and hands the slot to the chunk
-    /// `slots` places later once that event has completed.
+    /// piece is filled, records the slot's event after it, and gives the slot to the next chunk
+    /// without one once that event has completed.
     pub fn to_device<T: DeviceCopy>(
         &mut self,
         stream: &Stream,
@@ -317,13 +409,17 @@ impl Staging {
         let fill = || loop {
             let Some(p) = shared.claim(plan.pieces) else { return };
             let (j, at, len) = plan.piece(p);
-            let s = j % k;
-            if shared.wait_until(|| shared.slot_for[s].load(Ordering::Acquire) == j).is_err() {
+            let mut s = NO_SLOT;
+            let slotted = shared.wait_until(|| {
+                s = shared.slot_of[j].load(Ordering::Acquire);
+                s != NO_SLOT
+            });
+            if slotted.is_err() {
                 return;
             }
             // SAFETY: these bytes of `src` (borrowed for this call; `T` has no padding) go to
             // their place in slot s, which no DMA uses until chunk j is complete (the slot's last
-            // DMA completed before it was handed to chunk j), and which no other thread touches
+            // DMA completed before it was given to chunk j), and which no other thread touches
             // meanwhile (pieces are disjoint).
             let (from, to) = unsafe {
                 (
@@ -340,23 +436,28 @@ impl Staging {
         };
         let issue = || -> Result<()> {
             stream.context().bind()?;
-            // Chunks whose slot was handed on: their DMA has completed.
-            let mut freed = 0;
-            for i in 0..plan.chunks {
-                let s = i % k;
-                let filled = shared.wait_until(|| {
-                    if shared.done[i].load(Ordering::Acquire) == plan.pieces_in(i) {
+            let mut ring = Issuer::new(plan.chunks, k);
+            while let Some(first) = ring.first_unqueued() {
+                let mut ready = None;
+                let found = shared.wait_until(|| {
+                    // A filled chunk, the lowest first: a thread descheduled in the middle of a
+                    // piece holds back its own chunk only, and the DMA engine moves the chunks
+                    // filled after it meanwhile.
+                    ready = (first..ring.slotted()).find(|&i| {
+                        !ring.queued(i) && shared.done[i].load(Ordering::Acquire) == plan.pieces_in(i)
+                    });
+                    if ready.is_some() {
                         return true;
                     }
-                    // Meanwhile, hand on the slot of the oldest chunk in flight once its DMA has
-                    // completed, asking only when a thread has claimed a piece that needs it:
-                    // a query is a driver call, and asking in a tight loop slowed the copies.
+                    // Meanwhile, give the next chunk the slot whose DMA was queued first once that
+                    // DMA has completed, asking only when a thread has claimed a piece that needs
+                    // it: a query is a driver call, and asking in a tight loop slowed the copies.
                     let claimed = shared.next.load(Ordering::Relaxed) / plan.per_chunk;
-                    if freed < i && freed + k <= claimed {
-                        match events[freed % k].is_complete() {
+                    if let Some(s) = ring.to_free(claimed) {
+                        match events[s].is_complete() {
                             Ok(true) => {
-                                shared.slot_for[freed % k].store(freed + k, Ordering::Release);
-                                freed += 1;
+                                let (j, s) = ring.freed();
+                                shared.slot_of[j].store(s, Ordering::Release);
                             }
                             Ok(false) => {}
                             // Ends this wait and every thread's: the error is in `shared`.
@@ -365,12 +466,13 @@ impl Staging {
                     }
                     false
                 });
-                if filled.is_err() {
+                let Some(i) = ready.filter(|_| found.is_ok()) else {
                     return Ok(()); // a query or a worker failed; the error is in `shared`
-                }
+                };
+                let s = ring.queue(i);
                 // SAFETY: slot s holds chunk i (every piece's copy happened before the count
-                // acquired above); `dst` has room for it at this offset; the slot is handed on
-                // only after the event recorded next completes.
+                // acquired above); `dst` has room for it at this offset; the slot goes to another
+                // chunk only after the event recorded next completes.
                 unsafe {
                     api.cuMemcpyHtoDAsync(
                         dst.ptr() + (i * plan.chunk) as u64,
@@ -710,6 +812,48 @@ mod tests {
             assert!((0..plan.chunks).all(|j| done[j] == plan.pieces_in(j)));
             assert_eq!((0..plan.chunks).map(|j| plan.chunk_len(j)).sum::<usize>(), bytes);
         }
+    }
+
+    #[test]
+    fn dmas_are_queued_as_chunks_fill_and_slots_go_to_the_next_chunk_as_dmas_complete() {
+        // 6 chunks through 2 slots.
+        let mut r = Issuer::new(6, 2);
+        assert_eq!((r.first_unqueued(), r.slotted()), (Some(0), 2));
+        assert_eq!(r.to_free(6), None, "no DMA queued, no slot to ask about");
+        // Chunk 1 is filled before chunk 0: its DMA goes first, and its slot is the one to free.
+        assert_eq!(r.queue(1), 1);
+        assert!(r.queued(1) && !r.queued(0));
+        assert_eq!(r.first_unqueued(), Some(0));
+        assert_eq!(r.to_free(1), None, "no thread needs a slot for chunk 2 yet");
+        assert_eq!(r.to_free(2), Some(1));
+        assert_eq!(r.freed(), (2, 1), "chunk 2 gets chunk 1's slot while chunk 0 is still filling");
+        assert_eq!(r.slotted(), 3);
+        assert_eq!(r.to_free(6), None, "chunk 0's DMA is not queued");
+        assert_eq!(r.queue(0), 0);
+        assert_eq!(r.first_unqueued(), Some(2));
+        assert_eq!(r.queue(2), 1);
+        assert_eq!(r.to_free(3), Some(0));
+        assert_eq!(r.freed(), (3, 0));
+        assert_eq!(r.to_free(4), Some(1));
+        assert_eq!(r.freed(), (4, 1));
+        assert_eq!(r.queue(4), 1);
+        assert_eq!(r.queue(3), 0);
+        assert_eq!(r.to_free(5), Some(1), "slots free in the order their DMAs were queued");
+        assert_eq!(r.freed(), (5, 1));
+        assert_eq!(r.to_free(6), None, "every chunk has a slot");
+        assert_eq!(r.queue(5), 1);
+        assert_eq!(r.first_unqueued(), None, "every DMA is queued");
+        // Fewer chunks than slots.
+        let r = Issuer::new(1, 4);
+        assert_eq!((r.slotted(), r.to_free(9)), (1, None));
+    }
+
+    #[test]
+    #[should_panic(expected = "queued twice")]
+    fn a_chunk_is_queued_once() {
+        let mut r = Issuer::new(3, 2);
+        r.queue(0);
+        r.queue(0);
     }
 
     #[test]
