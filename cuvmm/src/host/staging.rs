@@ -179,11 +179,12 @@ const SPINS: u32 = 256;
 const YIELD_FOR: Duration = Duration::from_millis(1);
 
 impl Shared {
-    fn new(slots: usize, chunks: usize) -> Shared {
+    /// `slot_of` gives each chunk's first slot, if it has one from the start (to device).
+    fn new(slots: usize, chunks: usize, slot_of: impl Fn(usize) -> Option<usize>) -> Shared {
         Shared {
             next: AtomicUsize::new(0),
             slot_for: (0..slots).map(AtomicUsize::new).collect(),
-            slot_of: (0..chunks).map(|j| AtomicUsize::new(if j < slots { j } else { NO_SLOT })).collect(),
+            slot_of: (0..chunks).map(|j| AtomicUsize::new(slot_of(j).unwrap_or(NO_SLOT))).collect(),
             done: (0..chunks).map(|_| AtomicUsize::new(0)).collect(),
             issued: (0..chunks).map(|_| AtomicBool::new(false)).collect(),
             landed: (0..chunks).map(|_| AtomicBool::new(false)).collect(),
@@ -289,6 +290,11 @@ impl Issuer {
 
     fn queued(&self, i: usize) -> bool {
         self.queued[i]
+    }
+
+    /// The slot chunk `i` goes through, if it has one.
+    fn slot(&self, i: usize) -> Option<usize> {
+        self.slot_of[i]
     }
 
     /// Chunk `i` (filled, through its slot) has its DMA queued; returns the slot.
@@ -401,7 +407,8 @@ impl Staging {
         let _turn = dst.prepare_write(stream)?;
         let k = self.slots.len();
         let plan = Plan::new(bytes, self.config.chunk, self.config.piece);
-        let shared = Shared::new(k, plan.chunks);
+        let ring = Issuer::new(plan.chunks, k);
+        let shared = Shared::new(k, plan.chunks, |j| ring.slot(j));
         let slots = self.slot_addrs();
         let src_addr = Addr(src.as_ptr() as usize);
         let api = driver()?.api();
@@ -436,7 +443,7 @@ impl Staging {
         };
         let issue = || -> Result<()> {
             stream.context().bind()?;
-            let mut ring = Issuer::new(plan.chunks, k);
+            let mut ring = ring;
             while let Some(first) = ring.first_unqueued() {
                 let mut ready = None;
                 let found = shared.wait_until(|| {
@@ -525,7 +532,7 @@ impl Staging {
         let _turn = src.prepare_read(stream)?;
         let k = self.slots.len();
         let plan = Plan::new(bytes, self.config.chunk, self.config.piece);
-        let shared = Shared::new(k, plan.chunks);
+        let shared = Shared::new(k, plan.chunks, |_| None);
         let slots = self.slot_addrs();
         let dst_addr = Addr(dst.as_mut_ptr() as usize);
         let api = driver()?.api();
@@ -819,6 +826,7 @@ mod tests {
         // 6 chunks through 2 slots.
         let mut r = Issuer::new(6, 2);
         assert_eq!((r.first_unqueued(), r.slotted()), (Some(0), 2));
+        assert_eq!((0..6).map(|j| r.slot(j)).collect::<Vec<_>>(), [Some(0), Some(1), None, None, None, None]);
         assert_eq!(r.to_free(6), None, "no DMA queued, no slot to ask about");
         // Chunk 1 is filled before chunk 0: its DMA goes first, and its slot is the one to free.
         assert_eq!(r.queue(1), 1);
@@ -827,6 +835,7 @@ mod tests {
         assert_eq!(r.to_free(1), None, "no thread needs a slot for chunk 2 yet");
         assert_eq!(r.to_free(2), Some(1));
         assert_eq!(r.freed(), (2, 1), "chunk 2 gets chunk 1's slot while chunk 0 is still filling");
+        assert_eq!(r.slot(2), Some(1));
         assert_eq!(r.slotted(), 3);
         assert_eq!(r.to_free(6), None, "chunk 0's DMA is not queued");
         assert_eq!(r.queue(0), 0);
