@@ -9,11 +9,11 @@
 //! last DMA moves one chunk, not one per thread. The threads are started with the ring and kept:
 //! a transfer starts none.
 //!
-//! To the device, a chunk's DMA is queued as soon as the chunk is filled, whatever the order, and
-//! a slot goes to the next chunk as soon as the DMA through it completes: a thread descheduled in
-//! the middle of a piece (a busy host) then holds back only its own chunk, while the other
-//! threads and the DMA engine go on. With slots used in turn and DMAs queued in chunk order, one
-//! late piece stopped the DMA engine until it was copied. To the host, slots are used in turn.
+//! A thread descheduled in the middle of a piece (a busy host) holds back only its own chunk,
+//! while the other threads and the DMA engine go on: to the device, a chunk's DMA is queued as
+//! soon as the chunk is filled, whatever the order, and a slot goes to the next chunk as soon as
+//! the DMA through it completes; to the host, each chunk's DMA goes into any slot already drained.
+//! With slots used in turn, one late piece stopped the DMA engine until it was copied.
 
 use super::stream_copy::copy_streaming;
 use crate::context::Context;
@@ -156,9 +156,10 @@ const STREAMED_TAIL: usize = 16 << 20;
 struct Shared {
     /// The next piece to claim.
     next: AtomicUsize,
-    /// For each slot, the chunk allowed to use it next (to host).
-    slot_for: Vec<AtomicUsize>,
-    /// For each chunk, the slot it goes through, [`NO_SLOT`] until it has one (to device).
+    /// For each slot: no chunk holds it (to host). Set by the thread that drained the slot's
+    /// last chunk, taken by the issuing thread.
+    slot_free: Vec<AtomicBool>,
+    /// For each chunk, the slot it goes through, [`NO_SLOT`] until it has one.
     slot_of: Vec<AtomicUsize>,
     /// Per chunk: pieces filled (to device) or drained (to host).
     done: Vec<AtomicUsize>,
@@ -179,11 +180,11 @@ const SPINS: u32 = 256;
 const YIELD_FOR: Duration = Duration::from_millis(1);
 
 impl Shared {
-    /// `slot_of` gives each chunk's first slot, if it has one from the start (to device).
+    /// `slot_of` gives each chunk's slot, if it has one from the start (to device).
     fn new(slots: usize, chunks: usize, slot_of: impl Fn(usize) -> Option<usize>) -> Shared {
         Shared {
             next: AtomicUsize::new(0),
-            slot_for: (0..slots).map(AtomicUsize::new).collect(),
+            slot_free: (0..slots).map(|_| AtomicBool::new(true)).collect(),
             slot_of: (0..chunks).map(|j| AtomicUsize::new(slot_of(j).unwrap_or(NO_SLOT))).collect(),
             done: (0..chunks).map(|_| AtomicUsize::new(0)).collect(),
             issued: (0..chunks).map(|_| AtomicBool::new(false)).collect(),
@@ -508,7 +509,7 @@ impl Staging {
 
     /// Copies `src` into pageable `dst` on `stream`; returns when the data is in `dst`.
     ///
-    /// This thread queues each chunk's DMA into its slot once the slot is drained, and records
+    /// This thread queues each chunk's DMA into any slot already drained, and records
     /// the slot's event after it; the threads wait for that event and drain the chunk's pieces
     /// in order, writing `dst` with non-temporal stores (they skip reading each line before
     /// writing it).
@@ -540,10 +541,11 @@ impl Staging {
         let drain = || loop {
             let Some(p) = shared.claim(plan.pieces) else { return };
             let (j, at, len) = plan.piece(p);
-            let s = j % k;
             if shared.wait_until(|| shared.issued[j].load(Ordering::Acquire)).is_err() {
                 return;
             }
+            // Published before `issued[j]`, which the wait acquired.
+            let s = shared.slot_of[j].load(Ordering::Relaxed);
             // The event was recorded after chunk j's DMA, before `issued[j]` was published, and is
             // not recorded again until every piece of chunk j is drained.
             if !shared.landed[j].load(Ordering::Acquire) {
@@ -564,17 +566,27 @@ impl Staging {
             };
             copy_streaming(to, from);
             if shared.piece_done(j, plan.pieces_in(j)) {
-                shared.slot_for[s].store(j + k, Ordering::Release);
+                // Every piece's read of the slot happened before the count that found it drained.
+                shared.slot_free[s].store(true, Ordering::Release);
             }
         };
         let issue = || -> Result<()> {
             stream.context().bind()?;
             for i in 0..plan.chunks {
-                let s = i % k;
-                if shared.wait_until(|| shared.slot_for[s].load(Ordering::Acquire) == i).is_err() {
+                // Any slot already drained: a thread descheduled in the middle of a piece
+                // holds back its own chunk's slot only.
+                let mut s = NO_SLOT;
+                let free = shared.wait_until(|| {
+                    s = (0..k).find(|&s| shared.slot_free[s].load(Ordering::Acquire)).unwrap_or(NO_SLOT);
+                    s != NO_SLOT
+                });
+                if free.is_err() {
                     return Ok(());
                 }
-                // SAFETY: slot s is free (every read of its last chunk happened before the hand-on
+                // Only this thread takes slots.
+                shared.slot_free[s].store(false, Ordering::Relaxed);
+                shared.slot_of[i].store(s, Ordering::Relaxed);
+                // SAFETY: slot s is free (every read of its last chunk happened before the flag
                 // acquired above); `src` holds chunk i.
                 unsafe {
                     api.cuMemcpyDtoHAsync(
