@@ -224,6 +224,29 @@ fn bench_bandwidth_and_its_sweep_run_on_the_fake_device() {
         "256KiB",
     ]);
     assert!(text.contains("staged: 3 threads, 256 KiB chunks"), "{text}");
+    // Without --trace, no timeline; with it, one per size and direction, every chunk's steps.
+    assert!(!text.contains("slowest staged"), "{text}");
+    let args = "bench bandwidth --sizes 1MiB,3MiB --reps 2 --threads 3 --chunk 256KiB --trace";
+    let text = run(&args.split(' ').collect::<Vec<_>>());
+    let timelines: Vec<&str> = text.lines().filter(|l| l.starts_with("slowest staged")).collect();
+    assert_eq!(timelines.len(), 4, "{text}");
+    // 3 MiB in 256 KiB chunks: twelve, each with its steps.
+    let h2d = timelines.iter().find(|l| l.contains("host to device of 3 MiB")).unwrap();
+    let steps = h2d.rsplit(": ").next().unwrap().split(' ').collect::<Vec<_>>();
+    assert_eq!(steps.len(), 12, "{h2d}");
+    assert!(steps.iter().all(|s| s.split('/').count() == 2 && !s.contains('-')), "{h2d}");
+    let d2h = timelines.iter().find(|l| l.contains("device to host of 3 MiB")).unwrap();
+    let steps = d2h.rsplit(": ").next().unwrap().split(' ').collect::<Vec<_>>();
+    assert!(steps.iter().all(|s| s.split('/').count() == 3 && !s.contains('-')), "{d2h}");
+    let args = "bench bandwidth --sweep --json --sizes 1MiB --reps 1 --threads 2 --trace";
+    let traces: Vec<serde_json::Value> = run(&args.split(' ').collect::<Vec<_>>())
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .filter(|v: &serde_json::Value| v["bench"] == "bandwidth-trace")
+        .collect();
+    assert_eq!(traces.len(), 2);
+    assert_eq!(traces[0]["shape"]["threads"], 2);
+    assert_eq!(traces[1]["chunks"].as_array().unwrap().len(), 1, "one 4 MiB chunk holds 1 MiB");
     let lines = run(&[
         "bench",
         "bandwidth",

@@ -50,6 +50,56 @@ fn staged_transfers_round_trip_for_every_shape() {
     let bad = StagingConfig { chunk: 64 * KIB, piece: 128 * KIB, slots: 2, threads: 1 };
     assert!(Staging::with_config(&ctx, bad).is_err());
 
+    // Traces: none unless asked for; then each transfer's, every chunk's steps in order.
+    let config = StagingConfig { chunk: 64 * KIB, piece: 16 * KIB, slots: 3, threads: 4 };
+    let mut staging = Staging::with_config(&ctx, config).unwrap();
+    let data = fresh(320 * KIB / 4 + 5, 7); // five chunks and a short sixth
+    let bytes = data.len() * 4;
+    let mut dev = DeviceBuffer::<u32>::new(&ctx, data.len()).unwrap();
+    staging.to_device(&st, &data, dev.as_mut_slice()).unwrap();
+    assert!(staging.last_trace().is_none());
+    staging.set_tracing(true);
+    let covers = |t: &cuvmm::host::StagingTrace| {
+        assert_eq!(t.bytes, bytes);
+        assert_eq!(t.chunks.len(), 6);
+        let mut at = 0;
+        for c in &t.chunks {
+            assert_eq!(c.offset, at);
+            at += c.len;
+        }
+        assert_eq!(at, bytes);
+        assert!(t.first_piece.unwrap() <= t.total);
+    };
+    staging.to_device(&st, &data, dev.as_mut_slice()).unwrap();
+    let t = staging.last_trace().unwrap().clone();
+    assert!(t.to_device);
+    covers(&t);
+    for c in &t.chunks {
+        let (filled, queued) = (c.filled.unwrap(), c.queued.unwrap());
+        assert!(t.first_piece.unwrap() <= filled && filled <= queued && queued <= t.total, "{t:?}");
+        assert!(c.landed.is_none() && c.drained.is_none());
+    }
+    let mut back = vec![0u32; data.len()];
+    staging.to_host(&st, dev.as_slice(), &mut back).unwrap();
+    assert!(back == data);
+    let t = staging.last_trace().unwrap().clone();
+    assert!(!t.to_device);
+    covers(&t);
+    for c in &t.chunks {
+        let (queued, landed, drained) = (c.queued.unwrap(), c.landed.unwrap(), c.drained.unwrap());
+        assert!(queued <= landed && landed <= drained && drained <= t.total, "{t:?}");
+        assert!(c.filled.is_none());
+    }
+    // A refused call leaves no trace, nor does a transfer once tracing is off.
+    assert!(staging.to_host(&st, dev.as_slice(), &mut back[..3]).is_err());
+    assert!(staging.last_trace().is_none());
+    staging.to_device(&st, &data, dev.as_mut_slice()).unwrap();
+    assert!(staging.last_trace().is_some());
+    staging.set_tracing(false);
+    assert!(staging.last_trace().is_none());
+    staging.to_device(&st, &data, dev.as_mut_slice()).unwrap();
+    assert!(staging.last_trace().is_none());
+
     #[cfg(feature = "fault-injection")]
     {
         use cuvmm::driver::sys::CUresult;

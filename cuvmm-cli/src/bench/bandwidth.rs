@@ -9,7 +9,7 @@ use cuvmm::context::Context;
 use cuvmm::driver::driver;
 use cuvmm::error::Result;
 use cuvmm::host::{PinnedBuffer, RegisterFlags, Registered};
-use cuvmm::host::{Staging, StagingConfig};
+use cuvmm::host::{Staging, StagingConfig, StagingTrace};
 use cuvmm::memory::DeviceBuffer;
 use cuvmm::stream::scope;
 use cuvmm::stream::Event;
@@ -35,6 +35,9 @@ pub struct BandwidthRow {
     pub bidirectional: f64,
     /// cuvmm's staged pageable path (host clock, to completion).
     pub staged: [f64; 2],
+    /// The slowest timed staged transfer each way, when the ring traces
+    /// ([`Staging::set_tracing`]).
+    pub slowest: [Option<StagingTrace>; 2],
     /// Registering plus unregistering `size` bytes, microseconds.
     pub register_us: f64,
     /// Host memcpy on the staging ring's threads in its pieces, pageable to pinned and pinned to
@@ -240,7 +243,7 @@ pub fn run(ctx: &Context, sizes: &[usize], reps: usize, staging: &mut Staging) -
         // followed ~0.1 s in which the ring's threads slept, and a host whose cores idled that
         // long starts a copy slower: `--sweep --idle-ms` measures that case.
         let mut turns = Turns { s1: &s1, dev: &mut dev, evictor: &evictor, idle: NO_IDLE };
-        row.staged = turns.rounds(staging, &page_src[..size], &mut page_dst[..size], reps)?;
+        (row.staged, row.slowest) = turns.rounds(staging, &page_src[..size], &mut page_dst[..size], reps)?;
         // The last staged round trip must have brought back exactly what went in.
         if page_dst[..size] != page_src[..size] {
             return Err(crate::bench::invalid(format!(
@@ -273,10 +276,25 @@ struct Turns<'a> {
 impl Turns<'_> {
     /// Median GB/s host to device and back of `src` through `staging` into `dst`, `reps` round
     /// trips after a warm-up, each transfer timed on the host clock to completion, from and to
-    /// memory out of cache, after the pause.
-    fn rounds(&mut self, staging: &mut Staging, src: &[u8], dst: &mut [u8], reps: usize) -> Result<[f64; 2]> {
+    /// memory out of cache, after the pause; and, if `staging` traces, the slowest timed
+    /// transfer's trace each way.
+    fn rounds(
+        &mut self,
+        staging: &mut Staging,
+        src: &[u8],
+        dst: &mut [u8],
+        reps: usize,
+    ) -> Result<([f64; 2], [Option<StagingTrace>; 2])> {
         let size = src.len();
         let mut samples = [Vec::new(), Vec::new()];
+        let mut slowest: [Option<StagingTrace>; 2] = [None, None];
+        let mut keep = |dir: usize, staging: &Staging, rep: usize| {
+            if let (true, Some(t)) = (rep > 0, staging.last_trace()) {
+                if slowest[dir].as_ref().is_none_or(|s| s.total < t.total) {
+                    slowest[dir] = Some(t.clone());
+                }
+            }
+        };
         for rep in 0..=reps {
             self.evictor.evict();
             pause(self.idle);
@@ -284,16 +302,18 @@ impl Turns<'_> {
                 timed(|| staging.to_device(self.s1, src, self.dev.as_mut_slice().slice_mut(0..size)?));
             r?;
             let h2d = gbs(size, t.as_secs_f64());
+            keep(0, staging, rep);
             self.evictor.evict();
             pause(self.idle);
             let (r, t) = timed(|| staging.to_host(self.s1, self.dev.as_slice().slice(0..size)?, dst));
             r?;
+            keep(1, staging, rep);
             if rep > 0 {
                 samples[0].push(h2d);
                 samples[1].push(gbs(size, t.as_secs_f64()));
             }
         }
-        Ok([median(&samples[0]), median(&samples[1])])
+        Ok(([median(&samples[0]), median(&samples[1])], slowest))
     }
 }
 
@@ -447,6 +467,8 @@ pub struct SweepRow {
     pub size: usize,
     /// Staged pageable H2D and D2H, GB/s (host clock, to completion).
     pub staged: [f64; 2],
+    /// The slowest timed staged transfer each way, when traced.
+    pub slowest: [Option<StagingTrace>; 2],
 }
 
 /// What the sweep is judged against, per size (and thread count for memcpy).
@@ -470,13 +492,15 @@ pub struct SweepReference {
 /// The staged path alone for every ring shape in `shapes` and every size, `reps` times after a
 /// warm-up each; then the references, in the same run. Before every timed transfer, staged or
 /// reference, the host sleeps `idle` (after emptying its caches). Checks that the last round trip
-/// of each shape brought back what went in.
+/// of each shape brought back what went in. With `trace`, each row keeps its slowest transfers'
+/// traces.
 pub fn sweep(
     ctx: &Context,
     sizes: &[usize],
     reps: usize,
     shapes: &[StagingConfig],
     idle: Duration,
+    trace: bool,
 ) -> Result<(Vec<SweepRow>, Vec<SweepReference>)> {
     let max = *sizes.iter().max().ok_or_else(|| crate::bench::invalid("no sizes"))?;
     if reps == 0 || sizes.contains(&0) || shapes.is_empty() {
@@ -494,16 +518,18 @@ pub fn sweep(
     let mut rows = Vec::new();
     for &config in shapes {
         let mut staging = Staging::with_config(ctx, config)?;
+        staging.set_tracing(trace);
         for &size in sizes {
             let mut turns = Turns { s1: &s1, dev: &mut dev, evictor: &evictor, idle };
-            let staged = turns.rounds(&mut staging, &page_src[..size], &mut page_dst[..size], reps)?;
+            let (staged, slowest) =
+                turns.rounds(&mut staging, &page_src[..size], &mut page_dst[..size], reps)?;
             if page_dst[..size] != page_src[..size] {
                 return Err(crate::bench::invalid(format!(
                     "staged round trip of {size} bytes with {config:?} corrupted the data"
                 )));
             }
             fresh(&mut page_dst[..size], 0);
-            rows.push(SweepRow { config, size, staged });
+            rows.push(SweepRow { config, size, staged, slowest });
         }
     }
     // References.

@@ -64,6 +64,10 @@ pub enum Bench {
         /// references alike (a program that copies now and then rather than back to back).
         #[arg(long, default_value_t = 0, requires = "sweep")]
         idle_ms: u64,
+        /// Print, for each size (and shape) and direction, the slowest timed staged transfer's
+        /// timeline: when each chunk was filled, its DMA queued, landed, drained.
+        #[arg(long)]
+        trace: bool,
         /// Device ordinal.
         #[arg(long, default_value_t = 0)]
         device: usize,
@@ -334,7 +338,19 @@ pub fn run(b: Bench) -> CliResult {
                 }
             }
         }
-        Bench::Bandwidth { sizes, reps, threads, chunk, piece, slots, sweep, idle_ms, device, json } => {
+        Bench::Bandwidth {
+            sizes,
+            reps,
+            threads,
+            chunk,
+            piece,
+            slots,
+            sweep,
+            idle_ms,
+            trace,
+            device,
+            json,
+        } => {
             let ctx = Context::for_ordinal(device)?;
             let d = StagingConfig::default();
             let shapes = bandwidth::ring_shapes(
@@ -345,8 +361,11 @@ pub fn run(b: Bench) -> CliResult {
             );
             if sweep {
                 let idle = std::time::Duration::from_millis(idle_ms);
-                let (rows, refs) = bandwidth::sweep(&ctx, &sizes, reps, &shapes, idle)?;
+                let (rows, refs) = bandwidth::sweep(&ctx, &sizes, reps, &shapes, idle, trace)?;
                 print_sweep(&mut out, &ctx.device().name()?, &rows, &refs, reps, idle_ms, json)?;
+                for r in &rows {
+                    print_slowest(&mut out, r.size, Some(&r.config), &r.slowest, json)?;
+                }
                 return Ok(());
             }
             let [shape] = shapes[..] else {
@@ -357,8 +376,12 @@ pub fn run(b: Bench) -> CliResult {
                 .into());
             };
             let mut staging = Staging::with_config(&ctx, shape)?;
+            staging.set_tracing(trace);
             let rows = bandwidth::run(&ctx, &sizes, reps, &mut staging)?;
             print_bandwidth(&mut out, &ctx, &rows, &staging, json)?;
+            for r in &rows {
+                print_slowest(&mut out, r.size, None, &r.slowest, json)?;
+            }
         }
         Bench::Overlap { n, streams, chunks, lanes, iters, reps, svg, device, json } => {
             let ctx = Context::for_ordinal(device)?;
@@ -720,6 +743,73 @@ pub fn run(b: Bench) -> CliResult {
                 }
             }
         }
+    }
+    Ok(())
+}
+
+/// The slowest staged transfers' timelines (`--trace`), one line (or JSON line) per direction.
+fn print_slowest(
+    out: &mut impl Write,
+    size: usize,
+    shape: Option<&cuvmm::host::StagingConfig>,
+    slowest: &[Option<cuvmm::host::StagingTrace>; 2],
+    json: bool,
+) -> CliResult {
+    let us = |d: Option<std::time::Duration>| d.map(|d| d.as_secs_f64() * 1e6);
+    for t in slowest.iter().flatten() {
+        let dir = if t.to_device { "h2d" } else { "d2h" };
+        if json {
+            let chunks: Vec<_> = t
+                .chunks
+                .iter()
+                .map(|c| {
+                    json!({"offset": c.offset, "len": c.len, "filled_us": us(c.filled), "queued_us": us(c.queued),
+                           "landed_us": us(c.landed), "drained_us": us(c.drained)})
+                })
+                .collect();
+            let shape = shape
+                .map(|c| json!({"chunk": c.chunk, "piece": c.piece, "slots": c.slots, "threads": c.threads}));
+            writeln!(
+                out,
+                "{}",
+                json!({"bench": "bandwidth-trace", "size": size, "shape": shape, "direction": dir,
+                       "total_us": t.total.as_secs_f64() * 1e6, "first_piece_us": us(t.first_piece), "chunks": chunks})
+            )?;
+            continue;
+        }
+        let step = |d: Option<std::time::Duration>| us(d).map_or("-".to_string(), |v| format!("{v:.0}"));
+        let (what, steps): (&str, Vec<String>) = if t.to_device {
+            (
+                "filled/queued",
+                t.chunks.iter().map(|c| format!("{}/{}", step(c.filled), step(c.queued))).collect(),
+            )
+        } else {
+            (
+                "queued/landed/drained",
+                t.chunks
+                    .iter()
+                    .map(|c| format!("{}/{}/{}", step(c.queued), step(c.landed), step(c.drained)))
+                    .collect(),
+            )
+        };
+        let shape = shape.map_or(String::new(), |c| {
+            format!(
+                " ({} chunks, {} pieces, {} slots, {} threads)",
+                show(c.chunk),
+                show(c.piece),
+                c.slots,
+                c.threads
+            )
+        });
+        writeln!(
+            out,
+            "slowest staged {} of {}{shape}: {:.0} µs, first piece at {} µs; per chunk, µs from the call, {what}: {}",
+            if t.to_device { "host to device" } else { "device to host" },
+            show(size),
+            t.total.as_secs_f64() * 1e6,
+            step(t.first_piece),
+            steps.join(" ")
+        )?;
     }
     Ok(())
 }

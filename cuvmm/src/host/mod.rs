@@ -11,4 +11,4 @@ mod staging;
 mod stream_copy;
 
 pub use pinned::{PinnedBuffer, PinnedFlags, RegisterFlags, Registered};
-pub use staging::{Staging, StagingConfig};
+pub use staging::{ChunkTrace, Staging, StagingConfig, StagingTrace};

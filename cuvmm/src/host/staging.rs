@@ -24,7 +24,7 @@ use crate::memory::{DeviceCopy, DeviceSlice, DeviceSliceMut};
 use crate::stream::Event;
 use crate::stream::Stream;
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -82,6 +82,137 @@ pub struct Staging {
     slots: Vec<PinnedBuffer<u8>>,
     events: Vec<Event>,
     config: StagingConfig,
+    /// Whether transfers record a [`StagingTrace`].
+    tracing: bool,
+    last_trace: Option<StagingTrace>,
+}
+
+/// When each chunk of a staged transfer reached each step, counted from the call: what
+/// [`Staging::last_trace`] gives after a transfer made with tracing on
+/// ([`Staging::set_tracing`]). A step a chunk never reached (the transfer failed) is `None`.
+///
+/// Meant to find where a slow transfer lost its time: a chunk filled or drained long after the
+/// others is a copying thread that stopped in the middle of a piece (descheduled, on a busy host);
+/// a late first piece is a slow start of the threads; DMAs queued back to back but landing slowly
+/// are the bus.
+///
+/// ```no_run
+/// # fn main() -> cuvmm::Result<()> {
+/// use cuvmm::host::Staging;
+/// use cuvmm::{Context, DeviceBuffer, Stream};
+/// let ctx = Context::for_ordinal(0)?;
+/// let stream = Stream::non_blocking(&ctx)?;
+/// let data = vec![7u8; 64 << 20];
+/// let mut dev = DeviceBuffer::<u8>::new(&ctx, data.len())?;
+/// let mut staging = Staging::with_defaults(&ctx)?;
+/// staging.set_tracing(true);
+/// staging.to_device(&stream, &data, dev.as_mut_slice())?;
+/// if let Some(trace) = staging.last_trace() {
+///     let late = trace.chunks.iter().filter_map(|c| c.filled).max();
+///     println!("{:?} in all, last chunk filled at {late:?}", trace.total);
+/// }
+/// # Ok(()) }
+/// ```
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct StagingTrace {
+    /// Host to device, else device to host.
+    pub to_device: bool,
+    /// Bytes moved.
+    pub bytes: usize,
+    /// When a thread took the first piece.
+    pub first_piece: Option<Duration>,
+    /// The whole call, up to the data having arrived.
+    pub total: Duration,
+    /// Per chunk, in address order.
+    pub chunks: Vec<ChunkTrace>,
+}
+
+/// One chunk of a [`StagingTrace`]: one DMA, through one pinned slot.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ChunkTrace {
+    /// Its offset in the transfer, bytes.
+    pub offset: usize,
+    /// Its length, bytes.
+    pub len: usize,
+    /// To the device: its last piece copied into its slot.
+    pub filled: Option<Duration>,
+    /// Its DMA queued.
+    pub queued: Option<Duration>,
+    /// To the host: a thread saw its DMA complete.
+    pub landed: Option<Duration>,
+    /// To the host: its last piece copied out of its slot.
+    pub drained: Option<Duration>,
+}
+
+/// The steps of a chunk a transfer marks when traced, indices into [`Marks::at`].
+#[derive(Clone, Copy)]
+enum Step {
+    Filled = 0,
+    Queued = 1,
+    Landed = 2,
+    Drained = 3,
+}
+
+/// A traced transfer's steps as they happen, nanoseconds from its start plus one (0: not
+/// reached). Empty, and every mark a no-op, when the transfer is not traced.
+struct Marks {
+    t0: Instant,
+    first_piece: AtomicU64,
+    at: Vec<[AtomicU64; 4]>,
+}
+
+impl Marks {
+    fn new(traced: bool, chunks: usize) -> Marks {
+        let at = if traced { (0..chunks).map(|_| Default::default()).collect() } else { Vec::new() };
+        Marks { t0: Instant::now(), first_piece: AtomicU64::new(0), at }
+    }
+
+    fn now(&self) -> u64 {
+        u64::try_from(self.t0.elapsed().as_nanos()).unwrap_or(u64::MAX - 1) + 1
+    }
+
+    fn mark(&self, j: usize, step: Step) {
+        if let Some(at) = self.at.get(j) {
+            at[step as usize].store(self.now(), Ordering::Relaxed);
+        }
+    }
+
+    fn piece_taken(&self) {
+        if !self.at.is_empty() && self.first_piece.load(Ordering::Relaxed) == 0 {
+            let _ = self.first_piece.compare_exchange(0, self.now(), Ordering::Relaxed, Ordering::Relaxed);
+        }
+    }
+
+    /// The trace, once every thread is done with the transfer; `None` when not traced.
+    fn finish(&self, plan: &Plan, to_device: bool) -> Option<StagingTrace> {
+        if self.at.is_empty() {
+            return None;
+        }
+        let when = |v: &AtomicU64| match v.load(Ordering::Relaxed) {
+            0 => None,
+            ns => Some(Duration::from_nanos(ns - 1)),
+        };
+        let chunks = self
+            .at
+            .iter()
+            .enumerate()
+            .map(|(j, at)| ChunkTrace {
+                offset: j * plan.chunk,
+                len: plan.chunk_len(j),
+                filled: when(&at[Step::Filled as usize]),
+                queued: when(&at[Step::Queued as usize]),
+                landed: when(&at[Step::Landed as usize]),
+                drained: when(&at[Step::Drained as usize]),
+            })
+            .collect();
+        Some(StagingTrace {
+            to_device,
+            bytes: plan.bytes,
+            first_piece: when(&self.first_piece),
+            total: self.t0.elapsed(),
+            chunks,
+        })
+    }
 }
 
 /// How a transfer of `bytes` is cut: chunks of `chunk` bytes (the last one shorter), each in
@@ -355,7 +486,14 @@ impl Staging {
         }
         let slots_v = (0..slots).map(|_| PinnedBuffer::<u8>::new(ctx, chunk)).collect::<Result<Vec<_>>>()?;
         let events = (0..slots).map(|_| Event::without_timing(ctx)).collect::<Result<Vec<_>>>()?;
-        Ok(Staging { pool: Pool::new(threads)?, slots: slots_v, events, config })
+        Ok(Staging {
+            pool: Pool::new(threads)?,
+            slots: slots_v,
+            events,
+            config,
+            tracing: false,
+            last_trace: None,
+        })
     }
 
     /// [`StagingConfig::default`].
@@ -366,6 +504,20 @@ impl Staging {
     /// Its shape.
     pub fn config(&self) -> StagingConfig {
         self.config
+    }
+
+    /// Whether transfers from now on record when each chunk reached each step (a few atomic stores
+    /// per chunk), kept until the next transfer: [`Staging::last_trace`].
+    pub fn set_tracing(&mut self, on: bool) {
+        self.tracing = on;
+        if !on {
+            self.last_trace = None;
+        }
+    }
+
+    /// The last transfer's trace, if it was made with tracing on.
+    pub fn last_trace(&self) -> Option<&StagingTrace> {
+        self.last_trace.as_ref()
     }
 
     /// Bytes per chunk.
@@ -393,6 +545,7 @@ impl Staging {
         src: &[T],
         dst: DeviceSliceMut<'_, T>,
     ) -> Result<()> {
+        self.last_trace = None;
         if src.len() != dst.len() {
             return Err(Error::invalid(format!(
                 "length mismatch: host {} elements, device {}",
@@ -410,12 +563,14 @@ impl Staging {
         let plan = Plan::new(bytes, self.config.chunk, self.config.piece);
         let ring = Issuer::new(plan.chunks, k);
         let shared = Shared::new(k, plan.chunks, |j| ring.slot(j));
+        let marks = Marks::new(self.tracing, plan.chunks);
         let slots = self.slot_addrs();
         let src_addr = Addr(src.as_ptr() as usize);
         let api = driver()?.api();
         let events = &self.events;
         let fill = || loop {
             let Some(p) = shared.claim(plan.pieces) else { return };
+            marks.piece_taken();
             let (j, at, len) = plan.piece(p);
             let mut s = NO_SLOT;
             let slotted = shared.wait_until(|| {
@@ -440,7 +595,9 @@ impl Staging {
             } else {
                 to.copy_from_slice(from);
             }
-            shared.piece_done(j, plan.pieces_in(j));
+            if shared.piece_done(j, plan.pieces_in(j)) {
+                marks.mark(j, Step::Filled);
+            }
         };
         let issue = || -> Result<()> {
             stream.context().bind()?;
@@ -489,6 +646,7 @@ impl Staging {
                         stream.raw(),
                     )
                 }?;
+                marks.mark(i, Step::Queued);
                 events[s].record(stream)?;
             }
             Ok(())
@@ -504,6 +662,7 @@ impl Staging {
         );
         // Whatever happened, no DMA may still read the slots when this returns.
         let synced = crate::stream::confirm(stream);
+        self.last_trace = marks.finish(&plan, true);
         shared.outcome(synced)
     }
 
@@ -519,6 +678,7 @@ impl Staging {
         src: DeviceSlice<'_, T>,
         dst: &mut [T],
     ) -> Result<()> {
+        self.last_trace = None;
         if src.len() != dst.len() {
             return Err(Error::invalid(format!(
                 "length mismatch: device {} elements, host {}",
@@ -534,12 +694,14 @@ impl Staging {
         let k = self.slots.len();
         let plan = Plan::new(bytes, self.config.chunk, self.config.piece);
         let shared = Shared::new(k, plan.chunks, |_| None);
+        let marks = Marks::new(self.tracing, plan.chunks);
         let slots = self.slot_addrs();
         let dst_addr = Addr(dst.as_mut_ptr() as usize);
         let api = driver()?.api();
         let events = &self.events;
         let drain = || loop {
             let Some(p) = shared.claim(plan.pieces) else { return };
+            marks.piece_taken();
             let (j, at, len) = plan.piece(p);
             if shared.wait_until(|| shared.issued[j].load(Ordering::Acquire)).is_err() {
                 return;
@@ -554,6 +716,7 @@ impl Staging {
                     return;
                 }
                 shared.landed[j].store(true, Ordering::Release);
+                marks.mark(j, Step::Landed);
             }
             // SAFETY: slot s holds chunk j (its DMA completed); these bytes of `dst` (borrowed
             // mutably for this call) are touched by this thread alone (pieces are disjoint). Any
@@ -566,6 +729,7 @@ impl Staging {
             };
             copy_streaming(to, from);
             if shared.piece_done(j, plan.pieces_in(j)) {
+                marks.mark(j, Step::Drained);
                 // Every piece's read of the slot happened before the count that found it drained.
                 shared.slot_free[s].store(true, Ordering::Release);
             }
@@ -596,6 +760,7 @@ impl Staging {
                         stream.raw(),
                     )
                 }?;
+                marks.mark(i, Step::Queued);
                 events[s].record(stream)?;
                 shared.issued[i].store(true, Ordering::Release);
             }
@@ -611,6 +776,7 @@ impl Staging {
             || shared.fail(Error::invalid("the staging transfer was abandoned")),
         );
         let synced = crate::stream::confirm(stream);
+        self.last_trace = marks.finish(&plan, false);
         shared.outcome(synced)
     }
 }
