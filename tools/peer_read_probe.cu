@@ -7,6 +7,11 @@
 // Hopper bulk copies into shared memory (cp.async.bulk, 2-12 stages of 16-32 KiB). References in
 // the same run: cuMemcpyPeerAsync and cuMemcpyDtoDAsync of the same bytes, and the crate's kernel
 // shape reading local memory. Medians of 7 after 2 warm-ups, CUDA events; every call checked.
+// Then the other direction of travel: GPU 0 pushing the bytes into a cuMemCreate allocation of
+// GPU 1 mapped read-write for GPU 0 (a copy kernel with plain, streaming and write-through stores,
+// 1-8 blocks per SM, 2-8 stores in flight per thread, and a kernel that only writes), and GPU 1
+// pulling them into its own memory with a copy kernel, against cuMemcpyPeerAsync queued on either
+// GPU's stream. After every pushed or pulled copy GPU 1 sums the destination (zeroed before).
 //
 //   nvcc -O3 -arch=sm_90 -std=c++17 -o peer_read_probe tools/peer_read_probe.cu -lcuda
 //   ./peer_read_probe      # two GPUs with peer access; prints GB/s per variant
@@ -101,6 +106,30 @@ template <int STAGES, int TILE> __global__ void k_tma(const unsigned char *g, u6
   }
   red(acc, out);
 }
+template <int ST> __device__ __forceinline__ void st4(uint4 *q, uint4 v) {
+  if (ST == 0) *q = v;
+  else if (ST == 1) __stcs(q, v);
+  else __stwt(q, v);
+}
+// Grid-stride copy, U loads then U stores in flight per thread.
+template <int ST, int U> __global__ void k_copy(const uint4 *__restrict__ s, uint4 *__restrict__ d, u64 n4) {
+  const u64 stride = (u64)gridDim.x * blockDim.x;
+  u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x;
+  for (; i + (U - 1) * stride < n4; i += U * stride) {
+    uint4 v[U];
+#pragma unroll
+    for (int k = 0; k < U; ++k) v[k] = __ldg(s + i + k * stride);
+#pragma unroll
+    for (int k = 0; k < U; ++k) st4<ST>(d + i + k * stride, v[k]);
+  }
+  for (; i < n4; i += stride) st4<ST>(d + i, __ldg(s + i));
+}
+__device__ __forceinline__ uint32_t pat(u64 i) { return (uint32_t)(i * 2654435761u) ^ 0x9e3779b9u; }
+// Writes k_fill's pattern, 16 bytes a store: nothing read.
+template <int ST> __global__ void k_write(uint4 *d, u64 n4) {
+  for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n4; i += (u64)gridDim.x * blockDim.x)
+    st4<ST>(d + i, make_uint4(pat(4 * i), pat(4 * i + 1), pat(4 * i + 2), pat(4 * i + 3)));
+}
 __global__ void k_fill(uint32_t *p, u64 n) {
   for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) p[i] = (uint32_t)(i * 2654435761u) ^ 0x9e3779b9u;
 }
@@ -173,6 +202,52 @@ int main(int argc, char **argv) {
   RK(cudaMemcpyAsync(local, (void *)va, bytes, cudaMemcpyDefault, st)); RK(cudaStreamSynchronize(st));
   timeit("local read, crate shape", bytes, [&] { k_stride<0, 8><<<S * 8, 256, 0, st>>>((const uint4 *)local, n4, dout); });
   timeit("cuMemcpyPeerAsync (reference, again)", bytes, [&] { CK(cuMemcpyPeerAsync((CUdeviceptr)local, c1, va, c0, bytes, st)); }, false);
+  // Pushing and pulling into GPU 1's memory.
+  CUmemAllocationProp prop1 = prop; prop1.location.id = 1;
+  CUmemGenericAllocationHandle h1; CK(cuMemCreate(&h1, bytes, &prop1, 0));
+  CUdeviceptr vb; CK(cuMemAddressReserve(&vb, bytes, 0, 0, 0)); CK(cuMemMap(vb, bytes, 0, h1, 0));
+  CUmemAccessDesc accb[2] = {acc[0], acc[1]}; accb[0].flags = accb[1].flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  CK(cuMemSetAccess(vb, bytes, accb, 2));
+  // va needs read-write for GPU 1 only as a destination; here it is a source for both.
+  CUstream st0; cudaEvent_t f0, f1;
+  RK(cudaSetDevice(0)); CK(cuStreamCreate(&st0, CU_STREAM_NON_BLOCKING)); RK(cudaEventCreate(&f0)); RK(cudaEventCreate(&f1));
+  cudaDeviceProp dp0; RK(cudaGetDeviceProperties(&dp0, 0)); const int S0 = dp0.multiProcessorCount;
+  // on: 0 or 1, the GPU whose stream runs it. Zeroes vb, times launch, sums vb on GPU 1.
+  auto xfer = [&](const char *name, int on, bool check, auto launch) {
+    std::vector<double> v;
+    for (int r = 0; r < 9; ++r) {
+      RK(cudaSetDevice(1)); RK(cudaMemsetAsync((void *)vb, 0, bytes, st)); RK(cudaStreamSynchronize(st));
+      RK(cudaSetDevice(on));
+      CUstream s = on ? st : st0; cudaEvent_t a = on ? e0 : f0, b = on ? e1 : f1;
+      RK(cudaEventRecord(a, s)); launch(s); RK(cudaGetLastError()); RK(cudaEventRecord(b, s)); RK(cudaEventSynchronize(b));
+      float ms; RK(cudaEventElapsedTime(&ms, a, b));
+      RK(cudaSetDevice(1));
+      if (check) {
+        RK(cudaMemsetAsync(dout, 0, 8, st));
+        k_stride<0, 8><<<sms1 * 8, 256, 0, st>>>((const uint4 *)vb, n4, dout); RK(cudaGetLastError());
+        u64 got; RK(cudaMemcpyAsync(&got, dout, 8, cudaMemcpyDeviceToHost, st)); RK(cudaStreamSynchronize(st));
+        if (got != expect) { printf("%-44s WRONG SUM %llu vs %llu\n", name, got, expect); return 0.0; }
+      }
+      if (r >= 2) v.push_back(bytes / (ms / 1e3) / 1e9);
+    }
+    double m = med(v);
+    printf("%-44s %7.1f GB/s (min %.1f max %.1f)\n", name, m, *std::min_element(v.begin(), v.end()), *std::max_element(v.begin(), v.end()));
+    fflush(stdout);
+    return m;
+  };
+  const uint4 *a4 = (const uint4 *)va; uint4 *b4 = (uint4 *)vb;
+  xfer("cuMemcpyPeerAsync on GPU 1's stream", 1, true, [&](CUstream s) { CK(cuMemcpyPeerAsync(vb, c1, va, c0, bytes, s)); });
+  xfer("cuMemcpyPeerAsync on GPU 0's stream", 0, true, [&](CUstream s) { CK(cuMemcpyPeerAsync(vb, c1, va, c0, bytes, s)); });
+#define PUSH(STM, U, B) xfer("push copy st" #STM " U" #U " blocks/SM " #B, 0, true, [&](CUstream s) { k_copy<STM, U><<<S0 * B, 256, 0, s>>>(a4, b4, n4); })
+  PUSH(0, 8, 8); PUSH(0, 4, 8); PUSH(0, 2, 8); PUSH(0, 8, 4); PUSH(0, 8, 2); PUSH(0, 8, 1); PUSH(0, 4, 2);
+  PUSH(1, 8, 8); PUSH(1, 4, 4); PUSH(2, 8, 8); PUSH(2, 4, 4);
+#define WRITE(STM, B) xfer("push write-only st" #STM " blocks/SM " #B, 0, true, [&](CUstream s) { k_write<STM><<<S0 * B, 256, 0, s>>>(b4, n4); })
+  WRITE(0, 8); WRITE(0, 2); WRITE(1, 8); WRITE(1, 2);
+#define PULL(U, B) xfer("pull copy U" #U " blocks/SM " #B, 1, true, [&](CUstream s) { k_copy<0, U><<<sms1 * B, 256, 0, s>>>(a4, b4, n4); })
+  PULL(8, 8); PULL(4, 4);
+  xfer("cuMemcpyPeerAsync on GPU 1's stream, again", 1, true, [&](CUstream s) { CK(cuMemcpyPeerAsync(vb, c1, va, c0, bytes, s)); });
+  xfer("cuMemcpyPeerAsync on GPU 0's stream, again", 0, true, [&](CUstream s) { CK(cuMemcpyPeerAsync(vb, c1, va, c0, bytes, s)); });
+  PUSH(0, 8, 8); PUSH(1, 4, 4);
   printf("done\n");
   return 0;
 }
