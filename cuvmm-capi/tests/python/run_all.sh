@@ -79,6 +79,8 @@ for a in cuvmm cuvmm-pool; do
 done
 # Out of memory through MemPool is PyTorch's exception, whatever oom= says.
 run pool_oom $PY pool_oom.py --json "$OUT_DIR/pool_oom.json"
+# A MemPool on cuvmm with expandable segments on: which segments PyTorch makes expandable.
+run pool_expandable $PY pool_expandable.py --json "$OUT_DIR/pool_expandable.json"
 
 # e. all-reduce, where there are GPUs for it
 gpus=$($PY -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
