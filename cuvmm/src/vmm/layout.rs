@@ -56,7 +56,7 @@ pub struct ChunkPolicy {
 
 impl Default for ChunkPolicy {
     /// 2 MiB to 1 GiB, each new chunk as large as what is already mapped (capacity doubles, like
-    /// `Vec`'s, until chunks reach 1 GiB). Chosen from measurements on an H100 (README): a chunk's
+    /// `Vec`'s, until chunks reach 1 GiB). Chosen from measurements on an H100 (docs/PERFORMANCE.md): a chunk's
     /// driver calls cost 20-100 µs whatever its size, so 1 GiB chunks cost 417 µs per GiB against
     /// 1034 at 128 MiB; growing to 16 GiB in 64 MiB steps took 0.31x the time of realloc-by-copy
     /// with this policy against 0.44x with 256 MiB chunks growing by 50%; and waste past the end
