@@ -106,10 +106,11 @@ class Alloc:
     handles, lazily loaded kernels) does count against every mode alike.
     """
 
-    def __init__(self, mode: str):
+    def __init__(self, mode: str, pool_kwargs: dict | None = None):
         if mode not in ALLOCS:
             raise ValueError(f"--alloc must be one of {ALLOCS}, not {mode!r}")
         self.mode = mode
+        self.pool_kwargs = pool_kwargs or {}
         self.pool = None
         self.baseline_used = None
         self.total = None
@@ -122,7 +123,7 @@ class Alloc:
         free, total = torch.cuda.mem_get_info()
         self.total, self.baseline_used = total, total - free
         if self.mode == "cuvmm-pool":
-            self.pool = cuvmm_torch.mem_pool()
+            self.pool = cuvmm_torch.mem_pool(**self.pool_kwargs)
         return self
 
     @property

@@ -129,10 +129,13 @@ def main():
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--pool-scope", choices=("all-threads", "thread"), default="all-threads",
                    help="cuvmm-pool: route every thread (default) or only this one (use_mem_pool)")
+    p.add_argument("--pool-no-split", action="store_true",
+                   help="cuvmm-pool: MemPool(no_split=True), PyTorch never splits the pool's segments")
     args = p.parse_args()
     args.max_len = args.max_len - (args.max_len - args.min_len) % args.len_step
 
-    alloc = Alloc(args.alloc).setup()  # before any CUDA tensor
+    pool_kwargs = {"no_split": True} if args.pool_no_split else None
+    alloc = Alloc(args.alloc, pool_kwargs).setup()  # before any CUDA tensor
     import torch
 
     force_deterministic(args.seed)
@@ -172,7 +175,8 @@ def main():
         result = {
             "config": {k: getattr(args, k) for k in ("steps", "warmup", "d_model", "layers", "heads", "ff_mult",
                                                      "vocab", "min_len", "max_len", "len_step", "min_tokens",
-                                                     "max_tokens", "dtype", "lr", "seed", "pool_scope")},
+                                                     "max_tokens", "dtype", "lr", "seed", "pool_scope",
+                                                     "pool_no_split")},
             "env": env_info(),
             "params": n_params,
             "schedule": schedule,

@@ -5,15 +5,21 @@
 //! must copy as much to the host, a wake as much back, so those copies are what they are judged
 //! against. The first sleep also pins its host backup (kept for later sleeps); it is reported
 //! apart, with its cycle.
+//!
+//! A wake follows its sleep at once, and the sleep has just given the device's memory back: after
+//! large releases the driver keeps working on its own for some tens of milliseconds, and a copy
+//! that starts then runs slower. So the host-to-device bound is also taken right after releasing
+//! as much memory, made, mapped and written the same way, and the wake is reported against both.
 
 use super::{invalid, median};
-use cuvmm::alloc::{SleepMode, StreamAllocator, Tag};
+use cuvmm::alloc::{AllocatorConfig, SleepMode, StreamAllocator, Tag};
 use cuvmm::context::Context;
 use cuvmm::error::Result;
 use cuvmm::host::PinnedBuffer;
 use cuvmm::kernels::Kernels;
 use cuvmm::memory::{DeviceSlice, DeviceSliceMut};
 use cuvmm::stream::{Event, Stream};
+use cuvmm::vmm::{Access, PhysicalMemory, Reservation};
 use std::time::Instant;
 
 /// What one run measured (milliseconds unless named otherwise).
@@ -25,6 +31,8 @@ pub struct SleepReport {
     pub d2h_bound_ms: f64,
     /// Pinned-host-to-device copies of `bytes`, one per cycle, just after its wake (median).
     pub h2d_bound_ms: f64,
+    /// The same copies, each right after as many bytes as a sleep frees were released (median).
+    pub h2d_after_frees_ms: f64,
     /// The first sleep with offload (pins its backup).
     pub first_offload_ms: f64,
     /// Later sleeps with offload (median).
@@ -63,6 +71,32 @@ impl SleepReport {
     pub fn wake_ratio(&self) -> f64 {
         self.wake_ms / self.h2d_bound_ms
     }
+
+    /// Wake over the host-to-device bound taken after the same frees.
+    pub fn wake_ratio_after_frees(&self) -> f64 {
+        self.wake_ms / self.h2d_after_frees_ms
+    }
+}
+
+/// Makes `bytes` of device memory in `page`-byte pages, maps and writes it as tagged memory is,
+/// then releases all of it: what a sleep leaves the driver to do.
+fn release_like_a_sleep(ctx: &Context, s: &Stream, bytes: usize, page: usize) -> Result<()> {
+    let bytes = bytes.next_multiple_of(page);
+    let va = Reservation::new(ctx, bytes)?;
+    let api = cuvmm::driver::driver()?.api();
+    let mut held = Vec::with_capacity(bytes / page);
+    for off in (0..bytes).step_by(page) {
+        let phys = PhysicalMemory::builder(ctx).create(page)?;
+        let m = va.map(off, &phys, 0, page)?;
+        m.set_access(&[(ctx.device(), Access::ReadWrite)])?;
+        // SAFETY: the range is mapped read-write for this device and nothing else uses it; the
+        // stream is synchronised before the mapping is dropped.
+        unsafe { api.cuMemsetD32Async(m.ptr(), 0x5eed_5eed, page / 4, s.raw()) }?;
+        held.push(m);
+    }
+    s.synchronize()?;
+    drop(held);
+    Ok(())
 }
 
 fn ms(start: Instant) -> f64 {
@@ -129,7 +163,8 @@ pub fn run(ctx: &Context, bytes: usize, block: usize, reps: usize) -> Result<Sle
     pass(false)?;
 
     let (mut off, mut wake, mut disc, mut dwake) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-    let (mut d2h, mut h2d) = (Vec::new(), Vec::new());
+    let (mut d2h, mut h2d, mut h2d_freed) = (Vec::new(), Vec::new(), Vec::new());
+    let page = AllocatorConfig::default().tag_page;
     for rep in 0..=reps {
         let seed = 1000 + rep as u32;
         fill(seed)?;
@@ -154,9 +189,12 @@ pub fn run(ctx: &Context, bytes: usize, block: usize, reps: usize) -> Result<Sle
         r.mismatches += check(seed)?;
         // Overwrites the blocks, which the next cycle fills again.
         let h2d_ms = pass(false)?;
+        release_like_a_sleep(ctx, &s, mapped as usize, page)?;
+        let h2d_freed_ms = pass(false)?;
         if rep > 0 {
             wake.push(took);
             h2d.push(h2d_ms);
+            h2d_freed.push(h2d_freed_ms);
         }
 
         let t = Instant::now();
@@ -168,6 +206,7 @@ pub fn run(ctx: &Context, bytes: usize, block: usize, reps: usize) -> Result<Sle
     }
     r.d2h_bound_ms = median(&d2h);
     r.h2d_bound_ms = median(&h2d);
+    r.h2d_after_frees_ms = median(&h2d_freed);
     r.spread = Spread::of([&off, &d2h, &wake, &h2d]);
     r.offload_ms = median(&off);
     r.wake_ms = median(&wake);

@@ -542,7 +542,8 @@ pub fn run(b: Bench) -> CliResult {
                 let line = json!({"bench": "sleep", "bytes": r.bytes, "d2h_bound_ms": r.d2h_bound_ms,
                     "h2d_bound_ms": r.h2d_bound_ms, "first_offload_ms": r.first_offload_ms,
                     "offload_ms": r.offload_ms, "offload_ratio": r.offload_ratio(), "wake_ms": r.wake_ms,
-                    "wake_ratio": r.wake_ratio(), "discard_ms": r.discard_ms, "discard_wake_ms": r.discard_wake_ms,
+                    "wake_ratio": r.wake_ratio(), "h2d_after_frees_ms": r.h2d_after_frees_ms,
+                    "wake_ratio_after_frees": r.wake_ratio_after_frees(), "discard_ms": r.discard_ms, "discard_wake_ms": r.discard_wake_ms,
                     "freed_ratio": r.freed_ratio, "mismatches": r.mismatches,
                     "fastest_slowest_ms": {"offload": r.spread.0[0], "d2h_bound": r.spread.0[1],
                         "wake": r.spread.0[2], "h2d_bound": r.spread.0[3]}});
@@ -586,6 +587,14 @@ pub fn run(b: Bench) -> CliResult {
                     h2d.0,
                     h2d.1,
                     r.wake_ratio()
+                )?;
+                writeln!(
+                    out,
+                    "| wake, restore, against the bound after the same frees | {:.1} | | | {:.1} (pinned H2D right after releasing {}) | | {:.3} |",
+                    r.wake_ms,
+                    r.h2d_after_frees_ms,
+                    show(r.bytes),
+                    r.wake_ratio_after_frees()
                 )?;
                 writeln!(out, "| sleep, discard | {:.2} | | | | | |", r.discard_ms)?;
                 writeln!(out, "| wake after discard | {:.2} | | | | | |", r.discard_wake_ms)?;
