@@ -82,15 +82,18 @@ int cuvmm_release_graph_memory(int device);
 
 /* Sleep and wake of tagged memory (every device).
  * cuvmm_set_tag: later allocations of the calling thread carry this tag (copied; NULL: none).
+ *   0; -1 for a name that is empty, too long or not UTF-8 (the thread's tag stays as it was).
  * cuvmm_sleep: waits for queued work, then releases the device memory of every allocation
  *   tagged `tag`, first copying it to pinned host memory when `offload` is non-zero; addresses
  *   stay reserved. 0 on success; -1 when already asleep, during a capture, or on failure (then
- *   no device is left asleep by this call).
- * cuvmm_wake: maps memory again at the same addresses and restores offloaded contents. 0 on
- *   success; -1 when not asleep, or on failure (out of memory included): the tag then stays
- *   asleep with nothing lost, and a later call may succeed.
+ *   the devices this call put to sleep are woken again: an offload's contents come back,
+ *   discarded ones do not; cuvmm_last_error says if waking one failed too).
+ * cuvmm_wake: on every device where the tag is asleep, maps memory again at the same addresses
+ *   and restores offloaded contents. 0 on success; -1 when asleep nowhere, or on failure (out of
+ *   memory included): the devices woken before the failure stay awake, the others stay asleep
+ *   with nothing lost, and a later call wakes those.
  * Allocating with a sleeping tag fails; freeing is allowed. */
-void cuvmm_set_tag(const char *tag);
+int cuvmm_set_tag(const char *tag);
 int cuvmm_sleep(const char *tag, int offload);
 int cuvmm_wake(const char *tag);
 

@@ -121,7 +121,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "cuvmm_release_graph_memory": (c_int, [c_int]),
         "cuvmm_last_error": (c_char_p, []),
         "cuvmm_trace_flush": (None, []),
-        "cuvmm_set_tag": (None, [c_char_p]),
+        "cuvmm_set_tag": (c_int, [c_char_p]),
         "cuvmm_sleep": (c_int, [c_char_p, c_int]),
         "cuvmm_wake": (c_int, [c_char_p]),
         "cuvmm_get_tag_stats": (c_int, [c_char_p, ctypes.POINTER(TagStats)]),
@@ -325,8 +325,9 @@ def trace_flush() -> None:
 
 
 def set_tag(name: str | None) -> None:
-    """Tag this thread's later allocations with ``name`` (None: untagged). Prefer :func:`tag`."""
-    _fn("cuvmm_set_tag")(_encode(name))
+    """Tag this thread's later allocations with ``name`` (None: untagged). Prefer :func:`tag`.
+    Raises RuntimeError for a name cuvmm refuses (empty, too long), the tag in force unchanged."""
+    _check(_fn("cuvmm_set_tag")(_encode(name)), f"cuvmm_set_tag({name!r})")
 
 
 @contextlib.contextmanager
@@ -343,8 +344,8 @@ def tag(name: str):
     stack = getattr(_tags, "stack", None)
     if stack is None:
         stack = _tags.stack = []
-    stack.append(name)
     set_tag(name)
+    stack.append(name)
     try:
         yield name
     finally:
@@ -362,7 +363,8 @@ def sleep(name: str, offload: bool = True) -> None:
 
 def wake(name: str) -> None:
     """Map the memory of ``name`` again at the same addresses, restoring offloaded contents.
-    On failure (RuntimeError) the tag stays asleep with nothing lost and may be woken later."""
+    On failure (RuntimeError) what was not woken stays asleep with nothing lost, and a later
+    call wakes it."""
     _check(_fn("cuvmm_wake")(_encode(name)), f"cuvmm_wake({name!r})")
 
 

@@ -27,10 +27,13 @@ struct Global {
     config: Config,
     trace: Option<Trace>,
     devices: Vec<OnceLock<Result<StreamAllocator, String>>>,
-    logged: Mutex<HashSet<String>>,
 }
 
 static GLOBAL: OnceLock<Result<Global, String>> = OnceLock::new();
+
+/// The kinds of error already written to stderr. Apart from `GLOBAL`, so that a set-up that failed
+/// (a bad `CUVMM_ALLOC_CONF`, no driver) is written once too, not at every call.
+static LOGGED: Mutex<Option<HashSet<String>>> = Mutex::new(None);
 
 thread_local! {
     static LAST_ERROR: RefCell<Option<CString>> = const { RefCell::new(None) };
@@ -49,7 +52,11 @@ extern "C" fn flush_trace_at_exit() {
 fn global() -> Result<&'static Global, String> {
     GLOBAL
         .get_or_init(|| {
-            let var = std::env::var("CUVMM_ALLOC_CONF").ok();
+            let var = match std::env::var("CUVMM_ALLOC_CONF") {
+                Ok(v) => Some(v),
+                Err(std::env::VarError::NotPresent) => None,
+                Err(std::env::VarError::NotUnicode(_)) => return Err("CUVMM_ALLOC_CONF: not UTF-8".into()),
+            };
             let config = Config::parse(var.as_deref()).map_err(|e| format!("CUVMM_ALLOC_CONF: {e}"))?;
             let count = Device::count().map_err(|e| e.to_string())?;
             let trace = match &config.trace {
@@ -61,12 +68,7 @@ fn global() -> Result<&'static Global, String> {
                 }
                 None => None,
             };
-            Ok(Global {
-                config,
-                trace,
-                devices: (0..count).map(|_| OnceLock::new()).collect(),
-                logged: Mutex::new(HashSet::new()),
-            })
+            Ok(Global { config, trace, devices: (0..count).map(|_| OnceLock::new()).collect() })
         })
         .as_ref()
         .map_err(Clone::clone)
@@ -92,39 +94,62 @@ fn allocator(device: c_int) -> Result<&'static StreamAllocator, String> {
     .map_err(Clone::clone)
 }
 
-/// Keeps `msg` for `cuvmm_last_error` and logs it once per distinct `kind`.
-fn fail(function: &str, kind: String, msg: String) {
-    let text = format!("{function}: {msg}");
-    let log = match GLOBAL.get() {
-        Some(Ok(g)) => {
-            g.config.log
-                && g.logged.lock().unwrap_or_else(|e| e.into_inner()).insert(format!("{function}: {kind}"))
+/// `msg` with every number (decimal, or hex after `0x`) replaced by `#`: the shape of an error,
+/// so that the same failure with other sizes or addresses is one kind.
+fn shape(msg: &str) -> String {
+    let mut out = String::with_capacity(msg.len());
+    let mut chars = msg.chars().peekable();
+    while let Some(c) = chars.next() {
+        if c.is_ascii_digit() {
+            let hex = c == '0' && chars.peek() == Some(&'x');
+            if hex {
+                chars.next();
+            }
+            while chars.peek().is_some_and(|d| if hex { d.is_ascii_hexdigit() } else { d.is_ascii_digit() }) {
+                chars.next();
+            }
+            out.push('#');
+        } else {
+            out.push(c);
         }
-        _ => true,
-    };
-    if log {
-        eprintln!("cuvmm: {text}");
     }
-    LAST_ERROR.with(|e| *e.borrow_mut() = CString::new(text.replace('\0', " ")).ok());
+    out
 }
 
-/// Runs `f`, turning an error or a panic into `on_error` after recording it.
-fn guard<T>(function: &str, on_error: T, f: impl FnOnce() -> Result<T, (String, String)>) -> T {
-    match catch_unwind(AssertUnwindSafe(f)) {
-        Ok(Ok(v)) => v,
-        Ok(Err((kind, msg))) => {
-            fail(function, kind, msg);
-            on_error
-        }
-        Err(_) => {
-            fail(function, "panic".into(), "internal error (panic caught at the C boundary)".into());
-            on_error
+/// Keeps `msg` for `cuvmm_last_error` and writes it to stderr the first time its kind is seen.
+/// Never panics: it runs where nothing may unwind (a failed write to stderr, a thread whose
+/// thread-locals are gone).
+fn fail(function: &str, kind: String, msg: String) {
+    use std::io::Write;
+    let text = format!("{function}: {msg}");
+    let enabled = !matches!(GLOBAL.get(), Some(Ok(g)) if !g.config.log);
+    if enabled {
+        let mut logged = LOGGED.lock().unwrap_or_else(|e| e.into_inner());
+        if logged.get_or_insert_with(HashSet::new).insert(format!("{function}: {}", shape(&kind))) {
+            let _ = writeln!(std::io::stderr(), "cuvmm: {text}");
         }
     }
+    let _ = LAST_ERROR.try_with(|e| {
+        if let Ok(mut slot) = e.try_borrow_mut() {
+            *slot = CString::new(text.replace('\0', " ")).ok();
+        }
+    });
+}
+
+/// Runs `f`, turning an error or a panic into `on_error` after recording it. Nothing unwinds out
+/// of it: recording the error is guarded too.
+fn guard<T>(function: &str, on_error: T, f: impl FnOnce() -> Result<T, (String, String)>) -> T {
+    let (kind, msg) = match catch_unwind(AssertUnwindSafe(f)) {
+        Ok(Ok(v)) => return v,
+        Ok(Err(e)) => e,
+        Err(_) => ("panic".into(), "internal error (panic caught at the C boundary)".into()),
+    };
+    let _ = catch_unwind(AssertUnwindSafe(|| fail(function, kind, msg)));
+    on_error
 }
 
 /// An error as (kind, message): the kind, for logging once, is the driver's call and code name,
-/// or the message itself.
+/// or the message (its numbers do not count: see [`shape`]).
 fn reported(e: cuvmm_lib::Error) -> (String, String) {
     let kind = match &e {
         cuvmm_lib::Error::Driver { call, name, .. } => format!("{call} {name}"),
@@ -158,7 +183,7 @@ fn malloc_with(function: &str, size: isize, device: c_int, stream: CUstream, cal
             return if size == 0 { Ok(0) } else { Err(plain(format!("negative size {size}"))) };
         }
         let a = allocator(device).map_err(plain)?;
-        let tag = TAG.with(|t| t.get());
+        let tag = TAG.try_with(|t| t.get()).ok().flatten();
         // SAFETY: the C contract (cuvmm.h) makes `stream` a live stream of the device's primary
         // context that outlives the blocks freed on it.
         unsafe { a.allocate_raw_tagged(size as usize, stream, graphs, tag) }.map_err(|e| {
@@ -166,7 +191,9 @@ fn malloc_with(function: &str, size: isize, device: c_int, stream: CUstream, cal
                 && e.is_out_of_memory()
                 && matches!(GLOBAL.get(), Some(Ok(g)) if g.config.abort_on_oom)
             {
-                eprintln!(
+                use std::io::Write;
+                let _ = writeln!(
+                    std::io::stderr(),
                     "cuvmm: {function}: out of memory for {size} bytes on device {device}: {e} (oom=abort)"
                 );
                 std::process::abort();
@@ -344,22 +371,63 @@ fn tag_of(name: Option<&str>) -> Result<Tag, (String, String)> {
     Tag::new(name).map_err(|e| plain(e.to_string()))
 }
 
-/// Tags the calling thread's later allocations with `tag` (NULL: none).
+/// Tags the calling thread's later allocations with `tag` (NULL: none). 0, or -1 (a name that is
+/// empty, too long or not UTF-8), leaving the thread's tag as it was.
 ///
 /// # Safety
 /// `tag` must be null or a NUL-terminated string.
 #[no_mangle]
-pub unsafe extern "C" fn cuvmm_set_tag(tag: *const c_char) {
-    guard("cuvmm_set_tag", (), || {
+pub unsafe extern "C" fn cuvmm_set_tag(tag: *const c_char) -> c_int {
+    guard("cuvmm_set_tag", -1, || {
         // SAFETY: the caller's contract.
         let name = unsafe { c_str(tag) }?;
         let t = match name {
             Some(n) => Some(tag_of(Some(n))?),
             None => None,
         };
-        TAG.with(|c| c.set(t));
-        Ok(())
+        TAG.try_with(|c| c.set(t)).map_err(|_| plain("the thread is exiting".into()))?;
+        Ok(0)
     })
+}
+
+/// Puts a tag to sleep on each of `devices`, all or nothing: when one fails, those this call put
+/// to sleep are woken again (an offload's contents come back; discarded ones do not), and a
+/// failure to wake one is added to the error.
+fn sleep_all<A>(
+    devices: &[A],
+    sleep: impl Fn(&A) -> cuvmm_lib::Result<()>,
+    wake: impl Fn(&A) -> cuvmm_lib::Result<()>,
+) -> Result<(), (String, String)> {
+    for (i, a) in devices.iter().enumerate() {
+        if let Err(e) = sleep(a) {
+            let (kind, mut msg) = reported(e);
+            for b in &devices[..i] {
+                if let Err(w) = wake(b) {
+                    msg.push_str(&format!("; waking a device it had put to sleep failed too: {w}"));
+                }
+            }
+            return Err((kind, msg));
+        }
+    }
+    Ok(())
+}
+
+/// Wakes a tag on each of `devices` where it is asleep. Refused when it is asleep on none of
+/// them (and there are some). A failure stops the call: the devices woken before stay awake, the
+/// rest asleep with nothing lost, and a later call wakes those.
+fn wake_all<A>(
+    devices: &[A],
+    asleep: impl Fn(&A) -> bool,
+    wake: impl Fn(&A) -> cuvmm_lib::Result<()>,
+) -> Result<(), (String, String)> {
+    let sleeping: Vec<&A> = devices.iter().filter(|a| asleep(a)).collect();
+    if sleeping.is_empty() && !devices.is_empty() {
+        return Err(plain("the tag is not asleep".into()));
+    }
+    for a in sleeping {
+        wake(a).map_err(reported)?;
+    }
+    Ok(())
 }
 
 /// Puts `tag` to sleep on every device (offloading its contents when `offload` is non-zero).
@@ -372,22 +440,13 @@ pub unsafe extern "C" fn cuvmm_sleep(tag: *const c_char, offload: c_int) -> c_in
         // SAFETY: the caller's contract.
         let t = tag_of(unsafe { c_str(tag) }?)?;
         let mode = if offload != 0 { SleepMode::Offload } else { SleepMode::Discard };
-        let all = allocators();
-        for (i, (_, a)) in all.iter().enumerate() {
-            if let Err(e) = a.sleep(t, mode) {
-                // All or nothing: the devices this call put to sleep wake again (what an offload
-                // saved comes back; discarded contents do not).
-                for (_, b) in &all[..i] {
-                    let _ = b.wake(t);
-                }
-                return Err(reported(e));
-            }
-        }
+        let all: Vec<_> = allocators().into_iter().map(|(_, a)| a).collect();
+        sleep_all(&all, |a| a.sleep(t, mode).map(drop), |a| a.wake(t))?;
         Ok(0)
     })
 }
 
-/// Wakes `tag` on every device.
+/// Wakes `tag` on every device where it is asleep.
 ///
 /// # Safety
 /// `tag` must be a NUL-terminated string.
@@ -396,9 +455,8 @@ pub unsafe extern "C" fn cuvmm_wake(tag: *const c_char) -> c_int {
     guard("cuvmm_wake", -1, || {
         // SAFETY: the caller's contract.
         let t = tag_of(unsafe { c_str(tag) }?)?;
-        for (_, a) in allocators() {
-            a.wake(t).map_err(reported)?;
-        }
+        let all: Vec<_> = allocators().into_iter().map(|(_, a)| a).collect();
+        wake_all(&all, |a| a.tag_stats(t).asleep, |a| a.wake(t))?;
         Ok(0)
     })
 }
@@ -449,7 +507,11 @@ pub extern "C" fn cuvmm_trace_flush() {
 /// The calling thread's last error, or NULL.
 #[no_mangle]
 pub extern "C" fn cuvmm_last_error() -> *const c_char {
-    LAST_ERROR.with(|e| e.borrow().as_ref().map_or(std::ptr::null(), |s| s.as_ptr()))
+    LAST_ERROR
+        .try_with(|e| e.try_borrow().ok().and_then(|s| s.as_ref().map(|s| s.as_ptr())))
+        .ok()
+        .flatten()
+        .unwrap_or(std::ptr::null())
 }
 
 #[cfg(test)]
@@ -470,6 +532,199 @@ mod tests {
         assert_eq!(v, -7);
         let msg = last_error();
         assert!(msg.contains("test_fn") && msg.contains("panic"), "{msg}");
+    }
+
+    #[test]
+    fn an_error_is_shaped_without_its_numbers() {
+        assert_eq!(shape("0x7f00a000 was not allocated here"), "# was not allocated here");
+        assert_eq!(shape("negative size -4096"), "negative size -#");
+        assert_eq!(shape("cuMemMap CUDA_ERROR_OUT_OF_MEMORY"), "cuMemMap CUDA_ERROR_OUT_OF_MEMORY");
+        assert_eq!(shape("no device 3 (2 present)"), "no device # (# present)");
+    }
+
+    #[test]
+    fn the_same_error_with_other_numbers_is_written_once() {
+        // Without a driver GLOBAL holds an error here, which must not make every call write.
+        let _ = global();
+        let f = "test_written_once";
+        for n in [1, 22, 333] {
+            fail(f, format!("size {n} at 0x{n:x}0"), format!("size {n}"));
+        }
+        fail(f, "another kind".into(), "x".into());
+        let logged = LOGGED.lock().unwrap();
+        let mine = logged.as_ref().unwrap().iter().filter(|k| k.starts_with(f)).count();
+        assert_eq!(mine, 2);
+    }
+
+    /// A fake device for the sleep and wake of every device: whether the tag is asleep there, and
+    /// how many of its next sleeps or wakes fail.
+    struct Dev {
+        asleep: std::cell::Cell<bool>,
+        fail_sleep: std::cell::Cell<u32>,
+        fail_wake: std::cell::Cell<u32>,
+    }
+
+    fn devs(n: usize) -> Vec<Dev> {
+        (0..n).map(|_| Dev { asleep: false.into(), fail_sleep: 0.into(), fail_wake: 0.into() }).collect()
+    }
+
+    fn refused(d: &std::cell::Cell<u32>) -> bool {
+        let n = d.get();
+        d.set(n.saturating_sub(1));
+        n > 0
+    }
+
+    fn sleep(d: &Dev) -> cuvmm_lib::Result<()> {
+        if d.asleep.get() {
+            return Err(cuvmm_lib::Error::InvalidArgument("the tag is already asleep".into()));
+        }
+        if refused(&d.fail_sleep) {
+            return Err(cuvmm_lib::Error::InvalidArgument("sleep refused".into()));
+        }
+        d.asleep.set(true);
+        Ok(())
+    }
+
+    fn wake(d: &Dev) -> cuvmm_lib::Result<()> {
+        if !d.asleep.get() {
+            return Err(cuvmm_lib::Error::InvalidArgument("the tag is not asleep".into()));
+        }
+        if refused(&d.fail_wake) {
+            return Err(cuvmm_lib::Error::InvalidArgument("out of memory".into()));
+        }
+        d.asleep.set(false);
+        Ok(())
+    }
+
+    fn states(d: &[Dev]) -> Vec<bool> {
+        d.iter().map(|d| d.asleep.get()).collect()
+    }
+
+    #[test]
+    fn a_sleep_that_fails_on_one_device_wakes_the_others_it_put_to_sleep() {
+        let d = devs(3);
+        d[2].fail_sleep.set(1);
+        let e = sleep_all(&d, sleep, wake).unwrap_err();
+        assert!(e.1.contains("sleep refused"), "{e:?}");
+        assert_eq!(states(&d), [false, false, false]);
+        // ...and says so when waking one of them fails as well.
+        d[1].fail_wake.set(1);
+        d[2].fail_sleep.set(1);
+        let e = sleep_all(&d, sleep, wake).unwrap_err();
+        assert!(e.1.contains("waking a device it had put to sleep failed too"), "{e:?}");
+        assert_eq!(states(&d), [false, true, false]);
+    }
+
+    #[test]
+    fn a_wake_skips_devices_where_the_tag_is_awake_and_a_later_wake_finishes_a_failed_one() {
+        let d = devs(3);
+        sleep_all(&d, sleep, wake).unwrap();
+        // A wake that runs out of memory on the second device: the first stays awake, the rest
+        // asleep.
+        d[1].fail_wake.set(1);
+        assert!(wake_all(&d, |d| d.asleep.get(), wake).is_err());
+        assert_eq!(states(&d), [false, true, true]);
+        // Before the fix the next call failed on the first device ("not asleep") for ever.
+        wake_all(&d, |d| d.asleep.get(), wake).unwrap();
+        assert_eq!(states(&d), [false, false, false]);
+        // Awake everywhere: a second wake is refused; with no device at all there is nothing to do.
+        let e = wake_all(&d, |d| d.asleep.get(), wake).unwrap_err();
+        assert!(e.1.contains("not asleep"), "{e:?}");
+        wake_all(&devs(0), |d| d.asleep.get(), wake).unwrap();
+        // A device that appeared after the sleep (an allocator made later) is left alone.
+        let mut d = devs(1);
+        sleep_all(&d, sleep, wake).unwrap();
+        d.extend(devs(1));
+        wake_all(&d, |d| d.asleep.get(), wake).unwrap();
+        assert_eq!(states(&d), [false, false]);
+    }
+
+    #[test]
+    fn a_refused_tag_name_is_an_error_and_keeps_the_tag_in_force() {
+        let a = CString::new("weights").unwrap();
+        // SAFETY: NUL-terminated strings and null.
+        unsafe {
+            assert_eq!(cuvmm_set_tag(a.as_ptr()), 0);
+            assert_eq!(cuvmm_set_tag(c"".as_ptr()), -1);
+            assert!(last_error().contains("cuvmm_set_tag"));
+            assert_eq!(TAG.with(|t| t.get()), Some(Tag::new("weights").unwrap()));
+            assert_eq!(cuvmm_set_tag(std::ptr::null()), 0);
+        }
+        assert_eq!(TAG.with(|t| t.get()), None);
+    }
+
+    const CHILD: &str = "CUVMM_CAPI_TEST_CHILD";
+
+    /// Runs the test `name` of this executable in a child process, where it does its work.
+    fn in_child(name: &str) {
+        let exe = std::env::current_exe().unwrap();
+        let out = std::process::Command::new(exe)
+            .args(["--exact", &format!("tests::{name}"), "--nocapture", "--test-threads=1"])
+            .env(CHILD, name)
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success() && stdout.contains("child done"), "{:?}\n{stdout}", out.status);
+    }
+
+    fn is_child(name: &str) -> bool {
+        std::env::var(CHILD).as_deref() == Ok(name)
+    }
+
+    #[test]
+    fn an_error_written_to_a_closed_stderr_does_not_unwind_into_c() {
+        in_child("child_closed_stderr");
+    }
+
+    /// The child of the test above (does nothing in the parent's run): stderr is a pipe nobody
+    /// reads and SIGPIPE is ignored, as under `python train.py 2>&1 | head` once head has exited.
+    #[test]
+    fn child_closed_stderr() {
+        if !is_child("child_closed_stderr") {
+            return;
+        }
+        let mut fds = [0; 2];
+        // SAFETY: plain descriptor calls on descriptors this process owns.
+        unsafe {
+            assert_eq!(libc::pipe(fds.as_mut_ptr()), 0);
+            libc::close(fds[0]);
+            assert_eq!(libc::dup2(fds[1], 2), 2);
+            libc::signal(libc::SIGPIPE, libc::SIG_IGN);
+        }
+        assert!(cuvmm_malloc(-3, 0, std::ptr::null_mut()).is_null());
+        println!("child done");
+    }
+
+    #[test]
+    fn an_error_while_a_thread_exits_does_not_unwind_into_c() {
+        in_child("child_thread_exit");
+    }
+
+    extern "C" fn free_at_thread_exit(_: *mut c_void) {
+        // Runs after the thread's Rust thread-locals are gone.
+        assert!(cuvmm_malloc(-2, 0, std::ptr::null_mut()).is_null());
+        let _ = cuvmm_last_error();
+    }
+
+    /// The child of the test above: a thread whose pthread key destructor calls the library.
+    #[test]
+    fn child_thread_exit() {
+        if !is_child("child_thread_exit") {
+            return;
+        }
+        std::thread::spawn(|| {
+            assert!(cuvmm_malloc(-1, 0, std::ptr::null_mut()).is_null());
+            let mut key: libc::pthread_key_t = 0;
+            // SAFETY: a key with a destructor that takes no ownership; its value is a non-null
+            // marker so that the destructor runs.
+            unsafe {
+                assert_eq!(libc::pthread_key_create(&mut key, Some(free_at_thread_exit)), 0);
+                assert_eq!(libc::pthread_setspecific(key, std::ptr::dangling::<u8>().cast()), 0);
+            }
+        })
+        .join()
+        .unwrap();
+        println!("child done");
     }
 
     #[test]

@@ -204,6 +204,13 @@ int cuvmm_reset_peaks(int d) { return 0; }
 int cuvmm_empty_cache(int d) { err = "cuvmm_empty_cache: refused while capturing"; return -1; }
 int cuvmm_release_graph_memory(int d) { return 0; }
 const char *cuvmm_last_error(void) { return err; }
+static char tag[64];
+int cuvmm_set_tag(const char *t) {
+    if (t && !*t) { err = "cuvmm_set_tag: invalid argument: a tag needs a name"; return -1; }
+    strncpy(tag, t ? t : "", sizeof tag - 1);
+    return 0;
+}
+const char *fake_tag(void) { return tag; }
 """
 
 
@@ -239,6 +246,16 @@ class CtypesLayer(unittest.TestCase):
 
     def test_stats_json_parsed(self):
         self.assertEqual(cuvmm_torch.stats_json(), {"0": {"live": 100}})
+
+    def test_a_refused_tag_raises_and_leaves_the_tag_in_force(self):
+        fake_tag = cuvmm_torch.load().fake_tag
+        fake_tag.restype = cuvmm_torch.ctypes.c_char_p
+        with cuvmm_torch.tag("weights"):
+            with self.assertRaisesRegex(RuntimeError, "a tag needs a name"):
+                with cuvmm_torch.tag(""):
+                    self.fail("entered a block with a refused tag")
+            self.assertEqual(fake_tag(), b"weights")
+        self.assertEqual(fake_tag(), b"")
 
     def test_missing_sleep_abi_is_reported_not_crashed(self):
         self.assertFalse(cuvmm_torch.has_sleep())
