@@ -385,17 +385,23 @@ impl<B: Backend> Core<B> {
 
     fn carve(&mut self, req: &Request) -> Result<(usize, u64)> {
         let (small, tag) = req.kind;
-        let Request { n, size, stream, pool, .. } = *req;
+        let Request { n, size, stream, pool, capture, .. } = *req;
+        // As in `allocate`: a capture shared with other streams takes only idle blocks.
+        let reuse = if capture == Capture::Shared { IDLE } else { stream };
         for (i, s) in self.slots.iter_mut().enumerate() {
             if (s.small, s.tag) == req.kind {
-                if let Some(a) = s.heap.carve(n, stream, size, pool) {
+                if let Some(a) = s.heap.carve(n, stream, size, pool, reuse) {
                     return Ok((i, a));
                 }
             }
         }
         let want = if small { self.sizes.small_reserve } else { self.sizes.large_reserve };
         let page = if tag != 0 && !small { self.sizes.tag_page } else { self.sizes.page };
-        let reserve = want.max(n.div_ceil(page) * page);
+        let pages = n
+            .div_ceil(page)
+            .checked_mul(page)
+            .ok_or_else(|| Error::invalid(format!("{size} bytes cannot be allocated")))?;
+        let reserve = want.max(pages);
         let base = self.backend.reserve(reserve)?;
         self.stats.reserved += reserve;
         let pages = (reserve / page) as usize;
@@ -407,7 +413,8 @@ impl<B: Backend> Core<B> {
             pages: (0..pages).map(|_| None).collect(),
         });
         let i = self.slots.len() - 1;
-        let a = self.slots[i].heap.carve(n, stream, size, pool).expect("a new heap holds its first block");
+        let a =
+            self.slots[i].heap.carve(n, stream, size, pool, reuse).expect("a new heap holds its first block");
         Ok((i, a))
     }
 

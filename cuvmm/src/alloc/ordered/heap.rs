@@ -169,6 +169,16 @@ impl Heap {
             .map(|b| (b.addr, b.size))
     }
 
+    /// Blocks whose memory must be there whenever the tag is awake: live blocks, and free blocks
+    /// of graph pools, which a captured graph goes on using.
+    pub(crate) fn kept_blocks(&self) -> impl Iterator<Item = (u64, u64)> + '_ {
+        let graph_free = self.free.iter().filter(|&&(_, p, ..)| p != 0).map(|&(.., i)| {
+            let b = &self.blocks[i as usize];
+            (b.addr, b.size)
+        });
+        self.live_blocks().chain(graph_free)
+    }
+
     /// Bytes in graph pools, free or live.
     pub(crate) fn graph_bytes(&self) -> u64 {
         self.graph
@@ -220,9 +230,19 @@ impl Heap {
         blk.addr
     }
 
-    /// Carves `size` bytes from the never-used part, if it holds them.
-    pub(crate) fn carve(&mut self, size: u64, stream: u64, requested: u64, pool: u32) -> Option<u64> {
-        // A free block at the end that `stream` may use grows into the never-used part: its
+    /// Carves `size` bytes from the never-used part, if it holds them. `reuse` is the owner key
+    /// whose free blocks the request may take besides idle ones (as for [`find`](Self::find)):
+    /// the requesting stream, or [`IDLE`] where only idle blocks qualify (during a capture that
+    /// shares memory with other streams).
+    pub(crate) fn carve(
+        &mut self,
+        size: u64,
+        stream: u64,
+        requested: u64,
+        pool: u32,
+        reuse: u64,
+    ) -> Option<u64> {
+        // A free block at the end that the request may use grows into the never-used part: its
         // pages serve again instead of new ones beside them.
         if self.last != NIL {
             let l = self.blocks[self.last as usize];
@@ -230,13 +250,18 @@ impl Heap {
                 let usable = l.pool == pool
                     && match owner {
                         Owner::Idle => true,
-                        Owner::Stream { stream: s, .. } => s == stream,
+                        Owner::Stream { stream: s, .. } => reuse != IDLE && s == stream,
                     };
                 let grow = size.saturating_sub(l.size);
                 if usable && grow > 0 && self.base + self.size - self.top >= grow {
                     self.unindex(self.last);
                     self.blocks[self.last as usize].size += grow;
                     self.top += grow;
+                    if pool != 0 {
+                        // Already in the graph's pool, so `take` will not count it: the growth is
+                        // graph memory too.
+                        self.graph += grow;
+                    }
                     self.blocks[self.last as usize].state = State::Free(owner);
                     self.index(self.last);
                     return Some(self.take(self.last as u64, size, stream, requested, pool));
@@ -735,7 +760,7 @@ mod tests {
     fn alloc(h: &mut Heap, size: u64, stream: u64) -> u64 {
         match h.find(0, stream, size) {
             Some((_, id)) => h.take(id, size, stream, size, 0),
-            None => h.carve(size, stream, size, 0).expect("space"),
+            None => h.carve(size, stream, size, 0, stream).expect("space"),
         }
     }
 
@@ -801,7 +826,7 @@ mod tests {
     #[test]
     fn graph_pools_are_kept_apart_until_dissolved() {
         let mut h = Heap::new(0, 1 << 20);
-        let g = h.carve(4096, S, 4096, 7).unwrap();
+        let g = h.carve(4096, S, 4096, 7, S).unwrap();
         h.free(g, Owner::Idle);
         assert_eq!(h.find(0, S, 512), None);
         assert_eq!(h.find(7, S, 512).map(|(x, _)| x), Some(g));

@@ -4,9 +4,11 @@
 //!
 //! A tag is [`Awake`](State::Awake) or [`Asleep`](State::Asleep); every other request is refused
 //! with a typed error and changes nothing: sleeping twice, waking an awake tag, allocating with a
-//! sleeping tag. Frees are allowed while asleep (the block's pages are simply not brought back).
-//! A wake that runs out of memory gives back what it had mapped and leaves the tag asleep with its
-//! saved contents, so a later wake can succeed.
+//! sleeping tag, sleeping or waking while a stream is being captured. Frees are allowed while
+//! asleep (the block's pages are simply not brought back). Memory of captured graphs in the tag's
+//! heaps is kept like live blocks: saved, and mapped again at wake. A wake that runs out of memory
+//! gives back what it had mapped and leaves the tag asleep with its saved contents, so a later wake
+//! can succeed; a sleep that fails while releasing wakes the tag again.
 
 use super::{Backend, Core};
 use crate::error::{Error, Result};
@@ -57,14 +59,15 @@ impl<B: Backend> Core<B> {
         tag != 0 && self.sleepers.get(&tag).is_some_and(|t| matches!(t.state, State::Asleep { .. }))
     }
 
-    /// Pages of `slot` under live blocks, in order.
+    /// Pages of `slot` under live blocks and graph memory, in order: what a sleep saves and a
+    /// wake maps again.
     fn live_pages(&self, slot: usize) -> Vec<u64> {
         let page = self.slots[slot].page;
         let s = &self.slots[slot];
         let base = s.heap.base();
         let mut pages: Vec<u64> = s
             .heap
-            .live_blocks()
+            .kept_blocks()
             .flat_map(|(a, n)| (a - base) / page..(a + n - base).div_ceil(page))
             .collect();
         pages.sort_unstable();
@@ -110,12 +113,16 @@ impl<B: Backend> Core<B> {
         }
         // Everything of the tag goes back to the driver, idle pages included.
         let mut released = 0;
-        for &slot in &slots {
+        let mut failed = None;
+        'slots: for &slot in &slots {
             let base = self.slots[slot].heap.base();
             let page = self.slots[slot].page;
             for p in 0..self.slots[slot].pages.len() {
                 if self.slots[slot].pages[p].is_some() {
-                    self.backend.unmap(base + p as u64 * page, page)?;
+                    if let Err(e) = self.backend.unmap(base + p as u64 * page, page) {
+                        failed = Some(e);
+                        break 'slots;
+                    }
                     drop(self.slots[slot].pages[p].take());
                     self.mapped_bytes -= page;
                     self.stats.pages_released += 1;
@@ -126,6 +133,16 @@ impl<B: Backend> Core<B> {
         self.note_mapped();
         let t = self.sleepers.entry(tag).or_insert(Tag { state: State::Awake, backup: None });
         t.state = State::Asleep { mode, saved };
+        if let Some(e) = failed {
+            // All or nothing: the pages released so far come back (with their contents when
+            // they were offloaded), and the tag is awake as before the call.
+            return Err(match self.wake(tag) {
+                Ok(()) => e,
+                Err(w) => {
+                    Error::invalid(format!("{e}; waking the tag again failed too, so it stays asleep: {w}"))
+                }
+            });
+        }
         Ok(released)
     }
 
@@ -184,6 +201,9 @@ impl<B: Backend> Core<B> {
     pub(crate) fn wake(&mut self, tag: u32) -> Result<()> {
         if !self.is_asleep(tag) {
             return Err(Error::invalid("the tag is not asleep"));
+        }
+        if self.any_capture()? {
+            return Err(Error::invalid("cannot wake while a stream is being captured"));
         }
         self.flush_cached();
         let slots: Vec<usize> = (0..self.slots.len()).filter(|&i| self.slots[i].tag == tag).collect();

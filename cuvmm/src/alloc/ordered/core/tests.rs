@@ -45,6 +45,8 @@ struct Gpu {
     fail_access: bool,
     /// Pages (by address) the device may access.
     accessible: HashSet<u64>,
+    /// Unmaps left before `unmap` fails, as the driver may (None: never).
+    unmaps_left: Option<usize>,
 }
 
 struct Page {
@@ -150,6 +152,10 @@ impl Backend for Gpu {
     type Event = Ev;
 
     fn reserve(&mut self, size: u64) -> Result<u64> {
+        if size > 1 << 48 {
+            // As cuMemAddressReserve: no such address space.
+            return Err(Error::invalid("no address space that large"));
+        }
         let base = (1 << 40) + self.next_base;
         self.next_base += size + (1 << 30);
         Ok(base)
@@ -184,6 +190,12 @@ impl Backend for Gpu {
     }
     fn unmap(&mut self, addr: u64, size: u64) -> Result<()> {
         assert!(!self.any_capture_forbids());
+        if let Some(n) = self.unmaps_left.as_mut() {
+            if *n == 0 {
+                return Err(Error::invalid("unmapping refused by the test"));
+            }
+            *n -= 1;
+        }
         let (id, _) = self.mapped.remove(&addr).expect("unmap of an unmapped page");
         let left = {
             let mut m = self.mappings.borrow_mut();
@@ -1147,4 +1159,93 @@ fn a_request_out_of_memory_gives_back_the_pages_made_for_it() {
     // What is live is intact and the allocator goes on.
     assert_eq!(held.len(), 1);
     alloc(&mut c, &mut held, 8 * PAGE, 2).unwrap();
+}
+
+#[test]
+fn a_capture_shared_with_other_streams_does_not_grow_a_block_its_stream_freed_with_work_queued() {
+    let mut c = core(1000);
+    let a = c.allocate(8 * PAGE, 1, Capture::None, 0).unwrap();
+    c.backend().queues.entry(1).or_default().push_back(Op::Use { addr: a, len: 8 * PAGE });
+    c.free(a, 1).unwrap();
+    // Stream 1 is captured in a mode whose graph may be launched on any stream: only blocks
+    // known idle may serve it, not the last block of the heap that stream 1 freed a moment ago.
+    c.backend().captures.insert(1, 42);
+    let b = c.allocate(12 * PAGE, 1, Capture::Shared, 0).unwrap();
+    assert_eq!(c.backend().pending_use(b, 12 * PAGE, None), None, "{b:#x} still used by queued work");
+    assert_ne!(b, a);
+}
+
+#[test]
+fn graph_memory_in_a_tags_heap_is_mapped_again_at_wake() {
+    let mut c = core(1000);
+    c.backend().captures.insert(1, 7);
+    let g1 = c.allocate(TPAGE, 1, Capture::Private(7), TAG).unwrap();
+    let _g2 = c.allocate(TPAGE, 1, Capture::Private(7), TAG).unwrap();
+    // Freed inside the capture: the graph uses it on every replay.
+    c.free(g1, 1).unwrap();
+    c.backend().captures.clear();
+    assert!(c.stats().graph_held >= 2 * TPAGE);
+    for mode in [SleepMode::Discard, SleepMode::Offload] {
+        c.sleep(TAG, mode).unwrap();
+        assert!(!c.backend().covered(g1));
+        c.wake(TAG).unwrap();
+        assert!(c.backend().covered(g1), "graph memory at {g1:#x} unmapped after a wake ({mode:?})");
+    }
+}
+
+#[test]
+fn a_sleep_that_fails_while_releasing_leaves_the_tag_awake_and_whole() {
+    for mode in [SleepMode::Discard, SleepMode::Offload] {
+        let mut c = core(1000);
+        let a = c.allocate(4 * TPAGE, 1, Capture::None, TAG).unwrap();
+        let mapped = c.stats().mapped;
+        c.backend().unmaps_left = Some(2);
+        assert!(c.sleep(TAG, mode).is_err());
+        c.backend().unmaps_left = None;
+        let t = c.tag_stats(TAG);
+        assert!(!t.asleep && t.mapped == 4 * TPAGE, "{mode:?}: {t:?}");
+        assert_eq!(c.stats().mapped, mapped);
+        assert!((0..4).all(|i| c.backend().covered(a + i * TPAGE)));
+        // And it sleeps and wakes as before.
+        c.sleep(TAG, mode).unwrap();
+        c.wake(TAG).unwrap();
+    }
+}
+
+#[test]
+fn a_size_past_the_address_space_is_an_error_not_a_panic() {
+    let mut c = core(1000);
+    for size in [u64::MAX - 600, u64::MAX - PAGE, u64::MAX] {
+        let e = c.allocate(size, 1, Capture::None, 0).unwrap_err().to_string();
+        assert!(e.contains("cannot be allocated") || e.contains("address space"), "{e}");
+    }
+}
+
+#[test]
+fn a_graph_block_grown_at_the_end_of_the_heap_counts_as_graph_memory() {
+    let mut c = core(1000);
+    c.backend().captures.insert(1, 7);
+    let g = c.allocate(2 * PAGE + SMALL, 1, Capture::Private(7), 0).unwrap();
+    c.free(g, 1).unwrap();
+    let h = c.allocate(6 * PAGE + SMALL, 1, Capture::Private(7), 0).unwrap();
+    assert_eq!(g, h);
+    c.backend().captures.clear();
+    let held = c.stats().graph_held;
+    c.free(h, 1).unwrap();
+    assert_eq!(held, 6 * PAGE + SMALL);
+    assert_eq!(c.release_graph_memory(), held);
+}
+
+#[test]
+fn a_wake_during_a_capture_is_refused_and_changes_nothing() {
+    let mut c = core(1000);
+    let _a = c.allocate(8 * TPAGE, 1, Capture::None, TAG).unwrap();
+    c.sleep(TAG, SleepMode::Discard).unwrap();
+    c.backend().captures.insert(9, 1);
+    let _ = c.allocate(512, 9, Capture::Private(1), 0).unwrap();
+    let e = c.wake(TAG).unwrap_err();
+    assert!(e.to_string().contains("captured"), "{e}");
+    assert!(c.tag_stats(TAG).asleep);
+    c.backend().captures.clear();
+    c.wake(TAG).unwrap();
 }
