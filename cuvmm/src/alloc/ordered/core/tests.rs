@@ -47,6 +47,8 @@ struct Gpu {
     accessible: HashSet<u64>,
     /// Unmaps left before `unmap` fails, as the driver may (None: never).
     unmaps_left: Option<usize>,
+    /// Captured streams whose graphs may run on any stream (`Capture::Shared`).
+    shared_captures: HashSet<u64>,
 }
 
 struct Page {
@@ -351,10 +353,15 @@ struct Held {
 
 /// Allocates and checks what the model says about the block; queues a use of it on `stream`.
 fn alloc(c: &mut Core<Gpu>, held: &mut Vec<Held>, size: u64, stream: u64) -> Option<u64> {
-    let capture = match c.backend().captures.get(&stream) {
+    let gpu = c.backend();
+    let capture = match gpu.captures.get(&stream) {
+        Some(_) if gpu.shared_captures.contains(&stream) => Capture::Shared,
         Some(&id) => Capture::Private(id),
         None => Capture::None,
     };
+    // A graph captured to share memory may be launched on any stream: its blocks must be free of
+    // queued work on every stream, the capturing one included.
+    let except = if capture == Capture::Shared { None } else { Some(stream) };
     let addr = match c.allocate(size, stream, capture, 0) {
         Ok(a) => a,
         Err(e) => {
@@ -367,15 +374,15 @@ fn alloc(c: &mut Core<Gpu>, held: &mut Vec<Held>, size: u64, stream: u64) -> Opt
         assert!(addr + n <= h.addr || h.addr + h.size <= addr, "{addr:#x}+{n} overlaps a live block {h:?}");
     }
     let gpu = c.backend();
-    if let Some(s) = gpu.pending_use(addr, n, Some(stream)) {
-        panic!("block {addr:#x}+{n} handed to stream {stream} while stream {s} still uses it");
+    if let Some(s) = gpu.pending_use(addr, n, except) {
+        panic!("block {addr:#x}+{n} handed to stream {stream} ({capture:?}) while stream {s} still uses it");
     }
     for p in (addr / PAGE * PAGE..addr + n).step_by(PAGE as usize) {
         assert!(gpu.covered(p), "page {p:#x} of a new block is not mapped");
         assert!(gpu.accessible.contains(&p), "page {p:#x} of a new block is not accessible");
         let (&at, &(id, _)) = gpu.mapped.range(..=p).next_back().expect("covered");
         let (lo, hi) = (addr.max(p) - at, (addr + n).min(p + PAGE) - at);
-        if let Some(s) = gpu.pending_physical(id, lo, hi, stream) {
+        if let Some(s) = gpu.pending_physical(id, lo, hi, except.unwrap_or(u64::MAX)) {
             panic!(
                 "page {p:#x} of a block for stream {stream} is memory stream {s} still has work queued on"
             );
@@ -566,7 +573,7 @@ enum Step {
     Alloc { size: u64, stream: u64 },
     Free(usize),
     Run { stream: u64, ops: usize },
-    BeginCapture(u64),
+    BeginCapture { stream: u64, shared: bool },
     EndCapture,
     EmptyCache,
     ReleaseGraphs,
@@ -578,7 +585,7 @@ fn step() -> impl Strategy<Value = Step> {
             .prop_map(|(size, stream)| Step::Alloc { size, stream }),
         3 => any::<usize>().prop_map(Step::Free),
         2 => (1u64..4, 0usize..4).prop_map(|(stream, ops)| Step::Run { stream, ops }),
-        1 => (1u64..4).prop_map(Step::BeginCapture),
+        1 => (1u64..4, any::<bool>()).prop_map(|(stream, shared)| Step::BeginCapture { stream, shared }),
         1 => Just(Step::EndCapture),
         1 => Just(Step::EmptyCache),
         1 => Just(Step::ReleaseGraphs),
@@ -625,15 +632,19 @@ proptest! {
                 }
                 Step::Free(_) => {}
                 Step::Run { stream, ops } => c.backend().run(stream, ops),
-                Step::BeginCapture(stream) => {
+                Step::BeginCapture { stream, shared } => {
                     if c.backend().captures.is_empty() {
                         capture_seq += 1;
                         c.backend().captures.insert(stream, capture_seq);
+                        if shared {
+                            c.backend().shared_captures.insert(stream);
+                        }
                     }
                 }
                 Step::EndCapture => {
                     let ended: Vec<u64> = c.backend().captures.values().copied().collect();
                     c.backend().captures.clear();
+                    c.backend().shared_captures.clear();
                     seen_capturing.clear();
                     for h in &held {
                         if h.pool.is_some_and(|p| ended.contains(&p)) {
