@@ -1,6 +1,8 @@
 //! Sharing across processes on a GPU. Multi-process tests re-execute this test binary for the
 //! other side (`ipc_child_helper`, which does nothing unless the environment names a role).
 
+mod common;
+
 use cuvmm::alloc::{CachingAllocator, ExportMode, PeerAllocator};
 use cuvmm::ipc::wire::{Header, WireHandle};
 use cuvmm::ipc::{recv, send, PeerPolicy, Received, SharedMemory};
@@ -532,15 +534,8 @@ fn threads_allocate_free_and_export_from_one_cache() {
 #[test]
 #[ignore = "needs two CUDA GPUs"]
 fn access_exists_exactly_for_the_granted_devices() {
+    let Some(_) = common::two_gpus() else { return };
     let devices = Device::all().unwrap();
-    if devices.len() < 2 {
-        assert!(
-            std::env::var_os("CUVMM_REQUIRE_GPUS").is_none(),
-            "this machine was expected to have two GPUs"
-        );
-        eprintln!("one GPU: the two-GPU checks run on the two-GPU machine (CUVMM_REQUIRE_GPUS=2)");
-        return;
-    }
     let (c0, c1) = (Context::new(devices[0]).unwrap(), Context::new(devices[1]).unwrap());
     let alloc = PeerAllocator::new(&c0, &[(devices[1], Access::Read)], ExportMode::PosixFd).unwrap();
     let mut a = alloc.allocate(16 * MIB).unwrap();

@@ -1,5 +1,7 @@
 //! VMM core on a GPU: physical memory, reservations, mappings, access, aliasing, striping.
 
+mod common;
+
 use cuvmm::kernels::{pattern_value, Kernels};
 use cuvmm::vmm::{Access, HandleTypes, Location, PhysicalMemory, Reservation, Striped};
 use cuvmm::{Context, Device, DeviceSlice, DeviceSliceMut, Error, Stream};
@@ -223,4 +225,38 @@ fn striping_over_every_device_gives_one_flat_array() {
         assert_eq!(k.count_pattern_mismatches(&s, &v.as_slice(), 0, d as u32 + 5).unwrap(), 0);
     }
     assert!(is_invalid(Striped::new(&[], MIB, MIB)));
+}
+
+#[test]
+#[ignore = "needs two CUDA GPUs"]
+fn an_unmap_waiting_for_a_peer_does_not_hold_back_a_host_function_of_that_peer() {
+    let Some((d0, d1)) = common::two_gpus() else { return };
+    let (c0, c1) = (Context::new(d0).unwrap(), Context::new(d1).unwrap());
+    let g = PhysicalMemory::builder(&c0).granularity().unwrap().minimum;
+    let phys = PhysicalMemory::builder(&c0).create(g).unwrap();
+    let va = Reservation::new(&c0, g).unwrap();
+    let m = va.map(0, &phys, 0, g).unwrap();
+    m.set_access(&[(d0, Access::ReadWrite), (d1, Access::Read)]).unwrap();
+    // A host function on the peer's stream touches the reservation while the mapping's drop
+    // waits for that peer (cuCtxSynchronize waits for the host function). The reservation's own
+    // bookkeeping must not be held across that wait; the driver call itself is refused there.
+    let s1 = Stream::new(&c1).unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    let res = va.clone();
+    let peer = d1;
+    s1.launch_host_fn(move || {
+        std::thread::sleep(std::time::Duration::from_millis(200));
+        let _ = tx.send(res.set_access(0, g, &[(peer, Access::Read)]));
+    })
+    .unwrap();
+    let (done_tx, done_rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        drop(m);
+        let _ = done_tx.send(());
+    });
+    done_rx
+        .recv_timeout(std::time::Duration::from_secs(20))
+        .expect("the unmap and the host function wait for each other");
+    let r = rx.recv().unwrap();
+    assert!(matches!(r, Err(Error::InHostFunction { .. })), "{r:?}");
 }

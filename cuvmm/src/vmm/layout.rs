@@ -68,8 +68,21 @@ impl Default for ChunkPolicy {
 
 impl ChunkPolicy {
     /// The chunk sizes to map so that `mapped` bytes grow to at least `need` bytes, each a multiple
-    /// of `granularity`. Empty when `need <= mapped`.
+    /// of `granularity`. Empty when `need <= mapped`. A growth that would take more than 2^20
+    /// chunks is refused (no device holds that much).
     pub fn plan(&self, mapped: usize, need: usize, granularity: usize) -> Result<Vec<usize>> {
+        self.plan_within(mapped, need, granularity, usize::MAX)
+    }
+
+    /// As [`plan`](Self::plan), but the policy's growth beyond what is needed stops at `room`
+    /// bytes (what is left of a reservation): only the bytes `need` asks for may go past it.
+    pub(crate) fn plan_within(
+        &self,
+        mapped: usize,
+        need: usize,
+        granularity: usize,
+        room: usize,
+    ) -> Result<Vec<usize>> {
         if need <= mapped {
             return Ok(Vec::new());
         }
@@ -81,11 +94,18 @@ impl ChunkPolicy {
         let deficit = round_up(need - mapped, granularity)?;
         let growth = (mapped / 100).saturating_mul(self.growth_percent as usize);
         let target = round_up(growth.max(1), granularity)?.clamp(min, max);
-        let total = deficit.max(target);
+        let total = deficit.max(target.min(room));
         // `total` fits in usize; the mapped range must too.
         mapped
             .checked_add(total)
             .ok_or_else(|| Error::invalid(format!("growing {mapped} bytes by {total} overflows usize")))?;
+        let count = total / max + usize::from(total % max > 0);
+        if count > MAX_CHUNKS {
+            return Err(Error::invalid(format!(
+                "growing {mapped} bytes by {total} would take {count} chunks of {max} bytes (at most \
+                 {MAX_CHUNKS} a growth)"
+            )));
+        }
         let mut chunks = vec![max; total / max];
         let rest = total % max;
         if rest > 0 {
@@ -94,6 +114,10 @@ impl ChunkPolicy {
         Ok(chunks)
     }
 }
+
+/// The most chunks one growth maps: 2 TiB in the smallest chunks (2 MiB), more than any device
+/// holds, and a bound on the plan's own size before anything checks the request.
+pub(crate) const MAX_CHUNKS: usize = 1 << 20;
 
 #[cfg(test)]
 mod tests {
@@ -161,10 +185,18 @@ mod tests {
             let policy = ChunkPolicy { min_chunk: min_mul * g, max_chunk: (min_mul + max_extra) * g, growth_percent: growth };
             let mapped = mapped_units * g;
             let need = mapped + extra;
-            let plan = policy.plan(mapped, need, g).unwrap();
+            let max = round_up(policy.max_chunk, g).unwrap();
+            let plan = match policy.plan(mapped, need, g) {
+                Ok(plan) => plan,
+                Err(_) => {
+                    // Refused only for a growth of more than MAX_CHUNKS chunks.
+                    prop_assert!(round_up(extra, g).unwrap() > MAX_CHUNKS * max);
+                    return Ok(());
+                }
+            };
+            prop_assert!(plan.len() <= MAX_CHUNKS);
             let total: usize = plan.iter().sum();
             prop_assert!(mapped + total >= need);
-            let max = round_up(policy.max_chunk, g).unwrap();
             for &c in &plan {
                 prop_assert!(c > 0 && c % g == 0 && c <= max);
             }
@@ -174,6 +206,28 @@ mod tests {
             // Only the last chunk may be smaller than the cap.
             for &c in plan.iter().rev().skip(1) {
                 prop_assert_eq!(c, max);
+            }
+        }
+
+        #[test]
+        fn growth_past_the_need_stops_at_the_room_left_where_the_need_fits(
+            mapped_units in 0usize..10_000,
+            extra in 1usize..(1 << 34),
+            room_units in 0usize..100_000,
+            growth in 0u32..400,
+        ) {
+            let g = 2 * MIB;
+            let policy = ChunkPolicy { growth_percent: growth, ..ChunkPolicy::default() };
+            let (mapped, room) = (mapped_units * g, room_units * g);
+            let need = mapped + extra;
+            let plan = policy.plan_within(mapped, need, g, room).unwrap();
+            let total: usize = plan.iter().sum();
+            prop_assert!(mapped + total >= need);
+            let deficit = round_up(extra, g).unwrap();
+            if deficit <= room {
+                prop_assert!(total <= room, "{total} > room {room}");
+            } else {
+                prop_assert_eq!(total, deficit);
             }
         }
 

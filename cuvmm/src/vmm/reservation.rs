@@ -281,7 +281,10 @@ impl Reservation {
     /// Waits for every device that may touch this range; the reservation's own context last, so
     /// that it is the one left current for the unmap that follows.
     fn synchronize_users(&self) {
-        for c in lock(&self.inner.accessors).iter() {
+        // Not under the lock: a host function on one of those devices' streams may be waiting
+        // for it (in `set_access`), and the synchronisation waits for that host function.
+        let users = lock(&self.inner.accessors).clone();
+        for c in &users {
             let _ = c.synchronize();
         }
         let _ = self.inner.ctx.synchronize();

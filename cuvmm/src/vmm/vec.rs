@@ -15,7 +15,9 @@ use std::collections::VecDeque;
 use std::marker::PhantomData;
 use std::ops::Range;
 use std::os::fd::OwnedFd;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// The capacity half of a [`VmmVec`]: a reservation and the chunks mapped at its start, in bytes.
@@ -111,10 +113,15 @@ struct AheadJob {
     offset: usize,
     size: usize,
     done: mpsc::SyncSender<Result<Mapping>>,
+    /// Set when the vector is dropped: a job not started yet makes nothing.
+    cancelled: Arc<AtomicBool>,
 }
 
 impl AheadJob {
     fn run(self) {
+        if self.cancelled.load(Ordering::Acquire) {
+            return; // `done` dropped: the chunk was not made
+        }
         let made = self
             .phys
             .create(self.size)
@@ -125,15 +132,18 @@ impl AheadJob {
 }
 
 /// The thread that makes a vector's chunks ahead: one per vector for its life (a thread started
-/// per chunk would cost its start on the growth path), ending when the vector drops its sender.
+/// per chunk would cost its start on the growth path), ending when the vector drops its sender,
+/// which then joins it.
 struct AheadWorker {
     jobs: mpsc::Sender<AheadJob>,
+    cancelled: Arc<AtomicBool>,
+    thread: std::thread::JoinHandle<()>,
 }
 
 impl AheadWorker {
     fn start() -> Option<AheadWorker> {
         let (jobs, rx) = mpsc::channel::<AheadJob>();
-        std::thread::Builder::new()
+        let thread = std::thread::Builder::new()
             .name("cuvmm-grow-ahead".into())
             .spawn(move || {
                 for job in rx {
@@ -141,7 +151,25 @@ impl AheadWorker {
                 }
             })
             .ok()?;
-        Some(AheadWorker { jobs })
+        Some(AheadWorker { jobs, cancelled: Arc::new(AtomicBool::new(false)), thread })
+    }
+
+    /// Skips the jobs not started, closes the queue, lets go of the chunks made for `ahead` (those
+    /// still being made are dropped on the thread, which undoes their mapping), and waits for the
+    /// thread: no chunk of the vector is made, or kept, after this returns.
+    fn stop(self, ahead: &mut VecDeque<Ahead>) {
+        self.cancelled.store(true, Ordering::Release);
+        drop(self.jobs);
+        ahead.clear();
+        let _ = self.thread.join();
+    }
+}
+
+impl Drop for RawVmm {
+    fn drop(&mut self) {
+        if let Some(w) = self.worker.take() {
+            w.stop(&mut self.ahead);
+        }
     }
 }
 
@@ -241,6 +269,7 @@ impl RawVmm {
                 offset,
                 size,
                 done,
+                cancelled: worker.cancelled.clone(),
             };
             if worker.jobs.send(job).is_err() {
                 return;
@@ -287,11 +316,19 @@ impl RawVmm {
     /// Maps chunks until at least `need` bytes are mapped. On any failure nothing changes: the
     /// chunks created so far are unmapped and released, and the old mapping is untouched.
     pub fn grow_to(&mut self, need: usize) -> Result<()> {
-        let plan = self.policy.plan(self.mapped, need, self.granularity)?;
+        // The policy's growth past what is needed stops at the end of the reservation: a growth
+        // whose bytes fit stays in place.
+        let room = self.reservation.size() - self.mapped;
+        let mut plan = self.policy.plan_within(self.mapped, need, self.granularity, room)?;
         if plan.is_empty() {
             return Ok(());
         }
-        let total = self.mapped + plan.iter().sum::<usize>();
+        let mut total = self.mapped + plan.iter().sum::<usize>();
+        if total > self.reservation.size() {
+            // What is needed does not fit: the policy's own growth, wherever it goes.
+            plan = self.policy.plan(self.mapped, need, self.granularity)?;
+            total = self.mapped + plan.iter().sum::<usize>();
+        }
         if total > self.reservation.size() && self.importers() > 0 {
             // Importers map each chunk at its offset in a reservation of this one's size: a move
             // is something they could only follow by remapping everything.
@@ -314,7 +351,8 @@ impl RawVmm {
         // The chunks made ahead come first, whatever their sizes; the policy plans what they
         // leave, only if that fits the reservation; else they go and the plan (which fits) is
         // followed as if nothing had been made ahead.
-        let rest = match self.policy.plan(self.mapped + taken, need, self.granularity) {
+        let room = self.reservation.size() - (self.mapped + taken).min(self.reservation.size());
+        let rest = match self.policy.plan_within(self.mapped + taken, need, self.granularity, room) {
             Ok(rest) if self.mapped + taken + rest.iter().sum::<usize>() <= self.reservation.size() => {
                 offset += taken;
                 fresh.extend(ready);
