@@ -346,4 +346,45 @@ fn a_peer_of_another_uid_is_refused() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+const SETUID_CHILD_ENV: &str = "CUVMM_TEST_SETUID_CHILD";
+
+/// Helper for `same_uid_means_the_effective_uid_of_both_sides`: as a set-uid-root program runs
+/// (real uid 65534, effective 0), receives a message from a peer whose effective uid is 0.
+#[test]
+#[ignore = "helper process of same_uid_means_the_effective_uid_of_both_sides; does nothing when run alone"]
+fn setuid_child_helper() {
+    if std::env::var_os(SETUID_CHILD_ENV).is_none() {
+        return;
+    }
+    let (a, b) = UnixStream::pair().unwrap();
+    nix::unistd::setresuid(65534.into(), 0.into(), 0.into()).unwrap();
+    assert_eq!((nix::unistd::getuid().as_raw(), nix::unistd::geteuid().as_raw()), (65534, 0));
+    send(a.as_fd(), &header(WireHandle::Fabric([2; 64])), None).unwrap();
+    let m = recv(b.as_fd(), PeerPolicy::SameUid).expect("a peer of our effective uid is accepted");
+    assert_eq!(m.peer().uid, 0);
+    println!("setuid child: accepted");
+}
+
+#[test]
+fn same_uid_means_the_effective_uid_of_both_sides() {
+    // The child's pipes are descriptors of this process too.
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    if !nix::unistd::geteuid().is_root() {
+        eprintln!("not root: real and effective uids cannot be made to differ here");
+        return;
+    }
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "setuid_child_helper", "--include-ignored", "--nocapture", "--test-threads=1"])
+        .env(SETUID_CHILD_ENV, "1")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && stdout.contains("setuid child: accepted"),
+        "{}\n{stdout}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
 use std::os::unix::process::CommandExt;

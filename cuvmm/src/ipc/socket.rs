@@ -9,7 +9,7 @@ use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 /// Whose messages a receiver accepts.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum PeerPolicy {
-    /// Only a peer running as this process's own user (the default).
+    /// Only a peer running as this process's own user, effective uids compared (the default).
     #[default]
     SameUid,
     /// Only a peer running as this user id.
@@ -75,7 +75,9 @@ pub fn check_peer(sock: BorrowedFd<'_>, policy: PeerPolicy) -> Result<Credential
         .map_err(|errno| Error::Os { call: "getsockopt(SO_PEERCRED)", errno })?;
     let creds = Credentials { pid: c.pid(), uid: c.uid(), gid: c.gid() };
     let allowed = match policy {
-        PeerPolicy::SameUid => creds.uid == nix::unistd::getuid().as_raw(),
+        // SO_PEERCRED gives the peer's effective uid: compare like with like (a set-uid program
+        // runs with real and effective uids apart).
+        PeerPolicy::SameUid => creds.uid == nix::unistd::geteuid().as_raw(),
         PeerPolicy::Uid(u) => creds.uid == u,
         PeerPolicy::AnyUid => true,
     };
