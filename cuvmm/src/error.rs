@@ -96,6 +96,12 @@ impl Error {
         self.code() == Some(code)
     }
 
+    /// Whether an operating-system call found nothing to do yet on a non-blocking socket or one
+    /// with a timeout (`EAGAIN`): try again once it is ready.
+    pub fn is_would_block(&self) -> bool {
+        matches!(self, Error::Os { errno: nix::errno::Errno::EAGAIN, .. })
+    }
+
     /// Whether the driver reported that it ran out of memory.
     pub fn is_out_of_memory(&self) -> bool {
         self.is_code(CUresult::ERROR_OUT_OF_MEMORY)

@@ -1,6 +1,7 @@
 //! `VmmVec` growth on the CPU, against the fake driver's FAKE_VMM device (VMM calls succeed and are
-//! counted): where a growth goes, what it refuses, and that nothing outlives a dropped vector.
-//! One test: the driver and its counters belong to the whole process.
+//! counted): where a growth goes, what it refuses, that nothing outlives a dropped vector, and how
+//! growth reaches importers. The driver, its counters and its settings belong to the whole
+//! process, so the tests take turns.
 
 mod common;
 
@@ -11,6 +12,8 @@ use std::ffi::{c_char, CString};
 use std::os::unix::net::UnixStream;
 
 const MIB: usize = 1 << 20;
+
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 /// The fake's counter of `name`'s calls.
 fn count(lib: &std::path::Path, name: &str) -> i64 {
@@ -41,6 +44,7 @@ fn ahead_threads() -> usize {
 
 #[test]
 fn growth_stays_in_place_when_it_fits_refuses_the_impossible_and_leaves_nothing_behind() {
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let lib = common::fake_driver("FAKE_VMM");
     std::env::set_var(cuvmm::driver::LIBRARY_ENV, &lib);
     driver().expect("the fake driver loads");
@@ -87,4 +91,58 @@ fn growth_stays_in_place_when_it_fits_refuses_the_impossible_and_leaves_nothing_
     assert_eq!(ahead_threads(), 0);
     std::thread::sleep(std::time::Duration::from_millis(300));
     assert_eq!(count(&lib, "cuMemCreate") - created, made, "chunks made after the drop");
+}
+
+/// Growth followed through a socket an event loop made non-blocking, and an importer that stops
+/// reading: neither stalls nor breaks the other side.
+#[test]
+fn an_import_survives_a_non_blocking_socket_and_a_stalled_importer_is_let_go() {
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let lib = common::fake_driver("FAKE_VMM");
+    std::env::set_var(cuvmm::driver::LIBRARY_ENV, &lib);
+    driver().expect("the fake driver loads");
+    let ctx = Context::for_ordinal(0).unwrap();
+    use cuvmm::ipc::wire::{HandleType, Message, Region};
+    use cuvmm::ipc::{send_message, GrowableImport, PeerPolicy, Update};
+    use std::io::Write;
+    use std::os::fd::AsFd;
+
+    let uuid = ctx.device().uuid().unwrap().0;
+    let region =
+        Message::Region(Region::new(HandleType::PosixFd, 64 * MIB as u64, 2 * MIB as u64, uuid, 1).unwrap());
+    let note = Message::Note { tag: 5 }.encode().unwrap();
+    let (a, b) = UnixStream::pair().unwrap();
+    send_message(a.as_fd(), &region, None).unwrap();
+    b.set_nonblocking(true).unwrap();
+    let mut import = GrowableImport::accept(&ctx, b, PeerPolicy::SameUid, 1 << 30, &[]).unwrap();
+    // Nothing yet: "try again", and the import goes on.
+    assert!(import.next_update().unwrap_err().is_would_block());
+    (&a).write_all(&note).unwrap();
+    assert_eq!(import.next_update().unwrap(), Update::Note { tag: 5 });
+    // Part of a frame, then the rest a moment later: the call waits for it.
+    (&a).write_all(&note[..100]).unwrap();
+    let rest = note[100..].to_vec();
+    let writer = std::thread::spawn(move || {
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        (&a).write_all(&rest).unwrap();
+        a
+    });
+    assert_eq!(import.next_update().unwrap(), Update::Note { tag: 5 });
+    drop(writer.join().unwrap());
+    assert_eq!(import.next_update().unwrap(), Update::Closed);
+
+    // An importer that never reads: the exporter's notes go on, and it is let go.
+    let (a, _never_read) = UnixStream::pair().unwrap();
+    let mut v = VmmVec::<u32>::builder(&ctx)
+        .handle_types(HandleTypes::POSIX_FD)
+        .reserve_address_space(1 << 30)
+        .build()
+        .unwrap();
+    v.share_growth(a, 7).unwrap();
+    let t = std::time::Instant::now();
+    for i in 0..100_000u64 {
+        v.notify_importers(i).unwrap();
+    }
+    assert_eq!(v.importer_count(), 0);
+    assert!(t.elapsed() < std::time::Duration::from_secs(10), "{:?}", t.elapsed());
 }

@@ -35,6 +35,11 @@ pub(crate) struct Exports {
 /// A message for every importer, with the fd it carries.
 pub(crate) type Outgoing = Vec<(Message, Option<OwnedFd>)>;
 
+/// How long the exporter waits for an importer's socket to take a message, unless the socket
+/// came with a send timeout of its own: a few thousand messages fit in a socket's buffer, so an
+/// importer reading at all never waits this long.
+pub const SEND_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(1);
+
 impl Exports {
     /// For chunks made by `phys`, of the given granularity. Refuses chunks that cannot be exported.
     pub(crate) fn new(phys: &PhysicalBuilder, granularity: usize) -> Result<Exports> {
@@ -97,8 +102,23 @@ impl Exports {
     }
 
     /// Connects an importer: sends it the region (`capacity` bytes, `tag`) and a grow message for
-    /// each chunk mapped so far. On failure the socket is closed and nothing else changes.
+    /// each chunk mapped so far. On failure the socket is closed and nothing else changes. A
+    /// socket without a send timeout gets [`SEND_TIMEOUT`]: an importer that stops reading is
+    /// disconnected then, instead of stalling the exporter's growth until it exits.
     pub(crate) fn add(&mut self, sock: OwnedFd, capacity: usize, tag: u64, chunks: &[Mapping]) -> Result<()> {
+        use nix::sys::socket::{getsockopt, setsockopt, sockopt::SendTimeout};
+        let none = nix::sys::time::TimeVal::new(0, 0);
+        if getsockopt(&sock, SendTimeout)
+            .map_err(|errno| Error::Os { call: "getsockopt(SO_SNDTIMEO)", errno })?
+            == none
+        {
+            let t = nix::sys::time::TimeVal::new(
+                SEND_TIMEOUT.as_secs() as i64,
+                SEND_TIMEOUT.subsec_micros() as i64,
+            );
+            setsockopt(&sock, SendTimeout, &t)
+                .map_err(|errno| Error::Os { call: "setsockopt(SO_SNDTIMEO)", errno })?;
+        }
         let region = Region::new(self.handle, capacity as u64, self.granularity, self.device_uuid, tag)?;
         send_message(sock.as_fd(), &Message::Region(region), None)?;
         for chunk in chunks {
@@ -110,8 +130,8 @@ impl Exports {
     }
 
     /// Sends `messages` to every importer, in order. An importer that cannot be sent to (it
-    /// exited, or its socket's send timeout expired) is disconnected: its socket is closed, and
-    /// it keeps what it has mapped.
+    /// exited, or its socket's send timeout expired: it stopped reading) is disconnected: its
+    /// socket is closed, and it keeps what it has mapped.
     pub(crate) fn send(&mut self, messages: &[(Message, Option<OwnedFd>)]) {
         self.importers.retain(|sock| {
             messages.iter().all(|(m, fd)| send_message(sock.as_fd(), m, fd.as_ref().map(AsFd::as_fd)).is_ok())
@@ -265,7 +285,10 @@ impl GrowableImport {
     ///
     /// Blocks until a message arrives; to wait with `poll` or an event loop instead, poll this
     /// value's fd ([`AsFd`]) for input first. (A readable socket may hold only part of a message;
-    /// the call then waits for the rest.)
+    /// the call then waits for the rest.) On a non-blocking socket, or one with a receive timeout,
+    /// a call with nothing arrived returns [`Error::Os`] with `EAGAIN`
+    /// ([`Error::is_would_block`]) and changes nothing; any other error ends the import, and
+    /// every later call returns it.
     pub fn next_update(&mut self) -> Result<Update> {
         match &self.state {
             State::Failed(e) => return Err(e.clone()),
@@ -274,6 +297,7 @@ impl GrowableImport {
         }
         let r = self.receive();
         match &r {
+            Err(e) if e.is_would_block() => {}
             Err(e) => self.state = State::Failed(e.clone()),
             Ok(Update::Closed) => self.state = State::Closed,
             Ok(_) => {}

@@ -316,6 +316,11 @@ impl Incoming {
 /// closed the connection before the first byte of a frame: between messages, the end of the
 /// stream. A frame cut short is an [`Error::Protocol`].
 ///
+/// On a non-blocking socket, or one with a receive timeout, nothing having arrived is an
+/// [`Error::Os`] with `EAGAIN` ([`Error::is_would_block`]) and consumes nothing: call again once
+/// the socket is readable. A frame that has begun to arrive is waited for, whatever the socket's
+/// mode, so that no part of it is lost.
+///
 /// Checks each frame on its own (see [`Message::decode`]); whether it fits what came before on
 /// the connection is for the receiver to check, as [`GrowableImport`](super::GrowableImport)
 /// does with a [`RegionLayout`](super::RegionLayout).
@@ -329,6 +334,10 @@ pub fn recv_message(sock: BorrowedFd<'_>, policy: PeerPolicy) -> Result<Option<I
         let chunk = match recv_chunk(sock, &mut buf[got..], &mut fds) {
             Ok(c) => c,
             Err(nix::errno::Errno::EINTR) => continue,
+            Err(nix::errno::Errno::EAGAIN) if got > 0 || !fds.is_empty() => {
+                wait_readable(sock)?;
+                continue;
+            }
             Err(errno) => return Err(Error::Os { call: "recvmsg", errno }),
         };
         if chunk.control_truncated {
@@ -358,6 +367,21 @@ pub fn recv_message(sock: BorrowedFd<'_>, policy: PeerPolicy) -> Result<Option<I
         )));
     }
     Ok(Some(Incoming { message, fd: fds.pop(), peer }))
+}
+
+/// Waits until `sock` has something to read (or has been closed), for as long as it takes.
+fn wait_readable(sock: BorrowedFd<'_>) -> Result<()> {
+    let mut p = libc::pollfd { fd: sock.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+    loop {
+        // SAFETY: one valid pollfd, for the length of the call.
+        if unsafe { libc::poll(&mut p, 1, -1) } >= 0 {
+            return Ok(());
+        }
+        match nix::errno::Errno::last() {
+            nix::errno::Errno::EINTR => continue,
+            errno => return Err(Error::Os { call: "poll", errno }),
+        }
+    }
 }
 
 #[cfg(test)]

@@ -727,8 +727,9 @@ impl<T: DeviceCopy> VmmVec<T> {
     /// may move again, and a later importer reserves the new size.
     ///
     /// Messages are sent on the caller's thread, blocking while an importer's socket buffer is
-    /// full (after some hundreds of messages it has not read). An importer that cannot be sent to
-    /// any more (it exited; or, with `SO_SNDTIMEO` set on its socket, it stopped reading) is
+    /// full (after some hundreds of messages it has not read), for at most the socket's send
+    /// timeout: its own `SO_SNDTIMEO`, or [`SEND_TIMEOUT`](crate::ipc::growth::SEND_TIMEOUT) where
+    /// it had none. An importer that cannot be sent to any more (it exited, or stopped reading) is
     /// disconnected, without failing the growth: its socket is closed and it keeps what it had
     /// mapped. [`importer_count`](Self::importer_count) says how many remain.
     ///
