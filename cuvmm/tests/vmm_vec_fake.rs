@@ -15,6 +15,15 @@ const MIB: usize = 1 << 20;
 
 static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
+/// This test's turn, the fake driver (loaded for the whole process) and its device's context.
+fn fake_device() -> (std::sync::MutexGuard<'static, ()>, std::path::PathBuf, Context) {
+    let turn = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let lib = common::fake_driver("FAKE_VMM");
+    std::env::set_var(cuvmm::driver::LIBRARY_ENV, &lib);
+    driver().expect("the fake driver loads");
+    (turn, lib, Context::for_ordinal(0).unwrap())
+}
+
 /// The fake's counter of `name`'s calls.
 fn count(lib: &std::path::Path, name: &str) -> i64 {
     let path = CString::new(lib.as_os_str().as_encoded_bytes()).unwrap();
@@ -44,11 +53,7 @@ fn ahead_threads() -> usize {
 
 #[test]
 fn growth_stays_in_place_when_it_fits_refuses_the_impossible_and_leaves_nothing_behind() {
-    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let lib = common::fake_driver("FAKE_VMM");
-    std::env::set_var(cuvmm::driver::LIBRARY_ENV, &lib);
-    driver().expect("the fake driver loads");
-    let ctx = Context::for_ordinal(0).unwrap();
+    let (_turn, lib, ctx) = fake_device();
 
     // A growth whose bytes fit the reservation stays there, though the policy would grow past
     // its end: with an importer connected (which cannot follow a move) and without.
@@ -97,11 +102,7 @@ fn growth_stays_in_place_when_it_fits_refuses_the_impossible_and_leaves_nothing_
 /// reading: neither stalls nor breaks the other side.
 #[test]
 fn an_import_survives_a_non_blocking_socket_and_a_stalled_importer_is_let_go() {
-    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let lib = common::fake_driver("FAKE_VMM");
-    std::env::set_var(cuvmm::driver::LIBRARY_ENV, &lib);
-    driver().expect("the fake driver loads");
-    let ctx = Context::for_ordinal(0).unwrap();
+    let (_turn, _, ctx) = fake_device();
     use cuvmm::ipc::wire::{HandleType, Message, Region};
     use cuvmm::ipc::{send_message, GrowableImport, PeerPolicy, Update};
     use std::io::Write;
