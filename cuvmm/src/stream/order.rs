@@ -57,6 +57,7 @@ use crate::driver::{driver, sys::CU_EVENT_DISABLE_TIMING};
 use crate::error::Result;
 use crate::stream::Event;
 use crate::stream::{Stream, StreamInner};
+use std::marker::PhantomData;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -221,6 +222,25 @@ impl<S: Clone, E> State<S, E> {
         Ok(())
     }
 
+    /// Puts back entries taken out whose work was not seen done, merged into any entry their
+    /// stream has gained meanwhile (which then records afresh: it covers both).
+    fn give_back(&mut self, fx: &impl Effects<S, E>, back: impl Iterator<Item = Entry<S, E>>) {
+        for mut e in back {
+            match self.entries.iter().position(|x| fx.id(&x.stream) == fx.id(&e.stream)) {
+                Some(i) => {
+                    let x = &mut self.entries[i];
+                    x.read = union(x.read, e.read);
+                    x.write = union(x.write, e.write);
+                    x.recorded = false;
+                    if let Some(ev) = e.event.take() {
+                        self.spare.push(ev);
+                    }
+                }
+                None => self.entries.push(e),
+            }
+        }
+    }
+
     /// Takes out the entries a host-synchronous `access` to `span` must wait for; the caller waits
     /// for them (outside any lock: see [`Tracker::host_access`]).
     fn take_conflicting(&mut self, span: Span, access: Use) -> Vec<Entry<S, E>> {
@@ -241,6 +261,25 @@ impl<S: Clone, E> State<S, E> {
 fn wait_all<S, E>(fx: &mut impl Effects<S, E>, taken: &[Entry<S, E>]) -> Result<()> {
     for e in taken {
         fx.wait_on_host(&e.stream, e.event.as_ref().filter(|_| e.recorded))?;
+    }
+    Ok(())
+}
+
+/// Waits for `taken`'s work as [`wait_all`] does; when a wait fails, the entries not seen done
+/// (that one and those after it) go back into `state`, so that later accesses still wait for
+/// them. `state` is locked only to give them back.
+fn wait_or_give_back<S: Clone, E>(
+    fx: &mut impl Effects<S, E>,
+    state: &Mutex<State<S, E>>,
+    taken: Vec<Entry<S, E>>,
+) -> Result<()> {
+    let mut rest = taken.into_iter();
+    while let Some(e) = rest.next() {
+        if let Err(err) = fx.wait_on_host(&e.stream, e.event.as_ref().filter(|_| e.recorded)) {
+            let mut st = state.lock().unwrap_or_else(|p| p.into_inner());
+            st.give_back(fx, std::iter::once(e).chain(rest));
+            return Err(err);
+        }
     }
     Ok(())
 }
@@ -372,9 +411,18 @@ impl TurnLock {
 /// same memory wait for it. The turn is per thread and nests: one operation may order several
 /// views of one allocation. Operations on several allocations take their turns in address order
 /// (by address), so two threads never wait for each other.
+///
+/// A turn stays on the thread that took it:
+/// ```compile_fail
+/// fn send<T: Send>() {}
+/// send::<cuvmm::stream::order::Turn<'static>>();
+/// ```
 #[must_use = "hold the turn until the operation it ordered is queued"]
 pub struct Turn<'a> {
     tracker: Option<&'a Tracker>,
+    /// Not `Send`: the turn belongs to the thread that took it (a thread nests its own turns
+    /// without waiting), so a turn moved to another thread would let the first one in beside it.
+    _thread: PhantomData<*const ()>,
 }
 
 impl Drop for Turn<'_> {
@@ -388,7 +436,7 @@ impl Drop for Turn<'_> {
 impl Turn<'_> {
     /// A turn at nothing: for views without a record.
     pub(crate) fn none() -> Turn<'static> {
-        Turn { tracker: None }
+        Turn { tracker: None, _thread: PhantomData }
     }
 }
 
@@ -419,7 +467,7 @@ impl Tracker {
             return Err(crate::driver::callback::refuse("ordering device memory"));
         }
         self.turn.take();
-        Ok(Turn { tracker: Some(self) })
+        Ok(Turn { tracker: Some(self), _thread: PhantomData })
     }
 
     /// Makes `stream` wait for the earlier uses on other streams that conflict with `access` to
@@ -448,7 +496,7 @@ impl Tracker {
             // takes that lock, and may hold up the very stream being waited for. The turn keeps
             // other threads' operations on this memory out meanwhile.
             let taken = self.lock().take_conflicting((start, end), access);
-            wait_all(&mut Cuda, &taken)?;
+            wait_or_give_back(&mut Cuda, &self.state, taken)?;
         }
         Ok(turn)
     }
@@ -522,6 +570,17 @@ mod tests {
         clocks: Vec<Vec<u64>>,
         events: Vec<Vec<u64>>,
         driver_calls: usize,
+        /// Makes the next `wait_on_host` fail, as a context in a sticky error does.
+        fail_next_wait: bool,
+    }
+
+    fn sim() -> Sim {
+        Sim {
+            clocks: vec![vec![0; STREAMS + 1]; STREAMS + 1],
+            events: Vec::new(),
+            driver_calls: 0,
+            fail_next_wait: false,
+        }
     }
 
     const STREAMS: usize = 3;
@@ -558,6 +617,9 @@ mod tests {
         }
         fn wait_on_host(&mut self, stream: &usize, recorded: Option<&usize>) -> Result<()> {
             self.driver_calls += 1;
+            if std::mem::take(&mut self.fail_next_wait) {
+                return Err(crate::error::Error::invalid("the stream's context is in an error state"));
+            }
             let c = match recorded {
                 Some(e) => self.events[*e].clone(),
                 None => self.clocks[*stream].clone(),
@@ -570,8 +632,7 @@ mod tests {
     /// Runs `ops` (who, start, len, write) through the record and the model; returns each op's
     /// clock at completion and the driver calls made.
     fn simulate(ops: &[(usize, u64, u64, bool)]) -> (Vec<Vec<u64>>, usize) {
-        let mut sim =
-            Sim { clocks: vec![vec![0; STREAMS + 1]; STREAMS + 1], events: Vec::new(), driver_calls: 0 };
+        let mut sim = sim();
         let mut st = State::<usize, usize>::default();
         let mut stamps = Vec::new();
         for &(who, start, len, write) in ops {
@@ -589,6 +650,43 @@ mod tests {
             stamps.push(sim.clocks[who].clone());
         }
         (stamps, sim.driver_calls)
+    }
+
+    #[test]
+    fn a_host_wait_that_fails_keeps_every_use_it_did_not_see_done() {
+        let mut sim = sim();
+        let state = Mutex::new(State::<usize, usize>::default());
+        // Streams 0 and 1 write disjoint halves; a host read of both must wait for both.
+        state.lock().unwrap().device_access(&mut sim, &0, (0, 10), Use::Write).unwrap();
+        state.lock().unwrap().device_access(&mut sim, &1, (10, 20), Use::Write).unwrap();
+        sim.clocks[0][0] += 1;
+        sim.clocks[1][1] += 1;
+        let taken = state.lock().unwrap().take_conflicting((0, 20), Use::Read);
+        assert_eq!(taken.len(), 2);
+        sim.fail_next_wait = true;
+        assert!(wait_or_give_back(&mut sim, &state, taken).is_err());
+        // Neither was seen done: both are still recorded, and the next host access waits for both.
+        assert_eq!(state.lock().unwrap().entries.len(), 2);
+        let taken = state.lock().unwrap().take_conflicting((0, 20), Use::Read);
+        wait_or_give_back(&mut sim, &state, taken).unwrap();
+        assert!(sim.clocks[HOST][0] >= 1 && sim.clocks[HOST][1] >= 1, "{:?}", sim.clocks[HOST]);
+        assert!(state.lock().unwrap().entries.is_empty());
+    }
+
+    #[test]
+    fn entries_given_back_merge_into_their_streams_later_use() {
+        let mut sim = sim();
+        let state = Mutex::new(State::<usize, usize>::default());
+        state.lock().unwrap().device_access(&mut sim, &0, (0, 10), Use::Write).unwrap();
+        let taken = state.lock().unwrap().take_conflicting((0, 10), Use::Read);
+        // Meanwhile stream 0 was used again elsewhere.
+        state.lock().unwrap().device_access(&mut sim, &0, (50, 60), Use::Read).unwrap();
+        sim.fail_next_wait = true;
+        assert!(wait_or_give_back(&mut sim, &state, taken).is_err());
+        let st = state.lock().unwrap();
+        assert_eq!(st.entries.len(), 1);
+        assert_eq!((st.entries[0].write, st.entries[0].read), (Some((0, 10)), Some((50, 60))));
+        assert!(!st.entries[0].recorded);
     }
 
     proptest::proptest! {
