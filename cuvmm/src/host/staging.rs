@@ -380,6 +380,18 @@ impl Shared {
     }
 }
 
+/// Runs its closure when dropped during a panic, and not otherwise: what a panic on a path must
+/// still do.
+struct OnUnwind<F: FnMut()>(F);
+
+impl<F: FnMut()> Drop for OnUnwind<F> {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            (self.0)();
+        }
+    }
+}
+
 /// The issuing thread's view of a transfer to the device: which chunk has which slot, which
 /// chunks have their DMA queued, and which slots wait for their DMA to complete.
 ///
@@ -568,35 +580,39 @@ impl Staging {
         let src_addr = Addr(src.as_ptr() as usize);
         let api = driver()?.api();
         let events = &self.events;
-        let fill = || loop {
-            let Some(p) = shared.claim(plan.pieces) else { return };
-            marks.piece_taken();
-            let (j, at, len) = plan.piece(p);
-            let mut s = NO_SLOT;
-            let slotted = shared.wait_until(|| {
-                s = shared.slot_of[j].load(Ordering::Acquire);
-                s != NO_SLOT
-            });
-            if slotted.is_err() {
-                return;
-            }
-            // SAFETY: these bytes of `src` (borrowed for this call; `T` has no padding) go to
-            // their place in slot s, which no DMA uses until chunk j is complete (the slot's last
-            // DMA completed before it was given to chunk j), and which no other thread touches
-            // meanwhile (pieces are disjoint).
-            let (from, to) = unsafe {
-                (
-                    std::slice::from_raw_parts((src_addr.0 + j * plan.chunk + at) as *const u8, len),
-                    std::slice::from_raw_parts_mut((slots[s].0 + at) as *mut u8, len),
-                )
-            };
-            if plan.streamed(j * plan.chunk + at) {
-                copy_streaming(to, from);
-            } else {
-                to.copy_from_slice(from);
-            }
-            if shared.piece_done(j, plan.pieces_in(j)) {
-                marks.mark(j, Step::Filled);
+        let fill = || {
+            // A copying thread that panicked would leave its pieces undone for ever.
+            let _abandon = OnUnwind(|| shared.fail(Error::invalid("a staging thread panicked")));
+            loop {
+                let Some(p) = shared.claim(plan.pieces) else { return };
+                marks.piece_taken();
+                let (j, at, len) = plan.piece(p);
+                let mut s = NO_SLOT;
+                let slotted = shared.wait_until(|| {
+                    s = shared.slot_of[j].load(Ordering::Acquire);
+                    s != NO_SLOT
+                });
+                if slotted.is_err() {
+                    return;
+                }
+                // SAFETY: these bytes of `src` (borrowed for this call; `T` has no padding) go to
+                // their place in slot s, which no DMA uses until chunk j is complete (the slot's last
+                // DMA completed before it was given to chunk j), and which no other thread touches
+                // meanwhile (pieces are disjoint).
+                let (from, to) = unsafe {
+                    (
+                        std::slice::from_raw_parts((src_addr.0 + j * plan.chunk + at) as *const u8, len),
+                        std::slice::from_raw_parts_mut((slots[s].0 + at) as *mut u8, len),
+                    )
+                };
+                if plan.streamed(j * plan.chunk + at) {
+                    copy_streaming(to, from);
+                } else {
+                    to.copy_from_slice(from);
+                }
+                if shared.piece_done(j, plan.pieces_in(j)) {
+                    marks.mark(j, Step::Filled);
+                }
             }
         };
         let issue = || -> Result<()> {
@@ -651,6 +667,8 @@ impl Staging {
             }
             Ok(())
         };
+        // Also if this thread panics: no DMA may use the slots once the panic has left here.
+        let _confirm = OnUnwind(|| drop(crate::stream::confirm(stream)));
         self.pool.run(
             &fill,
             || {
@@ -699,39 +717,42 @@ impl Staging {
         let dst_addr = Addr(dst.as_mut_ptr() as usize);
         let api = driver()?.api();
         let events = &self.events;
-        let drain = || loop {
-            let Some(p) = shared.claim(plan.pieces) else { return };
-            marks.piece_taken();
-            let (j, at, len) = plan.piece(p);
-            if shared.wait_until(|| shared.issued[j].load(Ordering::Acquire)).is_err() {
-                return;
-            }
-            // Published before `issued[j]`, which the wait acquired.
-            let s = shared.slot_of[j].load(Ordering::Relaxed);
-            // The event was recorded after chunk j's DMA, before `issued[j]` was published, and is
-            // not recorded again until every piece of chunk j is drained.
-            if !shared.landed[j].load(Ordering::Acquire) {
-                if let Err(e) = events[s].synchronize() {
-                    shared.fail(e);
+        let drain = || {
+            let _abandon = OnUnwind(|| shared.fail(Error::invalid("a staging thread panicked")));
+            loop {
+                let Some(p) = shared.claim(plan.pieces) else { return };
+                marks.piece_taken();
+                let (j, at, len) = plan.piece(p);
+                if shared.wait_until(|| shared.issued[j].load(Ordering::Acquire)).is_err() {
                     return;
                 }
-                shared.landed[j].store(true, Ordering::Release);
-                marks.mark(j, Step::Landed);
-            }
-            // SAFETY: slot s holds chunk j (its DMA completed); these bytes of `dst` (borrowed
-            // mutably for this call) are touched by this thread alone (pieces are disjoint). Any
-            // bytes are a valid T.
-            let (from, to) = unsafe {
-                (
-                    std::slice::from_raw_parts((slots[s].0 + at) as *const u8, len),
-                    std::slice::from_raw_parts_mut((dst_addr.0 + j * plan.chunk + at) as *mut u8, len),
-                )
-            };
-            copy_streaming(to, from);
-            if shared.piece_done(j, plan.pieces_in(j)) {
-                marks.mark(j, Step::Drained);
-                // Every piece's read of the slot happened before the count that found it drained.
-                shared.slot_free[s].store(true, Ordering::Release);
+                // Published before `issued[j]`, which the wait acquired.
+                let s = shared.slot_of[j].load(Ordering::Relaxed);
+                // The event was recorded after chunk j's DMA, before `issued[j]` was published, and is
+                // not recorded again until every piece of chunk j is drained.
+                if !shared.landed[j].load(Ordering::Acquire) {
+                    if let Err(e) = events[s].synchronize() {
+                        shared.fail(e);
+                        return;
+                    }
+                    shared.landed[j].store(true, Ordering::Release);
+                    marks.mark(j, Step::Landed);
+                }
+                // SAFETY: slot s holds chunk j (its DMA completed); these bytes of `dst` (borrowed
+                // mutably for this call) are touched by this thread alone (pieces are disjoint). Any
+                // bytes are a valid T.
+                let (from, to) = unsafe {
+                    (
+                        std::slice::from_raw_parts((slots[s].0 + at) as *const u8, len),
+                        std::slice::from_raw_parts_mut((dst_addr.0 + j * plan.chunk + at) as *mut u8, len),
+                    )
+                };
+                copy_streaming(to, from);
+                if shared.piece_done(j, plan.pieces_in(j)) {
+                    marks.mark(j, Step::Drained);
+                    // Every piece's read of the slot happened before the count that found it drained.
+                    shared.slot_free[s].store(true, Ordering::Release);
+                }
             }
         };
         let issue = || -> Result<()> {
@@ -766,6 +787,7 @@ impl Staging {
             }
             Ok(())
         };
+        let _confirm = OnUnwind(|| drop(crate::stream::confirm(stream)));
         self.pool.run(
             &drain,
             || {
@@ -1057,6 +1079,27 @@ mod tests {
             assert_eq!(here, round);
             assert_eq!(ran.load(Ordering::SeqCst), 3, "every thread ran the job once, and is done");
         }
+    }
+
+    #[test]
+    fn a_copying_thread_that_panics_abandons_the_transfer_instead_of_leaving_it_waiting() {
+        // As the transfers use it: the job fails the transfer while unwinding, so the issuing
+        // thread's wait for its pieces ends, and the panic is passed on after the threads are done.
+        let pool = Pool::new(2).unwrap();
+        let shared = Shared::new(1, 1, |_| Some(0));
+        let job = || {
+            let _abandon = OnUnwind(|| shared.fail(Error::invalid("a staging thread panicked")));
+            panic!("a copying thread");
+        };
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            pool.run(&job, || shared.wait_until(|| false), || {})
+        }));
+        assert!(r.is_err(), "the thread's panic is passed on");
+        assert!(shared.outcome(Ok(())).unwrap_err().to_string().contains("panicked"));
+        // Without a panic the guard does nothing.
+        let calm = Shared::new(1, 1, |_| Some(0));
+        drop(OnUnwind(|| calm.fail(Error::invalid("never"))));
+        assert!(calm.outcome(Ok(())).is_ok());
     }
 
     #[test]
