@@ -260,19 +260,24 @@ impl SubAllocation {
     /// other blocks (see [`CachingAllocator`]'s section on sharing). Once shared, the block's
     /// memory is released rather than cached when it is dropped.
     pub fn share(&self, sock: BorrowedFd<'_>, tag: u64) -> Result<WireHandle> {
-        let mut st = lock(&self.cache.state);
-        let c = st.chunk_mut(self.block.chunk);
-        if !owns_whole_chunk(self.block, self.size, c.alloc.len()) {
-            return Err(Error::invalid(format!(
-                "this {}-byte block shares a {}-byte physical allocation with other blocks, all of which \
-                 its importer could reach; allocate it with CachingAllocator::allocate_shareable",
-                self.size,
-                c.alloc.len()
-            )));
-        }
-        // Marked before sending: if the send fails part-way the peer may hold the handle anyway.
-        c.exported = true;
-        c.alloc.share(sock, 0, self.size, tag)
+        let phys = {
+            let mut st = lock(&self.cache.state);
+            let c = st.chunk_mut(self.block.chunk);
+            if !owns_whole_chunk(self.block, self.size, c.alloc.len()) {
+                return Err(Error::invalid(format!(
+                    "this {}-byte block shares a {}-byte physical allocation with other blocks, all of \
+                     which its importer could reach; allocate it with CachingAllocator::allocate_shareable",
+                    self.size,
+                    c.alloc.len()
+                )));
+            }
+            // Marked before sending: if the send fails part-way the peer may hold the handle anyway.
+            c.exported = true;
+            c.alloc.physical().clone()
+        };
+        // Sent without the cache's lock: the export asks the driver and the send may block for as
+        // long as the peer does not read. The block (`&self`) keeps its chunk alive meanwhile.
+        crate::ipc::share(sock, &phys, 0, self.size, tag)
     }
 }
 
