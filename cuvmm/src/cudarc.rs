@@ -39,11 +39,13 @@
 //! ```
 
 use crate::context::Context;
+use crate::driver::sys::CUdeviceptr;
 use crate::error::{Error, Result};
 use crate::memory::{DeviceSlice, DeviceSliceMut};
 use crate::stream::Stream;
 use crate::vmm::VmmVec;
 use crate::DeviceCopy;
+use ::cudarc::driver::{LaunchArgs, PushKernelArg};
 use std::sync::Arc;
 
 impl Context {
@@ -80,11 +82,62 @@ impl Stream {
     }
 }
 
-// SAFETY: `DeviceSlice` is `repr(C)` with the device address as its first field, so the bytes a
-// kernel parameter of pointer type reads from the argument's address are that address. Launching
-// is `unsafe` in cudarc: the caller vouches that the kernel stays within the view.
-unsafe impl<T: DeviceCopy> ::cudarc::driver::DeviceRepr for DeviceSlice<'_, T> {}
+/// Pushes the device address `addr` (a field of a view or vector borrowed for `'b`) as a kernel
+/// argument of pointer type.
+#[inline(always)]
+fn push_addr<'a, 'b: 'a>(args: &mut LaunchArgs<'a>, addr: &'b CUdeviceptr) {
+    <LaunchArgs<'a> as PushKernelArg<&'b CUdeviceptr>>::arg(args, addr);
+}
+
+// Views and vectors are kernel arguments through these impls and not as `DeviceRepr`: that trait
+// also lets cudarc's safe copies rebuild values of the type from device bytes, which for an owner
+// (`VmmVec`) or a unique view (`DeviceSliceMut`) would make a second one.
+//
+// What is pushed is the device address, a `CUdeviceptr` inside the argument, which is borrowed
+// for 'b and so outlives the builder; a kernel parameter of pointer type reads exactly those
+// bytes. Launching is `unsafe` in cudarc: the caller vouches that the kernel stays within the view.
+
+// SAFETY: see above.
+unsafe impl<'a, 'b: 'a, 'c, T: DeviceCopy> PushKernelArg<&'b DeviceSlice<'c, T>> for LaunchArgs<'a> {
+    #[inline(always)]
+    fn arg(&mut self, arg: &'b DeviceSlice<'c, T>) -> &mut Self {
+        push_addr(self, arg.addr_ref());
+        self
+    }
+}
+
 // SAFETY: as above.
-unsafe impl<T: DeviceCopy> ::cudarc::driver::DeviceRepr for DeviceSliceMut<'_, T> {}
-// SAFETY: as above: `VmmVec` is `repr(C)` with its first element's address first.
-unsafe impl<T: DeviceCopy> ::cudarc::driver::DeviceRepr for VmmVec<T> {}
+unsafe impl<'a, 'b: 'a, 'c, T: DeviceCopy> PushKernelArg<&'b DeviceSliceMut<'c, T>> for LaunchArgs<'a> {
+    #[inline(always)]
+    fn arg(&mut self, arg: &'b DeviceSliceMut<'c, T>) -> &mut Self {
+        push_addr(self, arg.addr_ref());
+        self
+    }
+}
+
+// SAFETY: as above.
+unsafe impl<'a, 'b: 'a, 'c, T: DeviceCopy> PushKernelArg<&'b mut DeviceSliceMut<'c, T>> for LaunchArgs<'a> {
+    #[inline(always)]
+    fn arg(&mut self, arg: &'b mut DeviceSliceMut<'c, T>) -> &mut Self {
+        push_addr(self, arg.addr_ref());
+        self
+    }
+}
+
+// SAFETY: as above.
+unsafe impl<'a, 'b: 'a, T: DeviceCopy> PushKernelArg<&'b VmmVec<T>> for LaunchArgs<'a> {
+    #[inline(always)]
+    fn arg(&mut self, arg: &'b VmmVec<T>) -> &mut Self {
+        push_addr(self, arg.addr_ref());
+        self
+    }
+}
+
+// SAFETY: as above.
+unsafe impl<'a, 'b: 'a, T: DeviceCopy> PushKernelArg<&'b mut VmmVec<T>> for LaunchArgs<'a> {
+    #[inline(always)]
+    fn arg(&mut self, arg: &'b mut VmmVec<T>) -> &mut Self {
+        push_addr(self, arg.addr_ref());
+        self
+    }
+}

@@ -53,3 +53,27 @@ fn a_cudarc_kernel_over_a_vmmvec_is_ordered_with_cuvmm_work_on_other_streams() {
     scope(|s| s.copy_to_host(&again, view_after.as_slice(), &mut host)?.wait().map(|_| ())).unwrap();
     assert_eq!(host, [3; 4]);
 }
+
+/// `DeviceRepr` would let cudarc's safe copies (`clone_htod`, `clone_dtoh`) rebuild a `VmmVec` or
+/// a writable view from device bytes: a second owner of the same memory. cuvmm's types are
+/// kernel arguments through `PushKernelArg` instead, and must not be `DeviceRepr`.
+#[test]
+fn cuvmm_owners_and_views_are_not_values_cudarc_may_copy() {
+    use std::marker::PhantomData;
+    struct Probe<T>(PhantomData<T>);
+    trait NotRepr {
+        fn is_repr(&self) -> bool {
+            false
+        }
+    }
+    impl<T> NotRepr for Probe<T> {}
+    impl<T: cudarc::driver::DeviceRepr> Probe<T> {
+        fn is_repr(&self) -> bool {
+            true
+        }
+    }
+    assert!(Probe::<u64>(PhantomData).is_repr(), "the probe tells a DeviceRepr type");
+    assert!(!Probe::<VmmVec<u32>>(PhantomData).is_repr());
+    assert!(!Probe::<cuvmm::DeviceSlice<'static, u32>>(PhantomData).is_repr());
+    assert!(!Probe::<cuvmm::DeviceSliceMut<'static, u32>>(PhantomData).is_repr());
+}

@@ -95,7 +95,6 @@ fn sub_range(len: usize, r: &Range<usize>) -> Result<()> {
 /// The borrow keeps the memory mapped for as long as the view exists on the host; device work
 /// queued through it stays safe afterwards because cuvmm's owners synchronise before they unmap.
 #[derive(Clone, Copy, Debug)]
-#[repr(C)] // the address first: a view is a kernel argument for cudarc (feature `cudarc`)
 pub struct DeviceSlice<'a, T> {
     ptr: CUdeviceptr,
     len: usize,
@@ -105,12 +104,27 @@ pub struct DeviceSlice<'a, T> {
 
 /// A borrowed, writable view of device memory.
 #[derive(Debug)]
-#[repr(C)] // as `DeviceSlice`
 pub struct DeviceSliceMut<'a, T> {
     ptr: CUdeviceptr,
     len: usize,
     order: Option<&'a Tracker>,
     _m: PhantomData<&'a mut [T]>,
+}
+
+#[cfg(feature = "cudarc")]
+impl<T> DeviceSlice<'_, T> {
+    /// The field holding the device address, for cudarc's launch builder (see `crate::cudarc`).
+    pub(crate) fn addr_ref(&self) -> &CUdeviceptr {
+        &self.ptr
+    }
+}
+
+#[cfg(feature = "cudarc")]
+impl<T> DeviceSliceMut<'_, T> {
+    /// As [`DeviceSlice::addr_ref`].
+    pub(crate) fn addr_ref(&self) -> &CUdeviceptr {
+        &self.ptr
+    }
 }
 
 impl<'a, T: DeviceCopy> DeviceSlice<'a, T> {

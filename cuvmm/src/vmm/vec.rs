@@ -471,7 +471,6 @@ impl RawVmm {
 /// println!("{} elements, {} bytes mapped", v.len(), v.mapped_bytes());
 /// # Ok(()) }
 /// ```
-#[repr(C)] // `base` first: the vector is a kernel argument for cudarc (feature `cudarc`)
 pub struct VmmVec<T: DeviceCopy> {
     /// The first element's address, `raw.base()` kept at hand.
     base: CUdeviceptr,
@@ -539,6 +538,15 @@ impl<T: DeviceCopy> VmmVecBuilder<T> {
         };
         let raw = RawVmm::new(self.phys, self.policy, reserve, self.create_ahead)?;
         Ok(VmmVec { base: raw.base(), raw, len: 0, order: Tracker::new(), _t: PhantomData })
+    }
+}
+
+#[cfg(feature = "cudarc")]
+impl<T: DeviceCopy> VmmVec<T> {
+    /// The field holding the first element's address, for cudarc's launch builder (see
+    /// `crate::cudarc`).
+    pub(crate) fn addr_ref(&self) -> &CUdeviceptr {
+        &self.base
     }
 }
 
