@@ -10,6 +10,10 @@ use crate::error::{Error, Result};
 use crate::stream::Stream;
 use std::ffi::{c_void, CString};
 
+/// Zero bytes after the PTX text: more than the driver reads of an image's start before it knows
+/// what it holds (8 bytes of a 5-byte text, about 20 of one that looks like an ELF file).
+const IMAGE_SLACK: usize = 64;
+
 /// A loaded module (`cuModuleLoadData`). Unloaded on drop, after the context's work is done.
 pub struct Module {
     ctx: Context,
@@ -23,12 +27,25 @@ unsafe impl Send for Module {}
 unsafe impl Sync for Module {}
 
 impl Module {
-    /// JIT-compiles and loads PTX text.
+    /// JIT-compiles and loads PTX text. Text that starts as a compiled image would (an ELF
+    /// cubin) is refused: it is not PTX, and the driver would parse it as one.
     pub fn from_ptx(ctx: &Context, ptx: &str) -> Result<Module> {
-        let image = CString::new(ptx).map_err(|_| Error::invalid("PTX text contains a NUL byte"))?;
+        if ptx.contains('\0') {
+            return Err(Error::invalid("PTX text contains a NUL byte"));
+        }
+        if ptx.as_bytes().starts_with(b"\x7fELF") {
+            return Err(Error::invalid("not PTX text: it starts as an ELF image (a cubin) does"));
+        }
+        // `cuModuleLoadData` takes no length: it reads the first bytes to tell PTX from other
+        // images, some tens of bytes even of a shorter text (measured with driver 580), so zeroes
+        // follow the NUL to keep that read inside the buffer.
+        let mut image = Vec::with_capacity(ptx.len() + IMAGE_SLACK);
+        image.extend_from_slice(ptx.as_bytes());
+        image.resize(ptx.len() + IMAGE_SLACK, 0);
         ctx.bind()?;
         let mut raw: CUmodule = std::ptr::null_mut();
-        // SAFETY: out-pointer valid; the image is NUL-terminated PTX text that outlives the call.
+        // SAFETY: out-pointer valid; the image is NUL-terminated PTX text, followed by zeroes
+        // further than the driver looks ahead, and outlives the call.
         unsafe { driver()?.api().cuModuleLoadData(&mut raw, image.as_ptr().cast()) }?;
         Ok(Module { ctx: ctx.clone(), raw })
     }

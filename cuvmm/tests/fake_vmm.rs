@@ -1,6 +1,7 @@
-//! `VmmVec` growth on the CPU, against the fake driver's FAKE_VMM device (VMM calls succeed and are
-//! counted): where a growth goes, what it refuses, that nothing outlives a dropped vector, and how
-//! growth reaches importers. The driver, its counters and its settings belong to the whole
+//! The library on the CPU, against the fake driver's FAKE_VMM device (VMM calls succeed and are
+//! counted): where a `VmmVec` growth goes, what it refuses, that nothing outlives a dropped
+//! vector, how growth reaches importers, a `CachingAllocator` sharing over a slow socket, and what
+//! `Module::from_ptx` refuses. The driver, its counters and its settings belong to the whole
 //! process, so the tests take turns.
 
 mod common;
@@ -146,4 +147,82 @@ fn an_import_survives_a_non_blocking_socket_and_a_stalled_importer_is_let_go() {
     }
     assert_eq!(v.importer_count(), 0);
     assert!(t.elapsed() < std::time::Duration::from_secs(10), "{:?}", t.elapsed());
+}
+
+#[test]
+fn sharing_a_block_over_a_slow_socket_holds_up_no_other_allocation() {
+    use cuvmm::alloc::{CachingAllocator, ExportMode, PeerAllocator};
+    use std::io::Write;
+    use std::os::fd::AsFd;
+    use std::time::Duration;
+    let (_turn, _, ctx) = fake_device();
+    let cache =
+        CachingAllocator::new(PeerAllocator::new(&ctx, &[], ExportMode::PosixFd).unwrap(), 2 * MIB).unwrap();
+    // A peer that does not read yet: the share's send waits until it does.
+    let (a, b) = UnixStream::pair().unwrap();
+    a.set_nonblocking(true).unwrap();
+    while (&a).write(&[0u8; 4096]).is_ok() {}
+    a.set_nonblocking(false).unwrap();
+    let block = cache.allocate_shareable(1).unwrap();
+    let sharing = std::thread::spawn(move || block.share(a.as_fd(), 7).map(|_| ()));
+    std::thread::sleep(Duration::from_millis(200));
+    assert!(!sharing.is_finished(), "the send did not wait for the peer");
+    // Meanwhile every other use of the cache goes on.
+    let (tx, rx) = std::sync::mpsc::channel();
+    let other = cache.clone();
+    std::thread::spawn(move || {
+        let small = other.allocate(512).map(|b| b.len());
+        let _ = tx.send((small, other.stats().in_use));
+    });
+    let (small, in_use) = rx.recv_timeout(Duration::from_secs(10)).expect("the cache is held by a send");
+    assert_eq!(small.unwrap(), 512);
+    assert!(in_use >= 2 * MIB);
+    drop(b); // the peer goes: the send fails, and the block is released as shared memory is
+    assert!(sharing.join().unwrap().is_err());
+    cache.trim();
+    assert_eq!(cache.stats().in_use, 0);
+}
+
+#[test]
+fn a_module_is_loaded_from_ptx_text_only() {
+    let (_turn, lib, ctx) = fake_device();
+    let loads = || count(&lib, "cuModuleLoadData");
+    let before = loads();
+    // Text that starts as an ELF image is not PTX: refused before the driver parses it as one.
+    for text in ["\x7fELF", "\x7fELF\x02\x01\x01 whatever follows"] {
+        let e = cuvmm::module::Module::from_ptx(&ctx, text).err().expect("refused");
+        assert!(e.to_string().contains("ELF"), "{e}");
+    }
+    assert!(cuvmm::module::Module::from_ptx(&ctx, "a\0b").is_err());
+    assert_eq!(loads(), before);
+    let m = cuvmm::module::Module::from_ptx(&ctx, ".version 8.0\n.target sm_90\n.address_size 64\n");
+    assert!(m.is_ok());
+    assert_eq!(loads(), before + 1);
+}
+
+#[test]
+fn inside_a_host_function_the_driver_is_neither_loaded_nor_asked_for_error_text() {
+    use cuvmm::driver::sys::CUresult;
+    let (_turn, _, ctx) = fake_device();
+    let d = driver().unwrap();
+    let no_device = CUresult(100);
+    let outside = d.api().check("cuTest", no_device).unwrap_err().to_string();
+    assert!(outside.contains("no CUDA-capable device is detected"), "{outside}");
+    let stream = cuvmm::Stream::new(&ctx).unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    // The fake driver runs a host function at once, on this thread.
+    stream
+        .launch_host_fn(move || {
+            let load = cuvmm::driver::Driver::load_default();
+            let checked = d.api().check("cuTest", no_device);
+            let _ = tx.send((load.err().map(|e| e.to_string()), checked.unwrap_err().to_string()));
+        })
+        .unwrap();
+    let (load, inside) = rx.recv().unwrap();
+    let load = load.expect("loading the driver is refused");
+    assert!(load.contains("host function"), "{load}");
+    assert!(
+        inside.contains("CUDA_ERROR_NO_DEVICE") && !inside.contains("no CUDA-capable device"),
+        "{inside}"
+    );
 }

@@ -174,11 +174,21 @@ impl Api {
     }
 
     /// Turns a status into a `Result`, naming the call and the driver's name and text for the code.
+    /// Inside a stream host function, where no driver call may be made, the name is cuvmm's own
+    /// for the codes it knows, and the driver is not asked for its text.
     pub fn check(&self, call: &'static str, rc: CUresult) -> Result<()> {
         if rc.is_success() {
             return Ok(());
         }
         let fallback = || rc.known_name().map_or_else(|| format!("CUresult {}", rc.0), str::to_owned);
+        if super::callback::in_host_function() {
+            return Err(Error::Driver {
+                call,
+                code: rc,
+                name: fallback(),
+                description: "(not asked of the driver inside a host function)".to_owned(),
+            });
+        }
         Err(Error::Driver {
             call,
             code: rc,
