@@ -15,7 +15,8 @@ output and a checksum per weight are the reference. Then, --reps times:
   memory (untagged tensors through the same allocator under cuvmm, PyTorch's own allocator under
   cuvmm-pool), writes it, frees it and empties the caches; none of it may land on a sleeping
   address; wake both; the cache, whose contents were discarded, is filled again as at the
-  start; the weight checksums and the graph's output must equal the reference bit for bit.
+  start; the weights (byte for byte against their copy taken before the sleep) and the graph's
+  output must equal the reference bit for bit, checked before any bound copy writes the weights.
   A second sleep of the sleeping weights and a wake of the woken cache must be refused.
   Allocating under a sleeping tag is left out: cuvmm refuses it with NULL, which PyTorch turns
   into an exception only under a MemPool; under change_current_allocator it makes a tensor at
@@ -189,6 +190,16 @@ def main():
             w.view(-1).view(torch.uint8).copy_(host[off:off + nb], non_blocking=True)
             off += nb
 
+    def weights_equal_host():
+        """Every weight byte for byte against `host` (what d2h copied before the sleep)."""
+        off = 0
+        for w in weights:
+            nb = w.numel() * 2
+            if not torch.equal(w.view(-1).view(torch.uint8), host[off:off + nb].to(dev)):
+                return False
+            off += nb
+        return True
+
     d2h()  # warm-up of the bounds; the host buffer is kept for the bounds of every rep
     h2d()
     torch.cuda.synchronize()
@@ -246,6 +257,13 @@ def main():
         t5 = time.perf_counter()
         tw2, tc2 = cuvmm_torch.tag_stats("weights"), cuvmm_torch.tag_stats("cache")
         second_wake_refused = refused(lambda: cuvmm_torch.wake("cache"))
+        # What the wake restored, checked before any bound copy writes the weights again: every
+        # weight byte for byte against the copy taken before the sleep, and the graph's output.
+        weights_ok = weights_equal_host() and checksums() == ref_sums
+        fill_cache()
+        g.replay()
+        torch.cuda.synchronize()
+        out_ok = torch.equal(static_y, ref_y)
         h2d_s = timed(h2d)
         # The bound again in the wake's conditions: right after the same other user's frees
         # (and pause), during which the driver's own work after large frees slows any copy.
@@ -253,11 +271,6 @@ def main():
         time.sleep(args.settle_ms / 1e3)
         h2d_after_frees_s = timed(h2d)
 
-        fill_cache()
-        sums_ok = checksums() == ref_sums
-        g.replay()
-        torch.cuda.synchronize()
-        out_ok = torch.equal(static_y, ref_y)
         reps.append({
             "tagged_mapped_before": tagged_bytes, "free_rise": free1 - free0,
             "free_rise_over_tagged": (free1 - free0) / tagged_bytes if tagged_bytes else None,
@@ -267,12 +280,12 @@ def main():
             "sleep_offload_s": t1 - t0, "sleep_discard_s": t2 - t1, "d2h_bound_s": d2h_s, "h2d_bound_s": h2d_s,
             "h2d_bound_after_frees_s": h2d_after_frees_s,
             "wake_weights_s": t4 - t3, "wake_cache_s": t5 - t4,
-            "weights_intact": sums_ok, "graph_output_identical": out_ok,
+            "weights_intact": weights_ok, "graph_output_identical": out_ok,
             "second_sleep_refused": second_sleep_refused, "second_wake_refused": second_wake_refused,
         })
         print(f"rep {rep}: sleep offload {t1 - t0:.3f}s (bound {d2h_s:.3f}s) discard {(t2 - t1) * 1e3:.1f}ms "
               f"wake {t4 - t3:.3f}s (bound {h2d_s:.3f}s, after frees {h2d_after_frees_s:.3f}s) + {(t5 - t4) * 1e3:.1f}ms, freed {(free1 - free0) / GiB:.2f} GiB "
-              f"of {tagged_bytes / GiB:.2f}, intact={sums_ok and out_ok}", file=sys.stderr, flush=True)
+              f"of {tagged_bytes / GiB:.2f}, intact={weights_ok and out_ok}", file=sys.stderr, flush=True)
 
     def all_reps(pred):
         return all(pred(r) for r in reps)

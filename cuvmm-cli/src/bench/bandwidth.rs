@@ -303,6 +303,9 @@ impl Turns<'_> {
             r?;
             let h2d = gbs(size, t.as_secs_f64());
             keep(0, staging, rep);
+            // Zeroes (the sources never hold one), so that the check of the last round trip sees
+            // what this transfer wrote and not what an earlier copy left there.
+            dst.fill(0);
             self.evictor.evict();
             pause(self.idle);
             let (r, t) = timed(|| staging.to_host(self.s1, self.dev.as_slice().slice(0..size)?, dst));

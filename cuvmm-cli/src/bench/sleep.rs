@@ -199,10 +199,13 @@ pub fn run(ctx: &Context, bytes: usize, block: usize, reps: usize) -> Result<Sle
 
         let t = Instant::now();
         alloc.sleep(tag, SleepMode::Discard)?;
-        disc.push(ms(t));
+        let took = ms(t);
         let t = Instant::now();
         alloc.wake(tag)?;
-        dwake.push(ms(t));
+        if rep > 0 {
+            disc.push(took);
+            dwake.push(ms(t));
+        }
     }
     r.d2h_bound_ms = median(&d2h);
     r.h2d_bound_ms = median(&h2d);

@@ -1140,9 +1140,7 @@ impl<S: Side> Slot<S> {
                     total_ms: median(&self.totals_ms),
                     peak_physical: self.peaks.iter().copied().max().unwrap_or(0),
                     pages_moved: (!self.moved.is_empty()).then(|| {
-                        let mut m = self.moved.clone();
-                        m.sort_unstable();
-                        m[m.len() / 2]
+                        median(&self.moved.iter().map(|&n| n as f64).collect::<Vec<_>>()).round() as u64
                     }),
                 })
             }

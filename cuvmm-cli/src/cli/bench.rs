@@ -968,7 +968,8 @@ pub(super) fn print_ipc(
             "{}",
             json!({"bench": "ipc", "device": name, "size": size, "processes": r.children,
                    "cuvmm": path(&r.cuvmm), "raw": path(&r.raw),
-                   "ratio_export_to_mapped": r.ratio(), "ratio_first_export_to_mapped": r.first_ratio(),
+                   "ratio_export_to_mapped": r.ratio(),
+                   "ratio_first_export_to_mapped": (r.cuvmm.first_n > 0 && r.raw.first_n > 0).then(|| r.first_ratio()),
                    "imported_gbs": r.imported_gbs, "local_gbs": r.local_gbs,
                    "legacy_open_us": r.legacy_open_us, "legacy_gbs": r.legacy_gbs})
         )?;
@@ -988,15 +989,21 @@ pub(super) fn print_ipc(
         let (c, w) = (r.cuvmm.warm_us[i], r.raw.warm_us[i]);
         writeln!(out, "{step:<24} {c:>10.1} {w:>10.1} {:>7.3}x", c / w)?;
     }
-    writeln!(
-        out,
-        "export → mapped, first exchange of a fresh importer ({} / {} processes): cuvmm {:.1} µs, raw {:.1} µs, {:.3}x",
-        r.cuvmm.first_n,
-        r.raw.first_n,
-        r.cuvmm.first_us[5],
-        r.raw.first_us[5],
-        r.first_ratio()
-    )?;
+    if r.cuvmm.first_n > 0 && r.raw.first_n > 0 {
+        writeln!(
+            out,
+            "export → mapped, first exchange of a fresh importer ({} / {} processes): cuvmm {:.1} µs, raw {:.1} µs, {:.3}x",
+            r.cuvmm.first_n,
+            r.raw.first_n,
+            r.cuvmm.first_us[5],
+            r.raw.first_us[5],
+            r.first_ratio()
+        )?;
+    } else {
+        // The importer processes take turns starting on either path: one alone gives one path no
+        // first exchange to compare.
+        writeln!(out, "first exchange of a fresh importer: needs --processes 2 or more to compare")?;
+    }
     writeln!(
         out,
         "export → mapped and accessible: cuvmm / raw = {:.3}x (goal ≤ 1.05x: {})",
