@@ -580,39 +580,35 @@ impl Staging {
         let src_addr = Addr(src.as_ptr() as usize);
         let api = driver()?.api();
         let events = &self.events;
-        let fill = || {
-            // A copying thread that panicked would leave its pieces undone for ever.
-            let _abandon = OnUnwind(|| shared.fail(Error::invalid("a staging thread panicked")));
-            loop {
-                let Some(p) = shared.claim(plan.pieces) else { return };
-                marks.piece_taken();
-                let (j, at, len) = plan.piece(p);
-                let mut s = NO_SLOT;
-                let slotted = shared.wait_until(|| {
-                    s = shared.slot_of[j].load(Ordering::Acquire);
-                    s != NO_SLOT
-                });
-                if slotted.is_err() {
-                    return;
-                }
-                // SAFETY: these bytes of `src` (borrowed for this call; `T` has no padding) go to
-                // their place in slot s, which no DMA uses until chunk j is complete (the slot's last
-                // DMA completed before it was given to chunk j), and which no other thread touches
-                // meanwhile (pieces are disjoint).
-                let (from, to) = unsafe {
-                    (
-                        std::slice::from_raw_parts((src_addr.0 + j * plan.chunk + at) as *const u8, len),
-                        std::slice::from_raw_parts_mut((slots[s].0 + at) as *mut u8, len),
-                    )
-                };
-                if plan.streamed(j * plan.chunk + at) {
-                    copy_streaming(to, from);
-                } else {
-                    to.copy_from_slice(from);
-                }
-                if shared.piece_done(j, plan.pieces_in(j)) {
-                    marks.mark(j, Step::Filled);
-                }
+        let fill = || loop {
+            let Some(p) = shared.claim(plan.pieces) else { return };
+            marks.piece_taken();
+            let (j, at, len) = plan.piece(p);
+            let mut s = NO_SLOT;
+            let slotted = shared.wait_until(|| {
+                s = shared.slot_of[j].load(Ordering::Acquire);
+                s != NO_SLOT
+            });
+            if slotted.is_err() {
+                return;
+            }
+            // SAFETY: these bytes of `src` (borrowed for this call; `T` has no padding) go to
+            // their place in slot s, which no DMA uses until chunk j is complete (the slot's last
+            // DMA completed before it was given to chunk j), and which no other thread touches
+            // meanwhile (pieces are disjoint).
+            let (from, to) = unsafe {
+                (
+                    std::slice::from_raw_parts((src_addr.0 + j * plan.chunk + at) as *const u8, len),
+                    std::slice::from_raw_parts_mut((slots[s].0 + at) as *mut u8, len),
+                )
+            };
+            if plan.streamed(j * plan.chunk + at) {
+                copy_streaming(to, from);
+            } else {
+                to.copy_from_slice(from);
+            }
+            if shared.piece_done(j, plan.pieces_in(j)) {
+                marks.mark(j, Step::Filled);
             }
         };
         let issue = || -> Result<()> {
@@ -717,42 +713,39 @@ impl Staging {
         let dst_addr = Addr(dst.as_mut_ptr() as usize);
         let api = driver()?.api();
         let events = &self.events;
-        let drain = || {
-            let _abandon = OnUnwind(|| shared.fail(Error::invalid("a staging thread panicked")));
-            loop {
-                let Some(p) = shared.claim(plan.pieces) else { return };
-                marks.piece_taken();
-                let (j, at, len) = plan.piece(p);
-                if shared.wait_until(|| shared.issued[j].load(Ordering::Acquire)).is_err() {
+        let drain = || loop {
+            let Some(p) = shared.claim(plan.pieces) else { return };
+            marks.piece_taken();
+            let (j, at, len) = plan.piece(p);
+            if shared.wait_until(|| shared.issued[j].load(Ordering::Acquire)).is_err() {
+                return;
+            }
+            // Published before `issued[j]`, which the wait acquired.
+            let s = shared.slot_of[j].load(Ordering::Relaxed);
+            // The event was recorded after chunk j's DMA, before `issued[j]` was published, and is
+            // not recorded again until every piece of chunk j is drained.
+            if !shared.landed[j].load(Ordering::Acquire) {
+                if let Err(e) = events[s].synchronize() {
+                    shared.fail(e);
                     return;
                 }
-                // Published before `issued[j]`, which the wait acquired.
-                let s = shared.slot_of[j].load(Ordering::Relaxed);
-                // The event was recorded after chunk j's DMA, before `issued[j]` was published, and is
-                // not recorded again until every piece of chunk j is drained.
-                if !shared.landed[j].load(Ordering::Acquire) {
-                    if let Err(e) = events[s].synchronize() {
-                        shared.fail(e);
-                        return;
-                    }
-                    shared.landed[j].store(true, Ordering::Release);
-                    marks.mark(j, Step::Landed);
-                }
-                // SAFETY: slot s holds chunk j (its DMA completed); these bytes of `dst` (borrowed
-                // mutably for this call) are touched by this thread alone (pieces are disjoint). Any
-                // bytes are a valid T.
-                let (from, to) = unsafe {
-                    (
-                        std::slice::from_raw_parts((slots[s].0 + at) as *const u8, len),
-                        std::slice::from_raw_parts_mut((dst_addr.0 + j * plan.chunk + at) as *mut u8, len),
-                    )
-                };
-                copy_streaming(to, from);
-                if shared.piece_done(j, plan.pieces_in(j)) {
-                    marks.mark(j, Step::Drained);
-                    // Every piece's read of the slot happened before the count that found it drained.
-                    shared.slot_free[s].store(true, Ordering::Release);
-                }
+                shared.landed[j].store(true, Ordering::Release);
+                marks.mark(j, Step::Landed);
+            }
+            // SAFETY: slot s holds chunk j (its DMA completed); these bytes of `dst` (borrowed
+            // mutably for this call) are touched by this thread alone (pieces are disjoint). Any
+            // bytes are a valid T.
+            let (from, to) = unsafe {
+                (
+                    std::slice::from_raw_parts((slots[s].0 + at) as *const u8, len),
+                    std::slice::from_raw_parts_mut((dst_addr.0 + j * plan.chunk + at) as *mut u8, len),
+                )
+            };
+            copy_streaming(to, from);
+            if shared.piece_done(j, plan.pieces_in(j)) {
+                marks.mark(j, Step::Drained);
+                // Every piece's read of the slot happened before the count that found it drained.
+                shared.slot_free[s].store(true, Ordering::Release);
             }
         };
         let issue = || -> Result<()> {
@@ -871,10 +864,11 @@ impl Pool {
     }
 
     /// Runs `job` on every thread of the pool and `here` on this one, then waits until every
-    /// thread is done with `job`. If `here` panics, `cancel` (which must make `job` return soon)
-    /// runs and the threads are still waited for before the panic goes on; a panic in `job` is
-    /// passed on after the wait.
-    fn run<R>(&self, job: &(dyn Fn() + Sync), here: impl FnOnce() -> R, cancel: impl Fn()) -> R {
+    /// thread is done with `job`. If `here` panics, `cancel` (which must make `job` and `here`
+    /// return soon) runs and the threads are still waited for before the panic goes on; if `job`
+    /// panics on a thread, `cancel` runs there (so that `here` does not wait for its work for
+    /// ever) and the panic is passed on after the wait.
+    fn run<R>(&self, job: &(dyn Fn() + Sync), here: impl FnOnce() -> R, cancel: impl Fn() + Sync) -> R {
         /// Waits for the threads when dropped, so also while unwinding from `here`.
         struct Wait<'p, C: Fn()> {
             pool: &'p Pool,
@@ -896,6 +890,12 @@ impl Pool {
             job();
             return here();
         }
+        let cancel = &cancel;
+        let guarded = || {
+            let _cancel = OnUnwind(cancel);
+            job()
+        };
+        let job: &(dyn Fn() + Sync) = &guarded;
         // SAFETY: only the lifetime changes; `Wait` below keeps `job` borrowed until no thread
         // uses it (see JobRef).
         let erased = unsafe {
@@ -1083,19 +1083,19 @@ mod tests {
 
     #[test]
     fn a_copying_thread_that_panics_abandons_the_transfer_instead_of_leaving_it_waiting() {
-        // As the transfers use it: the job fails the transfer while unwinding, so the issuing
-        // thread's wait for its pieces ends, and the panic is passed on after the threads are done.
+        // The job's panic cancels the transfer on its thread, so the issuing thread's wait for its
+        // pieces ends, and the panic is passed on after the threads are done.
         let pool = Pool::new(2).unwrap();
         let shared = Shared::new(1, 1, |_| Some(0));
-        let job = || {
-            let _abandon = OnUnwind(|| shared.fail(Error::invalid("a staging thread panicked")));
-            panic!("a copying thread");
-        };
         let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            pool.run(&job, || shared.wait_until(|| false), || {})
+            pool.run(
+                &|| panic!("a copying thread"),
+                || shared.wait_until(|| false),
+                || shared.fail(Error::invalid("the staging transfer was abandoned")),
+            )
         }));
         assert!(r.is_err(), "the thread's panic is passed on");
-        assert!(shared.outcome(Ok(())).unwrap_err().to_string().contains("panicked"));
+        assert!(shared.outcome(Ok(())).unwrap_err().to_string().contains("abandoned"));
         // Without a panic the guard does nothing.
         let calm = Shared::new(1, 1, |_| Some(0));
         drop(OnUnwind(|| calm.fail(Error::invalid("never"))));
