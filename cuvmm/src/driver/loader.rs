@@ -105,10 +105,6 @@ impl Driver {
     /// loader resolves to the installed NVIDIA driver, and [`LIBRARY_ENV`] is configuration with
     /// the standing of `LD_PRELOAD` (its documentation says why).
     pub fn load_default() -> Result<Driver> {
-        // Resolving entry points calls the driver, which a stream host function must not.
-        if super::callback::in_host_function() {
-            return Err(super::callback::refuse("loading the CUDA driver"));
-        }
         if let Some(path) = std::env::var_os(LIBRARY_ENV) {
             // SAFETY: the variable is trusted configuration (see LIBRARY_ENV): whoever sets it
             // vouches that it names a CUDA driver, as whoever sets LD_PRELOAD vouches for what it
@@ -143,15 +139,17 @@ impl Driver {
     /// let _ = cuvmm::driver::Driver::load_from("/usr/lib/libcuda.so.1");
     /// ```
     pub unsafe fn load_from(path: impl AsRef<OsStr>) -> Result<Driver> {
-        if super::callback::in_host_function() {
-            return Err(super::callback::refuse("loading the CUDA driver"));
-        }
         let path = path.as_ref();
         let handle = open(path).map_err(|a| Error::DriverNotFound { tried: vec![a] })?;
         Driver::from_handle(&path.to_string_lossy(), handle)
     }
 
     fn from_handle(library: &str, handle: NonNull<c_void>) -> Result<Driver> {
+        // Every way to a `Driver` comes here. Resolving entry points calls the driver, which a
+        // stream host function must not.
+        if super::callback::in_host_function() {
+            return Err(super::callback::refuse("loading the CUDA driver"));
+        }
         let resolver = find_get_proc_address(library, handle)?;
         let api = Api::resolve(library, &resolver)?;
         // SAFETY: cuInit takes a flags word that must be 0.
