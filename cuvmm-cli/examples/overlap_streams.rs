@@ -2,7 +2,7 @@
 //! timeline to `overlap.svg` (or the path given). Run:
 //! `cargo run --release --example overlap_streams [-- FILE.svg]`.
 
-#[path = "../../cuvmm/examples/common/mod.rs"]
+#[path = "../../examples/common/mod.rs"]
 mod common;
 
 use cuvmm::Context;

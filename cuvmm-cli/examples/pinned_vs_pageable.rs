@@ -2,7 +2,7 @@
 //! memory and cuvmm's staged pageable path, measured. Run:
 //! `cargo run --release --example pinned_vs_pageable [-- MiB]`.
 
-#[path = "../../cuvmm/examples/common/mod.rs"]
+#[path = "../../examples/common/mod.rs"]
 mod common;
 
 use cuvmm::host::Staging;

@@ -1,6 +1,6 @@
 //! The `cuvmm` binary without a usable driver, and against the fake one.
 
-#[path = "../../cuvmm/tests/common/mod.rs"]
+#[path = "../../tests/common/mod.rs"]
 mod common;
 
 /// The `cuvmm` binary: Cargo's path when it exists, else the one on PATH (a staged copy on a GPU

@@ -138,10 +138,5 @@ pub use vmm::{VmmVec, VmmVecBuilder};
 
 /// The README's examples, compiled as doctests (GPU ones compiled, not run).
 #[cfg(doctest)]
-#[doc = include_str!("../../README.md")]
-pub struct ReadmeDoctests;
-
-/// The crate README's example, likewise.
-#[cfg(doctest)]
 #[doc = include_str!("../README.md")]
-pub struct CrateReadmeDoctests;
+pub struct ReadmeDoctests;
