@@ -15,8 +15,13 @@ import struct
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "python"))
-import cuvmm_torch  # noqa: E402
+# The installed package (pip install ./cuvmm-capi, or the wheel) when there is one, else the
+# modules of this checkout; either way CUVMM_LIB, when set, names the library.
+try:
+    import cuvmm_torch
+except ImportError:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "python"))
+    import cuvmm_torch  # noqa: E402
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 ALLOCS = ("native", "cuvmm", "cuvmm-pool")
