@@ -70,13 +70,12 @@ def configure_subprocess():
 
 class TorchMemorySaver:
     """The object behind ``torch_memory_saver``; ``api`` is the cuvmm module (or a stand-in with
-    its tag, sleep, wake, tag_stats, has_backup and set_backup)."""
+    its tag, sleep, wake, has_backup and set_backup)."""
 
     def __init__(self, api=None):
         self._api = api
         self._modes: dict[str, BackupMode] = {}
         self._paused: set[str] = set()
-        self._empty_paused: set[str] = set()
         self._retain = os.environ.get("TMS_RETAIN_CPU_BACKUP", "") not in ("", "0")
         self._disk_dir = os.environ.get("TMS_DISK_BACKUP_DIR") or None
         self._pools = {}
@@ -153,11 +152,7 @@ class TorchMemorySaver:
             tags = [t for t in self._modes if t not in self._paused]
         api = self.api
         for t in tags:
-            st = api.tag_stats(t)
-            if st["live"] == 0 and not st["asleep"]:
-                self._empty_paused.add(t)   # nothing to release: no sleep, no wake
-            else:
-                api.sleep(t, offload=self._modes[t].offload)
+            api.sleep(t, offload=self._modes[t].offload)
             self._paused.add(t)
 
     def resume(self, tag: str | None = None) -> None:
@@ -173,10 +168,7 @@ class TorchMemorySaver:
             tags = [t for t in self._modes if t in self._paused]
         api = self.api
         for t in tags:
-            if t in self._empty_paused:
-                self._empty_paused.discard(t)
-            else:
-                api.wake(t)
+            api.wake(t)
             self._paused.discard(t)
 
     @property

@@ -7,7 +7,7 @@
 # summary.txt. Every script runs even when an earlier one failed; the exit status is 1 if any
 # failed. With BUNDLE_DIR/bin/cuvmm it also records a training run's allocations and runs
 # `cuvmm bench trace` on them and `cuvmm bench sleep`.
-# Knobs: PYTHON (default python3), TRAIN_ARGS, SLEEP_ARGS (extra arguments), NCCL=0|1
+# Knobs: PYTHON (default python3), TRAIN_ARGS, SLEEP_ARGS, TMS_ARGS (extra arguments), NCCL=0|1
 # (default: run the all-reduce when the machine has two or more GPUs).
 set -u -o pipefail
 
@@ -79,6 +79,10 @@ for a in cuvmm cuvmm-pool; do
 done
 # Out of memory through MemPool is PyTorch's exception, whatever oom= says.
 run pool_oom $PY pool_oom.py --json "$OUT_DIR/pool_oom.json"
+# Out of memory through change_current_allocator is torch.OutOfMemoryError too, and the process goes on.
+run oom_raises $PY oom_raises.py --json "$OUT_DIR/oom_raises.json"
+# torch_memory_saver's API on cuvmm, beside torch_memory_saver where it is installed.
+run tms_compare $PY tms_compare.py --json "$OUT_DIR/tms_compare.json" ${TMS_ARGS:-}
 # A MemPool on cuvmm with expandable segments on: which segments PyTorch makes expandable.
 run pool_expandable $PY pool_expandable.py --json "$OUT_DIR/pool_expandable.json"
 

@@ -287,10 +287,9 @@ class InstalledWheel(unittest.TestCase):
 class FakeApi:
     """cuvmm's tag functions as the facade uses them, with cuvmm's refusals."""
 
-    def __init__(self, backup=True, live=None):
+    def __init__(self, backup=True):
         self.calls = []
         self.asleep = set()
-        self.live = live or {}
         self.backup = backup
 
     def has_backup(self):
@@ -310,9 +309,6 @@ class FakeApi:
             raise RuntimeError("not asleep")
         self.asleep.discard(tag)
         self.calls.append(("wake", tag))
-
-    def tag_stats(self, tag):
-        return {"live": self.live.get(tag, 1), "mapped": 0, "offloaded": 0, "asleep": tag in self.asleep}
 
 
 class Facade(unittest.TestCase):
@@ -364,13 +360,6 @@ class Facade(unittest.TestCase):
         s.pause("never-used")
         s.resume("never-used")
         self.assertEqual([c for c in s.api.calls if c[0] == "sleep"], [("sleep", "a", False), ("sleep", "b", False)])
-
-    def test_a_tag_without_memory_is_neither_slept_nor_woken(self):
-        s = self.saver(live={"empty": 0})
-        s._register("empty", tms.BackupMode(True, "pinned"))
-        s.pause()
-        s.resume()
-        self.assertEqual([c[0] for c in s.api.calls], ["set_backup"])
 
     def test_one_backup_mode_per_tag(self):
         s = self.saver()
