@@ -26,9 +26,11 @@ HERE = Path(__file__).resolve().parent
 CAPI = HERE.parents[1]
 sys.path.insert(0, str(CAPI / "python"))
 sys.path.insert(0, str(CAPI / "python" / "build_backend"))
+sys.path.insert(0, str(HERE))
 
 import cuvmm  # noqa: E402
 import cuvmm_build  # noqa: E402
+import tms_compare  # noqa: E402
 from cuvmm import torch_memory_saver as tms  # noqa: E402
 
 HAVE_TOOLS = bool(shutil.which("cc") and shutil.which(os.environ.get("CXX", "g++")))
@@ -414,6 +416,35 @@ class Facade(unittest.TestCase):
             s.get_cpu_backup(None)
         with tms.configure_subprocess():
             pass
+
+
+class CompareReport(unittest.TestCase):
+    """tms_compare.py's summary and table (the GPU run feeds them)."""
+
+    @staticmethod
+    def rep(pause, resume, d2h=1.0, h2d=1.0, ok=True):
+        return {"pause_weights_s": pause, "pause_cache_s": 0.01, "pause_graph_s": 0.002, "resume_weights_s": resume,
+                "resume_cache_s": 0.02, "resume_graph_s": 0.003, "d2h_bound_s": d2h, "h2d_bound_s": h2d,
+                "weights_intact": ok, "graph_output_identical": True, "rss_before": 1, "rss_paused": 2, "rss_after": 3}
+
+    def test_first_cycle_apart_medians_after_it_and_ratios(self):
+        s = tms_compare.summarize([self.rep(5.0, 2.0), self.rep(1.2, 1.1), self.rep(1.0, 1.3), self.rep(1.1, 1.2)])
+        self.assertEqual((s["first_pause_weights_s"], s["pause_weights_s"], s["resume_weights_s"]), (5.0, 1.1, 1.2))
+        self.assertAlmostEqual(s["first_pause_over_d2h"], 5.0)
+        self.assertAlmostEqual(s["pause_over_d2h"], 1.1)
+        self.assertTrue(s["all_weights_intact"])
+        self.assertFalse(tms_compare.summarize([self.rep(1, 1), self.rep(1, 1, ok=False)])["all_weights_intact"])
+
+    def test_table_puts_both_side_by_side_with_the_ratio(self):
+        cu = {"summary": tms_compare.summarize([self.rep(1.0, 1.0), self.rep(0.4, 0.3, d2h=0.35, h2d=0.3)])}
+        tm = {"summary": tms_compare.summarize([self.rep(7.0, 3.0), self.rep(7.2, 2.4, d2h=0.35, h2d=0.3)])}
+        rows = tms_compare.table({"cuvmm": cu, "torch_memory_saver": tm})
+        self.assertEqual(rows[0], "| | cuvmm | torch_memory_saver | torch_memory_saver / cuvmm |")
+        self.assertIn("| pause of the weights (s, median of later cycles) | 0.400 | 7.200 | 18.00x |", rows)
+        self.assertIn("| resume / pinned H2D copy | 1.00 | 8.00 |  |", rows)
+        self.assertEqual({r.count("|") for r in rows}, {5})
+        alone = tms_compare.table({"cuvmm": cu})
+        self.assertEqual({r.count("|") for r in alone}, {3})
 
 
 @unittest.skipUnless(HAVE_TOOLS, "needs cc")
