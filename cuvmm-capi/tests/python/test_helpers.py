@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The pure parts of the proof scripts and of the cuvmm package, testable with no GPU and no torch.
+"""The pure parts of the proof scripts and of cuvmm_torch, testable with no GPU and no torch.
 
     python3 -m pytest cuvmm-capi/tests/python/test_helpers.py      (or: python3 test_helpers.py)
 """
@@ -151,7 +151,7 @@ class Compare(unittest.TestCase):
 class FindLibrary(unittest.TestCase):
     def test_explicit_path_must_exist(self):
         with self.assertRaises(FileNotFoundError):
-            cuvmm.find_library("/nonexistent/libcuvmm.so")
+            cuvmm_torch.find_library("/nonexistent/libcuvmm.so")
 
     def test_env_wins_over_search_and_must_exist(self):
         with tempfile.TemporaryDirectory() as d:
@@ -160,10 +160,10 @@ class FindLibrary(unittest.TestCase):
             old = os.environ.get("CUVMM_LIB")
             try:
                 os.environ["CUVMM_LIB"] = str(lib)
-                self.assertEqual(cuvmm.find_library(), str(lib.resolve()))
+                self.assertEqual(cuvmm_torch.find_library(), str(lib.resolve()))
                 os.environ["CUVMM_LIB"] = str(lib) + ".missing"
                 with self.assertRaises(FileNotFoundError):
-                    cuvmm.find_library()
+                    cuvmm_torch.find_library()
             finally:
                 if old is None:
                     os.environ.pop("CUVMM_LIB", None)
@@ -179,14 +179,14 @@ class FindLibrary(unittest.TestCase):
         self.assertIs(cuvmm_torch.stats, cuvmm.stats)
 
     def test_struct_layout_matches_header(self):
-        n = len(cuvmm.STAT_FIELDS)
-        self.assertGreaterEqual(cuvmm.ctypes.sizeof(cuvmm.Stats), 2 * n * 8)
-        self.assertEqual(cuvmm.Stats.graph_held.offset, 8 * cuvmm.STAT_FIELDS.index("graph_held"))
-        self.assertEqual(cuvmm.ctypes.sizeof(cuvmm.TagStats), 3 * 8 + 2 * 4)
+        n = len(cuvmm_torch.STAT_FIELDS)
+        self.assertGreaterEqual(cuvmm.ctypes.sizeof(cuvmm_torch.Stats), 2 * n * 8)
+        self.assertEqual(cuvmm_torch.Stats.graph_held.offset, 8 * cuvmm_torch.STAT_FIELDS.index("graph_held"))
+        self.assertEqual(cuvmm.ctypes.sizeof(cuvmm_torch.TagStats), 3 * 8 + 2 * 4)
         header = (Path(__file__).resolve().parents[2] / "include" / "cuvmm.h").read_text()
         body = header.split("typedef struct cuvmm_stats {")[1].split("}")[0]
         names = re.findall(r"uint64_t\s+(\w+)\s*;", body)
-        self.assertEqual(tuple(names), cuvmm.STAT_FIELDS)
+        self.assertEqual(tuple(names), cuvmm_torch.STAT_FIELDS)
 
 
 FAKE_LIB = r"""
@@ -225,7 +225,7 @@ const char *fake_tag(void) { return tag; }
 
 @unittest.skipUnless(shutil.which("cc"), "needs a C compiler")
 class CtypesLayer(unittest.TestCase):
-    """cuvmm's ctypes declarations against a fake library with the header's shape."""
+    """cuvmm_torch's ctypes declarations against a fake library with the header's shape."""
 
     @classmethod
     def setUpClass(cls):
@@ -234,7 +234,7 @@ class CtypesLayer(unittest.TestCase):
         src.write_text(FAKE_LIB)
         subprocess.run(["cc", "-shared", "-fPIC", "-o", str(so), str(src)], check=True)
         cuvmm._lib = None
-        cuvmm.load(so)
+        cuvmm_torch.load(so)
 
     @classmethod
     def tearDownClass(cls):
@@ -242,36 +242,36 @@ class CtypesLayer(unittest.TestCase):
         cls.dir.cleanup()
 
     def test_stats_fields_in_order(self):
-        st = cuvmm.stats(0)
-        self.assertEqual(list(st), list(cuvmm.STAT_FIELDS))
+        st = cuvmm_torch.stats(0)
+        self.assertEqual(list(st), list(cuvmm_torch.STAT_FIELDS))
         self.assertEqual(list(st.values()), list(range(100, 115)))
 
     def test_errors_carry_the_library_text(self):
         with self.assertRaisesRegex(RuntimeError, "no device 1"):
-            cuvmm.stats(1)
+            cuvmm_torch.stats(1)
         with self.assertRaisesRegex(RuntimeError, "refused while capturing"):
-            cuvmm.empty_cache()
-        self.assertIn("refused", cuvmm.last_error())
+            cuvmm_torch.empty_cache()
+        self.assertIn("refused", cuvmm_torch.last_error())
 
     def test_stats_json_parsed(self):
-        self.assertEqual(cuvmm.stats_json(), {"0": {"live": 100}})
+        self.assertEqual(cuvmm_torch.stats_json(), {"0": {"live": 100}})
 
     def test_a_refused_tag_raises_and_leaves_the_tag_in_force(self):
-        fake_tag = cuvmm.load().fake_tag
+        fake_tag = cuvmm_torch.load().fake_tag
         fake_tag.restype = cuvmm.ctypes.c_char_p
-        with cuvmm.tag("weights"):
+        with cuvmm_torch.tag("weights"):
             with self.assertRaisesRegex(RuntimeError, "a tag needs a name"):
-                with cuvmm.tag(""):
+                with cuvmm_torch.tag(""):
                     self.fail("entered a block with a refused tag")
             self.assertEqual(fake_tag(), b"weights")
         self.assertEqual(fake_tag(), b"")
 
     def test_missing_sleep_abi_is_reported_not_crashed(self):
-        self.assertFalse(cuvmm.has_sleep())
+        self.assertFalse(cuvmm_torch.has_sleep())
         with self.assertRaisesRegex(RuntimeError, "has no cuvmm_sleep"):
-            cuvmm.sleep("weights")
-        cuvmm.reset_peaks()
-        cuvmm.release_graph_memory(0)
+            cuvmm_torch.sleep("weights")
+        cuvmm_torch.reset_peaks()
+        cuvmm_torch.release_graph_memory(0)
 
 
 if __name__ == "__main__":
