@@ -16,13 +16,17 @@ the library has sleep and wake) must raise RuntimeError that is not an OutOfMemo
 the oversized tensor then comes back at address 0 (reported, never touched) and the script fails.
 """
 
-import argparse
-import sys
+import os
 
-from _common import GiB, MiB, env_info, finish
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # the same bits from the same matmul
 
-import cuvmm
-import cuvmm.torch as ct
+import argparse  # noqa: E402
+import sys  # noqa: E402
+
+from _common import GiB, MiB, env_info, finish  # noqa: E402
+
+import cuvmm  # noqa: E402
+import cuvmm.torch as ct  # noqa: E402
 
 
 def main():
