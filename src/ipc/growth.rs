@@ -241,7 +241,7 @@ fn to_usize(x: u64) -> Result<usize> {
 impl GrowableImport {
     /// Waits on `sock` for the exporter's region message, checks it (the peer against `policy`,
     /// the capacity against `max_capacity`, which bounds the address space this import may
-    /// reserve) and reserves the region. Chunks are mapped by the following calls to
+    /// reserve) and reserves the region, aligned to its chunks' granularity. Chunks are mapped by the following calls to
     /// [`next_update`](Self::next_update); each is granted `grants` (read-write for `ctx`'s device
     /// if empty).
     ///
@@ -265,7 +265,14 @@ impl GrowableImport {
         let Step::Open(region) = layout.apply(&message)? else {
             return Err(Error::Protocol(format!("a {} message where a region was expected", message.kind())));
         };
-        let reservation = Reservation::new(ctx, to_usize(region.capacity())?)?;
+        // Aligned to the chunks' granularity, which may be coarser than ours: every chunk is
+        // mapped at a multiple of it.
+        let reservation = Reservation::with_options(
+            ctx,
+            to_usize(region.capacity())?,
+            to_usize(region.granularity())?,
+            None,
+        )?;
         let grants =
             if grants.is_empty() { vec![(ctx.device(), Access::ReadWrite)] } else { grants.to_vec() };
         Ok(GrowableImport {
