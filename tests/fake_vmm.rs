@@ -162,6 +162,33 @@ fn an_import_survives_a_non_blocking_socket_and_a_stalled_importer_is_let_go() {
     assert!(t.elapsed() < std::time::Duration::from_secs(10), "{:?}", t.elapsed());
 }
 
+/// An importer reserves aligned to the granularity a message announces, which may be coarser than
+/// its own (2 MiB on the fake), so that every chunk or range starts where the allocation maps.
+#[test]
+fn imports_reserve_aligned_to_the_announced_granularity() {
+    let (_turn, _, ctx) = fake_device();
+    use cuvmm::ipc::wire::{HandleType, Header, Message, Region, WireHandle};
+    use cuvmm::ipc::{recv, send, send_message, GrowableImport, PeerPolicy, SharedMemory};
+    use cuvmm::vmm::Reservation;
+    use std::os::fd::AsFd;
+    const GIB: u64 = 1 << 30;
+    // Reservations so far leave the next address off any 1 GiB boundary.
+    let _odd = Reservation::new(&ctx, 2 * MIB).unwrap();
+    let uuid = ctx.device().uuid().unwrap().0;
+    let (a, b) = UnixStream::pair().unwrap();
+    let region = Region::new(HandleType::PosixFd, 2 * GIB, GIB, uuid, 1).unwrap();
+    send_message(a.as_fd(), &Message::Region(region), None).unwrap();
+    let import = GrowableImport::accept(&ctx, b, PeerPolicy::SameUid, 4 << 30, &[]).unwrap();
+    assert_eq!(import.ptr() % GIB, 0, "{:#x}", import.ptr());
+    let _odd = Reservation::new(&ctx, 2 * MIB).unwrap();
+    let (a, b) = UnixStream::pair().unwrap();
+    let fd = std::fs::File::open("/dev/null").unwrap();
+    let h = Header::new(WireHandle::PosixFd, GIB, GIB, 0, GIB, uuid, 1).unwrap();
+    send(a.as_fd(), &h, Some(fd.as_fd())).unwrap();
+    let shared = SharedMemory::import(&ctx, recv(b.as_fd(), PeerPolicy::SameUid).unwrap(), &[]).unwrap();
+    assert_eq!(shared.ptr() % GIB, 0, "{:#x}", shared.ptr());
+}
+
 #[test]
 fn sharing_a_block_over_a_slow_socket_holds_up_no_other_allocation() {
     use cuvmm::alloc::{CachingAllocator, ExportMode, PeerAllocator};
