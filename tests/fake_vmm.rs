@@ -99,8 +99,8 @@ fn growth_stays_in_place_when_it_fits_refuses_the_impossible_and_leaves_nothing_
     assert_eq!(count(&lib, "cuMemCreate") - created, made, "chunks made after the drop");
 }
 
-/// Growth followed through a socket an event loop made non-blocking, and an importer that stops
-/// reading: neither stalls nor breaks the other side.
+/// Growth followed through a socket an event loop made non-blocking (a message that arrives in
+/// parts included), and an importer that stops reading: neither stalls nor breaks the other side.
 #[test]
 fn an_import_survives_a_non_blocking_socket_and_a_stalled_importer_is_let_go() {
     let (_turn, _, ctx) = fake_device();
@@ -121,16 +121,29 @@ fn an_import_survives_a_non_blocking_socket_and_a_stalled_importer_is_let_go() {
     assert!(import.next_update().unwrap_err().is_would_block());
     (&a).write_all(&note).unwrap();
     assert_eq!(import.next_update().unwrap(), Update::Note { tag: 5 });
-    // Part of a frame, then the rest a moment later: the call waits for it.
-    (&a).write_all(&note[..100]).unwrap();
-    let rest = note[100..].to_vec();
-    let writer = std::thread::spawn(move || {
-        std::thread::sleep(std::time::Duration::from_millis(50));
-        (&a).write_all(&rest).unwrap();
-        a
+    // Part of a frame: "try again" at once, the part kept; the rest completes it. A receive that
+    // waits for the rest instead would wait for ever: the watchdog ends the run then.
+    let (done, watch) = std::sync::mpsc::channel::<()>();
+    std::thread::spawn(move || {
+        if let Err(std::sync::mpsc::RecvTimeoutError::Timeout) =
+            watch.recv_timeout(std::time::Duration::from_secs(30))
+        {
+            eprintln!("an import waited for the rest of a frame on a non-blocking socket");
+            std::process::exit(1);
+        }
     });
+    (&a).write_all(&note[..1]).unwrap();
+    let t = std::time::Instant::now();
+    assert!(import.next_update().unwrap_err().is_would_block());
+    assert!(t.elapsed() < std::time::Duration::from_secs(5), "{:?}", t.elapsed());
+    (&a).write_all(&note[1..100]).unwrap();
+    // A deadline bounds the wait as well, and keeps the part too.
+    let r = import.next_update_until(std::time::Instant::now() + std::time::Duration::from_millis(50));
+    assert!(matches!(r, Err(cuvmm::Error::Timeout { received: 100, .. })), "{r:?}");
+    (&a).write_all(&note[100..]).unwrap();
     assert_eq!(import.next_update().unwrap(), Update::Note { tag: 5 });
-    drop(writer.join().unwrap());
+    drop(done);
+    drop(a);
     assert_eq!(import.next_update().unwrap(), Update::Closed);
 
     // An importer that never reads: the exporter's notes go on, and it is let go.
@@ -147,6 +160,33 @@ fn an_import_survives_a_non_blocking_socket_and_a_stalled_importer_is_let_go() {
     }
     assert_eq!(v.importer_count(), 0);
     assert!(t.elapsed() < std::time::Duration::from_secs(10), "{:?}", t.elapsed());
+}
+
+/// An importer reserves aligned to the granularity a message announces, which may be coarser than
+/// its own (2 MiB on the fake), so that every chunk or range starts where the allocation maps.
+#[test]
+fn imports_reserve_aligned_to_the_announced_granularity() {
+    let (_turn, _, ctx) = fake_device();
+    use cuvmm::ipc::wire::{HandleType, Header, Message, Region, WireHandle};
+    use cuvmm::ipc::{recv, send, send_message, GrowableImport, PeerPolicy, SharedMemory};
+    use cuvmm::vmm::Reservation;
+    use std::os::fd::AsFd;
+    const GIB: u64 = 1 << 30;
+    // Reservations so far leave the next address off any 1 GiB boundary.
+    let _odd = Reservation::new(&ctx, 2 * MIB).unwrap();
+    let uuid = ctx.device().uuid().unwrap().0;
+    let (a, b) = UnixStream::pair().unwrap();
+    let region = Region::new(HandleType::PosixFd, 2 * GIB, GIB, uuid, 1).unwrap();
+    send_message(a.as_fd(), &Message::Region(region), None).unwrap();
+    let import = GrowableImport::accept(&ctx, b, PeerPolicy::SameUid, 4 << 30, &[]).unwrap();
+    assert_eq!(import.ptr() % GIB, 0, "{:#x}", import.ptr());
+    let _odd = Reservation::new(&ctx, 2 * MIB).unwrap();
+    let (a, b) = UnixStream::pair().unwrap();
+    let fd = std::fs::File::open("/dev/null").unwrap();
+    let h = Header::new(WireHandle::PosixFd, GIB, GIB, 0, GIB, uuid, 1).unwrap();
+    send(a.as_fd(), &h, Some(fd.as_fd())).unwrap();
+    let shared = SharedMemory::import(&ctx, recv(b.as_fd(), PeerPolicy::SameUid).unwrap(), &[]).unwrap();
+    assert_eq!(shared.ptr() % GIB, 0, "{:#x}", shared.ptr());
 }
 
 #[test]
