@@ -616,6 +616,9 @@ pub fn run(b: Bench) -> CliResult {
                 )?;
                 writeln!(out, "elements changed across sleep and wake: {}", r.mismatches)?;
             }
+            if r.mismatches > 0 {
+                return Err(format!("{} elements changed across sleep and wake", r.mismatches).into());
+            }
         }
         Bench::Ipc { size, processes, pairs, device, json, child } => {
             let ctx = Context::for_ordinal(device)?;
