@@ -9,6 +9,7 @@ pub mod alloc;
 pub mod bandwidth;
 pub mod events;
 pub mod grow;
+pub mod model_trace;
 pub mod ipc;
 pub mod order;
 pub mod overlap;
