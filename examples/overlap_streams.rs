@@ -43,23 +43,33 @@ fn pipeline(
 }
 
 fn run() -> Result<(), Box<dyn std::error::Error>> {
-    let arg = |i: usize, default: usize| std::env::args().nth(i).and_then(|s| s.parse().ok()).unwrap_or(default);
+    let arg =
+        |i: usize, default: usize| std::env::args().nth(i).and_then(|s| s.parse().ok()).unwrap_or(default);
     let (nstreams, pieces) = (arg(1, 4).max(1), arg(2, 16).max(1));
     let ctx = Context::for_ordinal(0)?;
     let k = Kernels::load(&ctx)?;
-    let streams: Vec<Stream> = (0..nstreams).map(|_| Stream::non_blocking(&ctx)).collect::<cuvmm::Result<_>>()?;
-    let input = PinnedBuffer::from_slice(&ctx, &(0..N).map(|i| (i % 4099) as f32 * 1e-3).collect::<Vec<_>>())?;
+    let streams: Vec<Stream> =
+        (0..nstreams).map(|_| Stream::non_blocking(&ctx)).collect::<cuvmm::Result<_>>()?;
+    let input =
+        PinnedBuffer::from_slice(&ctx, &(0..N).map(|i| (i % 4099) as f32 * 1e-3).collect::<Vec<_>>())?;
     let mut output = PinnedBuffer::<f32>::new(&ctx, N)?;
     let mut dev = DeviceBuffer::<f32>::new(&ctx, N)?;
     println!("{N} floats, {ITERS} multiply-adds each, on {}", ctx.device().name()?);
-    for (label, st, p) in [("one piece, one stream", &streams[..1], 1), ("pieces over the streams", &streams[..], pieces)] {
+    for (label, st, p) in
+        [("one piece, one stream", &streams[..1], 1), ("pieces over the streams", &streams[..], pieces)]
+    {
         pipeline(&k, st, p, &input, &mut dev, &mut output)?; // warm-up
         let ms = pipeline(&k, st, p, &input, &mut dev, &mut output)?;
         println!("{label:<26} {:>2} stream(s), {p:>3} piece(s): {ms:>8.2} ms", st.len());
         // The result is right, on a sample, against the kernel's host copy.
         for i in (0..N).step_by(9973) {
             if output[i].to_bits() != busy_value(input[i], ITERS).to_bits() {
-                return Err(format!("element {i}: device {} != host {}", output[i], busy_value(input[i], ITERS)).into());
+                return Err(format!(
+                    "element {i}: device {} != host {}",
+                    output[i],
+                    busy_value(input[i], ITERS)
+                )
+                .into());
             }
         }
         output.fill(0.0);

@@ -108,7 +108,11 @@ fn growth_stays_in_place_when_it_fits_refuses_the_impossible_and_leaves_nothing_
     assert_eq!(count(&lib, "cuMemRelease") - released, made, "chunks left after the drop");
     let unmaps = count(&lib, "cuMemUnmap") - unmapped.0;
     assert_eq!(unmaps, made, "every chunk made was mapped once and unmapped once");
-    assert_eq!(thread_count(&lib, "cuMemUnmap") - unmapped.1, unmaps, "a chunk was unmapped on another thread");
+    assert_eq!(
+        thread_count(&lib, "cuMemUnmap") - unmapped.1,
+        unmaps,
+        "a chunk was unmapped on another thread"
+    );
     assert_eq!(ahead_threads(), 0);
     std::thread::sleep(std::time::Duration::from_millis(300));
     assert_eq!(count(&lib, "cuMemCreate") - created, made, "chunks made after the drop");

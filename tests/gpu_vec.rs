@@ -258,7 +258,10 @@ fn the_default_vector_makes_chunks_ahead_within_what_it_has_mapped() {
             let (mapped, ahead) = (v.mapped_bytes(), v.raw().ahead_bytes());
             assert!(ahead > 0 && ahead <= mapped.min(1 << 30), "step {i}: {ahead} ahead of {mapped}");
             let held = used(&ctx).saturating_sub(before);
-            assert!(held <= mapped + ahead + 2 * MIB, "step {i}: {held} in use, {mapped} mapped, {ahead} ahead");
+            assert!(
+                held <= mapped + ahead + 2 * MIB,
+                "step {i}: {held} in use, {mapped} mapped, {ahead} ahead"
+            );
         }
         for i in 0..64usize {
             assert_eq!(v.get(i * step).unwrap(), Some(i as u8 | 1));

@@ -194,7 +194,12 @@ impl Drop for RawVmm {
 }
 
 impl RawVmm {
-    fn new(phys: PhysicalBuilder, policy: ChunkPolicy, reserve: usize, ahead_mode: AheadMode) -> Result<RawVmm> {
+    fn new(
+        phys: PhysicalBuilder,
+        policy: ChunkPolicy,
+        reserve: usize,
+        ahead_mode: AheadMode,
+    ) -> Result<RawVmm> {
         let granularity = phys.granularity()?.minimum;
         // Validate the policy once, up front, rather than at the first growth.
         policy.plan(0, 1, granularity)?;
