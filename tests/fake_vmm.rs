@@ -27,14 +27,23 @@ fn fake_device() -> (std::sync::MutexGuard<'static, ()>, std::path::PathBuf, Con
 
 /// The fake's counter of `name`'s calls.
 fn count(lib: &std::path::Path, name: &str) -> i64 {
+    counter(lib, c"fake_count", name)
+}
+
+/// The fake's counter of `name`'s calls made by this thread.
+fn thread_count(lib: &std::path::Path, name: &str) -> i64 {
+    counter(lib, c"fake_thread_count", name)
+}
+
+fn counter(lib: &std::path::Path, which: &std::ffi::CStr, name: &str) -> i64 {
     let path = CString::new(lib.as_os_str().as_encoded_bytes()).unwrap();
     let name = CString::new(name).unwrap();
-    // SAFETY: the fake driver is loaded (RTLD_NOLOAD only finds it) and defines
-    // `long fake_count(const char *)`; the counters are atomics.
+    // SAFETY: the fake driver is loaded (RTLD_NOLOAD only finds it) and defines `which` as
+    // `long (const char *)`; the counters are atomics or the calling thread's.
     unsafe {
         let h = libc::dlopen(path.as_ptr(), libc::RTLD_NOW | libc::RTLD_NOLOAD);
         assert!(!h.is_null());
-        let f = libc::dlsym(h, c"fake_count".as_ptr());
+        let f = libc::dlsym(h, which.as_ptr());
         assert!(!f.is_null());
         let f = std::mem::transmute::<*mut libc::c_void, unsafe extern "C" fn(*const c_char) -> i64>(f);
         f(name.as_ptr())
@@ -84,19 +93,77 @@ fn growth_stays_in_place_when_it_fits_refuses_the_impossible_and_leaves_nothing_
     drop(v);
 
     // The chunks made ahead are all released, and their thread gone, when the vector is dropped,
-    // also while the driver is slow to make them.
+    // also while the driver is slow to make them; and they are unmapped on the dropping thread
+    // (which knows whether it is inside a host function, where an unmap must be deferred), not on
+    // the thread that made them.
     std::env::set_var("FAKE_CREATE_SLEEP_US", "100000");
     let (created, released) = (count(&lib, "cuMemCreate"), count(&lib, "cuMemRelease"));
+    let unmapped = (count(&lib, "cuMemUnmap"), thread_count(&lib, "cuMemUnmap"));
     let v = VmmVec::<f32>::builder(&ctx).create_ahead(true).reserve_address_space(8 << 30).build().unwrap();
     assert!(v.raw().ahead_bytes() > 0);
     drop(v);
     std::env::remove_var("FAKE_CREATE_SLEEP_US");
     let made = count(&lib, "cuMemCreate") - created;
-    assert!(made >= 1);
+    assert!(made >= 2, "{made}");
     assert_eq!(count(&lib, "cuMemRelease") - released, made, "chunks left after the drop");
+    let unmaps = count(&lib, "cuMemUnmap") - unmapped.0;
+    assert_eq!(unmaps, made, "every chunk made was mapped once and unmapped once");
+    assert_eq!(
+        thread_count(&lib, "cuMemUnmap") - unmapped.1,
+        unmaps,
+        "a chunk was unmapped on another thread"
+    );
     assert_eq!(ahead_threads(), 0);
     std::thread::sleep(std::time::Duration::from_millis(300));
     assert_eq!(count(&lib, "cuMemCreate") - created, made, "chunks made after the drop");
+}
+
+/// Built with the defaults, an appending vector's growths make no chunk themselves once it holds
+/// 64 MiB: a thread of its own makes the next ones ahead (a `cuMemCreate` of a large chunk has taken
+/// tens of milliseconds on the growth's path). What it holds ahead stays within what it has mapped,
+/// growth within the reservation never reserves or maps anything twice, and a small vector starts
+/// no thread and holds nothing ahead.
+#[test]
+fn the_default_vector_makes_its_chunks_ahead_within_bounds_and_never_remaps() {
+    let (_turn, lib, ctx) = fake_device();
+    let (reserved, created, mapped) =
+        (count(&lib, "cuMemAddressReserve"), count(&lib, "cuMemCreate"), count(&lib, "cuMemMap"));
+    let here = thread_count(&lib, "cuMemCreate");
+
+    // A small vector: no thread, nothing ahead.
+    let mut small = VmmVec::<u32>::builder(&ctx).reserve_address_space(1 << 30).build().unwrap();
+    small.reserve(3).unwrap();
+    small.reserve(8 << 20).unwrap();
+    assert_eq!(small.raw().ahead_bytes(), 0);
+    assert_eq!(ahead_threads(), 0);
+    drop(small);
+
+    let mut v = VmmVec::<u8>::builder(&ctx).reserve_address_space(80 << 30).build().unwrap();
+    let base = v.device_ptr();
+    assert_eq!((v.mapped_bytes(), v.raw().ahead_bytes()), (0, 0), "build maps nothing");
+    let step = 64 * MIB;
+    for i in 1..=256 {
+        // As appends of 64 MiB would grow it (reserve counts from the length, which stays 0).
+        v.reserve(i * step).unwrap();
+        let ahead = v.raw().ahead_bytes();
+        assert!(ahead > 0, "step {i}: nothing is being made ahead");
+        assert!(ahead <= v.mapped_bytes(), "step {i}: {ahead} bytes ahead of {} mapped", v.mapped_bytes());
+        assert!(ahead <= 1 << 30, "step {i}: {ahead} bytes ahead");
+    }
+    assert_eq!(ahead_threads(), 1);
+    // The first growth made its chunk (nothing was mapped to start from); none after it did.
+    assert_eq!(thread_count(&lib, "cuMemCreate") - here, 3, "the small vector's two and the first growth's");
+    assert_eq!(v.device_ptr(), base);
+    assert_eq!(v.raw().reserved(), 80 << 30);
+    // One reservation per vector; every chunk made was mapped once.
+    assert_eq!(count(&lib, "cuMemAddressReserve") - reserved, 2);
+    assert_eq!(count(&lib, "cuMemMap") - mapped, count(&lib, "cuMemCreate") - created);
+
+    // A shrink gives back the chunks made ahead too.
+    v.shrink_to_fit().unwrap();
+    assert_eq!((v.mapped_bytes(), v.raw().ahead_bytes()), (0, 0));
+    drop(v);
+    assert_eq!(ahead_threads(), 0);
 }
 
 /// Growth followed through a socket an event loop made non-blocking (a message that arrives in

@@ -257,7 +257,11 @@ pub fn run(b: Bench) -> CliResult {
             } else {
                 None
             };
-            let rows = [("vmmvec", "VmmVec", &r.vmm), ("vmmvec_ahead", "VmmVec, ahead", &r.ahead)];
+            let rows = [
+                ("vmmvec", "VmmVec, default", &r.vmm),
+                ("vmmvec_ahead", "VmmVec, ahead", &r.ahead),
+                ("vmmvec_no_ahead", "VmmVec, no ahead", &r.no_ahead),
+            ];
             if json {
                 for (which, _, run) in rows.iter().copied().chain(copy) {
                     writeln!(
@@ -317,12 +321,14 @@ pub fn run(b: Bench) -> CliResult {
                         slow.join(", ")
                     )?;
                 }
-                writeln!(
-                    out,
-                    "VmmVec, ahead: {} growths over the {reps} runs waited for a chunk made ahead (longest {:.3} ms)",
-                    r.ahead.ahead_waits.0,
-                    r.ahead.ahead_waits.1 * 1e3
-                )?;
+                for (which, run) in [("default", &r.vmm), ("ahead", &r.ahead)] {
+                    writeln!(
+                        out,
+                        "VmmVec, {which}: {} growths over the {reps} runs waited for a chunk made ahead (longest {:.3} ms)",
+                        run.ahead_waits.0,
+                        run.ahead_waits.1 * 1e3
+                    )?;
+                }
                 match &r.copy_failed {
                     Some(why) => writeln!(out, "copy-doubling    could not reach {}: {why}", show(target))?,
                     None => writeln!(
@@ -609,6 +615,9 @@ pub fn run(b: Bench) -> CliResult {
                     r.freed_ratio
                 )?;
                 writeln!(out, "elements changed across sleep and wake: {}", r.mismatches)?;
+            }
+            if r.mismatches > 0 {
+                return Err(format!("{} elements changed across sleep and wake", r.mismatches).into());
             }
         }
         Bench::Ipc { size, processes, pairs, device, json, child } => {
