@@ -564,31 +564,31 @@ mod tests {
     fn set_backup_takes_each_backend_and_refuses_bad_ones_changing_nothing() {
         let c = |s: &str| std::ffi::CString::new(s).unwrap();
         let (tag, dir) = (c("capi-backup"), std::env::temp_dir());
+        let set = |tag: *const c_char, backend: c_int, retain: c_int, dir: *const c_char| {
+            // SAFETY: every caller below passes NUL-terminated strings or null.
+            unsafe { cuvmm_set_backup(tag, backend, retain, dir) }
+        };
         let t = Tag::new("capi-backup").unwrap();
         let d = c(dir.to_str().unwrap());
-        // SAFETY (every call below): NUL-terminated strings or null.
-        assert_eq!(unsafe { cuvmm_set_backup(tag.as_ptr(), 2, 1, d.as_ptr()) }, 0);
+        assert_eq!(set(tag.as_ptr(), 2, 1, d.as_ptr()), 0);
         let want = BackupOptions { kind: BackupKind::Disk(dir.clone()), retain: true };
         assert_eq!(t.backup(), want);
+        let missing = c("/nonexistent/cuvmm-backup-dir");
         for (backend, dir, says) in [
             (3, std::ptr::null(), "unknown backup backend"),
             (-1, std::ptr::null(), "unknown backup backend"),
             (2, std::ptr::null(), "needs a directory"),
-            (2, c("/nonexistent/cuvmm-backup-dir").into_raw().cast_const(), "not a directory"),
+            (2, missing.as_ptr(), "not a directory"),
         ] {
-            assert_eq!(unsafe { cuvmm_set_backup(tag.as_ptr(), backend, 0, dir) }, -1);
+            assert_eq!(set(tag.as_ptr(), backend, 0, dir), -1);
             let msg = last_error();
             assert!(msg.contains("cuvmm_set_backup") && msg.contains(says), "{msg}");
             assert_eq!(t.backup(), want, "a refused call changes nothing");
-            if !dir.is_null() {
-                // SAFETY: made by `into_raw` above, freed once.
-                drop(unsafe { std::ffi::CString::from_raw(dir.cast_mut()) });
-            }
         }
-        assert_eq!(unsafe { cuvmm_set_backup(std::ptr::null(), 0, 0, std::ptr::null()) }, -1);
-        assert_eq!(unsafe { cuvmm_set_backup(tag.as_ptr(), 1, 0, std::ptr::null()) }, 0);
+        assert_eq!(set(std::ptr::null(), 0, 0, std::ptr::null()), -1);
+        assert_eq!(set(tag.as_ptr(), 1, 0, std::ptr::null()), 0);
         assert_eq!(t.backup(), BackupOptions { kind: BackupKind::Pinned, retain: false });
-        assert_eq!(unsafe { cuvmm_set_backup(tag.as_ptr(), 0, 0, std::ptr::null()) }, 0);
+        assert_eq!(set(tag.as_ptr(), 0, 0, std::ptr::null()), 0);
         assert_eq!(t.backup(), BackupOptions::default());
     }
 

@@ -171,15 +171,15 @@ impl HostMap {
         }
     }
 
-    /// The bytes `[off, off + len)`.
-    ///
-    /// # Safety
-    /// The range lies inside the mapping and no other reference to it is used while the slice
-    /// lives.
-    pub(crate) unsafe fn slice_mut(&self, off: usize, len: usize) -> &mut [u8] {
-        debug_assert!(off + len <= self.len);
-        // SAFETY: the caller's contract; the mapping is readable and writable.
-        unsafe { std::slice::from_raw_parts_mut(self.ptr().add(off), len) }
+    /// The bytes `[off, off + len)`, readable and writable, as a raw slice: whoever makes a
+    /// reference of it must be the range's only user meanwhile.
+    pub(crate) fn range(&self, off: usize, len: usize) -> Result<*mut [u8]> {
+        match off.checked_add(len) {
+            Some(end) if end <= self.len => {
+                Ok(std::ptr::slice_from_raw_parts_mut(self.ptr().wrapping_add(off), len))
+            }
+            _ => Err(Error::invalid("range past the end of the host backup")),
+        }
     }
 }
 
@@ -192,10 +192,10 @@ impl Drop for HostMap {
     }
 }
 
-// SAFETY: the mapping is plain memory owned by the map; accesses through `slice_mut` are
-// serialised by its callers (see there).
+// SAFETY: the mapping is plain memory owned by the map; accesses through `range` are
+// serialised by its callers (one job of the mover at a time).
 unsafe impl Send for HostMap {}
-// SAFETY: as above; `&HostMap` gives out memory only through the unsafe `slice_mut`.
+// SAFETY: as above; `&HostMap` gives out memory only as raw pointers (`range`).
 unsafe impl Sync for HostMap {}
 
 static SPILLS: AtomicU64 = AtomicU64::new(0);
@@ -450,7 +450,7 @@ fn copy(copier: &mut impl Copier, job: &Job, bounce: &mut Option<HostMap>) -> Re
         Store::Memory(m) => {
             // SAFETY: inside the map (checked when queued); the allocator neither reads nor
             // frees the backup before `finish`, and jobs run one at a time.
-            let host = unsafe { m.slice_mut(job.off as usize, len) };
+            let host = unsafe { &mut *m.range(job.off as usize, len)? };
             if job.out {
                 copier.to_host(job.dev, host)
             } else {
@@ -466,7 +466,7 @@ fn copy(copier: &mut impl Copier, job: &Job, bounce: &mut Option<HostMap>) -> Re
             while at < len {
                 let n = BOUNCE.min(len - at);
                 // SAFETY: the bounce buffer is this thread's alone.
-                let buf = unsafe { b.slice_mut(0, n) };
+                let buf = unsafe { &mut *b.range(0, n)? };
                 if job.out {
                     copier.to_host(job.dev + at as u64, buf)?;
                     f.write_at(buf, job.off + at as u64)?;
@@ -685,13 +685,13 @@ mod tests {
         // Written while the threads populate the same pages.
         for off in (0..len).step_by(4096) {
             // SAFETY: inside the map; nothing else reads or writes these bytes.
-            unsafe { m.slice_mut(off, 1)[0] = (off / 4096) as u8 | 1 };
+            unsafe { (*m.range(off, 1).unwrap())[0] = (off / 4096) as u8 | 1 };
         }
         let mut m = m;
         m.stop_touching();
         for off in (0..len).step_by(4096) {
             // SAFETY: as above.
-            assert_eq!(unsafe { m.slice_mut(off, 1)[0] }, (off / 4096) as u8 | 1);
+            assert_eq!(unsafe { (*m.range(off, 1).unwrap())[0] }, (off / 4096) as u8 | 1);
         }
     }
 }
