@@ -105,6 +105,8 @@ int cuvmm_wake(const char *tag);
  * zero releases it at wake. 0, or -1 (unknown backend, no `dir` for backend 2, `dir` not a
  * directory), changing nothing. */
 int cuvmm_set_backup(const char *tag, int backend, int retain, const char *dir);
+/* Bytes of host memory cuvmm holds pinned now: staging rings and pinned backups. */
+uint64_t cuvmm_pinned_bytes(void);
 
 typedef struct cuvmm_tag_stats {
     uint64_t live;       /* bytes handed out under the tag */

@@ -495,6 +495,12 @@ pub unsafe extern "C" fn cuvmm_set_backup(
     })
 }
 
+/// Bytes of host memory cuvmm holds pinned now (staging rings, pinned sleep backups).
+#[no_mangle]
+pub extern "C" fn cuvmm_pinned_bytes() -> u64 {
+    cuvmm_lib::host::pinned_bytes()
+}
+
 /// `cuvmm_tag_stats_t` of cuvmm.h.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
