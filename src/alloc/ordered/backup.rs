@@ -85,8 +85,11 @@ fn touchers() -> usize {
 
 /// An anonymous private mapping of host memory, unmapped when dropped.
 pub(crate) struct HostMap {
+    /// The first byte, on a huge-page boundary.
     base: usize,
     len: usize,
+    /// The whole mapping (address, length), a huge page longer so that `base` can be aligned.
+    mapping: (usize, usize),
     stop: Arc<AtomicBool>,
     touch: Vec<JoinHandle<()>>,
 }
@@ -98,28 +101,35 @@ impl HostMap {
         if len == 0 {
             return Err(Error::invalid("a host backup needs at least one byte"));
         }
-        let len = len
-            .checked_next_multiple_of(TOUCH_UNIT)
-            .ok_or_else(|| Error::invalid("host backup too large"))?;
+        let too_large = || Error::invalid("host backup too large");
+        let len = len.checked_next_multiple_of(TOUCH_UNIT).ok_or_else(too_large)?;
+        let map_len = len.checked_add(TOUCH_UNIT).ok_or_else(too_large)?;
         // SAFETY: a fresh private anonymous mapping; no existing memory is touched.
-        let base = unsafe {
+        let mapped = unsafe {
             libc::mmap(
                 std::ptr::null_mut(),
-                len,
+                map_len,
                 libc::PROT_READ | libc::PROT_WRITE,
                 libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
                 -1,
                 0,
             )
         };
-        if base == libc::MAP_FAILED {
+        if mapped == libc::MAP_FAILED {
             return Err(Error::Os { call: "mmap (host backup)", errno: nix::errno::Errno::last() });
         }
-        // SAFETY: the range is the mapping just made; the advice changes how the kernel backs it
-        // and failing (no transparent huge pages) leaves ordinary pages.
-        unsafe { libc::madvise(base, len, libc::MADV_HUGEPAGE) };
-        let mut map =
-            HostMap { base: base as usize, len, stop: Arc::new(AtomicBool::new(false)), touch: Vec::new() };
+        // Huge pages only back whole aligned huge pages of a mapping.
+        let base = (mapped as usize).next_multiple_of(TOUCH_UNIT);
+        // SAFETY: [base, base + len) lies inside the mapping just made; the advice changes how the
+        // kernel backs it and failing (no transparent huge pages) leaves ordinary pages.
+        unsafe { libc::madvise(base as *mut libc::c_void, len, libc::MADV_HUGEPAGE) };
+        let mut map = HostMap {
+            base,
+            len,
+            mapping: (mapped as usize, map_len),
+            stop: Arc::new(AtomicBool::new(false)),
+            touch: Vec::new(),
+        };
         let next = Arc::new(AtomicUsize::new(0));
         for _ in 0..touchers {
             let (next, stop, base) = (Arc::clone(&next), Arc::clone(&map.stop), map.base);
@@ -188,7 +198,7 @@ impl Drop for HostMap {
         self.stop_touching();
         // SAFETY: the mapping made in `new`; nothing refers to it any more (no slice outlives a
         // borrow of the map and the touching threads are joined).
-        unsafe { libc::munmap(self.base as *mut libc::c_void, self.len) };
+        unsafe { libc::munmap(self.mapping.0 as *mut libc::c_void, self.mapping.1) };
     }
 }
 
