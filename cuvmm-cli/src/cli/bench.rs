@@ -1504,6 +1504,27 @@ fn sleep_in_child(
     Ok(cycles)
 }
 
+/// Each goal of sleep and wake, judged cycle by cycle against the bounds of the same cycle.
+fn sleep_goals(r: &sleep::SleepReport) -> Vec<(String, serde_json::Value)> {
+    let first: Vec<&sleep::Cycle> = r.cycles.iter().filter(|c| c.first_in_process).collect();
+    let later: Vec<&sleep::Cycle> = r.cycles.iter().filter(|c| !c.first_in_process).collect();
+    vec![
+        (
+            "first sleep of a process <= 1.3x its D2H bound".into(),
+            first.iter().all(|c| c.offload_ratio() <= 1.3).into(),
+        ),
+        (
+            "every later sleep <= 1.05x its D2H bound".into(),
+            later.iter().all(|c| c.offload_ratio() <= 1.05).into(),
+        ),
+        (
+            "every wake <= 1.05x the H2D bound after the same frees".into(),
+            r.cycles.iter().all(|c| c.wake_ratio_after_frees() <= 1.05).into(),
+        ),
+        ("every discarding sleep <= 25 ms".into(), r.cycles.iter().all(|c| c.discard_ms <= 25.0).into()),
+    ]
+}
+
 fn print_sleep_summary(
     out: &mut impl Write,
     r: &sleep::SleepReport,
@@ -1519,6 +1540,7 @@ fn print_sleep_summary(
                 "wake_ratio": r.wake_ratio(), "h2d_after_frees_ms": r.h2d_after_frees_ms,
                 "wake_ratio_after_frees": r.wake_ratio_after_frees(), "discard_ms": r.discard_ms, "discard_wake_ms": r.discard_wake_ms,
                 "freed_ratio": r.freed_ratio, "mismatches": r.mismatches,
+                "goals": sleep_goals(r).into_iter().collect::<serde_json::Map<String, serde_json::Value>>(),
                 "fastest_slowest_ms": {"offload": r.spread.0[0], "d2h_bound": r.spread.0[1],
                     "wake": r.spread.0[2], "h2d_bound": r.spread.0[3]}});
         writeln!(out, "{line}")?;
@@ -1571,11 +1593,6 @@ fn print_sleep_summary(
         writeln!(out, "| wake after discard | {:.2} | | | | | |", r.discard_wake_ms)?;
         writeln!(
             out,
-            "first sleep with offload of this process (makes its backup and staging ring): {:.1} ms",
-            r.first_offload_ms
-        )?;
-        writeln!(
-            out,
             "driver free memory gained by a sleep: {:.3} of the tagged bytes (lowest of the runs)",
             r.freed_ratio
         )?;
@@ -1590,6 +1607,9 @@ fn print_sleep_summary(
             )?;
         }
         writeln!(out, "elements changed across sleep and wake: {}", r.mismatches)?;
+        for (goal, met) in sleep_goals(r) {
+            writeln!(out, "goal: {goal}: {}", if met == true { "met" } else { "NOT met" })?;
+        }
     }
     if r.mismatches > 0 {
         return Err(crate::bench::invalid(format!(
