@@ -52,11 +52,11 @@ impl Tagged {
     }
 }
 
-/// A directory of its own under the target's temporary directory, removed when dropped.
+/// A directory of its own under the system's temporary directory, removed when dropped.
 struct Dir(PathBuf);
 impl Dir {
     fn new(name: &str) -> Dir {
-        let p = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("{name}-{}", std::process::id()));
+        let p = std::env::temp_dir().join(format!("cuvmm-{name}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&p);
         std::fs::create_dir_all(&p).unwrap();
         Dir(p)
