@@ -12,7 +12,8 @@ mod trace;
 
 use config::Config;
 use cuvmm_lib::alloc::{
-    AllocatorConfig, AllocatorStats, GraphMemory, SleepMode, StreamAllocator, Tag, TagStats,
+    AllocatorConfig, AllocatorStats, BackupKind, BackupOptions, GraphMemory, SleepMode, StreamAllocator, Tag,
+    TagStats,
 };
 use cuvmm_lib::driver::sys::CUstream;
 use cuvmm_lib::{Context, Device};
@@ -461,6 +462,45 @@ pub unsafe extern "C" fn cuvmm_wake(tag: *const c_char) -> c_int {
     })
 }
 
+/// Where `tag`'s later offloading sleeps keep its contents, on every device: `backend` 0 pageable
+/// host memory through a staging ring (the default), 1 pinned host memory, 2 a file in directory
+/// `dir`; `retain` non-zero keeps the backup after a wake. 0, or -1 (an unknown backend, no
+/// directory for backend 2, a directory that is not one), changing nothing.
+///
+/// # Safety
+/// `tag` must be a NUL-terminated string; `dir` null or one.
+#[no_mangle]
+pub unsafe extern "C" fn cuvmm_set_backup(
+    tag: *const c_char,
+    backend: c_int,
+    retain: c_int,
+    dir: *const c_char,
+) -> c_int {
+    guard("cuvmm_set_backup", -1, || {
+        // SAFETY: the caller's contract.
+        let t = tag_of(unsafe { c_str(tag) }?)?;
+        // SAFETY: the caller's contract.
+        let dir = unsafe { c_str(dir) }.map_err(|_| plain("the directory is not UTF-8".into()))?;
+        let kind = match (backend, dir) {
+            (0, _) => BackupKind::Pageable,
+            (1, _) => BackupKind::Pinned,
+            (2, Some(d)) if !d.is_empty() => BackupKind::Disk(d.into()),
+            (2, _) => return Err(plain("a disk backup needs a directory".into())),
+            (b, _) => {
+                return Err(plain(format!("unknown backup backend {b} (0 pageable, 1 pinned, 2 disk)")))
+            }
+        };
+        t.set_backup(BackupOptions { kind, retain: retain != 0 }).map_err(reported)?;
+        Ok(0)
+    })
+}
+
+/// Bytes of host memory cuvmm holds pinned now (staging rings, pinned sleep backups).
+#[no_mangle]
+pub extern "C" fn cuvmm_pinned_bytes() -> u64 {
+    cuvmm_lib::host::pinned_bytes()
+}
+
 /// `cuvmm_tag_stats_t` of cuvmm.h.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
@@ -524,6 +564,38 @@ mod tests {
         // SAFETY: a non-null result is the thread's NUL-terminated message, alive until its next
         // call into the library.
         unsafe { std::ffi::CStr::from_ptr(p) }.to_str().unwrap().to_owned()
+    }
+
+    #[test]
+    fn set_backup_takes_each_backend_and_refuses_bad_ones_changing_nothing() {
+        let c = |s: &str| std::ffi::CString::new(s).unwrap();
+        let (tag, dir) = (c("capi-backup"), std::env::temp_dir());
+        let set = |tag: *const c_char, backend: c_int, retain: c_int, dir: *const c_char| {
+            // SAFETY: every caller below passes NUL-terminated strings or null.
+            unsafe { cuvmm_set_backup(tag, backend, retain, dir) }
+        };
+        let t = Tag::new("capi-backup").unwrap();
+        let d = c(dir.to_str().unwrap());
+        assert_eq!(set(tag.as_ptr(), 2, 1, d.as_ptr()), 0);
+        let want = BackupOptions { kind: BackupKind::Disk(dir.clone()), retain: true };
+        assert_eq!(t.backup(), want);
+        let missing = c("/nonexistent/cuvmm-backup-dir");
+        for (backend, dir, says) in [
+            (3, std::ptr::null(), "unknown backup backend"),
+            (-1, std::ptr::null(), "unknown backup backend"),
+            (2, std::ptr::null(), "needs a directory"),
+            (2, missing.as_ptr(), "not a directory"),
+        ] {
+            assert_eq!(set(tag.as_ptr(), backend, 0, dir), -1);
+            let msg = last_error();
+            assert!(msg.contains("cuvmm_set_backup") && msg.contains(says), "{msg}");
+            assert_eq!(t.backup(), want, "a refused call changes nothing");
+        }
+        assert_eq!(set(std::ptr::null(), 0, 0, std::ptr::null()), -1);
+        assert_eq!(set(tag.as_ptr(), 1, 0, std::ptr::null()), 0);
+        assert_eq!(t.backup(), BackupOptions { kind: BackupKind::Pinned, retain: false });
+        assert_eq!(set(tag.as_ptr(), 0, 0, std::ptr::null()), 0);
+        assert_eq!(t.backup(), BackupOptions::default());
     }
 
     #[test]

@@ -48,9 +48,11 @@
 //! ```
 
 mod backend;
+mod backup;
 pub(crate) mod core;
 mod heap;
 
+pub use self::backup::{BackupKind, BackupOptions};
 pub use self::core::{AllocatorStats, SleepMode, TagStats};
 
 use self::backend::DriverBackend;
@@ -124,6 +126,18 @@ impl Tag {
     /// Its name.
     pub fn name(&self) -> String {
         lock(&TAGS)[self.0 as usize - 1].clone()
+    }
+
+    /// Where this tag's later offloading sleeps keep its contents, on every allocator: pageable
+    /// host memory through a staging ring by default, released at wake. Refused, changing
+    /// nothing, for a disk backup whose directory is not one.
+    pub fn set_backup(&self, options: BackupOptions) -> Result<()> {
+        backup::set_options(self.0, options)
+    }
+
+    /// The options [`set_backup`](Self::set_backup) gave (the default when none).
+    pub fn backup(&self) -> BackupOptions {
+        backup::options_of(self.0)
     }
 }
 
@@ -262,13 +276,15 @@ impl StreamAllocator {
     }
 
     /// Waits for all queued work, then releases the device memory of every block tagged `tag`,
-    /// first copying what they hold to pinned host memory with [`SleepMode::Offload`] (two
-    /// copy streams, 64 MiB at a time; the host memory is kept for the next sleep). The
-    /// addresses stay reserved: nothing else is placed there. Returns the bytes released.
+    /// first copying what they hold to the tag's backup with [`SleepMode::Offload`] (see
+    /// [`Tag::set_backup`]: pageable host memory through a staging ring unless the tag asks for
+    /// pinned memory or a file). The addresses stay reserved: nothing else is placed there.
+    /// Returns the bytes released.
     ///
     /// Refused, changing nothing, when the tag is asleep already or a stream this allocator saw
-    /// is being captured. Device work that touches a sleeping block faults the context: sleep
-    /// only what nothing queued will use before [`wake`](Self::wake).
+    /// is being captured. A backup that cannot be made or written (no host memory, a full disk)
+    /// fails the call with the tag awake and whole. Device work that touches a sleeping block
+    /// faults the context: sleep only what nothing queued will use before [`wake`](Self::wake).
     pub fn sleep(&self, tag: Tag, mode: SleepMode) -> Result<usize> {
         let mut core = lock(&self.inner.core);
         core.sleep(tag.0, mode).map(|b| b as usize)
