@@ -126,9 +126,18 @@ fn fail(function: &str, kind: String, msg: String) {
     if enabled {
         let mut logged = LOGGED.lock().unwrap_or_else(|e| e.into_inner());
         if logged.get_or_insert_with(HashSet::new).insert(format!("{function}: {}", shape(&kind))) {
-            let _ = writeln!(std::io::stderr(), "cuvmm: {text}");
+            let line = format!("cuvmm: {text}");
+            #[cfg(test)]
+            if tests::captured(&line) {
+                return record_last_error(text);
+            }
+            let _ = writeln!(std::io::stderr(), "{line}");
         }
     }
+    record_last_error(text);
+}
+
+fn record_last_error(text: String) {
     let _ = LAST_ERROR.try_with(|e| {
         if let Ok(mut slot) = e.try_borrow_mut() {
             *slot = CString::new(text.replace('\0', " ")).ok();
@@ -518,6 +527,32 @@ pub extern "C" fn cuvmm_last_error() -> *const c_char {
 mod tests {
     use super::*;
 
+    thread_local! {
+        /// The lines `fail` writes to stderr, kept instead while a test of this thread captures.
+        static CAPTURED: RefCell<Option<Vec<String>>> = const { RefCell::new(None) };
+    }
+
+    /// Takes `line` when this thread captures: the test asserts on it, and the terminal of a
+    /// passing run shows no error line (libtest captures `eprintln!`, not writes to stderr).
+    pub(super) fn captured(line: &str) -> bool {
+        CAPTURED
+            .try_with(|c| match c.try_borrow_mut().as_deref_mut() {
+                Ok(Some(lines)) => {
+                    lines.push(line.to_owned());
+                    true
+                }
+                _ => false,
+            })
+            .unwrap_or(false)
+    }
+
+    /// Runs `f`, returning what it wrote to stderr through `fail`.
+    fn stderr_of<T>(f: impl FnOnce() -> T) -> (T, Vec<String>) {
+        CAPTURED.with(|c| *c.borrow_mut() = Some(Vec::new()));
+        let v = f();
+        (v, CAPTURED.with(|c| c.borrow_mut().take().unwrap_or_default()))
+    }
+
     fn last_error() -> String {
         let p = cuvmm_last_error();
         assert!(!p.is_null());
@@ -528,10 +563,12 @@ mod tests {
 
     #[test]
     fn a_panic_inside_becomes_the_error_value_and_a_message() {
-        let v = guard("test_fn", -7, || -> Result<i32, (String, String)> { panic!("boom") });
+        let (v, lines) =
+            stderr_of(|| guard("test_fn", -7, || -> Result<i32, (String, String)> { panic!("boom") }));
         assert_eq!(v, -7);
         let msg = last_error();
         assert!(msg.contains("test_fn") && msg.contains("panic"), "{msg}");
+        assert_eq!(lines, ["cuvmm: test_fn: internal error (panic caught at the C boundary)"]);
     }
 
     #[test]
@@ -547,10 +584,15 @@ mod tests {
         // Without a driver GLOBAL holds an error here, which must not make every call write.
         let _ = global();
         let f = "test_written_once";
-        for n in [1, 22, 333] {
-            fail(f, format!("size {n} at 0x{n:x}0"), format!("size {n}"));
-        }
-        fail(f, "another kind".into(), "x".into());
+        let ((), lines) = stderr_of(|| {
+            for n in [1, 22, 333] {
+                fail(f, format!("size {n} at 0x{n:x}0"), format!("size {n}"));
+            }
+            fail(f, "another kind".into(), "x".into());
+        });
+        assert_eq!(lines, ["cuvmm: test_written_once: size 1", "cuvmm: test_written_once: x"]);
+        // Each call keeps its own text for cuvmm_last_error, written or not.
+        assert_eq!(last_error(), "test_written_once: x");
         let logged = LOGGED.lock().unwrap();
         let mine = logged.as_ref().unwrap().iter().filter(|k| k.starts_with(f)).count();
         assert_eq!(mine, 2);
@@ -645,7 +687,9 @@ mod tests {
         // SAFETY: NUL-terminated strings and null.
         unsafe {
             assert_eq!(cuvmm_set_tag(a.as_ptr()), 0);
-            assert_eq!(cuvmm_set_tag(c"".as_ptr()), -1);
+            let (rc, lines) = stderr_of(|| cuvmm_set_tag(c"".as_ptr()));
+            assert_eq!(rc, -1);
+            assert_eq!(lines, ["cuvmm: cuvmm_set_tag: invalid argument: a tag needs a name"]);
             assert!(last_error().contains("cuvmm_set_tag"));
             assert_eq!(TAG.with(|t| t.get()), Some(Tag::new("weights").unwrap()));
             assert_eq!(cuvmm_set_tag(std::ptr::null()), 0);
@@ -730,12 +774,19 @@ mod tests {
     #[test]
     fn bad_arguments_return_null_or_minus_one_without_a_gpu() {
         // Negative sizes are refused before any device is touched; a null pointer is ignored.
-        assert!(cuvmm_malloc(-5, 0, std::ptr::null_mut()).is_null());
+        let (p, lines) = stderr_of(|| cuvmm_malloc(-5, 0, std::ptr::null_mut()));
+        assert!(p.is_null());
+        assert_eq!(lines, ["cuvmm: cuvmm_malloc: negative size -5"]);
         let msg = last_error();
         assert!(msg.contains("negative size"), "{msg}");
-        assert!(cuvmm_malloc(0, 0, std::ptr::null_mut()).is_null());
-        cuvmm_free(std::ptr::null_mut(), 0, 0, std::ptr::null_mut());
+        let ((), lines) = stderr_of(|| {
+            assert!(cuvmm_malloc(0, 0, std::ptr::null_mut()).is_null());
+            cuvmm_free(std::ptr::null_mut(), 0, 0, std::ptr::null_mut());
+        });
+        assert!(lines.is_empty(), "{lines:?}");
         // SAFETY: a null output pointer is part of the contract (refused).
-        assert_eq!(unsafe { cuvmm_get_stats(0, std::ptr::null_mut()) }, -1);
+        let (rc, lines) = stderr_of(|| unsafe { cuvmm_get_stats(0, std::ptr::null_mut()) });
+        assert_eq!(rc, -1);
+        assert_eq!(lines, ["cuvmm: cuvmm_get_stats: null output pointer"]);
     }
 }
