@@ -89,7 +89,7 @@ fn growth_stays_in_place_when_it_fits_refuses_the_impossible_and_leaves_nothing_
     // A request no device could hold is an error, not an allocation of its plan's size.
     let mut v = VmmVec::<u8>::builder(&ctx).reserve_address_space(64 * MIB).build().unwrap();
     let e = v.reserve(1 << 62).unwrap_err().to_string();
-    assert!(e.contains("chunks"), "{e}");
+    assert!(e.contains("more than the device's"), "{e}");
     drop(v);
 
     // The chunks made ahead are all released, and their thread gone, when the vector is dropped,
@@ -332,4 +332,27 @@ fn inside_a_host_function_the_driver_is_neither_loaded_nor_asked_for_error_text(
         inside.contains("CUDA_ERROR_NO_DEVICE") && !inside.contains("no CUDA-capable device"),
         "{inside}"
     );
+}
+
+#[test]
+fn requests_larger_than_the_device_are_refused_before_anything_is_built() {
+    use cuvmm::alloc::{GraphMemory, StreamAllocator};
+    let (_turn, lib, ctx) = fake_device();
+    let memory = ctx.device().total_memory().unwrap();
+    let alloc = StreamAllocator::new(&ctx).unwrap();
+    let stream = cuvmm::Stream::new(&ctx).unwrap();
+    let mut v = VmmVec::<u8>::builder(&ctx).reserve_address_space(1 << 30).build().unwrap();
+    let reserved = count(&lib, "cuMemAddressReserve");
+    let larger = |e: cuvmm::Error| matches!(&e, cuvmm::Error::InvalidArgument(m) if m.contains("device's"));
+    // isize::MAX once aborted the process: a page table of 2^41 entries was allocated first.
+    for size in [memory + 1, 1 << 50, isize::MAX as usize - 4095, isize::MAX as usize, usize::MAX] {
+        // SAFETY: the legacy stream (null) is always alive; nothing is allocated.
+        let raw = unsafe { alloc.allocate_raw(size, std::ptr::null_mut(), GraphMemory::Keep) };
+        assert!(raw.is_err_and(larger), "{size}");
+        assert!(alloc.allocate(size, &stream).err().is_some_and(larger), "{size}");
+        assert!(v.reserve(size).err().is_some_and(larger), "{size}");
+    }
+    assert_eq!(count(&lib, "cuMemAddressReserve"), reserved, "nothing was reserved for them");
+    assert_eq!(alloc.stats().reserved, 0);
+    assert_eq!(v.capacity(), 0);
 }

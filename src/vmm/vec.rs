@@ -349,11 +349,24 @@ impl RawVmm {
     }
 
     /// Maps chunks until at least `need` bytes are mapped. On any failure nothing changes: the
-    /// chunks created so far are unmapped and released, and the old mapping is untouched.
+    /// chunks created so far are unmapped and released, and the old mapping is untouched. More
+    /// than the device's memory (for device memory) is refused before anything is made.
     pub fn grow_to(&mut self, need: usize) -> Result<()> {
         // The policy's growth past what is needed stops at the end of the reservation: a growth
         // whose bytes fit stays in place.
         let room = self.reservation.size() - self.mapped;
+        if need <= self.mapped {
+            return Ok(());
+        }
+        if let crate::vmm::Location::Device(device) = self.phys.get_location() {
+            // Refused before anything is planned, reserved or created for it.
+            let memory = device.total_memory()?;
+            if need > memory {
+                return Err(Error::invalid(format!(
+                    "growing to {need} bytes needs more than the device's {memory} bytes of memory"
+                )));
+            }
+        }
         let mut plan = self.policy.plan_within(self.mapped, need, self.granularity, room)?;
         if plan.is_empty() {
             return Ok(());

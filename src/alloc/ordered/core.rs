@@ -409,16 +409,16 @@ impl<B: Backend> Core<B> {
             .checked_mul(page)
             .ok_or_else(|| Error::invalid(format!("{size} bytes cannot be allocated")))?;
         let reserve = want.max(pages);
+        // The table is sized by the reservation (a configured size, or the request): one that
+        // cannot be allocated is an error, not an abort.
+        let mut table = Vec::new();
+        table.try_reserve_exact((reserve / page) as usize).map_err(|_| {
+            Error::invalid(format!("{size} bytes cannot be allocated: no page table for {reserve} bytes"))
+        })?;
+        table.resize_with((reserve / page) as usize, || None);
         let base = self.backend.reserve(reserve)?;
         self.stats.reserved += reserve;
-        let pages = (reserve / page) as usize;
-        self.slots.push(Slot {
-            heap: Heap::new(base, reserve),
-            small,
-            tag,
-            page,
-            pages: (0..pages).map(|_| None).collect(),
-        });
+        self.slots.push(Slot { heap: Heap::new(base, reserve), small, tag, page, pages: table });
         let i = self.slots.len() - 1;
         let a =
             self.slots[i].heap.carve(n, stream, size, pool, reuse).expect("a new heap holds its first block");

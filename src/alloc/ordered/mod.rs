@@ -162,6 +162,8 @@ pub struct StreamAllocator {
 
 struct Shared {
     ctx: Context,
+    /// The device's memory in bytes: no block can be larger.
+    memory: u64,
     core: Mutex<Core<DriverBackend>>,
 }
 
@@ -211,7 +213,11 @@ impl StreamAllocator {
         };
         let backend = DriverBackend::new(ctx, config.page);
         Ok(StreamAllocator {
-            inner: Arc::new(Shared { ctx: ctx.clone(), core: Mutex::new(Core::new(backend, sizes)) }),
+            inner: Arc::new(Shared {
+                ctx: ctx.clone(),
+                memory: total as u64,
+                core: Mutex::new(Core::new(backend, sizes)),
+            }),
         })
     }
 
@@ -220,7 +226,20 @@ impl StreamAllocator {
         &self.inner.ctx
     }
 
+    /// A request larger than the device's memory could never be served: refused before anything
+    /// (a heap, its page table) is built for it.
+    fn check_size(&self, size: usize) -> Result<()> {
+        if size as u64 > self.inner.memory {
+            return Err(Error::invalid(format!(
+                "{size} bytes are more than the device's {} bytes of memory",
+                self.inner.memory
+            )));
+        }
+        Ok(())
+    }
+
     /// `size` bytes for work on `stream`. The block is freed, in stream order, when dropped.
+    /// Refused ([`Error::InvalidArgument`]) when larger than the device's memory.
     ///
     /// On a stream being captured into a graph, the block is kept for the graph
     /// ([`GraphMemory::Keep`]).
@@ -229,6 +248,7 @@ impl StreamAllocator {
     }
 
     fn allocate_on(&self, size: usize, stream: &Stream, tag: Option<Tag>) -> Result<StreamBlock> {
+        self.check_size(size)?;
         if !stream.context().same_as(&self.inner.ctx) {
             return Err(Error::invalid("the stream belongs to another context than the allocator"));
         }
@@ -264,6 +284,7 @@ impl StreamAllocator {
         graphs: GraphMemory,
         tag: Option<Tag>,
     ) -> Result<u64> {
+        self.check_size(size)?;
         let capture = capture(stream, graphs)?;
         // Every driver call the allocator may make binds the context itself: the cached path makes
         // none.
