@@ -480,6 +480,43 @@ impl Issuer {
 #[derive(Clone, Copy)]
 struct Addr(usize);
 
+/// One transfer in either direction: how it is cut, its progress, its trace, the slots' addresses.
+struct Transfer {
+    plan: Plan,
+    shared: Shared,
+    marks: Marks,
+    slots: Vec<Addr>,
+}
+
+impl Transfer {
+    /// Runs the transfer: `copy` on every thread of `pool`, `issue` (which queues the DMAs) on
+    /// this one. Whatever happened, a panic here included, no DMA may still use the slots when
+    /// this returns. Gives the trace and the first failure, else the final synchronisation's
+    /// result.
+    fn run(
+        &self,
+        pool: &Pool,
+        stream: &Stream,
+        to_device: bool,
+        copy: &(dyn Fn() + Sync),
+        issue: impl FnOnce() -> Result<()>,
+    ) -> (Option<StagingTrace>, Result<()>) {
+        let shared = &self.shared;
+        let _confirm = OnUnwind(|| drop(crate::stream::confirm(stream)));
+        pool.run(
+            copy,
+            || {
+                if let Err(e) = issue() {
+                    shared.fail(e);
+                }
+            },
+            || shared.fail(Error::invalid("the staging transfer was abandoned")),
+        );
+        let synced = crate::stream::confirm(stream);
+        (self.marks.finish(&self.plan, to_device), shared.outcome(synced))
+    }
+}
+
 impl Staging {
     /// `slots` pinned buffers of `chunk` bytes each, filled or drained by `threads` threads, in
     /// pieces of a sixteenth of a chunk (at least 64 KiB, at most the chunk), the default's ratio.
@@ -542,8 +579,26 @@ impl Staging {
         self.config.threads
     }
 
-    fn slot_addrs(&mut self) -> Vec<Addr> {
-        self.slots.iter_mut().map(|s| Addr(s.as_mut_ptr() as usize)).collect()
+    /// Starts a transfer of `bytes`: forgets the last trace, refuses sides of different lengths
+    /// (named, with their lengths in elements, in the order the data moves) and cuts the bytes
+    /// into chunks and pieces (`None`: nothing to move).
+    fn begin(&mut self, sides: [(&str, usize); 2], bytes: usize) -> Result<Option<Plan>> {
+        self.last_trace = None;
+        let [(from, from_len), (to, to_len)] = sides;
+        if from_len != to_len {
+            return Err(Error::invalid(format!("length mismatch: {from} {from_len} elements, {to} {to_len}")));
+        }
+        Ok((bytes > 0).then(|| Plan::new(bytes, self.config.chunk, self.config.piece)))
+    }
+
+    /// What the threads of a transfer cut by `plan` share; `slot_of` as in [`Shared::new`].
+    fn transfer(&mut self, plan: Plan, slot_of: impl Fn(usize) -> Option<usize>) -> Transfer {
+        Transfer {
+            shared: Shared::new(self.slots.len(), plan.chunks, slot_of),
+            marks: Marks::new(self.tracing, plan.chunks),
+            slots: self.slots.iter_mut().map(|s| Addr(s.as_mut_ptr() as usize)).collect(),
+            plan,
+        }
     }
 
     /// Copies pageable `src` into `dst` on `stream`; returns when the data is on the device.
@@ -557,26 +612,15 @@ impl Staging {
         src: &[T],
         dst: DeviceSliceMut<'_, T>,
     ) -> Result<()> {
-        self.last_trace = None;
-        if src.len() != dst.len() {
-            return Err(Error::invalid(format!(
-                "length mismatch: host {} elements, device {}",
-                src.len(),
-                dst.len()
-            )));
-        }
-        let bytes = std::mem::size_of_val(src);
-        if bytes == 0 {
+        let Some(plan) = self.begin([("host", src.len()), ("device", dst.len())], std::mem::size_of_val(src))?
+        else {
             return Ok(());
-        }
+        };
         let mut dst = dst;
         let _turn = dst.prepare_write(stream)?;
-        let k = self.slots.len();
-        let plan = Plan::new(bytes, self.config.chunk, self.config.piece);
-        let ring = Issuer::new(plan.chunks, k);
-        let shared = Shared::new(k, plan.chunks, |j| ring.slot(j));
-        let marks = Marks::new(self.tracing, plan.chunks);
-        let slots = self.slot_addrs();
+        let ring = Issuer::new(plan.chunks, self.slots.len());
+        let transfer = self.transfer(plan, |j| ring.slot(j));
+        let Transfer { plan, shared, marks, slots } = &transfer;
         let src_addr = Addr(src.as_ptr() as usize);
         let api = driver()?.api();
         let events = &self.events;
@@ -663,21 +707,9 @@ impl Staging {
             }
             Ok(())
         };
-        // Also if this thread panics: no DMA may use the slots once the panic has left here.
-        let _confirm = OnUnwind(|| drop(crate::stream::confirm(stream)));
-        self.pool.run(
-            &fill,
-            || {
-                if let Err(e) = issue() {
-                    shared.fail(e);
-                }
-            },
-            || shared.fail(Error::invalid("the staging transfer was abandoned")),
-        );
-        // Whatever happened, no DMA may still read the slots when this returns.
-        let synced = crate::stream::confirm(stream);
-        self.last_trace = marks.finish(&plan, true);
-        shared.outcome(synced)
+        let (trace, outcome) = transfer.run(&self.pool, stream, true, &fill, issue);
+        self.last_trace = trace;
+        outcome
     }
 
     /// Copies `src` into pageable `dst` on `stream`; returns when the data is in `dst`.
@@ -692,24 +724,14 @@ impl Staging {
         src: DeviceSlice<'_, T>,
         dst: &mut [T],
     ) -> Result<()> {
-        self.last_trace = None;
-        if src.len() != dst.len() {
-            return Err(Error::invalid(format!(
-                "length mismatch: device {} elements, host {}",
-                src.len(),
-                dst.len()
-            )));
-        }
-        let bytes = std::mem::size_of_val(dst);
-        if bytes == 0 {
+        let Some(plan) = self.begin([("device", src.len()), ("host", dst.len())], std::mem::size_of_val(dst))?
+        else {
             return Ok(());
-        }
+        };
         let _turn = src.prepare_read(stream)?;
         let k = self.slots.len();
-        let plan = Plan::new(bytes, self.config.chunk, self.config.piece);
-        let shared = Shared::new(k, plan.chunks, |_| None);
-        let marks = Marks::new(self.tracing, plan.chunks);
-        let slots = self.slot_addrs();
+        let transfer = self.transfer(plan, |_| None);
+        let Transfer { plan, shared, marks, slots } = &transfer;
         let dst_addr = Addr(dst.as_mut_ptr() as usize);
         let api = driver()?.api();
         let events = &self.events;
@@ -780,19 +802,9 @@ impl Staging {
             }
             Ok(())
         };
-        let _confirm = OnUnwind(|| drop(crate::stream::confirm(stream)));
-        self.pool.run(
-            &drain,
-            || {
-                if let Err(e) = issue() {
-                    shared.fail(e);
-                }
-            },
-            || shared.fail(Error::invalid("the staging transfer was abandoned")),
-        );
-        let synced = crate::stream::confirm(stream);
-        self.last_trace = marks.finish(&plan, false);
-        shared.outcome(synced)
+        let (trace, outcome) = transfer.run(&self.pool, stream, false, &drain, issue);
+        self.last_trace = trace;
+        outcome
     }
 }
 

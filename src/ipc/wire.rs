@@ -73,6 +73,10 @@ impl HandleType {
             HandleType::Fabric => 8,
         }
     }
+
+    fn from_code(code: u16) -> Option<HandleType> {
+        [HandleType::PosixFd, HandleType::Fabric].into_iter().find(|t| t.code() == code)
+    }
 }
 
 /// What a frame is: the kind field (bytes 12..14 in version 2; a version-1 frame is a share).
@@ -119,6 +123,54 @@ impl fmt::Display for Kind {
             Kind::Note => "note",
         })
     }
+}
+
+/// Where each field of a frame lies, for encoding and decoding alike (`docs/WIRE.md` draws it).
+mod at {
+    use std::ops::Range;
+
+    pub const MAGIC: Range<usize> = 0..8;
+    pub const VERSION: Range<usize> = 8..10;
+    pub const HANDLE_TYPE: Range<usize> = 10..12;
+    /// Version 2's kind; version 1 has none, its flags take [`V1_FLAGS`].
+    pub const KIND: Range<usize> = 12..14;
+    pub const FLAGS: Range<usize> = 14..16;
+    pub const V1_FLAGS: Range<usize> = 12..16;
+    pub const SIZE: Range<usize> = 16..24;
+    pub const GRANULARITY: Range<usize> = 24..32;
+    pub const OFFSET: Range<usize> = 32..40;
+    pub const LENGTH: Range<usize> = 40..48;
+    pub const DEVICE_UUID: Range<usize> = 48..64;
+    pub const TAG: Range<usize> = 64..72;
+    pub const FD_COUNT: Range<usize> = 72..76;
+    pub const RESERVED: Range<usize> = 76..80;
+    pub const FABRIC: Range<usize> = 80..144;
+
+    /// Every field of a version-2 frame, in order.
+    #[cfg(test)]
+    pub const V2: [Range<usize>; 14] = [
+        MAGIC,
+        VERSION,
+        HANDLE_TYPE,
+        KIND,
+        FLAGS,
+        SIZE,
+        GRANULARITY,
+        OFFSET,
+        LENGTH,
+        DEVICE_UUID,
+        TAG,
+        FD_COUNT,
+        RESERVED,
+        FABRIC,
+    ];
+}
+
+/// The `N` bytes of field `r` of a frame (`r` is one of [`at`]'s, `N` its width).
+fn field<const N: usize>(b: &[u8], r: std::ops::Range<usize>) -> [u8; N] {
+    let mut x = [0u8; N];
+    x.copy_from_slice(&b[r]);
+    x
 }
 
 fn protocol<T>(m: impl Into<String>) -> Result<T> {
@@ -504,29 +556,27 @@ impl Fields {
 
     /// The handle of a share or grow message: type, fd count and fabric bytes agree.
     fn wire_handle(&self) -> Result<WireHandle> {
-        match (self.handle_type, self.fd_count) {
-            (1, 1) => Ok(WireHandle::PosixFd),
-            (1, n) => protocol(format!("a POSIX-fd message carries one fd, not {n}")),
-            (8, 0) => Ok(WireHandle::Fabric(self.fabric)),
-            (8, n) => protocol(format!("a fabric message carries no fds, not {n}")),
-            (k, _) => protocol(format!("unknown handle type {k}")),
+        match (self.handle_type()?, self.fd_count) {
+            (HandleType::PosixFd, 1) => Ok(WireHandle::PosixFd),
+            (HandleType::PosixFd, n) => protocol(format!("a POSIX-fd message carries one fd, not {n}")),
+            (HandleType::Fabric, 0) => Ok(WireHandle::Fabric(self.fabric)),
+            (HandleType::Fabric, n) => protocol(format!("a fabric message carries no fds, not {n}")),
         }
     }
 
     fn handle_type(&self) -> Result<HandleType> {
-        match self.handle_type {
-            1 => Ok(HandleType::PosixFd),
-            8 => Ok(HandleType::Fabric),
-            k => protocol(format!("unknown handle type {k}")),
-        }
+        HandleType::from_code(self.handle_type)
+            .ok_or_else(|| Error::Protocol(format!("unknown handle type {}", self.handle_type)))
     }
 
     /// With `handle`'s type code, fd count and fabric bytes.
     fn with_handle(self, handle: WireHandle) -> Fields {
-        let (fd_count, fabric) = match handle {
-            WireHandle::PosixFd => (1, [0; 64]),
-            WireHandle::Fabric(f) => (0, f),
+        let fabric = match handle {
+            WireHandle::PosixFd => [0; 64],
+            WireHandle::Fabric(f) => f,
         };
+        // At most one fd travels with a message.
+        let fd_count = handle.fd_count() as u32;
         Fields { handle_type: handle.handle_type().code(), fd_count, fabric, ..self }
     }
 
@@ -641,20 +691,20 @@ impl Message {
         self.validate()?;
         let f = self.fields();
         let mut b = [0u8; HEADER_LEN];
-        b[0..8].copy_from_slice(&MAGIC);
-        b[8..10].copy_from_slice(&VERSION.to_le_bytes());
-        b[10..12].copy_from_slice(&f.handle_type.to_le_bytes());
-        b[12..14].copy_from_slice(&self.kind().code().to_le_bytes());
-        // 14..16: flags, zero.
-        b[16..24].copy_from_slice(&f.size.to_le_bytes());
-        b[24..32].copy_from_slice(&f.granularity.to_le_bytes());
-        b[32..40].copy_from_slice(&f.offset.to_le_bytes());
-        b[40..48].copy_from_slice(&f.length.to_le_bytes());
-        b[48..64].copy_from_slice(&f.device_uuid);
-        b[64..72].copy_from_slice(&f.tag.to_le_bytes());
-        b[72..76].copy_from_slice(&f.fd_count.to_le_bytes());
-        // 76..80: reserved, zero.
-        b[80..144].copy_from_slice(&f.fabric);
+        b[at::MAGIC].copy_from_slice(&MAGIC);
+        b[at::VERSION].copy_from_slice(&VERSION.to_le_bytes());
+        b[at::HANDLE_TYPE].copy_from_slice(&f.handle_type.to_le_bytes());
+        b[at::KIND].copy_from_slice(&self.kind().code().to_le_bytes());
+        // The flags stay zero.
+        b[at::SIZE].copy_from_slice(&f.size.to_le_bytes());
+        b[at::GRANULARITY].copy_from_slice(&f.granularity.to_le_bytes());
+        b[at::OFFSET].copy_from_slice(&f.offset.to_le_bytes());
+        b[at::LENGTH].copy_from_slice(&f.length.to_le_bytes());
+        b[at::DEVICE_UUID].copy_from_slice(&f.device_uuid);
+        b[at::TAG].copy_from_slice(&f.tag.to_le_bytes());
+        b[at::FD_COUNT].copy_from_slice(&f.fd_count.to_le_bytes());
+        // The reserved field stays zero.
+        b[at::FABRIC].copy_from_slice(&f.fabric);
         Ok(b)
     }
 
@@ -665,45 +715,37 @@ impl Message {
         if b.len() != HEADER_LEN {
             return protocol(format!("a frame is {HEADER_LEN} bytes, not {}", b.len()));
         }
-        if b[0..8] != MAGIC {
+        if b[at::MAGIC] != MAGIC {
             return protocol("bad magic: not a cuvmm message");
         }
-        let u16_at = |i: usize| u16::from_le_bytes([b[i], b[i + 1]]);
-        let u32_at = |i: usize| u32::from_le_bytes([b[i], b[i + 1], b[i + 2], b[i + 3]]);
-        let u64_at = |i: usize| {
-            let mut x = [0u8; 8];
-            x.copy_from_slice(&b[i..i + 8]);
-            u64::from_le_bytes(x)
-        };
-        let kind = match u16_at(8) {
-            1 if u32_at(12) != 0 => return protocol("flags must be zero in version 1"),
+        let u16_at = |r| u16::from_le_bytes(field(b, r));
+        let u32_at = |r| u32::from_le_bytes(field(b, r));
+        let u64_at = |r| u64::from_le_bytes(field(b, r));
+        let kind = match u16_at(at::VERSION) {
+            1 if u32_at(at::V1_FLAGS) != 0 => return protocol("flags must be zero in version 1"),
             1 => Kind::Share,
-            2 if u16_at(14) != 0 => return protocol("flags must be zero in version 2"),
-            2 => Kind::from_code(u16_at(12))
-                .ok_or_else(|| Error::Protocol(format!("unknown message kind {}", u16_at(12))))?,
+            2 if u16_at(at::FLAGS) != 0 => return protocol("flags must be zero in version 2"),
+            2 => Kind::from_code(u16_at(at::KIND))
+                .ok_or_else(|| Error::Protocol(format!("unknown message kind {}", u16_at(at::KIND))))?,
             v => {
                 return protocol(format!(
                     "unsupported version {v} (this crate reads versions {OLDEST_VERSION} to {VERSION})"
                 ))
             }
         };
-        if u32_at(76) != 0 {
+        if u32_at(at::RESERVED) != 0 {
             return protocol("the reserved field must be zero");
         }
-        let mut device_uuid = [0u8; 16];
-        device_uuid.copy_from_slice(&b[48..64]);
-        let mut fabric = [0u8; 64];
-        fabric.copy_from_slice(&b[80..144]);
         let f = Fields {
-            handle_type: u16_at(10),
-            size: u64_at(16),
-            granularity: u64_at(24),
-            offset: u64_at(32),
-            length: u64_at(40),
-            device_uuid,
-            tag: u64_at(64),
-            fd_count: u32_at(72),
-            fabric,
+            handle_type: u16_at(at::HANDLE_TYPE),
+            size: u64_at(at::SIZE),
+            granularity: u64_at(at::GRANULARITY),
+            offset: u64_at(at::OFFSET),
+            length: u64_at(at::LENGTH),
+            device_uuid: field(b, at::DEVICE_UUID),
+            tag: u64_at(at::TAG),
+            fd_count: u32_at(at::FD_COUNT),
+            fabric: field(b, at::FABRIC),
         };
         let m = match kind {
             Kind::Share => Message::Share(Header::new(
@@ -844,6 +886,25 @@ mod tests {
         assert_eq!(fds, [1, 0, 0, 0, 1, 0, 0, 0, 0]);
         let tags: Vec<u64> = every_kind().iter().map(Message::tag).collect();
         assert_eq!(tags, [0xfeed, 0xfeed, 0xabc, 0xabc, 3, 3, 11, 0, u64::MAX]);
+    }
+
+    #[test]
+    fn the_fields_tile_the_frame_in_order() {
+        let mut next = 0;
+        for r in at::V2 {
+            assert_eq!(r.start, next, "{r:?}");
+            next = r.end;
+        }
+        assert_eq!(next, HEADER_LEN);
+        assert_eq!(at::V1_FLAGS, at::KIND.start..at::FLAGS.end);
+    }
+
+    #[test]
+    fn handle_codes_read_back() {
+        for t in [HandleType::PosixFd, HandleType::Fabric] {
+            assert_eq!(HandleType::from_code(t.code()), Some(t));
+        }
+        assert_eq!(HandleType::from_code(0), None);
     }
 
     #[test]
