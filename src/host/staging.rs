@@ -45,18 +45,10 @@ pub struct StagingConfig {
 
 impl Default for StagingConfig {
     /// 4 MiB chunks in 256 KiB pieces, 8 slots (32 MiB pinned), three quarters of the cores
-    /// copying (at most 12 threads).
-    ///
-    /// Measured with `cuvmm bench bandwidth --sweep` on an H100 host (16 cores, PCIe 5), sources
-    /// and destinations out of the host's caches: this shape moved at least 41.0 GB/s both ways
-    /// at 64 MiB-1 GiB in two sweeps of 2 and 4 MiB chunks, 128 KiB-1 MiB pieces and 8 or 16
-    /// slots; with 1 MiB pieces, 34.2-38.5 GB/s host to device at 64 MiB in the same sweeps.
-    /// What smaller pieces save is the end of a transfer: the threads finish their last pieces
-    /// within a small piece of one another, and the last DMA follows sooner. Rings of 8 MiB or
-    /// less starved the threads (16-23 GB/s). Reading the source is not what holds host to
-    /// device back (8 threads read it alone at 47-70 GB/s): the DMAs of the last chunks were,
-    /// which is why the last 16 MiB of a transfer go into the ring with streaming stores, and a
-    /// host that has idled for tens of milliseconds before the transfer starts slower.
+    /// copying (at most 12 threads): the fastest shape of the sweeps in docs/PERFORMANCE.md
+    /// ("Figures behind the defaults"). Small pieces shorten the end of a transfer (the threads
+    /// finish within a small piece of one another, and the last DMA follows sooner); smaller
+    /// rings starve the threads.
     fn default() -> Self {
         let cores = std::thread::available_parallelism().map_or(4, |n| n.get());
         StagingConfig { chunk: 4 << 20, piece: 256 << 10, slots: 8, threads: default_threads(cores) }
@@ -64,13 +56,8 @@ impl Default for StagingConfig {
 }
 
 /// Copying threads for a host with `cores` cores: three quarters of them (the rest left to the
-/// thread that issues the DMAs and to the program), at most 12.
-///
-/// On an H100 host of 16 cores, five sweeps of back-to-back transfers (`cuvmm bench bandwidth
-/// --sweep --threads 8,12`, one sitting): 12 threads moved 43.1-44.3 GB/s host to device at
-/// 64 MiB where 8 moved 37.1-41.3, and 46.9-50.1 against 41.5-47.4 at 256 MiB; device to host
-/// 43.1-52.7 against 47.0-53.3. 16 threads, every core, were
-/// no better than 12 (36.2-41.1 at 64 MiB).
+/// thread that issues the DMAs and to the program), at most 12: more threads were no faster
+/// (docs/PERFORMANCE.md, "Figures behind the defaults").
 fn default_threads(cores: usize) -> usize {
     (cores - cores / 4).clamp(1, 12)
 }
@@ -266,24 +253,16 @@ impl Plan {
 /// The DMA engine reads a slot shortly after the threads filled it. While they go on copying,
 /// the lines they wrote earlier leave their cores' private caches for the shared cache, from
 /// which the DMA reads them quickly; the lines of the last chunks stay in the private caches,
-/// where, as the timings below suggest, every DMA read is a snoop into a core (an idle one at
-/// that, once the threads are done). Transfers of 16 MiB or less are streamed whole: 16 MiB ran
-/// at 27.9-30.7 GB/s so, against 26.6-29.2 with only its last 8 MiB streamed (two sittings).
-/// Traced with device events on an H100 host (4 MiB chunks, 64 MiB): the last two chunks' DMAs
-/// took 128-337 µs each against 80-90 µs for the others; with these bytes streamed to memory
-/// (and the threads kept busy until the end), 83 µs. `cuvmm bench bandwidth --sweep`, 64 MiB host
-/// to device, same sitting: 37.1 and 39.5 GB/s before, 43.0 and 42.9 with the last 8 MiB
-/// streamed (1 GiB: 49.2-52.3 either way). In another sitting, three sweeps each taking turns,
-/// the last 4, 8 and 16 MiB streamed: 36.6-39.9, 36.5-44.2 and 42.1-44.7 GB/s at 64 MiB,
-/// 48.5-51.6 at 256 MiB with 16. Sixteen MiB is about what the eight threads' cores hold in their
-/// private caches. Streaming every byte makes the DMA read all of them from memory, which was
-/// slower (see `stream_copy`).
+/// where every DMA read is a snoop into a core (an idle one at that, once the threads are done),
+/// and those DMAs are slow. Sixteen MiB is about what the copying threads' cores hold in their
+/// private caches; streaming every byte makes the DMA read all of them from memory, which is
+/// slower (see `stream_copy`). docs/PERFORMANCE.md ("Figures behind the defaults") has the
+/// measurements.
 const STREAMED_TAIL: usize = 16 << 20;
 
 /// The progress of one transfer, shared by the issuing thread and the copying threads. Waits
 /// spin, then yield, rather than sleep at once: a transfer's waits last microseconds, and waking a
-/// sleeping thread took longer than that (a staged transfer with sleeping waits and a host
-/// function handing slots back ran at 28-37 GB/s where the same pipeline spinning ran at 36-47).
+/// sleeping thread takes longer than that (docs/PERFORMANCE.md, "Figures behind the defaults").
 struct Shared {
     /// The next piece to claim.
     next: AtomicUsize,

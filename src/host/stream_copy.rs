@@ -4,11 +4,10 @@
 //! writes it back when the line leaves the cache: for a destination larger than the caches that
 //! is three memory passes per byte copied, where the copy itself needs two. Non-temporal stores
 //! write whole lines straight to memory. Draining the ring into the caller's pageable buffer is
-//! that case: on an H100 host the staged device-to-host path went from 40.8-42.9 to 53.9 GB/s at
-//! 1 GiB with them (`cuvmm bench bandwidth`, the two copies taking turns in one sitting). Filling
-//! the ring is not, but for its last few MiB: its slots stay in cache for the DMA engine to read,
-//! and the same stores on every byte made the host-to-device side slower (26.4-35.5 against
-//! 28.1-37.0 GB/s); the staging module says why the last bytes are streamed.
+//! that case. Filling the ring is not, but for its last few MiB: its slots stay in cache for the
+//! DMA engine to read, and the same stores on every byte made the host-to-device side slower;
+//! the staging module says why the last bytes are streamed. docs/PERFORMANCE.md has the figures
+//! ("Figures behind the defaults").
 
 /// Copies `src` into `dst` (equal lengths) with non-temporal stores where the platform has them,
 /// and returns once those stores are ordered before any later store of this thread (so a release

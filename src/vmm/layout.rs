@@ -56,11 +56,9 @@ pub struct ChunkPolicy {
 
 impl Default for ChunkPolicy {
     /// 2 MiB to 1 GiB, each new chunk as large as what is already mapped (capacity doubles, like
-    /// `Vec`'s, until chunks reach 1 GiB). Chosen from measurements on an H100 (docs/PERFORMANCE.md): a chunk's
-    /// driver calls cost 20-100 µs whatever its size, so 1 GiB chunks cost 417 µs per GiB against
-    /// 1034 at 128 MiB; growing to 16 GiB in 64 MiB steps took 0.31x the time of realloc-by-copy
-    /// with this policy against 0.44x with 256 MiB chunks growing by 50%; and waste past the end
-    /// stays under one 1 GiB chunk.
+    /// `Vec`'s, until chunks reach 1 GiB): a chunk's driver calls cost about the same whatever its
+    /// size, so large chunks are cheaper per byte, and waste past the end stays under one 1 GiB
+    /// chunk. docs/PERFORMANCE.md ("Figures behind the defaults") has the measurements.
     fn default() -> Self {
         ChunkPolicy { min_chunk: 2 << 20, max_chunk: 1 << 30, growth_percent: 100 }
     }

@@ -56,8 +56,8 @@ const EVICT: usize = 600 << 20;
 
 /// Reads a buffer larger than the host's last-level cache on 8 threads, so that a host-side copy
 /// timed next reads its source from memory, as a transfer of data written long ago would: a
-/// 64 MiB source copied again and again stays in a large cache and flatters the host copy (the
-/// host memcpy reference measured 88 GB/s at 64 MiB beside 33 GB/s at 1 GiB that way).
+/// 64 MiB source copied again and again stays in a large cache and flatters the host copy
+/// (docs/PERFORMANCE.md, "Figures behind the defaults").
 pub struct Evictor(Vec<u64>);
 
 impl Evictor {
