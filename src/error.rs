@@ -94,7 +94,55 @@ pub enum Error {
     },
 }
 
+/// What kind of error an [`Error`] is, without its details: what a caller or a test matches on
+/// rather than the message, which is for people and may be reworded.
+///
+/// ```
+/// use cuvmm::{ErrorKind, driver::sys::CUresult};
+/// fn retry_smaller(e: &cuvmm::Error) -> bool {
+///     matches!(e.kind(), ErrorKind::Driver(CUresult::ERROR_OUT_OF_MEMORY))
+/// }
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ErrorKind {
+    /// [`Error::DriverNotFound`].
+    DriverNotFound,
+    /// [`Error::MissingEntryPoint`].
+    MissingEntryPoint,
+    /// [`Error::Driver`], with the code the driver returned (`ERROR_OUT_OF_MEMORY`: the device
+    /// ran out of memory, as [`Error::is_out_of_memory`] says).
+    Driver(CUresult),
+    /// [`Error::Unsupported`].
+    Unsupported,
+    /// [`Error::InvalidArgument`].
+    InvalidArgument,
+    /// [`Error::Os`], with the error number.
+    Os(nix::errno::Errno),
+    /// [`Error::Protocol`].
+    Protocol,
+    /// [`Error::Timeout`].
+    Timeout,
+    /// [`Error::InHostFunction`].
+    InHostFunction,
+}
+
 impl Error {
+    /// Its kind, to match on.
+    pub fn kind(&self) -> ErrorKind {
+        match self {
+            Error::DriverNotFound { .. } => ErrorKind::DriverNotFound,
+            Error::MissingEntryPoint { .. } => ErrorKind::MissingEntryPoint,
+            Error::Driver { code, .. } => ErrorKind::Driver(*code),
+            Error::Unsupported { .. } => ErrorKind::Unsupported,
+            Error::InvalidArgument(_) => ErrorKind::InvalidArgument,
+            Error::Os { errno, .. } => ErrorKind::Os(*errno),
+            Error::Protocol(_) => ErrorKind::Protocol,
+            Error::Timeout { .. } => ErrorKind::Timeout,
+            Error::InHostFunction { .. } => ErrorKind::InHostFunction,
+        }
+    }
+
     /// The driver's code, if this is a driver error.
     pub fn code(&self) -> Option<CUresult> {
         match self {
@@ -111,12 +159,12 @@ impl Error {
     /// Whether an operating-system call found nothing to do yet on a non-blocking socket or one
     /// with a timeout (`EAGAIN`): try again once it is ready.
     pub fn is_would_block(&self) -> bool {
-        matches!(self, Error::Os { errno: nix::errno::Errno::EAGAIN, .. })
+        self.kind() == ErrorKind::Os(nix::errno::Errno::EAGAIN)
     }
 
     /// Whether a peer's message did not arrive in time ([`Error::Timeout`]).
     pub fn is_timeout(&self) -> bool {
-        matches!(self, Error::Timeout { .. })
+        self.kind() == ErrorKind::Timeout
     }
 
     /// Whether the driver reported that it ran out of memory.
@@ -135,3 +183,36 @@ impl Error {
 
 /// `Result` with [`Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use nix::errno::Errno;
+
+    #[test]
+    fn each_error_has_its_kind_and_the_helpers_agree() {
+        let driver = |code| Error::Driver { call: "cuTest", code, name: String::new(), description: String::new() };
+        let cases = [
+            (Error::DriverNotFound { tried: Vec::new() }, ErrorKind::DriverNotFound),
+            (
+                Error::MissingEntryPoint { library: "x".into(), name: "cuX", version: 12000, reason: "absent" },
+                ErrorKind::MissingEntryPoint,
+            ),
+            (driver(CUresult::ERROR_OUT_OF_MEMORY), ErrorKind::Driver(CUresult::ERROR_OUT_OF_MEMORY)),
+            (Error::unsupported("a", "b"), ErrorKind::Unsupported),
+            (Error::invalid("x"), ErrorKind::InvalidArgument),
+            (Error::Os { call: "recvmsg", errno: Errno::EAGAIN }, ErrorKind::Os(Errno::EAGAIN)),
+            (Error::Protocol("x".into()), ErrorKind::Protocol),
+            (Error::Timeout { received: 1, expected: 2 }, ErrorKind::Timeout),
+            (Error::InHostFunction { call: "cuX" }, ErrorKind::InHostFunction),
+        ];
+        for (e, kind) in &cases {
+            assert_eq!(e.kind(), *kind, "{e}");
+            assert_eq!(e.is_out_of_memory(), *kind == ErrorKind::Driver(CUresult::ERROR_OUT_OF_MEMORY), "{e}");
+            assert_eq!(e.is_would_block(), *kind == ErrorKind::Os(Errno::EAGAIN), "{e}");
+            assert_eq!(e.is_timeout(), *kind == ErrorKind::Timeout, "{e}");
+        }
+        assert!(!driver(CUresult::ERROR_INVALID_VALUE).is_out_of_memory());
+        assert!(!Error::Os { call: "recvmsg", errno: Errno::EINTR }.is_would_block());
+    }
+}
