@@ -8,6 +8,10 @@ use cuvmm::driver::{driver, sys::*};
 use cuvmm::error::Result;
 use cuvmm::stream::Stream;
 use std::time::Instant;
+use crate::cli::size::{parse_sizes, show};
+use crate::cli::CliResult;
+use serde_json::json;
+use std::io::Write;
 
 /// Microseconds per allocate+free pair for one size.
 #[derive(Clone, Debug)]
@@ -87,4 +91,54 @@ pub fn run(ctx: &Context, sizes: &[usize]) -> Result<Vec<AllocRow>> {
     // SAFETY: returns the pool's cached memory to the driver.
     unsafe { api.cuMemPoolTrimTo(pool, 0) }?;
     Ok(rows)
+}
+
+
+// The options of `cuvmm bench alloc` (their help is the CLI's).
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// Allocation sizes.
+    #[arg(long, default_value = "4KiB,64KiB,1MiB,16MiB,64MiB", value_parser = parse_sizes)]
+    sizes: std::vec::Vec<usize>,
+    /// Device ordinal.
+    #[arg(long, default_value_t = 0)]
+    device: usize,
+    /// JSON lines instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+/// `cuvmm bench alloc`: runs the benchmark with `args` and writes its report to `out`.
+pub fn cli(args: Args, out: &mut impl Write) -> CliResult {
+    let Args { sizes, device, json } = args;
+    let ctx = Context::for_ordinal(device)?;
+    let rows = run(&ctx, &sizes)?;
+    if !json {
+        writeln!(out, "µs per allocate+free pair on {} (median of 5 batches)", ctx.device().name()?)?;
+        writeln!(
+            out,
+            "{:>9} {:>14} {:>18} {:>22}",
+            "size", "cuvmm cached", "cuMemAlloc/Free", "cuMemAllocAsync pool"
+        )?;
+    }
+    for r in &rows {
+        if json {
+            writeln!(
+                out,
+                "{}",
+                json!({"bench": "alloc", "size": r.size, "cached_us": r.cached_us,
+                "driver_us": r.driver_us, "pool_us": r.pool_us})
+            )?;
+        } else {
+            writeln!(
+                out,
+                "{:>9} {:>14.3} {:>18.2} {:>22.3}",
+                show(r.size),
+                r.cached_us,
+                r.driver_us,
+                r.pool_us
+            )?;
+        }
+    }
+    Ok(())
 }

@@ -9,6 +9,10 @@ use cuvmm::error::Result;
 use cuvmm::vmm::ChunkPolicy;
 use cuvmm::vmm::VmmVec;
 use std::time::Duration;
+use crate::cli::size::{parse_size, show};
+use crate::cli::CliResult;
+use serde_json::json;
+use std::io::Write;
 
 /// What to run.
 #[derive(Clone, Copy, Debug)]
@@ -318,4 +322,132 @@ fn summarise(runs: &[GrowRun]) -> GrowRun {
             runs.iter().map(|r| r.ahead_waits.1).fold(0.0, f64::max),
         ),
     }
+}
+
+
+// The options of `cuvmm bench grow` (their help is the CLI's).
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// Bytes appended per step.
+    #[arg(long, default_value = "64MiB", value_parser = parse_size)]
+    step: usize,
+    /// Final length.
+    #[arg(long, default_value = "16GiB", value_parser = parse_size)]
+    target: usize,
+    /// Timed repetitions of each strategy.
+    #[arg(long, default_value_t = 5)]
+    reps: usize,
+    /// Largest chunk the VmmVec maps at once.
+    #[arg(long, default_value = "1GiB", value_parser = parse_size)]
+    max_chunk: usize,
+    /// New chunks are at least this percentage of what is mapped.
+    #[arg(long, default_value_t = 100)]
+    growth_percent: u32,
+    /// Device ordinal.
+    #[arg(long, default_value_t = 0)]
+    device: usize,
+    /// JSON lines instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+/// `cuvmm bench grow`: runs the benchmark with `args` and writes its report to `out`.
+pub fn cli(args: Args, out: &mut impl Write) -> CliResult {
+    let Args { step, target, reps, max_chunk, growth_percent, device, json } = args;
+    let ctx = Context::for_ordinal(device)?;
+    let policy = ChunkPolicy { max_chunk, growth_percent, ..ChunkPolicy::default() };
+    let r = run(&ctx, GrowConfig { step, target, reps, policy })?;
+    let name = ctx.device().name()?;
+    let copy = if r.copy_failed.is_none() {
+        Some(("copy_doubling", "copy-doubling", &r.copy))
+    } else {
+        None
+    };
+    let rows = [
+        ("vmmvec", "VmmVec, default", &r.vmm),
+        ("vmmvec_ahead", "VmmVec, ahead", &r.ahead),
+        ("vmmvec_no_ahead", "VmmVec, no ahead", &r.no_ahead),
+    ];
+    if json {
+        for (which, _, run) in rows.iter().copied().chain(copy) {
+            writeln!(
+                out,
+                "{}",
+                json!({"bench": "grow", "device": name, "strategy": which, "step": step, "target": target,
+                       "reps": reps, "steps": run.steps, "total_s": run.total_s, "worst_step_s": run.worst_step_s, "worst_later_step_s": run.worst_later_step_s,
+                       "median_step_s": run.median_step_s, "p99_step_s": run.p99_step_s, "slowest_steps": run.slowest, "peak_bytes": run.peak_bytes,
+                       "ahead_waits": run.ahead_waits.0, "ahead_longest_wait_s": run.ahead_waits.1})
+            )?;
+        }
+        if let Some(why) = &r.copy_failed {
+            writeln!(
+                out,
+                "{}",
+                json!({"bench": "grow", "strategy": "copy_doubling", "failed": why})
+            )?;
+        } else {
+            writeln!(
+                out,
+                "{}",
+                json!({"bench": "grow", "ratio_total": r.total_ratio(), "ratio_total_ahead": r.ahead_total_ratio(),
+                       "ratio_worst_step": r.worst_ratio(), "ratio_peak": r.peak_ratio(),
+                       "max_chunk": max_chunk, "growth_percent": growth_percent})
+            )?;
+        }
+    } else {
+        writeln!(
+            out,
+            "grow to {} in {} steps on {name} (median of {reps} runs; worst step over all runs)",
+            show(target),
+            show(step)
+        )?;
+        writeln!(
+            out,
+            "{:<16} {:>10} {:>14} {:>17} {:>12} {:>15} {:>12}  slowest steps (step #: ms)",
+            "strategy",
+            "total ms",
+            "worst step ms",
+            "worst after 1st",
+            "p99 step ms",
+            "median step ms",
+            "peak in use"
+        )?;
+        for (_, which, run) in rows.iter().copied().chain(copy) {
+            let slow: Vec<String> =
+                run.slowest.iter().map(|(i, s)| format!("{i}: {:.2}", s * 1e3)).collect();
+            writeln!(
+                out,
+                "{which:<16} {:>10.2} {:>14.3} {:>17.3} {:>12.3} {:>15.3} {:>12}  {}",
+                run.total_s * 1e3,
+                run.worst_step_s * 1e3,
+                run.worst_later_step_s * 1e3,
+                run.p99_step_s * 1e3,
+                run.median_step_s * 1e3,
+                show(run.peak_bytes),
+                slow.join(", ")
+            )?;
+        }
+        for (which, run) in [("default", &r.vmm), ("ahead", &r.ahead)] {
+            writeln!(
+                out,
+                "VmmVec, {which}: {} growths over the {reps} runs waited for a chunk made ahead (longest {:.3} ms)",
+                run.ahead_waits.0,
+                run.ahead_waits.1 * 1e3
+            )?;
+        }
+        match &r.copy_failed {
+            Some(why) => writeln!(out, "copy-doubling    could not reach {}: {why}", show(target))?,
+            None => writeln!(
+                out,
+                "over copy-doubling: VmmVec total {:.3}x, worst step {:.3}x, peak {:.3}x; VmmVec ahead total {:.3}x (chunks up to {}, +{}%)",
+                r.total_ratio(),
+                r.worst_ratio(),
+                r.peak_ratio(),
+                r.ahead_total_ratio(),
+                show(max_chunk),
+                growth_percent
+            )?,
+        }
+    }
+    Ok(())
 }

@@ -34,6 +34,9 @@ use cuvmm::vmm::{Access, PhysicalMemory, Reservation};
 use std::io::{Read, Write};
 use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::net::UnixStream;
+use crate::cli::size::{parse_size, show};
+use crate::cli::CliResult;
+use serde_json::json;
 
 /// Nanoseconds on CLOCK_MONOTONIC.
 pub fn now_ns() -> Result<u64> {
@@ -621,6 +624,148 @@ fn opened_size(p: CUdeviceptr, len: usize) -> Result<()> {
             "the legacy allocation holds {available} bytes from its start, fewer than the {len} announced"
         )));
     }
+    Ok(())
+}
+
+
+
+// The options of `cuvmm bench ipc` (their help is the CLI's).
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// Bytes shared.
+    #[arg(long, default_value = "1GiB", value_parser = parse_size)]
+    size: usize,
+    /// Importer processes, one after the other (each starts with one exchange of each path,
+    /// half of them with cuvmm's first).
+    #[arg(long, default_value_t = 4)]
+    processes: usize,
+    /// Further exchanges of each path per importer process, taking turns.
+    #[arg(long, default_value_t = 4)]
+    pairs: usize,
+    /// Device ordinal.
+    #[arg(long, default_value_t = 0)]
+    device: usize,
+    /// JSON instead of a table.
+    #[arg(long)]
+    json: bool,
+    /// Run as the importer, connecting to this socket (used by the benchmark itself).
+    #[arg(long, hide = true)]
+    child: Option<std::path::PathBuf>,
+}
+
+/// `cuvmm bench ipc`: runs the benchmark with `args` and writes its report to `out`.
+pub fn cli(args: Args, out: &mut impl Write) -> CliResult {
+    let Args { size, processes, pairs, device, json, child } = args;
+    let ctx = Context::for_ordinal(device)?;
+    if let Some(path) = child {
+        let mut sock = std::os::unix::net::UnixStream::connect(path)?;
+        let r = import_side(&ctx, &mut sock)?;
+        writeln!(out, "{}", r.to_json())?;
+        return Ok(());
+    }
+    if processes == 0 {
+        return Err("--processes must be at least 1".into());
+    }
+    let dir = std::env::temp_dir().join(format!("cuvmm-bench-ipc-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    let path = dir.join("sock");
+    let listener = std::os::unix::net::UnixListener::bind(&path)?;
+    let me = std::env::current_exe()?;
+    let mut children = Vec::new();
+    for c in 0..processes {
+        let child = std::process::Command::new(&me)
+            .args(["bench", "ipc", "--device", &device.to_string(), "--child"])
+            .arg(&path)
+            .stdout(std::process::Stdio::piped())
+            .spawn()?;
+        let (mut sock, _) = listener.accept()?;
+        let exported = export_side(&ctx, &mut sock, size, c, pairs)?;
+        let o = child.wait_with_output()?;
+        if !o.status.success() {
+            return Err("the importer process failed".into());
+        }
+        let v: serde_json::Value = serde_json::from_slice(&o.stdout)?;
+        children.push((exported, ImporterReport::from_json(&v)?));
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    let r = summarize(&children)?;
+    print_ipc(out, &ctx.device().name()?, size, &r, json)?;
+    Ok(())
+}
+
+/// The sharing benchmark's report: cuvmm's steps beside the raw ones, and the ratio.
+pub fn print_ipc(
+    out: &mut impl Write,
+    name: &str,
+    size: usize,
+    r: &IpcSummary,
+    json: bool,
+) -> CliResult {
+    if json {
+        let path = |p: &PathStats| {
+            let steps = |v: &[f64; 6]| {
+                let m: serde_json::Map<String, serde_json::Value> =
+                    STEPS.iter().zip(v).map(|(k, x)| (k.to_string(), json!(x))).collect();
+                serde_json::Value::Object(m)
+            };
+            json!({"warm_us": steps(&p.warm_us), "warm_n": p.warm_n, "first_us": steps(&p.first_us), "first_n": p.first_n})
+        };
+        writeln!(
+            out,
+            "{}",
+            json!({"bench": "ipc", "device": name, "size": size, "processes": r.children,
+                   "cuvmm": path(&r.cuvmm), "raw": path(&r.raw),
+                   "ratio_export_to_mapped": r.ratio(),
+                   "ratio_first_export_to_mapped": (r.cuvmm.first_n > 0 && r.raw.first_n > 0).then(|| r.first_ratio()),
+                   "imported_gbs": r.imported_gbs, "local_gbs": r.local_gbs,
+                   "legacy_open_us": r.legacy_open_us, "legacy_gbs": r.legacy_gbs})
+        )?;
+        return Ok(());
+    }
+    writeln!(
+        out,
+        "{} shared with {} child processes on {name}: median µs over {} exchanges per path \
+         (raw = cuMemExportToShareableHandle, sendmsg, recvmsg, cuMemImportFromShareableHandle, \
+         cuMemAddressReserve, cuMemMap, cuMemSetAccess, same run)",
+        show(size),
+        r.children,
+        r.cuvmm.warm_n.min(r.raw.warm_n)
+    )?;
+    writeln!(out, "{:<24} {:>10} {:>10} {:>8}", "step", "cuvmm", "raw", "ratio")?;
+    for (i, step) in STEPS.iter().enumerate() {
+        let (c, w) = (r.cuvmm.warm_us[i], r.raw.warm_us[i]);
+        writeln!(out, "{step:<24} {c:>10.1} {w:>10.1} {:>7.3}x", c / w)?;
+    }
+    if r.cuvmm.first_n > 0 && r.raw.first_n > 0 {
+        writeln!(
+            out,
+            "export → mapped, first exchange of a fresh importer ({} / {} processes): cuvmm {:.1} µs, raw {:.1} µs, {:.3}x",
+            r.cuvmm.first_n,
+            r.raw.first_n,
+            r.cuvmm.first_us[5],
+            r.raw.first_us[5],
+            r.first_ratio()
+        )?;
+    } else {
+        // The importer processes take turns starting on either path: one alone gives one path no
+        // first exchange to compare.
+        writeln!(out, "first exchange of a fresh importer: needs --processes 2 or more to compare")?;
+    }
+    writeln!(
+        out,
+        "export → mapped and accessible: cuvmm / raw = {:.3}x (goal ≤ 1.05x: {})",
+        r.ratio(),
+        if r.ratio() <= 1.05 { "met" } else { "not met" }
+    )?;
+    writeln!(out, "legacy cuIpcOpenMemHandle {:.1} µs", r.legacy_open_us)?;
+    writeln!(
+        out,
+        "importer D2D bandwidth: imported {:.0} GB/s, local {:.0} GB/s ({:.3}x), legacy-opened {:.0} GB/s",
+        r.imported_gbs,
+        r.local_gbs,
+        r.imported_gbs / r.local_gbs,
+        r.legacy_gbs
+    )?;
     Ok(())
 }
 

@@ -13,6 +13,10 @@ use cuvmm::stream::scope;
 use cuvmm::stream::Stream;
 use cuvmm::vmm::VmmVec;
 use std::time::Instant;
+use crate::cli::size::{parse_size, show};
+use crate::cli::CliResult;
+use serde_json::json;
+use std::io::Write;
 
 /// One loop: microseconds per operation with and without the record.
 #[derive(Clone, Debug)]
@@ -130,4 +134,58 @@ pub fn run(ctx: &Context, bytes: usize, iters: usize) -> Result<Vec<OrderRow>> {
     })?;
     rows.push(OrderRow { what: "prepare_write alone, one stream", tracked_us: t, raw_us: r });
     Ok(rows)
+}
+
+
+// The options of `cuvmm bench order` (their help is the CLI's).
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// Bytes per copy or fill.
+    #[arg(long, default_value = "4KiB", value_parser = parse_size)]
+    bytes: usize,
+    /// Operations per batch.
+    #[arg(long, default_value_t = 2000)]
+    iters: usize,
+    /// Device ordinal.
+    #[arg(long, default_value_t = 0)]
+    device: usize,
+    /// JSON lines instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+/// `cuvmm bench order`: runs the benchmark with `args` and writes its report to `out`.
+pub fn cli(args: Args, out: &mut impl Write) -> CliResult {
+    let Args { bytes, iters, device, json } = args;
+    let ctx = Context::for_ordinal(device)?;
+    let rows = run(&ctx, bytes, iters)?;
+    if !json {
+        writeln!(
+            out,
+            "µs per operation of {} on {}, tracked vs untracked views of the same memory (median of 9 batches of {iters})",
+            show(bytes),
+            ctx.device().name()?
+        )?;
+        writeln!(out, "{:<34} {:>10} {:>10} {:>8}", "loop", "tracked", "untracked", "ratio")?;
+    }
+    for r in &rows {
+        if json {
+            writeln!(
+                out,
+                "{}",
+                json!({"bench": "order", "what": r.what, "bytes": bytes, "tracked_us": r.tracked_us,
+                "raw_us": r.raw_us, "ratio": r.ratio()})
+            )?;
+        } else {
+            writeln!(
+                out,
+                "{:<34} {:>10.3} {:>10.3} {:>8.3}",
+                r.what,
+                r.tracked_us,
+                r.raw_us,
+                r.ratio()
+            )?;
+        }
+    }
+    Ok(())
 }

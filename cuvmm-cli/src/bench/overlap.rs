@@ -22,6 +22,10 @@ use cuvmm::stream::Stream;
 use cuvmm::stream::{scope, Scope};
 use std::cell::{Cell, RefCell};
 use std::ffi::c_void;
+use crate::cli::size::{parse_counts, show};
+use crate::cli::CliResult;
+use serde_json::json;
+use std::io::Write;
 
 /// What to run.
 #[derive(Clone, Debug)]
@@ -363,7 +367,41 @@ pub fn run(ctx: &Context, cfg: OverlapConfig) -> Result<OverlapReport> {
     {
         return Err(crate::bench::invalid("n, reps and every stream, chunk and lane count must be positive"));
     }
-    let mut input = PinnedBuffer::<f32>::new(ctx, cfg.n)?;
+    let rig = Rig::new(ctx, &cfg)?;
+    let max_streams = rig.joins.len();
+    let streams: Vec<Stream> = (0..max_streams).map(|_| Stream::non_blocking(ctx)).collect::<Result<_>>()?;
+    let (stages_ms, copies_together_ms, iters) = stage_times(&rig, &streams, &cfg)?;
+    let mut schedules = time_schedules(&rig, &streams, &plans(&cfg), cfg.reps, iters)?;
+    let fastest = |raw: bool| {
+        (0..schedules.len())
+            .filter(|&i| schedules[i].raw == raw)
+            .min_by(|&a, &b| schedules[a].total_ms.total_cmp(&schedules[b].total_ms))
+    };
+    // Each result is right: the output, cleared first, checked against the CPU.
+    if let Some(raw) = fastest(true) {
+        rig.clear_output();
+        rig.time(&streams, schedules[raw].plan, true, iters)?;
+        rig.verify(iters, &schedules[raw].name)?;
+    }
+    // The fastest cuvmm schedule once more, each operation bracketed by events, for its timeline.
+    let best = fastest(false).expect("cuvmm schedules");
+    rig.clear_output();
+    rig.timeline.set(true);
+    rig.time(&streams, schedules[best].plan, false, iters)?;
+    schedules[best].spans = rig.spans()?.1;
+    rig.verify(iters, &schedules[best].name)?;
+    Ok(OverlapReport {
+        config: OverlapConfig { iters: Some(iters), ..cfg },
+        iters,
+        stages_ms,
+        copies_together_ms,
+        schedules,
+    })
+}
+
+/// `n` floats in [0.5, 1.5), pseudo-random, pinned.
+fn random_input(ctx: &Context, n: usize) -> Result<PinnedBuffer<f32>> {
+    let mut input = PinnedBuffer::<f32>::new(ctx, n)?;
     let mut seed = 0x2545_f491_u32;
     for x in input.iter_mut() {
         seed ^= seed << 13;
@@ -371,39 +409,75 @@ pub fn run(ctx: &Context, cfg: OverlapConfig) -> Result<OverlapReport> {
         seed ^= seed << 5;
         *x = (seed >> 8) as f32 / (1u32 << 24) as f32 + 0.5;
     }
-    let module = Module::from_ptx(ctx, cuvmm::kernels::PTX)?;
-    let busy = module.function("cuvmm_busy_f32")?.raw();
-    let sms =
-        ctx.device().attribute(cuvmm::driver::sys::CUdevice_attribute::MULTIPROCESSOR_COUNT)?.max(1) as u32;
-    let max_streams = cfg
-        .streams
-        .iter()
-        .max()
-        .copied()
-        .unwrap_or(1)
-        .max(3 * cfg.lanes.iter().max().copied().unwrap_or(1))
-        .max(3);
-    let max_chunks = cfg.chunks.iter().max().copied().unwrap_or(1);
-    let rig = Rig {
-        ctx,
-        k: Kernels::load(ctx)?,
-        busy,
-        // As `Kernels` launches it: 256 threads a block, one resident wave of blocks at most.
-        launch: LaunchConfig::grid_stride(u64::MAX, 256, sms * 8),
-        _module: module,
-        input,
-        output: PinnedBuffer::<f32>::new(ctx, cfg.n)?,
-        dev: DeviceBuffer::<f32>::new(ctx, cfg.n)?,
-        origin: Event::new(ctx)?,
-        fin: Event::new(ctx)?,
-        joins: (0..max_streams).map(|_| Event::without_timing(ctx)).collect::<Result<_>>()?,
-        steps: (0..2 * max_chunks).map(|_| Event::without_timing(ctx)).collect::<Result<_>>()?,
-        timeline: Cell::new(true),
-        marks: RefCell::new(Vec::new()),
-    };
-    let streams: Vec<Stream> = (0..max_streams).map(|_| Stream::non_blocking(ctx)).collect::<Result<_>>()?;
-    let all = 0..cfg.n;
+    Ok(input)
+}
 
+impl<'r> Rig<'r> {
+    /// Everything the schedules of `cfg` use, allocated once: buffers of `cfg.n` floats, the
+    /// kernel, and ordering events for the most streams and chunks asked for.
+    fn new(ctx: &'r Context, cfg: &OverlapConfig) -> Result<Rig<'r>> {
+        let input = random_input(ctx, cfg.n)?;
+        let module = Module::from_ptx(ctx, cuvmm::kernels::PTX)?;
+        let busy = module.function("cuvmm_busy_f32")?.raw();
+        let sms =
+            ctx.device().attribute(cuvmm::driver::sys::CUdevice_attribute::MULTIPROCESSOR_COUNT)?.max(1) as u32;
+        let max_streams = cfg
+            .streams
+            .iter()
+            .max()
+            .copied()
+            .unwrap_or(1)
+            .max(3 * cfg.lanes.iter().max().copied().unwrap_or(1))
+            .max(3);
+        let max_chunks = cfg.chunks.iter().max().copied().unwrap_or(1);
+        Ok(Rig {
+            ctx,
+            k: Kernels::load(ctx)?,
+            busy,
+            // As `Kernels` launches it: 256 threads a block, one resident wave of blocks at most.
+            launch: LaunchConfig::grid_stride(u64::MAX, 256, sms * 8),
+            _module: module,
+            input,
+            output: PinnedBuffer::<f32>::new(ctx, cfg.n)?,
+            dev: DeviceBuffer::<f32>::new(ctx, cfg.n)?,
+            origin: Event::new(ctx)?,
+            fin: Event::new(ctx)?,
+            joins: (0..max_streams).map(|_| Event::without_timing(ctx)).collect::<Result<_>>()?,
+            steps: (0..2 * max_chunks).map(|_| Event::without_timing(ctx)).collect::<Result<_>>()?,
+            timeline: Cell::new(true),
+            marks: RefCell::new(Vec::new()),
+        })
+    }
+
+    /// Zeroes the output, so that a check finds what the next run wrote.
+    fn clear_output(&self) {
+        // SAFETY: every stream is synchronised (each run ends so), no reference to `output`
+        // exists, and `base_ptr` is derived from none.
+        unsafe { std::ptr::write_bytes(self.output.base_ptr(), 0, self.output.len()) };
+    }
+
+    /// Checks a sample of the output against the same multiply-adds on the CPU (`busy_value`,
+    /// which matches the kernel bit for bit).
+    fn verify(&self, iters: u32, what: &str) -> Result<()> {
+        let n = self.output.len();
+        for i in (0..n).step_by((n / 997).max(1)) {
+            let x = busy_value(self.input[i], iters);
+            if self.output[i].to_bits() != x.to_bits() {
+                return Err(crate::bench::invalid(format!(
+                    "{what}: element {i}: device {} != host {x}",
+                    self.output[i]
+                )));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Each stage alone (median of the repetitions after a warm-up), the kernel's multiply-adds tuned
+/// first unless `cfg` gives them, then both copies at once: `([H2D, kernel, D2H], both copies,
+/// multiply-adds)`, milliseconds.
+fn stage_times(rig: &Rig<'_>, streams: &[Stream], cfg: &OverlapConfig) -> Result<([f64; 3], f64, u32)> {
+    let all = 0..cfg.n;
     // Stage times alone (median of reps after a warm-up), tuning the kernel first.
     let stage = |kind: &'static str, iters: u32| -> Result<f64> {
         let mut t = Vec::new();
@@ -445,7 +519,12 @@ pub fn run(ctx: &Context, cfg: OverlapConfig) -> Result<OverlapReport> {
     }
     let copies_together_ms = super::median(&together);
 
-    // Every schedule, cuvmm's then the raw reference's, taking turns repetition by repetition.
+    Ok(([h2d, kernel, d2h], copies_together_ms, iters))
+}
+
+/// The schedules of `cfg`: serial, cuvmm's breadth- and depth-first and pipelines, then the raw
+/// breadth- and depth-first references (`true`: raw).
+fn plans(cfg: &OverlapConfig) -> Vec<(Plan, bool)> {
     let mut plans: Vec<(Plan, bool)> = vec![(Plan::Serial, false)];
     for raw in [false, true] {
         for &s in &cfg.streams {
@@ -460,17 +539,28 @@ pub fn run(ctx: &Context, cfg: OverlapConfig) -> Result<OverlapReport> {
             }
         }
     }
+    plans
+}
+
+/// Every plan's median time over `reps`, the plans taking turns repetition by repetition.
+fn time_schedules(
+    rig: &Rig<'_>,
+    streams: &[Stream],
+    plans: &[(Plan, bool)],
+    reps: usize,
+    iters: u32,
+) -> Result<Vec<Schedule>> {
     rig.timeline.set(false);
     let mut samples = vec![Vec::new(); plans.len()];
-    for rep in 0..=cfg.reps {
+    for rep in 0..=reps {
         for (i, &(plan, raw)) in plans.iter().enumerate() {
-            let ms = rig.time(&streams, plan, raw, iters)?;
+            let ms = rig.time(streams, plan, raw, iters)?;
             if rep > 0 {
                 samples[i].push(ms);
             }
         }
     }
-    let mut schedules: Vec<Schedule> = plans
+    Ok(plans
         .iter()
         .zip(&samples)
         .map(|(&(plan, raw), t)| Schedule {
@@ -480,51 +570,7 @@ pub fn run(ctx: &Context, cfg: OverlapConfig) -> Result<OverlapReport> {
             total_ms: super::median(t),
             spans: Vec::new(),
         })
-        .collect();
-
-    let fastest = |raw: bool| {
-        (0..schedules.len())
-            .filter(|&i| schedules[i].raw == raw)
-            .min_by(|&a, &b| schedules[a].total_ms.total_cmp(&schedules[b].total_ms))
-    };
-    // Each result is right: the output, cleared first, checked on a sample against the same
-    // multiply-adds on the CPU (`busy_value`, which matches the kernel bit for bit).
-    let clear = || {
-        // SAFETY: every stream is synchronised (each run ends so), no reference to `output`
-        // exists, and `base_ptr` is derived from none.
-        unsafe { std::ptr::write_bytes(rig.output.base_ptr(), 0, cfg.n) };
-    };
-    let verify = |what: &str| -> Result<()> {
-        for i in (0..cfg.n).step_by((cfg.n / 997).max(1)) {
-            let x = busy_value(rig.input[i], iters);
-            if rig.output[i].to_bits() != x.to_bits() {
-                return Err(crate::bench::invalid(format!(
-                    "{what}: element {i}: device {} != host {x}",
-                    rig.output[i]
-                )));
-            }
-        }
-        Ok(())
-    };
-    if let Some(raw) = fastest(true) {
-        clear();
-        rig.time(&streams, schedules[raw].plan, true, iters)?;
-        verify(&schedules[raw].name)?;
-    }
-    // The fastest cuvmm schedule once more, each operation bracketed by events, for its timeline.
-    let best = fastest(false).expect("cuvmm schedules");
-    clear();
-    rig.timeline.set(true);
-    rig.time(&streams, schedules[best].plan, false, iters)?;
-    schedules[best].spans = rig.spans()?.1;
-    verify(&schedules[best].name)?;
-    Ok(OverlapReport {
-        config: OverlapConfig { iters: Some(iters), ..cfg },
-        iters,
-        stages_ms: [h2d, kernel, d2h],
-        copies_together_ms,
-        schedules,
-    })
+        .collect())
 }
 
 const STAGES: [&str; 3] = ["H2D", "kernel", "D2H"];
@@ -662,6 +708,135 @@ pub fn svg(schedule: &Schedule, title: &str) -> String {
     }
     o += "</svg>\n";
     o
+}
+
+
+
+// The options of `cuvmm bench overlap` (their help is the CLI's).
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// Floats (64 Mi = 256 MiB).
+    #[arg(long, default_value_t = 64 << 20)]
+    n: usize,
+    /// Stream counts of the breadth-first and depth-first schedules, cuvmm's and raw.
+    #[arg(long, default_value = "2,4,8,16,32", value_parser = parse_counts)]
+    streams: std::vec::Vec<usize>,
+    /// Chunk counts of the pipeline.
+    #[arg(long, default_value = "32", value_parser = parse_counts)]
+    chunks: std::vec::Vec<usize>,
+    /// Lane counts of the pipeline (three streams each, chunks going round them).
+    #[arg(long, default_value = "1", value_parser = parse_counts)]
+    lanes: std::vec::Vec<usize>,
+    /// Kernel multiply-adds per element (default: tuned to balance the stages).
+    #[arg(long)]
+    iters: Option<u32>,
+    /// Timed repetitions of each schedule.
+    #[arg(long, default_value_t = 5)]
+    reps: usize,
+    /// Write the fastest schedule's timeline as SVG to this file.
+    #[arg(long)]
+    svg: Option<std::path::PathBuf>,
+    /// Device ordinal.
+    #[arg(long, default_value_t = 0)]
+    device: usize,
+    /// JSON lines instead of tables.
+    #[arg(long)]
+    json: bool,
+}
+
+/// `cuvmm bench overlap`: runs the benchmark with `args` and writes its report to `out`.
+pub fn cli(args: Args, out: &mut impl Write) -> CliResult {
+    let Args { n, streams, chunks, lanes, iters, reps, svg, device, json } = args;
+    let ctx = Context::for_ordinal(device)?;
+    let r = run(&ctx, OverlapConfig { n, streams, chunks, lanes, iters, reps })?;
+    let name = ctx.device().name()?;
+    if let Some(path) = &svg {
+        let title = format!("{} floats on {name}", n);
+        std::fs::write(path, self::svg(r.fastest(), &title))?;
+    }
+    if json {
+        writeln!(
+            out,
+            "{}",
+            json!({"bench": "overlap", "device": name, "n": n, "iters": r.iters,
+            "h2d_ms": r.stages_ms[0], "kernel_ms": r.stages_ms[1], "d2h_ms": r.stages_ms[2],
+            "copies_together_ms": r.copies_together_ms})
+        )?;
+        for s in &r.schedules {
+            writeln!(
+                out,
+                "{}",
+                json!({"bench": "overlap", "schedule": s.name, "raw": s.raw, "total_ms": s.total_ms,
+                "over_longest_stage": s.total_ms / r.longest_stage(), "over_bound": s.total_ms / r.bound()})
+            )?;
+        }
+        writeln!(
+            out,
+            "{}",
+            json!({"bench": "overlap", "fastest_cuvmm": r.fastest().name, "fastest_cuvmm_ms": r.fastest().total_ms,
+                   "fastest_raw": r.fastest_raw().map(|s| s.name.clone()),
+                   "fastest_raw_ms": r.fastest_raw().map(|s| s.total_ms), "ratio": r.ratio()})
+        )?;
+    } else {
+        print_overlap(out, &r, &name)?;
+        if let Some(path) = &svg {
+            writeln!(out, "timeline of {} written to {}", r.fastest().name, path.display())?;
+        }
+    }
+    Ok(())
+}
+
+/// The overlap experiment's text table.
+pub fn print_overlap(
+    out: &mut impl Write,
+    r: &OverlapReport,
+    name: &str,
+) -> std::io::Result<()> {
+    let n = r.config.n;
+    let longest = r.longest_stage();
+    writeln!(out, "{} floats ({}) on {name}, kernel {} multiply-adds per element", n, show(n * 4), r.iters)?;
+    writeln!(
+        out,
+        "stages alone: H2D {:.3} ms, kernel {:.3} ms, D2H {:.3} ms (sum {:.3} ms)",
+        r.stages_ms[0],
+        r.stages_ms[1],
+        r.stages_ms[2],
+        r.stages_ms.iter().sum::<f64>()
+    )?;
+    writeln!(
+        out,
+        "both copies at once: {:.3} ms (the bus's bound for a schedule that overlaps them)",
+        r.copies_together_ms
+    )?;
+    writeln!(
+        out,
+        "median of {} runs each, schedules taking turns; each timed from one start event to all streams joined",
+        r.config.reps
+    )?;
+    writeln!(out, "{:<36} {:>10} {:>18} {:>14}", "schedule", "total ms", "/ longest stage", "/ bus bound")?;
+    for s in &r.schedules {
+        writeln!(
+            out,
+            "{:<36} {:>10.3} {:>17.3}x {:>13.3}x",
+            s.name,
+            s.total_ms,
+            s.total_ms / longest,
+            s.total_ms / r.bound()
+        )?;
+    }
+    if let (Some(raw), Some(ratio)) = (r.fastest_raw(), r.ratio()) {
+        let best = r.fastest();
+        writeln!(
+            out,
+            "fastest cuvmm: {} {:.3} ms; fastest raw (hand-written reference): {} {:.3} ms; cuvmm / raw = {ratio:.3}x (goal ≤ 1.0x: {})",
+            best.name,
+            best.total_ms,
+            raw.name,
+            raw.total_ms,
+            if ratio <= 1.0 { "met" } else { "not met" }
+        )?;
+    }
+    Ok(())
 }
 
 #[cfg(test)]

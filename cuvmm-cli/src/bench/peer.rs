@@ -11,6 +11,10 @@ use cuvmm::memory::DeviceBuffer;
 use cuvmm::stream::Event;
 use cuvmm::stream::Stream;
 use cuvmm::vmm::Access;
+use crate::cli::size::{parse_size, show};
+use crate::cli::CliResult;
+use serde_json::json;
+use std::io::Write;
 
 /// GB/s of each way to move GPU 0's bytes to GPU 1.
 #[derive(Clone, Copy, Debug)]
@@ -70,4 +74,42 @@ pub fn run(ctxs: &[Context], bytes: usize) -> Result<PeerReport> {
         }
     }
     Ok(PeerReport { bytes, kernel_gbs: median(&kernel), copy_gbs: median(&copy) })
+}
+
+
+// The options of `cuvmm bench peer` (their help is the CLI's).
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// Bytes read.
+    #[arg(long, default_value = "1GiB", value_parser = parse_size)]
+    size: usize,
+    /// JSON instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+/// `cuvmm bench peer`: runs the benchmark with `args` and writes its report to `out`.
+pub fn cli(args: Args, out: &mut impl Write) -> CliResult {
+    let Args { size, json } = args;
+    let devices = cuvmm::Device::all()?;
+    if devices.len() < 2 {
+        writeln!(out, "bench peer needs two GPUs; this machine has {}", devices.len())?;
+        return Ok(());
+    }
+    let ctxs = [Context::new(devices[0])?, Context::new(devices[1])?];
+    let r = run(&ctxs, size)?;
+    if json {
+        writeln!(
+            out,
+            "{}",
+            json!({"bench": "peer", "bytes": r.bytes, "kernel_gbs": r.kernel_gbs,
+            "copy_gbs": r.copy_gbs, "ratio": r.kernel_gbs / r.copy_gbs})
+        )?;
+    } else {
+        writeln!(out, "GPU 1 reading {} of GPU 0's memory (median of 5)", show(r.bytes))?;
+        writeln!(out, "  kernel through the peer mapping  {:>8.1} GB/s", r.kernel_gbs)?;
+        writeln!(out, "  cuMemcpyPeerAsync                {:>8.1} GB/s", r.copy_gbs)?;
+        writeln!(out, "  ratio                            {:>8.3}x", r.kernel_gbs / r.copy_gbs)?;
+    }
+    Ok(())
 }

@@ -34,6 +34,10 @@ use std::fmt;
 use std::io::BufRead;
 use std::path::Path;
 use std::time::{Duration, Instant};
+use crate::cli::size::{parse_sizes, show};
+use crate::cli::CliResult;
+use serde_json::json;
+use std::io::Write;
 
 /// The first line of a trace.
 pub const HEADER: &str = "# cuvmm trace v1: op t_ns device stream size ptr";
@@ -1325,6 +1329,299 @@ pub fn run(ctx: &Context, trace: &Trace, cfg: &TraceConfig) -> Result<TraceRepor
         pair_rows,
         capture_query_ns,
     })
+}
+
+
+
+// The options of `cuvmm bench trace` (their help is the CLI's).
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// The trace file; without one, a synthetic transformer-like trace.
+    path: Option<std::path::PathBuf>,
+    /// Measured passes per allocator (after one warm-up pass each).
+    #[arg(long, default_value_t = 3)]
+    reps: usize,
+    /// Allocate+free pairs per batch of the cached-pair measure (0 skips it).
+    #[arg(long, default_value_t = 1_000_000)]
+    pairs: usize,
+    /// Sizes of the cached-pair measure.
+    #[arg(long, default_value = "4KiB,1MiB", value_parser = parse_sizes)]
+    pair_sizes: std::vec::Vec<usize>,
+    /// Device ordinal to replay on; the trace's records of this device are replayed unless
+    /// --trace-device says otherwise.
+    #[arg(long, default_value_t = 0)]
+    device: usize,
+    /// Replay the trace's records of this device (default: --device).
+    #[arg(long)]
+    trace_device: Option<i32>,
+    /// JSON lines instead of tables.
+    #[arg(long)]
+    json: bool,
+}
+
+/// `cuvmm bench trace`: runs the benchmark with `args` and writes its report to `out`.
+pub fn cli(args: Args, out: &mut impl Write) -> CliResult {
+    let Args { path, reps, pairs, pair_sizes, device, trace_device, json } = args;
+    let records = match trace_device {
+        Some(d) => d,
+        None => {
+            i32::try_from(device).map_err(|_| super::invalid("device ordinal too large"))?
+        }
+    };
+    // Read before touching the driver: a bad file is reported on any machine.
+    let t = match &path {
+        Some(p) => load(p, records)?,
+        None => synthetic()?,
+    };
+    let ctx = Context::for_ordinal(device)?;
+    let cfg = TraceConfig { reps, pairs, pair_sizes };
+    let r = run(&ctx, &t, &cfg)?;
+    print_trace(out, &ctx.device().name()?, path.as_deref(), &t, &r, json)?;
+    Ok(())
+}
+
+/// The trace replay's report.
+pub fn print_trace(
+    out: &mut impl Write,
+    name: &str,
+    path: Option<&std::path::Path>,
+    t: &Trace,
+    r: &TraceReport,
+    json: bool,
+) -> CliResult {
+    let threshold = "release threshold of the default pool raised to u64::MAX for the run, restored after";
+    if json {
+        return print_trace_json(out, name, path, t, r, threshold);
+    }
+    let source = match path {
+        Some(p) => format!("file {}", p.display()),
+        None => SYNTHETIC.to_string(),
+    };
+    print_trace_summary(out, &source, name, t, r, threshold)?;
+    print_trace_rows(out, r)?;
+    if !r.pair_rows.is_empty() {
+        print_trace_pairs(out, r)?;
+    }
+    Ok(())
+}
+
+/// [`print_trace`] as JSON lines: the trace, each allocator, each pair size, the capture query.
+fn print_trace_json(
+    out: &mut impl Write,
+    name: &str,
+    path: Option<&std::path::Path>,
+    t: &Trace,
+    r: &TraceReport,
+    threshold: &str,
+) -> CliResult {
+    writeln!(
+        out,
+        "{}",
+        json!({"bench": "trace", "device": name, "source": if path.is_some() { "file" } else { "synthetic" },
+               "path": path.map(|p| p.display().to_string()), "trace_device": t.device, "ops": t.ops.len(),
+               "allocations": t.allocations, "frees": t.frees, "freed_at_end": t.unfreed,
+               "null_allocations_skipped": t.null_allocations, "other_device_records_skipped": t.other_devices,
+               "streams": t.streams.len(), "peak_live": r.peak_live, "peak_op_index": r.peak_op, "reps": r.reps,
+               "interleaved": r.interleaved, "free_at_start": r.free_at_start, "timer_ns": r.timer_ns,
+               "pool_release_threshold": threshold})
+    )?;
+    for row in &r.rows {
+        let line = match &row.outcome {
+            Outcome::Measured(m) => {
+                let vs = r.vs_cuvmm(row);
+                json!({"bench": "trace", "allocator": row.key, "alloc_median_ns": m.alloc_median_ns,
+                       "alloc_p99_ns": m.alloc_p99_ns, "free_median_ns": m.free_median_ns,
+                       "free_p99_ns": m.free_p99_ns, "total_ms": m.total_ms, "peak_physical": m.peak_physical,
+                       "peak_physical_is": row.physical, "physical_over_live": m.peak_physical as f64 / r.peak_live as f64,
+                       "pages_moved_per_pass": m.pages_moved,
+                       "alloc_median_vs_cuvmm": vs.map(|v| v.0), "free_median_vs_cuvmm": vs.map(|v| v.1)})
+            }
+            Outcome::Unsupported(why) => {
+                json!({"bench": "trace", "allocator": row.key, "unsupported": why})
+            }
+            Outcome::Failed(why) => json!({"bench": "trace", "allocator": row.key, "failed": why}),
+        };
+        writeln!(out, "{line}")?;
+    }
+    for p in &r.pair_rows {
+        let fig = |v: &Result<f64, String>| match v {
+            Ok(ns) => json!(ns),
+            Err(why) => json!({"error": why}),
+        };
+        writeln!(
+            out,
+            "{}",
+            json!({"bench": "trace", "pair_size": p.size, "pairs": r.pairs, "batches": PAIR_BATCHES,
+                   "cuvmm_ns": fig(&p.cuvmm_ns), "pool_ns": fig(&p.pool_ns), "goal_ns": PAIR_GOAL_NS})
+        )?;
+    }
+    if let Some(q) = &r.capture_query_ns {
+        let v = match q {
+            Ok(ns) => json!(ns),
+            Err(why) => json!({"error": why}),
+        };
+        writeln!(out, "{}", json!({"bench": "trace", "capture_query_ns": v}))?;
+    }
+    Ok(())
+}
+
+/// The trace and how it was replayed.
+fn print_trace_summary(
+    out: &mut impl Write,
+    source: &str,
+    name: &str,
+    t: &Trace,
+    r: &TraceReport,
+    threshold: &str,
+) -> CliResult {
+    writeln!(out, "trace: {source}")?;
+    writeln!(
+        out,
+        "  device {} records: {} allocations, {} frees, {} never freed (freed at the end); {} null allocations \
+         and {} records of other devices skipped; {} streams",
+        t.device,
+        t.allocations,
+        t.frees,
+        t.unfreed,
+        t.null_allocations,
+        t.other_devices,
+        t.streams.len()
+    )?;
+    writeln!(
+        out,
+        "  peak live {} (sizes asked for, alive at once), reached at op {} of {}",
+        show(r.peak_live as usize),
+        r.peak_op + 1,
+        t.ops.len()
+    )?;
+    writeln!(
+        out,
+        "replayed on {name}, one stream per trace stream, no kernels: 1 warm-up pass, then {} measured passes per allocator{}",
+        r.reps,
+        if r.interleaved { ", taking turns pass by pass" } else { "" }
+    )?;
+    if !r.interleaved {
+        writeln!(
+            out,
+            "  each allocator ran alone and gave its cache back before the next: 4x the peak live is more than the {} free at the start",
+            show(r.free_at_start as usize)
+        )?;
+    }
+    writeln!(out, "  cuMemAllocAsync: {threshold}, so that it caches like the others")?;
+    writeln!(
+        out,
+        "  host time around each call; the clock's own {:.0} ns is part of every per-call figure",
+        r.timer_ns
+    )?;
+    Ok(())
+}
+
+/// One row per allocator, then what each held at its peak and the pages it moved.
+fn print_trace_rows(out: &mut impl Write, r: &TraceReport) -> CliResult {
+    writeln!(
+        out,
+        "{:<22} {:>11} {:>11} {:>11} {:>11} {:>10} {:>13} {:>7} {:>11} {:>10}",
+        "allocator",
+        "alloc ns",
+        "alloc p99",
+        "free ns",
+        "free p99",
+        "replay ms",
+        "peak physical",
+        "/ live",
+        "alloc/cuvmm",
+        "free/cuvmm"
+    )?;
+    for row in &r.rows {
+        match &row.outcome {
+            Outcome::Measured(m) => {
+                let (va, vf) = match r.vs_cuvmm(row) {
+                    Some((a, f)) => (format!("{a:.2}x"), format!("{f:.2}x")),
+                    None => ("-".into(), "-".into()),
+                };
+                writeln!(
+                    out,
+                    "{:<22} {:>11.0} {:>11.0} {:>11.0} {:>11.0} {:>10.2} {:>13} {:>7.3} {:>11} {:>10}",
+                    row.name,
+                    m.alloc_median_ns,
+                    m.alloc_p99_ns,
+                    m.free_median_ns,
+                    m.free_p99_ns,
+                    m.total_ms,
+                    show(m.peak_physical as usize),
+                    m.peak_physical as f64 / r.peak_live as f64,
+                    va,
+                    vf
+                )?;
+            }
+            Outcome::Unsupported(why) => writeln!(out, "{:<22} unsupported: {why}", row.name)?,
+            Outcome::Failed(why) => writeln!(out, "{:<22} failed: {why}", row.name)?,
+        }
+    }
+    writeln!(out, "ns are medians and 99th percentiles over every call of the measured passes; replay ms the median pass")?;
+    writeln!(out, "peak physical, the most over the measured passes:")?;
+    for row in &r.rows {
+        writeln!(out, "  {:<22} {}", row.name, row.physical)?;
+    }
+    for row in &r.rows {
+        if let Outcome::Measured(Measured { pages_moved: Some(n), .. }) = &row.outcome {
+            writeln!(
+                out,
+                "{}: {n} pages moved per measured pass (median), each a few driver calls on the calling thread",
+                row.name
+            )?;
+        }
+    }
+    Ok(())
+}
+
+/// The cached allocate+free pairs, and what the capture check costs.
+fn print_trace_pairs(out: &mut impl Write, r: &TraceReport) -> CliResult {
+    writeln!(
+        out,
+        "\nns per cached allocate+free pair of one size on one stream (median of {} batches of {}; cuvmm's goal ≤ {:.0} ns)",
+        PAIR_BATCHES,
+        r.pairs,
+        PAIR_GOAL_NS
+    )?;
+    writeln!(
+        out,
+        "{:>9} {:>10} {:>6} {:>16} {:>12}",
+        "size", "cuvmm", "goal", "cuMemAllocAsync", "pool/cuvmm"
+    )?;
+    let mut notes = Vec::new();
+    for p in &r.pair_rows {
+        let fig = |v: &Result<f64, String>, notes: &mut Vec<String>| match v {
+            Ok(ns) => format!("{ns:.1}"),
+            Err(why) => {
+                notes.push(why.clone());
+                format!("[{}]", notes.len())
+            }
+        };
+        let goal = match p.cuvmm_ns {
+            Ok(ns) if ns <= PAIR_GOAL_NS => "met",
+            Ok(_) => "missed",
+            Err(_) => "-",
+        };
+        let ratio = match (&p.cuvmm_ns, &p.pool_ns) {
+            (Ok(c), Ok(q)) => format!("{:.2}x", q / c),
+            _ => "-".into(),
+        };
+        let (c, q) = (fig(&p.cuvmm_ns, &mut notes), fig(&p.pool_ns, &mut notes));
+        writeln!(out, "{:>9} {c:>10} {goal:>6} {q:>16} {ratio:>12}", show(p.size))?;
+    }
+    for (i, why) in notes.iter().enumerate() {
+        writeln!(out, "  [{}] {why}", i + 1)?;
+    }
+    match &r.capture_query_ns {
+        Some(Ok(ns)) => writeln!(
+            out,
+            "cuStreamIsCapturing alone, the capture check cuvmm makes on each allocation: {ns:.1} ns"
+        )?,
+        Some(Err(why)) => writeln!(out, "cuStreamIsCapturing alone: {why}")?,
+        None => {}
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -1,7 +1,8 @@
 //! `cuvmm` with no arguments (or `cuvmm tour`): the main job. A short report of what cuvmm does on
 //! the first GPU, with the pictures written to a folder.
 
-use super::bench::{print_bandwidth, print_overlap};
+use crate::bench::bandwidth::print_bandwidth;
+use crate::bench::overlap::print_overlap;
 use super::plot::{line_chart, Series};
 use super::size::show;
 use super::CliResult;
