@@ -191,11 +191,17 @@ mod tests {
 
     #[test]
     fn each_error_has_its_kind_and_the_helpers_agree() {
-        let driver = |code| Error::Driver { call: "cuTest", code, name: String::new(), description: String::new() };
+        let driver =
+            |code| Error::Driver { call: "cuTest", code, name: String::new(), description: String::new() };
         let cases = [
             (Error::DriverNotFound { tried: Vec::new() }, ErrorKind::DriverNotFound),
             (
-                Error::MissingEntryPoint { library: "x".into(), name: "cuX", version: 12000, reason: "absent" },
+                Error::MissingEntryPoint {
+                    library: "x".into(),
+                    name: "cuX",
+                    version: 12000,
+                    reason: "absent",
+                },
                 ErrorKind::MissingEntryPoint,
             ),
             (driver(CUresult::ERROR_OUT_OF_MEMORY), ErrorKind::Driver(CUresult::ERROR_OUT_OF_MEMORY)),
@@ -208,7 +214,11 @@ mod tests {
         ];
         for (e, kind) in &cases {
             assert_eq!(e.kind(), *kind, "{e}");
-            assert_eq!(e.is_out_of_memory(), *kind == ErrorKind::Driver(CUresult::ERROR_OUT_OF_MEMORY), "{e}");
+            assert_eq!(
+                e.is_out_of_memory(),
+                *kind == ErrorKind::Driver(CUresult::ERROR_OUT_OF_MEMORY),
+                "{e}"
+            );
             assert_eq!(e.is_would_block(), *kind == ErrorKind::Os(Errno::EAGAIN), "{e}");
             assert_eq!(e.is_timeout(), *kind == ErrorKind::Timeout, "{e}");
         }

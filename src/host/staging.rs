@@ -565,7 +565,9 @@ impl Staging {
         self.last_trace = None;
         let [(from, from_len), (to, to_len)] = sides;
         if from_len != to_len {
-            return Err(Error::invalid(format!("length mismatch: {from} {from_len} elements, {to} {to_len}")));
+            return Err(Error::invalid(format!(
+                "length mismatch: {from} {from_len} elements, {to} {to_len}"
+            )));
         }
         Ok((bytes > 0).then(|| Plan::new(bytes, self.config.chunk, self.config.piece)))
     }
@@ -591,7 +593,8 @@ impl Staging {
         src: &[T],
         dst: DeviceSliceMut<'_, T>,
     ) -> Result<()> {
-        let Some(plan) = self.begin([("host", src.len()), ("device", dst.len())], std::mem::size_of_val(src))?
+        let Some(plan) =
+            self.begin([("host", src.len()), ("device", dst.len())], std::mem::size_of_val(src))?
         else {
             return Ok(());
         };
@@ -703,7 +706,8 @@ impl Staging {
         src: DeviceSlice<'_, T>,
         dst: &mut [T],
     ) -> Result<()> {
-        let Some(plan) = self.begin([("device", src.len()), ("host", dst.len())], std::mem::size_of_val(dst))?
+        let Some(plan) =
+            self.begin([("device", src.len()), ("host", dst.len())], std::mem::size_of_val(dst))?
         else {
             return Ok(());
         };
