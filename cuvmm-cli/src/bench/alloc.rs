@@ -2,16 +2,16 @@
 //! cuMemFree and the driver's stream-ordered pool (release threshold raised so it caches too).
 
 use super::median;
+use crate::cli::size::{parse_sizes, show};
+use crate::cli::CliResult;
 use cuvmm::alloc::{CachingAllocator, ExportMode, PeerAllocator};
 use cuvmm::context::Context;
 use cuvmm::driver::{driver, sys::*};
 use cuvmm::error::Result;
 use cuvmm::stream::Stream;
-use std::time::Instant;
-use crate::cli::size::{parse_sizes, show};
-use crate::cli::CliResult;
 use serde_json::json;
 use std::io::Write;
+use std::time::Instant;
 
 /// Microseconds per allocate+free pair for one size.
 #[derive(Clone, Debug)]
@@ -92,7 +92,6 @@ pub fn run(ctx: &Context, sizes: &[usize]) -> Result<Vec<AllocRow>> {
     unsafe { api.cuMemPoolTrimTo(pool, 0) }?;
     Ok(rows)
 }
-
 
 // The options of `cuvmm bench alloc` (their help is the CLI's).
 #[derive(clap::Args, Debug)]

@@ -5,6 +5,8 @@
 //! idle for a while before every timed transfer.
 
 use super::{median, timed};
+use crate::cli::size::{parse_counts, parse_sizes, show};
+use crate::cli::CliResult;
 use cuvmm::context::Context;
 use cuvmm::driver::driver;
 use cuvmm::error::Result;
@@ -14,11 +16,9 @@ use cuvmm::memory::DeviceBuffer;
 use cuvmm::stream::scope;
 use cuvmm::stream::Event;
 use cuvmm::stream::Stream;
-use std::time::Duration;
-use crate::cli::size::{parse_counts, parse_sizes, show};
-use crate::cli::CliResult;
 use serde_json::json;
 use std::io::Write;
+use std::time::Duration;
 
 /// GB/s (10^9 bytes per second) for one transfer size; `None` where not measured.
 #[derive(Clone, Debug, Default)]
@@ -110,151 +110,50 @@ pub fn run(ctx: &Context, sizes: &[usize], reps: usize, staging: &mut Staging) -
     if reps == 0 || sizes.contains(&0) {
         return Err(crate::bench::invalid("sizes and reps must be positive"));
     }
-    let api = driver()?.api();
-    let s1 = Stream::non_blocking(ctx)?;
-    let s2 = Stream::non_blocking(ctx)?;
-    let (e0, e1, e2) = (Event::new(ctx)?, Event::new(ctx)?, Event::new(ctx)?);
-    let mut dev = DeviceBuffer::<u8>::new(ctx, max)?;
-    let dev2 = DeviceBuffer::<u8>::new(ctx, max)?;
-    let mut pin_src = PinnedBuffer::<u8>::new(ctx, max)?;
-    let mut pin_dst = PinnedBuffer::<u8>::new(ctx, max)?;
-    let mut page_src = vec![0u8; max];
-    let mut page_dst = vec![0u8; max];
-    // Registration gets buffers of its own: pinning and unpinning must not change the pageable
-    // buffers the driver's and the staged paths are measured on.
-    let mut reg_src = vec![0u8; max];
-    let mut reg_dst = vec![0u8; max];
-    fresh(&mut pin_src, 3);
-    fresh(&mut page_src, 5);
-    fresh(&mut reg_src, 7);
-    fresh(&mut reg_dst, 9);
+    let mut paths = Paths::new(ctx, max)?;
     let evictor = Evictor::new();
-
-    // Device-timed: record e0, queue the copy, record e1, wait, read the elapsed time.
-    let timed_on = |stream: &Stream, go: &dyn Fn() -> Result<()>| -> Result<f64> {
-        e0.record(stream)?;
-        go()?;
-        e1.record(stream)?;
-        e1.synchronize()?;
-        Ok(e0.elapsed_ms(&e1)? as f64 / 1e3)
-    };
-
     let mut rows = Vec::new();
     for &size in sizes {
         let mut row = BandwidthRow { size, reps, ..Default::default() };
-        let piece = staging.config().piece;
-        let mut samples: Vec<Vec<f64>> = vec![Vec::new(); 10];
-        let host = HostTurns { threads: staging.threads(), piece, reps, evictor: &evictor, idle: NO_IDLE };
+        let Paths { pin_src, pin_dst, page_src, page_dst, .. } = &mut paths;
+        let host = HostTurns {
+            threads: staging.threads(),
+            piece: staging.config().piece,
+            reps,
+            evictor: &evictor,
+            idle: NO_IDLE,
+        };
         row.memcpy = [
             host.memcpy_gbs(&page_src[..size], &mut pin_dst[..size]),
             host.memcpy_gbs(&pin_src[..size], &mut page_dst[..size]),
         ];
+        let mut samples: Vec<Vec<f64>> = vec![Vec::new(); 10];
         for rep in 0..=reps {
-            let keep = rep > 0; // the first round warms up
-            let mut put = |i: usize, value: f64| {
-                if keep {
-                    samples[i].push(value);
+            let [pageable_h2d, pageable_d2h] = paths.pageable(size)?;
+            let [raw_h2d, raw_d2h] = paths.pinned_raw(size)?;
+            let [pinned_h2d, pinned_d2h] = paths.pinned(size)?;
+            let both = paths.both_ways(size)?;
+            let ([registered_h2d, registered_d2h], register_us) = paths.registered(size)?;
+            // The first round warms up.
+            if rep > 0 {
+                let round = [
+                    pageable_h2d,
+                    pageable_d2h,
+                    raw_h2d,
+                    raw_d2h,
+                    pinned_h2d,
+                    pinned_d2h,
+                    both,
+                    registered_h2d,
+                    registered_d2h,
+                    register_us,
+                ];
+                for (sample, value) in samples.iter_mut().zip(round) {
+                    sample.push(value);
                 }
-            };
-            let dptr = dev.ptr();
-            // Pageable, through the driver: host clock to completion.
-            let (r, t) = timed(|| -> Result<()> {
-                // SAFETY: page_src holds `size` bytes; dev holds `max` >= size; the stream is synced.
-                unsafe { api.cuMemcpyHtoDAsync(dptr, page_src.as_ptr().cast(), size, s1.raw()) }?;
-                s1.synchronize()
-            });
-            r?;
-            put(0, gbs(size, t.as_secs_f64()));
-            let (r, t) = timed(|| -> Result<()> {
-                // SAFETY: page_dst holds `size` bytes; synced before page_dst is touched again.
-                unsafe { api.cuMemcpyDtoHAsync(page_dst.as_mut_ptr().cast(), dptr, size, s1.raw()) }?;
-                s1.synchronize()
-            });
-            r?;
-            put(1, gbs(size, t.as_secs_f64()));
-            // Pinned, raw driver calls.
-            // SAFETY: pinned buffers of `max` bytes; each timing synchronises before the next use.
-            let t = timed_on(&s1, &|| unsafe {
-                api.cuMemcpyHtoDAsync(dptr, pin_src.as_ptr().cast(), size, s1.raw())
-            })?;
-            put(2, gbs(size, t));
-            let pd = pin_dst.as_mut_ptr() as usize;
-            // SAFETY: as above.
-            let t = timed_on(&s1, &|| unsafe { api.cuMemcpyDtoHAsync(pd as *mut _, dptr, size, s1.raw()) })?;
-            put(3, gbs(size, t));
-            // Pinned, through cuvmm's scope.
-            let t = scope(|s| {
-                e0.record(&s1)?;
-                s.copy_to_device(&s1, &pin_src[..size], dev.as_mut_slice().slice_mut(0..size)?)?;
-                e1.record(&s1)?;
-                Ok(())
-            })
-            .and_then(|()| e0.elapsed_ms(&e1))?;
-            put(4, gbs(size, t as f64 / 1e3));
-            let t = scope(|s| {
-                e0.record(&s1)?;
-                let _ = s.copy_to_host(&s1, dev.as_slice().slice(0..size)?, &mut pin_dst[..size])?;
-                e1.record(&s1)?;
-                Ok(())
-            })
-            .and_then(|()| e0.elapsed_ms(&e1))?;
-            put(5, gbs(size, t as f64 / 1e3));
-            // Both directions at once: H2D on s1, D2H on s2, from one start to the later end.
-            let t = scope(|s| {
-                e0.record(&s1)?;
-                s2.wait_event(&e0)?;
-                s.copy_to_device(&s1, &pin_src[..size], dev.as_mut_slice().slice_mut(0..size)?)?;
-                let _ = s.copy_to_host(&s2, dev2.as_slice().slice(0..size)?, &mut pin_dst[..size])?;
-                e2.record(&s2)?;
-                s1.wait_event(&e2)?;
-                e1.record(&s1)?;
-                Ok(())
-            })
-            .and_then(|()| e0.elapsed_ms(&e1))?;
-            put(6, gbs(2 * size, t as f64 / 1e3));
-            // Registered: register the registration buffers (cost timed apart), copy, unregister.
-            // Registration is closure-scoped: the time to enter the closure is the registration's,
-            // the time from its end until `with` returns the unregistration's.
-            let start = std::time::Instant::now();
-            let (t_reg, left, t) =
-                Registered::with(ctx, &mut reg_src[..size], RegisterFlags::default(), |reg| {
-                    let t_reg = start.elapsed();
-                    let t = scope(|s| {
-                        e0.record(&s1)?;
-                        s.copy_to_device(&s1, reg, dev.as_mut_slice().slice_mut(0..size)?)?;
-                        e1.record(&s1)?;
-                        Ok(())
-                    })
-                    .and_then(|()| e0.elapsed_ms(&e1));
-                    (t_reg, std::time::Instant::now(), t)
-                })?;
-            let t_unreg = left.elapsed();
-            put(7, gbs(size, t? as f64 / 1e3));
-            put(9, (t_reg + t_unreg).as_secs_f64() * 1e6);
-            let t = Registered::with(ctx, &mut reg_dst[..size], RegisterFlags::default(), |reg_dst| {
-                scope(|s| {
-                    e0.record(&s1)?;
-                    let _ = s.copy_to_host(&s1, dev.as_slice().slice(0..size)?, reg_dst)?;
-                    e1.record(&s1)?;
-                    Ok(())
-                })
-                .and_then(|()| e0.elapsed_ms(&e1))
-            })??;
-            put(8, gbs(size, t as f64 / 1e3));
+            }
         }
-        // The staged path's rounds follow one another (after a warm-up), as a program streaming
-        // data through it runs them. Timed in turn with the driver's copies, each staged transfer
-        // followed ~0.1 s in which the ring's threads slept, and a host whose cores idled that
-        // long starts a copy slower: `--sweep --idle-ms` measures that case.
-        let mut turns = Turns { s1: &s1, dev: &mut dev, evictor: &evictor, idle: NO_IDLE };
-        (row.staged, row.slowest) = turns.rounds(staging, &page_src[..size], &mut page_dst[..size], reps)?;
-        // The last staged round trip must have brought back exactly what went in.
-        if page_dst[..size] != page_src[..size] {
-            return Err(crate::bench::invalid(format!(
-                "staged round trip of {size} bytes corrupted the data"
-            )));
-        }
-        fresh(&mut page_dst, 0);
+        (row.staged, row.slowest) = paths.staged(staging, size, reps, &evictor)?;
         let m = |i: usize| median(&samples[i]);
         row.pageable = [m(0), m(1)];
         row.pinned_raw = [m(2), m(3)];
@@ -264,8 +163,198 @@ pub fn run(ctx: &Context, sizes: &[usize], reps: usize, staging: &mut Staging) -
         row.register_us = m(9);
         rows.push(row);
     }
-    drop(dev2);
     Ok(rows)
+}
+
+/// The streams, events and buffers (of the largest size) that every path of [`run`] is timed with.
+struct Paths<'c> {
+    ctx: &'c Context,
+    s1: Stream,
+    s2: Stream,
+    e0: Event,
+    e1: Event,
+    e2: Event,
+    dev: DeviceBuffer<u8>,
+    dev2: DeviceBuffer<u8>,
+    pin_src: PinnedBuffer<u8>,
+    pin_dst: PinnedBuffer<u8>,
+    page_src: Vec<u8>,
+    page_dst: Vec<u8>,
+    // Registration gets buffers of its own: pinning and unpinning must not change the pageable
+    // buffers the driver's and the staged paths are measured on.
+    reg_src: Vec<u8>,
+    reg_dst: Vec<u8>,
+}
+
+impl<'c> Paths<'c> {
+    fn new(ctx: &'c Context, max: usize) -> Result<Paths<'c>> {
+        let mut paths = Paths {
+            ctx,
+            s1: Stream::non_blocking(ctx)?,
+            s2: Stream::non_blocking(ctx)?,
+            e0: Event::new(ctx)?,
+            e1: Event::new(ctx)?,
+            e2: Event::new(ctx)?,
+            dev: DeviceBuffer::<u8>::new(ctx, max)?,
+            dev2: DeviceBuffer::<u8>::new(ctx, max)?,
+            pin_src: PinnedBuffer::<u8>::new(ctx, max)?,
+            pin_dst: PinnedBuffer::<u8>::new(ctx, max)?,
+            page_src: vec![0u8; max],
+            page_dst: vec![0u8; max],
+            reg_src: vec![0u8; max],
+            reg_dst: vec![0u8; max],
+        };
+        fresh(&mut paths.pin_src, 3);
+        fresh(&mut paths.page_src, 5);
+        fresh(&mut paths.reg_src, 7);
+        fresh(&mut paths.reg_dst, 9);
+        Ok(paths)
+    }
+
+    /// Device-timed, seconds: records e0, queues the copy, records e1, waits.
+    fn timed_on(&self, stream: &Stream, go: &dyn Fn() -> Result<()>) -> Result<f64> {
+        self.e0.record(stream)?;
+        go()?;
+        self.e1.record(stream)?;
+        self.e1.synchronize()?;
+        Ok(self.e0.elapsed_ms(&self.e1)? as f64 / 1e3)
+    }
+
+    /// Pageable, through the driver, each way: host clock to completion, GB/s.
+    fn pageable(&mut self, size: usize) -> Result<[f64; 2]> {
+        let api = driver()?.api();
+        let Paths { s1, dev, page_src, page_dst, .. } = self;
+        let dptr = dev.ptr();
+        let (r, t) = timed(|| -> Result<()> {
+            // SAFETY: page_src holds `size` bytes; dev holds `max` >= size; the stream is synced.
+            unsafe { api.cuMemcpyHtoDAsync(dptr, page_src.as_ptr().cast(), size, s1.raw()) }?;
+            s1.synchronize()
+        });
+        r?;
+        let h2d = gbs(size, t.as_secs_f64());
+        let (r, t) = timed(|| -> Result<()> {
+            // SAFETY: page_dst holds `size` bytes; synced before page_dst is touched again.
+            unsafe { api.cuMemcpyDtoHAsync(page_dst.as_mut_ptr().cast(), dptr, size, s1.raw()) }?;
+            s1.synchronize()
+        });
+        r?;
+        Ok([h2d, gbs(size, t.as_secs_f64())])
+    }
+
+    /// Pinned, raw driver calls, each way: GB/s.
+    fn pinned_raw(&mut self, size: usize) -> Result<[f64; 2]> {
+        let api = driver()?.api();
+        let (s1, dptr, pin_src) = (&self.s1, self.dev.ptr(), &self.pin_src);
+        // SAFETY: pinned buffers of `max` bytes; each timing synchronises before the next use.
+        let t = self.timed_on(s1, &|| unsafe {
+            api.cuMemcpyHtoDAsync(dptr, pin_src.as_ptr().cast(), size, s1.raw())
+        })?;
+        let h2d = gbs(size, t);
+        let pd = self.pin_dst.as_mut_ptr() as usize;
+        // SAFETY: as above.
+        let t =
+            self.timed_on(s1, &|| unsafe { api.cuMemcpyDtoHAsync(pd as *mut _, dptr, size, s1.raw()) })?;
+        Ok([h2d, gbs(size, t)])
+    }
+
+    /// Pinned, through cuvmm's scope, each way: GB/s.
+    fn pinned(&mut self, size: usize) -> Result<[f64; 2]> {
+        let Paths { s1, e0, e1, dev, pin_src, pin_dst, .. } = self;
+        let t = scope(|s| {
+            e0.record(s1)?;
+            s.copy_to_device(s1, &pin_src[..size], dev.as_mut_slice().slice_mut(0..size)?)?;
+            e1.record(s1)?;
+            Ok(())
+        })
+        .and_then(|()| e0.elapsed_ms(e1))?;
+        let h2d = gbs(size, t as f64 / 1e3);
+        let t = scope(|s| {
+            e0.record(s1)?;
+            let _ = s.copy_to_host(s1, dev.as_slice().slice(0..size)?, &mut pin_dst[..size])?;
+            e1.record(s1)?;
+            Ok(())
+        })
+        .and_then(|()| e0.elapsed_ms(e1))?;
+        Ok([h2d, gbs(size, t as f64 / 1e3)])
+    }
+
+    /// Both directions at once, H2D on s1 and D2H on s2, from one start to the later end: GB/s
+    /// of both together.
+    fn both_ways(&mut self, size: usize) -> Result<f64> {
+        let Paths { s1, s2, e0, e1, e2, dev, dev2, pin_src, pin_dst, .. } = self;
+        let t = scope(|s| {
+            e0.record(s1)?;
+            s2.wait_event(e0)?;
+            s.copy_to_device(s1, &pin_src[..size], dev.as_mut_slice().slice_mut(0..size)?)?;
+            let _ = s.copy_to_host(s2, dev2.as_slice().slice(0..size)?, &mut pin_dst[..size])?;
+            e2.record(s2)?;
+            s1.wait_event(e2)?;
+            e1.record(s1)?;
+            Ok(())
+        })
+        .and_then(|()| e0.elapsed_ms(e1))?;
+        Ok(gbs(2 * size, t as f64 / 1e3))
+    }
+
+    /// Registered, each way (GB/s), and what registering and unregistering cost (µs): register
+    /// the registration buffers (cost timed apart), copy, unregister.
+    ///
+    /// Registration is closure-scoped: the time to enter the closure is the registration's, the
+    /// time from its end until `with` returns the unregistration's.
+    fn registered(&mut self, size: usize) -> Result<([f64; 2], f64)> {
+        let Paths { ctx, s1, e0, e1, dev, reg_src, reg_dst, .. } = self;
+        let start = std::time::Instant::now();
+        let (t_reg, left, t) =
+            Registered::with(ctx, &mut reg_src[..size], RegisterFlags::default(), |reg| {
+                let t_reg = start.elapsed();
+                let t = scope(|s| {
+                    e0.record(s1)?;
+                    s.copy_to_device(s1, reg, dev.as_mut_slice().slice_mut(0..size)?)?;
+                    e1.record(s1)?;
+                    Ok(())
+                })
+                .and_then(|()| e0.elapsed_ms(e1));
+                (t_reg, std::time::Instant::now(), t)
+            })?;
+        let t_unreg = left.elapsed();
+        let h2d = gbs(size, t? as f64 / 1e3);
+        let t = Registered::with(ctx, &mut reg_dst[..size], RegisterFlags::default(), |reg_dst| {
+            scope(|s| {
+                e0.record(s1)?;
+                let _ = s.copy_to_host(s1, dev.as_slice().slice(0..size)?, reg_dst)?;
+                e1.record(s1)?;
+                Ok(())
+            })
+            .and_then(|()| e0.elapsed_ms(e1))
+        })??;
+        Ok(([h2d, gbs(size, t as f64 / 1e3)], (t_reg + t_unreg).as_secs_f64() * 1e6))
+    }
+
+    /// The staged path's rounds, each way, and its slowest transfers; the last round trip must
+    /// bring back exactly what went in.
+    ///
+    /// The rounds follow one another (after a warm-up), as a program streaming data through the
+    /// ring runs them. Timed in turn with the driver's copies, each staged transfer followed
+    /// ~0.1 s in which the ring's threads slept, and a host whose cores idled that long starts a
+    /// copy slower: `--sweep --idle-ms` measures that case.
+    fn staged(
+        &mut self,
+        staging: &mut Staging,
+        size: usize,
+        reps: usize,
+        evictor: &Evictor,
+    ) -> Result<([f64; 2], [Option<StagingTrace>; 2])> {
+        let Paths { s1, dev, page_src, page_dst, .. } = self;
+        let mut turns = Turns { s1, dev, evictor, idle: NO_IDLE };
+        let staged = turns.rounds(staging, &page_src[..size], &mut page_dst[..size], reps)?;
+        if page_dst[..size] != page_src[..size] {
+            return Err(crate::bench::invalid(format!(
+                "staged round trip of {size} bytes corrupted the data"
+            )));
+        }
+        fresh(page_dst, 0);
+        Ok(staged)
+    }
 }
 
 /// What the staged path's timed rounds share: the stream, the device buffer, the cache-emptying
@@ -601,8 +690,6 @@ pub fn sweep(
     }
     Ok((rows, refs))
 }
-
-
 
 // The options of `cuvmm bench bandwidth` (their help is the CLI's).
 #[derive(clap::Args, Debug)]

@@ -2,6 +2,7 @@
 //! that waits for it, runs the kernel and copies back, then a host callback that consumes the
 //! result, while the CPU computes the reference meanwhile.
 
+use crate::cli::CliResult;
 use cuvmm::context::Context;
 use cuvmm::error::Result;
 use cuvmm::host::PinnedBuffer;
@@ -10,11 +11,10 @@ use cuvmm::memory::DeviceBuffer;
 use cuvmm::stream::scope;
 use cuvmm::stream::Event;
 use cuvmm::stream::Stream;
-use std::sync::Mutex;
-use std::time::{Duration, Instant};
-use crate::cli::CliResult;
 use serde_json::json;
 use std::io::Write;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
 
 /// What happened.
 #[derive(Clone, Debug)]
@@ -103,7 +103,6 @@ pub fn run(ctx: &Context, n: usize, iters: u32) -> Result<EventsReport> {
         verified,
     })
 }
-
 
 // The options of `cuvmm bench events` (their help is the CLI's).
 #[derive(clap::Args, Debug)]

@@ -3,16 +3,16 @@
 
 use super::stats::{median, percentile};
 use super::timed;
+use crate::cli::size::{parse_size, show};
+use crate::cli::CliResult;
 use cuvmm::context::Context;
 use cuvmm::driver::{driver, sys::CUdeviceptr};
 use cuvmm::error::Result;
 use cuvmm::vmm::ChunkPolicy;
 use cuvmm::vmm::VmmVec;
-use std::time::Duration;
-use crate::cli::size::{parse_size, show};
-use crate::cli::CliResult;
 use serde_json::json;
 use std::io::Write;
+use std::time::Duration;
 
 /// What to run.
 #[derive(Clone, Copy, Debug)]
@@ -324,7 +324,6 @@ fn summarise(runs: &[GrowRun]) -> GrowRun {
     }
 }
 
-
 // The options of `cuvmm bench grow` (their help is the CLI's).
 #[derive(clap::Args, Debug)]
 pub struct Args {
@@ -358,11 +357,7 @@ pub fn cli(args: Args, out: &mut impl Write) -> CliResult {
     let policy = ChunkPolicy { max_chunk, growth_percent, ..ChunkPolicy::default() };
     let r = run(&ctx, GrowConfig { step, target, reps, policy })?;
     let name = ctx.device().name()?;
-    let copy = if r.copy_failed.is_none() {
-        Some(("copy_doubling", "copy-doubling", &r.copy))
-    } else {
-        None
-    };
+    let copy = if r.copy_failed.is_none() { Some(("copy_doubling", "copy-doubling", &r.copy)) } else { None };
     let rows = [
         ("vmmvec", "VmmVec, default", &r.vmm),
         ("vmmvec_ahead", "VmmVec, ahead", &r.ahead),
@@ -380,11 +375,7 @@ pub fn cli(args: Args, out: &mut impl Write) -> CliResult {
             )?;
         }
         if let Some(why) = &r.copy_failed {
-            writeln!(
-                out,
-                "{}",
-                json!({"bench": "grow", "strategy": "copy_doubling", "failed": why})
-            )?;
+            writeln!(out, "{}", json!({"bench": "grow", "strategy": "copy_doubling", "failed": why}))?;
         } else {
             writeln!(
                 out,
@@ -413,8 +404,7 @@ pub fn cli(args: Args, out: &mut impl Write) -> CliResult {
             "peak in use"
         )?;
         for (_, which, run) in rows.iter().copied().chain(copy) {
-            let slow: Vec<String> =
-                run.slowest.iter().map(|(i, s)| format!("{i}: {:.2}", s * 1e3)).collect();
+            let slow: Vec<String> = run.slowest.iter().map(|(i, s)| format!("{i}: {:.2}", s * 1e3)).collect();
             writeln!(
                 out,
                 "{which:<16} {:>10.2} {:>14.3} {:>17.3} {:>12.3} {:>15.3} {:>12}  {}",

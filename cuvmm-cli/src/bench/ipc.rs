@@ -22,6 +22,8 @@
 //! cuIpcOpenMemHandle path.
 
 use super::median;
+use crate::cli::size::{parse_size, show};
+use crate::cli::CliResult;
 use cuvmm::alloc::{ExportMode, PeerAllocator};
 use cuvmm::context::Context;
 use cuvmm::driver::{driver, sys::*};
@@ -31,12 +33,10 @@ use cuvmm::memory::DeviceBuffer;
 use cuvmm::stream::Event;
 use cuvmm::stream::Stream;
 use cuvmm::vmm::{Access, PhysicalMemory, Reservation};
+use serde_json::json;
 use std::io::{Read, Write};
 use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::net::UnixStream;
-use crate::cli::size::{parse_size, show};
-use crate::cli::CliResult;
-use serde_json::json;
 
 /// Nanoseconds on CLOCK_MONOTONIC.
 pub fn now_ns() -> Result<u64> {
@@ -627,8 +627,6 @@ fn opened_size(p: CUdeviceptr, len: usize) -> Result<()> {
     Ok(())
 }
 
-
-
 // The options of `cuvmm bench ipc` (their help is the CLI's).
 #[derive(clap::Args, Debug)]
 pub struct Args {
@@ -694,13 +692,7 @@ pub fn cli(args: Args, out: &mut impl Write) -> CliResult {
 }
 
 /// The sharing benchmark's report: cuvmm's steps beside the raw ones, and the ratio.
-pub fn print_ipc(
-    out: &mut impl Write,
-    name: &str,
-    size: usize,
-    r: &IpcSummary,
-    json: bool,
-) -> CliResult {
+pub fn print_ipc(out: &mut impl Write, name: &str, size: usize, r: &IpcSummary, json: bool) -> CliResult {
     if json {
         let path = |p: &PathStats| {
             let steps = |v: &[f64; 6]| {

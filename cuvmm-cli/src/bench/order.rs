@@ -4,6 +4,8 @@
 //! with like in one run.
 
 use super::median;
+use crate::cli::size::{parse_size, show};
+use crate::cli::CliResult;
 use cuvmm::context::Context;
 use cuvmm::error::Result;
 use cuvmm::host::PinnedBuffer;
@@ -12,11 +14,9 @@ use cuvmm::memory::{DeviceSlice, DeviceSliceMut};
 use cuvmm::stream::scope;
 use cuvmm::stream::Stream;
 use cuvmm::vmm::VmmVec;
-use std::time::Instant;
-use crate::cli::size::{parse_size, show};
-use crate::cli::CliResult;
 use serde_json::json;
 use std::io::Write;
+use std::time::Instant;
 
 /// One loop: microseconds per operation with and without the record.
 #[derive(Clone, Debug)]
@@ -136,7 +136,6 @@ pub fn run(ctx: &Context, bytes: usize, iters: usize) -> Result<Vec<OrderRow>> {
     Ok(rows)
 }
 
-
 // The options of `cuvmm bench order` (their help is the CLI's).
 #[derive(clap::Args, Debug)]
 pub struct Args {
@@ -177,14 +176,7 @@ pub fn cli(args: Args, out: &mut impl Write) -> CliResult {
                 "raw_us": r.raw_us, "ratio": r.ratio()})
             )?;
         } else {
-            writeln!(
-                out,
-                "{:<34} {:>10.3} {:>10.3} {:>8.3}",
-                r.what,
-                r.tracked_us,
-                r.raw_us,
-                r.ratio()
-            )?;
+            writeln!(out, "{:<34} {:>10.3} {:>10.3} {:>8.3}", r.what, r.tracked_us, r.raw_us, r.ratio())?;
         }
     }
     Ok(())

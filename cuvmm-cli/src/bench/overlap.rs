@@ -10,6 +10,8 @@
 //! events in between) and the schedules take turns, repetition by repetition. Per-operation
 //! events, for the timeline, are recorded in one more run of the fastest cuvmm schedule only.
 
+use crate::cli::size::{parse_counts, show};
+use crate::cli::CliResult;
 use cuvmm::context::Context;
 use cuvmm::driver::{driver, sys::CUfunction};
 use cuvmm::error::Result;
@@ -20,11 +22,9 @@ use cuvmm::module::{LaunchConfig, Module};
 use cuvmm::stream::Event;
 use cuvmm::stream::Stream;
 use cuvmm::stream::{scope, Scope};
+use serde_json::json;
 use std::cell::{Cell, RefCell};
 use std::ffi::c_void;
-use crate::cli::size::{parse_counts, show};
-use crate::cli::CliResult;
-use serde_json::json;
 use std::io::Write;
 
 /// What to run.
@@ -419,8 +419,8 @@ impl<'r> Rig<'r> {
         let input = random_input(ctx, cfg.n)?;
         let module = Module::from_ptx(ctx, cuvmm::kernels::PTX)?;
         let busy = module.function("cuvmm_busy_f32")?.raw();
-        let sms =
-            ctx.device().attribute(cuvmm::driver::sys::CUdevice_attribute::MULTIPROCESSOR_COUNT)?.max(1) as u32;
+        let sms = ctx.device().attribute(cuvmm::driver::sys::CUdevice_attribute::MULTIPROCESSOR_COUNT)?.max(1)
+            as u32;
         let max_streams = cfg
             .streams
             .iter()
@@ -710,8 +710,6 @@ pub fn svg(schedule: &Schedule, title: &str) -> String {
     o
 }
 
-
-
 // The options of `cuvmm bench overlap` (their help is the CLI's).
 #[derive(clap::Args, Debug)]
 pub struct Args {
@@ -787,11 +785,7 @@ pub fn cli(args: Args, out: &mut impl Write) -> CliResult {
 }
 
 /// The overlap experiment's text table.
-pub fn print_overlap(
-    out: &mut impl Write,
-    r: &OverlapReport,
-    name: &str,
-) -> std::io::Result<()> {
+pub fn print_overlap(out: &mut impl Write, r: &OverlapReport, name: &str) -> std::io::Result<()> {
     let n = r.config.n;
     let longest = r.longest_stage();
     writeln!(out, "{} floats ({}) on {name}, kernel {} multiply-adds per element", n, show(n * 4), r.iters)?;

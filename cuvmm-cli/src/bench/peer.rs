@@ -2,6 +2,8 @@
 //! against cuMemcpyPeerAsync of the same bytes, in the same run.
 
 use super::median;
+use crate::cli::size::{parse_size, show};
+use crate::cli::CliResult;
 use cuvmm::alloc::{ExportMode, PeerAllocator};
 use cuvmm::context::Context;
 use cuvmm::driver::driver;
@@ -11,8 +13,6 @@ use cuvmm::memory::DeviceBuffer;
 use cuvmm::stream::Event;
 use cuvmm::stream::Stream;
 use cuvmm::vmm::Access;
-use crate::cli::size::{parse_size, show};
-use crate::cli::CliResult;
 use serde_json::json;
 use std::io::Write;
 
@@ -75,7 +75,6 @@ pub fn run(ctxs: &[Context], bytes: usize) -> Result<PeerReport> {
     }
     Ok(PeerReport { bytes, kernel_gbs: median(&kernel), copy_gbs: median(&copy) })
 }
-
 
 // The options of `cuvmm bench peer` (their help is the CLI's).
 #[derive(clap::Args, Debug)]

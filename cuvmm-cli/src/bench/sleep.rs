@@ -22,6 +22,8 @@
 //! back on a thread of its own).
 
 use super::{invalid, median};
+use crate::cli::size::{parse_size, show};
+use crate::cli::CliResult;
 use cuvmm::alloc::{
     AllocatorConfig, BackupKind, BackupOptions, SleepMode, StreamAllocator, StreamBlock, Tag,
 };
@@ -32,12 +34,10 @@ use cuvmm::kernels::Kernels;
 use cuvmm::memory::{DeviceSlice, DeviceSliceMut};
 use cuvmm::stream::{Event, Stream};
 use cuvmm::vmm::{Access, PhysicalMemory, Reservation};
+use serde_json::json;
 use std::io::Write;
 use std::path::Path;
 use std::time::{Duration, Instant};
-use crate::cli::size::{parse_size, show};
-use crate::cli::CliResult;
-use serde_json::json;
 
 /// What to run.
 #[derive(Clone, Debug)]
@@ -445,7 +445,6 @@ pub fn with_child_cycles(mut r: SleepReport, child: Vec<Cycle>) -> SleepReport {
     r
 }
 
-
 // The options of `cuvmm bench sleep` (their help is the CLI's).
 #[derive(clap::Args, Debug)]
 pub struct Args {
@@ -491,17 +490,27 @@ pub struct Args {
 
 /// `cuvmm bench sleep`: runs the benchmark with `args` and writes its report to `out`.
 pub fn cli(args: Args, out: &mut impl Write) -> CliResult {
-    let Args { size, block, reps, device, devices, backup, dir, retain, fresh_process, gap_ms, first_only, json } = args;
+    let Args {
+        size,
+        block,
+        reps,
+        device,
+        devices,
+        backup,
+        dir,
+        retain,
+        fresh_process,
+        gap_ms,
+        first_only,
+        json,
+    } = args;
     let kind = match (backup.as_str(), &dir) {
         ("pageable", _) => BackupKind::Pageable,
         ("pinned", _) => BackupKind::Pinned,
         ("disk", Some(d)) => BackupKind::Disk(d.clone()),
         ("disk", None) => return Err(super::invalid("--backup disk needs --dir").into()),
         (other, _) => {
-            return Err(super::invalid(format!(
-                "unknown --backup {other} (pageable, pinned, disk)"
-            ))
-            .into())
+            return Err(super::invalid(format!("unknown --backup {other} (pageable, pinned, disk)")).into())
         }
     };
     let devices = if devices.is_empty() { vec![device] } else { devices };

@@ -23,21 +23,21 @@
 //! on all of them alike.
 
 use super::median;
+use crate::cli::size::{parse_sizes, show};
+use crate::cli::CliResult;
 use cuvmm::alloc::{GraphMemory, StreamAllocator};
 use cuvmm::context::Context;
 use cuvmm::driver::{driver, sys::*, Api};
 use cuvmm::error::{Error, Result};
 use cuvmm::stream::Stream;
+use serde_json::json;
 use std::collections::HashMap;
 use std::ffi::c_void;
 use std::fmt;
 use std::io::BufRead;
+use std::io::Write;
 use std::path::Path;
 use std::time::{Duration, Instant};
-use crate::cli::size::{parse_sizes, show};
-use crate::cli::CliResult;
-use serde_json::json;
-use std::io::Write;
 
 /// The first line of a trace.
 pub const HEADER: &str = "# cuvmm trace v1: op t_ns device stream size ptr";
@@ -1331,8 +1331,6 @@ pub fn run(ctx: &Context, trace: &Trace, cfg: &TraceConfig) -> Result<TraceRepor
     })
 }
 
-
-
 // The options of `cuvmm bench trace` (their help is the CLI's).
 #[derive(clap::Args, Debug)]
 pub struct Args {
@@ -1364,9 +1362,7 @@ pub fn cli(args: Args, out: &mut impl Write) -> CliResult {
     let Args { path, reps, pairs, pair_sizes, device, trace_device, json } = args;
     let records = match trace_device {
         Some(d) => d,
-        None => {
-            i32::try_from(device).map_err(|_| super::invalid("device ordinal too large"))?
-        }
+        None => i32::try_from(device).map_err(|_| super::invalid("device ordinal too large"))?,
     };
     // Read before touching the driver: a bad file is reported on any machine.
     let t = match &path {

@@ -2,15 +2,15 @@
 //! raw driver calls against the crate's types, measured in the same run.
 
 use super::{median, timed};
+use crate::cli::size::{parse_sizes, show};
+use crate::cli::CliResult;
 use cuvmm::context::Context;
 use cuvmm::driver::{driver, sys::*};
 use cuvmm::error::Result;
 use cuvmm::vmm::{Access, PhysicalMemory, Reservation};
-use std::sync::{Arc, Mutex};
-use crate::cli::size::{parse_sizes, show};
-use crate::cli::CliResult;
 use serde_json::json;
 use std::io::Write;
+use std::sync::{Arc, Mutex};
 
 /// The operations measured, in the order a chunk's life runs through them.
 pub const OPS: [&str; 5] = ["create", "map", "set_access", "unmap", "release"];
@@ -263,7 +263,6 @@ pub fn call_costs(ctx: &Context) -> Result<Vec<CallCost>> {
     Ok(out)
 }
 
-
 // The options of `cuvmm bench vmm-ops` (their help is the CLI's).
 #[derive(clap::Args, Debug)]
 pub struct Args {
@@ -309,7 +308,10 @@ pub fn cli(args: Args, out: &mut impl Write) -> CliResult {
             writeln!(out, "{}", json!({"bench": "vmm-ops", "call": c.what, "ns": c.ns}))?;
         }
     } else {
-        writeln!(out, "median µs per op over {reps} reps (raw driver / cuvmm; unmap includes the context sync both do)")?;
+        writeln!(
+            out,
+            "median µs per op over {reps} reps (raw driver / cuvmm; unmap includes the context sync both do)"
+        )?;
         write!(out, "{:>9}", "chunk")?;
         for op in OPS {
             write!(out, " {op:>19}")?;
@@ -357,10 +359,7 @@ pub fn cli(args: Args, out: &mut impl Write) -> CliResult {
                 r.crate_us[1] / r.floor_map_us
             )?;
         }
-        writeln!(
-            out,
-            "what the calls cuvmm may add cost here (ns per call, median of 7 batches of 2000):"
-        )?;
+        writeln!(out, "what the calls cuvmm may add cost here (ns per call, median of 7 batches of 2000):")?;
         for c in &costs {
             writeln!(out, "  {:<40} {:>8.1}", c.what, c.ns)?;
         }

@@ -53,14 +53,3 @@ pub fn run(b: Bench) -> CliResult {
         Bench::VmmOps(args) => vmm_ops::cli(args, &mut out),
     }
 }
-
-
-
-
-
-
-
-
-
-
-

@@ -1,11 +1,11 @@
 //! `cuvmm` with no arguments (or `cuvmm tour`): the main job. A short report of what cuvmm does on
 //! the first GPU, with the pictures written to a folder.
 
-use crate::bench::bandwidth::print_bandwidth;
-use crate::bench::overlap::print_overlap;
 use super::plot::{line_chart, Series};
 use super::size::show;
 use super::CliResult;
+use crate::bench::bandwidth::print_bandwidth;
+use crate::bench::overlap::print_overlap;
 use crate::bench::{bandwidth, grow, overlap};
 use cuvmm::alloc::{ExportMode, PeerAllocator};
 use cuvmm::caps::Report;
