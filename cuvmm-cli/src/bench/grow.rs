@@ -352,92 +352,115 @@ pub struct Args {
 
 /// `cuvmm bench grow`: runs the benchmark with `args` and writes its report to `out`.
 pub fn cli(args: Args, out: &mut impl Write) -> CliResult {
-    let Args { step, target, reps, max_chunk, growth_percent, device, json } = args;
-    let ctx = Context::for_ordinal(device)?;
-    let policy = ChunkPolicy { max_chunk, growth_percent, ..ChunkPolicy::default() };
-    let r = run(&ctx, GrowConfig { step, target, reps, policy })?;
+    let ctx = Context::for_ordinal(args.device)?;
+    let policy = ChunkPolicy {
+        max_chunk: args.max_chunk,
+        growth_percent: args.growth_percent,
+        ..ChunkPolicy::default()
+    };
+    let r = run(&ctx, GrowConfig { step: args.step, target: args.target, reps: args.reps, policy })?;
     let name = ctx.device().name()?;
-    let copy = if r.copy_failed.is_none() { Some(("copy_doubling", "copy-doubling", &r.copy)) } else { None };
-    let rows = [
+    if args.json {
+        print_json(out, &args, &name, &r)
+    } else {
+        print_text(out, &args, &name, &r)
+    }
+}
+
+/// The strategies measured: JSON key, table name, run; copy-doubling where it reached the target.
+fn strategies(r: &GrowReport) -> Vec<(&'static str, &'static str, &GrowRun)> {
+    let mut rows = vec![
         ("vmmvec", "VmmVec, default", &r.vmm),
         ("vmmvec_ahead", "VmmVec, ahead", &r.ahead),
         ("vmmvec_no_ahead", "VmmVec, no ahead", &r.no_ahead),
     ];
-    if json {
-        for (which, _, run) in rows.iter().copied().chain(copy) {
-            writeln!(
-                out,
-                "{}",
-                json!({"bench": "grow", "device": name, "strategy": which, "step": step, "target": target,
-                       "reps": reps, "steps": run.steps, "total_s": run.total_s, "worst_step_s": run.worst_step_s, "worst_later_step_s": run.worst_later_step_s,
-                       "median_step_s": run.median_step_s, "p99_step_s": run.p99_step_s, "slowest_steps": run.slowest, "peak_bytes": run.peak_bytes,
-                       "ahead_waits": run.ahead_waits.0, "ahead_longest_wait_s": run.ahead_waits.1})
-            )?;
-        }
-        if let Some(why) = &r.copy_failed {
-            writeln!(out, "{}", json!({"bench": "grow", "strategy": "copy_doubling", "failed": why}))?;
-        } else {
-            writeln!(
-                out,
-                "{}",
-                json!({"bench": "grow", "ratio_total": r.total_ratio(), "ratio_total_ahead": r.ahead_total_ratio(),
-                       "ratio_worst_step": r.worst_ratio(), "ratio_peak": r.peak_ratio(),
-                       "max_chunk": max_chunk, "growth_percent": growth_percent})
-            )?;
-        }
+    if r.copy_failed.is_none() {
+        rows.push(("copy_doubling", "copy-doubling", &r.copy));
+    }
+    rows
+}
+
+/// `--json`: a line per strategy, then the ratios (or why copy-doubling failed).
+fn print_json(out: &mut impl Write, args: &Args, name: &str, r: &GrowReport) -> CliResult {
+    let Args { step, target, reps, max_chunk, growth_percent, .. } = *args;
+    for (which, _, run) in strategies(r) {
+        writeln!(
+            out,
+            "{}",
+            json!({"bench": "grow", "device": name, "strategy": which, "step": step, "target": target,
+                   "reps": reps, "steps": run.steps, "total_s": run.total_s, "worst_step_s": run.worst_step_s, "worst_later_step_s": run.worst_later_step_s,
+                   "median_step_s": run.median_step_s, "p99_step_s": run.p99_step_s, "slowest_steps": run.slowest, "peak_bytes": run.peak_bytes,
+                   "ahead_waits": run.ahead_waits.0, "ahead_longest_wait_s": run.ahead_waits.1})
+        )?;
+    }
+    if let Some(why) = &r.copy_failed {
+        writeln!(out, "{}", json!({"bench": "grow", "strategy": "copy_doubling", "failed": why}))?;
     } else {
         writeln!(
             out,
-            "grow to {} in {} steps on {name} (median of {reps} runs; worst step over all runs)",
-            show(target),
-            show(step)
+            "{}",
+            json!({"bench": "grow", "ratio_total": r.total_ratio(), "ratio_total_ahead": r.ahead_total_ratio(),
+                   "ratio_worst_step": r.worst_ratio(), "ratio_peak": r.peak_ratio(),
+                   "max_chunk": max_chunk, "growth_percent": growth_percent})
         )?;
+    }
+    Ok(())
+}
+
+/// The table, the waits for chunks made ahead, and the ratios (or why copy-doubling failed).
+fn print_text(out: &mut impl Write, args: &Args, name: &str, r: &GrowReport) -> CliResult {
+    let Args { step, target, reps, max_chunk, growth_percent, .. } = *args;
+    writeln!(
+        out,
+        "grow to {} in {} steps on {name} (median of {reps} runs; worst step over all runs)",
+        show(target),
+        show(step)
+    )?;
+    writeln!(
+        out,
+        "{:<16} {:>10} {:>14} {:>17} {:>12} {:>15} {:>12}  slowest steps (step #: ms)",
+        "strategy",
+        "total ms",
+        "worst step ms",
+        "worst after 1st",
+        "p99 step ms",
+        "median step ms",
+        "peak in use"
+    )?;
+    for (_, which, run) in strategies(r) {
+        let slow: Vec<String> = run.slowest.iter().map(|(i, s)| format!("{i}: {:.2}", s * 1e3)).collect();
         writeln!(
             out,
-            "{:<16} {:>10} {:>14} {:>17} {:>12} {:>15} {:>12}  slowest steps (step #: ms)",
-            "strategy",
-            "total ms",
-            "worst step ms",
-            "worst after 1st",
-            "p99 step ms",
-            "median step ms",
-            "peak in use"
+            "{which:<16} {:>10.2} {:>14.3} {:>17.3} {:>12.3} {:>15.3} {:>12}  {}",
+            run.total_s * 1e3,
+            run.worst_step_s * 1e3,
+            run.worst_later_step_s * 1e3,
+            run.p99_step_s * 1e3,
+            run.median_step_s * 1e3,
+            show(run.peak_bytes),
+            slow.join(", ")
         )?;
-        for (_, which, run) in rows.iter().copied().chain(copy) {
-            let slow: Vec<String> = run.slowest.iter().map(|(i, s)| format!("{i}: {:.2}", s * 1e3)).collect();
-            writeln!(
-                out,
-                "{which:<16} {:>10.2} {:>14.3} {:>17.3} {:>12.3} {:>15.3} {:>12}  {}",
-                run.total_s * 1e3,
-                run.worst_step_s * 1e3,
-                run.worst_later_step_s * 1e3,
-                run.p99_step_s * 1e3,
-                run.median_step_s * 1e3,
-                show(run.peak_bytes),
-                slow.join(", ")
-            )?;
-        }
-        for (which, run) in [("default", &r.vmm), ("ahead", &r.ahead)] {
-            writeln!(
-                out,
-                "VmmVec, {which}: {} growths over the {reps} runs waited for a chunk made ahead (longest {:.3} ms)",
-                run.ahead_waits.0,
-                run.ahead_waits.1 * 1e3
-            )?;
-        }
-        match &r.copy_failed {
-            Some(why) => writeln!(out, "copy-doubling    could not reach {}: {why}", show(target))?,
-            None => writeln!(
-                out,
-                "over copy-doubling: VmmVec total {:.3}x, worst step {:.3}x, peak {:.3}x; VmmVec ahead total {:.3}x (chunks up to {}, +{}%)",
-                r.total_ratio(),
-                r.worst_ratio(),
-                r.peak_ratio(),
-                r.ahead_total_ratio(),
-                show(max_chunk),
-                growth_percent
-            )?,
-        }
+    }
+    for (which, run) in [("default", &r.vmm), ("ahead", &r.ahead)] {
+        writeln!(
+            out,
+            "VmmVec, {which}: {} growths over the {reps} runs waited for a chunk made ahead (longest {:.3} ms)",
+            run.ahead_waits.0,
+            run.ahead_waits.1 * 1e3
+        )?;
+    }
+    match &r.copy_failed {
+        Some(why) => writeln!(out, "copy-doubling    could not reach {}: {why}", show(target))?,
+        None => writeln!(
+            out,
+            "over copy-doubling: VmmVec total {:.3}x, worst step {:.3}x, peak {:.3}x; VmmVec ahead total {:.3}x (chunks up to {}, +{}%)",
+            r.total_ratio(),
+            r.worst_ratio(),
+            r.peak_ratio(),
+            r.ahead_total_ratio(),
+            show(max_chunk),
+            growth_percent
+        )?,
     }
     Ok(())
 }

@@ -287,82 +287,93 @@ pub fn cli(args: Args, out: &mut impl Write) -> CliResult {
     let rows = run(&ctx, &sizes, reps)?;
     let costs = call_costs(&ctx)?;
     if json {
-        for r in &rows {
-            for (i, op) in OPS.iter().enumerate() {
-                writeln!(
-                    out,
-                    "{}",
-                    json!({"bench": "vmm-ops", "size": r.size, "op": op, "reps": r.reps,
-                           "raw_us": r.raw_us[i], "cuvmm_us": r.crate_us[i], "overhead": r.overhead()[i],
-                           "ratio": r.crate_us[i] / r.raw_us[i]})
-                )?;
-            }
+        print_json(out, &rows, &costs)
+    } else {
+        print_text(out, reps, &rows, &costs)
+    }
+}
+
+/// `--json`: a line per size and operation, the map's floor, then each call's cost.
+fn print_json(out: &mut impl Write, rows: &[OpsRow], costs: &[CallCost]) -> CliResult {
+    for r in rows {
+        for (i, op) in OPS.iter().enumerate() {
             writeln!(
                 out,
                 "{}",
-                json!({"bench": "vmm-ops", "size": r.size, "op": "map_floor", "reps": r.reps,
-                       "raw_us": r.raw_us[1], "floor_us": r.floor_map_us, "cuvmm_us": r.crate_us[1]})
-            )?;
-        }
-        for c in &costs {
-            writeln!(out, "{}", json!({"bench": "vmm-ops", "call": c.what, "ns": c.ns}))?;
-        }
-    } else {
-        writeln!(
-            out,
-            "median µs per op over {reps} reps (raw driver / cuvmm; unmap includes the context sync both do)"
-        )?;
-        write!(out, "{:>9}", "chunk")?;
-        for op in OPS {
-            write!(out, " {op:>19}")?;
-        }
-        writeln!(out, " {:>10} {:>10}", "overhead", "µs per GiB")?;
-        for r in &rows {
-            write!(out, "{:>9}", show(r.size))?;
-            for i in 0..5 {
-                write!(out, " {:>9.1} / {:>7.1}", r.raw_us[i], r.crate_us[i])?;
-            }
-            let per_gib = r.crate_us.iter().sum::<f64>() * (1u64 << 30) as f64 / r.size as f64;
-            writeln!(out, " {:>9.1}% {:>10.0}", r.total_overhead() * 100.0, per_gib)?;
-        }
-        writeln!(out, "cuvmm / raw per op:")?;
-        for r in &rows {
-            write!(out, "{:>9}", show(r.size))?;
-            for i in 0..5 {
-                write!(out, " {:>19.3}", r.crate_us[i] / r.raw_us[i])?;
-            }
-            writeln!(out)?;
-        }
-        if let Some(r) = rows.iter().min_by_key(|r| r.size) {
-            let map = r.crate_us[1] / r.raw_us[1];
-            writeln!(
-                out,
-                "cuMemMap of {}: cuvmm {:.3} µs / raw {:.3} µs = {map:.3}x (goal ≤ 1.05x: {})",
-                show(r.size),
-                r.crate_us[1],
-                r.raw_us[1],
-                if map <= 1.05 { "met" } else { "not met" }
+                json!({"bench": "vmm-ops", "size": r.size, "op": op, "reps": r.reps,
+                       "raw_us": r.raw_us[i], "cuvmm_us": r.crate_us[i], "overhead": r.overhead()[i],
+                       "ratio": r.crate_us[i] / r.raw_us[i]})
             )?;
         }
         writeln!(
             out,
-            "raw cuMemMap with what a shared Reservation's map needs around it (a mutex held across \
-             the call, the range recorded, two reference counts raised):"
+            "{}",
+            json!({"bench": "vmm-ops", "size": r.size, "op": "map_floor", "reps": r.reps,
+                   "raw_us": r.raw_us[1], "floor_us": r.floor_map_us, "cuvmm_us": r.crate_us[1]})
         )?;
-        for r in &rows {
-            writeln!(
-                out,
-                "{:>9} {:>9.3} µs = {:.3}x raw; cuvmm {:.3}x of it",
-                show(r.size),
-                r.floor_map_us,
-                r.floor_map_us / r.raw_us[1],
-                r.crate_us[1] / r.floor_map_us
-            )?;
+    }
+    for c in costs {
+        writeln!(out, "{}", json!({"bench": "vmm-ops", "call": c.what, "ns": c.ns}))?;
+    }
+    Ok(())
+}
+
+/// The tables: per operation, cuvmm over raw, the map's floor, each call's cost.
+fn print_text(out: &mut impl Write, reps: usize, rows: &[OpsRow], costs: &[CallCost]) -> CliResult {
+    writeln!(
+        out,
+        "median µs per op over {reps} reps (raw driver / cuvmm; unmap includes the context sync both do)"
+    )?;
+    write!(out, "{:>9}", "chunk")?;
+    for op in OPS {
+        write!(out, " {op:>19}")?;
+    }
+    writeln!(out, " {:>10} {:>10}", "overhead", "µs per GiB")?;
+    for r in rows {
+        write!(out, "{:>9}", show(r.size))?;
+        for i in 0..5 {
+            write!(out, " {:>9.1} / {:>7.1}", r.raw_us[i], r.crate_us[i])?;
         }
-        writeln!(out, "what the calls cuvmm may add cost here (ns per call, median of 7 batches of 2000):")?;
-        for c in &costs {
-            writeln!(out, "  {:<40} {:>8.1}", c.what, c.ns)?;
+        let per_gib = r.crate_us.iter().sum::<f64>() * (1u64 << 30) as f64 / r.size as f64;
+        writeln!(out, " {:>9.1}% {:>10.0}", r.total_overhead() * 100.0, per_gib)?;
+    }
+    writeln!(out, "cuvmm / raw per op:")?;
+    for r in rows {
+        write!(out, "{:>9}", show(r.size))?;
+        for i in 0..5 {
+            write!(out, " {:>19.3}", r.crate_us[i] / r.raw_us[i])?;
         }
+        writeln!(out)?;
+    }
+    if let Some(r) = rows.iter().min_by_key(|r| r.size) {
+        let map = r.crate_us[1] / r.raw_us[1];
+        writeln!(
+            out,
+            "cuMemMap of {}: cuvmm {:.3} µs / raw {:.3} µs = {map:.3}x (goal ≤ 1.05x: {})",
+            show(r.size),
+            r.crate_us[1],
+            r.raw_us[1],
+            if map <= 1.05 { "met" } else { "not met" }
+        )?;
+    }
+    writeln!(
+        out,
+        "raw cuMemMap with what a shared Reservation's map needs around it (a mutex held across \
+         the call, the range recorded, two reference counts raised):"
+    )?;
+    for r in rows {
+        writeln!(
+            out,
+            "{:>9} {:>9.3} µs = {:.3}x raw; cuvmm {:.3}x of it",
+            show(r.size),
+            r.floor_map_us,
+            r.floor_map_us / r.raw_us[1],
+            r.crate_us[1] / r.floor_map_us
+        )?;
+    }
+    writeln!(out, "what the calls cuvmm may add cost here (ns per call, median of 7 batches of 2000):")?;
+    for c in costs {
+        writeln!(out, "  {:<40} {:>8.1}", c.what, c.ns)?;
     }
     Ok(())
 }
