@@ -845,22 +845,7 @@ pub fn print_bandwidth(
 ) -> CliResult {
     let name = ctx.device().name()?;
     if json {
-        for r in rows {
-            writeln!(
-                out,
-                "{}",
-                json!({"bench": "bandwidth", "device": name, "size": r.size, "reps": r.reps,
-                "pageable_h2d": r.pageable[0], "pageable_d2h": r.pageable[1],
-                "pinned_raw_h2d": r.pinned_raw[0], "pinned_raw_d2h": r.pinned_raw[1],
-                "pinned_h2d": r.pinned[0], "pinned_d2h": r.pinned[1],
-                "registered_h2d": r.registered[0], "registered_d2h": r.registered[1],
-                "bidirectional": r.bidirectional, "staged_h2d": r.staged[0], "staged_d2h": r.staged[1],
-                "memcpy_h2d": r.memcpy[0], "memcpy_d2h": r.memcpy[1],
-                "register_us": r.register_us, "staging_threads": staging.threads(), "staging_chunk": staging.chunk(),
-                "staging_piece": staging.config().piece, "staging_slots": staging.config().slots})
-            )?;
-        }
-        return Ok(());
+        return print_bandwidth_json(out, &name, rows, staging);
     }
     writeln!(out, "GB/s on {name} (median of {} reps; H2D / D2H)", rows.first().map_or(0, |r| r.reps))?;
     writeln!(
@@ -924,38 +909,69 @@ pub fn print_bandwidth(
         )?;
     }
     if let Some(r) = rows.iter().max_by_key(|r| r.size) {
-        writeln!(
-            out,
-            "at {}: cuvmm pinned / raw driver {:.3}x H2D, {:.3}x D2H; staged / driver pageable {:.2}x H2D, {:.2}x D2H ({} threads, {} chunks)",
-            show(r.size),
-            r.pinned[0] / r.pinned_raw[0],
-            r.pinned[1] / r.pinned_raw[1],
-            r.staged[0] / r.pageable[0],
-            r.staged[1] / r.pageable[1],
-            staging.threads(),
-            show(staging.chunk())
-        )?;
-        // The pinned-vs-pageable comparison, with this machine's numbers beside the usual rule of thumb.
-        writeln!(out, "\n=== Pinned vs Pageable Memory Transfer (measured, {}) ===", show(r.size))?;
-        writeln!(out, "[Pageable (malloc) Memory]")?;
-        writeln!(out, "  Allocation:   let v = vec![0u8; bytes]")?;
-        writeln!(out, "  Copy path:    CPU_RAM -> [driver staging buffer] -> GPU")?;
-        writeln!(out, "  Synchronous:  YES (the copy call returns once the data is staged or landed)")?;
-        writeln!(out, "  Transfer BW:  {:.1} GB/s H2D, {:.1} GB/s D2H", r.pageable[0], r.pageable[1])?;
-        writeln!(out, "[Pinned (cuMemHostAlloc) Memory]")?;
-        writeln!(out, "  Allocation:   PinnedBuffer::<u8>::new(&ctx, bytes)")?;
-        writeln!(out, "  Copy path:    CPU_RAM -> GPU (direct DMA)")?;
-        writeln!(out, "  Asynchronous: YES (scope(|s| s.copy_to_device(..)))")?;
-        writeln!(out, "  Transfer BW:  {:.1} GB/s H2D, {:.1} GB/s D2H", r.pinned[0], r.pinned[1])?;
-        writeln!(
-            out,
-            "  Speedup:      {:.2}x H2D, {:.2}x D2H",
-            r.pinned[0] / r.pageable[0],
-            r.pinned[1] / r.pageable[1]
-        )?;
-        writeln!(out, "[Staged pageable (cuvmm)]")?;
-        writeln!(out, "  Transfer BW:  {:.1} GB/s H2D, {:.1} GB/s D2H", r.staged[0], r.staged[1])?;
+        print_largest(out, r, staging)?;
     }
+    Ok(())
+}
+
+/// [`print_bandwidth`] as JSON lines, one per size.
+fn print_bandwidth_json(
+    out: &mut impl Write,
+    name: &str,
+    rows: &[BandwidthRow],
+    staging: &Staging,
+) -> CliResult {
+    for r in rows {
+        writeln!(
+            out,
+            "{}",
+            json!({"bench": "bandwidth", "device": name, "size": r.size, "reps": r.reps,
+            "pageable_h2d": r.pageable[0], "pageable_d2h": r.pageable[1],
+            "pinned_raw_h2d": r.pinned_raw[0], "pinned_raw_d2h": r.pinned_raw[1],
+            "pinned_h2d": r.pinned[0], "pinned_d2h": r.pinned[1],
+            "registered_h2d": r.registered[0], "registered_d2h": r.registered[1],
+            "bidirectional": r.bidirectional, "staged_h2d": r.staged[0], "staged_d2h": r.staged[1],
+            "memcpy_h2d": r.memcpy[0], "memcpy_d2h": r.memcpy[1],
+            "register_us": r.register_us, "staging_threads": staging.threads(), "staging_chunk": staging.chunk(),
+            "staging_piece": staging.config().piece, "staging_slots": staging.config().slots})
+        )?;
+    }
+    Ok(())
+}
+
+/// The largest size: cuvmm against the driver, and pinned against pageable memory.
+fn print_largest(out: &mut impl Write, r: &BandwidthRow, staging: &Staging) -> CliResult {
+    writeln!(
+        out,
+        "at {}: cuvmm pinned / raw driver {:.3}x H2D, {:.3}x D2H; staged / driver pageable {:.2}x H2D, {:.2}x D2H ({} threads, {} chunks)",
+        show(r.size),
+        r.pinned[0] / r.pinned_raw[0],
+        r.pinned[1] / r.pinned_raw[1],
+        r.staged[0] / r.pageable[0],
+        r.staged[1] / r.pageable[1],
+        staging.threads(),
+        show(staging.chunk())
+    )?;
+    // The pinned-vs-pageable comparison, with this machine's numbers beside the usual rule of thumb.
+    writeln!(out, "\n=== Pinned vs Pageable Memory Transfer (measured, {}) ===", show(r.size))?;
+    writeln!(out, "[Pageable (malloc) Memory]")?;
+    writeln!(out, "  Allocation:   let v = vec![0u8; bytes]")?;
+    writeln!(out, "  Copy path:    CPU_RAM -> [driver staging buffer] -> GPU")?;
+    writeln!(out, "  Synchronous:  YES (the copy call returns once the data is staged or landed)")?;
+    writeln!(out, "  Transfer BW:  {:.1} GB/s H2D, {:.1} GB/s D2H", r.pageable[0], r.pageable[1])?;
+    writeln!(out, "[Pinned (cuMemHostAlloc) Memory]")?;
+    writeln!(out, "  Allocation:   PinnedBuffer::<u8>::new(&ctx, bytes)")?;
+    writeln!(out, "  Copy path:    CPU_RAM -> GPU (direct DMA)")?;
+    writeln!(out, "  Asynchronous: YES (scope(|s| s.copy_to_device(..)))")?;
+    writeln!(out, "  Transfer BW:  {:.1} GB/s H2D, {:.1} GB/s D2H", r.pinned[0], r.pinned[1])?;
+    writeln!(
+        out,
+        "  Speedup:      {:.2}x H2D, {:.2}x D2H",
+        r.pinned[0] / r.pageable[0],
+        r.pinned[1] / r.pageable[1]
+    )?;
+    writeln!(out, "[Staged pageable (cuvmm)]")?;
+    writeln!(out, "  Transfer BW:  {:.1} GB/s H2D, {:.1} GB/s D2H", r.staged[0], r.staged[1])?;
     Ok(())
 }
 
