@@ -15,8 +15,13 @@ import struct
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "python"))
-import cuvmm_torch  # noqa: E402
+# The installed package (pip install ./cuvmm-capi, or the wheel) when there is one, else the
+# modules of this checkout; either way CUVMM_LIB, when set, names the library.
+try:
+    import cuvmm_torch
+except ImportError:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "python"))
+    import cuvmm_torch  # noqa: E402
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 ALLOCS = ("native", "cuvmm", "cuvmm-pool")
@@ -175,6 +180,20 @@ def add_common_args(p, allocs=ALLOCS, default=None):
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--json", metavar="PATH", help="also write the result object here")
     return p
+
+
+def log_passed(path) -> bool:
+    """Whether a run's log states that its checks passed: at least one RESULT line, and every one
+    saying "pass": true (what run_all.sh requires beside the exit status)."""
+    results = []
+    with open(path, errors="replace") as f:
+        for line in f:
+            if line.startswith("RESULT "):
+                try:
+                    results.append(json.loads(line[len("RESULT "):]))
+                except ValueError:
+                    return False
+    return bool(results) and all(isinstance(r, dict) and r.get("pass") is True for r in results)
 
 
 def finish(script: str, args, result: dict, checks: dict, goals: dict | None = None) -> int:

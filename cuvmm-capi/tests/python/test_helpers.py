@@ -21,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _common  # noqa: E402
 import compare  # noqa: E402
+import cuvmm  # noqa: E402
 import cuvmm_torch  # noqa: E402
 import nccl_allreduce  # noqa: E402
 import train  # noqa: E402
@@ -147,6 +148,24 @@ class Compare(unittest.TestCase):
             self.assertIn("RESULT ", quiet.getvalue())
 
 
+class LogVerdict(unittest.TestCase):
+    def verdict(self, text):
+        with tempfile.TemporaryDirectory() as d:
+            log = Path(d, "run.log")
+            log.write_text(text)
+            return _common.log_passed(log)
+
+    def test_a_log_passes_only_with_result_lines_that_all_pass(self):
+        ok = "RESULT " + json.dumps({"script": "x", "checks": {"a": True}, "pass": True}) + "\n"
+        bad = "RESULT " + json.dumps({"script": "y", "checks": {"pass": True}, "pass": False}) + "\n"
+        self.assertTrue(self.verdict("noise\n" + ok))
+        self.assertFalse(self.verdict(""))
+        self.assertFalse(self.verdict("all good, no result\n"))
+        self.assertFalse(self.verdict(ok + bad))
+        self.assertFalse(self.verdict("RESULT {not json\n"))
+        self.assertFalse(self.verdict("RESULT " + json.dumps({"script": "z"}) + "\n"))
+
+
 class FindLibrary(unittest.TestCase):
     def test_explicit_path_must_exist(self):
         with self.assertRaises(FileNotFoundError):
@@ -169,11 +188,19 @@ class FindLibrary(unittest.TestCase):
                 else:
                     os.environ["CUVMM_LIB"] = old
 
+    def test_the_old_module_name_has_every_name_it_had(self):
+        old = ("find_library", "load", "library_path", "allocator", "use_as_current_allocator", "mem_pool",
+               "use_mem_pool_all_threads", "stats", "stats_json", "reset_peaks", "empty_cache",
+               "release_graph_memory", "trace_flush", "last_error", "has_sleep", "set_tag", "tag", "sleep",
+               "wake", "tag_stats", "STAT_FIELDS", "Stats", "TagStats")
+        self.assertEqual([n for n in old if not hasattr(cuvmm_torch, n)], [])
+        self.assertIs(cuvmm_torch.stats, cuvmm.stats)
+
     def test_struct_layout_matches_header(self):
         n = len(cuvmm_torch.STAT_FIELDS)
-        self.assertGreaterEqual(cuvmm_torch.ctypes.sizeof(cuvmm_torch.Stats), 2 * n * 8)
+        self.assertGreaterEqual(cuvmm.ctypes.sizeof(cuvmm_torch.Stats), 2 * n * 8)
         self.assertEqual(cuvmm_torch.Stats.graph_held.offset, 8 * cuvmm_torch.STAT_FIELDS.index("graph_held"))
-        self.assertEqual(cuvmm_torch.ctypes.sizeof(cuvmm_torch.TagStats), 3 * 8 + 2 * 4)
+        self.assertEqual(cuvmm.ctypes.sizeof(cuvmm_torch.TagStats), 3 * 8 + 2 * 4)
         header = (Path(__file__).resolve().parents[2] / "include" / "cuvmm.h").read_text()
         body = header.split("typedef struct cuvmm_stats {")[1].split("}")[0]
         names = re.findall(r"uint64_t\s+(\w+)\s*;", body)
@@ -224,12 +251,12 @@ class CtypesLayer(unittest.TestCase):
         src, so = Path(cls.dir.name, "fake.c"), Path(cls.dir.name, "libcuvmm.so")
         src.write_text(FAKE_LIB)
         subprocess.run(["cc", "-shared", "-fPIC", "-o", str(so), str(src)], check=True)
-        cuvmm_torch._lib = None
+        cuvmm._lib = None
         cuvmm_torch.load(so)
 
     @classmethod
     def tearDownClass(cls):
-        cuvmm_torch._lib = None
+        cuvmm._lib = None
         cls.dir.cleanup()
 
     def test_stats_fields_in_order(self):
@@ -249,7 +276,7 @@ class CtypesLayer(unittest.TestCase):
 
     def test_a_refused_tag_raises_and_leaves_the_tag_in_force(self):
         fake_tag = cuvmm_torch.load().fake_tag
-        fake_tag.restype = cuvmm_torch.ctypes.c_char_p
+        fake_tag.restype = cuvmm.ctypes.c_char_p
         with cuvmm_torch.tag("weights"):
             with self.assertRaisesRegex(RuntimeError, "a tag needs a name"):
                 with cuvmm_torch.tag(""):

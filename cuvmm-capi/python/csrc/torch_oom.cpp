@@ -1,0 +1,136 @@
+// libcuvmm_torch.so: the allocation entry points that cuvmm.torch hands to PyTorch's
+// CUDAPluggableAllocator under change_current_allocator.
+//
+// PyTorch takes whatever pointer the plugin returns, NULL included, and wraps it in a tensor; a
+// NULL becomes a tensor at address 0 whose first use faults the CUDA context. These entry points
+// call libcuvmm.so's and, when it refuses an allocation, throw a C++ exception instead. PyTorch
+// calls the plugin from C++ (the same place its own caching allocator throws OutOfMemoryError), and
+// its Python bindings turn the exception into a Python one: the process goes on.
+//
+// libcuvmm.so is Rust: nothing may unwind through its frames, and nothing does, since the
+// exception is thrown here after cuvmm_malloc has returned.
+//
+// No PyTorch header is needed. PyTorch's bindings catch `torch::PyTorchError` (an abstract
+// std::exception with a virtual python_type()) and raise python_type() with what() as the
+// message; they use those two virtual functions only. C++ runtimes on this platform match a catch
+// clause by the type's name, so an exception whose class derives from a class named
+// torch::PyTorchError with the same virtual functions in the same order is caught there. The
+// Python class it names (torch.OutOfMemoryError, or RuntimeError for other refusals) is handed
+// over by cuvmm_torch_bind. An exception thrown before binding is a plain std::exception, which
+// the bindings raise as RuntimeError.
+
+#include <atomic>
+#include <cstdio>
+#include <cstring>
+#include <exception>
+#include <sys/types.h>
+
+#define CUVMM_EXPORT __attribute__((visibility("default")))
+
+namespace torch {
+// Mirrors the vtable of PyTorch's torch::PyTorchError: std::exception's slots, then python_type()
+// (which returns a PyObject*, a pointer in the same register). Hidden like everything here but the
+// three C functions: the match is by name, so PyTorch's own symbols are never interposed.
+struct PyTorchError : std::exception {
+  virtual void *python_type() = 0;
+};
+}  // namespace torch
+
+namespace cuvmm_torch {
+
+using MallocFn = void *(*)(ssize_t, int, void *);
+using FreeFn = void (*)(void *, ssize_t, int, void *);
+using LastErrorFn = const char *(*)();
+
+std::atomic<MallocFn> bound_malloc{nullptr};
+std::atomic<FreeFn> bound_free{nullptr};
+std::atomic<LastErrorFn> bound_last_error{nullptr};
+// Python class objects; the Python side keeps them alive (they belong to modules never unloaded).
+std::atomic<void *> oom_type{nullptr};
+std::atomic<void *> error_type{nullptr};
+
+constexpr size_t kText = 1024;
+
+// What the bindings raise as the Python class `type`.
+struct Raised final : torch::PyTorchError {
+  Raised(void *type, const char *text) : type_(type) { std::snprintf(text_, kText, "%s", text); }
+  const char *what() const noexcept override { return text_; }
+  void *python_type() override { return type_; }
+
+ private:
+  void *type_;
+  char text_[kText];
+};
+
+// A refusal with no Python class to name (before cuvmm_torch_bind): RuntimeError.
+struct Refused final : std::exception {
+  explicit Refused(const char *text) { std::snprintf(text_, kText, "%s", text); }
+  const char *what() const noexcept override { return text_; }
+
+ private:
+  char text_[kText];
+};
+
+bool is_out_of_memory(const char *err) {
+  return err != nullptr && (std::strstr(err, "OUT_OF_MEMORY") != nullptr || std::strstr(err, "out of memory") != nullptr);
+}
+
+[[noreturn]] void refuse(ssize_t size, int device, const char *err) {
+  const bool oom = is_out_of_memory(err);
+  char text[kText];
+  std::snprintf(text, sizeof text, "%s: cuvmm could not allocate %zd bytes on device %d (%s)",
+                oom ? "CUDA out of memory" : "cuvmm allocation failed", size, device,
+                err != nullptr ? err : "no error text");
+  void *type = (oom ? oom_type : error_type).load(std::memory_order_acquire);
+  if (type == nullptr) {
+    throw Refused(text);
+  }
+  throw Raised(type, text);
+}
+
+}  // namespace cuvmm_torch
+
+extern "C" {
+
+// Binds the entry points to a loaded libcuvmm.so (its cuvmm_malloc, cuvmm_free and
+// cuvmm_last_error) and names the Python classes to raise: `oom` when cuvmm reports out of memory,
+// `error` for any other refusal (either may be NULL: RuntimeError). Returns 0, or -1 when a
+// function is missing. Call it before handing the entry points to PyTorch.
+CUVMM_EXPORT int cuvmm_torch_bind(void *malloc_fn, void *free_fn, void *last_error_fn, void *oom,
+                                  void *error) {
+  using namespace cuvmm_torch;
+  if (malloc_fn == nullptr || free_fn == nullptr || last_error_fn == nullptr) {
+    return -1;
+  }
+  oom_type.store(oom, std::memory_order_release);
+  error_type.store(error, std::memory_order_release);
+  bound_last_error.store(reinterpret_cast<LastErrorFn>(last_error_fn), std::memory_order_release);
+  bound_free.store(reinterpret_cast<FreeFn>(free_fn), std::memory_order_release);
+  bound_malloc.store(reinterpret_cast<MallocFn>(malloc_fn), std::memory_order_release);
+  return 0;
+}
+
+// cuvmm_malloc, throwing where it would return NULL for a size above 0.
+CUVMM_EXPORT void *cuvmm_torch_malloc(ssize_t size, int device, void *stream) {
+  using namespace cuvmm_torch;
+  MallocFn m = bound_malloc.load(std::memory_order_acquire);
+  if (m == nullptr) {
+    throw Refused("cuvmm allocation failed: libcuvmm_torch.so is not bound to libcuvmm.so (cuvmm_torch_bind)");
+  }
+  void *p = m(size, device, stream);
+  if (p == nullptr && size != 0) {
+    LastErrorFn le = bound_last_error.load(std::memory_order_acquire);
+    refuse(size, device, le());
+  }
+  return p;
+}
+
+// cuvmm_free. Never throws: PyTorch frees from destructors.
+CUVMM_EXPORT void cuvmm_torch_free(void *ptr, ssize_t size, int device, void *stream) noexcept {
+  cuvmm_torch::FreeFn f = cuvmm_torch::bound_free.load(std::memory_order_acquire);
+  if (f != nullptr) {
+    f(ptr, size, device, stream);
+  }
+}
+
+}  // extern "C"

@@ -1,0 +1,354 @@
+"""cuvmm from Python: libcuvmm.so (C ABI: ``cuvmm-capi/include/cuvmm.h``) through ctypes.
+
+This module needs no PyTorch: statistics, cache control, tags, sleep and wake. The PyTorch side
+(the allocator PyTorch calls, ``MemPool``) is :mod:`cuvmm.torch`; a drop-in for torch_memory_saver
+is :mod:`cuvmm.torch_memory_saver`.
+
+Every CUDA tensor of the process (call before anything touches CUDA memory)::
+
+    import cuvmm.torch, torch
+    cuvmm.torch.use_as_current_allocator()
+    x = torch.randn(1 << 20, device="cuda")
+    print(cuvmm.stats()["live"])
+
+Sleep and wake of tagged memory (where the library has that part of the ABI, see has_sleep())::
+
+    with cuvmm.tag("weights"):
+        w = torch.randn(4096, 4096, device="cuda")
+    cuvmm.sleep("weights")          # device memory released, contents kept in host memory
+    cuvmm.wake("weights")           # same addresses, same contents
+
+The library is found, in order: the ``path`` argument, the environment variable ``CUVMM_LIB``,
+``libcuvmm.so`` inside this package (where the wheel puts it), ``target/release/libcuvmm.so`` at
+the root of a source checkout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import threading
+from pathlib import Path
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "find_library", "load", "library_path", "stats", "stats_json", "reset_peaks", "empty_cache",
+    "release_graph_memory", "trace_flush", "last_error", "has_sleep", "set_tag", "tag", "sleep", "wake",
+    "tag_stats", "has_backup", "set_backup",
+]
+
+_HERE = Path(__file__).resolve().parent
+# A source checkout: cuvmm-capi/python/cuvmm/ -> the repository root.
+_CHECKOUT = _HERE.parent.parent.parent
+
+# PyTorch releases cuvmm.torch is made for: the newest one it was tested with, and the oldest
+# whose allocator, MemPool and exception interfaces it relies on.
+TORCH_TESTED = (2, 11)
+TORCH_MINIMUM = (2, 8)
+
+
+def torch_version_problem(version: str):
+    """What is wrong with PyTorch ``version`` for cuvmm.torch: None, ``("error", text)`` below
+    TORCH_MINIMUM (or unreadable), ``("warning", text)`` above TORCH_TESTED.
+
+    >>> torch_version_problem("2.11.0+cu130") is None
+    True
+    """
+    import re
+    m = re.match(r"(\d+)\.(\d+)", version or "")
+    supported = (f"cuvmm {__version__} supports PyTorch {TORCH_MINIMUM[0]}.{TORCH_MINIMUM[1]} "
+                 f"to {TORCH_TESTED[0]}.{TORCH_TESTED[1]}")
+    if m is None:
+        return "error", f"{supported}; cannot read the version of the installed one ({version!r})"
+    mm = (int(m.group(1)), int(m.group(2)))
+    if mm < TORCH_MINIMUM:
+        return "error", f"{supported}; PyTorch {version} is older"
+    if mm > TORCH_TESTED:
+        return "warning", f"{supported}; PyTorch {version} is newer and was not tested"
+    return None
+
+
+# cuvmm_stats_t in header order (tests/python/test_helpers.py checks this against cuvmm.h).
+STAT_FIELDS = (
+    "live", "live_peak", "requested", "mapped", "mapped_peak", "reserved", "allocations", "frees",
+    "cache_hits", "pages_created", "pages_released", "pages_remapped", "events_recorded",
+    "oom_retries", "graph_held",
+)
+
+
+class Stats(ctypes.Structure):
+    """``cuvmm_stats_t``, followed by spare room: the struct carries no size, so a library built
+    from a longer header would write past a buffer of exactly this length."""
+
+    _fields_ = [(name, ctypes.c_uint64) for name in STAT_FIELDS] + [("_spare", ctypes.c_uint64 * 48)]
+
+
+class TagStats(ctypes.Structure):
+    """``cuvmm_tag_stats_t``."""
+
+    _fields_ = [
+        ("live", ctypes.c_uint64),
+        ("mapped", ctypes.c_uint64),
+        ("offloaded", ctypes.c_uint64),
+        ("asleep", ctypes.c_int32),
+        ("reserved_", ctypes.c_int32),
+    ]
+
+
+_lock = threading.Lock()
+_lib = None
+_lib_path = None
+_tags = threading.local()
+
+
+def find_library(path: str | os.PathLike | None = None) -> str:
+    """Absolute path of libcuvmm.so; FileNotFoundError naming every place tried.
+
+    An explicit ``path`` or ``CUVMM_LIB`` that does not exist is an error, not a reason to look
+    elsewhere: a silently different library would make every measurement lie.
+
+    >>> find_library("/opt/cuvmm/lib/libcuvmm.so")   # doctest: +SKIP
+    '/opt/cuvmm/lib/libcuvmm.so'
+    """
+    if path is not None:
+        candidates, explicit = [Path(path)], True
+    elif os.environ.get("CUVMM_LIB"):
+        candidates, explicit = [Path(os.environ["CUVMM_LIB"])], True
+    else:
+        candidates = [_HERE / "libcuvmm.so", _CHECKOUT / "target" / "release" / "libcuvmm.so"]
+        explicit = False
+    for c in candidates:
+        if c.is_file():
+            return str(c.resolve())
+    how = "given" if explicit else "searched"
+    raise FileNotFoundError(f"libcuvmm.so not found ({how}: {', '.join(map(str, candidates))})")
+
+
+# What every build has; the rest (trace flush; tags, sleep and wake) is looked up when used.
+_REQUIRED = ("cuvmm_malloc", "cuvmm_free", "cuvmm_pool_malloc", "cuvmm_pool_free", "cuvmm_get_stats",
+             "cuvmm_stats_json", "cuvmm_reset_peaks", "cuvmm_empty_cache", "cuvmm_release_graph_memory",
+             "cuvmm_last_error")
+_SLEEP = ("cuvmm_set_tag", "cuvmm_sleep", "cuvmm_wake", "cuvmm_get_tag_stats")
+# Where each backup of a sleeping tag's contents lives (cuvmm_set_backup's `backend`).
+BACKUP_BACKENDS = {"pageable": 0, "pinned": 1, "disk": 2}
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    missing = [n for n in _REQUIRED if not hasattr(lib, n)]
+    if missing:
+        raise RuntimeError(f"not a libcuvmm.so: {', '.join(missing)} missing")
+    c_int, c_char_p, c_size_t, c_ssize_t = ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_ssize_t
+    sigs = {
+        "cuvmm_get_stats": (c_int, [c_int, ctypes.POINTER(Stats)]),
+        "cuvmm_stats_json": (c_ssize_t, [c_char_p, c_size_t]),
+        "cuvmm_reset_peaks": (c_int, [c_int]),
+        "cuvmm_empty_cache": (c_int, [c_int]),
+        "cuvmm_release_graph_memory": (c_int, [c_int]),
+        "cuvmm_last_error": (c_char_p, []),
+        "cuvmm_trace_flush": (None, []),
+        "cuvmm_set_tag": (c_int, [c_char_p]),
+        "cuvmm_sleep": (c_int, [c_char_p, c_int]),
+        "cuvmm_wake": (c_int, [c_char_p]),
+        "cuvmm_get_tag_stats": (c_int, [c_char_p, ctypes.POINTER(TagStats)]),
+        "cuvmm_set_backup": (c_int, [c_char_p, c_int, c_int, c_char_p]),
+    }
+    for name, (res, args) in sigs.items():
+        if hasattr(lib, name):
+            fn = getattr(lib, name)
+            fn.restype, fn.argtypes = res, args
+
+
+def _fn(name: str):
+    lib = load()
+    try:
+        return getattr(lib, name)
+    except AttributeError:
+        raise RuntimeError(f"{_lib_path} has no {name}") from None
+
+
+def has_sleep() -> bool:
+    """Whether the loaded library has the sleep/wake part of the ABI (tags, sleep, wake)."""
+    lib = load()
+    return all(hasattr(lib, n) for n in _SLEEP)
+
+
+def load(path: str | os.PathLike | None = None) -> ctypes.CDLL:
+    """Load libcuvmm.so once per process and return the handle.
+
+    PyTorch's CUDAPluggableAllocator dlopens the same file again, which yields the same loaded
+    library, so the allocator PyTorch calls and the one these functions inspect share state.
+    Loading a second, different file is refused for that reason.
+    """
+    global _lib, _lib_path
+    with _lock:
+        if _lib is not None:
+            if path is not None and find_library(path) != _lib_path:
+                raise RuntimeError(f"cuvmm already loaded from {_lib_path}, not {path}")
+            return _lib
+        p = find_library(path)
+        lib = ctypes.CDLL(p)
+        _declare(lib)
+        _lib, _lib_path = lib, p
+        return lib
+
+
+def library_path() -> str:
+    """Path of the loaded library (loading it if needed)."""
+    load()
+    return _lib_path
+
+
+def _encode(name: str | None) -> bytes | None:
+    return None if name is None else name.encode()
+
+
+def last_error() -> str | None:
+    """The calling thread's last cuvmm error text, or None."""
+    msg = load().cuvmm_last_error()
+    return None if msg is None else msg.decode(errors="replace")
+
+
+def _check(rc: int, what: str, ok=lambda rc: rc == 0) -> int:
+    if not ok(rc):
+        raise RuntimeError(f"{what} failed: {last_error() or 'no error text'}")
+    return rc
+
+
+def _device(device) -> int:
+    if device is None:
+        import torch
+        return torch.cuda.current_device()
+    if isinstance(device, int):
+        return device
+    import torch
+    index = torch.device(device).index
+    return torch.cuda.current_device() if index is None else index
+
+
+def stats(device=None) -> dict:
+    """cuvmm_get_stats of ``device`` (default: the current one) as a dict of ints.
+
+    >>> cuvmm.stats(0)["mapped_peak"]   # doctest: +SKIP
+    25769803776
+    """
+    out = Stats()
+    _check(load().cuvmm_get_stats(_device(device), ctypes.byref(out)), "cuvmm_get_stats")
+    return {name: int(getattr(out, name)) for name in STAT_FIELDS}
+
+
+def stats_json():
+    """cuvmm_stats_json, parsed: the stats of every device used so far."""
+    lib = load()
+    def call(buf, n):
+        return _check(lib.cuvmm_stats_json(buf, n), "cuvmm_stats_json", ok=lambda rc: rc >= 0)
+
+    need = call(None, 0)
+    while True:
+        buf = ctypes.create_string_buffer(need + 1)
+        got = call(buf, need + 1)
+        if got <= need:  # a device first used between the two calls makes it grow
+            return json.loads(buf.value.decode())
+        need = got
+
+
+def reset_peaks(device: int = -1) -> None:
+    """Reset live_peak and mapped_peak to the current values (-1: every device)."""
+    _check(load().cuvmm_reset_peaks(device), "cuvmm_reset_peaks")
+
+
+def empty_cache(device: int = -1) -> None:
+    """Wait for the device's work, then give every idle page back to the driver (-1: every
+    device). ``torch.cuda.empty_cache`` does not reach cuvmm under ``change_current_allocator``."""
+    _check(load().cuvmm_empty_cache(device), "cuvmm_empty_cache")
+
+
+def release_graph_memory(device: int = -1) -> None:
+    """Release the memory cuvmm kept for CUDA graphs captured through cuvmm_malloc.
+
+    Only after those graphs are destroyed and their output tensors dropped::
+
+        del g, static_out; gc.collect(); torch.cuda.synchronize()
+        cuvmm.release_graph_memory()
+    """
+    _check(load().cuvmm_release_graph_memory(device), "cuvmm_release_graph_memory")
+
+
+def trace_flush() -> None:
+    """Write the allocation trace (``trace=`` in CUVMM_ALLOC_CONF) out now."""
+    _fn("cuvmm_trace_flush")()
+
+
+def set_tag(name: str | None) -> None:
+    """Tag this thread's later allocations with ``name`` (None: untagged). Prefer :func:`tag`.
+    Raises RuntimeError for a name cuvmm refuses (empty, too long), the tag in force unchanged."""
+    _check(_fn("cuvmm_set_tag")(_encode(name)), f"cuvmm_set_tag({name!r})")
+
+
+@contextlib.contextmanager
+def tag(name: str | None):
+    """Allocations of this thread inside the block carry ``name`` (None: no tag); the tag in force
+    before (None outside any block) is restored on exit::
+
+        with cuvmm.tag("cache"):
+            kv = torch.empty(n, device="cuda")
+
+    With a MemPool the tag goes with the segments cuvmm hands to PyTorch, which asks for them
+    lazily: give each tag its own pool and allocate in that pool only inside the block.
+    """
+    stack = getattr(_tags, "stack", None)
+    if stack is None:
+        stack = _tags.stack = []
+    set_tag(name)
+    stack.append(name)
+    try:
+        yield name
+    finally:
+        stack.pop()
+        set_tag(stack[-1] if stack else None)
+
+
+def sleep(name: str, offload: bool = True) -> None:
+    """Release the device memory of every allocation tagged ``name``; with ``offload`` its
+    contents go to host memory first (where :func:`set_backup` says, where the library has it;
+    pinned host memory otherwise), else they are discarded (undefined after wake).
+    Addresses stay valid for CUDA graphs and tensors, but must not be touched until
+    :func:`wake`. Raises RuntimeError with cuvmm's error text on failure."""
+    _check(_fn("cuvmm_sleep")(_encode(name), 1 if offload else 0), f"cuvmm_sleep({name!r})")
+
+
+def wake(name: str) -> None:
+    """Map the memory of ``name`` again at the same addresses, restoring offloaded contents.
+    On failure (RuntimeError) what was not woken stays asleep with nothing lost, and a later
+    call wakes it."""
+    _check(_fn("cuvmm_wake")(_encode(name)), f"cuvmm_wake({name!r})")
+
+
+def tag_stats(name: str) -> dict:
+    """cuvmm_get_tag_stats: ``{"live", "mapped", "offloaded", "asleep"}``."""
+    out = TagStats()
+    _check(_fn("cuvmm_get_tag_stats")(_encode(name), ctypes.byref(out)), f"cuvmm_get_tag_stats({name!r})")
+    return {"live": int(out.live), "mapped": int(out.mapped), "offloaded": int(out.offloaded),
+            "asleep": bool(out.asleep)}
+
+
+def has_backup() -> bool:
+    """Whether the loaded library can be told where a tag's backup lives (cuvmm_set_backup)."""
+    return hasattr(load(), "cuvmm_set_backup")
+
+
+def set_backup(name: str, backend: str = "pageable", retain: bool = False,
+               directory: str | os.PathLike | None = None) -> None:
+    """Where the offloaded contents of tag ``name`` go at its next sleep: ``"pageable"`` host
+    memory through the staging ring (the library's default), ``"pinned"`` host memory, or a file
+    in ``directory`` (``"disk"``). ``retain`` keeps the host backup after a wake, for fast
+    repeated cycles. RuntimeError where the library lacks cuvmm_set_backup (see has_backup())."""
+    if backend not in BACKUP_BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(BACKUP_BACKENDS)}, not {backend!r}")
+    if (backend == "disk") != (directory is not None):
+        raise ValueError("a directory is given with the disk backend, and only with it")
+    d = None if directory is None else os.fsencode(directory)
+    _check(_fn("cuvmm_set_backup")(_encode(name), BACKUP_BACKENDS[backend], 1 if retain else 0, d),
+           f"cuvmm_set_backup({name!r}, {backend!r})")

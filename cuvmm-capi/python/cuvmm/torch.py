@@ -1,0 +1,172 @@
+"""PyTorch on cuvmm: the allocator PyTorch calls, and MemPools whose segments come from cuvmm.
+
+Every CUDA tensor of the process (before anything touches CUDA memory)::
+
+    import cuvmm.torch, torch
+    cuvmm.torch.use_as_current_allocator()
+    x = torch.randn(1 << 20, device="cuda")
+
+Only the tensors made inside a ``torch.cuda.MemPool``::
+
+    pool = cuvmm.torch.mem_pool()
+    with torch.cuda.use_mem_pool(pool):
+        x = torch.randn(1 << 20, device="cuda")
+
+Importing this module imports PyTorch and checks its version (``cuvmm.TORCH_MINIMUM`` to
+``cuvmm.TORCH_TESTED``): an older or unreadable one is an ImportError, a newer one a warning.
+Every name of :mod:`cuvmm` (stats, tags, sleep and wake) is available here too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import threading
+import warnings
+
+import cuvmm as _core
+from cuvmm import *  # noqa: F401,F403  (the torch-free part, so that this module is enough)
+
+try:
+    import torch as _torch
+except ImportError as e:  # pragma: no cover - exercised without torch by the package tests
+    lo, hi = _core.TORCH_MINIMUM, _core.TORCH_TESTED
+    raise ImportError(
+        f"cuvmm.torch needs PyTorch ({lo[0]}.{lo[1]} to {hi[0]}.{hi[1]}), which is not installed "
+        f"({e}); the rest of cuvmm (import cuvmm) works without it") from e
+
+_problem = _core.torch_version_problem(_torch.__version__)
+if _problem is not None:
+    if _problem[0] == "error":
+        raise ImportError(_problem[1])
+    warnings.warn(_problem[1], RuntimeWarning, stacklevel=2)
+
+__all__ = list(_core.__all__) + [
+    "allocator", "use_as_current_allocator", "is_current_allocator", "mem_pool",
+    "use_mem_pool_all_threads", "raises_on_oom",
+]
+
+_lock = threading.Lock()
+_allocators = {}
+_current = False
+_shim = None
+
+
+def _oom_class():
+    return getattr(_torch, "OutOfMemoryError", None) or _torch.cuda.OutOfMemoryError
+
+
+def _shim_path() -> str | None:
+    p = os.path.join(os.path.dirname(os.path.abspath(_core.__file__)), "libcuvmm_torch.so")
+    return p if os.path.isfile(p) else None
+
+
+def raises_on_oom() -> bool:
+    """Whether :func:`allocator` (``pool=False``) raises ``torch.OutOfMemoryError`` when cuvmm is
+    out of memory. It does with the package as installed (libcuvmm_torch.so beside this file);
+    from a bare source checkout it cannot, and an allocation cuvmm refuses becomes a tensor at
+    address 0, whose first use faults the CUDA context."""
+    return _shim_path() is not None
+
+
+def _bound_shim():
+    """libcuvmm_torch.so, bound to the loaded libcuvmm.so and to PyTorch's exception classes."""
+    global _shim
+    if _shim is None:
+        lib = _core.load()
+        shim = ctypes.CDLL(_shim_path())
+        shim.cuvmm_torch_bind.restype = ctypes.c_int
+        shim.cuvmm_torch_bind.argtypes = [ctypes.c_void_p] * 3 + [ctypes.py_object] * 2
+
+        def addr(f):
+            return ctypes.cast(f, ctypes.c_void_p)
+
+        if shim.cuvmm_torch_bind(addr(lib.cuvmm_malloc), addr(lib.cuvmm_free), addr(lib.cuvmm_last_error),
+                                 _oom_class(), RuntimeError) != 0:
+            raise RuntimeError("cuvmm_torch_bind refused the library's functions")
+        _shim = shim
+    return _shim
+
+
+def allocator(pool: bool = False):
+    """The ``torch.cuda.memory.CUDAPluggableAllocator`` over cuvmm.
+
+    ``pool=False``: the pair for ``change_current_allocator``, cuvmm_malloc and cuvmm_free behind
+    entry points that raise ``torch.OutOfMemoryError`` (RuntimeError for any other refusal)
+    instead of returning NULL (see :func:`raises_on_oom`). ``pool=True``: cuvmm_pool_malloc and
+    cuvmm_pool_free, the pair meant for ``MemPool`` (PyTorch raises for a NULL there itself)."""
+    key = bool(pool)
+    with _lock:
+        if key not in _allocators:
+            if pool:
+                path, names = _core.library_path(), ("cuvmm_pool_malloc", "cuvmm_pool_free")
+            elif raises_on_oom():
+                _bound_shim()
+                path, names = _shim_path(), ("cuvmm_torch_malloc", "cuvmm_torch_free")
+            else:
+                warnings.warn("libcuvmm_torch.so is missing (a source checkout, not the installed "
+                              "package): out of memory under this allocator makes a tensor at address 0",
+                              RuntimeWarning, stacklevel=3)
+                path, names = _core.library_path(), ("cuvmm_malloc", "cuvmm_free")
+            _allocators[key] = _torch.cuda.memory.CUDAPluggableAllocator(path, *names)
+        return _allocators[key]
+
+
+def use_as_current_allocator():
+    """Route every CUDA allocation of this process through cuvmm; returns the allocator.
+
+    PyTorch refuses to swap an allocator once CUDA is initialized, so call this first, before
+    ``torch.cuda.init()`` or any CUDA tensor.
+
+    Under this allocator PyTorch forwards neither ``Tensor.record_stream`` nor
+    ``torch.cuda.empty_cache`` to cuvmm, and ``torch.cuda.memory_stats`` and its relatives
+    raise: use :func:`cuvmm.stats` and :func:`cuvmm.empty_cache`, and order a free after work on
+    other streams yourself (``alloc_stream.wait_stream(other)`` before the last reference goes
+    away). Out of memory raises ``torch.OutOfMemoryError`` and the process goes on.
+    """
+    global _current
+    if _torch.cuda.is_initialized():
+        raise RuntimeError("use_as_current_allocator() must run before CUDA is initialized")
+    alloc = allocator()
+    _torch.cuda.memory.change_current_allocator(alloc)
+    _current = True
+    return alloc
+
+
+def is_current_allocator() -> bool:
+    """Whether :func:`use_as_current_allocator` put cuvmm under every tensor of this process."""
+    return _current
+
+
+def mem_pool(**kwargs):
+    """A ``torch.cuda.MemPool`` whose segments come from cuvmm_pool_malloc.
+
+    PyTorch's caching allocator places blocks inside those segments (record_stream, graphs and
+    stats keep working); cuvmm supplies the device memory::
+
+        pool = cuvmm.torch.mem_pool()
+        with torch.cuda.use_mem_pool(pool):
+            y = model(x)
+    """
+    return _torch.cuda.MemPool(allocator(pool=True).allocator(), **kwargs)
+
+
+@contextlib.contextmanager
+def use_mem_pool_all_threads(pool, device=None):
+    """Like ``torch.cuda.use_mem_pool`` but for every thread of the process.
+
+    ``use_mem_pool`` routes the calling thread only, and autograd runs backward on its own
+    device threads, so a training step inside it puts its gradients and backward temporaries
+    outside the pool. This routes the whole device instead::
+
+        with cuvmm.torch.use_mem_pool_all_threads(pool):
+            loss = model(x).sum(); loss.backward()
+    """
+    dev = _core._device(device)
+    _torch._C._cuda_beginAllocateToPool(dev, pool.id)
+    try:
+        yield pool
+    finally:
+        _torch._C._cuda_endAllocateToPool(dev, pool.id)
+        _torch._C._cuda_releasePool(dev, pool.id)

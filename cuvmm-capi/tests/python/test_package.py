@@ -1,0 +1,482 @@
+#!/usr/bin/env python3
+"""The `cuvmm` Python package without a GPU or PyTorch: the wheel (built through pip from the
+in-tree backend, installed into a fresh virtual environment, found there with no PYTHONPATH), the
+PyTorch version check, the entry points that raise instead of returning NULL, and the
+torch_memory_saver facade's bookkeeping and option mapping.
+
+    python3 cuvmm-capi/tests/python/test_package.py       (needs cc and g++)
+"""
+
+import ctypes
+import hashlib
+import base64
+import csv
+import io
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import unittest
+import warnings
+import zipfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+CAPI = HERE.parents[1]
+sys.path.insert(0, str(CAPI / "python"))
+sys.path.insert(0, str(CAPI / "python" / "build_backend"))
+sys.path.insert(0, str(HERE))
+
+import cuvmm  # noqa: E402
+import cuvmm_build  # noqa: E402
+import tms_compare  # noqa: E402
+from cuvmm import torch_memory_saver as tms  # noqa: E402
+
+HAVE_TOOLS = bool(shutil.which("cc") and shutil.which(os.environ.get("CXX", "g++")))
+
+# A libcuvmm.so stand-in: allocations above 1 MiB fail as the driver's out of memory does, a
+# size of 7 fails for another reason, 0 is NULL without error; frees and set_backup are recorded.
+FAKE_LIB = r"""
+#include <stdint.h>
+#include <string.h>
+#include <sys/types.h>
+static __thread const char *err;
+char heap[4096];
+void *last_freed;
+char backup_tag[64], backup_dir[256];
+int backup_backend = -1, backup_retain = -1;
+void *cuvmm_malloc(ssize_t s, int d, void *st) {
+    if (s == 0) return 0;
+    if (s == 7) { err = "cuvmm_malloc: invalid argument: allocating with a sleeping tag"; return 0; }
+    if (s > (1 << 20)) { err = "cuvmm_malloc: cuMemCreate failed: CUDA_ERROR_OUT_OF_MEMORY (2): out of memory"; return 0; }
+    return heap;
+}
+void cuvmm_free(void *p, ssize_t s, int d, void *st) { last_freed = p; }
+void *cuvmm_pool_malloc(ssize_t s, int d, void *st) { return 0; }
+void cuvmm_pool_free(void *p, ssize_t s, int d, void *st) {}
+int cuvmm_get_stats(int d, uint64_t *out) { for (int i = 0; i < 15; i++) out[i] = 100 + i; return 0; }
+ssize_t cuvmm_stats_json(char *buf, size_t len) { return 0; }
+int cuvmm_reset_peaks(int d) { return 0; }
+int cuvmm_empty_cache(int d) { return 0; }
+int cuvmm_release_graph_memory(int d) { return 0; }
+const char *cuvmm_last_error(void) { return err; }
+int cuvmm_set_backup(const char *t, int b, int r, const char *dir) {
+    if (b < 0 || b > 2) { err = "cuvmm_set_backup: invalid argument: no backend 3"; return -1; }
+    strncpy(backup_tag, t, sizeof backup_tag - 1);
+    strncpy(backup_dir, dir ? dir : "", sizeof backup_dir - 1);
+    backup_backend = b; backup_retain = r;
+    return 0;
+}
+"""
+
+# What PyTorch's Python bindings do with an exception from the allocator (torch/csrc/Exceptions.h):
+# catch torch::PyTorchError (declared as PyTorch declares it) and raise python_type() with what();
+# any other std::exception is a RuntimeError. Returns 1, 2, or 0 when nothing was thrown.
+CATCHER = r"""
+#include <exception>
+#include <string>
+#include <cstring>
+#include <sys/types.h>
+namespace torch {
+struct PyTorchError : public std::exception {
+  PyTorchError() = default;
+  virtual void *python_type() = 0;
+  const char *what() const noexcept override { return msg.c_str(); }
+  std::string msg;
+};
+}
+extern "C" int call(void *(*fn)(ssize_t, int, void *), ssize_t size, void **ptr, void **type, char *text, size_t n) {
+  try {
+    *ptr = fn(size, 0, nullptr);
+    return 0;
+  } catch (torch::PyTorchError &e) {
+    *type = e.python_type();
+    std::strncpy(text, e.what(), n - 1);
+    return 1;
+  } catch (const std::exception &e) {
+    std::strncpy(text, e.what(), n - 1);
+    return 2;
+  }
+}
+"""
+
+
+def build_c(tmp: Path, name: str, src: str, cxx: bool = False) -> Path:
+    ext = ".cpp" if cxx else ".c"
+    (tmp / (name + ext)).write_text(src)
+    so = tmp / f"lib{name}.so"
+    compiler = os.environ.get("CXX", "g++") if cxx else "cc"
+    subprocess.run([compiler, "-shared", "-fPIC", "-o", str(so), str(tmp / (name + ext))], check=True)
+    return so
+
+
+class TorchVersion(unittest.TestCase):
+    def test_supported_tested_and_newer(self):
+        self.assertIsNone(cuvmm.torch_version_problem("2.11.0+cu130"))
+        self.assertIsNone(cuvmm.torch_version_problem("2.8.1"))
+        kind, text = cuvmm.torch_version_problem("2.7.1+cu126")
+        self.assertEqual(kind, "error")
+        self.assertIn("2.7.1+cu126", text)
+        self.assertIn("2.8 to 2.11", text)
+        kind, text = cuvmm.torch_version_problem("2.12.0.dev20260101")
+        self.assertEqual(kind, "warning")
+        self.assertIn("2.12.0.dev20260101", text)
+        self.assertEqual(cuvmm.torch_version_problem("3.0.0")[0], "warning")
+        self.assertEqual(cuvmm.torch_version_problem("unknown")[0], "error")
+
+    def test_version_is_the_workspaces(self):
+        self.assertEqual(cuvmm_build.version(), cuvmm.__version__)
+
+
+@unittest.skipUnless(HAVE_TOOLS, "needs cc and g++")
+class RaisingEntryPoints(unittest.TestCase):
+    """libcuvmm_torch.so as the package builds it, called the way PyTorch calls an allocator."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.dir = tempfile.TemporaryDirectory()
+        tmp = Path(cls.dir.name)
+        cls.fake = ctypes.CDLL(str(build_c(tmp, "fakecuvmm", FAKE_LIB)))
+        cls.shim = ctypes.CDLL(str(cuvmm_build.build_shim(tmp)))
+        cls.catcher = ctypes.CDLL(str(build_c(tmp, "catcher", CATCHER, cxx=True)))
+        cls.catcher.call.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.POINTER(ctypes.c_void_p),
+                                     ctypes.POINTER(ctypes.c_void_p), ctypes.c_char_p, ctypes.c_size_t]
+        cls.shim.cuvmm_torch_bind.argtypes = [ctypes.c_void_p] * 3 + [ctypes.py_object] * 2
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.dir.cleanup()
+
+    def call(self, fn, size):
+        ptr, typ, text = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.create_string_buffer(2048)
+        rc = self.catcher.call(ctypes.cast(fn, ctypes.c_void_p), size, ptr, typ, text, 2048)
+        return rc, ptr.value, typ.value, text.value.decode()
+
+    def bind(self):
+        f = self.fake
+        rc = self.shim.cuvmm_torch_bind(ctypes.cast(f.cuvmm_malloc, ctypes.c_void_p),
+                                        ctypes.cast(f.cuvmm_free, ctypes.c_void_p),
+                                        ctypes.cast(f.cuvmm_last_error, ctypes.c_void_p), MemoryError, LookupError)
+        self.assertEqual(rc, 0)
+
+    def test_0_unbound_raises_runtime_error(self):
+        rc, _, _, text = self.call(self.shim.cuvmm_torch_malloc, 64)
+        self.assertEqual(rc, 2)
+        self.assertIn("not bound", text)
+
+    def test_out_of_memory_raises_the_oom_class_with_the_librarys_text(self):
+        self.bind()
+        rc, _, typ, text = self.call(self.shim.cuvmm_torch_malloc, 2 << 20)
+        self.assertEqual(rc, 1, text)
+        self.assertEqual(typ, id(MemoryError))
+        self.assertTrue(text.startswith("CUDA out of memory"), text)
+        self.assertIn(f"{2 << 20} bytes on device 0", text)
+        self.assertIn("CUDA_ERROR_OUT_OF_MEMORY", text)
+
+    def test_plain_cuvmm_malloc_hands_pytorch_a_null(self):
+        """What the entry points fix: cuvmm_malloc itself throws nothing."""
+        self.assertEqual(self.call(self.fake.cuvmm_malloc, 2 << 20)[:2], (0, None))
+
+    def test_other_refusals_raise_the_error_class(self):
+        self.bind()
+        rc, _, typ, text = self.call(self.shim.cuvmm_torch_malloc, 7)
+        self.assertEqual((rc, typ), (1, id(LookupError)))
+        self.assertIn("sleeping tag", text)
+
+    def test_success_and_size_zero_return_without_raising(self):
+        self.bind()
+        rc, ptr, _, _ = self.call(self.shim.cuvmm_torch_malloc, 4096)
+        self.assertEqual(rc, 0)
+        self.assertEqual(ptr, ctypes.addressof(ctypes.c_char.in_dll(self.fake, "heap")))
+        self.assertEqual(self.call(self.shim.cuvmm_torch_malloc, 0)[:2], (0, None))
+        self.shim.cuvmm_torch_free(ctypes.c_void_p(ptr), ctypes.c_ssize_t(4096), 0, None)
+        self.assertEqual(ctypes.c_void_p.in_dll(self.fake, "last_freed").value, ptr)
+
+    def test_binding_refuses_a_missing_function(self):
+        self.assertEqual(self.shim.cuvmm_torch_bind(None, None, None, MemoryError, RuntimeError), -1)
+
+
+@unittest.skipUnless(HAVE_TOOLS, "needs cc and g++")
+class InstalledWheel(unittest.TestCase):
+    """`pip wheel ./cuvmm-capi` (the PEP 517 path, offline) with a stand-in library, installed with
+    `pip install --no-deps --no-index` into a fresh virtual environment."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.dir = tempfile.TemporaryDirectory()
+        tmp = Path(cls.dir.name)
+        lib = build_c(tmp, "cuvmm", FAKE_LIB)
+        env = dict(os.environ, CUVMM_WHEEL_LIB=str(lib), PIP_NO_CACHE_DIR="1")
+        subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-index",
+                        "-w", str(tmp / "dist"), str(CAPI)], check=True, env=env, cwd=tmp)
+        wheels = list((tmp / "dist").glob("*.whl"))
+        assert len(wheels) == 1, wheels
+        cls.wheel = wheels[0]
+        cls.venv = tmp / "venv"
+        subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(cls.venv)], check=True)
+        cls.python = cls.venv / "bin" / "python"
+        subprocess.run([sys.executable, "-m", "pip", "--python", str(cls.python), "install", "--quiet",
+                        "--no-deps", "--no-index", str(cls.wheel)], check=True, env=env, cwd=tmp)
+        cls.site = Path(subprocess.run([str(cls.python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                                       check=True, capture_output=True, text=True).stdout.strip())
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.dir.cleanup()
+
+    def run_py(self, code, fake_torch=None):
+        """Runs code in the environment with no PYTHONPATH, no CUVMM_LIB, outside the checkout;
+        fake_torch: a torch module of that version installed beside the package meanwhile."""
+        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "CUVMM_LIB")}
+        env["PYTHONDONTWRITEBYTECODE"] = "1"
+        torch_dir = self.site / "torch"
+        if fake_torch is not None:
+            torch_dir.mkdir()
+            (torch_dir / "__init__.py").write_text(f"__version__ = {fake_torch!r}\n")
+        try:
+            return subprocess.run([str(self.python), "-c", code], capture_output=True, text=True, env=env,
+                                  cwd=self.dir.name)
+        finally:
+            shutil.rmtree(torch_dir, ignore_errors=True)
+
+    def test_wheel_is_tagged_for_any_python3_on_this_platform(self):
+        self.assertEqual(self.wheel.name, f"cuvmm-{cuvmm.__version__}-py3-none-{cuvmm_build.platform_tag()}.whl")
+        with zipfile.ZipFile(self.wheel) as z:
+            info = f"cuvmm-{cuvmm.__version__}.dist-info/"
+            wheel = z.read(info + "WHEEL").decode()
+            self.assertIn("Root-Is-Purelib: false", wheel)
+            self.assertIn(f"Tag: py3-none-{cuvmm_build.platform_tag()}", wheel)
+            self.assertIn('Requires-Dist: torch>=2.8; extra == "torch"', z.read(info + "METADATA").decode())
+            rows = list(csv.reader(io.StringIO(z.read(info + "RECORD").decode())))
+            names = {r[0] for r in rows}
+            self.assertEqual(names, set(z.namelist()))
+            for name, digest, size in rows:
+                if name.endswith("RECORD"):
+                    continue
+                data = z.read(name)
+                h = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+                self.assertEqual((digest, int(size)), ("sha256=" + h, len(data)), name)
+            self.assertIn("cuvmm/libcuvmm.so", names)
+            self.assertIn("cuvmm/libcuvmm_torch.so", names)
+
+    def test_library_found_in_the_installed_package(self):
+        r = self.run_py("import cuvmm, cuvmm_torch; print(cuvmm.library_path()); print(cuvmm_torch.stats(0)['live'])")
+        self.assertEqual(r.returncode, 0, r.stderr)
+        path, live = r.stdout.split()
+        self.assertEqual(Path(path), (self.site / "cuvmm" / "libcuvmm.so").resolve())
+        self.assertEqual(live, "100")
+
+    def test_cuvmm_torch_without_torch_says_what_is_missing(self):
+        r = self.run_py("import cuvmm.torch")
+        self.assertNotEqual(r.returncode, 0)
+        self.assertIn("ImportError: cuvmm.torch needs PyTorch (2.8 to 2.11), which is not installed", r.stderr)
+        r = self.run_py("import cuvmm, cuvmm_torch; from cuvmm.torch_memory_saver import torch_memory_saver; "
+                        "print(torch_memory_saver.enabled)")
+        self.assertEqual((r.returncode, r.stdout.strip()), (0, "True"), r.stderr)
+
+    def test_torch_version_checked_at_import(self):
+        r = self.run_py("import cuvmm.torch", fake_torch="2.6.0+cu124")
+        self.assertNotEqual(r.returncode, 0)
+        self.assertIn("ImportError: cuvmm 0.1.0 supports PyTorch 2.8 to 2.11; PyTorch 2.6.0+cu124 is older", r.stderr)
+        r = self.run_py("import cuvmm.torch as t; print(t.raises_on_oom())", fake_torch="2.13.0")
+        self.assertEqual((r.returncode, r.stdout.strip()), (0, "True"), r.stderr)
+        self.assertIn("RuntimeWarning: cuvmm 0.1.0 supports PyTorch 2.8 to 2.11; PyTorch 2.13.0 is newer", r.stderr)
+        r = self.run_py("import warnings; warnings.simplefilter('error'); import cuvmm.torch", fake_torch="2.11.0+cu130")
+        self.assertEqual((r.returncode, r.stderr), (0, ""))
+
+
+class FakeApi:
+    """cuvmm's tag functions as the facade uses them, with cuvmm's refusals."""
+
+    def __init__(self, backup=True):
+        self.calls = []
+        self.asleep = set()
+        self.backup = backup
+
+    def has_backup(self):
+        return self.backup
+
+    def set_backup(self, tag, backend, retain=False, directory=None):
+        self.calls.append(("set_backup", tag, backend, retain, directory))
+
+    def sleep(self, tag, offload=True):
+        if tag in self.asleep:
+            raise RuntimeError("already asleep")
+        self.asleep.add(tag)
+        self.calls.append(("sleep", tag, offload))
+
+    def wake(self, tag):
+        if tag not in self.asleep:
+            raise RuntimeError("not asleep")
+        self.asleep.discard(tag)
+        self.calls.append(("wake", tag))
+
+
+class Facade(unittest.TestCase):
+    def test_backup_options_map_onto_cuvmm_backups(self):
+        bm, M = tms.backup_mode, tms.BackupMode
+        self.assertEqual(bm(environ={}), M(False))
+        self.assertEqual(bm(True, environ={}), M(True, None))
+        self.assertEqual(bm(True, cpu_backup_backend="pinned", environ={}), M(True, "pinned"))
+        self.assertEqual(bm(True, cpu_backup_backend="mmap", environ={}), M(True, "pageable"))
+        self.assertEqual(bm(True, environ={"TMS_INIT_CPU_BACKUP_BACKEND": "mmap"}), M(True, "pageable"))
+        self.assertEqual(bm(True, cpu_backup_backend="pinned", environ={"TMS_INIT_CPU_BACKUP_BACKEND": "mmap"}),
+                         M(True, "pinned"))
+        self.assertEqual(bm(enable_disk_backup=True, environ={}), M(True, "disk"))
+        for bad in (dict(cpu_backup_backend="pinned"), dict(enable_cpu_backup=True, enable_disk_backup=True),
+                    dict(enable_cpu_backup=True, cpu_backup_backend="hugepages")):
+            with self.assertRaises(ValueError, msg=bad):
+                bm(environ={}, **bad)
+
+    def saver(self, **kw):
+        s = tms.TorchMemorySaver(api=FakeApi(**kw))
+        s._retain, s._disk_dir = False, None
+        return s
+
+    def test_pause_and_resume_every_tag_with_its_own_mode(self):
+        s = self.saver()
+        s._register("weights", tms.BackupMode(True, "pinned"))
+        s._register("kv", tms.BackupMode(False))
+        s._register("weights", tms.BackupMode(True, "pinned"))  # again, same options: fine
+        s.pause()
+        self.assertEqual(s.api.calls, [("set_backup", "weights", "pinned", False, None), ("set_backup", "weights", "pinned", False, None),
+                                       ("sleep", "weights", True), ("sleep", "kv", False)])
+        s.api.calls.clear()
+        s.resume("kv")
+        with self.assertRaisesRegex(RuntimeError, "'kv' is not paused"):
+            s.resume("kv")
+        s.pause("kv")
+        with self.assertRaisesRegex(RuntimeError, "'kv' is already paused"):
+            s.pause("kv")
+        s.resume()
+        self.assertEqual(s.api.calls, [("wake", "kv"), ("sleep", "kv", False), ("wake", "weights"), ("wake", "kv")])
+        self.assertEqual(s.api.asleep, set())
+
+    def test_pause_of_all_skips_paused_tags_and_unknown_tags_are_no_ops(self):
+        s = self.saver()
+        s._register("a", tms.BackupMode(False))
+        s._register("b", tms.BackupMode(False))
+        s.pause("a")
+        s.pause()
+        s.pause("never-used")
+        s.resume("never-used")
+        self.assertEqual([c for c in s.api.calls if c[0] == "sleep"], [("sleep", "a", False), ("sleep", "b", False)])
+
+    def test_one_backup_mode_per_tag(self):
+        s = self.saver()
+        s._register("w", tms.BackupMode(True, "pinned"))
+        with self.assertRaisesRegex(ValueError, "one backup mode per tag"):
+            s._register("w", tms.BackupMode(True, "pageable"))
+        s.pause("w")
+        with self.assertRaisesRegex(RuntimeError, "is paused"):
+            s._register("w", tms.BackupMode(True, "pinned"))
+
+    def test_retain_and_disk_directory_reach_every_offloading_tag(self):
+        s = self.saver()
+        s._register("w", tms.BackupMode(True, None))
+        s._register("kv", tms.BackupMode(False))
+        with self.assertRaisesRegex(ValueError, "set_disk_backup_dir"):
+            s._register("big", tms.BackupMode(True, "disk"))
+        s.api.calls.clear()
+        s.retain_cpu_backup = True
+        self.assertTrue(s.retain_cpu_backup)
+        self.assertEqual(s.api.calls, [("set_backup", "w", "pageable", True, None)])
+        with tempfile.TemporaryDirectory() as d:
+            sub = Path(d, "spill")
+            s.set_disk_backup_dir(sub)
+            self.assertTrue(sub.is_dir())
+            s._register("big", tms.BackupMode(True, "disk"))
+            self.assertEqual(s.api.calls[-1], ("set_backup", "big", "disk", True, str(sub)))
+
+    def test_a_library_without_set_backup(self):
+        s = self.saver(backup=False)
+        with self.assertRaisesRegex(NotImplementedError, "cuvmm_set_backup"):
+            s._register("big", tms.BackupMode(True, "disk"))
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            s._register("w", tms.BackupMode(True, "pageable"))
+            s._register("w2", tms.BackupMode(True, "pageable"))
+        texts = [str(x.message) for x in w]
+        self.assertEqual(sum("'mmap' is pinned here" in t for t in texts), 1, texts)
+        self.assertEqual(s.api.calls, [])
+
+    def test_settings_torch_memory_saver_has(self):
+        s = self.saver()
+        with self.assertRaises(NotImplementedError):
+            s.memory_margin_bytes
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            s.memory_margin_bytes = 1 << 30
+        self.assertIn("not enforced", str(w[0].message))
+        s.hook_mode = "torch"
+        with self.assertRaises(ValueError):
+            s.hook_mode = "ld_preload"
+        with self.assertRaises(NotImplementedError):
+            s.get_cpu_backup(None)
+        with tms.configure_subprocess():
+            pass
+
+
+class CompareReport(unittest.TestCase):
+    """tms_compare.py's summary and table (the GPU run feeds them)."""
+
+    @staticmethod
+    def rep(pause, resume, d2h=1.0, h2d=1.0, ok=True):
+        return {"pause_weights_s": pause, "pause_cache_s": 0.01, "pause_graph_s": 0.002, "resume_weights_s": resume,
+                "resume_cache_s": 0.02, "resume_graph_s": 0.003, "d2h_bound_s": d2h, "h2d_bound_s": h2d,
+                "weights_intact": ok, "graph_output_identical": True, "rss_before": 1, "rss_paused": 2, "rss_after": 3}
+
+    def test_first_cycle_apart_medians_after_it_and_ratios(self):
+        s = tms_compare.summarize([self.rep(5.0, 2.0), self.rep(1.2, 1.1), self.rep(1.0, 1.3), self.rep(1.1, 1.2)])
+        self.assertEqual((s["first_pause_weights_s"], s["pause_weights_s"], s["resume_weights_s"]), (5.0, 1.1, 1.2))
+        self.assertAlmostEqual(s["first_pause_over_d2h"], 5.0)
+        self.assertAlmostEqual(s["pause_over_d2h"], 1.1)
+        self.assertTrue(s["all_weights_intact"])
+        self.assertFalse(tms_compare.summarize([self.rep(1, 1), self.rep(1, 1, ok=False)])["all_weights_intact"])
+
+    def test_table_puts_both_side_by_side_with_the_ratio(self):
+        cu = {"summary": tms_compare.summarize([self.rep(1.0, 1.0), self.rep(0.4, 0.3, d2h=0.35, h2d=0.3)])}
+        tm = {"summary": tms_compare.summarize([self.rep(7.0, 3.0), self.rep(7.2, 2.4, d2h=0.35, h2d=0.3)])}
+        rows = tms_compare.table({"cuvmm": cu, "torch_memory_saver": tm})
+        self.assertEqual(rows[0], "| | cuvmm | torch_memory_saver | torch_memory_saver / cuvmm |")
+        self.assertIn("| pause of the weights (s, median of later cycles) | 0.400 | 7.200 | 18.00x |", rows)
+        self.assertIn("| resume / pinned H2D copy | 1.00 | 8.00 |  |", rows)
+        self.assertEqual({r.count("|") for r in rows}, {5})
+        alone = tms_compare.table({"cuvmm": cu})
+        self.assertEqual({r.count("|") for r in alone}, {3})
+
+
+@unittest.skipUnless(HAVE_TOOLS, "needs cc")
+class SetBackupAbi(unittest.TestCase):
+    """cuvmm.set_backup's arguments as cuvmm_set_backup receives them."""
+
+    def setUp(self):
+        self.dir = tempfile.TemporaryDirectory()
+        cuvmm._lib = None
+        self.lib = cuvmm.load(build_c(Path(self.dir.name), "cuvmm", FAKE_LIB))
+
+    def tearDown(self):
+        cuvmm._lib = None
+        self.dir.cleanup()
+
+    def test_backends_retain_and_directory(self):
+        self.assertTrue(cuvmm.has_backup())
+        cuvmm.set_backup("weights", "pinned", retain=True)
+        self.assertEqual((ctypes.c_int.in_dll(self.lib, "backup_backend").value,
+                          ctypes.c_int.in_dll(self.lib, "backup_retain").value), (1, 1))
+        self.assertEqual(ctypes.string_at(ctypes.addressof(ctypes.c_char.in_dll(self.lib, "backup_tag"))), b"weights")
+        cuvmm.set_backup("big", "disk", directory=Path("/var/tmp/spill"))
+        self.assertEqual((ctypes.c_int.in_dll(self.lib, "backup_backend").value,
+                          ctypes.c_int.in_dll(self.lib, "backup_retain").value), (2, 0))
+        self.assertEqual(ctypes.string_at(ctypes.addressof(ctypes.c_char.in_dll(self.lib, "backup_dir"))), b"/var/tmp/spill")
+        cuvmm.set_backup("w", "pageable")
+        self.assertEqual(ctypes.c_int.in_dll(self.lib, "backup_backend").value, 0)
+        with self.assertRaisesRegex(ValueError, "only with it"):
+            cuvmm.set_backup("w", "disk")
+        with self.assertRaisesRegex(ValueError, "one of pageable, pinned, disk"):
+            cuvmm.set_backup("w", "mmap")
+
+
+if __name__ == "__main__":
+    unittest.main()

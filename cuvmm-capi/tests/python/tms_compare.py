@@ -1,0 +1,333 @@
+#!/usr/bin/env python3
+"""One workload on cuvmm's torch_memory_saver API and, where it is installed, on torch_memory_saver.
+
+    python3 tms_compare.py [--gib 16] [--cache-gib 4] [--reps 4] [--cpu-backup-backend pinned|mmap]
+                           [--cuvmm-mode current|pool] [--json PATH]
+
+Each implementation runs in a fresh process of its own (torch_memory_saver in its default
+"preload" hook mode, under its configure_subprocess(), which its pauseable cuda_graph needs; cuvmm
+as the process's allocator, or through MemPools with --cuvmm-mode pool), the code the same but
+for the import:
+
+  region(tag="weights", enable_cpu_backup=True): --gib GiB of bf16 matrices, filled from seeds;
+  region(tag="kv_cache"): --cache-gib GiB, no backup, filled again after every resume;
+  cuda_graph(g, tag="graph"): a forward (a reduction over the cache, matmuls through every
+  weight) captured once; its output on a fixed input is the reference.
+
+Then --reps cycles of: a pinned device-to-host copy of every weight (the bound, CUDA events),
+pause("weights"), pause("kv_cache"), pause("graph") (each timed to completion), resume("weights"),
+resume("kv_cache"), resume("graph"); every weight compared byte for byte with the copy taken
+before the pause; the cache refilled, the graph replayed and its output compared bit for bit; the
+host-to-device copy of the same bytes (the bound). Host resident memory is read before, while
+paused and after each cycle.
+
+The parent prints the pause and resume times of both side by side, each against the copy bounds
+measured in its own process, with the ratios torch_memory_saver / cuvmm; the first cycle (where
+backups are first allocated) is reported apart. Exit status 1 when any check fails in either.
+"""
+
+import os
+
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+import argparse  # noqa: E402
+import importlib.util  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+GiB, MiB = 1 << 30, 1 << 20
+IMPLS = ("cuvmm", "torch_memory_saver")
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return -1
+
+
+def median(xs):
+    xs = list(xs)
+    return statistics.median(xs) if xs else None
+
+
+def summarize(reps: list) -> dict:
+    """Medians over the cycles after the first, the first apart; ratios to the copy bounds."""
+    later = reps[1:] or reps
+    out = {k: median(r[k] for r in later) for k in
+           ("pause_weights_s", "pause_cache_s", "pause_graph_s", "resume_weights_s", "resume_cache_s",
+            "resume_graph_s", "d2h_bound_s", "h2d_bound_s")}
+    out["first_pause_weights_s"] = reps[0]["pause_weights_s"]
+    out["first_resume_weights_s"] = reps[0]["resume_weights_s"]
+    out["first_d2h_bound_s"] = reps[0]["d2h_bound_s"]
+    out["pause_over_d2h"] = out["pause_weights_s"] / out["d2h_bound_s"]
+    out["resume_over_h2d"] = out["resume_weights_s"] / out["h2d_bound_s"]
+    out["first_pause_over_d2h"] = reps[0]["pause_weights_s"] / reps[0]["d2h_bound_s"]
+    out["all_weights_intact"] = all(r["weights_intact"] for r in reps)
+    out["all_graph_outputs_identical"] = all(r["graph_output_identical"] for r in reps)
+    out["rss"] = {k: [r[k] for r in reps] for k in ("rss_before", "rss_paused", "rss_after")}
+    return out
+
+
+def table(results: dict) -> list:
+    """Markdown rows: cuvmm, torch_memory_saver and the ratio tms / cuvmm for each figure."""
+    names = [n for n in IMPLS if n in results]
+    rows = ["| | " + " | ".join(names) + (" | torch_memory_saver / cuvmm |" if len(names) == 2 else " |"),
+            "|---" * (len(names) + 1 + (len(names) == 2)) + "|"]
+
+    def row(label, key, scale=1.0, fmt="{:.3f}", ratio=True):
+        vals = [results[n]["summary"][key] for n in names]
+        cells = [fmt.format(v * scale) if v is not None else "n/a" for v in vals]
+        if len(names) == 2:
+            a, b = vals
+            cells.append(f"{b / a:.2f}x" if ratio and a and b is not None else "")
+        rows.append(f"| {label} | " + " | ".join(cells) + " |")
+
+    row("first pause of the weights (s)", "first_pause_weights_s")
+    row("first pause / pinned D2H copy", "first_pause_over_d2h", fmt="{:.2f}", ratio=False)
+    row("pause of the weights (s, median of later cycles)", "pause_weights_s")
+    row("pause / pinned D2H copy", "pause_over_d2h", fmt="{:.2f}", ratio=False)
+    row("resume of the weights (s)", "resume_weights_s")
+    row("resume / pinned H2D copy", "resume_over_h2d", fmt="{:.2f}", ratio=False)
+    row("pause of the cache, discarded (ms)", "pause_cache_s", 1e3, "{:.1f}")
+    row("resume of the cache (ms)", "resume_cache_s", 1e3, "{:.1f}")
+    row("pause of the graph's memory (ms)", "pause_graph_s", 1e3, "{:.1f}")
+    row("resume of the graph's memory (ms)", "resume_graph_s", 1e3, "{:.1f}")
+    row("pinned D2H copy of the weights (s)", "d2h_bound_s", ratio=False)
+    row("pinned H2D copy of the weights (s)", "h2d_bound_s", ratio=False)
+    return rows
+
+
+def child(args) -> dict:
+    import torch
+    if args.impl == "cuvmm":
+        import _common  # noqa: F401  (the installed package, else this checkout's)
+        import cuvmm
+        from cuvmm.torch_memory_saver import torch_memory_saver as saver
+        if args.cuvmm_mode == "current":
+            import cuvmm.torch
+            cuvmm.torch.use_as_current_allocator()
+    else:
+        cuvmm = None
+        from torch_memory_saver import torch_memory_saver as saver
+    torch.cuda.init()
+    torch.manual_seed(args.seed)
+    dev, bf16 = torch.device("cuda"), torch.bfloat16
+    backend = None if args.cpu_backup_backend == "default" else args.cpu_backup_backend
+    n_weights = max(1, int(args.gib * GiB) // (args.dim * args.dim * 2))
+    chunk_elems = args.cache_chunk_mib * MiB // 2
+    n_chunks = max(1, int(args.cache_gib * GiB) // (chunk_elems * 2))
+    rss0 = rss_bytes()
+
+    with saver.region(tag="weights", enable_cpu_backup=True, cpu_backup_backend=backend):
+        weights = [torch.empty(args.dim, args.dim, dtype=bf16, device=dev) for _ in range(n_weights)]
+    with saver.region(tag="kv_cache"):
+        cache = [torch.empty(chunk_elems, dtype=bf16, device=dev) for _ in range(n_chunks)]
+    gen = torch.Generator(device=dev)
+    for i, w in enumerate(weights):
+        gen.manual_seed(args.seed * 7919 + i)
+        w.normal_(0.0, 1.0 / math.sqrt(args.dim), generator=gen)
+
+    def fill_cache():
+        for i, c in enumerate(cache):
+            gen.manual_seed(args.seed * 104729 + i)
+            c.uniform_(-1.0, 1.0, generator=gen)
+
+    fill_cache()
+    weight_bytes = sum(w.numel() * 2 for w in weights)
+    static_x = torch.randn(args.batch, args.dim, device=dev, dtype=bf16)
+
+    def forward(x):
+        c = torch.zeros(args.dim, dtype=torch.float32, device=dev)
+        for chunk in cache:
+            c += chunk.view(-1, args.dim).sum(0, dtype=torch.float32)
+        h = x + (c * (1.0 / (n_chunks * chunk_elems // args.dim))).to(bf16)
+        for w in weights:
+            h = torch.tanh(h @ w)
+        return h
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            forward(static_x)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with saver.cuda_graph(g, tag="graph"):
+        static_y = forward(static_x)
+    g.replay()
+    torch.cuda.synchronize()
+    ref_y = static_y.clone()
+
+    host = torch.empty(weight_bytes, dtype=torch.uint8, pin_memory=True)
+
+    def timed_copy(fn):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+
+    def d2h():
+        off = 0
+        for w in weights:
+            nb = w.numel() * 2
+            host[off:off + nb].copy_(w.view(-1).view(torch.uint8), non_blocking=True)
+            off += nb
+
+    def h2d():  # writes back what d2h read: the weights do not change
+        off = 0
+        for w in weights:
+            nb = w.numel() * 2
+            w.view(-1).view(torch.uint8).copy_(host[off:off + nb], non_blocking=True)
+            off += nb
+
+    def weights_equal_host():
+        off = 0
+        for w in weights:
+            nb = w.numel() * 2
+            if not torch.equal(w.view(-1).view(torch.uint8), host[off:off + nb].to(dev)):
+                return False
+            off += nb
+        return True
+
+    def timed(fn):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    d2h()  # warm-up of the bound copies
+    h2d()
+    torch.cuda.synchronize()
+    reps = []
+    for rep in range(args.reps):
+        rss_before = rss_bytes()
+        d2h_s = timed_copy(d2h)
+        pw = timed(lambda: saver.pause("weights"))
+        pc = timed(lambda: saver.pause("kv_cache"))
+        pg = timed(lambda: saver.pause("graph"))
+        rss_paused = rss_bytes()
+        rw = timed(lambda: saver.resume("weights"))
+        rc = timed(lambda: saver.resume("kv_cache"))
+        rg = timed(lambda: saver.resume("graph"))
+        intact = weights_equal_host()
+        fill_cache()
+        g.replay()
+        torch.cuda.synchronize()
+        same = torch.equal(static_y, ref_y)
+        h2d_s = timed_copy(h2d)
+        rss_after = rss_bytes()
+        reps.append({"pause_weights_s": pw, "pause_cache_s": pc, "pause_graph_s": pg, "resume_weights_s": rw,
+                     "resume_cache_s": rc, "resume_graph_s": rg, "d2h_bound_s": d2h_s, "h2d_bound_s": h2d_s,
+                     "weights_intact": intact, "graph_output_identical": same, "rss_before": rss_before,
+                     "rss_paused": rss_paused, "rss_after": rss_after})
+        print(f"{args.impl} rep {rep}: pause {pw:.3f}s (D2H {d2h_s:.3f}s) cache {pc * 1e3:.1f}ms "
+              f"graph {pg * 1e3:.1f}ms; resume {rw:.3f}s (H2D {h2d_s:.3f}s) cache {rc * 1e3:.1f}ms "
+              f"graph {rg * 1e3:.1f}ms; intact={intact and same}", file=sys.stderr, flush=True)
+    p = torch.cuda.get_device_properties(torch.cuda.current_device())
+    info = {"device": p.name, "torch": torch.__version__, "weight_bytes": weight_bytes,
+            "cache_bytes": n_chunks * chunk_elems * 2, "rss_start": rss0}
+    if cuvmm is not None:
+        info["cuvmm_library"] = cuvmm.library_path()
+        info["cuvmm_has_backup"] = cuvmm.has_backup()
+        info["cuvmm_mode"] = args.cuvmm_mode
+    else:
+        import torch_memory_saver
+        info["tms_version"] = getattr(torch_memory_saver, "__version__", None)
+    del g, static_y
+    return {"impl": args.impl, "info": info, "reps": reps, "summary": summarize(reps)}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--gib", type=float, default=16)
+    p.add_argument("--cache-gib", type=float, default=4)
+    p.add_argument("--dim", type=int, default=8192)
+    p.add_argument("--cache-chunk-mib", type=int, default=256)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--reps", type=int, default=4)
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--cpu-backup-backend", choices=("default", "pinned", "mmap"), default="default",
+                   help="for both; default: each one's own (torch_memory_saver pinned, cuvmm pageable)")
+    p.add_argument("--cuvmm-mode", choices=("current", "pool"), default="current")
+    p.add_argument("--only", choices=IMPLS)
+    p.add_argument("--json", metavar="PATH")
+    p.add_argument("--impl", choices=IMPLS, help=argparse.SUPPRESS)
+    p.add_argument("--child-out", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.cache_chunk_mib * MiB // 2 % args.dim:
+        p.error("--cache-chunk-mib must hold whole rows of --dim bf16 values")
+
+    if args.impl is not None:
+        Path(args.child_out).write_text(json.dumps(child(args)))
+        return 0
+
+    impls = [args.only] if args.only else list(IMPLS)
+    if "torch_memory_saver" in impls and importlib.util.find_spec("torch_memory_saver") is None:
+        print("torch_memory_saver is not installed: cuvmm only", file=sys.stderr)
+        impls.remove("torch_memory_saver")
+    passthrough = [a for a in (argv if argv is not None else sys.argv[1:])]
+    strip = {"--only", "--json"}
+    kept, skip = [], False
+    for a in passthrough:
+        if skip:
+            skip = False
+            continue
+        if a in strip:
+            skip = True
+            continue
+        if any(a.startswith(s + "=") for s in strip):
+            continue
+        kept.append(a)
+    results, failed = {}, []
+    with tempfile.TemporaryDirectory(prefix="tms-compare-") as d:
+        for impl in impls:
+            out = Path(d, impl + ".json")
+            cmd = [sys.executable, str(Path(__file__).resolve()), *kept, "--impl", impl, "--child-out", str(out)]
+            if impl == "torch_memory_saver":
+                from torch_memory_saver import configure_subprocess
+                with configure_subprocess():
+                    rc = subprocess.run(cmd).returncode
+            else:
+                rc = subprocess.run(cmd).returncode
+            if rc != 0 or not out.exists():
+                failed.append(f"{impl}: the run failed (exit {rc})")
+                continue
+            results[impl] = json.loads(out.read_text())
+    for impl, r in results.items():
+        s = r["summary"]
+        if not s["all_weights_intact"]:
+            failed.append(f"{impl}: weights not bitwise intact after a resume")
+        if not s["all_graph_outputs_identical"]:
+            failed.append(f"{impl}: graph output not bitwise identical after a resume")
+    if results:
+        first = next(iter(results.values()))["info"]
+        print(f"\n{first['device']}, PyTorch {first['torch']}: {first['weight_bytes'] / GiB:.2f} GiB of weights "
+              f"(CPU backup, backend {args.cpu_backup_backend}), {first['cache_bytes'] / GiB:.2f} GiB cache, "
+              f"{args.reps} cycles; cuvmm mode {args.cuvmm_mode}\n")
+        print("\n".join(table(results)))
+    line = {"script": "tms_compare", "config": {k: v for k, v in vars(args).items() if k not in ("impl", "child_out")},
+            "results": results, "failed": failed, "pass": not failed}
+    if args.json:
+        Path(args.json).write_text(json.dumps(line) + "\n")
+    for f in failed:
+        print(f"FAILED: {f}", file=sys.stderr)
+    print("RESULT " + json.dumps({k: v for k, v in line.items() if k != "results"} |
+                                 {"summary": {k: v["summary"] for k, v in results.items()}}), flush=True)
+    return 0 if not failed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
