@@ -84,11 +84,9 @@ impl<B: Backend> Core<B> {
         if self.is_asleep(tag) {
             return Err(Error::invalid("the tag is already asleep"));
         }
-        if self.any_capture()? {
-            return Err(Error::invalid("cannot sleep while a stream is being captured"));
-        }
-        // The tag's blocks may be in use by any stream: wait for everything, as a free would.
-        self.backend.synchronize()?;
+        // The tag's blocks may be in use by any stream: wait for everything, as a free would. The
+        // driver refuses the wait while a stream is being captured.
+        self.settle_all(true)?;
         self.flush_cached();
         let slots: Vec<usize> = (0..self.slots.len()).filter(|&i| self.slots[i].tag == tag).collect();
         let mut saved = Vec::new();
@@ -202,9 +200,13 @@ impl<B: Backend> Core<B> {
         if !self.is_asleep(tag) {
             return Err(Error::invalid("the tag is not asleep"));
         }
-        if self.any_capture()? {
-            return Err(Error::invalid("cannot wake while a stream is being captured"));
-        }
+        let old = self.backend.relax()?;
+        let r = self.wake_relaxed(tag);
+        self.backend.restore(old);
+        r
+    }
+
+    fn wake_relaxed(&mut self, tag: u32) -> Result<()> {
         self.flush_cached();
         let slots: Vec<usize> = (0..self.slots.len()).filter(|&i| self.slots[i].tag == tag).collect();
         let saved: HashMap<(usize, u64), u64> = match &self.sleepers[&tag].state {
