@@ -120,3 +120,64 @@ fn a_new_stream_with_a_destroyed_streams_handle_gets_none_of_its_blocks_while_it
     drop((x, y));
     u.synchronize().unwrap();
 }
+
+/// Runs `f` on a thread of its own and fails the test if it has not returned within 5 s (a
+/// deadlock), instead of hanging. The process exits then: unwinding would drop the test's blocks,
+/// whose frees wait for the deadlocked lock.
+fn within_5s<T: Send + 'static>(what: &str, f: impl FnOnce() -> T + Send + 'static) -> T {
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(f());
+    });
+    rx.recv_timeout(Duration::from_secs(5)).unwrap_or_else(|_| {
+        // Straight to stderr: the test harness's capture is lost at exit.
+        use std::io::Write;
+        let _ = writeln!(
+            std::io::stderr(),
+            "{what} did not return within 5 s: a host function and the allocator deadlocked"
+        );
+        std::process::exit(101)
+    })
+}
+
+/// A host function that reads the allocator's counters (no driver call: allowed there) while a
+/// sleep, and then `empty_cache`, waits for the device, which waits for that host function. The
+/// allocator's lock is not held across those waits.
+#[test]
+fn a_host_function_reads_the_counters_while_sleep_and_empty_cache_wait_for_the_device() {
+    use cuvmm::alloc::{SleepMode, Tag};
+    let (_turn, lib, ctx) = fake_device();
+    let alloc = StreamAllocator::new(&ctx).unwrap();
+    let s = Stream::non_blocking(&ctx).unwrap();
+    let tag = Tag::new("fake-host-function-counters").unwrap();
+    let block = alloc.allocate_tagged(8 << 20, &s, tag).unwrap();
+    for round in 0..2 {
+        let (tx, rx) = mpsc::channel();
+        let a = alloc.clone();
+        s.launch_host_fn(move || {
+            // Long enough for the waiting call to have started its wait.
+            std::thread::sleep(Duration::from_millis(200));
+            let st = a.stats();
+            let ts = a.tag_stats(tag);
+            a.reset_peaks();
+            let _ = tx.send((st, ts));
+        })
+        .unwrap();
+        let a = alloc.clone();
+        if round == 0 {
+            let released = within_5s("sleep", move || a.sleep(tag, SleepMode::Discard)).unwrap();
+            assert!(released >= 8 << 20, "{released}");
+        } else {
+            within_5s("empty_cache", move || a.empty_cache()).unwrap();
+        }
+        let (st, ts) = rx.recv_timeout(Duration::from_secs(5)).unwrap();
+        assert_eq!(st.live, 8 << 20, "the host function read the counters");
+        assert_eq!(ts.live, 8 << 20);
+        if round == 0 {
+            alloc.wake(tag).unwrap();
+        }
+    }
+    assert_eq!(count(&lib, "destroyed_stream_calls"), 0);
+    drop(block);
+    s.synchronize().unwrap();
+}

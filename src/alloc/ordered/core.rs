@@ -53,7 +53,9 @@ pub(crate) trait Backend {
     fn copy_in(&mut self, dst: u64, host: &Self::Host, offset: u64, len: u64, lane: usize) -> Result<()>;
     /// Waits for the copies queued on every lane.
     fn finish_copies(&mut self) -> Result<()>;
-    /// Waits for all work queued on the device.
+    /// Waits for all work queued on the device. The allocator itself waits without its lock (see
+    /// [`Core::settle_begin`]); the model tests' one-step paths call this.
+    #[cfg_attr(not(test), allow(dead_code))]
     fn synchronize(&mut self) -> Result<()>;
 }
 
@@ -266,6 +268,10 @@ pub(crate) struct Core<B: Backend> {
     borrowed_epoch: u64,
     /// Device-wide waits under way (see [`Core::settle_begin`]).
     settling: usize,
+    /// Whether the allocation under way may fail for its caller to wait for the whole device,
+    /// and whether it did (see [`Core::try_allocate`]).
+    may_settle: bool,
+    wants_settle: bool,
     /// A stream whose latest free is stamped with the number of its next event, that number, and
     /// the demand then: until an event is recorded there or demand grows, another free on it
     /// changes nothing in `streams`, so it skips the lookup (the common case of a training step's
@@ -295,6 +301,8 @@ impl<B: Backend> Core<B> {
             borrowed: Vec::new(),
             borrowed_epoch: 0,
             settling: 0,
+            may_settle: false,
+            wants_settle: false,
             stamped: None,
         }
     }
@@ -364,7 +372,9 @@ impl<B: Backend> Core<B> {
         self.next_synthetic - 1
     }
 
-    /// `size` bytes for use on `stream`. Returns the address.
+    /// `size` bytes for use on `stream`, waiting for the whole device when out of memory (the
+    /// tests' path: the allocator waits without its lock, see [`try_allocate`](Self::try_allocate)).
+    #[cfg(test)]
     pub(crate) fn allocate(
         &mut self,
         size: u64,
@@ -373,11 +383,38 @@ impl<B: Backend> Core<B> {
         tag: u32,
     ) -> Result<u64> {
         let stream = stream.into();
+        let r = self.try_allocate(size, stream, capture, tag, true);
+        if r.is_err() && self.wants_settle() {
+            let settle = self.settle_begin();
+            let waited = self.backend.synchronize();
+            self.settled(settle, waited.is_ok())?;
+            return self.try_allocate(size, stream, capture, tag, false);
+        }
+        r
+    }
+
+    /// `size` bytes for use on `stream`. Returns the address.
+    ///
+    /// Out of memory with `may_settle`, when a wait for the whole device could free memory, it
+    /// fails with [`wants_settle`](Self::wants_settle) set: the caller waits without holding
+    /// the allocator (a host function may be waiting for it, and the device for that host
+    /// function) between [`settle_begin`](Self::settle_begin) and [`settled`](Self::settled),
+    /// then asks again without `may_settle`.
+    pub(crate) fn try_allocate(
+        &mut self,
+        size: u64,
+        stream: Caller,
+        capture: Capture,
+        tag: u32,
+        may_settle: bool,
+    ) -> Result<u64> {
         if size == 0 {
             return Err(Error::invalid("cannot allocate zero bytes"));
         }
-        if self.is_asleep(tag) {
-            return Err(Error::invalid("cannot allocate with a tag that is asleep: wake it first"));
+        if !self.is_awake(tag) {
+            return Err(Error::invalid(
+                "cannot allocate with a tag that is asleep or going to sleep: wake it first",
+            ));
         }
         let n = size
             .checked_add(ALIGN - 1)
@@ -401,6 +438,8 @@ impl<B: Backend> Core<B> {
         } else {
             self.note_capture(stream.id);
         }
+        self.may_settle = may_settle;
+        self.wants_settle = false;
         self.flush_cached();
         // During a capture nothing may be queried, so only blocks known idle (or this capture's
         // own, reused in capture order) qualify.
@@ -668,9 +707,8 @@ impl<B: Backend> Core<B> {
                 self.stats.oom_retries += 1;
                 // Everything freed may become idle once the work queued before it has run; during
                 // a capture nothing may wait, so only what is known idle helps.
-                if capture == Capture::None {
-                    // A wait that fails leaves the freed blocks as they were.
-                    let _ = self.settle_all(false);
+                if self.ask_settle(capture) {
+                    return Err(e);
                 }
                 // All of them: the rest of the batch takes the spares instead of asking again.
                 if self.reclaim(usize::MAX)? > 0 {
@@ -754,9 +792,8 @@ impl<B: Backend> Core<B> {
         match self.backend.create_page(size) {
             Err(e) if e.is_out_of_memory() => {
                 self.stats.oom_retries += 1;
-                if capture == Capture::None {
-                    // A wait that fails leaves the freed blocks as they were.
-                    let _ = self.settle_all(false);
+                if self.ask_settle(capture) {
+                    return Err(e);
                 }
                 self.reclaim(usize::MAX)?;
                 self.release_spare();
@@ -983,13 +1020,26 @@ impl<B: Backend> Core<B> {
         r
     }
 
-    /// Waits for all work queued on the device, making every free so far idle. Not while a
-    /// stream's latest allocation was made under capture (`forced` aside): the wait would break
-    /// a capture under way.
-    fn settle_all(&mut self, forced: bool) -> Result<()> {
-        if !forced && !self.captured.is_empty() {
-            return Ok(());
-        }
+    /// Whether an allocation out of memory should fail for its caller to wait for the whole
+    /// device and ask again: not during a capture (nothing may wait), nor while a stream's latest
+    /// allocation was made under capture (the wait would break a capture under way), nor a second
+    /// time.
+    fn ask_settle(&mut self, capture: Capture) -> bool {
+        let ask = self.may_settle && capture == Capture::None && self.captured.is_empty();
+        self.wants_settle |= ask;
+        ask
+    }
+
+    /// Whether the last [`try_allocate`](Self::try_allocate) failed for want of a wait for the
+    /// whole device.
+    pub(crate) fn wants_settle(&self) -> bool {
+        self.wants_settle
+    }
+
+    /// Waits for all work queued on the device, making every free so far idle (the tests' path;
+    /// the allocator waits without its lock).
+    #[cfg(test)]
+    fn settle_all(&mut self) -> Result<()> {
         let settle = self.settle_begin();
         let r = self.backend.synchronize();
         self.settled(settle, r.is_ok())?;
@@ -1094,18 +1144,23 @@ impl<B: Backend> Core<B> {
     }
 
     /// Waits for queued work, then releases every idle page and every spare page. Returns the
-    /// bytes given back.
+    /// bytes given back. (The tests' path: the allocator waits without its lock, between
+    /// [`settle_begin`](Self::settle_begin) and [`settled`](Self::settled), then calls
+    /// [`release_idle`](Self::release_idle).)
+    #[cfg(test)]
     pub(crate) fn empty_cache(&mut self) -> Result<u64> {
-        let old = self.backend.relax()?;
-        let r = self.empty_cache_relaxed();
-        self.backend.restore(old);
-        r
+        self.flush_cached();
+        self.settle_all()?;
+        self.release_idle()
     }
 
-    fn empty_cache_relaxed(&mut self) -> Result<u64> {
+    /// Releases every idle page and every spare page. Returns the bytes given back.
+    pub(crate) fn release_idle(&mut self) -> Result<u64> {
+        let old = self.backend.relax()?;
         self.flush_cached();
-        self.settle_all(true)?;
-        self.reclaim(usize::MAX)?;
+        let r = self.reclaim(usize::MAX);
+        self.backend.restore(old);
+        r?;
         let n = self.spare.len() as u64;
         self.release_spare();
         Ok(n * self.sizes.page)

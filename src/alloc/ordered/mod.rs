@@ -76,7 +76,7 @@ mod heap;
 pub use self::core::{AllocatorStats, SleepMode, TagStats};
 
 use self::backend::DriverBackend;
-use self::core::{Capture, Core, Sizes};
+use self::core::{Capture, Core, Settle, Sizes};
 use crate::context::Context;
 use crate::driver::{driver, sys::*};
 use crate::error::{Error, Result};
@@ -168,6 +168,13 @@ pub struct StreamAllocator {
     inner: Arc<Shared>,
 }
 
+/// The allocator's state is behind one lock, which `stats`, `tag_stats` and `reset_peaks` take
+/// (they make no driver call, so a host function may call them). The lock is never held across a
+/// wait that a host function can hold up: the waits for the whole device (out of memory,
+/// `empty_cache`, `sleep`) are made without it, the state saying what they cover (see
+/// `Core::settle_begin`, and the tag falling asleep meanwhile); unmaps do not wait (only pages no
+/// queued work uses are unmapped); the copies of `sleep` and `wake` wait only for the allocator's
+/// own copy streams, whose work waits for nothing else.
 struct Shared {
     ctx: Context,
     core: Mutex<Core<DriverBackend>>,
@@ -274,9 +281,18 @@ impl StreamAllocator {
         let id = if capture == Capture::None { backend::stream_id(stream) } else { None };
         // Every driver call the allocator may make binds the context itself: the cached path makes
         // none.
+        let tag = tag.map_or(0, |t| t.0);
         let mut core = lock(&self.inner.core);
         let caller = core.caller(stream_key(stream), id, capture);
-        core.allocate(size as u64, caller, capture, tag.map_or(0, |t| t.0))
+        let r = core.try_allocate(size as u64, caller, capture, tag, true);
+        if r.is_err() && core.wants_settle() {
+            // Out of memory: what was freed becomes idle once the device has run the work queued
+            // before, waited for without the lock.
+            let settle = core.settle_begin();
+            let (mut core, _) = self.settle(core, settle);
+            return core.try_allocate(size as u64, caller, capture, tag, false);
+        }
+        r
     }
 
     /// `size` bytes on `stream` that sleep and wake with `tag`.
@@ -294,8 +310,10 @@ impl StreamAllocator {
     /// do not sleep during a capture). Device work that touches a sleeping block faults the context: sleep
     /// only what nothing queued will use before [`wake`](Self::wake).
     pub fn sleep(&self, tag: Tag, mode: SleepMode) -> Result<usize> {
-        let mut core = lock(&self.inner.core);
-        core.sleep(tag.0, mode).map(|b| b as usize)
+        let settle = lock(&self.inner.core).sleep_begin(tag.0)?;
+        // Not under the lock: a host function the device waits for may take it (`stats`).
+        let waited = self.inner.ctx.synchronize();
+        lock(&self.inner.core).sleep_finish(tag.0, mode, settle, waited).map(|b| b as usize)
     }
 
     /// Maps memory again under every live block tagged `tag`, at the same addresses with the same
@@ -343,9 +361,28 @@ impl StreamAllocator {
     /// wait for the whole device, which also ends that capture in error: do not empty the cache
     /// during a capture).
     pub fn empty_cache(&self) -> Result<usize> {
-        let mut core = lock(&self.inner.core);
         self.inner.ctx.bind()?;
-        core.empty_cache().map(|b| b as usize)
+        let mut core = lock(&self.inner.core);
+        core.flush_cached();
+        let settle = core.settle_begin();
+        let (mut core, waited) = self.settle(core, settle);
+        waited?;
+        core.release_idle().map(|b| b as usize)
+    }
+
+    /// Waits for the whole device without the allocator's lock, which a host function the device
+    /// waits for may take (`stats` is allowed there), then takes the lock again and tells the
+    /// allocator what the wait covered. Returns the lock and how the wait went.
+    fn settle<'a>(
+        &'a self,
+        core: MutexGuard<'a, Core<DriverBackend>>,
+        settle: Settle,
+    ) -> (MutexGuard<'a, Core<DriverBackend>>, Result<()>) {
+        drop(core);
+        let waited = self.inner.ctx.synchronize();
+        let mut core = lock(&self.inner.core);
+        let r = core.settled(settle, waited.is_ok());
+        (core, waited.and(r))
     }
 
     /// Returns the memory kept for captured graphs ([`GraphMemory::Keep`]) to the shared pool:
