@@ -181,3 +181,53 @@ fn a_host_function_reads_the_counters_while_sleep_and_empty_cache_wait_for_the_d
     drop(block);
     s.synchronize().unwrap();
 }
+
+/// Threads on streams of their own allocate, queue work that uses a block, free it, destroy their
+/// stream and go on with a new one (which may get any destroyed handle), all at once: no thread
+/// gets a block that queued work of any stream still uses, and no destroyed handle reaches the
+/// driver.
+#[test]
+fn threads_destroying_their_streams_never_get_a_block_still_in_use() {
+    use std::collections::HashMap;
+    use std::sync::Mutex;
+    let (_turn, lib, ctx) = fake_device();
+    let alloc = StreamAllocator::new(&ctx).unwrap();
+    let busy_blocks: Mutex<HashMap<u64, Arc<AtomicBool>>> = Mutex::new(HashMap::new());
+    std::thread::scope(|scope| {
+        for t in 0..4usize {
+            let (alloc, ctx, busy_blocks) = (&alloc, &ctx, &busy_blocks);
+            scope.spawn(move || {
+                for round in 0..20usize {
+                    let s = Stream::non_blocking(ctx).unwrap();
+                    let size = 4096 << (round % 3);
+                    let mut blocks: Vec<_> = (0..3).map(|_| alloc.allocate(size, &s).unwrap()).collect();
+                    for b in &blocks {
+                        let flag = busy_blocks.lock().unwrap().get(&b.ptr()).cloned();
+                        assert!(
+                            !flag.is_some_and(|f| f.load(Ordering::SeqCst)),
+                            "thread {t} round {round}: block {:#x} handed out while queued work uses it",
+                            b.ptr()
+                        );
+                    }
+                    // A miss now and then, so that other streams' frees are looked for.
+                    let big = alloc.allocate((8 + t) << 20, &s).unwrap();
+                    let used = blocks.pop().unwrap();
+                    let running = Arc::new(AtomicBool::new(true));
+                    busy_blocks.lock().unwrap().insert(used.ptr(), running.clone());
+                    let r = running.clone();
+                    s.launch_host_fn(move || {
+                        std::thread::sleep(Duration::from_millis(2));
+                        r.store(false, Ordering::SeqCst);
+                    })
+                    .unwrap();
+                    drop(used);
+                    drop(blocks);
+                    drop(big);
+                    drop(s);
+                }
+            });
+        }
+    });
+    alloc.empty_cache().unwrap();
+    assert_eq!(count(&lib, "destroyed_stream_calls"), 0);
+}

@@ -408,6 +408,7 @@ impl<B: Backend> Core<B> {
         tag: u32,
         may_settle: bool,
     ) -> Result<u64> {
+        self.wants_settle = false;
         if size == 0 {
             return Err(Error::invalid("cannot allocate zero bytes"));
         }
@@ -439,7 +440,6 @@ impl<B: Backend> Core<B> {
             self.note_capture(stream.id);
         }
         self.may_settle = may_settle;
-        self.wants_settle = false;
         self.flush_cached();
         // During a capture nothing may be queried, so only blocks known idle (or this capture's
         // own, reused in capture order) qualify.
