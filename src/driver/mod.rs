@@ -13,8 +13,6 @@
 mod api;
 pub mod callback;
 mod loader;
-// Parts of the layer are unused until every safe type calls it.
-#[allow(dead_code)]
 pub(crate) mod result;
 pub mod sys;
 
