@@ -7,8 +7,9 @@
 //!
 //! The crate loads `libcuda.so.1` at run time: no CUDA is needed to build it or to run its CPU
 //! tests, and with no driver every call returns [`Error::DriverNotFound`]. It is layered like
-//! cudarc: [`driver`] holds the raw ABI and the entry-point table (each call returns a
-//! [`Result`]), and the safe types sit on top.
+//! cudarc: [`driver`] holds the raw ABI, the entry-point table (each call returns a [`Result`])
+//! and, inside the crate, a thin layer of one function per driver call that turns out-pointers into
+//! return values; the safe types sit on top of that layer.
 //!
 //! # A growable device vector
 //! [`VmmVec`] reserves a large address range once and maps physical memory at its end as it
