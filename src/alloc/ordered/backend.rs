@@ -7,7 +7,7 @@ use crate::driver::{driver, sys::*};
 use crate::error::{Error, Result};
 use crate::host::PinnedBuffer;
 use crate::stream::{Event, Stream, StreamInner};
-use crate::vmm::{PhysicalBuilder, PhysicalMemory, Reservation};
+use crate::vmm::{HandleTypes, PhysicalBuilder, PhysicalMemory, Reservation};
 use std::collections::HashMap;
 use std::sync::Arc;
 
@@ -24,11 +24,18 @@ pub(crate) struct DriverBackend {
 
 impl DriverBackend {
     pub(crate) fn new(ctx: &Context, page: usize) -> DriverBackend {
+        // Pages are made exportable as POSIX descriptors wherever the device allows it, so that any
+        // live block can be shared with another process after the fact (`StreamAllocator::export`).
+        let mut builder = PhysicalMemory::builder(ctx);
+        if ctx.device().flag(CUdevice_attribute::HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED).unwrap_or(false)
+        {
+            builder = builder.handle_types(HandleTypes::POSIX_FD);
+        }
         DriverBackend {
             ctx: ctx.clone(),
             page,
             lanes: Vec::new(),
-            builder: PhysicalMemory::builder(ctx),
+            builder,
             reservations: Vec::new(),
             kept: HashMap::new(),
         }

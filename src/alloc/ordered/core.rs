@@ -116,6 +116,9 @@ pub struct AllocatorStats {
     pub oom_retries: u64,
     /// Bytes kept for captured CUDA graphs (free inside graph pools, or live there).
     pub graph_held: u64,
+    /// Bytes of live blocks shared with other processes (exported, not yet let go by their
+    /// importers): counted in `live` too, since the exporter keeps them allocated meanwhile.
+    pub exported: u64,
 }
 
 struct Stream<E> {
@@ -208,6 +211,8 @@ pub(crate) struct Core<B: Backend> {
     /// until an event is recorded there, another free on it changes nothing in `streams`, so it
     /// skips the lookup (the common case of a training step's frees).
     stamped: Option<(u64, u64)>,
+    /// Blocks shared with other processes, by address: (sharings not yet over, size).
+    exported: HashMap<u64, (u32, u64)>,
 }
 
 impl<B: Backend> Core<B> {
@@ -229,6 +234,7 @@ impl<B: Backend> Core<B> {
             borrowed: Vec::new(),
             borrowed_epoch: 0,
             stamped: None,
+            exported: HashMap::new(),
         }
     }
 
@@ -850,6 +856,9 @@ impl<B: Backend> Core<B> {
             st.last_free = epoch;
             self.stamped = Some((stream, epoch));
         }
+        if !self.exported.is_empty() {
+            self.drop_export_mark(addr);
+        }
         Ok(self.count_free(freed))
     }
 
@@ -929,6 +938,7 @@ impl<B: Backend> Core<B> {
     }
 }
 
+mod export;
 mod sleep;
 pub use sleep::{SleepMode, TagStats};
 

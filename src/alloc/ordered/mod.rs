@@ -61,6 +61,8 @@ use crate::error::{Error, Result};
 use crate::memory::{DeviceCopy, DeviceSlice, DeviceSliceMut};
 use crate::stream::order::Tracker;
 use crate::stream::{Event, Stream, StreamInner};
+use crate::vmm::{Access, Mapping, PhysicalMemory, Reservation};
+use crate::Device;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 /// Sizes of a [`StreamAllocator`].
@@ -303,6 +305,43 @@ impl StreamAllocator {
         lock(&self.inner.core).free(ptr, stream_key(stream)).map(|_| ())
     }
 
+    /// The live block holding `ptr` (anywhere inside it), as (address, size), if this allocator
+    /// handed it out.
+    pub fn owner_of(&self, ptr: u64) -> Option<(u64, u64)> {
+        lock(&self.inner.core).owner_of(ptr)
+    }
+
+    /// Shares the live block holding `ptr` with another process: a POSIX descriptor for each page
+    /// under it (the pages hold the block's neighbours too, as legacy CUDA IPC shares a whole
+    /// segment). [`BlockImport::import`] maps them elsewhere.
+    ///
+    /// The importer's pages stay valid after this process frees the block or exits; what must not
+    /// happen is the block's addresses being handed out again while an importer reads them, so keep
+    /// it allocated until the importers have let go, then call [`unexport`](Self::unexport). Until
+    /// then the block's bytes count in [`AllocatorStats::exported`] and its tag refuses to sleep.
+    /// Refused for a block whose tag is asleep, and where the device cannot export POSIX
+    /// descriptors.
+    pub fn export(&self, ptr: u64) -> Result<BlockExport> {
+        let mut fds = Vec::new();
+        let at = lock(&self.inner.core).export(ptr, |page| {
+            fds.push(page.export_fd()?);
+            Ok(())
+        })?;
+        Ok(BlockExport {
+            block: at.block,
+            len: at.len,
+            first_page: at.first_page,
+            page: at.page as usize,
+            fds,
+        })
+    }
+
+    /// One sharing of the block at `block` (as [`export`](Self::export) returned it) is over.
+    /// Refused for a block not shared.
+    pub fn unexport(&self, block: u64) -> Result<()> {
+        lock(&self.inner.core).unexport(block)
+    }
+
     /// Counters of this allocator.
     pub fn stats(&self) -> AllocatorStats {
         lock(&self.inner.core).stats()
@@ -359,6 +398,83 @@ fn stream_key(stream: CUstream) -> u64 {
         CU_STREAM_LEGACY as u64
     } else {
         stream as usize as u64
+    }
+}
+
+/// A live block of a [`StreamAllocator`] shared with another process ([`StreamAllocator::export`]).
+#[derive(Debug)]
+pub struct BlockExport {
+    /// The block's address.
+    pub block: u64,
+    /// The block's size.
+    pub len: u64,
+    /// The address of the first page under the block; the pages follow it without gaps.
+    pub first_page: u64,
+    /// Bytes per page.
+    pub page: usize,
+    /// One descriptor per page, in address order.
+    pub fds: Vec<std::os::fd::OwnedFd>,
+}
+
+/// Pages another process exported ([`StreamAllocator::export`]), mapped here side by side as they
+/// lie there, readable and writable by the exporter's device and by every device of this process
+/// that can reach it. Dropping it waits for the work of those devices, then unmaps; the memory
+/// lives on while its exporter or any other importer holds it.
+pub struct BlockImport {
+    // Dropped before the reservation they are mapped in.
+    mappings: Vec<Mapping>,
+    reservation: Reservation,
+}
+
+impl BlockImport {
+    /// Imports `fds` (pages of `page` bytes each, in address order) on `ctx`'s device, which must
+    /// be the device they were made on. The descriptors are not consumed: close them afterwards.
+    pub fn import(ctx: &Context, fds: &[std::os::fd::BorrowedFd<'_>], page: usize) -> Result<BlockImport> {
+        if fds.is_empty() {
+            return Err(Error::invalid("nothing to import"));
+        }
+        let total =
+            fds.len().checked_mul(page).filter(|_| page > 0).ok_or_else(|| {
+                Error::invalid(format!("{} pages of {page} bytes cannot be mapped", fds.len()))
+            })?;
+        let reservation = Reservation::with_options(ctx, total, page, None)?;
+        let mut mappings = Vec::with_capacity(fds.len());
+        for (i, fd) in fds.iter().enumerate() {
+            let phys = PhysicalMemory::import_fd(ctx, *fd, page)?;
+            mappings.push(reservation.map_all(i * page, &phys)?);
+        }
+        let mut grants = vec![(ctx.device(), Access::ReadWrite)];
+        for d in Device::all()? {
+            if d != ctx.device() && d.can_access_peer(&ctx.device()).unwrap_or(false) {
+                grants.push((d, Access::ReadWrite));
+            }
+        }
+        reservation.set_access(0, total, &grants)?;
+        Ok(BlockImport { mappings, reservation })
+    }
+
+    /// The address of the first page.
+    pub fn ptr(&self) -> u64 {
+        self.reservation.base()
+    }
+
+    /// Bytes mapped.
+    pub fn len(&self) -> usize {
+        self.mappings.len() * self.mappings.first().map_or(0, Mapping::len)
+    }
+
+    /// Whether nothing is mapped (never: an import maps at least one page).
+    pub fn is_empty(&self) -> bool {
+        self.mappings.is_empty()
+    }
+}
+
+impl std::fmt::Debug for BlockImport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BlockImport")
+            .field("ptr", &format_args!("{:#x}", self.ptr()))
+            .field("len", &self.len())
+            .finish()
     }
 }
 

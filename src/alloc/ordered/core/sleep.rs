@@ -84,6 +84,11 @@ impl<B: Backend> Core<B> {
         if self.is_asleep(tag) {
             return Err(Error::invalid("the tag is already asleep"));
         }
+        if self.tag_shared(tag) {
+            return Err(Error::invalid(
+                "a block of the tag is shared with another process: its importers must let go first",
+            ));
+        }
         if self.any_capture()? {
             return Err(Error::invalid("cannot sleep while a stream is being captured"));
         }

@@ -9,7 +9,7 @@ use std::cell::{Cell, RefCell};
 use std::collections::{BTreeMap, HashSet};
 use std::rc::Rc;
 
-const PAGE: u64 = 1 << 16;
+pub(super) const PAGE: u64 = 1 << 16;
 
 #[derive(Clone, Copy, Debug)]
 enum Op {
@@ -18,7 +18,7 @@ enum Op {
 }
 
 #[derive(Default)]
-struct Gpu {
+pub(super) struct Gpu {
     next_base: u64,
     mapped: BTreeMap<u64, (u32, u64)>,
     /// Memory in use, in units of PAGE, against `page_limit`.
@@ -51,8 +51,8 @@ struct Gpu {
     shared_captures: HashSet<u64>,
 }
 
-struct Page {
-    id: u32,
+pub(super) struct Page {
+    pub(super) id: u32,
     units: usize,
     mem: Rc<Cell<usize>>,
     mappings: Rc<RefCell<HashMap<u32, usize>>>,
@@ -68,7 +68,7 @@ impl Drop for Page {
         }
     }
 }
-struct Ev(u32);
+pub(super) struct Ev(u32);
 
 fn oom() -> Error {
     Error::Driver {
@@ -328,7 +328,7 @@ impl Gpu {
     }
 }
 
-fn core(page_limit: usize) -> Core<Gpu> {
+pub(super) fn core(page_limit: usize) -> Core<Gpu> {
     let gpu = Gpu { page_limit, ..Gpu::default() };
     Core::new(
         gpu,
@@ -688,8 +688,8 @@ proptest! {
     }
 }
 
-const TAG: u32 = 3;
-const TPAGE: u64 = 4 * PAGE;
+pub(super) const TAG: u32 = 3;
+pub(super) const TPAGE: u64 = 4 * PAGE;
 
 #[test]
 fn an_offloaded_tag_comes_back_at_the_same_addresses_with_its_contents() {
