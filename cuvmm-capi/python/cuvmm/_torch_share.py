@@ -64,7 +64,8 @@ def _raise_fd_limit():
 def reduce_tensor(t):
     """Our reduction for ``torch.Tensor`` and ``torch.nn.Parameter``: cuvmm's path for a CUDA
     tensor on cuvmm memory, PyTorch's own for everything else."""
-    if t.device.type != "cuda" or type(t) not in (_torch.Tensor, _torch.nn.Parameter):
+    if (t.device.type != "cuda" or type(t) not in (_torch.Tensor, _torch.nn.Parameter)
+            or t.layout != _torch.strided or t.is_nested):
         return _torch_reductions.reduce_tensor(t)
     storage = t.untyped_storage()
     ptr, nbytes = storage.data_ptr(), storage.nbytes()
@@ -121,6 +122,7 @@ class _Mapped:
     as the bytes of one storage; unmapped (and the sender told) when PyTorch lets go of it."""
 
     def __init__(self, f, sock):
+        self._handle = None
         self._sock = sock
         lib = _core.load()
         fds = _share.recv_pages(sock, f["count"])
@@ -156,7 +158,7 @@ def _rebuild(desc, df, sender_pid, serial):
     dtype = getattr(_torch, f["dtype"], None)
     if not isinstance(dtype, _torch.dtype):
         raise ValueError(f"descriptor field dtype: {f['dtype']!r} is not a torch dtype")
-    itemsize = _torch.empty((), dtype=dtype).element_size()
+    itemsize = dtype.itemsize
     if _share.extent(f["size"], f["stride"], f["storage_offset"]) * itemsize > f["nbytes"]:
         raise ValueError("the tensor reaches past its storage")
     sock = socket.socket(fileno=df.detach())
