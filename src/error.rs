@@ -73,6 +73,18 @@ pub enum Error {
     /// A message received from a peer was malformed or refused.
     #[error("protocol error: {0}")]
     Protocol(String),
+    /// A peer's message did not arrive in time: the caller's deadline, or the socket's receive
+    /// timeout with a message begun, passed (or, on a non-blocking socket, the rest of a begun
+    /// message was not there yet). `received` of the frame's `expected` bytes had arrived: 0 means
+    /// nothing was consumed. What became of a begun frame depends on the call (see
+    /// [`recv_message`](crate::ipc::recv_message) and [`FrameReader`](crate::ipc::FrameReader)).
+    #[error("timed out with {received} of {expected} bytes of a message received")]
+    Timeout {
+        /// Bytes of the frame received so far.
+        received: usize,
+        /// Bytes in a whole frame.
+        expected: usize,
+    },
     /// A driver call was made from a stream host function, where CUDA forbids it (it may
     /// deadlock). Nothing reached the driver; see [`crate::driver::callback`].
     #[error("{call} was called from a stream host function, where CUDA forbids driver calls")]
@@ -100,6 +112,11 @@ impl Error {
     /// with a timeout (`EAGAIN`): try again once it is ready.
     pub fn is_would_block(&self) -> bool {
         matches!(self, Error::Os { errno: nix::errno::Errno::EAGAIN, .. })
+    }
+
+    /// Whether a peer's message did not arrive in time ([`Error::Timeout`]).
+    pub fn is_timeout(&self) -> bool {
+        matches!(self, Error::Timeout { .. })
     }
 
     /// Whether the driver reported that it ran out of memory.

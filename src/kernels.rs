@@ -25,6 +25,13 @@ pub fn pattern_value(index: u64, seed: u32) -> u32 {
     x
 }
 
+/// The host's copy of the busy kernel: what [`Kernels::busy_f32`] makes of an element `x` with
+/// `iters` multiply-adds. `f32::mul_add` is the fused `fmaf` the kernel uses, so the two agree bit
+/// for bit.
+pub fn busy_value(x: f32, iters: u32) -> f32 {
+    (0..iters).fold(x, |v, _| v.mul_add(0.999, 0.001))
+}
+
 /// Zeroes the 8-byte counter at `ptr` in `stream` order. Callers pass a live counter that
 /// outlives the stream's use of it (device owners synchronise before freeing).
 fn zero_u64(stream: &Stream, ptr: u64) -> Result<()> {
@@ -199,7 +206,8 @@ impl Kernels {
         self.launch(self.vadd, c.len(), stream, &mut params!(pa, pb, pc, n))
     }
 
-    /// `iters` dependent multiply-adds on each element of `p`, queued on `stream`.
+    /// `iters` dependent multiply-adds on each element of `p`, queued on `stream` (each element
+    /// becomes [`busy_value`] of it).
     pub fn busy_f32(&self, stream: &Stream, p: &mut DeviceSliceMut<'_, f32>, iters: u32) -> Result<()> {
         let _turn = p.prepare_write(stream)?;
         let (ptr, n) = (p.ptr(), p.len() as u64);

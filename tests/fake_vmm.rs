@@ -27,14 +27,23 @@ fn fake_device() -> (std::sync::MutexGuard<'static, ()>, std::path::PathBuf, Con
 
 /// The fake's counter of `name`'s calls.
 fn count(lib: &std::path::Path, name: &str) -> i64 {
+    counter(lib, c"fake_count", name)
+}
+
+/// The fake's counter of `name`'s calls made by this thread.
+fn thread_count(lib: &std::path::Path, name: &str) -> i64 {
+    counter(lib, c"fake_thread_count", name)
+}
+
+fn counter(lib: &std::path::Path, which: &std::ffi::CStr, name: &str) -> i64 {
     let path = CString::new(lib.as_os_str().as_encoded_bytes()).unwrap();
     let name = CString::new(name).unwrap();
-    // SAFETY: the fake driver is loaded (RTLD_NOLOAD only finds it) and defines
-    // `long fake_count(const char *)`; the counters are atomics.
+    // SAFETY: the fake driver is loaded (RTLD_NOLOAD only finds it) and defines `which` as
+    // `long (const char *)`; the counters are atomics or the calling thread's.
     unsafe {
         let h = libc::dlopen(path.as_ptr(), libc::RTLD_NOW | libc::RTLD_NOLOAD);
         assert!(!h.is_null());
-        let f = libc::dlsym(h, c"fake_count".as_ptr());
+        let f = libc::dlsym(h, which.as_ptr());
         assert!(!f.is_null());
         let f = std::mem::transmute::<*mut libc::c_void, unsafe extern "C" fn(*const c_char) -> i64>(f);
         f(name.as_ptr())
@@ -80,27 +89,85 @@ fn growth_stays_in_place_when_it_fits_refuses_the_impossible_and_leaves_nothing_
     // A request no device could hold is an error, not an allocation of its plan's size.
     let mut v = VmmVec::<u8>::builder(&ctx).reserve_address_space(64 * MIB).build().unwrap();
     let e = v.reserve(1 << 62).unwrap_err().to_string();
-    assert!(e.contains("chunks"), "{e}");
+    assert!(e.contains("more than the device's"), "{e}");
     drop(v);
 
     // The chunks made ahead are all released, and their thread gone, when the vector is dropped,
-    // also while the driver is slow to make them.
+    // also while the driver is slow to make them; and they are unmapped on the dropping thread
+    // (which knows whether it is inside a host function, where an unmap must be deferred), not on
+    // the thread that made them.
     std::env::set_var("FAKE_CREATE_SLEEP_US", "100000");
     let (created, released) = (count(&lib, "cuMemCreate"), count(&lib, "cuMemRelease"));
+    let unmapped = (count(&lib, "cuMemUnmap"), thread_count(&lib, "cuMemUnmap"));
     let v = VmmVec::<f32>::builder(&ctx).create_ahead(true).reserve_address_space(8 << 30).build().unwrap();
     assert!(v.raw().ahead_bytes() > 0);
     drop(v);
     std::env::remove_var("FAKE_CREATE_SLEEP_US");
     let made = count(&lib, "cuMemCreate") - created;
-    assert!(made >= 1);
+    assert!(made >= 2, "{made}");
     assert_eq!(count(&lib, "cuMemRelease") - released, made, "chunks left after the drop");
+    let unmaps = count(&lib, "cuMemUnmap") - unmapped.0;
+    assert_eq!(unmaps, made, "every chunk made was mapped once and unmapped once");
+    assert_eq!(
+        thread_count(&lib, "cuMemUnmap") - unmapped.1,
+        unmaps,
+        "a chunk was unmapped on another thread"
+    );
     assert_eq!(ahead_threads(), 0);
     std::thread::sleep(std::time::Duration::from_millis(300));
     assert_eq!(count(&lib, "cuMemCreate") - created, made, "chunks made after the drop");
 }
 
-/// Growth followed through a socket an event loop made non-blocking, and an importer that stops
-/// reading: neither stalls nor breaks the other side.
+/// Built with the defaults, an appending vector's growths make no chunk themselves once it holds
+/// 64 MiB: a thread of its own makes the next ones ahead (a `cuMemCreate` of a large chunk has taken
+/// tens of milliseconds on the growth's path). What it holds ahead stays within what it has mapped,
+/// growth within the reservation never reserves or maps anything twice, and a small vector starts
+/// no thread and holds nothing ahead.
+#[test]
+fn the_default_vector_makes_its_chunks_ahead_within_bounds_and_never_remaps() {
+    let (_turn, lib, ctx) = fake_device();
+    let (reserved, created, mapped) =
+        (count(&lib, "cuMemAddressReserve"), count(&lib, "cuMemCreate"), count(&lib, "cuMemMap"));
+    let here = thread_count(&lib, "cuMemCreate");
+
+    // A small vector: no thread, nothing ahead.
+    let mut small = VmmVec::<u32>::builder(&ctx).reserve_address_space(1 << 30).build().unwrap();
+    small.reserve(3).unwrap();
+    small.reserve(8 << 20).unwrap();
+    assert_eq!(small.raw().ahead_bytes(), 0);
+    assert_eq!(ahead_threads(), 0);
+    drop(small);
+
+    let mut v = VmmVec::<u8>::builder(&ctx).reserve_address_space(80 << 30).build().unwrap();
+    let base = v.device_ptr();
+    assert_eq!((v.mapped_bytes(), v.raw().ahead_bytes()), (0, 0), "build maps nothing");
+    let step = 64 * MIB;
+    for i in 1..=256 {
+        // As appends of 64 MiB would grow it (reserve counts from the length, which stays 0).
+        v.reserve(i * step).unwrap();
+        let ahead = v.raw().ahead_bytes();
+        assert!(ahead > 0, "step {i}: nothing is being made ahead");
+        assert!(ahead <= v.mapped_bytes(), "step {i}: {ahead} bytes ahead of {} mapped", v.mapped_bytes());
+        assert!(ahead <= 1 << 30, "step {i}: {ahead} bytes ahead");
+    }
+    assert_eq!(ahead_threads(), 1);
+    // The first growth made its chunk (nothing was mapped to start from); none after it did.
+    assert_eq!(thread_count(&lib, "cuMemCreate") - here, 3, "the small vector's two and the first growth's");
+    assert_eq!(v.device_ptr(), base);
+    assert_eq!(v.raw().reserved(), 80 << 30);
+    // One reservation per vector; every chunk made was mapped once.
+    assert_eq!(count(&lib, "cuMemAddressReserve") - reserved, 2);
+    assert_eq!(count(&lib, "cuMemMap") - mapped, count(&lib, "cuMemCreate") - created);
+
+    // A shrink gives back the chunks made ahead too.
+    v.shrink_to_fit().unwrap();
+    assert_eq!((v.mapped_bytes(), v.raw().ahead_bytes()), (0, 0));
+    drop(v);
+    assert_eq!(ahead_threads(), 0);
+}
+
+/// Growth followed through a socket an event loop made non-blocking (a message that arrives in
+/// parts included), and an importer that stops reading: neither stalls nor breaks the other side.
 #[test]
 fn an_import_survives_a_non_blocking_socket_and_a_stalled_importer_is_let_go() {
     let (_turn, _, ctx) = fake_device();
@@ -121,16 +188,29 @@ fn an_import_survives_a_non_blocking_socket_and_a_stalled_importer_is_let_go() {
     assert!(import.next_update().unwrap_err().is_would_block());
     (&a).write_all(&note).unwrap();
     assert_eq!(import.next_update().unwrap(), Update::Note { tag: 5 });
-    // Part of a frame, then the rest a moment later: the call waits for it.
-    (&a).write_all(&note[..100]).unwrap();
-    let rest = note[100..].to_vec();
-    let writer = std::thread::spawn(move || {
-        std::thread::sleep(std::time::Duration::from_millis(50));
-        (&a).write_all(&rest).unwrap();
-        a
+    // Part of a frame: "try again" at once, the part kept; the rest completes it. A receive that
+    // waits for the rest instead would wait for ever: the watchdog ends the run then.
+    let (done, watch) = std::sync::mpsc::channel::<()>();
+    std::thread::spawn(move || {
+        if let Err(std::sync::mpsc::RecvTimeoutError::Timeout) =
+            watch.recv_timeout(std::time::Duration::from_secs(30))
+        {
+            eprintln!("an import waited for the rest of a frame on a non-blocking socket");
+            std::process::exit(1);
+        }
     });
+    (&a).write_all(&note[..1]).unwrap();
+    let t = std::time::Instant::now();
+    assert!(import.next_update().unwrap_err().is_would_block());
+    assert!(t.elapsed() < std::time::Duration::from_secs(5), "{:?}", t.elapsed());
+    (&a).write_all(&note[1..100]).unwrap();
+    // A deadline bounds the wait as well, and keeps the part too.
+    let r = import.next_update_until(std::time::Instant::now() + std::time::Duration::from_millis(50));
+    assert!(matches!(r, Err(cuvmm::Error::Timeout { received: 100, .. })), "{r:?}");
+    (&a).write_all(&note[100..]).unwrap();
     assert_eq!(import.next_update().unwrap(), Update::Note { tag: 5 });
-    drop(writer.join().unwrap());
+    drop(done);
+    drop(a);
     assert_eq!(import.next_update().unwrap(), Update::Closed);
 
     // An importer that never reads: the exporter's notes go on, and it is let go.
@@ -147,6 +227,33 @@ fn an_import_survives_a_non_blocking_socket_and_a_stalled_importer_is_let_go() {
     }
     assert_eq!(v.importer_count(), 0);
     assert!(t.elapsed() < std::time::Duration::from_secs(10), "{:?}", t.elapsed());
+}
+
+/// An importer reserves aligned to the granularity a message announces, which may be coarser than
+/// its own (2 MiB on the fake), so that every chunk or range starts where the allocation maps.
+#[test]
+fn imports_reserve_aligned_to_the_announced_granularity() {
+    let (_turn, _, ctx) = fake_device();
+    use cuvmm::ipc::wire::{HandleType, Header, Message, Region, WireHandle};
+    use cuvmm::ipc::{recv, send, send_message, GrowableImport, PeerPolicy, SharedMemory};
+    use cuvmm::vmm::Reservation;
+    use std::os::fd::AsFd;
+    const GIB: u64 = 1 << 30;
+    // Reservations so far leave the next address off any 1 GiB boundary.
+    let _odd = Reservation::new(&ctx, 2 * MIB).unwrap();
+    let uuid = ctx.device().uuid().unwrap().0;
+    let (a, b) = UnixStream::pair().unwrap();
+    let region = Region::new(HandleType::PosixFd, 2 * GIB, GIB, uuid, 1).unwrap();
+    send_message(a.as_fd(), &Message::Region(region), None).unwrap();
+    let import = GrowableImport::accept(&ctx, b, PeerPolicy::SameUid, 4 << 30, &[]).unwrap();
+    assert_eq!(import.ptr() % GIB, 0, "{:#x}", import.ptr());
+    let _odd = Reservation::new(&ctx, 2 * MIB).unwrap();
+    let (a, b) = UnixStream::pair().unwrap();
+    let fd = std::fs::File::open("/dev/null").unwrap();
+    let h = Header::new(WireHandle::PosixFd, GIB, GIB, 0, GIB, uuid, 1).unwrap();
+    send(a.as_fd(), &h, Some(fd.as_fd())).unwrap();
+    let shared = SharedMemory::import(&ctx, recv(b.as_fd(), PeerPolicy::SameUid).unwrap(), &[]).unwrap();
+    assert_eq!(shared.ptr() % GIB, 0, "{:#x}", shared.ptr());
 }
 
 #[test]
@@ -225,4 +332,27 @@ fn inside_a_host_function_the_driver_is_neither_loaded_nor_asked_for_error_text(
         inside.contains("CUDA_ERROR_NO_DEVICE") && !inside.contains("no CUDA-capable device"),
         "{inside}"
     );
+}
+
+#[test]
+fn requests_larger_than_the_device_are_refused_before_anything_is_built() {
+    use cuvmm::alloc::{GraphMemory, StreamAllocator};
+    let (_turn, lib, ctx) = fake_device();
+    let memory = ctx.device().total_memory().unwrap();
+    let alloc = StreamAllocator::new(&ctx).unwrap();
+    let stream = cuvmm::Stream::new(&ctx).unwrap();
+    let mut v = VmmVec::<u8>::builder(&ctx).reserve_address_space(1 << 30).build().unwrap();
+    let reserved = count(&lib, "cuMemAddressReserve");
+    let larger = |e: cuvmm::Error| matches!(&e, cuvmm::Error::InvalidArgument(m) if m.contains("device's"));
+    // isize::MAX once aborted the process: a page table of 2^41 entries was allocated first.
+    for size in [memory + 1, 1 << 50, isize::MAX as usize - 4095, isize::MAX as usize, usize::MAX] {
+        // SAFETY: the legacy stream (null) is always alive; nothing is allocated.
+        let raw = unsafe { alloc.allocate_raw(size, std::ptr::null_mut(), GraphMemory::Keep) };
+        assert!(raw.is_err_and(larger), "{size}");
+        assert!(alloc.allocate(size, &stream).err().is_some_and(larger), "{size}");
+        assert!(v.reserve(size).err().is_some_and(larger), "{size}");
+    }
+    assert_eq!(count(&lib, "cuMemAddressReserve"), reserved, "nothing was reserved for them");
+    assert_eq!(alloc.stats().reserved, 0);
+    assert_eq!(v.capacity(), 0);
 }

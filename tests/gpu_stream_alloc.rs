@@ -220,8 +220,10 @@ fn a_sleeping_tag_gives_its_memory_back_and_wakes_at_the_same_addresses_with_its
 
 const ASLEEP_CHILD: &str = "CUVMM_TEST_EXIT_ASLEEP";
 
+/// The child of `a_process_that_exits_asleep_exits_cleanly`: puts a tag to sleep and exits. Does
+/// nothing unless started by that test.
 #[test]
-#[ignore = "needs a CUDA GPU"]
+#[ignore = "helper process of a_process_that_exits_asleep_exits_cleanly; does nothing alone"]
 fn exit_asleep_child() {
     if std::env::var_os(ASLEEP_CHILD).is_none() {
         return;

@@ -96,7 +96,6 @@ fn runner(seed: u8) -> TestRunner {
 #[ignore = "needs a CUDA GPU"]
 fn random_op_sequences_match_a_host_vec() {
     let ctx = ctx();
-    let mut total = 0;
     for seed in 0..8u8 {
         let mut r = runner(seed);
         let ops = prop::collection::vec(op(), 1000).new_tree(&mut r).unwrap().current();
@@ -104,7 +103,6 @@ fn random_op_sequences_match_a_host_vec() {
         let policy = ChunkPolicy { min_chunk: 2 * MIB, max_chunk: 4 * MIB, growth_percent: 25 };
         let mut v = VmmVec::<u32>::builder(&ctx).chunk_policy(policy).build().unwrap();
         run_ops(&mut v, &ops);
-        total += ops.len();
     }
     for seed in 100..103u8 {
         let mut r = runner(seed);
@@ -113,9 +111,7 @@ fn random_op_sequences_match_a_host_vec() {
         let mut v = VmmVec::<u32>::builder(&ctx).reserve_address_space(4 * MIB).build().unwrap();
         run_ops(&mut v, &ops);
         assert!(v.raw().reserved() > 4 * MIB, "the sequence was meant to outgrow the reservation");
-        total += ops.len();
     }
-    assert!(total >= 10_000);
 }
 
 fn used(ctx: &Context) -> usize {
@@ -237,14 +233,42 @@ fn chunks_created_ahead_are_used_and_everything_returns() {
         v.extend_from_slice(&model[..1 << 21]).unwrap();
         assert_eq!(v.get((1 << 20) + 5).unwrap(), Some(model[5]));
     }
-    // The last chunk made ahead is released once its thread has finished.
-    let mut after = ctx.memory_info().unwrap().used();
-    for _ in 0..200 {
-        if after <= before + (2 << 20) {
-            break;
-        }
-        std::thread::sleep(std::time::Duration::from_millis(10));
-        after = ctx.memory_info().unwrap().used();
-    }
+    // Every chunk made ahead, the one still being made included, is released by the drop.
+    let after = ctx.memory_info().unwrap().used();
     assert!(after <= before + (2 << 20), "before {before}, after {after}");
+}
+
+/// Built with the defaults, a vector appended to 4 GiB in 64 MiB steps makes its chunks ahead:
+/// the data is right, the memory it holds beyond its capacity stays within what it has mapped
+/// (and 1 GiB), and all of it returns when it is dropped. A small vector holds nothing ahead.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn the_default_vector_makes_chunks_ahead_within_what_it_has_mapped() {
+    let ctx = ctx();
+    let mut small = VmmVec::<u32>::new(&ctx).unwrap();
+    small.resize(1000, 7).unwrap();
+    assert_eq!(small.raw().ahead_bytes(), 0);
+    drop(small);
+    let before = used(&ctx);
+    {
+        let mut v = VmmVec::<u8>::new(&ctx).unwrap();
+        let step = 64 * MIB;
+        for i in 0..64usize {
+            v.resize((i + 1) * step, i as u8 | 1).unwrap();
+            let (mapped, ahead) = (v.mapped_bytes(), v.raw().ahead_bytes());
+            assert!(ahead > 0 && ahead <= mapped.min(1 << 30), "step {i}: {ahead} ahead of {mapped}");
+            let held = used(&ctx).saturating_sub(before);
+            assert!(
+                held <= mapped + ahead + 2 * MIB,
+                "step {i}: {held} in use, {mapped} mapped, {ahead} ahead"
+            );
+        }
+        for i in 0..64usize {
+            assert_eq!(v.get(i * step).unwrap(), Some(i as u8 | 1));
+            assert_eq!(v.get((i + 1) * step - 1).unwrap(), Some(i as u8 | 1));
+        }
+        println!("growths that waited for a chunk made ahead: {} of 64", v.raw().ahead_waits().0);
+    }
+    let after = used(&ctx);
+    assert!(after <= before + 2 * MIB, "before {before}, after {after}");
 }

@@ -23,6 +23,23 @@ fn a_missing_library_is_driver_not_found_with_the_path_and_message() {
 }
 
 #[test]
+fn an_empty_library_variable_counts_as_unset() {
+    // The only test of this binary that reads the environment.
+    std::env::set_var(cuvmm::driver::LIBRARY_ENV, "");
+    match Driver::load_default() {
+        // A machine with a driver opens the default one.
+        Ok(d) => assert!(cuvmm::driver::DEFAULT_LIBRARIES.contains(&d.library()), "{}", d.library()),
+        Err(Error::DriverNotFound { tried }) => {
+            let paths: Vec<&str> = tried.iter().map(|a| a.path.as_str()).collect();
+            assert_eq!(paths, cuvmm::driver::DEFAULT_LIBRARIES);
+        }
+        // Before the fix: `dlopen("")` opened the test program, which lacks cuGetProcAddress.
+        Err(other) => panic!("an empty CUVMM_LIBCUDA was taken as a path: {other}"),
+    }
+    std::env::remove_var(cuvmm::driver::LIBRARY_ENV);
+}
+
+#[test]
 fn a_file_that_is_not_a_library_is_driver_not_found() {
     let path = std::env::temp_dir().join(format!("cuvmm-not-a-lib-{}", std::process::id()));
     std::fs::write(&path, b"this is not an ELF file").unwrap();

@@ -34,7 +34,8 @@ typedef struct CUstream_st *cuvmm_stream_t;
  * Streams handed to these functions must stay alive while blocks freed on them may still be
  * reused (PyTorch never destroys its streams); the per-thread default stream is refused.
  * Returns NULL on failure (out of memory included, unless oom=abort stops the process); size 0
- * returns NULL without error.
+ * returns NULL without error. A size larger than the device's memory is refused (NULL, with
+ * cuvmm_last_error) before anything is built for it: no size aborts the process.
  */
 void *cuvmm_malloc(ssize_t size, int device, cuvmm_stream_t stream);
 void cuvmm_free(void *ptr, ssize_t size, int device, cuvmm_stream_t stream);
@@ -82,27 +83,43 @@ int cuvmm_empty_cache(int device);
 int cuvmm_release_graph_memory(int device);
 
 /* Sleep and wake of tagged memory (every device).
+ * A tag is asleep from a cuvmm_sleep that returned 0 until a cuvmm_wake that returned 0, for the
+ * whole process: on every device, those used before the sleep and those used after it alike,
+ * and whether or not it holds memory (a tag never used sleeps too, as in the Rust API).
+ * Allocating with a sleeping tag fails (NULL); freeing is allowed.
  * cuvmm_set_tag: later allocations of the calling thread carry this tag (copied; NULL: none).
  *   0; -1 for a name that is empty, too long or not UTF-8 (the thread's tag stays as it was).
  * cuvmm_sleep: waits for queued work, then releases the device memory of every allocation
- *   tagged `tag`, first copying it to pinned host memory when `offload` is non-zero; addresses
- *   stay reserved. 0 on success; -1 when already asleep, during a capture, or on failure (then
- *   the devices this call put to sleep are woken again: an offload's contents come back,
- *   discarded ones do not; cuvmm_last_error says if waking one failed too).
- * cuvmm_wake: on every device where the tag is asleep, maps memory again at the same addresses
- *   and restores offloaded contents. 0 on success; -1 when asleep nowhere, or on failure (out of
- *   memory included): the devices woken before the failure stay awake, the others stay asleep
- *   with nothing lost, and a later call wakes those.
- * Allocating with a sleeping tag fails; freeing is allowed. */
+ *   tagged `tag`, first copying it to the tag's backup (cuvmm_set_backup) when `offload` is
+ *   non-zero; addresses stay reserved. 0 on success; -1 when already asleep, during a capture,
+ *   or on failure (then the tag is awake, and the devices this call put to sleep are woken again:
+ *   an offload's contents come back, discarded ones do not; cuvmm_last_error says if waking one
+ *   failed too).
+ * cuvmm_wake: on every device where the tag holds sleeping memory, maps memory again at the same
+ *   addresses and restores offloaded contents. 0 on success; -1 when the tag is not asleep
+ *   (never put to sleep, or woken already), or on failure (out of memory included): the devices
+ *   woken before the failure stay awake, the others stay asleep with nothing lost, the tag stays
+ *   asleep, and a later call wakes the rest. */
 int cuvmm_set_tag(const char *tag);
 int cuvmm_sleep(const char *tag, int offload);
 int cuvmm_wake(const char *tag);
+/* Where `tag`'s later offloading sleeps keep its contents, on every device:
+ *   backend 0: pageable host memory, through a staging ring (the default; no memory pinned
+ *              beyond the ring);
+ *   backend 1: pinned host memory as large as the tag;
+ *   backend 2: a file in directory `dir` (created at sleep, removed at wake).
+ * `retain` non-zero keeps the backup (host memory or file) after a wake, for the next sleep;
+ * zero releases it at wake. 0, or -1 (unknown backend, no `dir` for backend 2, `dir` not a
+ * directory), changing nothing. */
+int cuvmm_set_backup(const char *tag, int backend, int retain, const char *dir);
+/* Bytes of host memory cuvmm holds pinned now: staging rings and pinned backups. */
+uint64_t cuvmm_pinned_bytes(void);
 
 typedef struct cuvmm_tag_stats {
     uint64_t live;       /* bytes handed out under the tag */
     uint64_t mapped;     /* device memory the tag holds now (0 while asleep) */
-    uint64_t offloaded;  /* bytes held in pinned host memory while asleep */
-    int32_t asleep;      /* 1 while asleep */
+    uint64_t offloaded;  /* bytes held in the tag's backup while asleep */
+    int32_t asleep;      /* 1 while asleep (see cuvmm_sleep) */
     int32_t reserved_;
 } cuvmm_tag_stats_t;
 int cuvmm_get_tag_stats(const char *tag, cuvmm_tag_stats_t *out);

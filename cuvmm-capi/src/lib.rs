@@ -8,11 +8,15 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 
 mod config;
+#[cfg(test)]
+#[path = "../../tests/common/fake.rs"]
+mod fake;
 mod trace;
 
 use config::Config;
 use cuvmm_lib::alloc::{
-    AllocatorConfig, AllocatorStats, GraphMemory, SleepMode, StreamAllocator, Tag, TagStats,
+    AllocatorConfig, AllocatorStats, BackupKind, BackupOptions, GraphMemory, SleepMode, StreamAllocator, Tag,
+    TagStats,
 };
 use cuvmm_lib::driver::sys::CUstream;
 use cuvmm_lib::{Context, Device};
@@ -34,6 +38,15 @@ static GLOBAL: OnceLock<Result<Global, String>> = OnceLock::new();
 /// The kinds of error already written to stderr. Apart from `GLOBAL`, so that a set-up that failed
 /// (a bad `CUVMM_ALLOC_CONF`, no driver) is written once too, not at every call.
 static LOGGED: Mutex<Option<HashSet<String>>> = Mutex::new(None);
+
+/// The tags asleep, from a `cuvmm_sleep` that succeeded until a `cuvmm_wake` that did: the C
+/// ABI's own record, so that a tag is asleep the same way whichever devices were used before or
+/// after (an allocator made after the sleep does not know of it).
+static ASLEEP: Mutex<Vec<Tag>> = Mutex::new(Vec::new());
+
+fn asleep() -> std::sync::MutexGuard<'static, Vec<Tag>> {
+    ASLEEP.lock().unwrap_or_else(|e| e.into_inner())
+}
 
 thread_local! {
     static LAST_ERROR: RefCell<Option<CString>> = const { RefCell::new(None) };
@@ -126,9 +139,18 @@ fn fail(function: &str, kind: String, msg: String) {
     if enabled {
         let mut logged = LOGGED.lock().unwrap_or_else(|e| e.into_inner());
         if logged.get_or_insert_with(HashSet::new).insert(format!("{function}: {}", shape(&kind))) {
-            let _ = writeln!(std::io::stderr(), "cuvmm: {text}");
+            let line = format!("cuvmm: {text}");
+            #[cfg(test)]
+            if tests::captured(&line) {
+                return record_last_error(text);
+            }
+            let _ = writeln!(std::io::stderr(), "{line}");
         }
     }
+    record_last_error(text);
+}
+
+fn record_last_error(text: String) {
     let _ = LAST_ERROR.try_with(|e| {
         if let Ok(mut slot) = e.try_borrow_mut() {
             *slot = CString::new(text.replace('\0', " ")).ok();
@@ -182,8 +204,11 @@ fn malloc_with(function: &str, size: isize, device: c_int, stream: CUstream, cal
         if size <= 0 {
             return if size == 0 { Ok(0) } else { Err(plain(format!("negative size {size}"))) };
         }
-        let a = allocator(device).map_err(plain)?;
         let tag = TAG.try_with(|t| t.get()).ok().flatten();
+        if tag.is_some_and(|t| asleep().contains(&t)) {
+            return Err(plain("cannot allocate with a tag that is asleep: wake it first".into()));
+        }
+        let a = allocator(device).map_err(plain)?;
         // SAFETY: the C contract (cuvmm.h) makes `stream` a live stream of the device's primary
         // context that outlives the blocks freed on it.
         unsafe { a.allocate_raw_tagged(size as usize, stream, graphs, tag) }.map_err(|e| {
@@ -412,25 +437,22 @@ fn sleep_all<A>(
     Ok(())
 }
 
-/// Wakes a tag on each of `devices` where it is asleep. Refused when it is asleep on none of
-/// them (and there are some). A failure stops the call: the devices woken before stay awake, the
-/// rest asleep with nothing lost, and a later call wakes those.
+/// Wakes a tag on each of `devices` where it is asleep (none, for a tag that held nothing there).
+/// A failure stops the call: the devices woken before stay awake, the rest asleep with nothing
+/// lost, and a later call wakes those.
 fn wake_all<A>(
     devices: &[A],
     asleep: impl Fn(&A) -> bool,
     wake: impl Fn(&A) -> cuvmm_lib::Result<()>,
 ) -> Result<(), (String, String)> {
-    let sleeping: Vec<&A> = devices.iter().filter(|a| asleep(a)).collect();
-    if sleeping.is_empty() && !devices.is_empty() {
-        return Err(plain("the tag is not asleep".into()));
-    }
-    for a in sleeping {
+    for a in devices.iter().filter(|a| asleep(a)) {
         wake(a).map_err(reported)?;
     }
     Ok(())
 }
 
-/// Puts `tag` to sleep on every device (offloading its contents when `offload` is non-zero).
+/// Puts `tag` to sleep on every device (offloading its contents when `offload` is non-zero); it is
+/// asleep for the process, devices used later included, until [`cuvmm_wake`] (see cuvmm.h).
 ///
 /// # Safety
 /// `tag` must be a NUL-terminated string.
@@ -440,13 +462,25 @@ pub unsafe extern "C" fn cuvmm_sleep(tag: *const c_char, offload: c_int) -> c_in
         // SAFETY: the caller's contract.
         let t = tag_of(unsafe { c_str(tag) }?)?;
         let mode = if offload != 0 { SleepMode::Offload } else { SleepMode::Discard };
+        {
+            let mut tags = asleep();
+            if tags.contains(&t) {
+                return Err(plain("the tag is already asleep".into()));
+            }
+            // Counted asleep from now: an allocation under it made meanwhile would not be slept.
+            tags.push(t);
+        }
+        // Not under the lock: the sleep waits for the device.
         let all: Vec<_> = allocators().into_iter().map(|(_, a)| a).collect();
-        sleep_all(&all, |a| a.sleep(t, mode).map(drop), |a| a.wake(t))?;
+        if let Err(e) = sleep_all(&all, |a| a.sleep(t, mode).map(drop), |a| a.wake(t)) {
+            asleep().retain(|&x| x != t);
+            return Err(e);
+        }
         Ok(0)
     })
 }
 
-/// Wakes `tag` on every device where it is asleep.
+/// Wakes `tag` on every device where it holds sleeping memory; -1 when the tag is not asleep.
 ///
 /// # Safety
 /// `tag` must be a NUL-terminated string.
@@ -455,10 +489,54 @@ pub unsafe extern "C" fn cuvmm_wake(tag: *const c_char) -> c_int {
     guard("cuvmm_wake", -1, || {
         // SAFETY: the caller's contract.
         let t = tag_of(unsafe { c_str(tag) }?)?;
+        if !asleep().contains(&t) {
+            return Err(plain("the tag is not asleep".into()));
+        }
+        // Still counted asleep while it wakes, and after a failure, until every device woke.
         let all: Vec<_> = allocators().into_iter().map(|(_, a)| a).collect();
         wake_all(&all, |a| a.tag_stats(t).asleep, |a| a.wake(t))?;
+        asleep().retain(|&x| x != t);
         Ok(0)
     })
+}
+
+/// Where `tag`'s later offloading sleeps keep its contents, on every device: `backend` 0 pageable
+/// host memory through a staging ring (the default), 1 pinned host memory, 2 a file in directory
+/// `dir`; `retain` non-zero keeps the backup after a wake. 0, or -1 (an unknown backend, no
+/// directory for backend 2, a directory that is not one), changing nothing.
+///
+/// # Safety
+/// `tag` must be a NUL-terminated string; `dir` null or one.
+#[no_mangle]
+pub unsafe extern "C" fn cuvmm_set_backup(
+    tag: *const c_char,
+    backend: c_int,
+    retain: c_int,
+    dir: *const c_char,
+) -> c_int {
+    guard("cuvmm_set_backup", -1, || {
+        // SAFETY: the caller's contract.
+        let t = tag_of(unsafe { c_str(tag) }?)?;
+        // SAFETY: the caller's contract.
+        let dir = unsafe { c_str(dir) }.map_err(|_| plain("the directory is not UTF-8".into()))?;
+        let kind = match (backend, dir) {
+            (0, _) => BackupKind::Pageable,
+            (1, _) => BackupKind::Pinned,
+            (2, Some(d)) if !d.is_empty() => BackupKind::Disk(d.into()),
+            (2, _) => return Err(plain("a disk backup needs a directory".into())),
+            (b, _) => {
+                return Err(plain(format!("unknown backup backend {b} (0 pageable, 1 pinned, 2 disk)")))
+            }
+        };
+        t.set_backup(BackupOptions { kind, retain: retain != 0 }).map_err(reported)?;
+        Ok(0)
+    })
+}
+
+/// Bytes of host memory cuvmm holds pinned now (staging rings, pinned sleep backups).
+#[no_mangle]
+pub extern "C" fn cuvmm_pinned_bytes() -> u64 {
+    cuvmm_lib::host::pinned_bytes()
 }
 
 /// `cuvmm_tag_stats_t` of cuvmm.h.
@@ -484,7 +562,7 @@ pub unsafe extern "C" fn cuvmm_get_tag_stats(tag: *const c_char, out: *mut Cuvmm
         }
         // SAFETY: the caller's contract.
         let t = tag_of(unsafe { c_str(tag) }?)?;
-        let mut sum = CuvmmTagStats::default();
+        let mut sum = CuvmmTagStats { asleep: i32::from(asleep().contains(&t)), ..Default::default() };
         for (_, a) in allocators() {
             let TagStats { live, mapped, offloaded, asleep } = a.tag_stats(t);
             sum.live += live;
@@ -676,6 +754,32 @@ pub extern "C" fn cuvmm_last_error() -> *const c_char {
 mod tests {
     use super::*;
 
+    thread_local! {
+        /// The lines `fail` writes to stderr, kept instead while a test of this thread captures.
+        static CAPTURED: RefCell<Option<Vec<String>>> = const { RefCell::new(None) };
+    }
+
+    /// Takes `line` when this thread captures: the test asserts on it, and the terminal of a
+    /// passing run shows no error line (libtest captures `eprintln!`, not writes to stderr).
+    pub(super) fn captured(line: &str) -> bool {
+        CAPTURED
+            .try_with(|c| match c.try_borrow_mut().as_deref_mut() {
+                Ok(Some(lines)) => {
+                    lines.push(line.to_owned());
+                    true
+                }
+                _ => false,
+            })
+            .unwrap_or(false)
+    }
+
+    /// Runs `f`, returning what it wrote to stderr through `fail`.
+    fn stderr_of<T>(f: impl FnOnce() -> T) -> (T, Vec<String>) {
+        CAPTURED.with(|c| *c.borrow_mut() = Some(Vec::new()));
+        let v = f();
+        (v, CAPTURED.with(|c| c.borrow_mut().take().unwrap_or_default()))
+    }
+
     fn last_error() -> String {
         let p = cuvmm_last_error();
         assert!(!p.is_null());
@@ -685,11 +789,45 @@ mod tests {
     }
 
     #[test]
+    fn set_backup_takes_each_backend_and_refuses_bad_ones_changing_nothing() {
+        let c = |s: &str| std::ffi::CString::new(s).unwrap();
+        let (tag, dir) = (c("capi-backup"), std::env::temp_dir());
+        let set = |tag: *const c_char, backend: c_int, retain: c_int, dir: *const c_char| {
+            // SAFETY: every caller below passes NUL-terminated strings or null.
+            unsafe { cuvmm_set_backup(tag, backend, retain, dir) }
+        };
+        let t = Tag::new("capi-backup").unwrap();
+        let d = c(dir.to_str().unwrap());
+        assert_eq!(set(tag.as_ptr(), 2, 1, d.as_ptr()), 0);
+        let want = BackupOptions { kind: BackupKind::Disk(dir.clone()), retain: true };
+        assert_eq!(t.backup(), want);
+        let missing = c("/nonexistent/cuvmm-backup-dir");
+        for (backend, dir, says) in [
+            (3, std::ptr::null(), "unknown backup backend"),
+            (-1, std::ptr::null(), "unknown backup backend"),
+            (2, std::ptr::null(), "needs a directory"),
+            (2, missing.as_ptr(), "not a directory"),
+        ] {
+            assert_eq!(set(tag.as_ptr(), backend, 0, dir), -1);
+            let msg = last_error();
+            assert!(msg.contains("cuvmm_set_backup") && msg.contains(says), "{msg}");
+            assert_eq!(t.backup(), want, "a refused call changes nothing");
+        }
+        assert_eq!(set(std::ptr::null(), 0, 0, std::ptr::null()), -1);
+        assert_eq!(set(tag.as_ptr(), 1, 0, std::ptr::null()), 0);
+        assert_eq!(t.backup(), BackupOptions { kind: BackupKind::Pinned, retain: false });
+        assert_eq!(set(tag.as_ptr(), 0, 0, std::ptr::null()), 0);
+        assert_eq!(t.backup(), BackupOptions::default());
+    }
+
+    #[test]
     fn a_panic_inside_becomes_the_error_value_and_a_message() {
-        let v = guard("test_fn", -7, || -> Result<i32, (String, String)> { panic!("boom") });
+        let (v, lines) =
+            stderr_of(|| guard("test_fn", -7, || -> Result<i32, (String, String)> { panic!("boom") }));
         assert_eq!(v, -7);
         let msg = last_error();
         assert!(msg.contains("test_fn") && msg.contains("panic"), "{msg}");
+        assert_eq!(lines, ["cuvmm: test_fn: internal error (panic caught at the C boundary)"]);
     }
 
     #[test]
@@ -705,10 +843,15 @@ mod tests {
         // Without a driver GLOBAL holds an error here, which must not make every call write.
         let _ = global();
         let f = "test_written_once";
-        for n in [1, 22, 333] {
-            fail(f, format!("size {n} at 0x{n:x}0"), format!("size {n}"));
-        }
-        fail(f, "another kind".into(), "x".into());
+        let ((), lines) = stderr_of(|| {
+            for n in [1, 22, 333] {
+                fail(f, format!("size {n} at 0x{n:x}0"), format!("size {n}"));
+            }
+            fail(f, "another kind".into(), "x".into());
+        });
+        assert_eq!(lines, ["cuvmm: test_written_once: size 1", "cuvmm: test_written_once: x"]);
+        // Each call keeps its own text for cuvmm_last_error, written or not.
+        assert_eq!(last_error(), "test_written_once: x");
         let logged = LOGGED.lock().unwrap();
         let mine = logged.as_ref().unwrap().iter().filter(|k| k.starts_with(f)).count();
         assert_eq!(mine, 2);
@@ -785,9 +928,10 @@ mod tests {
         // Before the fix the next call failed on the first device ("not asleep") for ever.
         wake_all(&d, |d| d.asleep.get(), wake).unwrap();
         assert_eq!(states(&d), [false, false, false]);
-        // Awake everywhere: a second wake is refused; with no device at all there is nothing to do.
-        let e = wake_all(&d, |d| d.asleep.get(), wake).unwrap_err();
-        assert!(e.1.contains("not asleep"), "{e:?}");
+        // Awake everywhere, or no device at all: nothing to do (cuvmm_wake refuses a tag that is
+        // not asleep before it comes here).
+        wake_all(&d, |d| d.asleep.get(), wake).unwrap();
+        assert_eq!(states(&d), [false, false, false]);
         wake_all(&devs(0), |d| d.asleep.get(), wake).unwrap();
         // A device that appeared after the sleep (an allocator made later) is left alone.
         let mut d = devs(1);
@@ -803,7 +947,9 @@ mod tests {
         // SAFETY: NUL-terminated strings and null.
         unsafe {
             assert_eq!(cuvmm_set_tag(a.as_ptr()), 0);
-            assert_eq!(cuvmm_set_tag(c"".as_ptr()), -1);
+            let (rc, lines) = stderr_of(|| cuvmm_set_tag(c"".as_ptr()));
+            assert_eq!(rc, -1);
+            assert_eq!(lines, ["cuvmm: cuvmm_set_tag: invalid argument: a tag needs a name"]);
             assert!(last_error().contains("cuvmm_set_tag"));
             assert_eq!(TAG.with(|t| t.get()), Some(Tag::new("weights").unwrap()));
             assert_eq!(cuvmm_set_tag(std::ptr::null()), 0);
@@ -815,14 +961,28 @@ mod tests {
 
     /// Runs the test `name` of this executable in a child process, where it does its work.
     fn in_child(name: &str) {
+        in_child_with(name, None);
+    }
+
+    /// The same with `CUVMM_LIBCUDA` set to `driver`. The child's stderr comes back, not to the
+    /// terminal: it is shown only when the child fails (an abort, a failed assertion).
+    fn in_child_with(name: &str, driver: Option<&std::path::Path>) {
         let exe = std::env::current_exe().unwrap();
-        let out = std::process::Command::new(exe)
+        let mut child = std::process::Command::new(exe);
+        child
             .args(["--exact", &format!("tests::{name}"), "--nocapture", "--test-threads=1"])
-            .env(CHILD, name)
-            .output()
-            .unwrap();
+            .env(CHILD, name);
+        if let Some(driver) = driver {
+            child.env(cuvmm_lib::driver::LIBRARY_ENV, driver);
+        }
+        let out = child.output().unwrap();
         let stdout = String::from_utf8_lossy(&out.stdout);
-        assert!(out.status.success() && stdout.contains("child done"), "{:?}\n{stdout}", out.status);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            out.status.success() && stdout.contains("child done"),
+            "{:?}\n{stdout}\n{stderr}",
+            out.status
+        );
     }
 
     fn is_child(name: &str) -> bool {
@@ -888,12 +1048,137 @@ mod tests {
     #[test]
     fn bad_arguments_return_null_or_minus_one_without_a_gpu() {
         // Negative sizes are refused before any device is touched; a null pointer is ignored.
-        assert!(cuvmm_malloc(-5, 0, std::ptr::null_mut()).is_null());
+        let (p, lines) = stderr_of(|| cuvmm_malloc(-5, 0, std::ptr::null_mut()));
+        assert!(p.is_null());
+        assert_eq!(lines, ["cuvmm: cuvmm_malloc: negative size -5"]);
         let msg = last_error();
         assert!(msg.contains("negative size"), "{msg}");
-        assert!(cuvmm_malloc(0, 0, std::ptr::null_mut()).is_null());
-        cuvmm_free(std::ptr::null_mut(), 0, 0, std::ptr::null_mut());
+        let ((), lines) = stderr_of(|| {
+            assert!(cuvmm_malloc(0, 0, std::ptr::null_mut()).is_null());
+            cuvmm_free(std::ptr::null_mut(), 0, 0, std::ptr::null_mut());
+        });
+        assert!(lines.is_empty(), "{lines:?}");
         // SAFETY: a null output pointer is part of the contract (refused).
-        assert_eq!(unsafe { cuvmm_get_stats(0, std::ptr::null_mut()) }, -1);
+        let (rc, lines) = stderr_of(|| unsafe { cuvmm_get_stats(0, std::ptr::null_mut()) });
+        assert_eq!(rc, -1);
+        assert_eq!(lines, ["cuvmm: cuvmm_get_stats: null output pointer"]);
+    }
+
+    /// A tag's stats on every device together.
+    fn tag_stats(tag: &std::ffi::CStr) -> CuvmmTagStats {
+        let mut out = CuvmmTagStats::default();
+        // SAFETY: a NUL-terminated name and a writable struct.
+        assert_eq!(unsafe { cuvmm_get_tag_stats(tag.as_ptr(), &mut out) }, 0);
+        out
+    }
+
+    /// What cuvmm.h says of sleep and wake, where no device was used: a tag that holds nothing
+    /// sleeps, allocating with it is refused until it wakes, and a wake of a tag asleep nowhere is
+    /// refused (it returned 0 when no device was used).
+    #[test]
+    fn a_tag_sleeps_and_wakes_as_the_header_says_with_no_device_used() {
+        let t = c"capi-test-unused";
+        let ((), lines) = stderr_of(|| {
+            // SAFETY: NUL-terminated names.
+            unsafe {
+                assert_eq!(cuvmm_wake(t.as_ptr()), -1, "never put to sleep");
+                assert!(last_error().contains("not asleep"), "{}", last_error());
+                assert_eq!(cuvmm_sleep(t.as_ptr(), 1), 0);
+                assert_eq!(tag_stats(t).asleep, 1);
+                assert_eq!(cuvmm_sleep(t.as_ptr(), 0), -1);
+                assert!(last_error().contains("already asleep"), "{}", last_error());
+                assert_eq!(cuvmm_set_tag(t.as_ptr()), 0);
+                assert!(cuvmm_pool_malloc(4096, 0, std::ptr::null_mut()).is_null());
+                assert!(last_error().contains("asleep"), "{}", last_error());
+                assert_eq!(cuvmm_set_tag(std::ptr::null()), 0);
+                assert_eq!(cuvmm_wake(t.as_ptr()), 0);
+                assert_eq!(tag_stats(t).asleep, 0);
+                assert_eq!(cuvmm_wake(t.as_ptr()), -1, "woken already");
+            }
+        });
+        // Each kind written once: the second refused wake is not.
+        assert_eq!(
+            lines,
+            [
+                "cuvmm: cuvmm_wake: the tag is not asleep",
+                "cuvmm: cuvmm_sleep: the tag is already asleep",
+                "cuvmm: cuvmm_pool_malloc: cannot allocate with a tag that is asleep: wake it first",
+            ]
+        );
+    }
+
+    /// The fake driver (tests/fixtures/fake_libcuda.c), built for this process.
+    fn fake_vmm() -> std::path::PathBuf {
+        crate::fake::fake_driver("FAKE_VMM")
+    }
+
+    #[test]
+    fn the_same_sleep_and_wake_with_a_device_used_before_and_after() {
+        in_child_with("child_sleep_wake", Some(&fake_vmm()));
+    }
+
+    /// The child of the test above, on the fake driver's device.
+    #[test]
+    fn child_sleep_wake() {
+        if !is_child("child_sleep_wake") {
+            return;
+        }
+        let (before, after) = (c"slept-before-first-use", c"slept-after-first-use");
+        let mut stats = CuvmmStats::default();
+        // SAFETY: NUL-terminated names, writable structs.
+        unsafe {
+            // Asleep before any device was used: a device used later refuses its allocations too.
+            assert_eq!(cuvmm_sleep(before.as_ptr(), 0), 0);
+            assert_eq!(cuvmm_get_stats(0, &mut stats), 0, "{}", last_error());
+            assert_eq!(cuvmm_set_tag(before.as_ptr()), 0);
+            assert!(cuvmm_malloc(4096, 0, std::ptr::null_mut()).is_null());
+            assert!(last_error().contains("asleep"), "{}", last_error());
+            assert_eq!(cuvmm_set_tag(std::ptr::null()), 0);
+            assert_eq!(tag_stats(before).asleep, 1);
+            assert_eq!(cuvmm_wake(before.as_ptr()), 0, "{}", last_error());
+            assert_eq!(cuvmm_wake(before.as_ptr()), -1);
+            // A tag never used on the device in use sleeps there as the Rust API's sleep does.
+            assert_eq!(cuvmm_sleep(after.as_ptr(), 1), 0, "{}", last_error());
+            assert_eq!(tag_stats(after).asleep, 1);
+            assert_eq!(cuvmm_sleep(after.as_ptr(), 1), -1);
+            assert_eq!(cuvmm_wake(after.as_ptr()), 0, "{}", last_error());
+            assert_eq!(cuvmm_wake(after.as_ptr()), -1);
+            assert_eq!(tag_stats(after).asleep, 0);
+        }
+        println!("child done");
+    }
+
+    #[test]
+    fn sizes_larger_than_the_device_return_null_and_an_error_not_an_abort() {
+        in_child_with("child_huge_sizes", Some(&fake_vmm()));
+    }
+
+    /// The child of the test above: `cuvmm_malloc(PTRDIFF_MAX)` aborted the process ("memory
+    /// allocation of 17592186044416 bytes failed") before the size was checked.
+    #[test]
+    fn child_huge_sizes() {
+        if !is_child("child_huge_sizes") {
+            return;
+        }
+        let memory = 80isize << 30; // the fake device's
+        for size in [isize::MAX, isize::MAX - 4095, 1 << 62, 1 << 50, memory + 1] {
+            for f in [cuvmm_malloc, cuvmm_pool_malloc] {
+                assert!(f(size, 0, std::ptr::null_mut()).is_null(), "{size}");
+                let e = last_error();
+                assert!(e.contains("more than the device's"), "{size}: {e}");
+            }
+        }
+        let mut stats = CuvmmStats::default();
+        // SAFETY: a writable struct.
+        assert_eq!(unsafe { cuvmm_get_stats(0, &mut stats) }, 0);
+        assert_eq!((stats.reserved, stats.allocations), (0, 0));
+        // What the device holds is still served.
+        let p = cuvmm_malloc(1 << 20, 0, std::ptr::null_mut());
+        assert!(!p.is_null(), "{}", last_error());
+        cuvmm_free(p, 1 << 20, 0, std::ptr::null_mut());
+        // SAFETY: as above.
+        assert_eq!(unsafe { cuvmm_get_stats(0, &mut stats) }, 0);
+        assert_eq!((stats.allocations, stats.frees), (1, 1));
+        println!("child done");
     }
 }

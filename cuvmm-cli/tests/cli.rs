@@ -88,7 +88,7 @@ fn unknown_subcommands_are_usage_errors_not_panics() {
 
 #[test]
 fn the_tour_without_a_driver_prints_one_clear_line_and_fails() {
-    let dir = std::env::temp_dir().join(format!("cuvmm-tour-test-{}", std::process::id()));
+    let dir = common::scratch().join("tour");
     let out = Command::new(cuvmm_bin())
         .args(["tour", "--out"])
         .arg(&dir)
@@ -107,14 +107,9 @@ fn the_tour_without_a_driver_prints_one_clear_line_and_fails() {
 
 use std::path::PathBuf;
 
-/// A file with `text` in Cargo's scratch folder (the system's temporary folder for a copied test
-/// executable).
+/// A file with `text` in the test's scratch folder (removed when the test process exits).
 fn file(name: &str, text: &[u8]) -> PathBuf {
-    let scratch = PathBuf::from(env!("CARGO_TARGET_TMPDIR"));
-    let base = if scratch.is_dir() { scratch } else { std::env::temp_dir() };
-    let dir = base.join(format!("cuvmm-trace-test-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).expect("temp dir");
-    let path = dir.join(name);
+    let path = common::scratch().join(name);
     std::fs::write(&path, text).expect("write trace");
     path
 }

@@ -22,7 +22,7 @@ pub const SO_PASSPIDFD: libc::c_int = 76;
 /// | byte | meaning |
 /// |---|---|
 /// | 0 | number of descriptors sent, modulo 254 (0 to 253, the kernel's maximum) |
-/// | 1 | flags: bit 0 `SO_PASSCRED` on the receiver; bit 1 send the stream in two `sendmsg` calls; bit 2 the descriptors travel with the second call instead of the first; bit 3 `SO_PASSPIDFD` on the receiver; other bits ignored |
+/// | 1 | flags: bit 0 `SO_PASSCRED` on the receiver; bit 1 send the stream in two `sendmsg` calls; bit 2 the descriptors travel with the second call instead of the first; bit 3 `SO_PASSPIDFD` on the receiver; bit 4 the sender pauses, silent, after the first call (the whole stream without bit 1) while the receiver tries once; bit 5 a receive timeout (`SO_RCVTIMEO`) of 1 ms on the receiver; bit 6 the receiver's socket is non-blocking; bit 7 the receiver gives a deadline 1 ms away (always, with bit 4 and neither bit 5 nor 6) |
 /// | 2 | split point: with bit 1, the first call sends this many stream bytes (at most all) |
 /// | 3.. | the stream bytes the receiver reads (a 144-byte frame of any kind, or anything) |
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -37,6 +37,17 @@ pub struct RecvInput {
     pub split_at: Option<u8>,
     /// With a split, the descriptors go with the second send.
     pub fds_with_second: bool,
+    /// The sender falls silent after its first send, connected, while the receiver tries once
+    /// through a [`cuvmm::ipc::FrameReader`], bounded by the options below; then it sends the rest,
+    /// closes, and the same reader receives again. Without it the sender sends everything and
+    /// closes before the receiver starts.
+    pub pause: bool,
+    /// `SO_RCVTIMEO` of 1 ms on the receiving socket.
+    pub receive_timeout: bool,
+    /// `O_NONBLOCK` on the receiving socket.
+    pub nonblocking: bool,
+    /// The receiver gives a deadline 1 ms after it starts each call.
+    pub deadline: bool,
     /// What the receiver reads.
     pub stream: Vec<u8>,
 }
@@ -45,6 +56,13 @@ const PASS_CRED: u8 = 1 << 0;
 const SPLIT: u8 = 1 << 1;
 const FDS_WITH_SECOND: u8 = 1 << 2;
 const PASS_PIDFD: u8 = 1 << 3;
+const PAUSE: u8 = 1 << 4;
+const RECEIVE_TIMEOUT: u8 = 1 << 5;
+const NONBLOCKING: u8 = 1 << 6;
+const DEADLINE: u8 = 1 << 7;
+
+/// How long a bounded receive of the `recv` target waits: the receive timeout and the deadline.
+pub const BOUND: std::time::Duration = std::time::Duration::from_millis(1);
 
 impl RecvInput {
     /// A message sent in one piece, with `fds` descriptors, to a receiver with default options.
@@ -55,6 +73,10 @@ impl RecvInput {
             pass_pidfd: false,
             split_at: None,
             fds_with_second: false,
+            pause: false,
+            receive_timeout: false,
+            nonblocking: false,
+            deadline: false,
             stream: stream.into(),
         }
     }
@@ -64,25 +86,44 @@ impl RecvInput {
         let at = |i: usize| data.get(i).copied().unwrap_or(0);
         let flags = at(1);
         let split = flags & SPLIT != 0;
+        let pause = flags & PAUSE != 0;
+        let (receive_timeout, nonblocking) = (flags & RECEIVE_TIMEOUT != 0, flags & NONBLOCKING != 0);
         RecvInput {
             fds: usize::from(at(0)) % (MAX_FDS + 1),
             pass_cred: flags & PASS_CRED != 0,
             pass_pidfd: flags & PASS_PIDFD != 0,
             split_at: split.then(|| at(2)),
             fds_with_second: split && flags & FDS_WITH_SECOND != 0,
+            pause,
+            receive_timeout,
+            nonblocking,
+            // A paused sender is silent: the receiver must be bounded somehow.
+            deadline: flags & DEADLINE != 0 || (pause && !receive_timeout && !nonblocking),
             stream: data.get(3..).unwrap_or_default().to_vec(),
         }
     }
 
     /// The bytes that decode to this input.
+    ///
+    /// # Panics
+    ///
+    /// With more than [`MAX_FDS`] descriptors, or a pause with no bound on the receiver.
     pub fn encode(&self) -> Vec<u8> {
         assert!(self.fds <= MAX_FDS, "at most {MAX_FDS} descriptors");
+        assert!(
+            !self.pause || self.deadline || self.receive_timeout || self.nonblocking,
+            "a receiver waiting for a silent sender must be bounded"
+        );
         let mut flags = 0;
         for (on, bit) in [
             (self.pass_cred, PASS_CRED),
             (self.split_at.is_some(), SPLIT),
             (self.fds_with_second, FDS_WITH_SECOND),
             (self.pass_pidfd, PASS_PIDFD),
+            (self.pause, PAUSE),
+            (self.receive_timeout, RECEIVE_TIMEOUT),
+            (self.nonblocking, NONBLOCKING),
+            (self.deadline, DEADLINE),
         ] {
             if on {
                 flags |= bit;
@@ -105,21 +146,53 @@ pub fn open_fds() -> usize {
     std::fs::read_dir("/proc/self/fd").expect("/proc/self/fd").count()
 }
 
+/// What a receive of the `recv` target came to, for comparing runs.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Outcome {
+    /// A message was accepted, holding this many descriptors.
+    Accepted(usize),
+    /// The stream ended before a frame began.
+    Closed,
+    /// A protocol error.
+    Refused,
+    /// Any other error, as text.
+    Failed(String),
+}
+
+impl Outcome {
+    /// The outcome of a `run_recv` result.
+    pub fn of(r: &cuvmm::Result<Option<usize>>) -> Outcome {
+        match r {
+            Ok(Some(n)) => Outcome::Accepted(*n),
+            Ok(None) => Outcome::Closed,
+            Err(cuvmm::Error::Protocol(_)) => Outcome::Refused,
+            Err(e) => Outcome::Failed(e.to_string()),
+        }
+    }
+}
+
 /// Runs one `recv` target input: sets the receiving end of a socket pair up, sends the stream
-/// and the descriptors as the input says, closes the sending end and receives one message of any
-/// kind with `recv_message`. Returns what it returned: the number of descriptors the accepted
-/// message kept, or `None` when the stream ended before a frame began.
+/// and the descriptors as the input says, and receives one message of any kind. Without a pause
+/// the sending end is closed first and `recv_message` (or `recv_message_deadline`) receives;
+/// with one, a [`cuvmm::ipc::FrameReader`] tries while the sender is silent, then again after
+/// the rest and the close, and the input is run once more without the pause, which must come to
+/// the same [`Outcome`]. Returns what the receive returned: the number of descriptors the
+/// accepted message kept, or `None` when the stream ended before a frame began.
 ///
 /// # Panics
 ///
-/// If a refused message left a descriptor open, or an accepted one holds other than exactly the
-/// descriptors its message announces. Descriptors are counted for the whole process: run no other
-/// thread that opens or closes any meanwhile.
+/// If a refused message left a descriptor open, an accepted one holds other than exactly the
+/// descriptors its message announces, a receive from a silent sender took more than a second,
+/// or a paused sender's message came to something else than the same message sent at once.
+/// Descriptors are counted for the whole process: run no other thread that opens or closes any
+/// meanwhile.
 pub fn run_recv(input: &RecvInput) -> cuvmm::Result<Option<usize>> {
+    use cuvmm::ipc::{FrameReader, PeerPolicy};
     use nix::sys::socket::{sendmsg, setsockopt, sockopt, ControlMessage, MsgFlags};
     use std::io::IoSlice;
     use std::os::fd::{AsFd, AsRawFd};
     use std::os::unix::net::UnixStream;
+    use std::time::{Duration, Instant};
 
     let (a, b) = UnixStream::pair().expect("a socket pair");
     if input.pass_cred {
@@ -139,23 +212,54 @@ pub fn run_recv(input: &RecvInput) -> cuvmm::Result<Option<usize>> {
             )
         };
     }
+    if input.receive_timeout {
+        b.set_read_timeout(Some(BOUND)).expect("SO_RCVTIMEO");
+    }
+    b.set_nonblocking(input.nonblocking).expect("O_NONBLOCK");
     let devnull = std::fs::File::open("/dev/null").expect("/dev/null");
     // One descriptor named n times still arrives as n descriptors.
     let raw = vec![devnull.as_raw_fd(); input.fds];
     let rights = [ControlMessage::ScmRights(&raw)];
-    let (first, second) = input.parts();
-    for (part, with_fds) in [(first, !input.fds_with_second), (second, input.fds_with_second)] {
+    let send = |part: &[u8], with_fds: bool| {
         // A stream socket sends nothing, descriptors included, for an empty part.
         if part.is_empty() {
-            continue;
+            return;
         }
         let cmsgs: &[ControlMessage<'_>] = if with_fds && !raw.is_empty() { &rights } else { &[] };
         // Refusals (too many descriptors in flight, say) only make the input weaker.
         let _ = sendmsg::<()>(a.as_raw_fd(), &[IoSlice::new(part)], cmsgs, MsgFlags::empty(), None);
-    }
-    drop(a); // the receiver sees the end of the stream after the bytes
+    };
+    let (first, second) = input.parts();
+    let deadline = || input.deadline.then(|| Instant::now() + BOUND);
+    let policy = PeerPolicy::SameUid;
     let before = open_fds();
-    let out = match cuvmm::ipc::recv_message(b.as_fd(), cuvmm::ipc::PeerPolicy::SameUid) {
+    let received = if input.pause {
+        send(first, !input.fds_with_second);
+        // The sender is connected and silent: the receive must end by itself.
+        let mut reader = FrameReader::new();
+        let started = Instant::now();
+        let early = reader.recv(b.as_fd(), policy, deadline());
+        assert!(started.elapsed() < Duration::from_secs(1), "a silent sender held the receiver");
+        match early {
+            Err(e) if e.is_would_block() || e.is_timeout() => {
+                send(second, input.fds_with_second);
+                a.shutdown(std::net::Shutdown::Write).expect("shutdown");
+                reader.recv(b.as_fd(), policy, deadline())
+            }
+            done => done,
+        }
+    } else {
+        send(first, !input.fds_with_second);
+        send(second, input.fds_with_second);
+        // The receiver sees the end of the stream after the bytes; the descriptor stays open, so
+        // that the counts below are not off by one.
+        a.shutdown(std::net::Shutdown::Write).expect("shutdown");
+        match deadline() {
+            Some(d) => cuvmm::ipc::recv_message_deadline(b.as_fd(), policy, d),
+            None => cuvmm::ipc::recv_message(b.as_fd(), policy),
+        }
+    };
+    let out = match received {
         Ok(Some(m)) => {
             let n = m.message().fd_count();
             assert_eq!(
@@ -177,6 +281,11 @@ pub fn run_recv(input: &RecvInput) -> cuvmm::Result<Option<usize>> {
         }
     };
     assert_eq!(open_fds(), before, "descriptors outlived the message");
+    drop((a, b));
+    if input.pause {
+        let at_once = run_recv(&RecvInput { pause: false, ..input.clone() });
+        assert_eq!(Outcome::of(&out), Outcome::of(&at_once), "a pause changed what arrived");
+    }
     out
 }
 
@@ -441,6 +550,28 @@ pub mod seeds {
         Closed,
     }
 
+    /// How a receiver of a silent sender is bounded.
+    #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+    pub enum Bound {
+        /// A deadline [`BOUND`] away.
+        Deadline,
+        /// A receive timeout of [`BOUND`].
+        Timeout,
+        /// A non-blocking socket.
+        NonBlocking,
+    }
+
+    /// `input` with the sender pausing after its first send and the receiver bounded by `bound`.
+    pub fn paused(input: RecvInput, bound: Bound) -> RecvInput {
+        RecvInput {
+            pause: true,
+            deadline: bound == Bound::Deadline,
+            receive_timeout: bound == Bound::Timeout,
+            nonblocking: bound == Bound::NonBlocking,
+            ..input
+        }
+    }
+
     /// Seeds of the `recv` target, with what `recv_message` does with each: valid messages of every
     /// kind, each way a message can be wrong, and each way the kernel can deliver one.
     pub fn recv_cases() -> Vec<(&'static str, RecvInput, Expect)> {
@@ -490,6 +621,48 @@ pub mod seeds {
             ("posix-cut-at-100", one(&posix[..100]), Refused),
             ("note-cut-at-70", none(&note[..70]), Refused),
             ("empty", RecvInput::new(Vec::new(), 3), Closed),
+            // A sender that falls silent, connected: inside a frame, or before one, with the
+            // receiver bounded each way; then the rest (or only the end of the stream) follows.
+            ("posix-one-byte-then-silence-deadline", paused(one(&posix[..1]), Bound::Deadline), Refused),
+            ("posix-one-byte-then-silence-timeout", paused(one(&posix[..1]), Bound::Timeout), Refused),
+            (
+                "posix-one-byte-then-silence-nonblocking",
+                paused(one(&posix[..1]), Bound::NonBlocking),
+                Refused,
+            ),
+            ("silence-then-close", paused(none(&[]), Bound::Deadline), Closed),
+            ("posix-cut-at-100-silence-timeout", paused(one(&posix[..100]), Bound::Timeout), Refused),
+            (
+                "posix-paused-at-1-deadline",
+                paused(RecvInput { split_at: Some(1), ..one(&posix) }, Bound::Deadline),
+                Accepted,
+            ),
+            (
+                "posix-paused-at-100-fd-with-second-timeout",
+                paused(
+                    RecvInput { split_at: Some(100), fds_with_second: true, pass_cred: true, ..one(&posix) },
+                    Bound::Timeout,
+                ),
+                Accepted,
+            ),
+            (
+                "note-paused-at-143-nonblocking",
+                paused(RecvInput { split_at: Some(143), ..none(&note) }, Bound::NonBlocking),
+                Accepted,
+            ),
+            (
+                "posix-two-fds-paused-at-10-nonblocking",
+                paused(RecvInput { split_at: Some(10), ..RecvInput::new(posix, 2) }, Bound::NonBlocking),
+                Refused,
+            ),
+            ("posix-silence-before-a-whole-frame", paused(one(&posix), Bound::Deadline), Accepted),
+            // Bounded receivers of a sender that has finished.
+            ("posix-one-fd-deadline", RecvInput { deadline: true, ..one(&posix) }, Accepted),
+            (
+                "posix-one-fd-nonblocking-timeout",
+                RecvInput { nonblocking: true, receive_timeout: true, ..one(&posix) },
+                Accepted,
+            ),
         ];
         // Each check a receiver makes, failed by a POSIX message that carries its one fd.
         let h = super::seeds::posix();
@@ -737,7 +910,14 @@ pub mod seeds {
             let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
             for (name, input, expect) in recv_cases() {
                 assert_eq!(RecvInput::decode(&input.encode()), input, "{name}");
-                match run_recv(&input) {
+                // A receive that waits for a silent sender for ever fails the test, not hangs it.
+                let (tx, rx) = std::sync::mpsc::channel();
+                let run = input.clone();
+                std::thread::spawn(move || tx.send(run_recv(&run)));
+                let got = rx
+                    .recv_timeout(std::time::Duration::from_secs(10))
+                    .unwrap_or_else(|_| panic!("{name}: the receiver still waits after 10 s"));
+                match got {
                     Ok(Some(n)) => {
                         assert!(
                             expect == Expect::Accepted && n == input.fds,
@@ -761,13 +941,20 @@ pub mod seeds {
             // Without the split flag the split byte and the fds-with-second flag mean nothing.
             let loose = RecvInput::decode(&[1, FDS_WITH_SECOND, 9, 0xaa]);
             assert_eq!(loose, RecvInput::new([0xaa], 1));
-            for flags in 0..16u8 {
+            for flags in 0..=255u8 {
                 let b = [253, flags, 200, 1, 2, 3];
                 let i = RecvInput::decode(&b);
-                if flags & SPLIT != 0 || flags & FDS_WITH_SECOND == 0 {
-                    let expect = if flags & SPLIT == 0 { [253, flags, 0, 1, 2, 3] } else { b };
-                    assert_eq!(i.encode(), expect, "flags {flags:#x}");
+                let mut canonical = flags;
+                if flags & SPLIT == 0 {
+                    canonical &= !FDS_WITH_SECOND;
                 }
+                // A paused sender's receiver is bounded even when no bound is asked for.
+                if flags & PAUSE != 0 && flags & (RECEIVE_TIMEOUT | NONBLOCKING) == 0 {
+                    canonical |= DEADLINE;
+                }
+                let split = if flags & SPLIT == 0 { 0 } else { 200 };
+                assert_eq!(i.encode(), [253, canonical, split, 1, 2, 3], "flags {flags:#x}");
+                assert_eq!(RecvInput::decode(&i.encode()), i, "flags {flags:#x}");
                 assert_eq!(i.parts().0.len() + i.parts().1.len(), 3);
             }
         }

@@ -21,7 +21,7 @@ use std::sync::OnceLock;
 /// `LD_PRELOAD` in such programs.
 pub const LIBRARY_ENV: &str = "CUVMM_LIBCUDA";
 
-/// The sonames tried, in order, when [`LIBRARY_ENV`] is not set.
+/// The sonames tried, in order, when [`LIBRARY_ENV`] is not set (or set to nothing).
 pub const DEFAULT_LIBRARIES: &[&str] = &["libcuda.so.1", "libcuda.so"];
 
 /// The CUDA 12 form, which says why a symbol was not found.
@@ -100,12 +100,14 @@ pub fn driver() -> Result<&'static Driver> {
 
 impl Driver {
     /// Opens the library named by [`LIBRARY_ENV`], or else the first of [`DEFAULT_LIBRARIES`] that opens.
+    /// An empty value counts as unset, as an empty `LD_PRELOAD` does: `dlopen` of an empty path
+    /// would open the program itself.
     ///
     /// Safe because both sources are trusted: the default sonames are what the system's dynamic
     /// loader resolves to the installed NVIDIA driver, and [`LIBRARY_ENV`] is configuration with
     /// the standing of `LD_PRELOAD` (its documentation says why).
     pub fn load_default() -> Result<Driver> {
-        if let Some(path) = std::env::var_os(LIBRARY_ENV) {
+        if let Some(path) = std::env::var_os(LIBRARY_ENV).filter(|p| !p.is_empty()) {
             // SAFETY: the variable is trusted configuration (see LIBRARY_ENV): whoever sets it
             // vouches that it names a CUDA driver, as whoever sets LD_PRELOAD vouches for what it
             // names.

@@ -10,5 +10,5 @@ mod pinned;
 mod staging;
 mod stream_copy;
 
-pub use pinned::{PinnedBuffer, PinnedFlags, RegisterFlags, Registered};
+pub use pinned::{pinned_bytes, PinnedBuffer, PinnedFlags, RegisterFlags, Registered};
 pub use staging::{ChunkTrace, Staging, StagingConfig, StagingTrace};

@@ -7,6 +7,16 @@ use crate::memory::DeviceCopy;
 use crate::vmm::bytes_for;
 use std::ops::{Deref, DerefMut};
 use std::ptr::NonNull;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// Bytes of every [`PinnedBuffer`] alive in the process.
+static PINNED: AtomicU64 = AtomicU64::new(0);
+
+/// Bytes of host memory pinned by cuvmm's [`PinnedBuffer`]s alive now (staging rings and pinned
+/// sleep backups among them; memory a caller registers with [`Registered`] is not counted).
+pub fn pinned_bytes() -> u64 {
+    PINNED.load(Ordering::Relaxed)
+}
 
 /// Flags of [`PinnedBuffer::with_flags`] (`cuMemHostAlloc`). The default is none of them.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -137,6 +147,7 @@ impl<T: DeviceCopy> PinnedBuffer<T> {
             let reg = (flags.portable as u32 * CU_MEMHOSTREGISTER_PORTABLE)
                 | (flags.device_mapped as u32 * CU_MEMHOSTREGISTER_DEVICEMAP);
             let (p, mapping) = map_and_register(ctx, bytes, reg)?;
+            PINNED.fetch_add(bytes as u64, Ordering::Relaxed);
             // Fresh anonymous pages read as zeros: a valid T (DeviceCopy).
             return Ok(PinnedBuffer { ctx: ctx.clone(), ptr: p.cast(), len, flags, mapping: Some(mapping) });
         }
@@ -149,6 +160,7 @@ impl<T: DeviceCopy> PinnedBuffer<T> {
         // SAFETY: the allocation holds `bytes` bytes; zero bytes are a valid T (DeviceCopy), and
         // writing them initialises the memory before any &[T] exists.
         unsafe { std::ptr::write_bytes(ptr.as_ptr().cast::<u8>(), 0, bytes) };
+        PINNED.fetch_add(bytes as u64, Ordering::Relaxed);
         Ok(PinnedBuffer { ctx: ctx.clone(), ptr, len, flags, mapping: None })
     }
 
@@ -200,6 +212,7 @@ impl<T: DeviceCopy> DerefMut for PinnedBuffer<T> {
 
 impl<T: DeviceCopy> Drop for PinnedBuffer<T> {
     fn drop(&mut self) {
+        PINNED.fetch_sub((self.len * std::mem::size_of::<T>()) as u64, Ordering::Relaxed);
         if let Some((base, map_len)) = self.mapping {
             let ptr = self.ptr.as_ptr() as usize;
             crate::driver::callback::release_in(

@@ -13,7 +13,7 @@
 
 use super::region::{RegionLayout, Step};
 use super::shared::{host_read, host_write, import_and_map, local_granularity, range_at};
-use super::socket::{recv_message, send_message, Credentials, PeerPolicy};
+use super::socket::{recv_message, send_message, Credentials, FrameReader, PeerPolicy};
 use super::wire::{Grow, HandleType, Message, Region, WireHandle};
 use crate::context::Context;
 use crate::device::Device;
@@ -224,6 +224,8 @@ pub struct GrowableImport {
     region: Region,
     layout: RegionLayout,
     sock: OwnedFd,
+    /// A message begun and not complete yet, kept for the next call.
+    reader: FrameReader,
     policy: PeerPolicy,
     grants: Vec<(Device, Access)>,
     peer: Credentials,
@@ -239,12 +241,13 @@ fn to_usize(x: u64) -> Result<usize> {
 impl GrowableImport {
     /// Waits on `sock` for the exporter's region message, checks it (the peer against `policy`,
     /// the capacity against `max_capacity`, which bounds the address space this import may
-    /// reserve) and reserves the region. Chunks are mapped by the following calls to
+    /// reserve) and reserves the region, aligned to its chunks' granularity. Chunks are mapped by the following calls to
     /// [`next_update`](Self::next_update); each is granted `grants` (read-write for `ctx`'s device
     /// if empty).
     ///
     /// A connection that closes first, or whose first message is anything but a region, is an
-    /// [`Error::Protocol`].
+    /// [`Error::Protocol`]. The wait for the region honours the socket's mode and receive timeout
+    /// as [`recv_message`] does: give the socket a receive timeout (`SO_RCVTIMEO`) to bound it.
     pub fn accept(
         ctx: &Context,
         sock: impl Into<OwnedFd>,
@@ -262,7 +265,14 @@ impl GrowableImport {
         let Step::Open(region) = layout.apply(&message)? else {
             return Err(Error::Protocol(format!("a {} message where a region was expected", message.kind())));
         };
-        let reservation = Reservation::new(ctx, to_usize(region.capacity())?)?;
+        // Aligned to the chunks' granularity, which may be coarser than ours: every chunk is
+        // mapped at a multiple of it.
+        let reservation = Reservation::with_options(
+            ctx,
+            to_usize(region.capacity())?,
+            to_usize(region.granularity())?,
+            None,
+        )?;
         let grants =
             if grants.is_empty() { vec![(ctx.device(), Access::ReadWrite)] } else { grants.to_vec() };
         Ok(GrowableImport {
@@ -271,6 +281,7 @@ impl GrowableImport {
             region,
             layout,
             sock,
+            reader: FrameReader::new(),
             policy,
             grants,
             peer,
@@ -283,21 +294,37 @@ impl GrowableImport {
     /// cuts, or returns a note. `Ok(Update::Closed)` once the exporter has closed the connection
     /// between messages, then again at every call.
     ///
-    /// Blocks until a message arrives; to wait with `poll` or an event loop instead, poll this
-    /// value's fd ([`AsFd`]) for input first. (A readable socket may hold only part of a message;
-    /// the call then waits for the rest.) On a non-blocking socket, or one with a receive timeout,
-    /// a call with nothing arrived returns [`Error::Os`] with `EAGAIN`
-    /// ([`Error::is_would_block`]) and changes nothing; any other error ends the import, and
-    /// every later call returns it.
+    /// Waits as the socket's mode says. A blocking socket without a receive timeout waits until
+    /// a message arrives; to wait with `poll` or an event loop instead, poll this value's fd
+    /// ([`AsFd`]) for input first, or make the socket non-blocking. On a non-blocking socket a
+    /// call that finds no whole message returns [`Error::Os`] with `EAGAIN`
+    /// ([`Error::is_would_block`]); with a receive timeout (`SO_RCVTIMEO`), one that waits that
+    /// long with nothing arriving returns `EAGAIN` too, and one that waits that long inside a
+    /// message returns [`Error::Timeout`]. In every such case the import goes on: the part of a
+    /// message that arrived, and its descriptor, are kept, and the next call continues it.
+    /// [`next_update_until`](Self::next_update_until) bounds the wait explicitly. Any other error
+    /// ends the import, and every later call returns it.
     pub fn next_update(&mut self) -> Result<Update> {
+        self.update(None)
+    }
+
+    /// [`next_update`](Self::next_update), giving up at `deadline` with [`Error::Timeout`]
+    /// whatever the socket's mode; the import goes on, and a message begun is kept for the next
+    /// call. A peer that sends part of a message and falls silent holds this call no longer than
+    /// the deadline.
+    pub fn next_update_until(&mut self, deadline: std::time::Instant) -> Result<Update> {
+        self.update(Some(deadline))
+    }
+
+    fn update(&mut self, deadline: Option<std::time::Instant>) -> Result<Update> {
         match &self.state {
             State::Failed(e) => return Err(e.clone()),
             State::Closed => return Ok(Update::Closed),
             State::Open => {}
         }
-        let r = self.receive();
+        let r = self.receive(deadline);
         match &r {
-            Err(e) if e.is_would_block() => {}
+            Err(e) if e.is_would_block() || e.is_timeout() => {}
             Err(e) => self.state = State::Failed(e.clone()),
             Ok(Update::Closed) => self.state = State::Closed,
             Ok(_) => {}
@@ -317,8 +344,8 @@ impl GrowableImport {
         }
     }
 
-    fn receive(&mut self) -> Result<Update> {
-        let Some(incoming) = recv_message(self.sock.as_fd(), self.policy)? else {
+    fn receive(&mut self, deadline: Option<std::time::Instant>) -> Result<Update> {
+        let Some(incoming) = self.reader.recv(self.sock.as_fd(), self.policy, deadline)? else {
             return Ok(Update::Closed);
         };
         let (message, fd, _) = incoming.into_parts();

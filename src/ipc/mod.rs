@@ -18,6 +18,7 @@ pub use growth::{GrowableImport, Update};
 pub use region::{RegionLayout, Step};
 pub use shared::{share, SharedMemory};
 pub use socket::{
-    check_peer, recv, recv_message, send, send_message, Credentials, Incoming, PeerPolicy, Received,
+    check_peer, recv, recv_deadline, recv_message, recv_message_deadline, send, send_message, Credentials,
+    FrameReader, Incoming, PeerPolicy, Received,
 };
 pub use wire::{Header, Message, WireHandle};

@@ -88,6 +88,12 @@ pub(crate) fn import_and_map(
     })
 }
 
+/// A validated granularity (a power of two up to 1 GiB) as a reservation's alignment.
+pub(crate) fn to_alignment(granularity: u64) -> Result<usize> {
+    usize::try_from(granularity)
+        .map_err(|_| Error::Protocol(format!("granularity {granularity} does not fit this machine")))
+}
+
 /// `bytes` at `byte_offset` of the `len`-byte range at `base`, as an address; refused past its end.
 pub(crate) fn range_at(base: u64, len: usize, byte_offset: usize, bytes: usize) -> Result<u64> {
     match byte_offset.checked_add(bytes) {
@@ -125,8 +131,9 @@ pub struct SharedMemory {
 }
 
 impl SharedMemory {
-    /// Imports what `msg` carries into `ctx`, maps all of it and grants `grants` (read-write for
-    /// `ctx`'s device if empty). The message's fd is closed once imported.
+    /// Imports what `msg` carries into `ctx`, maps all of it (in a reservation aligned to the
+    /// message's granularity) and grants `grants` (read-write for `ctx`'s device if empty). The
+    /// message's fd is closed once imported.
     ///
     /// Refuses, with [`Error::Protocol`], a message whose range does not lie inside what could be
     /// mapped, and one whose size is larger than the allocation that arrived.
@@ -143,7 +150,9 @@ impl SharedMemory {
                 "size {size} is not a multiple of this device's granularity {ours}"
             )));
         }
-        let va = Reservation::new(ctx, size)?;
+        // Aligned to the allocation's granularity: the exporter's may be coarser than ours, and
+        // the mapping must start on a multiple of it.
+        let va = Reservation::with_options(ctx, size, to_alignment(h.granularity())?, None)?;
         let mapping = import_and_map(&va, 0, h.handle(), fd, size)?;
         // The driver reports no size for an imported handle, but the mapping above covers `size`
         // bytes of it and succeeds only if the allocation holds at least that many: so

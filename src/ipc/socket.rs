@@ -5,6 +5,7 @@ use super::wire::{Header, Message, HEADER_LEN};
 use crate::error::{Error, Result};
 use nix::sys::socket::{getsockopt, sockopt::PeerCredentials};
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
+use std::time::Instant;
 
 /// Whose messages a receiver accepts.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
@@ -229,9 +230,14 @@ fn own_descriptors(control: &[u8], fds: &mut Vec<OwnedFd>) {
     }
 }
 
-/// One `recvmsg` into `buf` (close-on-exec descriptors), owning every descriptor that came with
+/// One `recvmsg` into `buf` (close-on-exec descriptors, `flags` added), owning every descriptor that came with
 /// it before returning, whatever else happened.
-fn recv_chunk(sock: BorrowedFd<'_>, buf: &mut [u8], fds: &mut Vec<OwnedFd>) -> nix::Result<Chunk> {
+fn recv_chunk(
+    sock: BorrowedFd<'_>,
+    buf: &mut [u8],
+    fds: &mut Vec<OwnedFd>,
+    flags: libc::c_int,
+) -> nix::Result<Chunk> {
     // nix's iterator refuses truncated control data outright, leaving the fds that did arrive
     // unowned; so this reads the control data itself. Plain bytes need no alignment: the kernel
     // copies bytes in, and the walk reads headers unaligned.
@@ -245,7 +251,7 @@ fn recv_chunk(sock: BorrowedFd<'_>, buf: &mut [u8], fds: &mut Vec<OwnedFd>) -> n
     msg.msg_controllen = CONTROL_LEN as _;
     // SAFETY: `msg` points at `iov` (which describes `buf`) and at `control`, all alive and
     // exclusively ours for the call; the kernel writes at most their stated lengths.
-    let n = unsafe { libc::recvmsg(sock.as_raw_fd(), &mut msg, libc::MSG_CMSG_CLOEXEC) };
+    let n = unsafe { libc::recvmsg(sock.as_raw_fd(), &mut msg, libc::MSG_CMSG_CLOEXEC | flags) };
     if n < 0 {
         return Err(nix::errno::Errno::last());
     }
@@ -260,10 +266,22 @@ fn recv_chunk(sock: BorrowedFd<'_>, buf: &mut [u8], fds: &mut Vec<OwnedFd>) -> n
 /// unless it is a well-formed share (version 1 or 2) that carries exactly the fds it announces.
 /// A peer that closes the connection first is an [`Error::Protocol`] too.
 ///
+/// Honours the socket's mode and receive timeout as [`recv_message`] does; [`recv_deadline`]
+/// bounds the wait explicitly.
+///
 /// Works with `SO_PASSCRED` or `SO_PASSPIDFD` set on `sock`: the credentials are ignored (the
 /// peer is checked with `SO_PEERCRED`) and a pidfd that arrives is closed.
 pub fn recv(sock: BorrowedFd<'_>, policy: PeerPolicy) -> Result<Received> {
-    match recv_message(sock, policy)? {
+    share_of(recv_message(sock, policy)?)
+}
+
+/// [`recv`], giving up at `deadline` with [`Error::Timeout`] (see [`recv_message_deadline`]).
+pub fn recv_deadline(sock: BorrowedFd<'_>, policy: PeerPolicy, deadline: Instant) -> Result<Received> {
+    share_of(recv_message_deadline(sock, policy, deadline)?)
+}
+
+fn share_of(incoming: Option<Incoming>) -> Result<Received> {
+    match incoming {
         Some(Incoming { message: Message::Share(header), fd, peer }) => Ok(Received { header, fd, peer }),
         // The fd of any other message is closed here, with it.
         Some(other) => Err(Error::Protocol(format!(
@@ -279,8 +297,8 @@ pub fn recv(sock: BorrowedFd<'_>, policy: PeerPolicy) -> Result<Received> {
 
 /// Any received message, validated on its own, with the fd it carried if any and its sender.
 ///
-/// Only [`recv_message`] makes one, so its message passed validation and it holds exactly the
-/// descriptors the message announces.
+/// Only [`recv_message`] and [`FrameReader`] make one, so its message passed validation and it
+/// holds exactly the descriptors the message announces.
 #[derive(Debug)]
 pub struct Incoming {
     message: Message,
@@ -316,70 +334,195 @@ impl Incoming {
 /// closed the connection before the first byte of a frame: between messages, the end of the
 /// stream. A frame cut short is an [`Error::Protocol`].
 ///
-/// On a non-blocking socket, or one with a receive timeout, nothing having arrived is an
-/// [`Error::Os`] with `EAGAIN` ([`Error::is_would_block`]) and consumes nothing: call again once
-/// the socket is readable. A frame that has begun to arrive is waited for, whatever the socket's
-/// mode, so that no part of it is lost.
+/// Waits as the socket's mode says, before a frame and inside one alike:
+///
+/// * a blocking socket without a receive timeout waits as long as it takes;
+/// * with a receive timeout (`SO_RCVTIMEO`), nothing having arrived within it is an
+///   [`Error::Os`] with `EAGAIN` ([`Error::is_would_block`]) that consumed nothing; a frame that
+///   has begun and makes no progress for that long is an [`Error::Timeout`];
+/// * on a non-blocking socket, nothing there is `EAGAIN`, consuming nothing; a frame begun and
+///   not complete is an [`Error::Timeout`] at once.
+///
+/// After an [`Error::Timeout`] with `received > 0` the partial frame is discarded and its
+/// descriptors closed: the connection is out of step and should be closed. To keep a partial
+/// frame for a later call (an event loop on a non-blocking socket), receive with a
+/// [`FrameReader`]. [`recv_message_deadline`] bounds the wait explicitly.
 ///
 /// Checks each frame on its own (see [`Message::decode`]); whether it fits what came before on
 /// the connection is for the receiver to check, as [`GrowableImport`](super::GrowableImport)
 /// does with a [`RegionLayout`](super::RegionLayout).
 pub fn recv_message(sock: BorrowedFd<'_>, policy: PeerPolicy) -> Result<Option<Incoming>> {
-    let peer = check_peer(sock, policy)?;
-    let mut buf = [0u8; HEADER_LEN];
-    let mut got = 0;
-    // Every descriptor that arrives lands here first, so any early return closes them all.
-    let mut fds: Vec<OwnedFd> = Vec::new();
-    while got < HEADER_LEN {
-        let chunk = match recv_chunk(sock, &mut buf[got..], &mut fds) {
-            Ok(c) => c,
-            Err(nix::errno::Errno::EINTR) => continue,
-            Err(nix::errno::Errno::EAGAIN) if got > 0 || !fds.is_empty() => {
-                wait_readable(sock)?;
-                continue;
+    recv_once(sock, policy, None)
+}
+
+/// [`recv_message`], giving up at `deadline` whatever the socket's mode: [`Error::Timeout`] when
+/// the deadline passes before a whole frame has arrived (`received` 0: nothing was consumed, and
+/// the connection can be received from again; more: the partial frame is discarded, its
+/// descriptors closed, and the connection should be closed). A deadline already past still takes
+/// a frame that is there.
+pub fn recv_message_deadline(
+    sock: BorrowedFd<'_>,
+    policy: PeerPolicy,
+    deadline: Instant,
+) -> Result<Option<Incoming>> {
+    recv_once(sock, policy, Some(deadline))
+}
+
+fn recv_once(
+    sock: BorrowedFd<'_>,
+    policy: PeerPolicy,
+    deadline: Option<Instant>,
+) -> Result<Option<Incoming>> {
+    let mut reader = FrameReader::new();
+    match reader.recv(sock, policy, deadline) {
+        Err(e) if e.is_would_block() && reader.pending() > 0 => {
+            Err(Error::Timeout { received: reader.pending(), expected: HEADER_LEN })
+        }
+        // Dropping the reader closes the descriptors of a partial frame.
+        other => other,
+    }
+}
+
+/// A receiver that keeps a partial frame, and the descriptors that came with it, from one call to
+/// the next: for event loops on non-blocking sockets and for callers that retry after a timeout.
+/// [`GrowableImport`](super::GrowableImport) receives through one.
+///
+/// Use one reader per connection. Dropping it closes the descriptors of a partial frame.
+#[derive(Debug)]
+pub struct FrameReader {
+    buf: [u8; HEADER_LEN],
+    got: usize,
+    // Every descriptor that arrives lands here first, so it is owned on every path.
+    fds: Vec<OwnedFd>,
+}
+
+impl Default for FrameReader {
+    fn default() -> FrameReader {
+        FrameReader::new()
+    }
+}
+
+impl FrameReader {
+    /// A reader between frames.
+    pub fn new() -> FrameReader {
+        FrameReader { buf: [0; HEADER_LEN], got: 0, fds: Vec::new() }
+    }
+
+    /// Bytes of a begun frame held: 0 between frames.
+    pub fn pending(&self) -> usize {
+        self.got
+    }
+
+    /// Receives one message as [`recv_message`] does (with a `deadline`, as
+    /// [`recv_message_deadline`] does), except that a frame not yet complete is kept: on a
+    /// non-blocking socket the call returns [`Error::Os`] with `EAGAIN`
+    /// ([`Error::is_would_block`]), and when the socket's receive timeout or the deadline passes
+    /// it returns [`Error::Timeout`]; either way the next call continues the frame. Any other
+    /// error discards the partial frame and closes its descriptors.
+    pub fn recv(
+        &mut self,
+        sock: BorrowedFd<'_>,
+        policy: PeerPolicy,
+        deadline: Option<Instant>,
+    ) -> Result<Option<Incoming>> {
+        let r = self.receive(sock, policy, deadline);
+        if matches!(&r, Err(e) if !e.is_would_block() && !e.is_timeout()) {
+            self.got = 0;
+            self.fds.clear();
+        }
+        r
+    }
+
+    fn receive(
+        &mut self,
+        sock: BorrowedFd<'_>,
+        policy: PeerPolicy,
+        deadline: Option<Instant>,
+    ) -> Result<Option<Incoming>> {
+        let peer = check_peer(sock, policy)?;
+        while self.got < HEADER_LEN {
+            let flags = match deadline {
+                Some(d) => {
+                    if !wait_readable(sock, d)? {
+                        return Err(Error::Timeout { received: self.got, expected: HEADER_LEN });
+                    }
+                    // poll said readable; never block past the deadline if another reader won.
+                    libc::MSG_DONTWAIT
+                }
+                None => 0,
+            };
+            let chunk = match recv_chunk(sock, &mut self.buf[self.got..], &mut self.fds, flags) {
+                Ok(c) => c,
+                Err(nix::errno::Errno::EINTR) => continue,
+                Err(nix::errno::Errno::EAGAIN) if deadline.is_some() => continue,
+                Err(errno @ nix::errno::Errno::EAGAIN) => {
+                    if self.got == 0 || is_nonblocking(sock)? {
+                        return Err(Error::Os { call: "recvmsg", errno });
+                    }
+                    // A blocking socket returns EAGAIN only once its receive timeout passed.
+                    return Err(Error::Timeout { received: self.got, expected: HEADER_LEN });
+                }
+                Err(errno) => return Err(Error::Os { call: "recvmsg", errno }),
+            };
+            if chunk.control_truncated {
+                return Err(Error::Protocol(format!(
+                    "more ancillary data arrived than a message may carry (the {} descriptors that \
+                     fitted are closed)",
+                    self.fds.len()
+                )));
             }
-            Err(errno) => return Err(Error::Os { call: "recvmsg", errno }),
-        };
-        if chunk.control_truncated {
+            if chunk.bytes == 0 && self.got == 0 && self.fds.is_empty() {
+                return Ok(None);
+            }
+            if chunk.bytes == 0 {
+                return Err(Error::Protocol(format!(
+                    "the peer closed the socket after {} of {HEADER_LEN} header bytes",
+                    self.got
+                )));
+            }
+            self.got += chunk.bytes;
+        }
+        self.got = 0;
+        let mut fds = std::mem::take(&mut self.fds);
+        let message = Message::decode(&self.buf)?;
+        if fds.len() != message.fd_count() {
             return Err(Error::Protocol(format!(
-                "more ancillary data arrived than a message may carry (the {} descriptors that \
-                 fitted are closed)",
+                "the {} message announces {} fd(s) but carried {}",
+                message.kind(),
+                message.fd_count(),
                 fds.len()
             )));
         }
-        if chunk.bytes == 0 && got == 0 && fds.is_empty() {
-            return Ok(None);
-        }
-        if chunk.bytes == 0 {
-            return Err(Error::Protocol(format!(
-                "the peer closed the socket after {got} of {HEADER_LEN} header bytes"
-            )));
-        }
-        got += chunk.bytes;
+        Ok(Some(Incoming { message, fd: fds.pop(), peer }))
     }
-    let message = Message::decode(&buf)?;
-    if fds.len() != message.fd_count() {
-        return Err(Error::Protocol(format!(
-            "the {} message announces {} fd(s) but carried {}",
-            message.kind(),
-            message.fd_count(),
-            fds.len()
-        )));
-    }
-    Ok(Some(Incoming { message, fd: fds.pop(), peer }))
 }
 
-/// Waits until `sock` has something to read (or has been closed), for as long as it takes.
-fn wait_readable(sock: BorrowedFd<'_>) -> Result<()> {
+fn is_nonblocking(sock: BorrowedFd<'_>) -> Result<bool> {
+    // SAFETY: F_GETFL reads the open file's status flags; it changes nothing.
+    let flags = unsafe { libc::fcntl(sock.as_raw_fd(), libc::F_GETFL) };
+    if flags < 0 {
+        return Err(Error::Os { call: "fcntl(F_GETFL)", errno: nix::errno::Errno::last() });
+    }
+    Ok(flags & libc::O_NONBLOCK != 0)
+}
+
+/// Waits until `sock` has something to read (or has been closed), or `deadline` passes: `false`
+/// then. A deadline already past still looks once.
+fn wait_readable(sock: BorrowedFd<'_>, deadline: Instant) -> Result<bool> {
     let mut p = libc::pollfd { fd: sock.as_raw_fd(), events: libc::POLLIN, revents: 0 };
     loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        // Rounded up, so that a wait never ends just before the deadline.
+        let ms = left.as_micros().div_ceil(1000).min(i32::MAX as u128) as libc::c_int;
         // SAFETY: one valid pollfd, for the length of the call.
-        if unsafe { libc::poll(&mut p, 1, -1) } >= 0 {
-            return Ok(());
-        }
-        match nix::errno::Errno::last() {
-            nix::errno::Errno::EINTR => continue,
-            errno => return Err(Error::Os { call: "poll", errno }),
+        match unsafe { libc::poll(&mut p, 1, ms) } {
+            n if n > 0 => return Ok(true),
+            0 if Instant::now() >= deadline => return Ok(false),
+            0 => continue,
+            _ => match nix::errno::Errno::last() {
+                nix::errno::Errno::EINTR => continue,
+                errno => return Err(Error::Os { call: "poll", errno }),
+            },
         }
     }
 }

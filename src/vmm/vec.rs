@@ -30,12 +30,12 @@ pub struct RawVmm {
     policy: ChunkPolicy,
     granularity: usize,
     mapped: usize,
-    /// With [`VmmVecBuilder::create_ahead`]: the next chunks (at most [`AHEAD_DEPTH`]), in address
-    /// order from `mapped`, being created on another thread.
+    /// The next chunks (at most [`AHEAD_DEPTH`]), in address order from `mapped`, being created on
+    /// another thread (see [`VmmVecBuilder::create_ahead`]).
     ahead: VecDeque<Ahead>,
     /// Growths that found a chunk made ahead not ready yet, and the longest such wait.
     ahead_waits: (usize, Duration),
-    create_ahead: bool,
+    ahead_mode: AheadMode,
     /// Started with the first chunk made ahead.
     worker: Option<AheadWorker>,
     /// Bytes the last growth mapped: sets the size of the chunk made ahead.
@@ -51,6 +51,22 @@ const AHEAD_DEPTH: usize = 4;
 
 /// The smallest chunk made ahead (see [`RawVmm::start_ahead`]).
 const AHEAD_FLOOR: usize = 256 << 20;
+
+/// Mapped bytes from which a vector built with the default settings makes chunks ahead. Below it
+/// its chunks are small, and a small chunk is made in tens of microseconds: a small vector keeps
+/// neither a thread nor memory ahead.
+const AHEAD_FROM: usize = 64 << 20;
+
+/// When a vector makes its next chunks ahead, on a thread of its own.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum AheadMode {
+    /// Never: each growth makes its chunks itself.
+    Off,
+    /// The default: from [`AHEAD_FROM`] bytes mapped, never more bytes ahead than are mapped.
+    Bounded,
+    /// From `build` on, [`AHEAD_DEPTH`] chunks whatever the vector's size.
+    Eager,
+}
 
 /// How many of the last growth's increments the chunk made ahead covers. Making a chunk (create,
 /// map, set access) takes time roughly in proportion to its size, as does filling it; keeping the
@@ -154,13 +170,17 @@ impl AheadWorker {
         Some(AheadWorker { jobs, cancelled: Arc::new(AtomicBool::new(false)), thread })
     }
 
-    /// Skips the jobs not started, closes the queue, lets go of the chunks made for `ahead` (those
-    /// still being made are dropped on the thread, which undoes their mapping), and waits for the
-    /// thread: no chunk of the vector is made, or kept, after this returns.
+    /// Skips the jobs not started, closes the queue, waits for the chunks still being made and
+    /// lets go of every chunk made for `ahead`, then waits for the thread: no chunk of the vector
+    /// is made, or kept, after this returns. The chunks are let go on the caller's thread, never
+    /// on the worker's: unmapping one waits for the device, which must be deferred where the
+    /// vector is dropped inside a host function, and only the caller's thread knows it is there.
     fn stop(self, ahead: &mut VecDeque<Ahead>) {
         self.cancelled.store(true, Ordering::Release);
         drop(self.jobs);
-        ahead.clear();
+        for a in ahead.drain(..) {
+            drop(a.finish());
+        }
         let _ = self.thread.join();
     }
 }
@@ -174,7 +194,12 @@ impl Drop for RawVmm {
 }
 
 impl RawVmm {
-    fn new(phys: PhysicalBuilder, policy: ChunkPolicy, reserve: usize, create_ahead: bool) -> Result<RawVmm> {
+    fn new(
+        phys: PhysicalBuilder,
+        policy: ChunkPolicy,
+        reserve: usize,
+        ahead_mode: AheadMode,
+    ) -> Result<RawVmm> {
         let granularity = phys.granularity()?.minimum;
         // Validate the policy once, up front, rather than at the first growth.
         policy.plan(0, 1, granularity)?;
@@ -188,12 +213,12 @@ impl RawVmm {
             mapped: 0,
             ahead: VecDeque::new(),
             ahead_waits: (0, Duration::ZERO),
-            create_ahead,
+            ahead_mode,
             worker: None,
             last_growth: 0,
             exports: None,
         };
-        if create_ahead {
+        if ahead_mode == AheadMode::Eager {
             // The first chunk is mapped while building (the first append would otherwise wait for
             // it), and the next one started.
             raw.start_ahead();
@@ -242,18 +267,28 @@ impl RawVmm {
         }
     }
 
-    /// Starts making the chunks the next growths will map, if asked to, up to [`AHEAD_DEPTH`].
+    /// Starts making the chunks the next growths will map, as the vector's [`AheadMode`] says, up
+    /// to [`AHEAD_DEPTH`] of them.
     fn start_ahead(&mut self) {
-        if !self.create_ahead {
-            return;
-        }
+        let budget = match self.ahead_mode {
+            AheadMode::Off => return,
+            AheadMode::Bounded if self.mapped < AHEAD_FROM => return,
+            AheadMode::Bounded => self.mapped,
+            AheadMode::Eager => usize::MAX,
+        };
         while self.ahead.len() < AHEAD_DEPTH {
-            let offset = self.mapped + self.ahead_bytes();
+            let queued = self.ahead_bytes();
+            let offset = self.mapped + queued;
             let Ok(plan) = self.policy.plan(offset, offset + 1, self.granularity) else { return };
             let Some(&next) = plan.first() else { return };
             let Ok(size) = ahead_size(next, self.last_growth, self.policy.max_chunk, self.granularity) else {
                 return;
             };
+            let left = budget.saturating_sub(queued) / self.granularity * self.granularity;
+            if left == 0 {
+                return;
+            }
+            let size = size.min(left);
             if offset + size > self.reservation.size() {
                 return; // the next growth relocates; nothing to gain
             }
@@ -314,11 +349,24 @@ impl RawVmm {
     }
 
     /// Maps chunks until at least `need` bytes are mapped. On any failure nothing changes: the
-    /// chunks created so far are unmapped and released, and the old mapping is untouched.
+    /// chunks created so far are unmapped and released, and the old mapping is untouched. More
+    /// than the device's memory (for device memory) is refused before anything is made.
     pub fn grow_to(&mut self, need: usize) -> Result<()> {
         // The policy's growth past what is needed stops at the end of the reservation: a growth
         // whose bytes fit stays in place.
         let room = self.reservation.size() - self.mapped;
+        if need <= self.mapped {
+            return Ok(());
+        }
+        if let crate::vmm::Location::Device(device) = self.phys.get_location() {
+            // Refused before anything is planned, reserved or created for it.
+            let memory = device.total_memory()?;
+            if need > memory {
+                return Err(Error::invalid(format!(
+                    "growing to {need} bytes needs more than the device's {memory} bytes of memory"
+                )));
+            }
+        }
         let mut plan = self.policy.plan_within(self.mapped, need, self.granularity, room)?;
         if plan.is_empty() {
             return Ok(());
@@ -411,13 +459,12 @@ impl RawVmm {
         Ok(())
     }
 
-    /// Unmaps and releases every chunk that lies wholly past `keep` bytes.
+    /// Unmaps and releases every chunk that lies wholly past `keep` bytes, and the chunks made
+    /// ahead (the next growth starts making them again).
     pub fn shrink_to(&mut self, keep: usize) {
-        // Chunks made ahead for the old end would not fit the next growth: wait for them and let
-        // them go, so that their mappings cannot land where a later growth maps.
-        if self.chunks.last().is_some_and(|last| last.offset() >= keep) {
-            self.drop_ahead();
-        }
+        // Waited for and let go whether or not a chunk goes: a shrink gives back what holds no
+        // element, and chunks made for an old end would not fit the next growth.
+        self.drop_ahead();
         let before = self.mapped;
         while let Some(last) = self.chunks.last() {
             if last.offset() < keep {
@@ -456,6 +503,9 @@ impl RawVmm {
 ///
 /// Growing past the reservation reserves a range twice as large and maps the same physical chunks
 /// there: still no copy, but the base address changes. The chunk sizes follow a [`ChunkPolicy`].
+/// Once the vector has 64 MiB mapped, a thread of its own makes the next chunks ahead, so that
+/// appends do not wait for the driver to create memory (at most as many bytes ahead as are mapped,
+/// and at most four chunks; see [`VmmVecBuilder::create_ahead`]).
 ///
 /// ```no_run
 /// # fn main() -> cuvmm::Result<()> {
@@ -486,20 +536,28 @@ pub struct VmmVecBuilder<T: DeviceCopy> {
     phys: PhysicalBuilder,
     policy: ChunkPolicy,
     reserve: Option<usize>,
-    create_ahead: bool,
+    ahead_mode: AheadMode,
     _t: PhantomData<T>,
 }
 
 impl<T: DeviceCopy> VmmVecBuilder<T> {
-    /// Makes the next four chunks on another thread (created, mapped past the end and made
-    /// accessible), so the growth that needs one only takes it: no `cuMemCreate`, `cuMemMap` or
-    /// `cuMemSetAccess` on the growth's path unless the growth outruns the thread. A chunk made
-    /// ahead spans four growths like the last one, at least 256 MiB (or the policy's largest
-    /// chunk if smaller) and at most the policy's next chunk. Costs those four chunks of physical
-    /// memory beyond the capacity while the vector grows, and `build` maps the first at once; off
-    /// by default. [`RawVmm::ahead_waits`] says how often a growth outran the thread.
+    /// How the next chunks are made ahead, on a thread of the vector's own (created, mapped past
+    /// the end and made accessible), so that the growth that needs one only takes it: no
+    /// `cuMemCreate`, `cuMemMap` or `cuMemSetAccess` on the growth's path unless the growth
+    /// outruns the thread. Up to four chunks are made ahead; each spans four growths like the
+    /// last one, at least 256 MiB (or the policy's largest chunk if smaller) and at most the
+    /// policy's next chunk. [`RawVmm::ahead_bytes`] says how much memory they hold beyond the
+    /// capacity, [`RawVmm::ahead_waits`] how often a growth outran the thread, and
+    /// [`VmmVec::shrink_to_fit`] lets them go.
+    ///
+    /// By default (neither `true` nor `false` asked), a vector makes chunks ahead once it has 64 MiB
+    /// mapped, never more bytes ahead than it has mapped: an appending program's growths make no
+    /// chunk themselves past the first few, while a small vector keeps no thread and no memory
+    /// ahead. `true` makes chunks ahead whatever the size, and `build` maps the first chunk at
+    /// once; `false` never makes them, and every growth creates and maps its own chunks (a
+    /// `cuMemCreate` of a large chunk has taken tens of milliseconds).
     pub fn create_ahead(mut self, on: bool) -> Self {
-        self.create_ahead = on;
+        self.ahead_mode = if on { AheadMode::Eager } else { AheadMode::Off };
         self
     }
 
@@ -536,7 +594,7 @@ impl<T: DeviceCopy> VmmVecBuilder<T> {
             Some(r) => r,
             None => self.phys.context().device().total_memory()?,
         };
-        let raw = RawVmm::new(self.phys, self.policy, reserve, self.create_ahead)?;
+        let raw = RawVmm::new(self.phys, self.policy, reserve, self.ahead_mode)?;
         Ok(VmmVec { base: raw.base(), raw, len: 0, order: Tracker::new(), _t: PhantomData })
     }
 }
@@ -557,7 +615,7 @@ impl<T: DeviceCopy> VmmVec<T> {
             phys: PhysicalMemory::builder(ctx),
             policy: ChunkPolicy::default(),
             reserve: None,
-            create_ahead: false,
+            ahead_mode: AheadMode::Bounded,
             _t: PhantomData,
         }
     }
@@ -711,8 +769,8 @@ impl<T: DeviceCopy> VmmVec<T> {
         self.len = 0;
     }
 
-    /// Unmaps and releases every whole chunk past the last element. Importers (see
-    /// [`share_growth`](Self::share_growth)) are told, and unmap them too.
+    /// Unmaps and releases every whole chunk past the last element, and the chunks made ahead.
+    /// Importers (see [`share_growth`](Self::share_growth)) are told, and unmap them too.
     pub fn shrink_to_fit(&mut self) -> Result<()> {
         self.raw.shrink_to(bytes_for(self.len, Self::elem())?);
         Ok(())

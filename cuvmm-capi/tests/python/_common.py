@@ -182,6 +182,20 @@ def add_common_args(p, allocs=ALLOCS, default=None):
     return p
 
 
+def log_passed(path) -> bool:
+    """Whether a run's log states that its checks passed: at least one RESULT line, and every one
+    saying "pass": true (what run_all.sh requires beside the exit status)."""
+    results = []
+    with open(path, errors="replace") as f:
+        for line in f:
+            if line.startswith("RESULT "):
+                try:
+                    results.append(json.loads(line[len("RESULT "):]))
+                except ValueError:
+                    return False
+    return bool(results) and all(isinstance(r, dict) and r.get("pass") is True for r in results)
+
+
 def finish(script: str, args, result: dict, checks: dict, goals: dict | None = None) -> int:
     """Print the one RESULT line, write --json, and return the exit status.
 

@@ -33,7 +33,10 @@ SUMMARY="$OUT_DIR/summary.txt"
 : > "$SUMMARY"
 failed=0
 
-# run NAME CMD...: runs CMD in the scripts' folder, log to NAME.log, one summary line.
+# run NAME CMD...: runs CMD in the scripts' folder, log to NAME.log, one summary line. PASS needs
+# exit status 0 and the run's own checks passed, as its log states them: a Python script's RESULT
+# lines must all say "pass": true (and there must be one); with EXPECT set (an extended regular
+# expression), a line must match it, e.g. a benchmark's check line with the value it must have.
 run() {
     local name=$1; shift
     local log="$OUT_DIR/$name.log" t0 t1 rc
@@ -45,7 +48,14 @@ run() {
     local secs
     secs=$(awk -v a="$t0" -v b="$t1" 'BEGIN { printf "%.1f", b - a }')
     local status=PASS
-    [ "$rc" -eq 0 ] || { status="FAIL(rc=$rc)"; failed=1; }
+    if [ "$rc" -ne 0 ]; then
+        status="FAIL(rc=$rc)"
+    elif [ "$1" = "$PY" ] && ! (cd "$HERE" && "$PY" -c 'import sys, _common; sys.exit(not _common.log_passed(sys.argv[1]))' "$log"); then
+        status="FAIL(checks)"
+    elif [ -n "${EXPECT:-}" ] && ! grep -Eq "$EXPECT" "$log"; then
+        status="FAIL(checks)"
+    fi
+    [ "$status" = PASS ] || failed=1
     printf '%-28s %-12s %8ss\n' "$name" "$status" "$secs" | tee -a "$SUMMARY" >&2
 }
 
@@ -65,7 +75,7 @@ if [ -x "$BUNDLE/bin/cuvmm" ]; then
     CUVMM_ALLOC_CONF="trace=$OUT_DIR/train.trace" run train_traced $PY train.py --alloc cuvmm \
         --json "$OUT_DIR/train_traced.json" ${TRAIN_ARGS:-}
     run bench_trace "$BUNDLE/bin/cuvmm" bench trace "$OUT_DIR/train.trace"
-    run bench_sleep "$BUNDLE/bin/cuvmm" bench sleep
+    EXPECT='^elements changed across sleep and wake: 0$' run bench_sleep "$BUNDLE/bin/cuvmm" bench sleep
 fi
 
 # What another user's frees alone cost a copy that follows them (the wake's conditions below).

@@ -148,6 +148,24 @@ class Compare(unittest.TestCase):
             self.assertIn("RESULT ", quiet.getvalue())
 
 
+class LogVerdict(unittest.TestCase):
+    def verdict(self, text):
+        with tempfile.TemporaryDirectory() as d:
+            log = Path(d, "run.log")
+            log.write_text(text)
+            return _common.log_passed(log)
+
+    def test_a_log_passes_only_with_result_lines_that_all_pass(self):
+        ok = "RESULT " + json.dumps({"script": "x", "checks": {"a": True}, "pass": True}) + "\n"
+        bad = "RESULT " + json.dumps({"script": "y", "checks": {"pass": True}, "pass": False}) + "\n"
+        self.assertTrue(self.verdict("noise\n" + ok))
+        self.assertFalse(self.verdict(""))
+        self.assertFalse(self.verdict("all good, no result\n"))
+        self.assertFalse(self.verdict(ok + bad))
+        self.assertFalse(self.verdict("RESULT {not json\n"))
+        self.assertFalse(self.verdict("RESULT " + json.dumps({"script": "z"}) + "\n"))
+
+
 class FindLibrary(unittest.TestCase):
     def test_explicit_path_must_exist(self):
         with self.assertRaises(FileNotFoundError):

@@ -5,7 +5,7 @@
 use cuvmm::context::Context;
 use cuvmm::error::Result;
 use cuvmm::host::PinnedBuffer;
-use cuvmm::kernels::Kernels;
+use cuvmm::kernels::{busy_value, Kernels};
 use cuvmm::memory::DeviceBuffer;
 use cuvmm::stream::scope;
 use cuvmm::stream::Event;
@@ -34,8 +34,8 @@ pub struct EventsReport {
     pub verified: bool,
 }
 
-/// One element in this many is checked against the CPU (f32::mul_add, the fused multiply-add the
-/// kernel uses, so the results match bit for bit).
+/// One element in this many is checked against the CPU ([`busy_value`], which matches the kernel
+/// bit for bit).
 pub const SAMPLE: usize = 997;
 
 /// Runs the pipeline once warm, on `n` floats with `iters` multiply-adds each.
@@ -76,16 +76,7 @@ pub fn run(ctx: &Context, n: usize, iters: u32) -> Result<EventsReport> {
             })?;
             // Meanwhile, the CPU computes the reference for a sample of the elements.
             let t = Instant::now();
-            reference = (0..n)
-                .step_by(SAMPLE)
-                .map(|i| {
-                    let mut v = input[i];
-                    for _ in 0..iters {
-                        v = v.mul_add(0.999, 0.001);
-                    }
-                    v
-                })
-                .collect();
+            reference = (0..n).step_by(SAMPLE).map(|i| busy_value(input[i], iters)).collect();
             cpu = t.elapsed();
             let _ = round;
             Ok(())

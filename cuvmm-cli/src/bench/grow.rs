@@ -1,6 +1,8 @@
-//! `cuvmm bench grow`: a VmmVec grown step by step against realloc-by-copy doubling.
+//! `cuvmm bench grow`: a VmmVec grown step by step (as built by default, with `create_ahead(true)`
+//! and with `create_ahead(false)`) against realloc-by-copy doubling.
 
-use super::{median, timed};
+use super::stats::{median, percentile};
+use super::timed;
 use cuvmm::context::Context;
 use cuvmm::driver::{driver, sys::CUdeviceptr};
 use cuvmm::error::Result;
@@ -54,15 +56,28 @@ pub struct GrowRun {
     pub ahead_waits: (usize, f64),
 }
 
+/// How a [`VmmVec`] is built for a run: which chunks it makes ahead.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Ahead {
+    /// The builder's default (chunks made ahead once 64 MiB are mapped, bounded by what is mapped).
+    Default,
+    /// `create_ahead(true)`.
+    On,
+    /// `create_ahead(false)`: every growth makes its own chunks.
+    Off,
+}
+
 /// The strategies and their ratios.
 #[derive(Clone, Debug)]
 pub struct GrowReport {
     /// The configuration run.
     pub config: GrowConfig,
-    /// VmmVec.
+    /// VmmVec as built by default.
     pub vmm: GrowRun,
-    /// VmmVec creating each next chunk ahead on another thread (`create_ahead`).
+    /// VmmVec with `create_ahead(true)`.
     pub ahead: GrowRun,
+    /// VmmVec with `create_ahead(false)`.
+    pub no_ahead: GrowRun,
     /// cuMemAlloc new, cuMemcpyDtoD, cuMemFree old.
     pub copy: GrowRun,
     /// Why copy-doubling could not reach the target (it needs 1.5x the length at its peak), if it
@@ -75,7 +90,7 @@ impl GrowReport {
     pub fn total_ratio(&self) -> f64 {
         self.vmm.total_s / self.copy.total_s
     }
-    /// VmmVec with chunks created ahead, total time over copy-doubling total time.
+    /// VmmVec with `create_ahead(true)`, total time over copy-doubling total time.
     pub fn ahead_total_ratio(&self) -> f64 {
         self.ahead.total_s / self.copy.total_s
     }
@@ -103,9 +118,15 @@ fn write(dst: CUdeviceptr, bytes: usize, value: u8) -> Result<()> {
     }
 }
 
-fn run_vmm(ctx: &Context, cfg: &GrowConfig, target: usize, ahead: bool) -> Result<GrowRun> {
+fn run_vmm(ctx: &Context, cfg: &GrowConfig, target: usize, ahead: Ahead) -> Result<GrowRun> {
     let base = used(ctx)?;
-    let mut v = VmmVec::<u8>::builder(ctx).chunk_policy(cfg.policy).create_ahead(ahead).build()?;
+    let builder = VmmVec::<u8>::builder(ctx).chunk_policy(cfg.policy);
+    let mut v = match ahead {
+        Ahead::Default => builder,
+        Ahead::On => builder.create_ahead(true),
+        Ahead::Off => builder.create_ahead(false),
+    }
+    .build()?;
     let mut steps = Vec::new();
     let mut mem = Vec::new();
     let mut peak = 0;
@@ -202,8 +223,8 @@ fn run_copy(ctx: &Context, cfg: &GrowConfig, target: usize) -> Result<GrowRun> {
     Ok(finish(&steps, &mem, total, peak))
 }
 
-/// Runs both strategies: one warm-up each at a sixteenth of the target, then `reps` timed runs
-/// each, alternating so that drift hits both alike.
+/// Runs each strategy (the VmmVec built three ways, then copy-doubling): one warm-up each at a
+/// sixteenth of the target, then `reps` timed runs each, taking turns so that drift hits all alike.
 pub fn run(ctx: &Context, cfg: GrowConfig) -> Result<GrowReport> {
     if cfg.step == 0 || cfg.target == 0 || cfg.reps == 0 {
         return Err(crate::bench::invalid("step, target and reps must be positive"));
@@ -217,18 +238,20 @@ pub fn run(ctx: &Context, cfg: GrowConfig) -> Result<GrowReport> {
         let b = cuvmm::memory::DeviceBuffer::<u8>::new(ctx, 1 << 20)?;
         write(b.ptr(), 1 << 20, 1)
     };
-    wake()?;
-    run_vmm(ctx, &cfg, warm, false)?;
-    wake()?;
-    run_vmm(ctx, &cfg, warm, true)?;
+    const BUILDS: [Ahead; 3] = [Ahead::Default, Ahead::On, Ahead::Off];
+    for ahead in BUILDS {
+        wake()?;
+        run_vmm(ctx, &cfg, warm, ahead)?;
+    }
     wake()?;
     run_copy(ctx, &cfg, warm)?;
-    let (mut vmm, mut ahead, mut copy, mut copy_failed) = (Vec::new(), Vec::new(), Vec::new(), None);
+    let mut vmm: [Vec<GrowRun>; 3] = Default::default();
+    let (mut copy, mut copy_failed) = (Vec::new(), None);
     for _ in 0..cfg.reps {
-        wake()?;
-        vmm.push(run_vmm(ctx, &cfg, cfg.target, false)?);
-        wake()?;
-        ahead.push(run_vmm(ctx, &cfg, cfg.target, true)?);
+        for (runs, ahead) in vmm.iter_mut().zip(BUILDS) {
+            wake()?;
+            runs.push(run_vmm(ctx, &cfg, cfg.target, ahead)?);
+        }
         if copy_failed.is_none() {
             wake()?;
             match run_copy(ctx, &cfg, cfg.target) {
@@ -245,8 +268,9 @@ pub fn run(ctx: &Context, cfg: GrowConfig) -> Result<GrowReport> {
     }
     Ok(GrowReport {
         config: cfg,
-        vmm: summarise(&vmm),
-        ahead: summarise(&ahead),
+        vmm: summarise(&vmm[0]),
+        ahead: summarise(&vmm[1]),
+        no_ahead: summarise(&vmm[2]),
         copy: summarise(&copy),
         copy_failed,
     })
@@ -265,17 +289,6 @@ fn finish(steps: &[f64], mem: &[usize], total: Duration, peak: usize) -> GrowRun
         steps: steps.len(),
         ahead_waits: (0, 0.0),
     }
-}
-
-/// The `q` quantile of `steps` (nearest rank); 0 for none.
-fn percentile(steps: &[f64], q: f64) -> f64 {
-    if steps.is_empty() {
-        return 0.0;
-    }
-    let mut s = steps.to_vec();
-    s.sort_by(f64::total_cmp);
-    let rank = ((q * s.len() as f64).ceil() as usize).clamp(1, s.len());
-    s[rank - 1]
 }
 
 fn slowest(steps: &[f64]) -> Vec<(usize, f64)> {
@@ -304,19 +317,5 @@ fn summarise(runs: &[GrowRun]) -> GrowRun {
             runs.iter().map(|r| r.ahead_waits.0).sum(),
             runs.iter().map(|r| r.ahead_waits.1).fold(0.0, f64::max),
         ),
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::percentile;
-
-    #[test]
-    fn percentiles_use_the_nearest_rank() {
-        let steps: Vec<f64> = (1..=200).map(f64::from).collect();
-        assert_eq!(percentile(&steps, 0.99), 198.0);
-        assert_eq!(percentile(&steps, 1.0), 200.0);
-        assert_eq!(percentile(&[3.0, 1.0, 2.0], 0.5), 2.0);
-        assert_eq!(percentile(&[], 0.99), 0.0);
     }
 }

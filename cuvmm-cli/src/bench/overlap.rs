@@ -14,7 +14,7 @@ use cuvmm::context::Context;
 use cuvmm::driver::{driver, sys::CUfunction};
 use cuvmm::error::Result;
 use cuvmm::host::PinnedBuffer;
-use cuvmm::kernels::Kernels;
+use cuvmm::kernels::{busy_value, Kernels};
 use cuvmm::memory::DeviceBuffer;
 use cuvmm::module::{LaunchConfig, Module};
 use cuvmm::stream::Event;
@@ -488,8 +488,7 @@ pub fn run(ctx: &Context, cfg: OverlapConfig) -> Result<OverlapReport> {
             .min_by(|&a, &b| schedules[a].total_ms.total_cmp(&schedules[b].total_ms))
     };
     // Each result is right: the output, cleared first, checked on a sample against the same
-    // multiply-adds on the CPU (f32::mul_add is the fused fmaf the kernel uses, so results match
-    // bit for bit).
+    // multiply-adds on the CPU (`busy_value`, which matches the kernel bit for bit).
     let clear = || {
         // SAFETY: every stream is synchronised (each run ends so), no reference to `output`
         // exists, and `base_ptr` is derived from none.
@@ -497,10 +496,7 @@ pub fn run(ctx: &Context, cfg: OverlapConfig) -> Result<OverlapReport> {
     };
     let verify = |what: &str| -> Result<()> {
         for i in (0..cfg.n).step_by((cfg.n / 997).max(1)) {
-            let mut x = rig.input[i];
-            for _ in 0..iters {
-                x = x.mul_add(0.999, 0.001);
-            }
+            let x = busy_value(rig.input[i], iters);
             if rig.output[i].to_bits() != x.to_bits() {
                 return Err(crate::bench::invalid(format!(
                     "{what}: element {i}: device {} != host {x}",

@@ -1149,18 +1149,10 @@ impl<S: Side> Slot<S> {
     }
 }
 
-/// Median (the mean of the middle two for an even count) and 99th percentile (nearest rank) of
-/// `v`, which is sorted; 0 for none.
+/// Median and 99th percentile of `v` (see [`super::stats`]), which is sorted; 0 for none.
 fn quantiles(v: &mut [u32]) -> (f64, f64) {
-    if v.is_empty() {
-        return (0.0, 0.0);
-    }
     v.sort_unstable();
-    let n = v.len();
-    let median =
-        if n % 2 == 1 { f64::from(v[n / 2]) } else { (f64::from(v[n / 2 - 1]) + f64::from(v[n / 2])) / 2.0 };
-    let rank = ((0.99 * n as f64).ceil() as usize).clamp(1, n);
-    (median, f64::from(v[rank - 1]))
+    (super::stats::median_sorted(v), super::stats::nearest_rank(v, 0.99))
 }
 
 /// What two back-to-back `Instant::now()` calls cost, ns (median of 10,000).

@@ -4,6 +4,7 @@ use super::size::{parse_counts, parse_size, parse_sizes, show};
 use super::CliResult;
 use crate::bench::{alloc, bandwidth, events, grow, ipc, order, overlap, peer, sleep, trace, vmm_ops};
 use clap::Subcommand;
+use cuvmm::alloc::{BackupKind, BackupOptions};
 use cuvmm::host::{Staging, StagingConfig};
 use cuvmm::vmm::ChunkPolicy;
 use cuvmm::Context;
@@ -190,6 +191,29 @@ pub enum Bench {
         /// Device ordinal.
         #[arg(long, default_value_t = 0)]
         device: usize,
+        /// Device ordinals, comma-separated: the tag on each (one allocator per device), slept
+        /// and woken on all at once (overrides --device).
+        #[arg(long, value_delimiter = ',')]
+        devices: Vec<usize>,
+        /// Where an offloading sleep keeps the contents: pageable (host memory through the
+        /// staging ring), pinned (host memory as large as the tag) or disk (a file in --dir).
+        #[arg(long, default_value = "pageable")]
+        backup: String,
+        /// Directory of the disk backup.
+        #[arg(long)]
+        dir: Option<std::path::PathBuf>,
+        /// Keep the backup after each wake for the next sleep.
+        #[arg(long)]
+        retain: bool,
+        /// Run the first cycle in a child process of its own: the first sleep of a fresh process.
+        #[arg(long)]
+        fresh_process: bool,
+        /// Milliseconds waited between each sleep and its wake.
+        #[arg(long, default_value_t = 0)]
+        gap_ms: u64,
+        /// Run only the first cycle, as JSON lines (what --fresh-process runs in the child).
+        #[arg(long, hide = true)]
+        first_only: bool,
         /// JSON lines instead of a table.
         #[arg(long)]
         json: bool,
@@ -257,7 +281,11 @@ pub fn run(b: Bench) -> CliResult {
             } else {
                 None
             };
-            let rows = [("vmmvec", "VmmVec", &r.vmm), ("vmmvec_ahead", "VmmVec, ahead", &r.ahead)];
+            let rows = [
+                ("vmmvec", "VmmVec, default", &r.vmm),
+                ("vmmvec_ahead", "VmmVec, ahead", &r.ahead),
+                ("vmmvec_no_ahead", "VmmVec, no ahead", &r.no_ahead),
+            ];
             if json {
                 for (which, _, run) in rows.iter().copied().chain(copy) {
                     writeln!(
@@ -317,12 +345,14 @@ pub fn run(b: Bench) -> CliResult {
                         slow.join(", ")
                     )?;
                 }
-                writeln!(
-                    out,
-                    "VmmVec, ahead: {} growths over the {reps} runs waited for a chunk made ahead (longest {:.3} ms)",
-                    r.ahead.ahead_waits.0,
-                    r.ahead.ahead_waits.1 * 1e3
-                )?;
+                for (which, run) in [("default", &r.vmm), ("ahead", &r.ahead)] {
+                    writeln!(
+                        out,
+                        "VmmVec, {which}: {} growths over the {reps} runs waited for a chunk made ahead (longest {:.3} ms)",
+                        run.ahead_waits.0,
+                        run.ahead_waits.1 * 1e3
+                    )?;
+                }
                 match &r.copy_failed {
                     Some(why) => writeln!(out, "copy-doubling    could not reach {}: {why}", show(target))?,
                     None => writeln!(
@@ -535,81 +565,84 @@ pub fn run(b: Bench) -> CliResult {
             let r = trace::run(&ctx, &t, &cfg)?;
             print_trace(&mut out, &ctx.device().name()?, path.as_deref(), &t, &r, json)?;
         }
-        Bench::Sleep { size, block, reps, device, json } => {
-            let ctx = Context::for_ordinal(device)?;
-            let r = sleep::run(&ctx, size, block, reps)?;
-            if json {
-                let line = json!({"bench": "sleep", "bytes": r.bytes, "d2h_bound_ms": r.d2h_bound_ms,
-                    "h2d_bound_ms": r.h2d_bound_ms, "first_offload_ms": r.first_offload_ms,
-                    "offload_ms": r.offload_ms, "offload_ratio": r.offload_ratio(), "wake_ms": r.wake_ms,
-                    "wake_ratio": r.wake_ratio(), "h2d_after_frees_ms": r.h2d_after_frees_ms,
-                    "wake_ratio_after_frees": r.wake_ratio_after_frees(), "discard_ms": r.discard_ms, "discard_wake_ms": r.discard_wake_ms,
-                    "freed_ratio": r.freed_ratio, "mismatches": r.mismatches,
-                    "fastest_slowest_ms": {"offload": r.spread.0[0], "d2h_bound": r.spread.0[1],
-                        "wake": r.spread.0[2], "h2d_bound": r.spread.0[3]}});
-                writeln!(out, "{line}")?;
-            } else {
-                let gbs = |ms: f64| r.bytes as f64 / ms / 1e6;
-                writeln!(
-                    out,
-                    "{}: sleep and wake of {} tagged in {} blocks, {} cycles after the first; bounds taken in each cycle",
-                    ctx.device().name()?,
-                    show(r.bytes),
-                    show(block),
-                    reps
-                )?;
-                let [off, d2h, wake, h2d] = r.spread.0;
-                writeln!(
-                    out,
-                    "| step | ms | fastest-slowest | GB/s | bound ms | bound fastest-slowest | ratio |"
-                )?;
-                writeln!(out, "|---|---|---|---|---|---|---|")?;
-                writeln!(
-                    out,
-                    "| sleep, offload | {:.1} | {:.1}-{:.1} | {:.1} | {:.1} (pinned D2H) | {:.1}-{:.1} | {:.3} |",
-                    r.offload_ms,
-                    off.0,
-                    off.1,
-                    gbs(r.offload_ms),
-                    r.d2h_bound_ms,
-                    d2h.0,
-                    d2h.1,
-                    r.offload_ratio()
-                )?;
-                writeln!(
-                    out,
-                    "| wake, restore | {:.1} | {:.1}-{:.1} | {:.1} | {:.1} (pinned H2D) | {:.1}-{:.1} | {:.3} |",
-                    r.wake_ms,
-                    wake.0,
-                    wake.1,
-                    gbs(r.wake_ms),
-                    r.h2d_bound_ms,
-                    h2d.0,
-                    h2d.1,
-                    r.wake_ratio()
-                )?;
-                writeln!(
-                    out,
-                    "| wake, restore, against the bound after the same frees | {:.1} | | | {:.1} (pinned H2D right after releasing {}) | | {:.3} |",
-                    r.wake_ms,
-                    r.h2d_after_frees_ms,
-                    show(r.bytes),
-                    r.wake_ratio_after_frees()
-                )?;
-                writeln!(out, "| sleep, discard | {:.2} | | | | | |", r.discard_ms)?;
-                writeln!(out, "| wake after discard | {:.2} | | | | | |", r.discard_wake_ms)?;
-                writeln!(
-                    out,
-                    "first sleep with offload (pins its host backup): {:.1} ms",
-                    r.first_offload_ms
-                )?;
-                writeln!(
-                    out,
-                    "driver free memory gained by a sleep: {:.3} of the tagged bytes (lowest of the runs)",
-                    r.freed_ratio
-                )?;
-                writeln!(out, "elements changed across sleep and wake: {}", r.mismatches)?;
+        Bench::Sleep {
+            size,
+            block,
+            reps,
+            device,
+            devices,
+            backup,
+            dir,
+            retain,
+            fresh_process,
+            gap_ms,
+            first_only,
+            json,
+        } => {
+            let kind = match (backup.as_str(), &dir) {
+                ("pageable", _) => BackupKind::Pageable,
+                ("pinned", _) => BackupKind::Pinned,
+                ("disk", Some(d)) => BackupKind::Disk(d.clone()),
+                ("disk", None) => return Err(crate::bench::invalid("--backup disk needs --dir").into()),
+                (other, _) => {
+                    return Err(crate::bench::invalid(format!(
+                        "unknown --backup {other} (pageable, pinned, disk)"
+                    ))
+                    .into())
+                }
+            };
+            let devices = if devices.is_empty() { vec![device] } else { devices };
+            let ctxs = devices.iter().map(|&d| Context::for_ordinal(d)).collect::<cuvmm::Result<Vec<_>>>()?;
+            let cfg = sleep::SleepConfig {
+                bytes: size,
+                block,
+                reps,
+                backup: BackupOptions { kind, retain },
+                gap: std::time::Duration::from_millis(gap_ms),
+                first_only,
+            };
+            if first_only {
+                sleep::run(&ctxs, &cfg, 1, |c| {
+                    let _ = writeln!(out, "{}", json!({"bench": "sleep-cycle", "cycle": c.to_json()}));
+                })?;
+                return Ok(());
             }
+            let mut child = Vec::new();
+            if fresh_process {
+                child = sleep_in_child(size, block, &devices, &backup, dir.as_deref(), retain, gap_ms)?;
+            }
+            let names = ctxs.iter().map(|c| c.device().name()).collect::<cuvmm::Result<Vec<_>>>()?;
+            if !json {
+                writeln!(
+                    out,
+                    "{}: sleep and wake of {} tagged on each of {} device(s) in {} blocks, backup {backup}{}{}; bounds taken in each cycle",
+                    names.join(", "),
+                    show(size),
+                    devices.len(),
+                    show(block),
+                    if retain { ", retained" } else { "" },
+                    if gap_ms > 0 { format!(", {gap_ms} ms between sleep and wake") } else { String::new() },
+                )?;
+                writeln!(out, "{}", SLEEP_CYCLE_HEADER)?;
+                writeln!(out, "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")?;
+                for c in &child {
+                    print_sleep_cycle(&mut out, c, size * devices.len())?;
+                }
+            } else {
+                for c in &child {
+                    writeln!(out, "{}", json!({"bench": "sleep-cycle", "cycle": c.to_json()}))?;
+                }
+            }
+            let first = child.len() + 1;
+            let r = sleep::run(&ctxs, &cfg, first, |c| {
+                let _ = if json {
+                    writeln!(out, "{}", json!({"bench": "sleep-cycle", "cycle": c.to_json()}))
+                } else {
+                    print_sleep_cycle(&mut out, c, size * devices.len())
+                };
+            })?;
+            let r = sleep::with_child_cycles(r, child);
+            print_sleep_summary(&mut out, &r, &names, block, reps, json)?;
         }
         Bench::Ipc { size, processes, pairs, device, json, child } => {
             let ctx = Context::for_ordinal(device)?;
@@ -1394,6 +1427,202 @@ pub(super) fn print_trace(
         )?,
         Some(Err(why)) => writeln!(out, "cuStreamIsCapturing alone: {why}")?,
         None => {}
+    }
+    Ok(())
+}
+
+const SLEEP_CYCLE_HEADER: &str = "| cycle | sleep ms | D2H bound ms | ratio | wake ms | H2D bound ms | ratio | H2D after frees ms | ratio | discard ms | RSS MiB before / asleep / woken / settled | pinned MiB before / asleep / woken / settled | mismatches | disk: plain write ms (sleep GB/s vs write GB/s) |";
+
+fn print_sleep_cycle(out: &mut impl Write, c: &sleep::Cycle, bytes: usize) -> std::io::Result<()> {
+    let mib = |v: [u64; 4]| v.map(|b| format!("{:.0}", b as f64 / (1u64 << 20) as f64)).join(" / ");
+    let gbs = |ms: f64| bytes as f64 / ms / 1e6;
+    let disk = c
+        .plain_write_ms
+        .map_or(String::new(), |w| format!("{w:.1} ({:.2} vs {:.2})", gbs(c.offload_ms), gbs(w)));
+    let place = match (c.in_child, c.first_in_process) {
+        (true, _) => " (fresh child)",
+        (false, true) => " (first in process)",
+        _ => "",
+    };
+    writeln!(
+        out,
+        "| {}{place} | {:.1} | {:.1} | {:.3} | {:.1} | {:.1} | {:.3} | {:.1} | {:.3} | {:.2} | {} | {} | {} | {disk} |",
+        c.index,
+        c.offload_ms,
+        c.d2h_bound_ms,
+        c.offload_ratio(),
+        c.wake_ms,
+        c.h2d_bound_ms,
+        c.wake_ratio(),
+        c.h2d_after_frees_ms,
+        c.wake_ratio_after_frees(),
+        c.discard_ms,
+        mib(c.rss),
+        mib(c.pinned),
+        c.mismatches,
+    )
+}
+
+/// Runs the first cycle of `bench sleep` in a child process (a fresh process's first sleep) and
+/// reads its cycle back.
+fn sleep_in_child(
+    size: usize,
+    block: usize,
+    devices: &[usize],
+    backup: &str,
+    dir: Option<&std::path::Path>,
+    retain: bool,
+    gap_ms: u64,
+) -> Result<Vec<sleep::Cycle>, Box<dyn std::error::Error>> {
+    let exe = std::env::current_exe()?;
+    let mut cmd = std::process::Command::new(exe);
+    let devs: Vec<String> = devices.iter().map(|d| d.to_string()).collect();
+    cmd.args([
+        "bench",
+        "sleep",
+        "--first-only",
+        "--json",
+        "--size",
+        &size.to_string(),
+        "--block",
+        &block.to_string(),
+    ])
+    .args(["--devices", &devs.join(","), "--backup", backup, "--gap-ms", &gap_ms.to_string()]);
+    if let Some(d) = dir {
+        cmd.arg("--dir").arg(d);
+    }
+    if retain {
+        cmd.arg("--retain");
+    }
+    let o = cmd.stderr(std::process::Stdio::inherit()).output()?;
+    if !o.status.success() {
+        return Err(crate::bench::invalid(format!("the fresh child failed: {}", o.status)).into());
+    }
+    let text = String::from_utf8_lossy(&o.stdout);
+    let cycles: Vec<sleep::Cycle> = text
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter_map(|v| v.get("cycle").and_then(sleep::Cycle::from_json))
+        .collect();
+    if cycles.is_empty() {
+        return Err(crate::bench::invalid("the fresh child reported no cycle").into());
+    }
+    Ok(cycles)
+}
+
+/// Each goal of sleep and wake, judged cycle by cycle against the bounds of the same cycle.
+fn sleep_goals(r: &sleep::SleepReport) -> Vec<(String, serde_json::Value)> {
+    let first: Vec<&sleep::Cycle> = r.cycles.iter().filter(|c| c.first_in_process).collect();
+    let later: Vec<&sleep::Cycle> = r.cycles.iter().filter(|c| !c.first_in_process).collect();
+    vec![
+        (
+            "first sleep of a process <= 1.3x its D2H bound".into(),
+            first.iter().all(|c| c.offload_ratio() <= 1.3).into(),
+        ),
+        (
+            "every later sleep <= 1.05x its D2H bound".into(),
+            later.iter().all(|c| c.offload_ratio() <= 1.05).into(),
+        ),
+        (
+            "every wake <= 1.05x the H2D bound after the same frees".into(),
+            r.cycles.iter().all(|c| c.wake_ratio_after_frees() <= 1.05).into(),
+        ),
+        ("every discarding sleep <= 25 ms".into(), r.cycles.iter().all(|c| c.discard_ms <= 25.0).into()),
+    ]
+}
+
+fn print_sleep_summary(
+    out: &mut impl Write,
+    r: &sleep::SleepReport,
+    names: &[String],
+    block: usize,
+    reps: usize,
+    json: bool,
+) -> CliResult {
+    if json {
+        let line = json!({"bench": "sleep", "bytes": r.bytes, "devices": r.devices, "d2h_bound_ms": r.d2h_bound_ms,
+                "h2d_bound_ms": r.h2d_bound_ms, "first_offload_ms": r.first_offload_ms,
+                "offload_ms": r.offload_ms, "offload_ratio": r.offload_ratio(), "wake_ms": r.wake_ms,
+                "wake_ratio": r.wake_ratio(), "h2d_after_frees_ms": r.h2d_after_frees_ms,
+                "wake_ratio_after_frees": r.wake_ratio_after_frees(), "discard_ms": r.discard_ms, "discard_wake_ms": r.discard_wake_ms,
+                "freed_ratio": r.freed_ratio, "mismatches": r.mismatches,
+                "goals": sleep_goals(r).into_iter().collect::<serde_json::Map<String, serde_json::Value>>(),
+                "fastest_slowest_ms": {"offload": r.spread.0[0], "d2h_bound": r.spread.0[1],
+                    "wake": r.spread.0[2], "h2d_bound": r.spread.0[3]}});
+        writeln!(out, "{line}")?;
+    } else {
+        let gbs = |ms: f64| r.bytes as f64 / ms / 1e6;
+        writeln!(
+                out,
+                "{}: sleep and wake of {} tagged in {} blocks, {} cycles after the first; medians of the cycles after each process's first",
+                names.join(", "),
+                show(r.bytes),
+                show(block),
+                reps
+            )?;
+        let [off, d2h, wake, h2d] = r.spread.0;
+        writeln!(out, "| step | ms | fastest-slowest | GB/s | bound ms | bound fastest-slowest | ratio |")?;
+        writeln!(out, "|---|---|---|---|---|---|---|")?;
+        writeln!(
+            out,
+            "| sleep, offload | {:.1} | {:.1}-{:.1} | {:.1} | {:.1} (pinned D2H) | {:.1}-{:.1} | {:.3} |",
+            r.offload_ms,
+            off.0,
+            off.1,
+            gbs(r.offload_ms),
+            r.d2h_bound_ms,
+            d2h.0,
+            d2h.1,
+            r.offload_ratio()
+        )?;
+        writeln!(
+            out,
+            "| wake, restore | {:.1} | {:.1}-{:.1} | {:.1} | {:.1} (pinned H2D) | {:.1}-{:.1} | {:.3} |",
+            r.wake_ms,
+            wake.0,
+            wake.1,
+            gbs(r.wake_ms),
+            r.h2d_bound_ms,
+            h2d.0,
+            h2d.1,
+            r.wake_ratio()
+        )?;
+        writeln!(
+                out,
+                "| wake, restore, against the bound after the same frees | {:.1} | | | {:.1} (pinned H2D right after releasing {}) | | {:.3} |",
+                r.wake_ms,
+                r.h2d_after_frees_ms,
+                show(r.bytes),
+                r.wake_ratio_after_frees()
+            )?;
+        writeln!(out, "| sleep, discard | {:.2} | | | | | |", r.discard_ms)?;
+        writeln!(out, "| wake after discard | {:.2} | | | | | |", r.discard_wake_ms)?;
+        writeln!(
+            out,
+            "driver free memory gained by a sleep: {:.3} of the tagged bytes (lowest of the runs)",
+            r.freed_ratio
+        )?;
+        for c in r.cycles.iter().filter(|c| c.first_in_process) {
+            writeln!(
+                out,
+                "first sleep of {} (cycle {}): {:.1} ms, {:.3}x its cycle's D2H bound",
+                if c.in_child { "a fresh child process" } else { "this process" },
+                c.index,
+                c.offload_ms,
+                c.offload_ratio()
+            )?;
+        }
+        writeln!(out, "elements changed across sleep and wake: {}", r.mismatches)?;
+        for (goal, met) in sleep_goals(r) {
+            writeln!(out, "goal: {goal}: {}", if met == true { "met" } else { "NOT met" })?;
+        }
+    }
+    if r.mismatches > 0 {
+        return Err(crate::bench::invalid(format!(
+            "{} elements changed across sleep and wake: the wakes did not restore what was written",
+            r.mismatches
+        ))
+        .into());
     }
     Ok(())
 }

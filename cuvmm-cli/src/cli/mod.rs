@@ -53,6 +53,25 @@ enum Command {
     /// Run a benchmark.
     #[command(subcommand)]
     Bench(bench::Bench),
+    /// Write an allocation trace's events in the compact form the allocator's model tests replay
+    /// (src/alloc/ordered/core/testdata, whose README gives the commands that made its files).
+    TraceEvents {
+        /// The trace (as libcuvmm.so writes with CUVMM_ALLOC_CONF=trace=PATH); without one, the
+        /// synthetic trace of `cuvmm bench trace`.
+        trace: Option<std::path::PathBuf>,
+        /// Where the events go.
+        #[arg(long)]
+        out: std::path::PathBuf,
+        /// Only the trace's first this many records (null allocations count, then are left out).
+        #[arg(long)]
+        records: Option<usize>,
+        /// Each event's stream too (at most three streams).
+        #[arg(long)]
+        streams: bool,
+        /// The device whose records are taken.
+        #[arg(long, default_value_t = 0)]
+        device: i32,
+    },
 }
 
 /// A CLI failure: a library error or an output error, printed as one line.
@@ -72,7 +91,39 @@ pub fn run(args: Args) -> CliResult {
         Command::Info { json } => info::run(json),
         Command::Bench(b) => bench::run(b),
         Command::Soak { cycles, device } => soak(cycles, device),
+        Command::TraceEvents { trace, out, records, streams, device } => {
+            trace_events(trace.as_deref(), &out, records, streams, device)
+        }
     }
+}
+
+fn trace_events(
+    trace: Option<&std::path::Path>,
+    out: &std::path::Path,
+    records: Option<usize>,
+    streams: bool,
+    device: i32,
+) -> CliResult {
+    use crate::bench::{model_trace, trace as tr};
+    let text = match trace {
+        Some(p) => std::fs::read_to_string(p).map_err(|e| format!("{}: {e}", p.display()))?,
+        None => tr::synthetic_text(),
+    };
+    let t = tr::parse(model_trace::first_records(&text, records).as_bytes(), device)?;
+    let form = if streams { model_trace::Form::Streams } else { model_trace::Form::Sizes };
+    let bytes = model_trace::encode(&t, form)?;
+    std::fs::write(out, &bytes).map_err(|e| format!("{}: {e}", out.display()))?;
+    println!(
+        "{}: {} events ({} allocations, {} frees, {} never freed, {} null allocations left out), {} bytes",
+        out.display(),
+        t.allocations + t.frees,
+        t.allocations,
+        t.frees,
+        t.unfreed,
+        t.null_allocations,
+        bytes.len()
+    );
+    Ok(())
 }
 
 fn soak(cycles: usize, device: usize) -> CliResult {

@@ -1,11 +1,13 @@
 //! The allocator's [`Backend`] on the driver: pages are `cuMemCreate` allocations of one
 //! granule-multiple each, mapped and unmapped one by one inside reservations this backend owns.
 
+use super::backup::{self, BackupKind, BackupOptions, Copier, Mover, Staged};
 use super::core::Backend;
 use crate::context::Context;
 use crate::driver::{driver, sys::*};
 use crate::error::{Error, Result};
-use crate::host::PinnedBuffer;
+use crate::host::{PinnedBuffer, Staging};
+use crate::memory::{DeviceSlice, DeviceSliceMut};
 use crate::stream::{Event, Stream, StreamInner};
 use crate::vmm::{HandleTypes, PhysicalBuilder, PhysicalMemory, Reservation};
 use std::collections::HashMap;
@@ -20,6 +22,53 @@ pub(crate) struct DriverBackend {
     lanes: Vec<Stream>,
     /// Streams of the safe API kept alive while the allocator may still record events on them.
     kept: HashMap<u64, Arc<StreamInner>>,
+    /// The thread that runs staged backups' copies through the staging ring, made at first use.
+    mover: Option<Mover>,
+}
+
+/// A sleeping tag's backup on the driver.
+pub(crate) enum HostBackup {
+    /// Pinned host memory, copied to and from on the two lanes.
+    Pinned { buf: PinnedBuffer<u8>, options: BackupOptions },
+    /// Pageable host memory or a file, through the staging ring.
+    Staged(Staged),
+}
+
+impl HostBackup {
+    fn options(&self) -> &BackupOptions {
+        match self {
+            HostBackup::Pinned { options, .. } => options,
+            HostBackup::Staged(s) => &s.options,
+        }
+    }
+
+    fn len(&self) -> u64 {
+        match self {
+            HostBackup::Pinned { buf, .. } => buf.len() as u64,
+            HostBackup::Staged(s) => s.store.len(),
+        }
+    }
+}
+
+/// The staging ring and a stream of its own, for the mover's thread.
+struct StagedCopier {
+    staging: Staging,
+    stream: Stream,
+}
+
+impl Copier for StagedCopier {
+    fn to_host(&mut self, src: u64, dst: &mut [u8]) -> Result<()> {
+        // SAFETY: `src` is a mapped range of a tag's pages, which stay mapped until the copy has
+        // returned (the allocator waits for the mover before unmapping).
+        let from = unsafe { DeviceSlice::<u8>::from_raw_parts(src, dst.len()) };
+        self.staging.to_host(&self.stream, from, dst)
+    }
+
+    fn to_device(&mut self, src: &[u8], dst: u64) -> Result<()> {
+        // SAFETY: as in `to_host`; nothing else writes the range during a wake.
+        let to = unsafe { DeviceSliceMut::<u8>::from_raw_parts(dst, src.len()) };
+        self.staging.to_device(&self.stream, src, to)
+    }
 }
 
 impl DriverBackend {
@@ -38,6 +87,7 @@ impl DriverBackend {
             builder,
             reservations: Vec::new(),
             kept: HashMap::new(),
+            mover: None,
         }
     }
 
@@ -57,6 +107,17 @@ impl DriverBackend {
         for (a, n) in pages {
             let _ = self.unmap(a, n);
         }
+    }
+
+    fn mover(&mut self) -> Result<&Mover> {
+        if self.mover.is_none() {
+            let copier = StagedCopier {
+                staging: Staging::with_defaults(&self.ctx)?,
+                stream: Stream::non_blocking(&self.ctx)?,
+            };
+            self.mover = Some(Mover::new(copier)?);
+        }
+        Ok(self.mover.as_ref().expect("made above"))
     }
 
     fn lane(&mut self, i: usize) -> Result<&Stream> {
@@ -167,26 +228,51 @@ impl Backend for DriverBackend {
         self.kept.remove(&stream);
     }
 
-    type Host = PinnedBuffer<u8>;
+    type Host = HostBackup;
 
-    fn host_alloc(&mut self, bytes: u64) -> Result<PinnedBuffer<u8>> {
-        PinnedBuffer::new(&self.ctx, bytes as usize)
+    fn host_alloc(&mut self, tag: u32, bytes: u64, old: Option<HostBackup>) -> Result<HostBackup> {
+        let options = backup::options_of(tag);
+        match old {
+            Some(h) if h.options() == &options && h.len() >= bytes => return Ok(h),
+            Some(h) => self.host_release(h),
+            None => {}
+        }
+        if options.kind == BackupKind::Pinned {
+            let buf = PinnedBuffer::new(
+                &self.ctx,
+                usize::try_from(bytes).map_err(|_| Error::invalid("backup too large"))?,
+            )?;
+            return Ok(HostBackup::Pinned { buf, options });
+        }
+        self.mover()?;
+        Ok(HostBackup::Staged(Staged::new(bytes, options)?))
     }
 
-    fn host_len(host: &PinnedBuffer<u8>) -> u64 {
-        host.len() as u64
+    fn host_retained(host: &HostBackup) -> bool {
+        host.options().retain
+    }
+
+    fn host_release(&mut self, host: HostBackup) {
+        // Unmapping, unpinning or unlinking gigabytes takes milliseconds the caller need not wait
+        // for: done on a thread of its own where one can be started.
+        // Should no thread start, the closure and the backup are dropped here.
+        let _ = std::thread::Builder::new().name("cuvmm-backup-release".into()).spawn(move || drop(host));
     }
 
     fn copy_out(
         &mut self,
-        host: &mut PinnedBuffer<u8>,
+        host: &mut HostBackup,
         offset: u64,
         src: u64,
         len: u64,
         lane: usize,
     ) -> Result<()> {
-        check_host(host, offset, len)?;
-        let dst = host.base_ptr().wrapping_add(offset as usize).cast();
+        let buf = match host {
+            HostBackup::Staged(s) => return self.mover()?.queue(true, src, &s.store, offset, len),
+            HostBackup::Pinned { buf, .. } => buf,
+        };
+        check_host(buf, offset, len)?;
+        let dst = buf.base_ptr().wrapping_add(offset as usize).cast();
         let stream = self.lane(lane)?.raw();
         self.ctx.bind()?;
         // SAFETY: the host range lies inside the pinned buffer (checked), which outlives the copy
@@ -195,16 +281,13 @@ impl Backend for DriverBackend {
         unsafe { driver()?.api().cuMemcpyDtoHAsync(dst, src, len as usize, stream) }
     }
 
-    fn copy_in(
-        &mut self,
-        dst: u64,
-        host: &PinnedBuffer<u8>,
-        offset: u64,
-        len: u64,
-        lane: usize,
-    ) -> Result<()> {
-        check_host(host, offset, len)?;
-        let src = host.base_ptr().wrapping_add(offset as usize).cast_const().cast();
+    fn copy_in(&mut self, dst: u64, host: &HostBackup, offset: u64, len: u64, lane: usize) -> Result<()> {
+        let buf = match host {
+            HostBackup::Staged(s) => return self.mover()?.queue(false, dst, &s.store, offset, len),
+            HostBackup::Pinned { buf, .. } => buf,
+        };
+        check_host(buf, offset, len)?;
+        let src = buf.base_ptr().wrapping_add(offset as usize).cast_const().cast();
         let stream = self.lane(lane)?.raw();
         self.ctx.bind()?;
         // SAFETY: as in `copy_out`, the other way; nothing writes the buffer meanwhile.
@@ -212,10 +295,16 @@ impl Backend for DriverBackend {
     }
 
     fn finish_copies(&mut self) -> Result<()> {
+        // Both kinds are waited for, whatever failed first: nothing may still be copying when
+        // the allocator unmaps or lets go of a backup.
+        let mut r = Ok(());
         for s in &self.lanes {
-            s.synchronize()?;
+            r = r.and(s.synchronize());
         }
-        Ok(())
+        if let Some(m) = &self.mover {
+            r = r.and(m.finish());
+        }
+        r
     }
 
     fn synchronize(&mut self) -> Result<()> {

@@ -39,10 +39,17 @@ pub(crate) trait Backend {
     /// Nothing of `stream` is waited for any more.
     fn forget(&mut self, stream: u64);
 
-    /// Host memory that holds a sleeping tag's contents.
+    /// Where a sleeping tag's contents are kept.
     type Host;
-    fn host_alloc(&mut self, bytes: u64) -> Result<Self::Host>;
-    fn host_len(host: &Self::Host) -> u64;
+    /// A backup of at least `bytes` for `tag`, as its options ask: `old` (the tag's retained
+    /// backup) when it still fits them, else a new one (`old` is released).
+    fn host_alloc(&mut self, tag: u32, bytes: u64, old: Option<Self::Host>) -> Result<Self::Host>;
+    /// Whether the backup is kept after a wake.
+    fn host_retained(host: &Self::Host) -> bool;
+    /// Gives a backup back (its memory or its file).
+    fn host_release(&mut self, host: Self::Host) {
+        drop(host);
+    }
     /// Queues a copy of `len` bytes at `src` into `host` at `offset` on copy lane `lane`.
     fn copy_out(&mut self, host: &mut Self::Host, offset: u64, src: u64, len: u64, lane: usize)
         -> Result<()>;
@@ -408,16 +415,16 @@ impl<B: Backend> Core<B> {
             .checked_mul(page)
             .ok_or_else(|| Error::invalid(format!("{size} bytes cannot be allocated")))?;
         let reserve = want.max(pages);
+        // The table is sized by the reservation (a configured size, or the request): one that
+        // cannot be allocated is an error, not an abort.
+        let mut table = Vec::new();
+        table.try_reserve_exact((reserve / page) as usize).map_err(|_| {
+            Error::invalid(format!("{size} bytes cannot be allocated: no page table for {reserve} bytes"))
+        })?;
+        table.resize_with((reserve / page) as usize, || None);
         let base = self.backend.reserve(reserve)?;
         self.stats.reserved += reserve;
-        let pages = (reserve / page) as usize;
-        self.slots.push(Slot {
-            heap: Heap::new(base, reserve),
-            small,
-            tag,
-            page,
-            pages: (0..pages).map(|_| None).collect(),
-        });
+        self.slots.push(Slot { heap: Heap::new(base, reserve), small, tag, page, pages: table });
         let i = self.slots.len() - 1;
         let a =
             self.slots[i].heap.carve(n, stream, size, pool, reuse).expect("a new heap holds its first block");

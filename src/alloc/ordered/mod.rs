@@ -48,9 +48,11 @@
 //! ```
 
 mod backend;
+mod backup;
 pub(crate) mod core;
 mod heap;
 
+pub use self::backup::{BackupKind, BackupOptions};
 pub use self::core::{AllocatorStats, SleepMode, TagStats};
 
 use self::backend::DriverBackend;
@@ -127,6 +129,18 @@ impl Tag {
     pub fn name(&self) -> String {
         lock(&TAGS)[self.0 as usize - 1].clone()
     }
+
+    /// Where this tag's later offloading sleeps keep its contents, on every allocator: pageable
+    /// host memory through a staging ring by default, released at wake. Refused, changing
+    /// nothing, for a disk backup whose directory is not one.
+    pub fn set_backup(&self, options: BackupOptions) -> Result<()> {
+        backup::set_options(self.0, options)
+    }
+
+    /// The options [`set_backup`](Self::set_backup) gave (the default when none).
+    pub fn backup(&self) -> BackupOptions {
+        backup::options_of(self.0)
+    }
 }
 
 /// What becomes of memory handed out on a stream while it is being captured into a CUDA graph.
@@ -150,6 +164,8 @@ pub struct StreamAllocator {
 
 struct Shared {
     ctx: Context,
+    /// The device's memory in bytes: no block can be larger.
+    memory: u64,
     core: Mutex<Core<DriverBackend>>,
 }
 
@@ -199,7 +215,11 @@ impl StreamAllocator {
         };
         let backend = DriverBackend::new(ctx, config.page);
         Ok(StreamAllocator {
-            inner: Arc::new(Shared { ctx: ctx.clone(), core: Mutex::new(Core::new(backend, sizes)) }),
+            inner: Arc::new(Shared {
+                ctx: ctx.clone(),
+                memory: total as u64,
+                core: Mutex::new(Core::new(backend, sizes)),
+            }),
         })
     }
 
@@ -208,7 +228,20 @@ impl StreamAllocator {
         &self.inner.ctx
     }
 
+    /// A request larger than the device's memory could never be served: refused before anything
+    /// (a heap, its page table) is built for it.
+    fn check_size(&self, size: usize) -> Result<()> {
+        if size as u64 > self.inner.memory {
+            return Err(Error::invalid(format!(
+                "{size} bytes are more than the device's {} bytes of memory",
+                self.inner.memory
+            )));
+        }
+        Ok(())
+    }
+
     /// `size` bytes for work on `stream`. The block is freed, in stream order, when dropped.
+    /// Refused ([`Error::InvalidArgument`]) when larger than the device's memory.
     ///
     /// On a stream being captured into a graph, the block is kept for the graph
     /// ([`GraphMemory::Keep`]).
@@ -217,6 +250,7 @@ impl StreamAllocator {
     }
 
     fn allocate_on(&self, size: usize, stream: &Stream, tag: Option<Tag>) -> Result<StreamBlock> {
+        self.check_size(size)?;
         if !stream.context().same_as(&self.inner.ctx) {
             return Err(Error::invalid("the stream belongs to another context than the allocator"));
         }
@@ -252,6 +286,7 @@ impl StreamAllocator {
         graphs: GraphMemory,
         tag: Option<Tag>,
     ) -> Result<u64> {
+        self.check_size(size)?;
         let capture = capture(stream, graphs)?;
         // Every driver call the allocator may make binds the context itself: the cached path makes
         // none.
@@ -264,13 +299,15 @@ impl StreamAllocator {
     }
 
     /// Waits for all queued work, then releases the device memory of every block tagged `tag`,
-    /// first copying what they hold to pinned host memory with [`SleepMode::Offload`] (two
-    /// copy streams, 64 MiB at a time; the host memory is kept for the next sleep). The
-    /// addresses stay reserved: nothing else is placed there. Returns the bytes released.
+    /// first copying what they hold to the tag's backup with [`SleepMode::Offload`] (see
+    /// [`Tag::set_backup`]: pageable host memory through a staging ring unless the tag asks for
+    /// pinned memory or a file). The addresses stay reserved: nothing else is placed there.
+    /// Returns the bytes released.
     ///
     /// Refused, changing nothing, when the tag is asleep already or a stream this allocator saw
-    /// is being captured. Device work that touches a sleeping block faults the context: sleep
-    /// only what nothing queued will use before [`wake`](Self::wake).
+    /// is being captured. A backup that cannot be made or written (no host memory, a full disk)
+    /// fails the call with the tag awake and whole. Device work that touches a sleeping block
+    /// faults the context: sleep only what nothing queued will use before [`wake`](Self::wake).
     pub fn sleep(&self, tag: Tag, mode: SleepMode) -> Result<usize> {
         let mut core = lock(&self.inner.core);
         core.sleep(tag.0, mode).map(|b| b as usize)

@@ -50,7 +50,8 @@ pub(crate) enum State {
 
 pub(crate) struct Tag<H> {
     state: State,
-    /// Kept after a wake: the next sleep reuses it instead of pinning memory again.
+    /// While asleep, the saved contents; while awake, a backup its options retain for the next
+    /// sleep.
     backup: Option<H>,
 }
 
@@ -107,14 +108,18 @@ impl<B: Backend> Core<B> {
                 }
             }
             let entry = self.sleepers.entry(tag).or_insert(Tag { state: State::Awake, backup: None });
-            if entry.backup.as_ref().map_or(true, |h| B::host_len(h) < at) && at > 0 {
-                entry.backup = None;
-                entry.backup = Some(self.backend.host_alloc(at)?);
+            let mut host = entry.backup.take();
+            if at > 0 {
+                // The backup the tag's options ask for: a retained one when it still fits.
+                host = Some(self.backend.host_alloc(tag, at, host)?);
             }
-            let mut host = self.sleepers.get_mut(&tag).and_then(|t| t.backup.take());
             let r = self.copy_pages(&saved, host.as_mut(), true);
+            if let Err(e) = r {
+                // The tag stays awake with its contents; a backup it would not keep goes.
+                self.keep_or_release(tag, host);
+                return Err(e);
+            }
             self.sleepers.get_mut(&tag).expect("inserted").backup = host;
-            r?;
         }
         // Everything of the tag goes back to the driver, idle pages included.
         let mut released = 0;
@@ -238,7 +243,22 @@ impl<B: Backend> Core<B> {
             return Err(e);
         }
         self.sleepers.get_mut(&tag).expect("known").state = State::Awake;
+        let host = self.sleepers.get_mut(&tag).and_then(|t| t.backup.take());
+        self.keep_or_release(tag, host);
         Ok(())
+    }
+
+    /// Keeps `host` as `tag`'s backup when its options say so, else gives it back.
+    fn keep_or_release(&mut self, tag: u32, host: Option<B::Host>) {
+        match host {
+            Some(h) if B::host_retained(&h) => {
+                if let Some(t) = self.sleepers.get_mut(&tag) {
+                    t.backup = Some(h);
+                }
+            }
+            Some(h) => self.backend.host_release(h),
+            None => {}
+        }
     }
 
     /// Maps the pages under `slots`' live blocks, recording each in `mapped`, and queues the copy

@@ -3,6 +3,7 @@
 //! while another's queued work still uses it, and any call a capture forbids.
 
 use super::*;
+use crate::alloc::{BackupKind, BackupOptions};
 use crate::driver::sys::CUresult;
 use proptest::prelude::*;
 use std::cell::{Cell, RefCell};
@@ -49,6 +50,30 @@ pub(super) struct Gpu {
     unmaps_left: Option<usize>,
     /// Captured streams whose graphs may run on any stream (`Capture::Shared`).
     shared_captures: HashSet<u64>,
+    /// Each tag's backup options (the default when absent).
+    backup_options: HashMap<u32, BackupOptions>,
+    /// Backups alive now, and made so far.
+    hosts_alive: Rc<Cell<usize>>,
+    hosts_made: usize,
+    /// Copies (either way) left before one fails, as a copy to or from a backup may (None: never).
+    copies_left: Option<usize>,
+    /// Makes `host_alloc` fail (no host memory, an unwritable directory).
+    fail_host: bool,
+}
+
+/// A backup in the model: its size, what it holds at each offset (one value per page), the
+/// options it was made under; counted in `hosts_alive` while it lives.
+pub(super) struct ModelHost {
+    len: u64,
+    data: HashMap<u64, u64>,
+    options: BackupOptions,
+    alive: Rc<Cell<usize>>,
+}
+
+impl Drop for ModelHost {
+    fn drop(&mut self) {
+        self.alive.set(self.alive.get() - 1);
+    }
 }
 
 pub(super) struct Page {
@@ -275,32 +300,44 @@ impl Backend for Gpu {
         self.forgotten.push(stream);
     }
 
-    type Host = (u64, HashMap<u64, u64>);
+    type Host = ModelHost;
 
-    fn host_alloc(&mut self, bytes: u64) -> Result<Self::Host> {
-        Ok((bytes, HashMap::new()))
+    fn host_alloc(&mut self, tag: u32, bytes: u64, old: Option<ModelHost>) -> Result<ModelHost> {
+        let options = self.backup_options.get(&tag).cloned().unwrap_or_default();
+        match old {
+            Some(h) if h.options == options && h.len >= bytes => return Ok(h),
+            _ => {}
+        }
+        if self.fail_host {
+            return Err(Error::Os { call: "open (disk backup)", errno: nix::errno::Errno::ENOSPC });
+        }
+        self.hosts_made += 1;
+        self.hosts_alive.set(self.hosts_alive.get() + 1);
+        Ok(ModelHost { len: bytes, data: HashMap::new(), options, alive: Rc::clone(&self.hosts_alive) })
     }
-    fn host_len(host: &Self::Host) -> u64 {
-        host.0
+    fn host_retained(host: &ModelHost) -> bool {
+        host.options.retain
     }
     fn copy_out(
         &mut self,
-        host: &mut Self::Host,
+        host: &mut ModelHost,
         offset: u64,
         src: u64,
         len: u64,
         _lane: usize,
     ) -> Result<()> {
-        assert!(offset + len <= host.0);
+        assert!(offset + len <= host.len);
+        self.copy_step()?;
         for (&a, (id, _)) in self.mapped.range(src..src + len) {
-            host.1.insert(offset + a - src, self.contents.get(id).copied().unwrap_or(0));
+            host.data.insert(offset + a - src, self.contents.get(id).copied().unwrap_or(0));
         }
         Ok(())
     }
-    fn copy_in(&mut self, dst: u64, host: &Self::Host, offset: u64, len: u64, _lane: usize) -> Result<()> {
-        assert!(offset + len <= host.0);
+    fn copy_in(&mut self, dst: u64, host: &ModelHost, offset: u64, len: u64, _lane: usize) -> Result<()> {
+        assert!(offset + len <= host.len);
+        self.copy_step()?;
         for (&a, &(id, _)) in self.mapped.range(dst..dst + len) {
-            self.contents.insert(id, host.1.get(&(offset + a - dst)).copied().unwrap_or(0));
+            self.contents.insert(id, host.data.get(&(offset + a - dst)).copied().unwrap_or(0));
         }
         Ok(())
     }
@@ -315,6 +352,18 @@ impl Backend for Gpu {
 }
 
 impl Gpu {
+    /// Counts one copy to or from a backup; fails it once `copies_left` runs out.
+    fn copy_step(&mut self) -> Result<()> {
+        match &mut self.copies_left {
+            Some(0) => Err(Error::Os { call: "write (disk backup)", errno: nix::errno::Errno::ENOSPC }),
+            Some(n) => {
+                *n -= 1;
+                Ok(())
+            }
+            None => Ok(()),
+        }
+    }
+
     /// Writes `value` into the page mapped at `addr`.
     fn write(&mut self, addr: u64, value: u64) {
         let id = self.mapped[&addr].0;
@@ -1259,4 +1308,139 @@ fn a_wake_during_a_capture_is_refused_and_changes_nothing() {
     assert!(c.tag_stats(TAG).asleep);
     c.backend().captures.clear();
     c.wake(TAG).unwrap();
+}
+
+/// Every kind of backup, kept after a wake or not.
+fn every_backup() -> Vec<BackupOptions> {
+    let kinds = [BackupKind::Pageable, BackupKind::Pinned, BackupKind::Disk("/backups".into())];
+    kinds
+        .into_iter()
+        .flat_map(|kind| [false, true].map(|retain| BackupOptions { kind: kind.clone(), retain }))
+        .collect()
+}
+
+/// Two blocks of the tag with a freed one between them (so their copies are separate runs),
+/// written with values from `seed`; returns their addresses.
+fn two_runs(c: &mut Core<Gpu>, seed: u64) -> [u64; 2] {
+    let a = c.allocate(2 * TPAGE, 1, Capture::None, TAG).unwrap();
+    let b = c.allocate(2 * TPAGE, 1, Capture::None, TAG).unwrap();
+    let d = c.allocate(2 * TPAGE, 1, Capture::None, TAG).unwrap();
+    c.free(b, 1).unwrap();
+    for (i, x) in [a, d].into_iter().enumerate() {
+        for k in 0..2 {
+            c.backend().write(x + k * TPAGE, seed + 10 * i as u64 + k);
+        }
+    }
+    [a, d]
+}
+
+fn holds(c: &mut Core<Gpu>, blocks: [u64; 2], seed: u64) -> bool {
+    blocks
+        .into_iter()
+        .enumerate()
+        .all(|(i, x)| (0..2).all(|k| c.backend().read(x + k * TPAGE) == seed + 10 * i as u64 + k))
+}
+
+#[test]
+fn every_backup_kind_restores_the_contents_and_is_kept_after_a_wake_only_when_retained() {
+    for opts in every_backup() {
+        let mut c = core(1000);
+        c.backend().backup_options.insert(TAG, opts.clone());
+        let blocks = two_runs(&mut c, 100);
+        for cycle in 0..3u64 {
+            c.sleep(TAG, SleepMode::Offload).unwrap();
+            assert_eq!(c.backend().hosts_alive.get(), 1, "{opts:?}: asleep with its backup");
+            c.wake(TAG).unwrap();
+            assert!(holds(&mut c, blocks, 100), "{opts:?}: contents after wake {cycle}");
+            let kept = usize::from(opts.retain);
+            assert_eq!(c.backend().hosts_alive.get(), kept, "{opts:?}: backup after wake {cycle}");
+            // A retained backup serves every later sleep; otherwise each sleep makes one.
+            let made = if opts.retain { 1 } else { cycle as usize + 1 };
+            assert_eq!(c.backend().hosts_made, made, "{opts:?}");
+        }
+        // A discarding sleep neither makes nor drops a backup.
+        c.sleep(TAG, SleepMode::Discard).unwrap();
+        c.wake(TAG).unwrap();
+        assert_eq!(c.backend().hosts_alive.get(), usize::from(opts.retain), "{opts:?}");
+    }
+}
+
+#[test]
+fn a_retained_backup_of_other_options_is_replaced_at_the_next_sleep() {
+    let mut c = core(1000);
+    c.backend().backup_options.insert(TAG, BackupOptions { kind: BackupKind::Pinned, retain: true });
+    let blocks = two_runs(&mut c, 5);
+    c.sleep(TAG, SleepMode::Offload).unwrap();
+    c.wake(TAG).unwrap();
+    assert_eq!((c.backend().hosts_made, c.backend().hosts_alive.get()), (1, 1));
+    c.backend().backup_options.insert(TAG, BackupOptions { kind: BackupKind::Pageable, retain: false });
+    c.sleep(TAG, SleepMode::Offload).unwrap();
+    assert_eq!((c.backend().hosts_made, c.backend().hosts_alive.get()), (2, 1), "the pinned one went");
+    c.wake(TAG).unwrap();
+    assert!(holds(&mut c, blocks, 5));
+    assert_eq!(c.backend().hosts_alive.get(), 0);
+}
+
+#[test]
+fn a_copy_failing_in_the_middle_of_a_sleep_leaves_the_tag_awake_with_its_contents() {
+    for opts in every_backup() {
+        let mut c = core(1000);
+        c.backend().backup_options.insert(TAG, opts.clone());
+        let blocks = two_runs(&mut c, 40);
+        let mapped = c.tag_stats(TAG).mapped;
+        // The first run is copied, the second fails (a full disk).
+        c.backend().copies_left = Some(1);
+        let e = c.sleep(TAG, SleepMode::Offload).unwrap_err();
+        assert!(matches!(e, Error::Os { .. }), "{opts:?}: {e}");
+        c.backend().copies_left = None;
+        let t = c.tag_stats(TAG);
+        assert!(!t.asleep && t.mapped == mapped && t.offloaded == 0, "{opts:?}: {t:?}");
+        assert!(holds(&mut c, blocks, 40), "{opts:?}");
+        assert_eq!(
+            c.backend().hosts_alive.get(),
+            usize::from(opts.retain),
+            "{opts:?}: a backup not kept goes"
+        );
+        // And it sleeps and wakes as before.
+        c.sleep(TAG, SleepMode::Offload).unwrap();
+        c.wake(TAG).unwrap();
+        assert!(holds(&mut c, blocks, 40), "{opts:?}");
+    }
+}
+
+#[test]
+fn a_backup_that_cannot_be_made_fails_the_sleep_with_the_tag_awake() {
+    let mut c = core(1000);
+    let blocks = two_runs(&mut c, 70);
+    let mapped = c.tag_stats(TAG).mapped;
+    c.backend().fail_host = true;
+    let e = c.sleep(TAG, SleepMode::Offload).unwrap_err();
+    assert!(matches!(e, Error::Os { .. }), "{e}");
+    let t = c.tag_stats(TAG);
+    assert!(!t.asleep && t.mapped == mapped, "{t:?}");
+    assert!(holds(&mut c, blocks, 70));
+    // Discarding needs no backup.
+    c.sleep(TAG, SleepMode::Discard).unwrap();
+    c.wake(TAG).unwrap();
+}
+
+#[test]
+fn a_copy_failing_in_the_middle_of_a_wake_leaves_the_tag_asleep_with_its_backup() {
+    for opts in every_backup() {
+        let mut c = core(1000);
+        c.backend().backup_options.insert(TAG, opts.clone());
+        let blocks = two_runs(&mut c, 90);
+        c.sleep(TAG, SleepMode::Offload).unwrap();
+        let units = c.backend().units.get();
+        c.backend().copies_left = Some(1);
+        assert!(c.wake(TAG).is_err(), "{opts:?}");
+        c.backend().copies_left = None;
+        let t = c.tag_stats(TAG);
+        assert!(t.asleep && t.mapped == 0 && t.offloaded == 4 * TPAGE, "{opts:?}: {t:?}");
+        assert_eq!(c.backend().units.get(), units, "{opts:?}: what the wake mapped went back");
+        assert_eq!(c.backend().hosts_alive.get(), 1, "{opts:?}: the backup stays");
+        c.wake(TAG).unwrap();
+        assert!(holds(&mut c, blocks, 90), "{opts:?}");
+        assert_eq!(c.backend().hosts_alive.get(), usize::from(opts.retain), "{opts:?}");
+    }
 }
