@@ -91,3 +91,30 @@ fn a_block_exports_the_pages_under_it_and_a_thousand_round_trips_leave_nothing_b
     }
     assert!(alloc.export(big).is_err(), "a freed block");
 }
+
+#[test]
+fn above_the_export_threshold_a_block_is_one_exportable_allocation() {
+    let (_turn, lib, ctx) = fake_device();
+    let config = AllocatorConfig { page: 2 * MIB, export_threshold: 8 * MIB, ..AllocatorConfig::default() };
+    let alloc = StreamAllocator::with_config(&ctx, config).unwrap();
+    let created = count(&lib, "cuMemCreate");
+    // SAFETY: the legacy default stream; freed below, before the allocator goes.
+    let big = unsafe { alloc.allocate_raw(19 * MIB, std::ptr::null_mut(), GraphMemory::Keep) }.unwrap();
+    assert_eq!(count(&lib, "cuMemCreate") - created, 1, "one physical allocation");
+    let e = alloc.export(big).unwrap();
+    assert_eq!((e.fds.len(), e.page, e.first_page), (1, 20 * MIB, big));
+    drop(e);
+    alloc.unexport(big).unwrap();
+    // SAFETY: as above.
+    let small = unsafe { alloc.allocate_raw(7 * MIB, std::ptr::null_mut(), GraphMemory::Keep) }.unwrap();
+    assert_eq!(alloc.export(small).unwrap().fds.len(), 4, "below the threshold: ordinary pages");
+    alloc.unexport(small).unwrap();
+    // SAFETY: both came from this allocator on the legacy stream and are freed once.
+    unsafe {
+        alloc.free_raw(big, std::ptr::null_mut()).unwrap();
+        alloc.free_raw(small, std::ptr::null_mut()).unwrap();
+    }
+    let released = count(&lib, "cuMemRelease");
+    assert!(alloc.empty_cache().unwrap() >= 20 * MIB);
+    assert!(count(&lib, "cuMemRelease") - released >= 1);
+}

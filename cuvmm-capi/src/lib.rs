@@ -100,6 +100,7 @@ fn allocator(device: c_int) -> Result<&'static StreamAllocator, String> {
             reserve: g.config.reserve,
             tag_page: g.config.tag_page,
             lend: g.config.lend,
+            export_threshold: g.config.export_threshold,
         };
         StreamAllocator::with_config(&ctx, cfg).map_err(|e| e.to_string())
     })

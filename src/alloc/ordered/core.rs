@@ -220,6 +220,8 @@ pub(crate) struct Core<B: Backend> {
     stamped: Option<(u64, u64)>,
     /// Blocks shared with other processes, by address: (sharings not yet over, size).
     exported: HashMap<u64, (u32, u64)>,
+    /// Blocks of at least this many bytes (untagged) are one physical allocation each; 0: off.
+    whole_above: u64,
 }
 
 impl<B: Backend> Core<B> {
@@ -242,6 +244,7 @@ impl<B: Backend> Core<B> {
             borrowed_epoch: 0,
             stamped: None,
             exported: HashMap::new(),
+            whole_above: 0,
         }
     }
 
@@ -299,7 +302,7 @@ impl<B: Backend> Core<B> {
             Capture::Private(id) => self.pool_of(id),
             _ => 0,
         };
-        let req = Request { n, size, stream, kind: (n <= SMALL, tag), pool, capture };
+        let req = Request { n, size, stream, kind: self.kind_of(n, tag), pool, capture };
         if capture == Capture::None {
             for slot in self.slots.iter_mut().filter(|s| (s.small, s.tag) == req.kind) {
                 if let Some(addr) = slot.heap.take_cached(stream, n, size) {
@@ -410,6 +413,9 @@ impl<B: Backend> Core<B> {
         }
         let want = if small { self.sizes.small_reserve } else { self.sizes.large_reserve };
         let page = if tag != 0 && !small { self.sizes.tag_page } else { self.sizes.page };
+        // A heap of one page, for a block that must be one physical allocation.
+        let (want, page) =
+            if tag == WHOLE { (self.whole_page(n)?, self.whole_page(n)?) } else { (want, page) };
         let pages = n
             .div_ceil(page)
             .checked_mul(page)
@@ -931,9 +937,10 @@ impl<B: Backend> Core<B> {
         self.captured.clear();
         self.settle_all()?;
         self.reclaim(usize::MAX)?;
+        let whole = self.release_whole()?;
         let n = self.spare.len() as u64;
         self.release_spare();
-        Ok(n * self.sizes.page)
+        Ok(n * self.sizes.page + whole)
     }
 
     /// Gives the memory held for captured graphs back to the shared pool; returns the free bytes
@@ -946,6 +953,7 @@ impl<B: Backend> Core<B> {
 }
 
 mod export;
+use export::WHOLE;
 mod sleep;
 pub use sleep::{SleepMode, TagStats};
 

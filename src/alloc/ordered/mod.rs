@@ -93,11 +93,19 @@ pub struct AllocatorConfig {
     /// total). Each page moved costs the calling thread about 50 µs of driver calls (2,700-4,200
     /// in 40 steps, 6,800-8,800 in 160). Off, nothing moves once a repeated pattern has its pages.
     pub lend: bool,
+    /// Untagged blocks of at least this many bytes (0: none, the default) are each one physical
+    /// allocation of their size rounded to `page`, exportable as a POSIX descriptor and, where the
+    /// device supports it and an IMEX channel exists, as a fabric handle: what transfer engines
+    /// that register a range by its allocation (UCX's POSIX-descriptor path, fabric handles) can
+    /// carry. Such a block's free space serves later blocks of that size class only; its memory
+    /// goes back to the driver at [`StreamAllocator::empty_cache`] once idle, instead of being
+    /// moved to where other blocks need it.
+    pub export_threshold: usize,
 }
 
 impl Default for AllocatorConfig {
     fn default() -> Self {
-        AllocatorConfig { page: 4 << 20, reserve: 0, tag_page: 128 << 20, lend: true }
+        AllocatorConfig { page: 4 << 20, reserve: 0, tag_page: 128 << 20, lend: true, export_threshold: 0 }
     }
 }
 
@@ -213,13 +221,11 @@ impl StreamAllocator {
             small_reserve: round((large / 16).max(config.page)) as u64,
             lend: config.lend,
         };
-        let backend = DriverBackend::new(ctx, config.page);
+        let backend = DriverBackend::new(ctx, config.page, config.export_threshold);
+        let mut core = Core::new(backend, sizes);
+        core.set_whole_above(config.export_threshold as u64);
         Ok(StreamAllocator {
-            inner: Arc::new(Shared {
-                ctx: ctx.clone(),
-                memory: total as u64,
-                core: Mutex::new(Core::new(backend, sizes)),
-            }),
+            inner: Arc::new(Shared { ctx: ctx.clone(), memory: total as u64, core: Mutex::new(core) }),
         })
     }
 

@@ -23,7 +23,7 @@ pub(super) struct Gpu {
     next_base: u64,
     mapped: BTreeMap<u64, (u32, u64)>,
     /// Memory in use, in units of PAGE, against `page_limit`.
-    units: Rc<Cell<usize>>,
+    pub(super) units: Rc<Cell<usize>>,
     /// Mappings of each page, and pages released while still mapped: as with the driver, the
     /// memory of a released page is freed when its last mapping goes.
     mappings: Rc<RefCell<HashMap<u32, usize>>>,
