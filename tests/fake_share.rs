@@ -65,7 +65,7 @@ fn a_block_exports_the_pages_under_it_and_a_thousand_round_trips_leave_nothing_b
         assert_eq!((e.fds.len(), e.first_page), (3, big / (2 * MIB as u64) * (2 * MIB as u64)));
         assert_eq!(alloc.stats().exported, 5 * MIB as u64);
         let borrowed: Vec<_> = e.fds.iter().map(|f| f.as_fd()).collect();
-        let imported = BlockImport::import(&ctx, &borrowed, e.page).unwrap();
+        let imported = BlockImport::import(&ctx, &borrowed, e.page, &[]).unwrap();
         assert_eq!(imported.len(), 6 * MIB);
         if round == 0 {
             assert_eq!(count(&lib, "cuMemImportFromShareableHandle"), 3);
@@ -83,7 +83,16 @@ fn a_block_exports_the_pages_under_it_and_a_thousand_round_trips_leave_nothing_b
     assert_eq!(count(&lib, "cuMemAddressReserve") - reserves, 1000);
     assert_eq!(count(&lib, "cuMemAddressFree") - frees, 1000, "every import's address space freed");
     assert!(alloc.unexport(big).is_err(), "nothing shared any more");
-    assert!(BlockImport::import(&ctx, &[], 2 * MIB).is_err(), "nothing to import");
+    assert!(BlockImport::import(&ctx, &[], 2 * MIB, &[]).is_err(), "nothing to import");
+    // The owner named among the peers is granted once; the import, dropped at once, leaves nothing.
+    let e = alloc.export(big).unwrap();
+    let borrowed: Vec<_> = e.fds.iter().map(|f| f.as_fd()).collect();
+    let maps = count(&lib, "cuMemMap") - count(&lib, "cuMemUnmap");
+    let peer = cuvmm::Device::get(0).unwrap();
+    assert!(BlockImport::import(&ctx, &borrowed, e.page, &[peer]).is_ok(), "the owner itself is no peer");
+    assert_eq!(count(&lib, "cuMemMap") - count(&lib, "cuMemUnmap"), maps);
+    drop(e);
+    alloc.unexport(big).unwrap();
     // SAFETY: the blocks came from this allocator on the legacy stream and are freed once.
     unsafe {
         alloc.free_raw(small, std::ptr::null_mut()).unwrap();

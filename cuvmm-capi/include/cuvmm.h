@@ -140,9 +140,10 @@ int cuvmm_get_tag_stats(const char *tag, cuvmm_tag_stats_t *out);
  *   sleep. Freeing a shared block drops its marks: its addresses may then be handed out again
  *   while an importer still reads the old pages through its own mapping.
  * cuvmm_import: maps `count` exported pages of `page` bytes (fds, in address order) side by side
- *   on `device`, the device they were made on, with read-write access for it and for every
- *   device that can reach it; *base gets the address of the first page. Returns a handle, or NULL.
- *   The descriptors stay the caller's.
+ *   on `device`, the device they were made on, with read-write access for it and for the `npeers`
+ *   devices in `peers` (each must reach it; a peer's primary context is retained, so name only
+ *   devices the process uses); *base gets the address of the first page. Returns a handle, or
+ *   NULL. The descriptors stay the caller's.
  * cuvmm_import_release: waits for the work of those devices, then unmaps. */
 typedef struct cuvmm_export {
     uint64_t block;       /* the block's address */
@@ -154,7 +155,8 @@ typedef struct cuvmm_export {
 int cuvmm_owner(int device, const void *ptr, uint64_t *block, uint64_t *len);
 ssize_t cuvmm_export(int device, const void *ptr, cuvmm_export_t *out, int *fds, size_t cap);
 int cuvmm_unexport(int device, uint64_t block);
-void *cuvmm_import(int device, const int *fds, size_t count, uint64_t page, uint64_t *base);
+void *cuvmm_import(int device, const int *fds, size_t count, uint64_t page, const int *peers, size_t npeers,
+                   uint64_t *base);
 int cuvmm_import_release(void *import);
 
 /* Writes the allocation trace (trace= in CUVMM_ALLOC_CONF) out now; it is also written at exit. */

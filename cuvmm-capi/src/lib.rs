@@ -682,17 +682,21 @@ pub extern "C" fn cuvmm_unexport(device: c_int, block: u64) -> c_int {
 }
 
 /// Maps `count` pages of `page` bytes another process exported (`fds`, in address order) on
-/// `device`, side by side; writes the address of the first into `*base` and returns a handle for
-/// [`cuvmm_import_release`], or NULL. The descriptors stay the caller's.
+/// `device`, side by side, with access for `device` and the `npeers` devices in `peers`; writes the
+/// address of the first into `*base` and returns a handle for [`cuvmm_import_release`], or NULL.
+/// The descriptors stay the caller's.
 ///
 /// # Safety
-/// `fds` must be valid for reading `count` ints, each an open descriptor; `base` for writing.
+/// `fds` must be valid for reading `count` ints, each an open descriptor; `peers` for reading
+/// `npeers` ints (or null with 0); `base` for writing.
 #[no_mangle]
 pub unsafe extern "C" fn cuvmm_import(
     device: c_int,
     fds: *const c_int,
     count: usize,
     page: u64,
+    peers: *const c_int,
+    npeers: usize,
     base: *mut u64,
 ) -> *mut c_void {
     use std::os::fd::BorrowedFd;
@@ -709,9 +713,27 @@ pub unsafe extern "C" fn cuvmm_import(
         // SAFETY: each is an open descriptor the caller holds for the length of this call.
         let borrowed: Vec<BorrowedFd<'_>> =
             raw.iter().map(|&fd| unsafe { BorrowedFd::borrow_raw(fd) }).collect();
+        if peers.is_null() && npeers > 0 {
+            return Err(plain("null peer list".into()));
+        }
+        let peers: &[c_int] = if npeers == 0 {
+            &[]
+        } else {
+            // SAFETY: the caller's contract: `npeers` readable ints.
+            unsafe { std::slice::from_raw_parts(peers, npeers) }
+        };
+        let peers = peers
+            .iter()
+            .map(|&d| {
+                usize::try_from(d)
+                    .ok()
+                    .and_then(|d| Device::get(d).ok())
+                    .ok_or_else(|| plain(format!("no device {d}")))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
         let a = allocator(device).map_err(plain)?;
         let imported =
-            cuvmm_lib::alloc::BlockImport::import(a.context(), &borrowed, page).map_err(reported)?;
+            cuvmm_lib::alloc::BlockImport::import(a.context(), &borrowed, page, &peers).map_err(reported)?;
         // SAFETY: checked non-null; the caller gives a writable u64.
         unsafe { base.write(imported.ptr()) };
         Ok(Box::into_raw(Box::new(imported)).cast::<c_void>())

@@ -166,7 +166,7 @@ def _declare(lib: ctypes.CDLL) -> None:
                                      c_size_t]),
         "cuvmm_unexport": (c_int, [c_int, ctypes.c_uint64]),
         "cuvmm_import": (ctypes.c_void_p, [c_int, ctypes.POINTER(c_int), c_size_t, ctypes.c_uint64,
-                                           ctypes.POINTER(ctypes.c_uint64)]),
+                                           ctypes.POINTER(c_int), c_size_t, ctypes.POINTER(ctypes.c_uint64)]),
         "cuvmm_import_release": (c_int, [ctypes.c_void_p]),
     }
     for name, (res, args) in sigs.items():

@@ -117,6 +117,17 @@ def reduce_tensor(t):
     return (_rebuild, (desc, df, os.getpid(), next(_serial)))
 
 
+def _peers(device: int) -> list[int]:
+    """Devices besides ``device`` that this process already uses (a CUDA context exists) and that
+    can reach ``device``'s memory: they get access to an import too. Granting one that has no
+    context would create one (hundreds of MiB of device memory) in a process that never uses it."""
+    has_context = getattr(_torch._C, "_cuda_hasPrimaryContext", None)
+    if has_context is None:
+        return []
+    return [d for d in range(_torch.cuda.device_count())
+            if d != device and has_context(d) and _torch.cuda.can_device_access_peer(d, device)]
+
+
 class _Mapped:
     """Exported pages mapped in this process, seen by PyTorch through ``__cuda_array_interface__``
     as the bytes of one storage; unmapped (and the sender told) when PyTorch lets go of it."""
@@ -128,8 +139,10 @@ class _Mapped:
         fds = _share.recv_pages(sock, f["count"])
         try:
             arr = (ctypes.c_int * len(fds))(*fds)
+            peers = _peers(f["device"])
+            parr = (ctypes.c_int * max(1, len(peers)))(*peers)
             base = ctypes.c_uint64()
-            handle = lib.cuvmm_import(f["device"], arr, len(fds), f["page"], ctypes.byref(base))
+            handle = lib.cuvmm_import(f["device"], arr, len(fds), f["page"], parr, len(peers), ctypes.byref(base))
             if not handle:
                 raise RuntimeError(f"cuvmm_import failed: {_core.last_error() or 'no error text'}")
         finally:

@@ -460,9 +460,9 @@ pub struct BlockExport {
 }
 
 /// Pages another process exported ([`StreamAllocator::export`]), mapped here side by side as they
-/// lie there, readable and writable by the exporter's device and by every device of this process
-/// that can reach it. Dropping it waits for the work of those devices, then unmaps; the memory
-/// lives on while its exporter or any other importer holds it.
+/// lie there, readable and writable by the exporter's device and by the peers named at the import.
+/// Dropping it waits for the work of those devices, then unmaps; the memory lives on while its
+/// exporter or any other importer holds it.
 pub struct BlockImport {
     // Dropped before the reservation they are mapped in.
     mappings: Vec<Mapping>,
@@ -471,8 +471,15 @@ pub struct BlockImport {
 
 impl BlockImport {
     /// Imports `fds` (pages of `page` bytes each, in address order) on `ctx`'s device, which must
-    /// be the device they were made on. The descriptors are not consumed: close them afterwards.
-    pub fn import(ctx: &Context, fds: &[std::os::fd::BorrowedFd<'_>], page: usize) -> Result<BlockImport> {
+    /// be the device they were made on, and grants `peers` access too (each must be able to reach
+    /// it; granting a device access retains its primary context, so name only devices this
+    /// process uses). The descriptors are not consumed: close them afterwards.
+    pub fn import(
+        ctx: &Context,
+        fds: &[std::os::fd::BorrowedFd<'_>],
+        page: usize,
+        peers: &[Device],
+    ) -> Result<BlockImport> {
         if fds.is_empty() {
             return Err(Error::invalid("nothing to import"));
         }
@@ -487,10 +494,18 @@ impl BlockImport {
             mappings.push(reservation.map_all(i * page, &phys)?);
         }
         let mut grants = vec![(ctx.device(), Access::ReadWrite)];
-        for d in Device::all()? {
-            if d != ctx.device() && d.can_access_peer(&ctx.device()).unwrap_or(false) {
-                grants.push((d, Access::ReadWrite));
+        for &d in peers {
+            if grants.iter().any(|&(g, _)| g == d) {
+                continue;
             }
+            if !d.can_access_peer(&ctx.device())? {
+                return Err(Error::invalid(format!(
+                    "device {} cannot reach device {}'s memory",
+                    d.ordinal(),
+                    ctx.device().ordinal()
+                )));
+            }
+            grants.push((d, Access::ReadWrite));
         }
         reservation.set_access(0, total, &grants)?;
         Ok(BlockImport { mappings, reservation })
