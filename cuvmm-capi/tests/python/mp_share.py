@@ -3,9 +3,11 @@
 PyTorch's own allocator, in one run.
 
     python3 mp_share.py [--tensors 64] [--gib 16] [--rounds 3] [--trips 1000] [--no-nixl]
+                        [--export-threshold 64MiB]
 
-For each allocator (a sender process each: native, then cuvmm under change_current_allocator)
-a spawned receiver gets:
+For each allocator (a sender process each: native, cuvmm under change_current_allocator, and cuvmm
+again with --export-threshold, where each tensor is one physical allocation) a spawned receiver
+gets:
 
 * views of several dtypes, strides and offsets, and an nn.Parameter: it checks each against the
   sender's description (dtype, size, strides, storage offset, sum) and writes one element, which
@@ -260,9 +262,12 @@ def nixl_send(tensors, ask):
         return {"error": f"{type(e).__name__}: {e}"}
 
 
-def run_sender(alloc, argv):
+def run_sender(alloc, argv, conf=None):
     cmd = [sys.executable, os.path.abspath(__file__), "--role", "sender", "--alloc", alloc] + argv
-    p = subprocess.run(cmd, cwd=HERE, stdout=subprocess.PIPE, text=True)
+    env = dict(os.environ)
+    if conf:
+        env["CUVMM_ALLOC_CONF"] = ",".join(c for c in (env.get("CUVMM_ALLOC_CONF"), conf) if c)
+    p = subprocess.run(cmd, cwd=HERE, stdout=subprocess.PIPE, text=True, env=env)
     sys.stdout.write("".join(line + "\n" for line in p.stdout.splitlines() if not line.startswith("RESULT ")))
     lines = [line for line in p.stdout.splitlines() if line.startswith("RESULT ")]
     return json.loads(lines[-1][len("RESULT "):]) if lines else {"error": f"exit {p.returncode}", "checks": {}}
@@ -278,6 +283,9 @@ def main():
     p.add_argument("--trips", type=int, default=1000)
     p.add_argument("--trip-mib", type=int, default=4)
     p.add_argument("--no-nixl", action="store_true")
+    p.add_argument("--export-threshold", default="64MiB",
+                   help="a third run on cuvmm with this export_threshold (each tensor one physical "
+                        "allocation, what UCX's descriptor and fabric paths take); 0: none")
     p.add_argument("--json", metavar="PATH")
     args = p.parse_args()
     if args.role == "sender":
@@ -285,10 +293,16 @@ def main():
     argv = [f"--tensors={args.tensors}", f"--gib={args.gib}", f"--rounds={args.rounds}",
             f"--trips={args.trips}", f"--trip-mib={args.trip_mib}"] + (["--no-nixl"] if args.no_nixl else [])
     native, cuvmm_run = run_sender("native", argv), run_sender("cuvmm", argv)
+    whole = None
+    if args.export_threshold not in ("0", ""):
+        whole = run_sender("cuvmm", argv, f"export_threshold={args.export_threshold}")
     checks = {f"cuvmm: {k}": v for k, v in cuvmm_run.get("checks", {}).items()}
+    if whole is not None:
+        checks.update({f"cuvmm export_threshold: {k}": v for k, v in whole.get("checks", {}).items()})
+        checks["cuvmm export_threshold run completed"] = "handoff" in whole
     checks["native run completed"] = "handoff" in native
     checks["cuvmm run completed"] = "handoff" in cuvmm_run
-    goals, result = {}, {"native": native, "cuvmm": cuvmm_run}
+    goals, result = {}, {"native": native, "cuvmm": cuvmm_run, "cuvmm_export_threshold": whole}
     if "handoff" in native and "handoff" in cuvmm_run:
         ratio = cuvmm_run["handoff"]["median_s"] / native["handoff"]["median_s"]
         result["handoff_ratio_cuvmm_to_native"] = ratio
@@ -305,8 +319,11 @@ def main():
         print(f"GPU 1 reading GPU 0: cuvmm {p2p['shared_gbps']:.1f} GB/s, own memory "
               f"{p2p['peer_copy_gbps']:.1f} GB/s (ratio {ratio:.3f}); native allocator "
               f"{native.get('p2p', {}).get('shared_gbps', float('nan')):.1f} GB/s")
-        for name, run in (("native", native), ("cuvmm", cuvmm_run)):
+        for name, run in (("native", native), ("cuvmm", cuvmm_run), ("cuvmm export_threshold", whole or {})):
             print(f"NIXL READ from {name}: {run.get('nixl')}")
+    if whole is not None and "handoff" in whole:
+        print(f"cuvmm with export_threshold={args.export_threshold}: hand-off {whole['handoff']['median_s']:.3f} s, "
+              f"GPU 1 reading {whole.get('p2p', {}).get('shared_gbps', float('nan')):.1f} GB/s")
     return finish("mp_share.py", args, result, checks, goals)
 
 
