@@ -163,18 +163,25 @@ class _Mapped:
             self._sock = None
 
     def __del__(self):
-        self.release()
+        try:
+            self.release()
+        except Exception:  # at interpreter exit the library may be gone; the process ends anyway
+            pass
 
 
 def _rebuild(desc, df, sender_pid, serial):
-    f = _share.decode(desc)
-    dtype = getattr(_torch, f["dtype"], None)
-    if not isinstance(dtype, _torch.dtype):
-        raise ValueError(f"descriptor field dtype: {f['dtype']!r} is not a torch dtype")
-    itemsize = dtype.itemsize
-    if _share.extent(f["size"], f["stride"], f["storage_offset"]) * itemsize > f["nbytes"]:
-        raise ValueError("the tensor reaches past its storage")
+    # Taken first, whatever follows: closing it is what lets the sender free the block.
     sock = socket.socket(fileno=df.detach())
+    try:
+        f = _share.decode(desc)
+        dtype = getattr(_torch, f["dtype"], None)
+        if not isinstance(dtype, _torch.dtype):
+            raise ValueError(f"descriptor field dtype: {f['dtype']!r} is not a torch dtype")
+        if _share.extent(f["size"], f["stride"], f["storage_offset"]) * dtype.itemsize > f["nbytes"]:
+            raise ValueError("the tensor reaches past its storage")
+    except BaseException:
+        sock.close()
+        raise
     _raise_fd_limit()
     device = _torch.device("cuda", f["device"])
     if f["nbytes"] == 0:
