@@ -57,8 +57,6 @@ def receiver(q_in, q_out):
     torch.cuda.init()
     torch.empty(1, device="cuda:0")  # the context, before anything is timed
     two = torch.cuda.device_count() >= 2
-    if two:
-        torch.empty(1, device="cuda:1")
     q_out.put(("ready", fds()))
     while True:
         cmd, payload = q_in.get()
@@ -76,6 +74,11 @@ def receiver(q_in, q_out):
         elif cmd == "drop":
             del payload
             q_out.put(("dropped", None))
+        elif cmd == "use_gpu1":
+            # A context on GPU 1 from now on: imports grant GPU 1 access only in a process that
+            # uses it, so the hand-off rounds above did not pay for it.
+            torch.empty(1, device="cuda:1")
+            q_out.put(("use_gpu1", None))
         elif cmd == "p2p":
             q_out.put(("p2p", p2p(payload) if two else None))
         elif cmd == "nixl":
@@ -143,7 +146,7 @@ def nixl_read(agent_md, descs, sizes):
 def sender(args):
     import torch
     import torch.multiprocessing as mp
-    from _common import Alloc, cuvmm_torch
+    from _common import Alloc
     alloc = Alloc(args.alloc).setup()
     if alloc.uses_cuvmm:
         import cuvmm.torch  # noqa: F401  (installs the reduction)
@@ -197,6 +200,7 @@ def sender(args):
                          "median_s": statistics.median(times)}
 
     if torch.cuda.device_count() >= 2:
+        ask("use_gpu1")
         result["p2p"] = ask("p2p", tensors)
         ask("drop", None, "dropped")
         if not args.no_nixl and importlib.util.find_spec("nixl") is not None:
