@@ -21,6 +21,16 @@ except ImportError:  # pragma: no cover
     pass
 
 _releases = _share.Releases()
+
+
+def _after_fork_in_child():
+    # The parent's exports are the parent's to release; the child starts with none (and without
+    # the parent's thread).
+    global _releases
+    _releases = _share.Releases()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 # torch.multiprocessing's reductions, imported (which registers them) by share_tensors before ours.
 _torch_reductions = None
 _installed = False
