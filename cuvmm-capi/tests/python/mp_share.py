@@ -11,7 +11,7 @@ gets:
 
 * views of several dtypes, strides and offsets, and an nn.Parameter: it checks each against the
   sender's description (dtype, size, strides, storage offset, sum) and writes one element, which
-  the sender must then see (zero copy);
+  the sender must then see (zero copy); a view passed as a Process argument is checked too;
 * --tensors tensors totalling --gib GiB, --rounds times: the time from ``put`` to the receiver
   having them all usable (a kernel has read each, synchronised), median over rounds;
 * with two GPUs, the same tensors read from GPU 1 (``copy_`` into GPU 1 memory: the copy engine),
@@ -87,6 +87,11 @@ def receiver(q_in, q_out):
             payload[0].item()
             del payload
             q_out.put(("trip", fds()))
+
+
+def arg_child(t, expected, q):
+    """A process given a tensor as its argument: whether it arrived intact."""
+    q.put(describe(t) == expected)
 
 
 def p2p(tensors):
@@ -182,7 +187,14 @@ def sender(args):
     checks["a write of the receiver is seen by the sender (zero copy)"] = base[0].item() == 12345.0
     if mine != theirs:
         result["views_mismatch"] = {k: (mine[k], theirs.get(k)) for k in mine if mine[k] != theirs.get(k)}
-    del views, base
+    # A Process argument travels when the child starts, not through a queue.
+    results = ctx.Queue()
+    arg = views["transposed"]
+    p = ctx.Process(target=arg_child, args=(arg, describe(arg), results))
+    p.start()
+    checks["a view passed as a Process argument arrives intact"] = results.get(timeout=300)
+    p.join(60)
+    del views, base, arg
     ask("drop", None, "dropped")
 
     # Hand-off of --tensors tensors totalling --gib GiB.
