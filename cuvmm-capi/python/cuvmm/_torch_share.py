@@ -15,10 +15,8 @@ import torch as _torch
 import cuvmm as _core
 from cuvmm import _share
 
-try:  # DupFd in a spawned or forkserver child's queue needs it before any fork (as torch does)
-    import multiprocessing.resource_sharer  # noqa: F401
-except ImportError:  # pragma: no cover
-    pass
+# Imported before any fork, as PyTorch does: a queue's feeder thread may pickle during one.
+from multiprocessing import resource_sharer as _resource_sharer
 
 _releases = _share.Releases()
 
@@ -112,18 +110,12 @@ def reduce_tensor(t):
     # The storage stays allocated here until the receiver lets go of it.
     held = [storage]
     _releases.register(keep, release)
-    popen = _mpr.context.get_spawning_popen() if hasattr(_mpr, "context") else None
-    if popen is not None:
-        # A Process argument: the descriptor is handed over when the child starts, not duplicated
-        # now; it is closed when the Process object goes.
-        import weakref
-        fd = os.dup(give.fileno())
-        give.close()
-        weakref.finalize(popen, os.close, fd)
-        df = popen.DupFd(popen.duplicate_for_child(fd))
-    else:
-        df = _mpr.DupFd(give.fileno())  # duplicated at once
-        give.close()
+    # Through the resource sharer in every case (a queue message or a Process argument): it
+    # duplicates the descriptor now and closes its copy once the receiver has fetched it, so the
+    # receiver's end is held only by the receiver. (The spawning Popen's own descriptor passing
+    # would leave the parent a copy for the Process object's lifetime, and the block with it.)
+    df = _resource_sharer.DupFd(give.fileno())
+    give.close()
     return (_rebuild, (desc, df, os.getpid(), next(_serial)))
 
 

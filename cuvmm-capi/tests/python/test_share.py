@@ -7,7 +7,7 @@ a spawned process with multiprocessing's DupFd, and the sender learning that the
 """
 
 import multiprocessing
-import multiprocessing.reduction
+from multiprocessing import resource_sharer
 import os
 import socket
 import sys
@@ -152,18 +152,19 @@ class Transport(unittest.TestCase):
         releases = _share.Releases()
         releases.register(keep, released.set)
         self.assertEqual(releases.pending(), 1)
-        # What ForkingPickler does for a queue message: DupFd duplicates at once.
-        df = multiprocessing.reduction.DupFd(give.fileno())
+        # As cuvmm.torch does, for a queue message or (here) a Process argument: the resource
+        # sharer duplicates at once and lets go of its copy once the child fetched it.
+        df = resource_sharer.DupFd(give.fileno())
         give.close()
         p = ctx.Process(target=child_reads_pages, args=(df, 4, results))
         p.start()
         contents, leaked = results.get(timeout=60)
-        p.join(60)
         self.assertEqual(contents, ["0", "1", "2", "3"])
         self.assertEqual(leaked, 0, "the child closed what it received")
-        self.assertTrue(released.wait(10), "the sender learns the receiver hung up")
+        self.assertTrue(released.wait(10), "the sender learns the receiver hung up, the Process object alive")
         self.assertEqual(releases.pending(), 0)
         self.assertEqual(keep.fileno(), -1, "the sender's end is closed once it was told")
+        p.join(60)
         for fd in fds:
             os.close(fd)
 
