@@ -5,7 +5,7 @@
 
 use crate::context::Context;
 use crate::device::Device;
-use crate::driver::{driver, sys::*};
+use crate::driver::{driver, result, sys::*};
 use crate::error::{Error, Result};
 use std::path::{Path, PathBuf};
 
@@ -231,11 +231,7 @@ pub(crate) fn granularity_of(prop: &CUmemAllocationProp, dev: Option<&Device>) -
 
 fn query_granularity(prop: &CUmemAllocationProp, dev: Option<&Device>) -> Result<Granularity> {
     let api = driver()?.api();
-    let query = |flag| {
-        let mut g = 0usize;
-        // SAFETY: both pointers are valid for the call; `prop` is a fully initialised CUmemAllocationProp.
-        unsafe { api.cuMemGetAllocationGranularity(&mut g, prop, flag) }.map(|()| g)
-    };
+    let query = |flag| result::mem::get_allocation_granularity(api, prop, flag);
     let both = || -> Result<Granularity> {
         Ok(Granularity {
             minimum: query(CUmemAllocationGranularity_flags::MINIMUM)?,

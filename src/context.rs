@@ -1,7 +1,7 @@
 //! Contexts: a device's primary context, retained for as long as any clone is alive.
 
 use crate::device::Device;
-use crate::driver::{driver, sys::CUcontext};
+use crate::driver::{driver, result, sys::CUcontext};
 use crate::error::Result;
 use std::cell::Cell;
 use std::sync::Arc;
@@ -39,10 +39,7 @@ unsafe impl Sync for Inner {}
 impl Context {
     /// Retains `device`'s primary context.
     pub fn new(device: Device) -> Result<Context> {
-        let api = driver()?.api();
-        let mut raw: CUcontext = std::ptr::null_mut();
-        // SAFETY: the out-pointer is a valid local; the device handle came from cuDeviceGet.
-        unsafe { api.cuDevicePrimaryCtxRetain(&mut raw, device.raw()) }?;
+        let raw = result::ctx::primary_retain(driver()?.api(), device.raw())?;
         Ok(Context { inner: Arc::new(Inner { device, raw }) })
     }
 
@@ -54,7 +51,7 @@ impl Context {
     /// Makes this context current on the calling thread.
     pub fn bind(&self) -> Result<()> {
         // SAFETY: the context is retained for as long as `self` lives.
-        let r = unsafe { driver()?.api().cuCtxSetCurrent(self.inner.raw) };
+        let r = unsafe { result::ctx::set_current(driver()?.api(), self.inner.raw) };
         LAST_BOUND.with(|c| c.set(if r.is_ok() { self.inner.raw as usize } else { 0 }));
         r
     }
@@ -87,16 +84,13 @@ impl Context {
     /// Waits for all work in this context to finish.
     pub fn synchronize(&self) -> Result<()> {
         self.bind()?;
-        // SAFETY: no arguments; the context is current.
-        unsafe { driver()?.api().cuCtxSynchronize() }
+        result::ctx::synchronize(driver()?.api())
     }
 
     /// Free and total device memory as the driver reports them (`cuMemGetInfo`).
     pub fn memory_info(&self) -> Result<MemoryInfo> {
         self.bind()?;
-        let (mut free, mut total) = (0usize, 0usize);
-        // SAFETY: both out-pointers are valid locals; the context is current.
-        unsafe { driver()?.api().cuMemGetInfo(&mut free, &mut total) }?;
+        let (free, total) = result::mem::get_info(driver()?.api())?;
         Ok(MemoryInfo { free, total })
     }
 
@@ -122,7 +116,7 @@ impl Drop for Inner {
             if let Ok(d) = driver() {
                 // SAFETY: releases the one retain `Context::new` took. An error here (the driver
                 // being torn down at exit) leaves nothing this process can act on.
-                let _ = unsafe { d.api().cuDevicePrimaryCtxRelease(device.raw()) };
+                let _ = unsafe { result::ctx::primary_release(d.api(), device.raw()) };
             }
         });
     }

@@ -1,6 +1,6 @@
 //! Devices: enumeration and the properties this crate reports.
 
-use crate::driver::{driver, sys::*};
+use crate::driver::{driver, result, sys::*};
 use crate::error::{Error, Result};
 use std::ffi::{c_char, c_int, CStr};
 use std::fmt;
@@ -41,10 +41,7 @@ fn c_string(buf: &[c_char]) -> String {
 impl Device {
     /// How many devices the driver sees.
     pub fn count() -> Result<usize> {
-        let api = driver()?.api();
-        let mut n: c_int = 0;
-        // SAFETY: the out-pointer is a valid local.
-        unsafe { api.cuDeviceGetCount(&mut n) }?;
+        let n = result::device::get_count(driver()?.api())?;
         Ok(usize::try_from(n).unwrap_or(0))
     }
 
@@ -56,10 +53,8 @@ impl Device {
                 "device ordinal {ordinal} is out of range: the driver sees {count} device(s)"
             )));
         }
-        let api = driver()?.api();
-        let mut raw: CUdevice = 0;
-        // SAFETY: ordinal < count fits a c_int, since count came from one.
-        unsafe { api.cuDeviceGet(&mut raw, ordinal as c_int) }?;
+        // ordinal < count fits a c_int, since count came from one.
+        let raw = result::device::get(driver()?.api(), ordinal as c_int)?;
         Ok(Device { ordinal, raw })
     }
 
@@ -81,8 +76,7 @@ impl Device {
     /// The product name (`NVIDIA H100 80GB HBM3`).
     pub fn name(&self) -> Result<String> {
         let mut buf = [0 as c_char; 256];
-        // SAFETY: the buffer is writable for the length passed.
-        unsafe { driver()?.api().cuDeviceGetName(buf.as_mut_ptr(), buf.len() as c_int, self.raw) }?;
+        result::device::get_name(driver()?.api(), &mut buf, self.raw)?;
         Ok(c_string(&buf))
     }
 
@@ -94,9 +88,7 @@ impl Device {
         if let Some(&(_, u)) = lock().iter().find(|(d, _)| *d == self.raw) {
             return Ok(u);
         }
-        let mut u = CUuuid::default();
-        // SAFETY: the out-pointer is a valid local CUuuid.
-        unsafe { driver()?.api().cuDeviceGetUuid(&mut u, self.raw) }?;
+        let u = result::device::get_uuid(driver()?.api(), self.raw)?;
         let mut known = lock();
         if !known.iter().any(|(d, _)| *d == self.raw) {
             known.push((self.raw, Uuid(u.bytes)));
@@ -106,19 +98,13 @@ impl Device {
 
     /// Total device memory in bytes.
     pub fn total_memory(&self) -> Result<usize> {
-        let mut bytes = 0usize;
-        // SAFETY: the out-pointer is a valid local.
-        unsafe { driver()?.api().cuDeviceTotalMem(&mut bytes, self.raw) }?;
-        Ok(bytes)
+        result::device::total_mem(driver()?.api(), self.raw)
     }
 
     /// An attribute's value.
     pub fn attribute(&self, attr: CUdevice_attribute) -> Result<i32> {
-        let mut v: c_int = 0;
-        // SAFETY: the out-pointer is a valid local; unknown attribute ids are rejected by the
-        // driver with an error code, not undefined behaviour.
-        unsafe { driver()?.api().cuDeviceGetAttribute(&mut v, attr, self.raw) }?;
-        Ok(v)
+        // Unknown attribute ids are rejected by the driver with an error code.
+        result::device::get_attribute(driver()?.api(), attr, self.raw)
     }
 
     /// An attribute read as a flag.
@@ -137,8 +123,7 @@ impl Device {
     /// The PCI bus id, as `nvidia-smi` prints it (`00000000:1A:00.0`).
     pub fn pci_bus_id(&self) -> Result<String> {
         let mut buf = [0 as c_char; 64];
-        // SAFETY: the buffer is writable for the length passed.
-        unsafe { driver()?.api().cuDeviceGetPCIBusId(buf.as_mut_ptr(), buf.len() as c_int, self.raw) }?;
+        result::device::get_pci_bus_id(driver()?.api(), &mut buf, self.raw)?;
         Ok(c_string(&buf))
     }
 
@@ -147,10 +132,7 @@ impl Device {
         if peer == self {
             return Ok(true);
         }
-        let mut can: c_int = 0;
-        // SAFETY: the out-pointer is a valid local; both handles came from cuDeviceGet.
-        unsafe { driver()?.api().cuDeviceCanAccessPeer(&mut can, self.raw, peer.raw) }?;
-        Ok(can != 0)
+        result::device::can_access_peer(driver()?.api(), self.raw, peer.raw)
     }
 }
 

@@ -37,7 +37,9 @@ pub fn busy_value(x: f32, iters: u32) -> f32 {
 fn zero_u64(stream: &Stream, ptr: u64) -> Result<()> {
     stream.context().bind()?;
     // SAFETY: `ptr` is 8 bytes (two 32-bit words) of live device memory, per the callers.
-    unsafe { crate::driver::driver()?.api().cuMemsetD32Async(ptr, 0, 2, stream.raw()) }
+    unsafe {
+        crate::driver::result::mem::memset_d32_async(crate::driver::driver()?.api(), ptr, 0, 2, stream.raw())
+    }
 }
 
 /// The loaded kernels of one context.

@@ -7,8 +7,9 @@
 //!
 //! The crate loads `libcuda.so.1` at run time: no CUDA is needed to build it or to run its CPU
 //! tests, and with no driver every call returns [`Error::DriverNotFound`]. It is layered like
-//! cudarc: [`driver`] holds the raw ABI and the entry-point table (each call returns a
-//! [`Result`]), and the safe types sit on top.
+//! cudarc: [`driver`] holds the raw ABI, the entry-point table (each call returns a [`Result`])
+//! and, inside the crate, a thin layer of one function per driver call that turns out-pointers into
+//! return values; the safe types sit on top of that layer.
 //!
 //! # A growable device vector
 //! [`VmmVec`] reserves a large address range once and maps physical memory at its end as it
@@ -98,15 +99,17 @@
 //! * [`stream`]: streams, events, host functions, [`scope`]d copies, and the [`stream::order`]
 //!   record that keeps streams sharing memory from racing.
 //! * [`host`]: pinned and registered host memory, and the staging ring for pageable memory.
-//! * [`alloc`]: [`alloc::StreamAllocator`], a stream-ordered caching allocator with sleep and wake
-//!   of tagged memory, for custom allocators; and allocators whose memory other processes can
-//!   import.
+//! * [`alloc`]: [`alloc::StreamAllocator`], the stream-ordered caching allocator (with sleep and
+//!   wake of tagged memory) to take for device memory; and allocators whose memory other processes
+//!   can import.
 //! * [`ipc`]: sharing memory with other processes, and vectors they follow as they grow.
 //! * [`module`] and [`kernels`]: loading PTX and launching kernels; the crate's own kernels.
 //! * [`caps`], [`device`], [`context`]: what the machine supports; devices and their contexts.
 //!
-//! The README's "Soundness" section states what safe code is guaranteed and what `unsafe` callers
-//! uphold.
+//! The repository's `docs/` holds a guide per subsystem (`docs/guide/`), the threat model
+//! (`docs/SOUNDNESS.md`: what safe code is guaranteed, what is trusted, what `unsafe` callers
+//! uphold), the measurements (`docs/PERFORMANCE.md`) and how the crate is tested
+//! (`docs/TESTING.md`).
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(missing_docs)]
 
@@ -140,3 +143,24 @@ pub use vmm::{VmmVec, VmmVecBuilder};
 #[cfg(doctest)]
 #[doc = include_str!("../README.md")]
 pub struct ReadmeDoctests;
+
+/// The guides' examples, compiled as doctests (GPU ones compiled, not run).
+#[cfg(doctest)]
+pub mod guide_doctests {
+    #[doc = include_str!("../docs/guide/vmm.md")]
+    pub struct Vmm;
+    #[doc = include_str!("../docs/guide/streams.md")]
+    pub struct Streams;
+    #[doc = include_str!("../docs/guide/host.md")]
+    pub struct Host;
+    #[doc = include_str!("../docs/guide/alloc.md")]
+    pub struct Alloc;
+    #[doc = include_str!("../docs/guide/ipc.md")]
+    pub struct Ipc;
+    #[doc = include_str!("../docs/guide/python.md")]
+    pub struct Python;
+    /// With the feature only: the example launches through cudarc.
+    #[cfg(feature = "cudarc")]
+    #[doc = include_str!("../docs/guide/cudarc.md")]
+    pub struct Cudarc;
+}

@@ -5,7 +5,7 @@
 //! [`crate::stream::order`]).
 
 use crate::context::Context;
-use crate::driver::{driver, sys::*};
+use crate::driver::{driver, result, sys::*};
 use crate::error::{Error, Result};
 use crate::stream::Stream;
 use std::ffi::{c_void, CString};
@@ -43,10 +43,9 @@ impl Module {
         image.extend_from_slice(ptx.as_bytes());
         image.resize(ptx.len() + IMAGE_SLACK, 0);
         ctx.bind()?;
-        let mut raw: CUmodule = std::ptr::null_mut();
-        // SAFETY: out-pointer valid; the image is NUL-terminated PTX text, followed by zeroes
-        // further than the driver looks ahead, and outlives the call.
-        unsafe { driver()?.api().cuModuleLoadData(&mut raw, image.as_ptr().cast()) }?;
+        // SAFETY: the image is NUL-terminated PTX text, followed by zeroes further than the driver
+        // looks ahead, and outlives the call.
+        let raw = unsafe { result::module::load_data(driver()?.api(), image.as_ptr().cast()) }?;
         Ok(Module { ctx: ctx.clone(), raw })
     }
 
@@ -54,9 +53,8 @@ impl Module {
     pub fn function(&self, name: &str) -> Result<Function<'_>> {
         let cname = CString::new(name).map_err(|_| Error::invalid("kernel name contains a NUL byte"))?;
         self.ctx.bind()?;
-        let mut raw: CUfunction = std::ptr::null_mut();
-        // SAFETY: out-pointer valid; the module is live; the name is NUL-terminated.
-        unsafe { driver()?.api().cuModuleGetFunction(&mut raw, self.raw, cname.as_ptr()) }?;
+        // SAFETY: the module is live while `self` is.
+        let raw = unsafe { result::module::get_function(driver()?.api(), self.raw, &cname) }?;
         Ok(Function { module: self, raw })
     }
 
@@ -70,10 +68,9 @@ impl Drop for Module {
     fn drop(&mut self) {
         crate::driver::callback::release_in(&self.ctx, self.raw, |api, raw| {
             // Kernels of this module may still be queued: wait for the (current) context.
-            // SAFETY: no arguments.
-            let _ = unsafe { api.cuCtxSynchronize() };
+            let _ = result::ctx::synchronize(api);
             // SAFETY: unloaded once; nothing of it runs any more.
-            let _ = unsafe { api.cuModuleUnload(raw) };
+            let _ = unsafe { result::module::unload(api, raw) };
         });
     }
 }
@@ -143,19 +140,5 @@ pub(crate) unsafe fn launch_raw(
 ) -> Result<()> {
     let (g, b) = (cfg.grid, cfg.block);
     // SAFETY: forwarded from the caller.
-    unsafe {
-        driver()?.api().cuLaunchKernel(
-            f,
-            g.0,
-            g.1,
-            g.2,
-            b.0,
-            b.1,
-            b.2,
-            cfg.shared_bytes,
-            stream.raw(),
-            params.as_mut_ptr(),
-            std::ptr::null_mut(),
-        )
-    }
+    unsafe { result::module::launch_kernel(driver()?.api(), f, g, b, cfg.shared_bytes, stream.raw(), params) }
 }

@@ -356,3 +356,37 @@ fn requests_larger_than_the_device_are_refused_before_anything_is_built() {
     assert_eq!(alloc.stats().reserved, 0);
     assert_eq!(v.capacity(), 0);
 }
+
+/// `CUDA_ERROR_NOT_READY` from a stream or event query is a "no", not an error, in every query a
+/// safe type makes; any other code stays an error that names the call.
+#[cfg(feature = "fault-injection")]
+#[test]
+fn a_query_that_is_not_ready_answers_no_and_other_codes_name_the_call() {
+    use cuvmm::driver::sys::CUresult;
+    use cuvmm::{faults, Event, Stream};
+    let (_turn, _lib, ctx) = fake_device();
+    let stream = Stream::new(&ctx).unwrap();
+    let event = Event::new(&ctx).unwrap();
+    event.record(&stream).unwrap();
+
+    faults::inject("cuStreamQuery", 0, CUresult::ERROR_NOT_READY);
+    assert!(!stream.is_idle().unwrap(), "a stream with work queued is not idle");
+    assert!(stream.is_idle().unwrap(), "the fake's streams are idle otherwise");
+    faults::inject("cuEventQuery", 0, CUresult::ERROR_NOT_READY);
+    assert!(!event.is_complete().unwrap(), "an event whose work is queued is not complete");
+    assert!(event.is_complete().unwrap());
+
+    faults::inject("cuStreamQuery", 0, CUresult::ERROR_ILLEGAL_ADDRESS);
+    let err = stream.is_idle().unwrap_err();
+    assert!(
+        err.is_code(CUresult::ERROR_ILLEGAL_ADDRESS) && err.to_string().starts_with("cuStreamQuery failed"),
+        "{err}"
+    );
+    faults::inject("cuEventQuery", 0, CUresult::ERROR_ILLEGAL_ADDRESS);
+    let err = event.is_complete().unwrap_err();
+    assert!(
+        err.is_code(CUresult::ERROR_ILLEGAL_ADDRESS) && err.to_string().starts_with("cuEventQuery failed"),
+        "{err}"
+    );
+    assert_eq!(faults::clear(), 0);
+}

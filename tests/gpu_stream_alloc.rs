@@ -272,3 +272,100 @@ fn the_free_waits_for_work_queued_through_a_view_on_another_stream() {
         assert!(got.iter().all(|&v| v == marker), "round {round}: B's kernel wrote after A's fill");
     }
 }
+
+/// A graph captured (global mode) through the allocator: allocations and frees during the capture
+/// make no call that breaks it, a block freed during the capture is reused in capture order, the
+/// graph's memory stays the graph's after the capture, and the graph replays correctly. The stream
+/// is destroyed at the end, with a block it freed.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_graph_captured_through_the_allocator_keeps_its_memory_and_replays() {
+    use cuvmm::alloc::GraphMemory;
+    use std::ffi::c_void;
+    let ctx = ctx();
+    let k = Kernels::load(&ctx).unwrap();
+    let alloc = StreamAllocator::new(&ctx).unwrap();
+    let s = Stream::non_blocking(&ctx).unwrap();
+    let api = cuvmm::driver::driver().unwrap().api();
+    let eager = alloc.allocate(N * 4, &s).unwrap();
+    let eager_ptr = eager.ptr();
+    ctx.bind().unwrap();
+    // SAFETY: a live stream; mode 0 is global.
+    unsafe { api.cuStreamBeginCapture(s.raw(), 0) }.unwrap();
+    // SAFETY: the stream is live for the calls; the blocks are freed once, on it.
+    let (g1, g2) = unsafe {
+        let g1 = alloc.allocate_raw(N * 4, s.raw(), GraphMemory::Keep).unwrap();
+        k.fill_u32(&s, &mut words_mut(g1, N), 1).unwrap();
+        alloc.free_raw(g1, s.raw()).unwrap();
+        let g2 = alloc.allocate_raw(N * 4, s.raw(), GraphMemory::Keep).unwrap();
+        k.fill_u32(&s, &mut words_mut(g2, N), 0xbeef).unwrap();
+        (g1, g2)
+    };
+    assert_eq!(g1, g2, "a block freed during the capture is reused in capture order");
+    assert_ne!(g2, eager_ptr);
+    drop(eager); // freed during the capture: not reused until it is over
+    let mut graph: *mut c_void = std::ptr::null_mut();
+    // SAFETY: the capture began on this stream; the out-pointer is a valid local.
+    unsafe { api.cuStreamEndCapture(s.raw(), &mut graph) }.unwrap();
+    assert!(alloc.stats().graph_held >= (N * 4) as u64);
+    let mut exec: *mut c_void = std::ptr::null_mut();
+    // SAFETY: a graph just captured; the out-pointer is a valid local.
+    unsafe { api.cuGraphInstantiateWithFlags(&mut exec, graph, 0) }.unwrap();
+    // The graph's memory is not handed out after the capture, on the same stream or another.
+    let t = Stream::non_blocking(&ctx).unwrap();
+    let after: Vec<_> =
+        (0..3).map(|i| alloc.allocate(N * 4, if i % 2 == 0 { &s } else { &t }).unwrap()).collect();
+    assert!(after.iter().all(|b| b.ptr() != g2), "graph memory handed out after the capture");
+    for _ in 0..3 {
+        // SAFETY: a live executable graph and stream.
+        unsafe { api.cuGraphLaunch(exec, s.raw()) }.unwrap();
+    }
+    s.synchronize().unwrap();
+    assert!(read(&ctx, g2, N).iter().all(|&v| v == 0xbeef), "the replays wrote the graph's block");
+    // SAFETY: created above, destroyed once, after their last launch completed.
+    unsafe {
+        api.cuGraphExecDestroy(exec).unwrap();
+        api.cuGraphDestroy(graph).unwrap();
+        assert!(alloc.release_graph_memory() > 0);
+    }
+    drop(after);
+    drop(s); // destroyed with blocks it freed: the allocator never asks about it again
+    let u = Stream::non_blocking(&ctx).unwrap();
+    let x = alloc.allocate(N * 4, &u).unwrap();
+    k.fill_u32(&u, &mut words_mut(x.ptr(), N), 3).unwrap();
+    u.synchronize().unwrap();
+    assert!(alloc.empty_cache().is_ok());
+}
+
+/// Streams destroyed with work queued that used blocks they freed, and new streams that may get
+/// their handles: a new stream's block is never one that the destroyed stream's kernel still
+/// writes (its fill is checked after everything ran).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn blocks_of_a_destroyed_busy_stream_are_not_handed_to_the_next_streams_while_its_work_runs() {
+    let ctx = ctx();
+    let k = Kernels::load(&ctx).unwrap();
+    let alloc = StreamAllocator::new(&ctx).unwrap();
+    let t = Stream::non_blocking(&ctx).unwrap();
+    for round in 0..5u32 {
+        let s = Stream::non_blocking(&ctx).unwrap();
+        let a = alloc.allocate(N * 4, &s).unwrap();
+        let b = alloc.allocate(N * 4, &s).unwrap();
+        drop(a);
+        let _x = alloc.allocate((8 + round as usize) << 20, &t).unwrap();
+        let _y = alloc.allocate((24 + round as usize) << 20, &t).unwrap();
+        k.busy_f32(&s, &mut view_mut(b.ptr(), N), ITERS).unwrap();
+        drop(b);
+        drop(s);
+        let u = Stream::non_blocking(&ctx).unwrap();
+        let c = alloc.allocate(N * 4, &u).unwrap();
+        let marker = 0xfeed_0000 + round;
+        k.fill_u32(&u, &mut words_mut(c.ptr(), N), marker).unwrap();
+        ctx.synchronize().unwrap();
+        let got = read(&ctx, c.ptr(), N);
+        assert!(
+            got.iter().all(|&v| v == marker),
+            "round {round}: the destroyed stream's kernel wrote a new stream's block"
+        );
+    }
+}

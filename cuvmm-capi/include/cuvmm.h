@@ -33,8 +33,10 @@ typedef struct CUstream_st *cuvmm_stream_t;
  * stream only once the work queued before the free has completed. Capture-aware: memory handed
  * out while `stream` is being captured into a CUDA graph is kept for that graph (see
  * cuvmm_release_graph_memory), and nothing illegal during capture is called.
- * Streams handed to these functions must stay alive while blocks freed on them may still be
- * reused (PyTorch never destroys its streams); the per-thread default stream is refused.
+ * A stream must be alive during a call that passes it, and may be destroyed at any time after:
+ * blocks it freed come back to the others once its work has run (streams are told apart by the
+ * driver's stream id, never by handle, and a handle is passed to the driver only during a call
+ * that passes it). The per-thread default stream is refused.
  * Returns NULL on failure (out of memory included, unless oom=abort stops the process); size 0
  * returns NULL without error. A size larger than the device's memory is refused (NULL, with
  * cuvmm_last_error) before anything is built for it: no size aborts the process.
@@ -78,7 +80,8 @@ ssize_t cuvmm_stats_json(char *buf, size_t len);
 /* Resets live_peak and mapped_peak to the current values. device -1: every device. */
 int cuvmm_reset_peaks(int device);
 /* Waits for the device's queued work, then unmaps and releases every idle page. device -1: every
- * device. Refused (-1) while a stream of the device is being captured. */
+ * device. Refused (-1) while a stream of the device is being captured: the driver refuses the
+ * wait, which also ends that capture in error, so do not call it during a capture. */
 int cuvmm_empty_cache(int device);
 /* Releases the memory kept for CUDA graphs captured through cuvmm_malloc; the caller promises
  * that those graphs were destroyed. device -1: every device. */

@@ -1060,7 +1060,10 @@ mod tests {
             // marker so that the destructor runs.
             unsafe {
                 assert_eq!(libc::pthread_key_create(&mut key, Some(free_at_thread_exit)), 0);
-                assert_eq!(libc::pthread_setspecific(key, std::ptr::dangling::<u8>().cast()), 0);
+                assert_eq!(
+                    libc::pthread_setspecific(key, std::ptr::NonNull::<u8>::dangling().as_ptr().cast()),
+                    0
+                );
             }
         })
         .join()

@@ -327,3 +327,37 @@ fn bench_overlap_runs_every_schedule_and_checks_both_paths_on_the_fake_device() 
     assert_eq!(schedules.iter().filter(|v| v["raw"] == true).count(), 4);
     assert!(text.contains("\"ratio\""), "{text}");
 }
+
+/// `bench alloc --threads` runs cuvmm's stream-ordered allocator and the driver's pool on every
+/// thread count, each thread on its own stream, against the fake device.
+#[test]
+fn bench_alloc_threads_runs_cuvmm_and_the_pool_per_thread_count_on_the_fake_device() {
+    let lib = common::fake_driver("FAKE_VMM");
+    let out = Command::new(cuvmm_bin())
+        .args(["bench", "alloc", "--threads", "1,3", "--sizes", "4KiB,2MiB", "--pairs", "800", "--json"])
+        .env("CUVMM_LIBCUDA", &lib)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let rows: Vec<serde_json::Value> = out
+        .stdout
+        .split(|&b| b == b'\n')
+        .filter(|l| !l.is_empty())
+        .map(|l| serde_json::from_slice(l).unwrap())
+        .collect();
+    assert_eq!(rows.len(), 4);
+    for (r, (size, threads)) in rows.iter().zip([(4096, 1), (4096, 3), (2 << 20, 1), (2 << 20, 3)]) {
+        assert_eq!(
+            (r["bench"].as_str(), r["size"].as_u64(), r["threads"].as_u64()),
+            (Some("alloc_threads"), Some(size), Some(threads))
+        );
+        assert!(r["cuvmm_mpairs"].as_f64().unwrap() > 0.0 && r["pool_mpairs"].as_f64().unwrap() > 0.0, "{r}");
+    }
+    assert_eq!(rows[0]["cuvmm_vs_one_thread"].as_f64(), Some(1.0));
+    let bad = Command::new(cuvmm_bin())
+        .args(["bench", "alloc", "--threads", "0"])
+        .env("CUVMM_LIBCUDA", &lib)
+        .output()
+        .unwrap();
+    assert!(!bad.status.success());
+}

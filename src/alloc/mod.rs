@@ -1,4 +1,9 @@
-//! Allocators whose memory other processes can import.
+//! Allocators: the stream-ordered caching allocator, and allocators whose memory other processes
+//! can import.
+//!
+//! Take [`StreamAllocator`] for device memory; take [`CachingAllocator`] only for blocks that
+//! other processes import or peer GPUs map, which the stream-ordered allocator's memory is not
+//! made for: it caches [`PeerAllocator`] memory, and is not stream-ordered.
 //!
 //! Reach for [`PeerAllocator`] when device memory must be shared with other processes (or made
 //! accessible to peer GPUs): each allocation is its own physical allocation, exportable as a POSIX

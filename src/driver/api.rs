@@ -139,6 +139,13 @@ entry_points! {
     required fn cuStreamWaitEvent @ 3020 (stream: CUstream, event: CUevent, flags: c_uint);
     optional fn cuStreamGetCaptureInfo @ 11030 (stream: CUstream, status: *mut c_int, id: *mut c_ulonglong, graph: *mut *mut c_void, deps: *mut *const *mut c_void, count: *mut usize);
     optional fn cuStreamIsCapturing @ 10000 (stream: CUstream, status: *mut c_int);
+    optional fn cuStreamGetId @ 12000 (stream: CUstream, id: *mut c_ulonglong);
+    optional fn cuStreamBeginCapture @ 10010 (stream: CUstream, mode: c_int);
+    optional fn cuStreamEndCapture @ 10000 (stream: CUstream, graph: *mut *mut c_void);
+    optional fn cuGraphInstantiateWithFlags @ 11040 (exec: *mut *mut c_void, graph: *mut c_void, flags: c_ulonglong);
+    optional fn cuGraphLaunch @ 10000 (exec: *mut c_void, stream: CUstream);
+    optional fn cuGraphExecDestroy @ 10000 (exec: *mut c_void);
+    optional fn cuGraphDestroy @ 10000 (graph: *mut c_void);
     optional fn cuThreadExchangeStreamCaptureMode @ 10010 (mode: *mut c_int);
     required fn cuLaunchHostFunc @ 10000 (stream: CUstream, f: CUhostFn, user_data: *mut c_void);
 

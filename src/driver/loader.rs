@@ -154,11 +154,8 @@ impl Driver {
         }
         let resolver = find_get_proc_address(library, handle)?;
         let api = Api::resolve(library, &resolver)?;
-        // SAFETY: cuInit takes a flags word that must be 0.
-        unsafe { api.cuInit(0) }?;
-        let mut version = 0;
-        // SAFETY: the out-pointer is a valid local.
-        unsafe { api.cuDriverGetVersion(&mut version) }?;
+        super::result::init(&api)?;
+        let version = super::result::driver_version(&api)?;
         Ok(Driver { api, version })
     }
 

@@ -1,7 +1,7 @@
 //! Page-locked host memory: allocated pinned buffers, and registration of memory the caller owns.
 
 use crate::context::Context;
-use crate::driver::{driver, sys::*};
+use crate::driver::{driver, result, sys::*};
 use crate::error::{Error, Result};
 use crate::memory::DeviceCopy;
 use crate::vmm::bytes_for;
@@ -97,7 +97,7 @@ fn map_and_register(ctx: &Context, bytes: usize, flags: u32) -> Result<(NonNull<
         return Err(unmap(e));
     }
     // SAFETY: the range is mapped, readable and writable, and owned by the buffer being built.
-    let r = unsafe { driver().and_then(|d| d.api().cuMemHostRegister(start as *mut _, bytes, flags)) };
+    let r = unsafe { driver().and_then(|d| result::host::register(d.api(), start as *mut _, bytes, flags)) };
     if let Err(e) = r {
         return Err(unmap(e));
     }
@@ -152,9 +152,7 @@ impl<T: DeviceCopy> PinnedBuffer<T> {
             return Ok(PinnedBuffer { ctx: ctx.clone(), ptr: p.cast(), len, flags, mapping: Some(mapping) });
         }
         ctx.bind()?;
-        let mut p: *mut std::ffi::c_void = std::ptr::null_mut();
-        // SAFETY: out-pointer valid; bytes > 0; flags are CU_MEMHOSTALLOC_* bits.
-        unsafe { driver()?.api().cuMemHostAlloc(&mut p, bytes, flags.raw()) }?;
+        let p = result::host::alloc(driver()?.api(), bytes, flags.raw())?;
         let ptr =
             NonNull::new(p.cast::<T>()).ok_or_else(|| Error::invalid("cuMemHostAlloc returned null"))?;
         // SAFETY: the allocation holds `bytes` bytes; zero bytes are a valid T (DeviceCopy), and
@@ -188,10 +186,7 @@ impl<T: DeviceCopy> PinnedBuffer<T> {
             return Err(Error::invalid("the buffer was not allocated with device_mapped"));
         }
         self.ctx.bind()?;
-        let mut d = 0;
-        // SAFETY: out-pointer valid; the pointer is a live device-mapped pinned allocation.
-        unsafe { driver()?.api().cuMemHostGetDevicePointer(&mut d, self.ptr.as_ptr().cast(), 0) }?;
-        Ok(d)
+        result::host::get_device_pointer(driver()?.api(), self.ptr.as_ptr().cast())
     }
 }
 
@@ -221,7 +216,7 @@ impl<T: DeviceCopy> Drop for PinnedBuffer<T> {
                 |api, (ptr, base, map_len)| {
                     // SAFETY: registered by `map_and_register`; nothing uses the buffer any more (as
                     // below). The mapping is the buffer's own, referenced by nothing once it drops.
-                    let _ = unsafe { api.cuMemHostUnregister(ptr as *mut _) };
+                    let _ = unsafe { result::host::unregister(api, ptr as *mut _) };
                     // SAFETY: as above.
                     unsafe { libc::munmap(base as *mut libc::c_void, map_len) };
                 },
@@ -232,7 +227,7 @@ impl<T: DeviceCopy> Drop for PinnedBuffer<T> {
             // SAFETY: allocated by cuMemHostAlloc; asynchronous copies borrow the buffer only
             // inside a `scope`, which synchronises before the borrow ends, so nothing uses it any
             // more.
-            let _ = unsafe { api.cuMemFreeHost(ptr.as_ptr().cast()) };
+            let _ = unsafe { result::host::free(api, ptr.as_ptr().cast()) };
         });
     }
 }
@@ -349,7 +344,7 @@ impl Drop for Unregister {
             // SAFETY: `ptr` was registered by `with`, whose borrow of the memory outlives this
             // guard; asynchronous copies borrow the memory only inside a `scope`, which has
             // synchronised before the closure could return.
-            let _ = unsafe { d.api().cuMemHostUnregister(self.ptr) };
+            let _ = unsafe { result::host::unregister(d.api(), self.ptr) };
         }
     }
 }
@@ -374,7 +369,8 @@ impl<'a, T: DeviceCopy> Registered<'a, T> {
         let ptr = data.as_mut_ptr().cast::<std::ffi::c_void>();
         // SAFETY: the slice is live and borrowed mutably for 'a, which outlives this call; the
         // guard below unregisters it before this call returns or unwinds.
-        let r = unsafe { driver()?.api().cuMemHostRegister(ptr, std::mem::size_of_val(data), flags.raw()) };
+        let r =
+            unsafe { result::host::register(driver()?.api(), ptr, std::mem::size_of_val(data), flags.raw()) };
         match r {
             Ok(()) => {}
             Err(e) if e.is_code(CUresult::ERROR_HOST_MEMORY_ALREADY_REGISTERED) => {

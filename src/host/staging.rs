@@ -17,7 +17,7 @@
 
 use super::stream_copy::copy_streaming;
 use crate::context::Context;
-use crate::driver::driver;
+use crate::driver::{driver, result};
 use crate::error::{Error, Result};
 use crate::host::PinnedBuffer;
 use crate::memory::{DeviceCopy, DeviceSlice, DeviceSliceMut};
@@ -651,7 +651,8 @@ impl Staging {
                 // acquired above); `dst` has room for it at this offset; the slot goes to another
                 // chunk only after the event recorded next completes.
                 unsafe {
-                    api.cuMemcpyHtoDAsync(
+                    result::mem::memcpy_htod_async(
+                        api,
                         dst.ptr() + (i * plan.chunk) as u64,
                         slots[s].0 as *const _,
                         plan.chunk_len(i),
@@ -767,7 +768,8 @@ impl Staging {
                 // SAFETY: slot s is free (every read of its last chunk happened before the flag
                 // acquired above); `src` holds chunk i.
                 unsafe {
-                    api.cuMemcpyDtoHAsync(
+                    result::mem::memcpy_dtoh_async(
+                        api,
                         slots[s].0 as *mut _,
                         src.ptr() + (i * plan.chunk) as u64,
                         plan.chunk_len(i),

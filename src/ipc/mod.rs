@@ -5,8 +5,8 @@
 //! handles and IMEX, another node): [`share`] on one side, [`recv`] and [`SharedMemory::import`]
 //! on the other. A vector that keeps growing is shared with
 //! [`VmmVec::share_growth`](crate::VmmVec::share_growth) and followed with [`GrowableImport`].
-//! Peers in other languages follow `docs/WIRE.md`. Everything received is validated; see the
-//! README's "Soundness" section for what a hostile peer cannot do.
+//! Peers in other languages follow `docs/WIRE.md`. Everything received is validated; see
+//! `docs/SOUNDNESS.md` for what a hostile peer cannot do.
 
 pub mod growth;
 pub mod region;

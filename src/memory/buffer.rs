@@ -2,7 +2,7 @@
 //! small scratch buffers.
 
 use crate::context::Context;
-use crate::driver::{driver, sys::CUdeviceptr};
+use crate::driver::{driver, result, sys::CUdeviceptr};
 use crate::error::{Error, Result};
 use crate::memory::{DeviceCopy, DeviceSlice, DeviceSliceMut};
 use crate::stream::order::{Tracker, Use};
@@ -26,9 +26,7 @@ impl<T: DeviceCopy> DeviceBuffer<T> {
             return Err(Error::invalid("a device buffer needs at least one byte"));
         }
         ctx.bind()?;
-        let mut ptr = 0;
-        // SAFETY: out-pointer valid; bytes > 0.
-        unsafe { driver()?.api().cuMemAlloc(&mut ptr, bytes) }?;
+        let ptr = result::mem::alloc(driver()?.api(), bytes)?;
         Ok(DeviceBuffer { ctx: ctx.clone(), ptr, len, order: Tracker::new(), _t: PhantomData })
     }
 
@@ -97,12 +95,10 @@ impl<T: DeviceCopy> Drop for DeviceBuffer<T> {
             // binds their contexts, so this one is made current again.
             pending.wait();
             let _ = ctx.bind();
-            // SAFETY: no arguments; then the allocation from cuMemAlloc in `new` is freed once,
-            // with no work queued on it any more.
-            unsafe {
-                let _ = api.cuCtxSynchronize();
-                let _ = api.cuMemFree(ptr);
-            }
+            let _ = result::ctx::synchronize(api);
+            // SAFETY: the allocation from cuMemAlloc in `new` is freed once, with no work queued
+            // on it any more.
+            let _ = unsafe { result::mem::free(api, ptr) };
         });
     }
 }

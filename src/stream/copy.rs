@@ -2,7 +2,7 @@
 //! copies live with streams.
 
 use crate::context::Context;
-use crate::driver::{driver, sys::CUdeviceptr};
+use crate::driver::{driver, result, sys::CUdeviceptr};
 use crate::error::{Error, Result};
 use crate::memory::DeviceCopy;
 
@@ -25,8 +25,8 @@ pub(crate) fn htod<T: DeviceCopy>(ctx: &Context, dst: CUdeviceptr, src: &[T], ds
     // cuMemcpyHtoD returns once `src` may be reused, but from pageable memory the DMA into `dst` may
     // still be in flight: waiting for the legacy stream makes the data visible to every stream.
     unsafe {
-        api.cuMemcpyHtoD(dst, src.as_ptr().cast(), std::mem::size_of_val(src))?;
-        api.cuStreamSynchronize(std::ptr::null_mut())
+        result::mem::memcpy_htod(api, dst, src.as_ptr().cast(), std::mem::size_of_val(src))?;
+        result::stream::synchronize(api, std::ptr::null_mut())
     }
 }
 
@@ -44,7 +44,9 @@ pub(crate) fn dtoh<T: DeviceCopy>(
     ctx.bind()?;
     // SAFETY: `dst` is writable for its byte size; `T: DeviceCopy` makes any bytes a valid value;
     // the synchronous copy has finished when the call returns.
-    unsafe { driver()?.api().cuMemcpyDtoH(dst.as_mut_ptr().cast(), src, std::mem::size_of_val(dst)) }
+    unsafe {
+        result::mem::memcpy_dtoh(driver()?.api(), dst.as_mut_ptr().cast(), src, std::mem::size_of_val(dst))
+    }
 }
 
 /// Copies `len` elements at `src` into a new vector.
@@ -57,7 +59,12 @@ pub(crate) fn dtoh_vec<T: DeviceCopy>(ctx: &Context, src: CUdeviceptr, len: usiz
     // SAFETY: the vector has room for `len` elements; the copy fills all of them before `set_len`,
     // and `T: DeviceCopy` makes any bytes valid.
     unsafe {
-        driver()?.api().cuMemcpyDtoH(v.as_mut_ptr().cast(), src, len * std::mem::size_of::<T>())?;
+        result::mem::memcpy_dtoh(
+            driver()?.api(),
+            v.as_mut_ptr().cast(),
+            src,
+            len * std::mem::size_of::<T>(),
+        )?;
         v.set_len(len);
     }
     Ok(v)

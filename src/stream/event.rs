@@ -1,7 +1,7 @@
 //! Events: markers recorded into streams, for ordering, waiting and device-side timing.
 
 use crate::context::Context;
-use crate::driver::{driver, sys::*};
+use crate::driver::{driver, result, sys::*};
 use crate::error::{Error, Result};
 use crate::stream::Stream;
 
@@ -36,9 +36,7 @@ impl Event {
 
     pub(crate) fn create(ctx: &Context, flags: u32) -> Result<Event> {
         ctx.bind()?;
-        let mut raw: CUevent = std::ptr::null_mut();
-        // SAFETY: out-pointer valid; flags are CU_EVENT_* values.
-        unsafe { driver()?.api().cuEventCreate(&mut raw, flags) }?;
+        let raw = result::event::create(driver()?.api(), flags)?;
         Ok(Event { ctx: ctx.clone(), raw, timing: flags & CU_EVENT_DISABLE_TIMING == 0 })
     }
 
@@ -49,32 +47,28 @@ impl Event {
         }
         self.ctx.bind()?;
         // SAFETY: both handles are live.
-        unsafe { driver()?.api().cuEventRecord(self.raw, stream.raw()) }
+        unsafe { result::event::record(driver()?.api(), self.raw, stream.raw()) }
     }
 
     /// Records on a stream of this event's context (the caller checks that).
     pub(crate) fn record_on(&self, stream: &crate::stream::StreamInner) -> Result<()> {
         self.ctx.bind()?;
         // SAFETY: both handles are live.
-        unsafe { driver()?.api().cuEventRecord(self.raw, stream.raw) }
+        unsafe { result::event::record(driver()?.api(), self.raw, stream.raw) }
     }
 
     /// Blocks until the work before the last record has completed (at once if never recorded).
     pub fn synchronize(&self) -> Result<()> {
         self.ctx.bind()?;
         // SAFETY: the handle is live.
-        unsafe { driver()?.api().cuEventSynchronize(self.raw) }
+        unsafe { result::event::synchronize(driver()?.api(), self.raw) }
     }
 
     /// Whether the work before the last record has completed.
     pub fn is_complete(&self) -> Result<bool> {
         self.ctx.bind()?;
         // SAFETY: the handle is live.
-        match unsafe { driver()?.api().cuEventQuery(self.raw) } {
-            Ok(()) => Ok(true),
-            Err(e) if e.is_code(CUresult::ERROR_NOT_READY) => Ok(false),
-            Err(e) => Err(e),
-        }
+        unsafe { result::event::query(driver()?.api(), self.raw) }
     }
 
     /// Milliseconds of device time from `self` to `later` (both recorded and complete).
@@ -83,10 +77,8 @@ impl Event {
             return Err(Error::invalid("elapsed time needs two events created with timing"));
         }
         self.ctx.bind()?;
-        let mut ms = 0f32;
-        // SAFETY: out-pointer valid; both handles live.
-        unsafe { driver()?.api().cuEventElapsedTime(&mut ms, self.raw, later.raw) }?;
-        Ok(ms)
+        // SAFETY: both handles are live.
+        unsafe { result::event::elapsed_time(driver()?.api(), self.raw, later.raw) }
     }
 
     /// The driver's handle.
@@ -110,7 +102,7 @@ impl Drop for Event {
     fn drop(&mut self) {
         crate::driver::callback::release_in(&self.ctx, self.raw, |api, raw| {
             // SAFETY: destroyed once; the driver lets a pending record complete first.
-            let _ = unsafe { api.cuEventDestroy(raw) };
+            let _ = unsafe { result::event::destroy(api, raw) };
         });
     }
 }

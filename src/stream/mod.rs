@@ -16,7 +16,7 @@ pub(crate) use scope::confirm;
 pub use scope::{scope, Landing, Scope};
 
 use crate::context::Context;
-use crate::driver::{driver, sys::*};
+use crate::driver::{driver, result, sys::*};
 use crate::error::{Error, Result};
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -68,22 +68,16 @@ impl Stream {
     /// (least, greatest) priority: greatest is numerically lowest.
     pub fn priority_range(ctx: &Context) -> Result<(i32, i32)> {
         ctx.bind()?;
-        let (mut least, mut greatest) = (0, 0);
-        // SAFETY: both out-pointers are valid locals.
-        unsafe { driver()?.api().cuCtxGetStreamPriorityRange(&mut least, &mut greatest) }?;
-        Ok((least, greatest))
+        result::ctx::stream_priority_range(driver()?.api())
     }
 
     fn create(ctx: &Context, flags: u32, priority: Option<i32>) -> Result<Stream> {
         ctx.bind()?;
         let api = driver()?.api();
-        let mut raw: CUstream = std::ptr::null_mut();
-        match priority {
-            // SAFETY: out-pointer valid; flags are CU_STREAM_* values.
-            Some(p) => unsafe { api.cuStreamCreateWithPriority(&mut raw, flags, p) }?,
-            // SAFETY: as above.
-            None => unsafe { api.cuStreamCreate(&mut raw, flags) }?,
-        }
+        let raw = match priority {
+            Some(p) => result::stream::create_with_priority(api, flags, p)?,
+            None => result::stream::create(api, flags)?,
+        };
         Ok(Stream::from_parts(ctx, raw, None))
     }
 
@@ -101,18 +95,14 @@ impl Stream {
     pub fn synchronize(&self) -> Result<()> {
         self.inner.ctx.bind()?;
         // SAFETY: the stream is live while self is.
-        unsafe { driver()?.api().cuStreamSynchronize(self.inner.raw) }
+        unsafe { result::stream::synchronize(driver()?.api(), self.inner.raw) }
     }
 
     /// Whether all queued work is done, without blocking.
     pub fn is_idle(&self) -> Result<bool> {
         self.inner.ctx.bind()?;
         // SAFETY: the stream is live while self is.
-        match unsafe { driver()?.api().cuStreamQuery(self.inner.raw) } {
-            Ok(()) => Ok(true),
-            Err(e) if e.is_code(CUresult::ERROR_NOT_READY) => Ok(false),
-            Err(e) => Err(e),
-        }
+        unsafe { result::stream::query(driver()?.api(), self.inner.raw) }
     }
 
     /// Makes work queued on this stream from now on wait until `event`'s recorded work completes.
@@ -121,8 +111,8 @@ impl Stream {
             return Err(Error::invalid("the event belongs to another context than the stream"));
         }
         self.inner.ctx.bind()?;
-        // SAFETY: both handles are live; flags must be 0.
-        unsafe { driver()?.api().cuStreamWaitEvent(self.inner.raw, event.raw(), 0) }
+        // SAFETY: both handles are live.
+        unsafe { result::stream::wait_event(driver()?.api(), self.inner.raw, event.raw()) }
     }
 
     /// Queues `f` to run on a driver thread once all work queued before it has completed.
@@ -164,7 +154,9 @@ impl Stream {
         self.inner.ctx.bind()?;
         let data = Box::into_raw(Box::new(f)).cast::<c_void>();
         // SAFETY: the trampoline matches CUhostFn and takes ownership of `data` when it runs.
-        let r = unsafe { driver()?.api().cuLaunchHostFunc(self.inner.raw, Some(trampoline::<F>), data) };
+        let r = unsafe {
+            result::stream::launch_host_func(driver()?.api(), self.inner.raw, Some(trampoline::<F>), data)
+        };
         if r.is_err() {
             // SAFETY: the driver refused it, so it will never run: the box is still ours.
             drop(unsafe { Box::from_raw(data.cast::<F>()) });
@@ -209,7 +201,7 @@ impl Drop for StreamInner {
         crate::driver::callback::release_in(&self.ctx, self.raw, |api, raw| {
             // SAFETY: destroyed once, by the last owner (the `Stream` or a record of memory it
             // used); the driver defers the release until queued work completes.
-            let _ = unsafe { api.cuStreamDestroy(raw) };
+            let _ = unsafe { result::stream::destroy(api, raw) };
         });
     }
 }

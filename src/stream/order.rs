@@ -53,7 +53,7 @@
 //! [`DeviceSlice::prepare_read`]: crate::DeviceSlice::prepare_read
 //! [`DeviceSliceMut::prepare_write`]: crate::DeviceSliceMut::prepare_write
 
-use crate::driver::{driver, sys::CU_EVENT_DISABLE_TIMING};
+use crate::driver::{driver, result, sys::CU_EVENT_DISABLE_TIMING};
 use crate::error::Result;
 use crate::stream::Event;
 use crate::stream::{Stream, StreamInner};
@@ -305,9 +305,9 @@ impl Effects<Arc<StreamInner>, Event> for Cuda {
 
     fn wait(&mut self, stream: &Arc<StreamInner>, event: &Event) -> Result<()> {
         stream.ctx.bind()?;
-        // SAFETY: both handles are alive (the record holds its streams and events); flags are 0.
-        // Waiting on an event of another context is allowed.
-        unsafe { driver()?.api().cuStreamWaitEvent(stream.raw, event.raw(), 0) }
+        // SAFETY: both handles are alive (the record holds its streams and events). Waiting on an
+        // event of another context is allowed.
+        unsafe { result::stream::wait_event(driver()?.api(), stream.raw, event.raw()) }
     }
 
     fn wait_on_host(&mut self, stream: &Arc<StreamInner>, recorded: Option<&Event>) -> Result<()> {
@@ -315,7 +315,7 @@ impl Effects<Arc<StreamInner>, Event> for Cuda {
         match recorded {
             Some(e) => e.synchronize(),
             // SAFETY: the stream is alive while the record holds it.
-            None => unsafe { driver()?.api().cuStreamSynchronize(stream.raw) },
+            None => unsafe { result::stream::synchronize(driver()?.api(), stream.raw) },
         }
     }
 
@@ -324,11 +324,7 @@ impl Effects<Arc<StreamInner>, Event> for Cuda {
         match recorded {
             Some(e) => e.is_complete(),
             // SAFETY: the stream is alive while the record holds it.
-            None => match unsafe { driver()?.api().cuStreamQuery(stream.raw) } {
-                Ok(()) => Ok(true),
-                Err(e) if e.is_code(crate::driver::sys::CUresult::ERROR_NOT_READY) => Ok(false),
-                Err(e) => Err(e),
-            },
+            None => unsafe { result::stream::query(driver()?.api(), stream.raw) },
         }
     }
 }

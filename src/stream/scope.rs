@@ -43,7 +43,7 @@
 //! final confirmation is fatal. Inside a stream host function, where no driver call can have
 //! queued anything, the error is returned instead.
 
-use crate::driver::{driver, sys::CUstream};
+use crate::driver::{driver, result, sys::CUstream};
 use crate::error::{Error, Result};
 use crate::memory::{DeviceCopy, DeviceSlice, DeviceSliceMut};
 use crate::stream::Stream;
@@ -171,7 +171,13 @@ impl<'a> Scope<'a> {
         // SAFETY: `src` stays borrowed (unchangeable, unfreeable) until the scope synchronises
         // `stream`; `dst` holds as many bytes.
         unsafe {
-            driver()?.api().cuMemcpyHtoDAsync(dst.ptr(), src.as_ptr().cast(), std::mem::size_of_val(src), raw)
+            result::mem::memcpy_htod_async(
+                driver()?.api(),
+                dst.ptr(),
+                src.as_ptr().cast(),
+                std::mem::size_of_val(src),
+                raw,
+            )
         }
     }
 
@@ -189,7 +195,8 @@ impl<'a> Scope<'a> {
             // SAFETY: `dst` stays borrowed mutably (no other access) until the copy has landed;
             // T: DeviceCopy makes any bytes written a valid T.
             unsafe {
-                driver()?.api().cuMemcpyDtoHAsync(
+                result::mem::memcpy_dtoh_async(
+                    driver()?.api(),
                     dst.as_mut_ptr().cast(),
                     src.ptr(),
                     std::mem::size_of_val(dst),
@@ -212,7 +219,7 @@ impl<'a> Scope<'a> {
         let _r = (src.prepare_read(stream)?, dst.prepare_write(stream)?);
         let Some(raw) = self.prepare(stream, src.len())? else { return Ok(()) };
         // SAFETY: both ranges are live device memory of the lengths checked above.
-        unsafe { driver()?.api().cuMemcpyDtoDAsync(dst.ptr(), src.ptr(), src.byte_len(), raw) }
+        unsafe { result::mem::memcpy_dtod_async(driver()?.api(), dst.ptr(), src.ptr(), src.byte_len(), raw) }
     }
 
     /// Queues `dst[i] = value` on `stream`.
@@ -221,7 +228,7 @@ impl<'a> Scope<'a> {
         stream.context().bind()?;
         let raw = self.using(stream);
         // SAFETY: `dst` is live device memory of `len` u32s.
-        unsafe { driver()?.api().cuMemsetD32Async(dst.ptr(), value, dst.len(), raw) }
+        unsafe { result::mem::memset_d32_async(driver()?.api(), dst.ptr(), value, dst.len(), raw) }
     }
 
     /// Queues `dst[i] = value` on `stream`, bytewise.
@@ -230,7 +237,7 @@ impl<'a> Scope<'a> {
         stream.context().bind()?;
         let raw = self.using(stream);
         // SAFETY: `dst` is live device memory of `len` bytes.
-        unsafe { driver()?.api().cuMemsetD8Async(dst.ptr(), value, dst.len(), raw) }
+        unsafe { result::mem::memset_d8_async(driver()?.api(), dst.ptr(), value, dst.len(), raw) }
     }
 
     /// Queues `f` to run on a driver thread after the work queued on `stream` so far. `f` may

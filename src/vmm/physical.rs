@@ -4,7 +4,7 @@ use super::layout::{check_aligned, round_up};
 use crate::caps::{cached_granularity, granularity_of, Granularity, ImexStatus};
 use crate::context::Context;
 use crate::device::Device;
-use crate::driver::{driver, sys::*};
+use crate::driver::{driver, result, sys::*};
 use crate::error::{Error, Result};
 use std::ops::BitOr;
 use std::sync::{Arc, Mutex, OnceLock};
@@ -248,11 +248,9 @@ impl PhysicalBuilder {
         let api = driver()?.api();
         let prop = self.prop();
         self.ctx.bind()?;
-        let mut handle: CUmemGenericAllocationHandle = 0;
-        // SAFETY: out-pointer valid; `prop` fully initialised; the context is current.
-        let created = unsafe { api.cuMemCreate(&mut handle, size, &prop, 0) };
+        let created = result::mem::create(api, size, &prop);
         match created {
-            Ok(()) => {
+            Ok(handle) => {
                 Ok(PhysicalMemory::from_parts(self.ctx.clone(), handle, size, self.location, self.handles))
             }
             Err(e)
@@ -393,18 +391,7 @@ impl PhysicalMemory {
             return Err(Error::invalid("the allocation was not created with the POSIX-fd handle type"));
         }
         self.inner.ctx.bind()?;
-        let mut fd: std::ffi::c_int = -1;
-        // SAFETY: for the POSIX-fd type the driver writes an int through the pointer.
-        unsafe {
-            driver()?.api().cuMemExportToShareableHandle(
-                (&mut fd as *mut std::ffi::c_int).cast(),
-                self.inner.handle,
-                CUmemAllocationHandleType::POSIX_FILE_DESCRIPTOR,
-                0,
-            )
-        }?;
-        // SAFETY: the driver created this descriptor for us; nothing else owns it.
-        Ok(unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) })
+        result::mem::export_fd(driver()?.api(), self.inner.handle)
     }
 
     /// Exports the allocation as a 64-byte fabric handle (created with [`HandleTypes::FABRIC`]).
@@ -413,49 +400,21 @@ impl PhysicalMemory {
             return Err(Error::invalid("the allocation was not created with the fabric handle type"));
         }
         self.inner.ctx.bind()?;
-        let mut h = CUmemFabricHandle::default();
-        // SAFETY: for the fabric type the driver writes a CUmemFabricHandle through the pointer.
-        unsafe {
-            driver()?.api().cuMemExportToShareableHandle(
-                (&mut h as *mut CUmemFabricHandle).cast(),
-                self.inner.handle,
-                CUmemAllocationHandleType::FABRIC,
-                0,
-            )
-        }?;
-        Ok(h.data)
+        Ok(result::mem::export_fabric(driver()?.api(), self.inner.handle)?.data)
     }
 
     /// Imports an allocation another process exported as a POSIX fd. `size` is the exported
     /// allocation's size (from the message that carried the fd); the fd may be closed afterwards.
     pub fn import_fd(ctx: &Context, fd: std::os::fd::BorrowedFd<'_>, size: usize) -> Result<PhysicalMemory> {
-        use std::os::fd::AsRawFd;
         ctx.bind()?;
-        let mut handle: CUmemGenericAllocationHandle = 0;
-        // SAFETY: for the POSIX-fd type the driver takes the fd's value cast to a pointer and dups it.
-        unsafe {
-            driver()?.api().cuMemImportFromShareableHandle(
-                &mut handle,
-                fd.as_raw_fd() as isize as *mut std::ffi::c_void,
-                CUmemAllocationHandleType::POSIX_FILE_DESCRIPTOR,
-            )
-        }?;
+        let handle = result::mem::import_fd(driver()?.api(), fd)?;
         Ok(PhysicalMemory::imported(ctx, handle, size, HandleTypes::POSIX_FD))
     }
 
     /// Imports an allocation exported as a fabric handle.
     pub fn import_fabric(ctx: &Context, fabric: &[u8; 64], size: usize) -> Result<PhysicalMemory> {
         ctx.bind()?;
-        let mut h = CUmemFabricHandle { data: *fabric };
-        let mut handle: CUmemGenericAllocationHandle = 0;
-        // SAFETY: for the fabric type the driver reads a CUmemFabricHandle through the pointer.
-        unsafe {
-            driver()?.api().cuMemImportFromShareableHandle(
-                &mut handle,
-                (&mut h as *mut CUmemFabricHandle).cast(),
-                CUmemAllocationHandleType::FABRIC,
-            )
-        }?;
+        let handle = result::mem::import_fabric(driver()?.api(), &CUmemFabricHandle { data: *fabric })?;
         Ok(PhysicalMemory::imported(ctx, handle, size, HandleTypes::FABRIC))
     }
 
@@ -487,10 +446,7 @@ impl PhysicalMemory {
 
 /// `cuMemGetAllocationPropertiesFromHandle` (the caller has bound a context).
 fn raw_properties(handle: CUmemGenericAllocationHandle) -> Result<CUmemAllocationProp> {
-    let mut prop = CUmemAllocationProp::default();
-    // SAFETY: out-pointer valid; callers pass a live handle.
-    unsafe { driver()?.api().cuMemGetAllocationPropertiesFromHandle(&mut prop, handle) }?;
-    Ok(prop)
+    result::mem::get_allocation_properties(driver()?.api(), handle)
 }
 
 impl std::fmt::Debug for PhysicalMemory {
@@ -508,7 +464,7 @@ impl Drop for PhysInner {
         crate::driver::callback::release_in(&self.ctx, self.handle, |api, handle| {
             // SAFETY: the handle is ours and released once. Mappings hold a clone, so none is left.
             // A failure cannot be reported from drop and leaves nothing to retry.
-            let _ = unsafe { api.cuMemRelease(handle) };
+            let _ = unsafe { result::mem::release(api, handle) };
         });
     }
 }

@@ -5,7 +5,7 @@ use super::physical::PhysicalMemory;
 use crate::caps::device_granularity;
 use crate::context::Context;
 use crate::device::Device;
-use crate::driver::{driver, sys::*};
+use crate::driver::{driver, result, sys::*};
 use crate::error::{Error, Result};
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -86,9 +86,8 @@ impl Reservation {
         let granularity = device_granularity(&ctx.device(), CUmemAllocationHandleType::NONE)?.minimum;
         let size = round_up(size, granularity)?;
         ctx.bind()?;
-        let mut base: CUdeviceptr = 0;
-        // SAFETY: out-pointer valid; size and alignment checked above; the hint is only a hint.
-        unsafe { driver()?.api().cuMemAddressReserve(&mut base, size, alignment, hint.unwrap_or(0), 0) }?;
+        // Size and alignment checked above; the hint is only a hint.
+        let base = result::mem::address_reserve(driver()?.api(), size, alignment, hint.unwrap_or(0))?;
         Ok(Reservation {
             inner: Arc::new(ResInner {
                 ctx: ctx.clone(),
@@ -208,7 +207,7 @@ impl Reservation {
         let ptr = self.inner.base + offset as u64;
         // SAFETY: the range lies inside our reservation and overlaps no live mapping; the physical
         // range lies inside a live allocation; both are granularity-aligned.
-        let map = || unsafe { api.cuMemMap(ptr, len, phys_offset, phys.handle(), 0) };
+        let map = || unsafe { result::mem::map(api, ptr, len, phys_offset, phys.handle()) };
         // cuMemMap names everything it works on (a process-wide address range, an allocation
         // handle), so it does not re-bind a context cuvmm last bound on this thread: that cost a
         // cuCtxSetCurrent per map. If code outside cuvmm left no usable context current since
@@ -259,10 +258,8 @@ impl Reservation {
             }
         }
         self.inner.ctx.bind()?;
-        // SAFETY: the range is inside the reservation and fully mapped; `descs` outlives the call.
-        unsafe {
-            driver()?.api().cuMemSetAccess(self.inner.base + offset as u64, len, descs.as_ptr(), descs.len())
-        }
+        // SAFETY: the range is inside the reservation and fully mapped.
+        unsafe { result::mem::set_access(driver()?.api(), self.inner.base + offset as u64, len, &descs) }
     }
 
     /// The access `device` has at `offset` (`cuMemGetAccess`).
@@ -271,10 +268,8 @@ impl Reservation {
             return Err(Error::invalid(format!("offset {offset} is past the end of the reservation")));
         }
         let loc = super::Location::Device(device).raw();
-        let mut flags: u64 = 0;
         self.inner.ctx.bind()?;
-        // SAFETY: both pointers valid; the address is inside the reservation.
-        unsafe { driver()?.api().cuMemGetAccess(&mut flags, &loc, self.inner.base + offset as u64) }?;
+        let flags = result::mem::get_access(driver()?.api(), &loc, self.inner.base + offset as u64)?;
         Ok(Access::from_raw(flags))
     }
 
@@ -305,7 +300,7 @@ impl Drop for ResInner {
         crate::driver::callback::release_in(&self.ctx, (self.base, self.size), |api, (base, size)| {
             // SAFETY: every mapping holds a clone of the reservation, so none is left; the range is
             // ours.
-            let _ = unsafe { api.cuMemAddressFree(base, size) };
+            let _ = unsafe { result::mem::address_free(api, base, size) };
         });
     }
 }
@@ -383,7 +378,7 @@ impl Drop for Mapping {
                 // Bound by the synchronisation just above: no cuCtxSetCurrent of its own.
                 let _ = res.inner.ctx.bind_unless_last();
                 // SAFETY: this range was mapped by `Reservation::map` and is unmapped once, here.
-                let _ = unsafe { d.api().cuMemUnmap(res.base() + offset as u64, len) };
+                let _ = unsafe { result::mem::unmap(d.api(), res.base() + offset as u64, len) };
             }
             {
                 let mut mapped = lock(&res.inner.mapped);

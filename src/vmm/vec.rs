@@ -2,7 +2,7 @@
 //! instead of reallocating and copying.
 
 use crate::context::Context;
-use crate::driver::{driver, sys::CUdeviceptr};
+use crate::driver::{driver, result, sys::CUdeviceptr};
 use crate::error::{Error, Result};
 use crate::ipc::growth::Exports;
 use crate::memory::{DeviceCopy, DeviceSlice, DeviceSliceMut};
@@ -740,11 +740,11 @@ impl<T: DeviceCopy> VmmVec<T> {
         let raw: &[u8] = unsafe { std::slice::from_raw_parts((&value as *const T).cast(), Self::elem()) };
         if raw.iter().all(|&b| b == raw[0]) {
             // SAFETY: [dst, dst + bytes) is mapped (reserve succeeded); the stream is the legacy one.
-            unsafe { api.cuMemsetD8Async(dst, raw[0], bytes, std::ptr::null_mut()) }?;
+            unsafe { result::mem::memset_d8_async(api, dst, raw[0], bytes, std::ptr::null_mut()) }?;
         } else if Self::elem() == 4 {
             let word = u32::from_ne_bytes([raw[0], raw[1], raw[2], raw[3]]);
             // SAFETY: as above; `count` 32-bit words.
-            unsafe { api.cuMemsetD32Async(dst, word, count, std::ptr::null_mut()) }?;
+            unsafe { result::mem::memset_d32_async(api, dst, word, count, std::ptr::null_mut()) }?;
         } else {
             // Any other size: repeat a host block of copies of `value`.
             let block = vec![value; count.min((4 << 20) / Self::elem()).max(1)];
@@ -756,7 +756,7 @@ impl<T: DeviceCopy> VmmVec<T> {
             }
         }
         // SAFETY: waits for the legacy stream, where the memsets were queued.
-        unsafe { api.cuStreamSynchronize(std::ptr::null_mut()) }
+        unsafe { result::stream::synchronize(api, std::ptr::null_mut()) }
     }
 
     /// Shortens to `len` elements; mapped memory is kept (see [`shrink_to_fit`](Self::shrink_to_fit)).

@@ -81,7 +81,7 @@ pub fn fake_driver(mode: &str) -> PathBuf {
         .args(["-shared", "-fPIC", "-O1", &format!("-D{mode}"), "-o"])
         .arg(&tmp)
         .arg(&src)
-        .arg("-lm")
+        .args(["-lm", "-lpthread"])
         .status();
     let _ = std::fs::remove_file(&src);
     let status = status.expect("the CPU tests need a C compiler (cc) to build the fake driver");

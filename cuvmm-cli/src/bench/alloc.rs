@@ -1,8 +1,10 @@
 //! `cuvmm bench alloc`: allocate+free latency of the caching sub-allocator against cuMemAlloc /
-//! cuMemFree and the driver's stream-ordered pool (release threshold raised so it caches too).
+//! cuMemFree and the driver's stream-ordered pool (release threshold raised so it caches too); with
+//! `--threads`, cached pairs of the stream-ordered allocator against the pool on several threads
+//! at once, each on a stream of its own.
 
 use super::median;
-use cuvmm::alloc::{CachingAllocator, ExportMode, PeerAllocator};
+use cuvmm::alloc::{CachingAllocator, ExportMode, GraphMemory, PeerAllocator, StreamAllocator};
 use cuvmm::context::Context;
 use cuvmm::driver::{driver, sys::*};
 use cuvmm::error::Result;
@@ -84,6 +86,128 @@ pub fn run(ctx: &Context, sizes: &[usize]) -> Result<Vec<AllocRow>> {
         rows.push(AllocRow { size, cached_us, driver_us, pool_us });
     }
     cache.trim();
+    // SAFETY: returns the pool's cached memory to the driver.
+    unsafe { api.cuMemPoolTrimTo(pool, 0) }?;
+    Ok(rows)
+}
+
+/// Cached allocate+free pairs of one size on several threads at once, each on a stream of its own.
+#[derive(Clone, Debug)]
+pub struct ThreadRow {
+    /// Bytes per allocation.
+    pub size: usize,
+    /// Threads, each on its own stream.
+    pub threads: usize,
+    /// cuvmm's stream-ordered allocator (`allocate_raw` / `free_raw`, as `cuvmm_malloc` /
+    /// `cuvmm_free`): million pairs per second, all threads together (median of 5 batches).
+    pub cuvmm_mpairs: f64,
+    /// `cuMemAllocAsync` / `cuMemFreeAsync` on the default pool, release threshold raised.
+    pub pool_mpairs: f64,
+}
+
+/// Million pairs per second of `threads` threads together, each running `pairs` calls of the pair
+/// `f` makes for it on its own stream, from a common start to the last thread's end; median of 5
+/// batches after a warm-up batch.
+fn aggregate(
+    ctx: &Context,
+    threads: usize,
+    pairs: usize,
+    f: impl Fn(&Stream) -> Result<()> + Sync,
+) -> Result<f64> {
+    let barrier = std::sync::Barrier::new(threads + 1);
+    let mut samples = Vec::new();
+    std::thread::scope(|scope| -> Result<()> {
+        let workers: Vec<_> = (0..threads)
+            .map(|_| {
+                let (barrier, f) = (&barrier, &f);
+                scope.spawn(move || -> Result<()> {
+                    let stream = Stream::non_blocking(ctx);
+                    // Every batch starts together; a thread that failed still meets the others.
+                    let mut r = stream.as_ref().map(|_| ()).map_err(Clone::clone);
+                    for _ in 0..6 {
+                        barrier.wait();
+                        if let (Ok(()), Ok(s)) = (&r, &stream) {
+                            ctx.bind()?;
+                            for _ in 0..pairs {
+                                if let Err(e) = f(s) {
+                                    r = Err(e);
+                                    break;
+                                }
+                            }
+                        }
+                        barrier.wait();
+                    }
+                    if let Ok(s) = &stream {
+                        s.synchronize()?;
+                    }
+                    r
+                })
+            })
+            .collect();
+        for batch in 0..6 {
+            barrier.wait();
+            let t = Instant::now();
+            barrier.wait();
+            if batch > 0 {
+                samples.push((threads * pairs) as f64 / t.elapsed().as_secs_f64() / 1e6);
+            }
+        }
+        for w in workers {
+            w.join().expect("a benchmark thread panicked")?;
+        }
+        Ok(())
+    })?;
+    Ok(median(&samples))
+}
+
+/// Measures each size at each thread count.
+pub fn run_threads(
+    ctx: &Context,
+    sizes: &[usize],
+    threads: &[usize],
+    pairs: usize,
+) -> Result<Vec<ThreadRow>> {
+    if sizes.is_empty() || sizes.contains(&0) || threads.is_empty() || threads.contains(&0) || pairs == 0 {
+        return Err(crate::bench::invalid("sizes, thread counts and pairs must be positive"));
+    }
+    let alloc = StreamAllocator::new(ctx)?;
+    let api = driver()?.api();
+    ctx.bind()?;
+    let mut pool: CUmemoryPool = std::ptr::null_mut();
+    // SAFETY: out-pointer valid; the device handle is live.
+    unsafe { api.cuDeviceGetDefaultMemPool(&mut pool, ctx.device().raw()) }?;
+    let mut threshold = u64::MAX;
+    // SAFETY: the release threshold attribute takes a cuuint64_t.
+    unsafe {
+        api.cuMemPoolSetAttribute(
+            pool,
+            CUmemPool_attribute::RELEASE_THRESHOLD,
+            (&mut threshold as *mut u64).cast(),
+        )
+    }?;
+    let mut rows = Vec::new();
+    for &size in sizes {
+        for &n in threads {
+            let cuvmm_mpairs = aggregate(ctx, n, pairs, |s| {
+                // SAFETY: the stream is this thread's, alive for the call; the block is freed once,
+                // on it, with nothing queued that uses it.
+                unsafe {
+                    let p = alloc.allocate_raw(size, s.raw(), GraphMemory::Keep)?;
+                    alloc.free_raw(std::hint::black_box(p), s.raw())
+                }
+            })?;
+            let pool_mpairs = aggregate(ctx, n, pairs / 8, |s| {
+                let mut p = 0;
+                // SAFETY: stream-ordered alloc and free of the same pointer on one stream.
+                unsafe {
+                    api.cuMemAllocAsync(&mut p, size, s.raw())?;
+                    api.cuMemFreeAsync(p, s.raw())
+                }
+            })?;
+            rows.push(ThreadRow { size, threads: n, cuvmm_mpairs, pool_mpairs });
+        }
+    }
+    alloc.empty_cache()?;
     // SAFETY: returns the pool's cached memory to the driver.
     unsafe { api.cuMemPoolTrimTo(pool, 0) }?;
     Ok(rows)

@@ -143,6 +143,13 @@ pub enum Bench {
         /// Allocation sizes.
         #[arg(long, default_value = "4KiB,64KiB,1MiB,16MiB,64MiB", value_parser = parse_sizes)]
         sizes: std::vec::Vec<usize>,
+        /// Thread counts (e.g. 1,2,4,8,16): cached pairs of the stream-ordered allocator against
+        /// the pool, each thread on its own stream, instead of the latency table.
+        #[arg(long, value_parser = parse_counts)]
+        threads: Option<std::vec::Vec<usize>>,
+        /// Pairs per thread per batch with --threads (the pool runs an eighth as many).
+        #[arg(long, default_value_t = 200_000)]
+        pairs: usize,
         /// Device ordinal.
         #[arg(long, default_value_t = 0)]
         device: usize,
@@ -517,7 +524,12 @@ pub fn run(b: Bench) -> CliResult {
                 }
             }
         }
-        Bench::Alloc { sizes, device, json } => {
+        Bench::Alloc { sizes, device, json, threads: Some(threads), pairs } => {
+            let ctx = Context::for_ordinal(device)?;
+            let rows = alloc::run_threads(&ctx, &sizes, &threads, pairs)?;
+            print_alloc_threads(&mut out, &ctx, &rows, pairs, json)?;
+        }
+        Bench::Alloc { sizes, device, json, threads: None, .. } => {
             let ctx = Context::for_ordinal(device)?;
             let rows = alloc::run(&ctx, &sizes)?;
             if !json {
@@ -790,6 +802,61 @@ pub fn run(b: Bench) -> CliResult {
 }
 
 /// The slowest staged transfers' timelines (`--trace`), one line (or JSON line) per direction.
+/// `bench alloc --threads`: aggregate million pairs per second, cuvmm beside the driver's pool.
+fn print_alloc_threads(
+    out: &mut impl Write,
+    ctx: &Context,
+    rows: &[alloc::ThreadRow],
+    pairs: usize,
+    json: bool,
+) -> CliResult {
+    if !json {
+        writeln!(
+            out,
+            "cached allocate+free pairs on {}, each thread on its own stream: million pairs/s, all threads \
+             (median of 5 batches of {pairs} pairs a thread; the pool {} a thread)",
+            ctx.device().name()?,
+            pairs / 8
+        )?;
+        writeln!(
+            out,
+            "{:>9} {:>7} {:>12} {:>9} {:>11} {:>12} {:>9} {:>10}",
+            "size", "threads", "cuvmm", "x 1 thr", "ns/pair", "pool", "x 1 thr", "cuvmm/pool"
+        )?;
+    }
+    for r in rows {
+        let one = rows.iter().find(|o| o.size == r.size && o.threads == 1);
+        let (c1, p1) = one.map_or((f64::NAN, f64::NAN), |o| {
+            (r.cuvmm_mpairs / o.cuvmm_mpairs, r.pool_mpairs / o.pool_mpairs)
+        });
+        // Per thread: each thread's pairs take this long on average.
+        let ns = 1e3 * r.threads as f64 / r.cuvmm_mpairs;
+        if json {
+            writeln!(
+                out,
+                "{}",
+                json!({"bench": "alloc_threads", "size": r.size, "threads": r.threads,
+                "cuvmm_mpairs": r.cuvmm_mpairs, "pool_mpairs": r.pool_mpairs,
+                "cuvmm_vs_one_thread": c1, "pool_vs_one_thread": p1, "cuvmm_ns_per_pair_per_thread": ns})
+            )?;
+        } else {
+            writeln!(
+                out,
+                "{:>9} {:>7} {:>12.2} {:>8.2}x {:>11.1} {:>12.3} {:>8.2}x {:>9.1}x",
+                show(r.size),
+                r.threads,
+                r.cuvmm_mpairs,
+                c1,
+                ns,
+                r.pool_mpairs,
+                p1,
+                r.cuvmm_mpairs / r.pool_mpairs
+            )?;
+        }
+    }
+    Ok(())
+}
+
 fn print_slowest(
     out: &mut impl Write,
     size: usize,

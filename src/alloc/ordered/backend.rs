@@ -2,16 +2,14 @@
 //! granule-multiple each, mapped and unmapped one by one inside reservations this backend owns.
 
 use super::backup::{self, BackupKind, BackupOptions, Copier, Mover, Staged};
-use super::core::Backend;
+use super::core::{Backend, LEGACY, SYNTHETIC};
 use crate::context::Context;
 use crate::driver::{driver, sys::*};
 use crate::error::{Error, Result};
 use crate::host::{PinnedBuffer, Staging};
 use crate::memory::{DeviceSlice, DeviceSliceMut};
-use crate::stream::{Event, Stream, StreamInner};
+use crate::stream::{Event, Stream};
 use crate::vmm::{HandleTypes, PhysicalBuilder, PhysicalMemory, Reservation};
-use std::collections::HashMap;
-use std::sync::Arc;
 
 pub(crate) struct DriverBackend {
     ctx: Context,
@@ -24,8 +22,6 @@ pub(crate) struct DriverBackend {
     reservations: Vec<Reservation>,
     /// Two streams for sleep's and wake's copies, made at first use.
     lanes: Vec<Stream>,
-    /// Streams of the safe API kept alive while the allocator may still record events on them.
-    kept: HashMap<u64, Arc<StreamInner>>,
     /// The thread that runs staged backups' copies through the staging ring, made at first use.
     mover: Option<Mover>,
 }
@@ -95,14 +91,8 @@ impl DriverBackend {
             fabric,
             fabric_above,
             reservations: Vec::new(),
-            kept: HashMap::new(),
             mover: None,
         }
-    }
-
-    /// Keeps `stream` alive until the allocator forgets it.
-    pub(crate) fn keep(&mut self, stream: &Stream) {
-        self.kept.entry(stream.raw() as u64).or_insert_with(|| stream.inner().clone());
     }
 
     fn stream(s: u64) -> CUstream {
@@ -194,8 +184,8 @@ impl Backend for DriverBackend {
 
     fn record(&mut self, event: &Event, stream: u64) -> Result<()> {
         self.ctx.bind()?;
-        // SAFETY: the event is live; the stream is one the caller handed to the allocator and
-        // promised alive (C ABI) or that `kept` keeps alive (safe API).
+        // SAFETY: the event is live; the stream is the one the call under way passes, which its
+        // caller keeps alive for the call.
         unsafe { driver()?.api().cuEventRecord(event.raw(), Self::stream(stream)) }
     }
 
@@ -205,8 +195,8 @@ impl Backend for DriverBackend {
 
     fn stream_idle(&mut self, stream: u64) -> Result<bool> {
         self.ctx.bind()?;
-        // SAFETY: the stream is one the caller handed to the allocator and promised alive (C ABI)
-        // or that `kept` keeps alive (safe API); it is not being captured (the caller asked).
+        // SAFETY: the stream is the one the call under way passes, alive for the call; it is not
+        // being captured (the caller asked).
         match unsafe { driver()?.api().cuStreamQuery(Self::stream(stream)) } {
             Ok(()) => Ok(true),
             Err(e) if e.is_code(CUresult::ERROR_NOT_READY) => Ok(false),
@@ -214,12 +204,12 @@ impl Backend for DriverBackend {
         }
     }
 
-    fn wait(&mut self, event: &Event) -> Result<()> {
-        event.synchronize()
-    }
-
     fn capture_of(&mut self, stream: u64) -> Result<Option<u64>> {
         capture_of(Self::stream(stream))
+    }
+
+    fn stream_id(&mut self, stream: u64) -> Option<u64> {
+        stream_id(Self::stream(stream))
     }
 
     fn relax(&mut self) -> Result<u32> {
@@ -239,10 +229,6 @@ impl Backend for DriverBackend {
             // SAFETY: as in `relax`; restoring the mode `relax` returned.
             let _ = unsafe { d.api().cuThreadExchangeStreamCaptureMode(&mut mode) };
         }
-    }
-
-    fn forget(&mut self, stream: u64) {
-        self.kept.remove(&stream);
     }
 
     type Host = HostBackup;
@@ -333,6 +319,22 @@ fn check_host(host: &PinnedBuffer<u8>, offset: u64, len: u64) -> Result<()> {
     match offset.checked_add(len) {
         Some(end) if end <= host.len() as u64 => Ok(()),
         _ => Err(Error::invalid("copy past the end of the host backup")),
+    }
+}
+
+/// The identity of `stream`, a live stream handle: the driver's stream id, unique for the life of
+/// the process (handles are not: a destroyed stream's handle may be handed to a new stream).
+/// `None` when the driver cannot say (before CUDA 12.0, and perhaps during a capture): the
+/// allocator then makes one up.
+pub(crate) fn stream_id(stream: CUstream) -> Option<u64> {
+    if stream.is_null() || stream as usize == CU_STREAM_LEGACY {
+        return Some(LEGACY);
+    }
+    let mut id = 0;
+    // SAFETY: the out-pointer is a valid local; the caller passes a live stream.
+    match unsafe { driver().ok()?.api().cuStreamGetId(stream, &mut id) } {
+        Ok(()) if id < SYNTHETIC => Some(id),
+        _ => None,
     }
 }
 

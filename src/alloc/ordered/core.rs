@@ -25,19 +25,22 @@ pub(crate) trait Backend {
     /// Grants the device read-write access to `[addr, addr + len)`, which is mapped.
     fn set_access(&mut self, addr: u64, len: u64) -> Result<()>;
     fn new_event(&mut self) -> Result<Self::Event>;
-    fn record(&mut self, event: &Self::Event, stream: u64) -> Result<()>;
+    /// Records `event` on the stream whose handle is `raw`. Called only with the handle of the
+    /// call under way (see [`Caller`]).
+    fn record(&mut self, event: &Self::Event, raw: u64) -> Result<()>;
     fn query(&mut self, event: &Self::Event) -> Result<bool>;
-    /// Whether all work queued on `stream` so far has run; `stream` is not being captured.
-    fn stream_idle(&mut self, stream: u64) -> Result<bool>;
-    fn wait(&mut self, event: &Self::Event) -> Result<()>;
-    /// The capture under way on `stream`, if any.
-    fn capture_of(&mut self, stream: u64) -> Result<Option<u64>>;
+    /// Whether all work queued so far on the stream whose handle is `raw` (that of the call under
+    /// way) has run; it is not being captured.
+    fn stream_idle(&mut self, raw: u64) -> Result<bool>;
+    /// The capture under way on the stream whose handle is `raw` (that of the call under way).
+    fn capture_of(&mut self, raw: u64) -> Result<Option<u64>>;
+    /// The identity of the stream whose handle is `raw` (that of the call under way), never that
+    /// of another stream, before or after; `None` when the driver cannot say.
+    fn stream_id(&mut self, raw: u64) -> Option<u64>;
     /// Lets this thread make calls a capture in global mode elsewhere would forbid; returns what
     /// to restore.
     fn relax(&mut self) -> Result<u32>;
     fn restore(&mut self, mode: u32);
-    /// Nothing of `stream` is waited for any more.
-    fn forget(&mut self, stream: u64);
 
     /// Where a sleeping tag's contents are kept.
     type Host;
@@ -57,7 +60,9 @@ pub(crate) trait Backend {
     fn copy_in(&mut self, dst: u64, host: &Self::Host, offset: u64, len: u64, lane: usize) -> Result<()>;
     /// Waits for the copies queued on every lane.
     fn finish_copies(&mut self) -> Result<()>;
-    /// Waits for all work queued on the device.
+    /// Waits for all work queued on the device. The allocator itself waits without its lock (see
+    /// [`Core::settle_begin`]); the model tests' one-step paths call this.
+    #[cfg_attr(not(test), allow(dead_code))]
     fn synchronize(&mut self) -> Result<()>;
 }
 
@@ -82,10 +87,47 @@ pub(crate) const SMALL: u64 = 1 << 20;
 pub(crate) enum Capture {
     /// The stream is not being captured.
     None,
-    /// Captured; memory handed out now belongs to the graph (`change_current_allocator` use).
+    /// Captured (the capture's id); memory handed out now belongs to the graph
+    /// (`change_current_allocator` use).
     Private(u64),
-    /// Captured; the caller keeps graph memory apart itself (PyTorch's `MemPool` use).
-    Shared,
+    /// Captured (the capture's id); the caller keeps graph memory apart itself (PyTorch's
+    /// `MemPool` use).
+    Shared(u64),
+}
+
+impl Capture {
+    fn id(self) -> Option<u64> {
+        match self {
+            Capture::None => None,
+            Capture::Private(id) | Capture::Shared(id) => Some(id),
+        }
+    }
+}
+
+/// Stream identities from this number up are the allocator's own, never the driver's: the legacy
+/// default stream's, and those made up for a stream the driver could not name.
+pub(crate) const SYNTHETIC: u64 = 1 << 62;
+
+/// The identity of the legacy default stream (the null handle and `CU_STREAM_LEGACY`), which is
+/// never destroyed.
+pub(crate) const LEGACY: u64 = SYNTHETIC;
+
+/// The stream a call passes: an identity no other stream ever has (the driver's stream id), which
+/// keys everything the allocator remembers about the stream, and the handle, which the allocator
+/// passes to the driver during this call only. A handle remembered past its call could name a
+/// destroyed stream, or a new stream the driver handed the same handle.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Caller {
+    pub id: u64,
+    pub raw: u64,
+}
+
+/// In the model tests a stream numbered `s` has handle `s` unless a test says otherwise.
+#[cfg(test)]
+impl From<u64> for Caller {
+    fn from(s: u64) -> Caller {
+        Caller { id: s, raw: s }
+    }
 }
 
 /// Counters, in bytes unless named a count. Laid out as `cuvmm_stats_t` of the C header.
@@ -135,12 +177,16 @@ struct Stream<E> {
     done: u64,
     /// Stamp of the latest free, 0 for none.
     last_free: u64,
-    fences: VecDeque<(u64, E)>,
+    /// Events recorded here, by number; `None` stands for one known complete when recorded (the
+    /// stream had run all its work), whose blocks become idle at the next poll.
+    fences: VecDeque<(u64, Option<E>)>,
+    /// The value of [`Core::demand`] when an event was last recorded here for others.
+    seen_demand: u64,
 }
 
 impl<E> Stream<E> {
     fn new() -> Self {
-        Stream { next: 1, done: 0, last_free: 0, fences: VecDeque::new() }
+        Stream { next: 1, done: 0, last_free: 0, fences: VecDeque::new(), seen_demand: 0 }
     }
 }
 
@@ -171,12 +217,18 @@ struct Request {
     n: u64,
     /// Bytes asked for.
     size: u64,
-    stream: u64,
+    stream: Caller,
     /// (small, tag): which heaps serve it.
     kind: (bool, u32),
     /// The pool the block goes to: the capture's graph pool, or 0.
     pool: u32,
     capture: Capture,
+}
+
+/// What a device-wide wait covers: each stream's number that the work queued before the wait
+/// began reaches.
+pub(crate) struct Settle {
+    upto: Vec<(u64, u64)>,
 }
 
 /// Sizes chosen at creation.
@@ -196,13 +248,23 @@ pub(crate) struct Core<B: Backend> {
     sizes: Sizes,
     slots: Vec<Slot<B::Page>>,
     spare: Vec<B::Page>,
-    /// By stream handle (a pointer, which the address hash suits).
+    /// By stream identity (see [`Caller`]).
     streams: AddrMap<Stream<B::Event>>,
     idle_events: Vec<B::Event>,
     pools: HashMap<u64, u32>,
     next_pool: u32,
-    /// Streams seen under capture since the last `empty_cache`.
+    /// Streams whose latest allocation was made under capture (identities): a capture may be
+    /// under way there, which a device-wide synchronisation would break, and their frees may be
+    /// part of it.
     captured: Vec<u64>,
+    /// Identities made up for streams the driver could not name during a capture, by (capture,
+    /// handle): within one capture a handle names one stream.
+    capture_ids: HashMap<(u64, u64), u64>,
+    /// The next made-up identity.
+    next_synthetic: u64,
+    /// Requests that found no cached block, so far: a stream with frees that no event covers
+    /// records one at its next free when this moved since (see [`Core::free`]).
+    demand: u64,
     /// Bytes of pages mapped (spare ones apart).
     mapped_bytes: u64,
     stats: AllocatorStats,
@@ -214,10 +276,17 @@ pub(crate) struct Core<B: Backend> {
     borrowed: Vec<B::Page>,
     /// The latest free among the blocks that lent `borrowed`.
     borrowed_epoch: u64,
-    /// A stream whose latest free is stamped with the number of its next event, and that number:
-    /// until an event is recorded there, another free on it changes nothing in `streams`, so it
-    /// skips the lookup (the common case of a training step's frees).
-    stamped: Option<(u64, u64)>,
+    /// Device-wide waits under way (see [`Core::settle_begin`]).
+    settling: usize,
+    /// Whether the allocation under way may fail for its caller to wait for the whole device,
+    /// and whether it did (see [`Core::try_allocate`]).
+    may_settle: bool,
+    wants_settle: bool,
+    /// A stream whose latest free is stamped with the number of its next event, that number, and
+    /// the demand then: until an event is recorded there or demand grows, another free on it
+    /// changes nothing in `streams`, so it skips the lookup (the common case of a training step's
+    /// frees).
+    stamped: Option<(u64, u64, u64)>,
     /// Blocks shared with other processes, by address: (sharings not yet over, size).
     exported: HashMap<u64, (u32, u64)>,
     /// Blocks of at least this many bytes (untagged) are one physical allocation each; 0: off.
@@ -236,12 +305,18 @@ impl<B: Backend> Core<B> {
             pools: HashMap::new(),
             next_pool: 1,
             captured: Vec::new(),
+            capture_ids: HashMap::new(),
+            next_synthetic: LEGACY + 1,
+            demand: 0,
             mapped_bytes: 0,
             stats: AllocatorStats::default(),
             sleepers: HashMap::new(),
             lent: Vec::new(),
             borrowed: Vec::new(),
             borrowed_epoch: 0,
+            settling: 0,
+            may_settle: false,
+            wants_settle: false,
             stamped: None,
             exported: HashMap::new(),
             whole_above: 0,
@@ -286,13 +361,77 @@ impl<B: Backend> Core<B> {
         self.stats.mapped_peak = self.stats.mapped_peak.max(self.stats.mapped);
     }
 
+    /// The stream of a call passing handle `raw`, which the driver named `id` (`None`: it could
+    /// not, or was not asked, as during a capture). A stream without a name gets one never used
+    /// before, or, during a capture, the one it got earlier in that capture: within one capture a
+    /// handle names one stream.
+    pub(crate) fn caller(&mut self, raw: u64, id: Option<u64>, capture: Capture) -> Caller {
+        if let Some(id) = id.filter(|&i| i < SYNTHETIC) {
+            return Caller { id, raw };
+        }
+        let id = match capture.id() {
+            Some(c) => match self.capture_ids.get(&(c, raw)) {
+                Some(&id) => id,
+                None => {
+                    let id = self.fresh_id();
+                    self.capture_ids.insert((c, raw), id);
+                    id
+                }
+            },
+            None => self.fresh_id(),
+        };
+        Caller { id, raw }
+    }
+
+    fn fresh_id(&mut self) -> u64 {
+        self.next_synthetic += 1;
+        self.next_synthetic - 1
+    }
+
+    /// `size` bytes for use on `stream`, waiting for the whole device when out of memory (the
+    /// tests' path: the allocator waits without its lock, see [`try_allocate`](Self::try_allocate)).
+    #[cfg(test)]
+    pub(crate) fn allocate(
+        &mut self,
+        size: u64,
+        stream: impl Into<Caller>,
+        capture: Capture,
+        tag: u32,
+    ) -> Result<u64> {
+        let stream = stream.into();
+        let r = self.try_allocate(size, stream, capture, tag, true);
+        if r.is_err() && self.wants_settle() {
+            let settle = self.settle_begin();
+            let waited = self.backend.synchronize();
+            self.settled(settle, waited.is_ok())?;
+            return self.try_allocate(size, stream, capture, tag, false);
+        }
+        r
+    }
+
     /// `size` bytes for use on `stream`. Returns the address.
-    pub(crate) fn allocate(&mut self, size: u64, stream: u64, capture: Capture, tag: u32) -> Result<u64> {
+    ///
+    /// Out of memory with `may_settle`, when a wait for the whole device could free memory, it
+    /// fails with [`wants_settle`](Self::wants_settle) set: the caller waits without holding
+    /// the allocator (a host function may be waiting for it, and the device for that host
+    /// function) between [`settle_begin`](Self::settle_begin) and [`settled`](Self::settled),
+    /// then asks again without `may_settle`.
+    pub(crate) fn try_allocate(
+        &mut self,
+        size: u64,
+        stream: Caller,
+        capture: Capture,
+        tag: u32,
+        may_settle: bool,
+    ) -> Result<u64> {
+        self.wants_settle = false;
         if size == 0 {
             return Err(Error::invalid("cannot allocate zero bytes"));
         }
-        if self.is_asleep(tag) {
-            return Err(Error::invalid("cannot allocate with a tag that is asleep: wake it first"));
+        if !self.is_awake(tag) {
+            return Err(Error::invalid(
+                "cannot allocate with a tag that is asleep or going to sleep: wake it first",
+            ));
         }
         let n = size
             .checked_add(ALIGN - 1)
@@ -304,19 +443,23 @@ impl<B: Backend> Core<B> {
         };
         let req = Request { n, size, stream, kind: self.kind_of(n, tag), pool, capture };
         if capture == Capture::None {
+            if !self.captured.is_empty() {
+                self.captured.retain(|&s| s != stream.id);
+            }
             for slot in self.slots.iter_mut().filter(|s| (s.small, s.tag) == req.kind) {
-                if let Some(addr) = slot.heap.take_cached(stream, n, size) {
+                if let Some(addr) = slot.heap.take_cached((stream.id, stream.raw), n, size) {
                     self.count_alloc(n, size, true);
                     return Ok(addr);
                 }
             }
         } else {
-            self.note_capture(stream);
+            self.note_capture(stream.id);
         }
+        self.may_settle = may_settle;
         self.flush_cached();
         // During a capture nothing may be queried, so only blocks known idle (or this capture's
         // own, reused in capture order) qualify.
-        let reuse = if capture == Capture::Shared { IDLE } else { stream };
+        let reuse = if matches!(capture, Capture::Shared(_)) { IDLE } else { stream.id };
         if let Some(addr) = self.reuse(&req, reuse, pool)? {
             return Ok(addr);
         }
@@ -339,15 +482,16 @@ impl<B: Backend> Core<B> {
     }
 
     fn allocate_slow(&mut self, req: &Request) -> Result<u64> {
+        self.demand += 1;
         if req.capture == Capture::None {
-            self.poll_all()?;
-            if let Some(addr) = self.reuse(req, req.stream, req.pool)? {
+            self.poll_all(req.stream)?;
+            if let Some(addr) = self.reuse(req, req.stream.id, req.pool)? {
                 return Ok(addr);
             }
         }
         // Fresh address space; its pages come from idle ones, spare ones, or the driver.
         let (slot, addr) = self.carve(req)?;
-        match self.ensure_pages(slot, addr, req.n, req.capture, req.stream) {
+        match self.ensure_pages(slot, addr, req.n, req.capture, req.stream.id) {
             Ok(()) => {
                 self.count_alloc(req.n, req.size, false);
                 Ok(addr)
@@ -361,10 +505,11 @@ impl<B: Backend> Core<B> {
 
     /// Returns a block whose pages could not be mapped. It may hold memory `stream`'s queued work
     /// still uses (a hole it freed, grown or merged), so it goes back as freed on `stream` now.
-    fn give_back_block(&mut self, slot: usize, addr: u64, stream: u64) {
-        let st = self.streams.entry(stream).or_insert_with(Stream::new);
+    fn give_back_block(&mut self, slot: usize, addr: u64, stream: Caller) {
+        let st = self.streams.entry(stream.id).or_insert_with(Stream::new);
         st.last_free = st.next;
-        let owner = Owner::Stream { stream, epoch: st.next };
+        let owner = Owner::Stream { stream: stream.id, epoch: st.next };
+        self.stamped = None;
         self.slots[slot].heap.free(addr, owner);
     }
 
@@ -380,9 +525,9 @@ impl<B: Backend> Core<B> {
             .filter(|(_, s)| (s.small, s.tag) == req.kind)
             .find_map(|(i, s)| s.heap.find(pool, reuse, req.n).map(|(_, id)| (i, id)));
         let Some((slot, id)) = found else { return Ok(None) };
-        let addr = self.slots[slot].heap.take(id, req.n, req.stream, req.size, req.pool);
+        let addr = self.slots[slot].heap.take(id, req.n, (req.stream.id, req.stream.raw), req.size, req.pool);
         let mapped_before = self.mapped_bytes;
-        if let Err(e) = self.ensure_pages(slot, addr, req.n, req.capture, req.stream) {
+        if let Err(e) = self.ensure_pages(slot, addr, req.n, req.capture, req.stream.id) {
             self.give_back_block(slot, addr, req.stream);
             return Err(e);
         }
@@ -403,10 +548,11 @@ impl<B: Backend> Core<B> {
         let (small, tag) = req.kind;
         let Request { n, size, stream, pool, capture, .. } = *req;
         // As in `allocate`: a capture shared with other streams takes only idle blocks.
-        let reuse = if capture == Capture::Shared { IDLE } else { stream };
+        let reuse = if matches!(capture, Capture::Shared(_)) { IDLE } else { stream.id };
+        let owner = (stream.id, stream.raw);
         for (i, s) in self.slots.iter_mut().enumerate() {
             if (s.small, s.tag) == req.kind {
-                if let Some(a) = s.heap.carve(n, stream, size, pool, reuse) {
+                if let Some(a) = s.heap.carve(n, owner, size, pool, reuse) {
                     return Ok((i, a));
                 }
             }
@@ -433,7 +579,7 @@ impl<B: Backend> Core<B> {
         self.slots.push(Slot { heap: Heap::new(base, reserve), small, tag, page, pages: table });
         let i = self.slots.len() - 1;
         let a =
-            self.slots[i].heap.carve(n, stream, size, pool, reuse).expect("a new heap holds its first block");
+            self.slots[i].heap.carve(n, owner, size, pool, reuse).expect("a new heap holds its first block");
         Ok((i, a))
     }
 
@@ -580,8 +726,8 @@ impl<B: Backend> Core<B> {
                 self.stats.oom_retries += 1;
                 // Everything freed may become idle once the work queued before it has run; during
                 // a capture nothing may wait, so only what is known idle helps.
-                if capture == Capture::None {
-                    self.settle_all()?;
+                if self.ask_settle(capture) {
+                    return Err(e);
                 }
                 // All of them: the rest of the batch takes the spares instead of asking again.
                 if self.reclaim(usize::MAX)? > 0 {
@@ -665,8 +811,8 @@ impl<B: Backend> Core<B> {
         match self.backend.create_page(size) {
             Err(e) if e.is_out_of_memory() => {
                 self.stats.oom_retries += 1;
-                if capture == Capture::None {
-                    self.settle_all()?;
+                if self.ask_settle(capture) {
+                    return Err(e);
                 }
                 self.reclaim(usize::MAX)?;
                 self.release_spare();
@@ -727,50 +873,60 @@ impl<B: Backend> Core<B> {
         Ok(got)
     }
 
-    /// Records events on streams whose latest frees no event covers yet, and takes in the events
-    /// that completed, making the blocks they cover idle.
-    fn poll_all(&mut self) -> Result<()> {
+    /// Takes in the events that completed, making the blocks they cover idle, and forgets streams
+    /// with nothing left to wait for. Of the caller's own frees, makes those idle whose work has
+    /// run, or records an event after them: the caller's stream is the only one this call may
+    /// pass to the driver.
+    fn poll_all(&mut self, caller: Caller) -> Result<()> {
         let streams: Vec<u64> = self.streams.keys().copied().collect();
         for s in streams {
             self.poll(s)?;
             let st = &self.streams[&s];
-            if st.fences.is_empty() && st.last_free < st.next {
-                // Everything freed on it is idle: forget it, so that a destroyed stream's handle is
-                // never used again.
-                // A stamped stream's latest free has no event after it yet, so it is never idle.
-                debug_assert!(self.stamped.map_or(true, |(t, _)| t != s), "forgetting a stamped stream");
+            if st.fences.is_empty() && st.last_free < st.next && self.settling == 0 {
+                // Everything freed on it is idle. A stamped stream's latest free has no event
+                // after it yet, so it is never idle. While a device-wide wait is under way its
+                // numbers must stay, or a free after the wait began could be taken as covered.
+                debug_assert!(self.stamped.map_or(true, |(t, ..)| t != s), "forgetting a stamped stream");
                 self.streams.remove(&s);
-                self.backend.forget(s);
-                continue;
             }
-            if !self.caught_up(s)? {
-                self.fence(s)?;
-            }
+        }
+        if self.streams.contains_key(&caller.id) && !self.caught_up(caller, true)? {
+            self.fence(caller)?;
         }
         Ok(())
     }
 
-    /// If `s` has frees no completed event covers and has run all its work, makes them idle at
-    /// once, as a completed event recorded now would. Asked only when a request found no block:
-    /// otherwise another stream had those blocks only after an event recorded then had completed,
-    /// seen at a later request, and when the device keeps up with the host (short kernels, or
-    /// none) a stream that frees much while another allocates kept its memory to itself in the
+    /// If the caller's stream has frees no completed event covers and has run all its work, makes
+    /// them idle, as a completed event recorded now would. Asked at a request of that stream that
+    /// found no block, and at its first free after another stream's request found no cached
+    /// block: with events alone, when the device keeps up with the host (short kernels, or none),
+    /// a stream that frees much while another allocates kept its memory to itself in the
     /// meantime: replaying `cuvmm bench trace`'s synthetic three-stream trace with no kernels on
     /// an H100 held 1.27x the live peak after one pass, 1.45x after three and 1.71x after six,
     /// the other streams taking new pages each time.
-    fn caught_up(&mut self, s: u64) -> Result<bool> {
-        let st = &self.streams[&s];
-        if st.last_free <= st.done || self.backend.capture_of(s)?.is_some() || !self.backend.stream_idle(s)? {
+    ///
+    /// `now` makes them idle at once (a request about to search); otherwise at the next poll, so
+    /// that a free just after, merging with them, does not take them back to its stream first.
+    fn caught_up(&mut self, c: Caller, now: bool) -> Result<bool> {
+        let st = &self.streams[&c.id];
+        if st.last_free <= st.done
+            || self.backend.capture_of(c.raw)?.is_some()
+            || !self.backend.stream_idle(c.raw)?
+        {
             return Ok(false);
         }
-        let st = self.streams.get_mut(&s).expect("known stream");
+        let st = self.streams.get_mut(&c.id).expect("known stream");
         // Every event recorded there has completed too.
-        self.idle_events.extend(st.fences.drain(..).map(|(_, ev)| ev));
+        self.idle_events.extend(st.fences.drain(..).filter_map(|(_, ev)| ev));
         let n = st.next;
-        st.done = n;
         st.next += 1;
         self.stamped = None;
-        self.work_ran(s, n)?;
+        if now {
+            st.done = n;
+            self.work_ran(c.id, n)?;
+        } else {
+            st.fences.push_back((n, None));
+        }
         Ok(true)
     }
 
@@ -780,13 +936,15 @@ impl<B: Backend> Core<B> {
             let st = self.streams.get_mut(&s).expect("known stream");
             let Some((n, ev)) = st.fences.front() else { break };
             let n = *n;
-            if !self.backend.query(ev)? {
-                break;
+            if let Some(ev) = ev {
+                if !self.backend.query(ev)? {
+                    break;
+                }
             }
             let st = self.streams.get_mut(&s).expect("known stream");
             let (_, ev) = st.fences.pop_front().expect("front");
             st.done = n;
-            self.idle_events.push(ev);
+            self.idle_events.extend(ev);
             done = Some(n);
         }
         match done {
@@ -804,70 +962,168 @@ impl<B: Backend> Core<B> {
         self.return_lent(s, n)
     }
 
-    /// Records an event on `s` if a free there is not covered by one yet and `s` is not captured.
-    fn fence(&mut self, s: u64) -> Result<()> {
-        let st = &self.streams[&s];
+    /// Records an event on the caller's stream if a free there is not covered by one yet and the
+    /// stream is not being captured.
+    fn fence(&mut self, c: Caller) -> Result<()> {
+        let st = &self.streams[&c.id];
         if st.last_free < st.next {
             return Ok(());
         }
-        if self.backend.capture_of(s)?.is_some() {
+        if self.backend.capture_of(c.raw)?.is_some() {
             return Ok(());
         }
         let ev = match self.idle_events.pop() {
             Some(e) => e,
             None => self.backend.new_event()?,
         };
-        if let Err(e) = self.backend.record(&ev, s) {
+        if let Err(e) = self.backend.record(&ev, c.raw) {
             self.idle_events.push(ev);
             return Err(e);
         }
         self.stats.events_recorded += 1;
-        let st = self.streams.get_mut(&s).expect("known stream");
-        st.fences.push_back((st.next, ev));
+        let st = self.streams.get_mut(&c.id).expect("known stream");
+        st.fences.push_back((st.next, Some(ev)));
         st.next += 1;
         self.stamped = None;
         Ok(())
     }
 
-    /// Waits until every free so far is idle (streams under capture excepted).
-    fn settle_all(&mut self) -> Result<()> {
-        let streams: Vec<u64> = self.streams.keys().copied().collect();
-        for s in streams {
-            self.fence(s)?;
-            let st = &self.streams[&s];
-            if let Some((_, ev)) = st.fences.back() {
-                self.backend.wait(ev)?;
-            }
-            self.poll(s)?;
-        }
-        Ok(())
+    /// The first half of a device-wide wait: every free so far is covered by it, so each stream's
+    /// numbering moves past them. Returns what [`settled`](Self::settled) takes once the wait
+    /// has returned.
+    pub(crate) fn settle_begin(&mut self) -> Settle {
+        self.settling += 1;
+        self.stamped = None;
+        let upto = self
+            .streams
+            .iter_mut()
+            .map(|(&s, st)| {
+                st.next += 1;
+                (s, st.next - 1)
+            })
+            .collect();
+        Settle { upto }
     }
 
-    /// Frees the block at `addr`, last used on `stream`.
+    /// The second half: the device-wide wait has returned, so the work queued before
+    /// [`settle_begin`](Self::settle_begin) has run, on every stream, and no capture was under
+    /// way (the driver refuses the wait during one). `ok` says whether the wait succeeded.
+    pub(crate) fn settled(&mut self, settle: Settle, ok: bool) -> Result<()> {
+        self.settling -= 1;
+        if !ok {
+            // No event stands behind the numbers skipped: a stream whose latest free had none
+            // after it is left so, to be covered by the next event recorded there.
+            for (s, n) in settle.upto {
+                if let Some(st) = self.streams.get_mut(&s) {
+                    if st.last_free == n {
+                        st.last_free = st.next;
+                    }
+                }
+            }
+            return Ok(());
+        }
+        self.captured.clear();
+        let mut r = Ok(());
+        for (s, n) in settle.upto {
+            if let Some(st) = self.streams.get_mut(&s) {
+                while st.fences.front().is_some_and(|&(m, _)| m <= n) {
+                    let (_, ev) = st.fences.pop_front().expect("front");
+                    self.idle_events.extend(ev);
+                }
+                st.done = st.done.max(n);
+            }
+            if let Err(e) = self.work_ran(s, n) {
+                r = Err(e);
+            }
+        }
+        r
+    }
+
+    /// Whether an allocation out of memory should fail for its caller to wait for the whole
+    /// device and ask again: not during a capture (nothing may wait), nor while a stream's latest
+    /// allocation was made under capture (the wait would break a capture under way), nor a second
+    /// time.
+    fn ask_settle(&mut self, capture: Capture) -> bool {
+        let ask = self.may_settle && capture == Capture::None && self.captured.is_empty();
+        self.wants_settle |= ask;
+        ask
+    }
+
+    /// Whether the last [`try_allocate`](Self::try_allocate) failed for want of a wait for the
+    /// whole device.
+    pub(crate) fn wants_settle(&self) -> bool {
+        self.wants_settle
+    }
+
+    /// Waits for all work queued on the device, making every free so far idle (the tests' path;
+    /// the allocator waits without its lock).
+    #[cfg(test)]
+    fn settle_all(&mut self) -> Result<()> {
+        let settle = self.settle_begin();
+        let r = self.backend.synchronize();
+        self.settled(settle, r.is_ok())?;
+        r
+    }
+
+    /// Frees the block at `addr`, last used on the stream whose handle is `raw`.
     ///
-    /// The same whether or not `stream` is being captured, so a free asks the driver nothing: a
-    /// block freed during a capture is owned by its stream like any other, and becomes anyone's
-    /// only once an event recorded on that stream after the free has completed, which cannot be
-    /// recorded before the capture ends. Until then only the stream's own eager requests could
-    /// take it, and those cannot come during the capture: captured requests take blocks of their
-    /// graph's pool or idle ones. A graph's own blocks freed during its capture go back to its
-    /// pool as always.
-    pub(crate) fn free(&mut self, addr: u64, stream: u64) -> Result<Freed> {
+    /// The same whether or not the stream is being captured: a block freed during a capture is
+    /// owned by its stream like any other, and becomes anyone's only once an event recorded on
+    /// that stream after the free has completed, which cannot be recorded before the capture
+    /// ends, or after a device-wide wait, which the driver refuses during a capture. Until then
+    /// only the stream's own eager requests could take it, and those cannot come during the
+    /// capture: captured requests take blocks of their graph's pool or idle ones. A graph's own
+    /// blocks freed during its capture go back to its pool as always.
+    ///
+    /// It asks the driver nothing when `raw` is the handle the block was allocated with (then it
+    /// names the same stream, or one destroyed since, whose identity nothing uses again: the
+    /// block waits for a device-wide wait) and no other stream found memory short since this
+    /// stream's last event; otherwise it asks the stream's identity, and records an event after
+    /// the free for the others.
+    pub(crate) fn free(&mut self, addr: u64, raw: u64) -> Result<Freed> {
         let Some(slot) = self.slots.iter().position(|s| s.heap.contains(addr)) else {
             return Err(Error::invalid(format!("{addr:#x} was not allocated here")));
         };
         let twice = || Error::invalid(format!("{addr:#x} is not a live allocation (freed twice?)"));
+        let (i, id, alloc_raw) = self.slots[slot].heap.live_block(addr).ok_or_else(twice)?;
+        let stream = if raw == alloc_raw {
+            Caller { id, raw }
+        } else {
+            // During a capture the stream is named by the capture, as its allocations are.
+            match self.backend.capture_of(raw) {
+                Ok(Some(c)) => self.caller(raw, None, Capture::Private(c)),
+                Ok(None) => {
+                    let id = self.backend.stream_id(raw);
+                    self.caller(raw, id, Capture::None)
+                }
+                Err(_) => self.caller(raw, None, Capture::None),
+            }
+        };
+        let demand = self.demand;
         let (epoch, unstamped) = match self.stamped {
-            Some((s, epoch)) if s == stream => (epoch, None),
+            Some((s, epoch, d)) if s == stream.id && d == demand => (epoch, None),
             _ => {
-                let st = self.streams.entry(stream).or_insert_with(Stream::new);
+                let st = self.streams.entry(stream.id).or_insert_with(Stream::new);
                 (st.next, Some(st))
             }
         };
-        let freed = self.slots[slot].heap.free_cached(addr, stream, epoch).ok_or_else(twice)?;
+        let freed = self.slots[slot].heap.free_cached(i, stream.id, epoch);
         if let Some(st) = unstamped {
             st.last_free = epoch;
-            self.stamped = Some((stream, epoch));
+            self.stamped = Some((stream.id, epoch, demand));
+            if st.seen_demand < demand {
+                st.seen_demand = demand;
+                // Its frees are made idle at once if its work has run, else an event is recorded
+                // after them. Best effort: without the event the blocks wait for a later one, or
+                // for a device-wide wait. Relaxed, as a capture elsewhere in global mode forbids
+                // the event.
+                if let Ok(old) = self.backend.relax() {
+                    if !matches!(self.caught_up(stream, false), Ok(true)) {
+                        let _ = self.fence(stream);
+                    }
+                    self.backend.restore(old);
+                }
+            }
         }
         if !self.exported.is_empty() {
             self.drop_export_mark(addr);
@@ -890,7 +1146,8 @@ impl<B: Backend> Core<B> {
         }
     }
 
-    /// Remembers a stream seen under capture, so that `empty_cache` knows to refuse.
+    /// Remembers a stream seen under capture: until its next allocation outside a capture, or a
+    /// device-wide wait that succeeds, a capture may be under way there.
     fn note_capture(&mut self, stream: u64) {
         if !self.captured.contains(&stream) {
             self.captured.push(stream);
@@ -908,36 +1165,24 @@ impl<B: Backend> Core<B> {
         p
     }
 
-    /// Whether any stream this allocator has seen is being captured.
-    fn any_capture(&mut self) -> Result<bool> {
-        let mut streams: Vec<u64> = self.streams.keys().copied().collect();
-        streams.extend(self.captured.iter().copied());
-        for s in streams {
-            if self.backend.capture_of(s)?.is_some() {
-                return Ok(true);
-            }
-        }
-        Ok(false)
-    }
-
     /// Waits for queued work, then releases every idle page and every spare page. Returns the
-    /// bytes given back.
+    /// bytes given back. (The tests' path: the allocator waits without its lock, between
+    /// [`settle_begin`](Self::settle_begin) and [`settled`](Self::settled), then calls
+    /// [`release_idle`](Self::release_idle).)
+    #[cfg(test)]
     pub(crate) fn empty_cache(&mut self) -> Result<u64> {
-        let old = self.backend.relax()?;
-        let r = self.empty_cache_relaxed();
-        self.backend.restore(old);
-        r
+        self.flush_cached();
+        self.settle_all()?;
+        self.release_idle()
     }
 
-    fn empty_cache_relaxed(&mut self) -> Result<u64> {
+    /// Releases every idle page and every spare page. Returns the bytes given back.
+    pub(crate) fn release_idle(&mut self) -> Result<u64> {
+        let old = self.backend.relax()?;
         self.flush_cached();
-        if self.any_capture()? {
-            return Err(Error::invalid("cannot empty the cache while a stream is being captured"));
-        }
-        self.captured.clear();
-        self.settle_all()?;
-        self.reclaim(usize::MAX)?;
-        let whole = self.release_whole()?;
+        let r = self.reclaim(usize::MAX).and_then(|_| self.release_whole());
+        self.backend.restore(old);
+        let whole = r?;
         let n = self.spare.len() as u64;
         self.release_spare();
         Ok(n * self.sizes.page + whole)

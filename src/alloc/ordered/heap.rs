@@ -35,7 +35,11 @@ impl Owner {
 pub(crate) enum State {
     Free(Owner),
     Live {
+        /// The identity of the stream it was handed out on, and the handle that call passed: a
+        /// free passing the same handle is on that stream unless it was destroyed since (then the
+        /// free is attributed to the destroyed stream, whose identity nothing uses again).
         stream: u64,
+        raw: u64,
         requested: u64,
     },
     /// Freed on `stream` and kept whole, unindexed, for that stream's next request of its size:
@@ -210,7 +214,14 @@ impl Heap {
 
     /// Takes `size` bytes at the start of free block `id` (from [`find`](Self::find)) for `stream`,
     /// leaving the rest free with the same owner. Returns the address.
-    pub(crate) fn take(&mut self, id: u64, size: u64, stream: u64, requested: u64, pool: u32) -> u64 {
+    pub(crate) fn take(
+        &mut self,
+        id: u64,
+        size: u64,
+        (stream, raw): (u64, u64),
+        requested: u64,
+        pool: u32,
+    ) -> u64 {
         let i = id as u32;
         let b = self.blocks[i as usize];
         let State::Free(owner) = b.state else { unreachable!("take of a block that is not free") };
@@ -225,7 +236,7 @@ impl Heap {
         }
         let blk = &mut self.blocks[i as usize];
         blk.pool = pool;
-        blk.state = State::Live { stream, requested };
+        blk.state = State::Live { stream, raw, requested };
         self.live.insert(blk.addr, i);
         blk.addr
     }
@@ -237,7 +248,7 @@ impl Heap {
     pub(crate) fn carve(
         &mut self,
         size: u64,
-        stream: u64,
+        (stream, raw): (u64, u64),
         requested: u64,
         pool: u32,
         reuse: u64,
@@ -264,7 +275,7 @@ impl Heap {
                     }
                     self.blocks[self.last as usize].state = State::Free(owner);
                     self.index(self.last);
-                    return Some(self.take(self.last as u64, size, stream, requested, pool));
+                    return Some(self.take(self.last as u64, size, (stream, raw), requested, pool));
                 }
             }
         }
@@ -277,7 +288,7 @@ impl Heap {
             prev: self.last,
             next: NIL,
             pool,
-            state: State::Live { stream, requested },
+            state: State::Live { stream, raw, requested },
         });
         if self.last != NIL {
             self.blocks[self.last as usize].next = i;
@@ -313,7 +324,12 @@ impl Heap {
     }
 
     /// A block `stream` freed whole with exactly `size` bytes, handed out again to it.
-    pub(crate) fn take_cached(&mut self, stream: u64, size: u64, requested: u64) -> Option<u64> {
+    pub(crate) fn take_cached(
+        &mut self,
+        (stream, raw): (u64, u64),
+        size: u64,
+        requested: u64,
+    ) -> Option<u64> {
         if self.cached_count == 0 {
             return None;
         }
@@ -321,27 +337,39 @@ impl Heap {
         let i = self.cached[l as usize].pop()?;
         self.cached_count -= 1;
         let b = &mut self.blocks[i as usize];
-        b.state = State::Live { stream, requested };
+        b.state = State::Live { stream, raw, requested };
         Some(b.addr)
     }
 
-    /// Frees the live block at `addr` on `stream` at `epoch`, keeping it whole for the stream's
-    /// next request of its size when there is room; else as [`free`](Self::free) does.
-    pub(crate) fn free_cached(&mut self, addr: u64, stream: u64, epoch: u64) -> Option<Freed> {
+    /// The live block at `addr`: its index (for [`free_cached`](Self::free_cached)), the identity
+    /// of the stream it was handed out on and the handle that call passed.
+    pub(crate) fn live_block(&self, addr: u64) -> Option<(u32, u64, u64)> {
         let i = *self.live.get(&addr)?;
+        match self.blocks[i as usize].state {
+            State::Live { stream, raw, .. } => Some((i, stream, raw)),
+            _ => None,
+        }
+    }
+
+    /// Frees live block `i` (from [`live_block`](Self::live_block)) on `stream` at `epoch`,
+    /// keeping it whole for the stream's next request of its size when there is room; else as
+    /// [`free`](Self::free) does.
+    pub(crate) fn free_cached(&mut self, i: u32, stream: u64, epoch: u64) -> Freed {
         let b = self.blocks[i as usize];
-        let State::Live { requested, .. } = b.state else { return None };
+        let State::Live { requested, .. } = b.state else {
+            unreachable!("free_cached of a block that is not live")
+        };
         if b.pool == 0 {
             let l = self.cached_list((stream, b.size), true).expect("created") as usize;
             if self.cached[l].len() < CACHED_PER_SIZE {
                 self.cached[l].push(i);
                 self.cached_count += 1;
                 self.blocks[i as usize].state = State::Cached { stream, epoch };
-                return Some(Freed { size: b.size, requested, pool: 0 });
+                return Freed { size: b.size, requested, pool: 0 };
             }
         }
-        self.live.remove(&addr);
-        Some(self.free_block(i, Owner::Stream { stream, epoch }))
+        self.live.remove(&b.addr);
+        self.free_block(i, Owner::Stream { stream, epoch })
     }
 
     /// Moves every cached block into the index, merging as a free would have.
@@ -759,8 +787,8 @@ mod tests {
 
     fn alloc(h: &mut Heap, size: u64, stream: u64) -> u64 {
         match h.find(0, stream, size) {
-            Some((_, id)) => h.take(id, size, stream, size, 0),
-            None => h.carve(size, stream, size, 0, stream).expect("space"),
+            Some((_, id)) => h.take(id, size, (stream, stream), size, 0),
+            None => h.carve(size, (stream, stream), size, 0, stream).expect("space"),
         }
     }
 
@@ -816,7 +844,7 @@ mod tests {
         assert_eq!(h.find(0, S, 1024).map(|(x, _)| x), Some(big));
         assert_eq!(h.find(0, T, 1024).map(|(x, _)| x), Some(small), "S's block is not T's to take");
         let (_, id) = h.find(0, S, 4096).unwrap();
-        assert_eq!(h.take(id, 4096, S, 4000, 0), big);
+        assert_eq!(h.take(id, 4096, (S, S), 4000, 0), big);
         h.check();
         // The rest of the split keeps its owner.
         assert_eq!(h.find(0, T, 4096), None);
@@ -826,7 +854,7 @@ mod tests {
     #[test]
     fn graph_pools_are_kept_apart_until_dissolved() {
         let mut h = Heap::new(0, 1 << 20);
-        let g = h.carve(4096, S, 4096, 7, S).unwrap();
+        let g = h.carve(4096, (S, S), 4096, 7, S).unwrap();
         h.free(g, Owner::Idle);
         assert_eq!(h.find(0, S, 512), None);
         assert_eq!(h.find(7, S, 512).map(|(x, _)| x), Some(g));

@@ -3,10 +3,30 @@
 //!
 //! Memory is allocated *on a stream*. A block freed on a stream may be handed out again at once
 //! for work on that stream (the stream runs it after the work that used the block), and for
-//! another stream only once an event recorded on the first stream after the free has completed.
-//! Events are recorded lazily, one per stream for many frees, when another stream needs memory;
-//! a stream that has run all its work by then needs none (`cuStreamQuery` says so), and its frees
-//! serve every stream at once.
+//! another stream only once an event recorded on the first stream after the free has completed,
+//! or after a wait for the whole device (out of memory, [`StreamAllocator::empty_cache`]).
+//!
+//! # Streams: identity and handles
+//!
+//! A stream handle is not an identity: once a stream is destroyed the driver may hand the same
+//! handle to a new stream, and a destroyed stream may still have queued work that uses blocks it
+//! freed. So the allocator keys everything it remembers about a stream by the driver's stream id
+//! (`cuStreamGetId`, unique for the life of the process; one call per allocation on a stream
+//! other than the legacy default one, none on the cached free), and passes a handle to the
+//! driver only during a call that passes that handle: it never queries, records on or captures
+//! through a stream it merely remembers. A block freed on a stream is that stream's until an
+//! event the allocator owns, recorded on it during one of its own calls, has completed. Events
+//! are recorded lazily: when another stream's request found no cached block, each stream's next
+//! free asks whether its own stream has run all its work (then its frees serve every stream at
+//! the next request that looks) or records one event after them. A stream destroyed before that
+//! leaves its freed blocks to the next wait for the whole device (`cuCtxSynchronize`, which covers
+//! every stream's work), so destroying streams is safe at any time. During a capture the
+//! allocator does not ask (the driver may forbid it) and names the stream by the capture and the
+//! handle, which within one capture name one stream; where the driver cannot name a stream
+//! (before CUDA 12.0) the allocator makes up an identity it never uses again. Blocks freed under
+//! such an identity outside its call wait for a wait for the whole device. A free through the handle its block was allocated with is on that stream, or
+//! on a destroyed one whose identity nothing uses again; a free through another handle asks
+//! the driver.
 //!
 //! Address space is reserved in large heaps (by default twice the device's memory: address space
 //! costs nothing) and physical pages are mapped under blocks only as they are handed out. A heap
@@ -21,9 +41,11 @@
 //!
 //! Allocating or freeing on a stream that is being captured into a CUDA graph makes no call that
 //! a capture forbids. What [`GraphMemory`] says decides what becomes of memory handed out then.
-//! An allocation asks the driver whether its stream is being captured; a free asks nothing: a
-//! block freed on a stream is that stream's alone until an event recorded on it after the free
-//! has completed, no such event can be recorded while the stream is captured, and requests made
+//! An allocation asks the driver whether its stream is being captured; a free asks nothing unless
+//! it records an event: a block freed on a stream is that stream's alone until an event recorded
+//! on it after the free has completed (none is recorded on a captured stream) or a wait for the
+//! whole device returns (the driver refuses one during a capture, and the allocator does not try
+//! one for memory while a stream's latest allocation was made under capture), and requests made
 //! during a capture take only their graph's blocks or idle ones. So a block freed during a
 //! capture comes back once the capture is over, with no need to know at the free.
 //!
@@ -56,7 +78,7 @@ pub use self::backup::{BackupKind, BackupOptions};
 pub use self::core::{AllocatorStats, SleepMode, TagStats};
 
 use self::backend::DriverBackend;
-use self::core::{Capture, Core, Sizes};
+use self::core::{Capture, Core, Settle, Sizes};
 use crate::context::Context;
 use crate::driver::{driver, sys::*};
 use crate::error::{Error, Result};
@@ -170,6 +192,13 @@ pub struct StreamAllocator {
     inner: Arc<Shared>,
 }
 
+/// The allocator's state is behind one lock, which `stats`, `tag_stats` and `reset_peaks` take
+/// (they make no driver call, so a host function may call them). The lock is never held across a
+/// wait that a host function can hold up: the waits for the whole device (out of memory,
+/// `empty_cache`, `sleep`) are made without it, the state saying what they cover (see
+/// `Core::settle_begin`, and the tag falling asleep meanwhile); unmaps do not wait (only pages no
+/// queued work uses are unmapped); the copies of `sleep` and `wake` wait only for the allocator's
+/// own copy streams, whose work waits for nothing else.
 struct Shared {
     ctx: Context,
     /// The device's memory in bytes: no block can be larger.
@@ -260,13 +289,9 @@ impl StreamAllocator {
         if !stream.context().same_as(&self.inner.ctx) {
             return Err(Error::invalid("the stream belongs to another context than the allocator"));
         }
-        let raw = stream.raw();
-        let capture = capture(raw, GraphMemory::Keep)?;
-        let ptr = {
-            let mut core = lock(&self.inner.core);
-            core.backend().keep(stream);
-            core.allocate(size as u64, raw as u64, capture, tag.map_or(0, |t| t.0))?
-        };
+        // SAFETY: `stream` is alive for the call (borrowed), and the block keeps it alive until
+        // its free.
+        let ptr = unsafe { self.allocate_raw_tagged(size, stream.raw(), GraphMemory::Keep, tag) }?;
         Ok(StreamBlock::new(self, ptr, size, stream))
     }
 
@@ -274,8 +299,9 @@ impl StreamAllocator {
     ///
     /// # Safety
     /// `stream` must be a live stream of this allocator's context (or null, or the legacy default
-    /// stream), and stay alive until every block freed on it has been reused or
-    /// [`empty_cache`](Self::empty_cache) has run: the allocator may record events on it.
+    /// stream) for the duration of the call. It may be destroyed afterwards, blocks freed on it
+    /// or not: the allocator keys streams by the driver's stream id, never reused, and passes a
+    /// handle to the driver only during a call that passes it.
     pub unsafe fn allocate_raw(&self, size: usize, stream: CUstream, graphs: GraphMemory) -> Result<u64> {
         // SAFETY: the caller's contract, the same.
         unsafe { self.allocate_raw_tagged(size, stream, graphs, None) }
@@ -294,9 +320,22 @@ impl StreamAllocator {
     ) -> Result<u64> {
         self.check_size(size)?;
         let capture = capture(stream, graphs)?;
+        // Not asked during a capture, where the driver may forbid it: see `Core::caller`.
+        let id = if capture == Capture::None { backend::stream_id(stream) } else { None };
         // Every driver call the allocator may make binds the context itself: the cached path makes
         // none.
-        lock(&self.inner.core).allocate(size as u64, stream_key(stream), capture, tag.map_or(0, |t| t.0))
+        let tag = tag.map_or(0, |t| t.0);
+        let mut core = lock(&self.inner.core);
+        let caller = core.caller(stream_key(stream), id, capture);
+        let r = core.try_allocate(size as u64, caller, capture, tag, true);
+        if r.is_err() && core.wants_settle() {
+            // Out of memory: what was freed becomes idle once the device has run the work queued
+            // before, waited for without the lock.
+            let settle = core.settle_begin();
+            let (mut core, _) = self.settle(core, settle);
+            return core.try_allocate(size as u64, caller, capture, tag, false);
+        }
+        r
     }
 
     /// `size` bytes on `stream` that sleep and wake with `tag`.
@@ -310,13 +349,17 @@ impl StreamAllocator {
     /// pinned memory or a file). The addresses stay reserved: nothing else is placed there.
     /// Returns the bytes released.
     ///
-    /// Refused, changing nothing, when the tag is asleep already or a stream this allocator saw
-    /// is being captured. A backup that cannot be made or written (no host memory, a full disk)
-    /// fails the call with the tag awake and whole. Device work that touches a sleeping block
-    /// faults the context: sleep only what nothing queued will use before [`wake`](Self::wake).
+    /// Refused, changing nothing, when the tag is asleep already or a stream is being captured
+    /// (the driver refuses the wait for the whole device, which also ends that capture in error:
+    /// do not sleep during a capture). A backup that cannot be made or written (no host memory, a
+    /// full disk) fails the call with the tag awake and whole. Device work that touches a sleeping
+    /// block faults the context: sleep only what nothing queued will use before
+    /// [`wake`](Self::wake).
     pub fn sleep(&self, tag: Tag, mode: SleepMode) -> Result<usize> {
-        let mut core = lock(&self.inner.core);
-        core.sleep(tag.0, mode).map(|b| b as usize)
+        let settle = lock(&self.inner.core).sleep_begin(tag.0)?;
+        // Not under the lock: a host function the device waits for may take it (`stats`).
+        let waited = self.inner.ctx.synchronize();
+        lock(&self.inner.core).sleep_finish(tag.0, mode, settle, waited).map(|b| b as usize)
     }
 
     /// Maps memory again under every live block tagged `tag`, at the same addresses with the same
@@ -341,8 +384,9 @@ impl StreamAllocator {
     /// use of it on other streams must be ordered before the work queued on `stream` now; and
     /// `stream` is subject to what `allocate_raw` requires.
     ///
-    /// A free asks the driver nothing, during a capture as at any other time (see the module's
-    /// "Graph capture").
+    /// A free on the stream the block was allocated on asks the driver nothing, during a capture
+    /// as at any other time (see the module's "Graph capture"), except, once after another
+    /// stream found memory short, to record an event after the free.
     pub unsafe fn free_raw(&self, ptr: u64, stream: CUstream) -> Result<()> {
         check_stream(stream)?;
         lock(&self.inner.core).free(ptr, stream_key(stream)).map(|_| ())
@@ -396,11 +440,32 @@ impl StreamAllocator {
     }
 
     /// Waits for the work that used freed blocks, then gives every idle page back to the driver.
-    /// Returns the bytes released. Refused while a stream this allocator has seen is being captured.
+    /// Returns the bytes released. Refused while a stream is being captured (the driver refuses the
+    /// wait for the whole device, which also ends that capture in error: do not empty the cache
+    /// during a capture).
     pub fn empty_cache(&self) -> Result<usize> {
-        let mut core = lock(&self.inner.core);
         self.inner.ctx.bind()?;
-        core.empty_cache().map(|b| b as usize)
+        let mut core = lock(&self.inner.core);
+        core.flush_cached();
+        let settle = core.settle_begin();
+        let (mut core, waited) = self.settle(core, settle);
+        waited?;
+        core.release_idle().map(|b| b as usize)
+    }
+
+    /// Waits for the whole device without the allocator's lock, which a host function the device
+    /// waits for may take (`stats` is allowed there), then takes the lock again and tells the
+    /// allocator what the wait covered. Returns the lock and how the wait went.
+    fn settle<'a>(
+        &'a self,
+        core: MutexGuard<'a, Core<DriverBackend>>,
+        settle: Settle,
+    ) -> (MutexGuard<'a, Core<DriverBackend>>, Result<()>) {
+        drop(core);
+        let waited = self.inner.ctx.synchronize();
+        let mut core = lock(&self.inner.core);
+        let r = core.settled(settle, waited.is_ok());
+        (core, waited.and(r))
     }
 
     /// Returns the memory kept for captured graphs ([`GraphMemory::Keep`]) to the shared pool:
@@ -431,7 +496,7 @@ fn capture(stream: CUstream, graphs: GraphMemory) -> Result<Capture> {
     Ok(match (backend::capture_of(stream)?, graphs) {
         (None, _) => Capture::None,
         (Some(id), GraphMemory::Keep) => Capture::Private(id),
-        (Some(_), GraphMemory::Share) => Capture::Shared,
+        (Some(id), GraphMemory::Share) => Capture::Shared(id),
     })
 }
 

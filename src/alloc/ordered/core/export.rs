@@ -106,8 +106,10 @@ impl<B: Backend> Core<B> {
             .live_block_at(addr)
             .ok_or_else(|| Error::invalid(format!("{addr:#x} is not a live allocation")))?;
         let s = &self.slots[slot];
-        if s.tag != 0 && self.is_asleep(s.tag) {
-            return Err(Error::invalid("the block's tag is asleep: wake it before sharing"));
+        if !self.is_awake(s.tag) {
+            return Err(Error::invalid(
+                "the block's tag is asleep or going to sleep: wake it before sharing",
+            ));
         }
         let (base, page) = (s.heap.base(), s.page);
         let (first, end) = ((block - base) / page, (block + len - base).div_ceil(page));

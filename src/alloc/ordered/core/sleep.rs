@@ -2,9 +2,11 @@
 //! first copied to host memory, or dropped) while its addresses stay reserved, and brought back at
 //! the same addresses later.
 //!
-//! A tag is [`Awake`](State::Awake) or [`Asleep`](State::Asleep); every other request is refused
-//! with a typed error and changes nothing: sleeping twice, waking an awake tag, allocating with a
-//! sleeping tag, sleeping or waking while a stream is being captured. Frees are allowed while
+//! A tag is [`Awake`](State::Awake), [`Falling`](State::Falling) asleep (a sleep waits for the
+//! device, without the allocator's lock: a host function the device waits for may need it) or
+//! [`Asleep`](State::Asleep); every other request is refused with a typed error and changes
+//! nothing: sleeping twice, waking a tag that is not asleep, allocating with a tag that is not
+//! awake, sleeping while a stream is being captured. Frees are allowed while
 //! asleep (the block's pages are simply not brought back). Memory of captured graphs in the tag's
 //! heaps is kept like live blocks: saved, and mapped again at wake. A wake that runs out of memory
 //! gives back what it had mapped and leaves the tag asleep with its saved contents, so a later wake
@@ -41,6 +43,8 @@ const CHUNK: u64 = 64 << 20;
 
 pub(crate) enum State {
     Awake,
+    /// A sleep waits for the device; then the tag is asleep, or awake again if the wait failed.
+    Falling,
     Asleep {
         mode: SleepMode,
         /// (slot, page, offset in the backup) of every page whose contents were saved.
@@ -60,6 +64,10 @@ impl<B: Backend> Core<B> {
         tag != 0 && self.sleepers.get(&tag).is_some_and(|t| matches!(t.state, State::Asleep { .. }))
     }
 
+    pub(crate) fn is_awake(&self, tag: u32) -> bool {
+        tag == 0 || self.sleepers.get(&tag).map_or(true, |t| matches!(t.state, State::Awake))
+    }
+
     /// Pages of `slot` under live blocks and graph memory, in order: what a sleep saves and a
     /// wake maps again.
     fn live_pages(&self, slot: usize) -> Vec<u64> {
@@ -77,24 +85,57 @@ impl<B: Backend> Core<B> {
     }
 
     /// Releases the device memory of `tag`, first copying its live contents to host memory when
-    /// `mode` is [`SleepMode::Offload`]. Returns the bytes released.
+    /// `mode` is [`SleepMode::Offload`]. Returns the bytes released. (The tests' path: the
+    /// allocator waits for the device without its lock, between [`sleep_begin`](Self::sleep_begin)
+    /// and [`sleep_finish`](Self::sleep_finish).)
+    #[cfg(test)]
     pub(crate) fn sleep(&mut self, tag: u32, mode: SleepMode) -> Result<u64> {
+        let settle = self.sleep_begin(tag)?;
+        let waited = self.backend.synchronize();
+        self.sleep_finish(tag, mode, settle, waited)
+    }
+
+    /// Starts a sleep of `tag`: refused unless it is awake; else it is falling asleep (no
+    /// allocation with it, no other sleep or wake) until [`sleep_finish`](Self::sleep_finish),
+    /// and what the caller's wait for the whole device covers is returned.
+    pub(crate) fn sleep_begin(&mut self, tag: u32) -> Result<super::Settle> {
         if tag == 0 {
             return Err(Error::invalid("only tagged memory can sleep"));
         }
-        if self.is_asleep(tag) {
-            return Err(Error::invalid("the tag is already asleep"));
+        if !self.is_awake(tag) {
+            return Err(Error::invalid("the tag is already asleep or going to sleep"));
         }
         if self.tag_shared(tag) {
             return Err(Error::invalid(
                 "a block of the tag is shared with another process: its importers must let go first",
             ));
         }
-        if self.any_capture()? {
-            return Err(Error::invalid("cannot sleep while a stream is being captured"));
+        self.sleepers.entry(tag).or_insert(Tag { state: State::Awake, backup: None }).state = State::Falling;
+        Ok(self.settle_begin())
+    }
+
+    /// Ends a sleep of `tag` begun with [`sleep_begin`](Self::sleep_begin), once the caller's wait
+    /// for the whole device (the tag's blocks may be in use by any stream) returned `waited`: a
+    /// failed wait (the driver refuses one while a stream is being captured) leaves the tag awake.
+    pub(crate) fn sleep_finish(
+        &mut self,
+        tag: u32,
+        mode: SleepMode,
+        settle: super::Settle,
+        waited: Result<()>,
+    ) -> Result<u64> {
+        let settled = self.settled(settle, waited.is_ok());
+        let r = waited.and(settled).and_then(|()| self.fall_asleep(tag, mode));
+        if r.is_err() {
+            let t = self.sleepers.get_mut(&tag).expect("marked falling");
+            if matches!(t.state, State::Falling) {
+                t.state = State::Awake;
+            }
         }
-        // The tag's blocks may be in use by any stream: wait for everything, as a free would.
-        self.backend.synchronize()?;
+        r
+    }
+
+    fn fall_asleep(&mut self, tag: u32, mode: SleepMode) -> Result<u64> {
         self.flush_cached();
         let slots: Vec<usize> = (0..self.slots.len()).filter(|&i| self.slots[i].tag == tag).collect();
         let mut saved = Vec::new();
@@ -212,14 +253,18 @@ impl<B: Backend> Core<B> {
         if !self.is_asleep(tag) {
             return Err(Error::invalid("the tag is not asleep"));
         }
-        if self.any_capture()? {
-            return Err(Error::invalid("cannot wake while a stream is being captured"));
-        }
+        let old = self.backend.relax()?;
+        let r = self.wake_relaxed(tag);
+        self.backend.restore(old);
+        r
+    }
+
+    fn wake_relaxed(&mut self, tag: u32) -> Result<()> {
         self.flush_cached();
         let slots: Vec<usize> = (0..self.slots.len()).filter(|&i| self.slots[i].tag == tag).collect();
         let saved: HashMap<(usize, u64), u64> = match &self.sleepers[&tag].state {
             State::Asleep { saved, .. } => saved.iter().map(|&(s, p, h)| ((s, p), h)).collect(),
-            State::Awake => unreachable!("checked asleep"),
+            State::Awake | State::Falling => unreachable!("checked asleep"),
         };
         let mut host = self.sleepers.get_mut(&tag).and_then(|t| t.backup.take());
         let mut mapped: Vec<(usize, u64)> = Vec::new();

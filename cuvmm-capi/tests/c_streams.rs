@@ -1,0 +1,63 @@
+//! A C program that destroys streams between rounds of `cuvmm_malloc`/`cuvmm_free`
+//! (fixtures/streams_destroyed.c), built with the system C compiler and run against libcuvmm.so
+//! and the fake driver (host functions on their own thread, destroyed handles handed to new
+//! streams).
+
+// The shared test helpers name the library `cuvmm`, which here is this package's own name.
+extern crate cuvmm_lib as cuvmm;
+
+#[path = "../../tests/common/mod.rs"]
+mod common;
+
+use std::path::PathBuf;
+use std::process::Command;
+
+/// libcuvmm.so of this build, beside the `deps` folder that holds this test. Cargo builds no
+/// cdylib for a package's tests, so under cargo the test builds it first (a copied test
+/// executable, on another machine, takes the library beside it as it is).
+fn libcuvmm() -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    let dir = exe.parent().and_then(|d| d.parent()).unwrap();
+    if let Some(cargo) = option_env!("CARGO").filter(|c| std::path::Path::new(c).exists()) {
+        let mut build = Command::new(cargo);
+        build.args(["build", "--quiet", "-p", "cuvmm-capi", "--lib"]);
+        if dir.file_name().is_some_and(|p| p == "release") {
+            build.arg("--release");
+        }
+        let status = build.current_dir(env!("CARGO_MANIFEST_DIR")).status().unwrap();
+        assert!(status.success(), "building libcuvmm.so failed");
+    }
+    let lib = dir.join("libcuvmm.so");
+    assert!(lib.exists(), "{} is not built", lib.display());
+    lib
+}
+
+#[test]
+fn threads_that_destroy_their_streams_between_rounds_get_no_block_still_in_use() {
+    let fake = common::fake_driver("FAKE_VMM");
+    let dir = fake.parent().unwrap().to_owned();
+    let exe = dir.join("streams_destroyed");
+    let status = Command::new("cc")
+        .args(["-O1", "-Wall", "-o"])
+        .arg(&exe)
+        .arg(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/streams_destroyed.c"))
+        .args(["-ldl", "-lpthread"])
+        .status()
+        .expect("the test needs a C compiler (cc)");
+    assert!(status.success(), "cc failed");
+    let out = Command::new(&exe)
+        .arg(libcuvmm())
+        .arg(&fake)
+        .env("CUVMM_LIBCUDA", &fake)
+        .env("CUVMM_ALLOC_CONF", "log=0")
+        .output()
+        .unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(
+        out.status.success(),
+        "{:?}\n{}{}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}

@@ -1,0 +1,233 @@
+//! The stream-ordered allocator on the CPU, against the fake driver's FAKE_VMM device with host
+//! functions on a thread of their own (so work queued on a stream is really pending until they
+//! return) and destroyed stream handles handed to new streams, as the driver may do. The driver,
+//! its counters and its settings belong to the whole process, so the tests take turns.
+
+mod common;
+
+use cuvmm::alloc::StreamAllocator;
+use cuvmm::driver::driver;
+use cuvmm::{Context, Stream};
+use std::ffi::{c_char, c_int, CString};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc;
+use std::sync::Arc;
+use std::time::Duration;
+
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+/// This test's turn, the fake driver (loaded for the whole process, host functions on their own
+/// thread) and its device's context.
+fn fake_device() -> (std::sync::MutexGuard<'static, ()>, std::path::PathBuf, Context) {
+    let turn = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let lib = common::fake_driver("FAKE_VMM");
+    std::env::set_var(cuvmm::driver::LIBRARY_ENV, &lib);
+    driver().expect("the fake driver loads");
+    let on = fake_symbol(&lib, "fake_host_thread");
+    // SAFETY: `void fake_host_thread(int)` of the fake driver.
+    unsafe { std::mem::transmute::<*mut libc::c_void, unsafe extern "C" fn(c_int)>(on)(1) };
+    (turn, lib, Context::for_ordinal(0).unwrap())
+}
+
+fn fake_symbol(lib: &std::path::Path, name: &str) -> *mut libc::c_void {
+    let path = CString::new(lib.as_os_str().as_encoded_bytes()).unwrap();
+    let name = CString::new(name).unwrap();
+    // SAFETY: the fake driver is loaded (RTLD_NOLOAD only finds it); the handle is not closed, so
+    // the symbol stays valid.
+    unsafe {
+        let h = libc::dlopen(path.as_ptr(), libc::RTLD_NOW | libc::RTLD_NOLOAD);
+        assert!(!h.is_null());
+        let f = libc::dlsym(h, name.as_ptr());
+        assert!(!f.is_null(), "the fake driver lacks {name:?}");
+        f
+    }
+}
+
+/// The fake's counter of `name`.
+fn count(lib: &std::path::Path, name: &str) -> i64 {
+    let f = fake_symbol(lib, "fake_count");
+    let name = CString::new(name).unwrap();
+    // SAFETY: `long fake_count(const char *)`; the counters are atomics.
+    unsafe {
+        std::mem::transmute::<*mut libc::c_void, unsafe extern "C" fn(*const c_char) -> i64>(f)(name.as_ptr())
+    }
+}
+
+/// Work queued on `stream` that runs until the returned sender says go (or 10 s pass); the flag
+/// says whether it still runs.
+fn busy(stream: &Stream) -> (mpsc::Sender<()>, Arc<AtomicBool>) {
+    let (go, wait) = mpsc::channel::<()>();
+    let running = Arc::new(AtomicBool::new(true));
+    let r = running.clone();
+    stream
+        .launch_host_fn(move || {
+            let _ = wait.recv_timeout(Duration::from_secs(10));
+            r.store(false, Ordering::SeqCst);
+        })
+        .unwrap();
+    (go, running)
+}
+
+/// With safe code only: blocks `a` and `b` on stream `s`; `a` freed; two requests on `t` that
+/// miss; work queued on `s` that still runs; `b` freed; `s` dropped (destroyed with that work
+/// queued); a new
+/// stream that gets `s`'s handle asks for a block of the same size. It must not get `b` while
+/// `s`'s work may still use it, and no call may pass the driver the destroyed handle.
+#[test]
+fn a_new_stream_with_a_destroyed_streams_handle_gets_none_of_its_blocks_while_its_work_runs() {
+    let (_turn, lib, ctx) = fake_device();
+    let alloc = StreamAllocator::new(&ctx).unwrap();
+    let s = Stream::non_blocking(&ctx).unwrap();
+    let t = Stream::non_blocking(&ctx).unwrap();
+    let a = alloc.allocate(4096, &s).unwrap();
+    let b = alloc.allocate(4096, &s).unwrap();
+    let (a_ptr, b_ptr) = (a.ptr(), b.ptr());
+    drop(a);
+    let x = alloc.allocate(8 << 20, &t).unwrap();
+    let y = alloc.allocate(16 << 20, &t).unwrap();
+    // Work on `s` that uses `b`, queued before its free.
+    let (go, running) = busy(&s);
+    drop(b);
+    let raw = s.raw();
+    drop(s);
+    let u = Stream::non_blocking(&ctx).unwrap();
+    assert_eq!(u.raw(), raw, "the fake hands a destroyed stream's handle to the next stream");
+    let mut got = Vec::new();
+    for _ in 0..3 {
+        got.push(alloc.allocate(4096, &u).unwrap());
+        let _ = alloc.allocate(32 << 20, &t).unwrap();
+    }
+    let ptrs: Vec<u64> = got.iter().map(|g| g.ptr()).collect();
+    assert!(
+        !ptrs.contains(&b_ptr) || !running.load(Ordering::SeqCst),
+        "a block the destroyed stream's work still uses went to the new stream: {ptrs:x?}"
+    );
+    assert_eq!(count(&lib, "destroyed_stream_calls"), 0, "a destroyed stream's handle reached the driver");
+    // Once that work has run, a wait for the whole device gives the blocks back to everyone.
+    go.send(()).unwrap();
+    drop(got);
+    alloc.empty_cache().unwrap();
+    assert!(!running.load(Ordering::SeqCst));
+    let again: Vec<u64> = (0..4)
+        .map(|_| alloc.allocate(4096, &u).unwrap())
+        .map(|g| {
+            let p = g.ptr();
+            std::mem::forget(g);
+            p
+        })
+        .collect();
+    assert!(again.contains(&a_ptr) || again.contains(&b_ptr), "{again:x?}");
+    drop((x, y));
+    u.synchronize().unwrap();
+}
+
+/// Runs `f` on a thread of its own and fails the test if it has not returned within 5 s (a
+/// deadlock), instead of hanging. The process exits then: unwinding would drop the test's blocks,
+/// whose frees wait for the deadlocked lock.
+fn within_5s<T: Send + 'static>(what: &str, f: impl FnOnce() -> T + Send + 'static) -> T {
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(f());
+    });
+    rx.recv_timeout(Duration::from_secs(5)).unwrap_or_else(|_| {
+        // Straight to stderr: the test harness's capture is lost at exit.
+        use std::io::Write;
+        let _ = writeln!(
+            std::io::stderr(),
+            "{what} did not return within 5 s: a host function and the allocator deadlocked"
+        );
+        std::process::exit(101)
+    })
+}
+
+/// A host function that reads the allocator's counters (no driver call: allowed there) while a
+/// sleep, and then `empty_cache`, waits for the device, which waits for that host function. The
+/// allocator's lock is not held across those waits.
+#[test]
+fn a_host_function_reads_the_counters_while_sleep_and_empty_cache_wait_for_the_device() {
+    use cuvmm::alloc::{SleepMode, Tag};
+    let (_turn, lib, ctx) = fake_device();
+    let alloc = StreamAllocator::new(&ctx).unwrap();
+    let s = Stream::non_blocking(&ctx).unwrap();
+    let tag = Tag::new("fake-host-function-counters").unwrap();
+    let block = alloc.allocate_tagged(8 << 20, &s, tag).unwrap();
+    for round in 0..2 {
+        let (tx, rx) = mpsc::channel();
+        let a = alloc.clone();
+        s.launch_host_fn(move || {
+            // Long enough for the waiting call to have started its wait.
+            std::thread::sleep(Duration::from_millis(200));
+            let st = a.stats();
+            let ts = a.tag_stats(tag);
+            a.reset_peaks();
+            let _ = tx.send((st, ts));
+        })
+        .unwrap();
+        let a = alloc.clone();
+        if round == 0 {
+            let released = within_5s("sleep", move || a.sleep(tag, SleepMode::Discard)).unwrap();
+            assert!(released >= 8 << 20, "{released}");
+        } else {
+            within_5s("empty_cache", move || a.empty_cache()).unwrap();
+        }
+        let (st, ts) = rx.recv_timeout(Duration::from_secs(5)).unwrap();
+        assert_eq!(st.live, 8 << 20, "the host function read the counters");
+        assert_eq!(ts.live, 8 << 20);
+        if round == 0 {
+            alloc.wake(tag).unwrap();
+        }
+    }
+    assert_eq!(count(&lib, "destroyed_stream_calls"), 0);
+    drop(block);
+    s.synchronize().unwrap();
+}
+
+/// Threads on streams of their own allocate, queue work that uses a block, free it, destroy their
+/// stream and go on with a new one (which may get any destroyed handle), all at once: no thread
+/// gets a block that queued work of any stream still uses, and no destroyed handle reaches the
+/// driver.
+#[test]
+fn threads_destroying_their_streams_never_get_a_block_still_in_use() {
+    use std::collections::HashMap;
+    use std::sync::Mutex;
+    let (_turn, lib, ctx) = fake_device();
+    let alloc = StreamAllocator::new(&ctx).unwrap();
+    let busy_blocks: Mutex<HashMap<u64, Arc<AtomicBool>>> = Mutex::new(HashMap::new());
+    std::thread::scope(|scope| {
+        for t in 0..4usize {
+            let (alloc, ctx, busy_blocks) = (&alloc, &ctx, &busy_blocks);
+            scope.spawn(move || {
+                for round in 0..20usize {
+                    let s = Stream::non_blocking(ctx).unwrap();
+                    let size = 4096 << (round % 3);
+                    let mut blocks: Vec<_> = (0..3).map(|_| alloc.allocate(size, &s).unwrap()).collect();
+                    for b in &blocks {
+                        let flag = busy_blocks.lock().unwrap().get(&b.ptr()).cloned();
+                        assert!(
+                            !flag.is_some_and(|f| f.load(Ordering::SeqCst)),
+                            "thread {t} round {round}: block {:#x} handed out while queued work uses it",
+                            b.ptr()
+                        );
+                    }
+                    // A miss now and then, so that other streams' frees are looked for.
+                    let big = alloc.allocate((8 + t) << 20, &s).unwrap();
+                    let used = blocks.pop().unwrap();
+                    let running = Arc::new(AtomicBool::new(true));
+                    busy_blocks.lock().unwrap().insert(used.ptr(), running.clone());
+                    let r = running.clone();
+                    s.launch_host_fn(move || {
+                        std::thread::sleep(Duration::from_millis(2));
+                        r.store(false, Ordering::SeqCst);
+                    })
+                    .unwrap();
+                    drop(used);
+                    drop(blocks);
+                    drop(big);
+                    drop(s);
+                }
+            });
+        }
+    });
+    alloc.empty_cache().unwrap();
+    assert_eq!(count(&lib, "destroyed_stream_calls"), 0);
+}
