@@ -71,8 +71,10 @@ struct Refused final : std::exception {
   char text_[kText];
 };
 
+// A request larger than the whole device is out of memory too, as PyTorch's own allocator reports it.
 bool is_out_of_memory(const char *err) {
-  return err != nullptr && (std::strstr(err, "OUT_OF_MEMORY") != nullptr || std::strstr(err, "out of memory") != nullptr);
+  return err != nullptr && (std::strstr(err, "OUT_OF_MEMORY") != nullptr || std::strstr(err, "out of memory") != nullptr ||
+                            std::strstr(err, "more than the device's") != nullptr);
 }
 
 [[noreturn]] void refuse(ssize_t size, int device, const char *err) {

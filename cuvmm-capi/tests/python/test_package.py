@@ -49,6 +49,7 @@ int backup_backend = -1, backup_retain = -1;
 void *cuvmm_malloc(ssize_t s, int d, void *st) {
     if (s == 0) return 0;
     if (s == 7) { err = "cuvmm_malloc: invalid argument: allocating with a sleeping tag"; return 0; }
+    if (s == 9) { err = "cuvmm_malloc: invalid argument: 9 bytes are more than the device's 8 bytes of memory"; return 0; }
     if (s > (1 << 20)) { err = "cuvmm_malloc: cuMemCreate failed: CUDA_ERROR_OUT_OF_MEMORY (2): out of memory"; return 0; }
     return heap;
 }
@@ -173,6 +174,12 @@ class RaisingEntryPoints(unittest.TestCase):
         self.assertTrue(text.startswith("CUDA out of memory"), text)
         self.assertIn(f"{2 << 20} bytes on device 0", text)
         self.assertIn("CUDA_ERROR_OUT_OF_MEMORY", text)
+
+    def test_a_request_larger_than_the_device_raises_the_oom_class(self):
+        self.bind()
+        rc, _, typ, text = self.call(self.shim.cuvmm_torch_malloc, 9)
+        self.assertEqual((rc, typ), (1, id(MemoryError)), text)
+        self.assertIn("more than the device's", text)
 
     def test_plain_cuvmm_malloc_hands_pytorch_a_null(self):
         """What the entry points fix: cuvmm_malloc itself throws nothing."""

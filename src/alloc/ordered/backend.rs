@@ -111,7 +111,7 @@ impl DriverBackend {
     fn mover(&mut self) -> Result<&Mover> {
         if self.mover.is_none() {
             let copier = StagedCopier {
-                staging: Staging::with_defaults(&self.ctx)?,
+                staging: Staging::with_config(&self.ctx, backup::ring_config())?,
                 stream: Stream::non_blocking(&self.ctx)?,
             };
             self.mover = Some(Mover::new(copier)?);

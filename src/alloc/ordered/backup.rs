@@ -78,9 +78,26 @@ const TOUCH_UNIT: usize = 2 << 20;
 const MADV_POPULATE_WRITE: libc::c_int = 23;
 
 /// Threads that fault a fresh pageable backup in ahead of the copies into it: a quarter of the
-/// cores (the staging ring's threads take most of the rest), between 1 and 8.
+/// cores (the staging ring's threads take most of the rest), between 1 and 8, unless
+/// `CUVMM_BACKUP_TOUCH_THREADS` says otherwise (0 leaves the faults to the copies).
 fn touchers() -> usize {
-    std::thread::available_parallelism().map_or(1, |n| n.get() / 4).clamp(1, 8)
+    env_threads("CUVMM_BACKUP_TOUCH_THREADS")
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get() / 4).clamp(1, 8))
+}
+
+/// A thread count from the environment: a tuning knob for hosts whose core count misleads.
+pub(crate) fn env_threads(name: &str) -> Option<usize> {
+    std::env::var(name).ok()?.trim().parse::<usize>().ok().filter(|&n| n <= 256)
+}
+
+/// The staging ring that moves staged backups: the default ring, with
+/// `CUVMM_BACKUP_COPY_THREADS` copying threads if set.
+pub(crate) fn ring_config() -> crate::host::StagingConfig {
+    let mut config = crate::host::StagingConfig::default();
+    if let Some(n) = env_threads("CUVMM_BACKUP_COPY_THREADS").filter(|&n| n > 0) {
+        config.threads = n;
+    }
+    config
 }
 
 /// An anonymous private mapping of host memory, unmapped when dropped.
