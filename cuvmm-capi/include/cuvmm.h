@@ -8,6 +8,8 @@
  *
  * Configuration comes from one environment variable, read at the first call:
  *   CUVMM_ALLOC_CONF="page=4MiB,reserve=160GiB,tag_page=128MiB,log=1,lend=1,trace=/tmp/cuvmm.trace,oom=null"
+ * (export_threshold=256MiB: untagged blocks of that size or more are one physical allocation each,
+ * exportable as a POSIX descriptor and, with an IMEX channel, a fabric handle; 0, the default: off)
  * (see the README for every key).
  */
 #ifndef CUVMM_H
@@ -67,6 +69,7 @@ typedef struct cuvmm_stats {
     uint64_t events_recorded;
     uint64_t oom_retries;   /* out-of-memory answers retried after releasing idle memory */
     uint64_t graph_held;    /* bytes kept for captured CUDA graphs */
+    uint64_t exported;      /* bytes of live blocks shared with other processes (see cuvmm_export) */
 } cuvmm_stats_t;
 
 /* Fills *out for `device`. Returns 0, or -1 (see cuvmm_last_error). */
@@ -125,6 +128,39 @@ typedef struct cuvmm_tag_stats {
     int32_t reserved_;
 } cuvmm_tag_stats_t;
 int cuvmm_get_tag_stats(const char *tag, cuvmm_tag_stats_t *out);
+
+/* Sharing blocks with other processes (what cuvmm.torch's torch.multiprocessing support uses).
+ * cuvmm_owner: 1 when the live block holding `ptr` (anywhere inside it) came from this library on
+ *   `device`, with its address and size in *block and *len (each may be NULL); 0 when not (also
+ *   in a process that never allocated through cuvmm); -1 on failure.
+ * cuvmm_export: shares that block: one POSIX file descriptor per physical page under it in fds
+ *   (the caller owns and closes them; pages also hold the block's neighbours, as legacy CUDA IPC
+ *   shares a whole segment) and the layout in *out. Returns the page count; when it is larger than
+ *   `cap` nothing is shared and the call may be repeated. -1 on failure (a tag asleep, a device
+ *   without POSIX-fd export). The importer's pages stay valid after this process frees the block
+ *   or exits; keep the block allocated until its importers have released it, then call
+ *   cuvmm_unexport. Until then its bytes count in cuvmm_stats_t.exported and its tag refuses to
+ *   sleep. Freeing a shared block drops its marks: its addresses may then be handed out again
+ *   while an importer still reads the old pages through its own mapping.
+ * cuvmm_import: maps `count` exported pages of `page` bytes (fds, in address order) side by side
+ *   on `device`, the device they were made on, with read-write access for it and for the `npeers`
+ *   devices in `peers` (each must reach it; a peer's primary context is retained, so name only
+ *   devices the process uses); *base gets the address of the first page. Returns a handle, or
+ *   NULL. The descriptors stay the caller's.
+ * cuvmm_import_release: waits for the work of those devices, then unmaps. */
+typedef struct cuvmm_export {
+    uint64_t block;       /* the block's address */
+    uint64_t len;         /* its size */
+    uint64_t first_page;  /* address of the first page under it; the others follow without gaps */
+    uint64_t page;        /* bytes per page */
+    uint64_t count;       /* pages */
+} cuvmm_export_t;
+int cuvmm_owner(int device, const void *ptr, uint64_t *block, uint64_t *len);
+ssize_t cuvmm_export(int device, const void *ptr, cuvmm_export_t *out, int *fds, size_t cap);
+int cuvmm_unexport(int device, uint64_t block);
+void *cuvmm_import(int device, const int *fds, size_t count, uint64_t page, const int *peers, size_t npeers,
+                   uint64_t *base);
+int cuvmm_import_release(void *import);
 
 /* Writes the allocation trace (trace= in CUVMM_ALLOC_CONF) out now; it is also written at exit. */
 void cuvmm_trace_flush(void);

@@ -15,6 +15,9 @@ pub struct Config {
     pub log: bool,
     /// Whether freed pages are lent to the same stream's next blocks (`lend`).
     pub lend: bool,
+    /// Untagged blocks of at least this size are one physical allocation each
+    /// (`export_threshold`; 0: none).
+    pub export_threshold: usize,
     /// Where allocations and frees are recorded (`trace`).
     pub trace: Option<PathBuf>,
     /// Whether running out of memory in `cuvmm_malloc` aborts the process (`oom=abort`) instead of
@@ -34,6 +37,7 @@ impl Default for Config {
             tag_page: lib.tag_page,
             log: true,
             lend: lib.lend,
+            export_threshold: lib.export_threshold,
             trace: None,
             abort_on_oom: false,
         }
@@ -78,6 +82,7 @@ impl Config {
                 "tag_page" => c.tag_page = parse_size(v)?,
                 "log" => c.log = parse_bool("log", v)?,
                 "lend" => c.lend = parse_bool("lend", v)?,
+                "export_threshold" => c.export_threshold = parse_size(v)?,
                 "trace" => c.trace = Some(PathBuf::from(v.trim())),
                 "oom" => {
                     c.abort_on_oom = match v.trim() {
@@ -88,7 +93,7 @@ impl Config {
                 }
                 other => {
                     return Err(format!(
-                        "unknown key `{other}` (page, reserve, tag_page, log, lend, trace, oom)"
+                        "unknown key `{other}` (page, reserve, tag_page, log, lend, export_threshold, trace, oom)"
                     ))
                 }
             }
@@ -116,7 +121,7 @@ mod tests {
     #[test]
     fn every_key_is_read_and_unknown_ones_are_refused() {
         let c = Config::parse(Some(
-            "page=8MiB, reserve=64GiB,tag_page=256MiB,log=0,lend=1,trace=/tmp/t,oom=abort",
+            "page=8MiB, reserve=64GiB,tag_page=256MiB,log=0,lend=1,export_threshold=64MiB,trace=/tmp/t,oom=abort",
         ))
         .unwrap();
         let want = Config {
@@ -125,6 +130,7 @@ mod tests {
             tag_page: 256 << 20,
             log: false,
             lend: true,
+            export_threshold: 64 << 20,
             trace: Some("/tmp/t".into()),
             abort_on_oom: true,
         };

@@ -100,6 +100,7 @@ fn allocator(device: c_int) -> Result<&'static StreamAllocator, String> {
             reserve: g.config.reserve,
             tag_page: g.config.tag_page,
             lend: g.config.lend,
+            export_threshold: g.config.export_threshold,
         };
         StreamAllocator::with_config(&ctx, cfg).map_err(|e| e.to_string())
     })
@@ -307,10 +308,10 @@ fn stats_json() -> String {
         .map(|(d, a)| {
             let s = a.stats();
             format!(
-                "\"{d}\":{{\"live\":{},\"live_peak\":{},\"requested\":{},\"mapped\":{},\"mapped_peak\":{},\"reserved\":{},\"allocations\":{},\"frees\":{},\"cache_hits\":{},\"pages_created\":{},\"pages_released\":{},\"pages_remapped\":{},\"events_recorded\":{},\"oom_retries\":{},\"graph_held\":{}}}",
+                "\"{d}\":{{\"live\":{},\"live_peak\":{},\"requested\":{},\"mapped\":{},\"mapped_peak\":{},\"reserved\":{},\"allocations\":{},\"frees\":{},\"cache_hits\":{},\"pages_created\":{},\"pages_released\":{},\"pages_remapped\":{},\"events_recorded\":{},\"oom_retries\":{},\"graph_held\":{},\"exported\":{}}}",
                 s.live, s.live_peak, s.requested, s.mapped, s.mapped_peak, s.reserved, s.allocations, s.frees,
                 s.cache_hits, s.pages_created, s.pages_released, s.pages_remapped, s.events_recorded,
-                s.oom_retries, s.graph_held
+                s.oom_retries, s.graph_held, s.exported
             )
         })
         .collect();
@@ -572,6 +573,186 @@ pub unsafe extern "C" fn cuvmm_get_tag_stats(tag: *const c_char, out: *mut Cuvmm
         }
         // SAFETY: checked non-null; the caller gives a writable struct.
         unsafe { out.write(sum) };
+        Ok(0)
+    })
+}
+
+/// The allocator of `device` if one was made already: asking whether a pointer is cuvmm's must
+/// not make one (nor read `CUVMM_ALLOC_CONF`) in a process that never allocated through cuvmm.
+fn existing_allocator(device: c_int) -> Option<&'static StreamAllocator> {
+    let g = GLOBAL.get()?.as_ref().ok()?;
+    g.devices.get(usize::try_from(device).ok()?)?.get()?.as_ref().ok()
+}
+
+/// Whether the live block holding `ptr` on `device` came from this library: 1 (and its address
+/// and size in `*block`, `*len`, each may be null), 0 when not, -1 on bad arguments.
+///
+/// # Safety
+/// `block` and `len` must each be null or valid for writing a `uint64_t`.
+#[no_mangle]
+pub unsafe extern "C" fn cuvmm_owner(
+    device: c_int,
+    ptr: *const c_void,
+    block: *mut u64,
+    len: *mut u64,
+) -> c_int {
+    guard("cuvmm_owner", -1, || {
+        let Some((b, n)) = existing_allocator(device).and_then(|a| a.owner_of(ptr as usize as u64)) else {
+            return Ok(0);
+        };
+        // SAFETY: the caller's contract: null or writable.
+        unsafe {
+            if !block.is_null() {
+                block.write(b);
+            }
+            if !len.is_null() {
+                len.write(n);
+            }
+        }
+        Ok(1)
+    })
+}
+
+/// `cuvmm_export_t` of cuvmm.h.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct CuvmmExport {
+    pub block: u64,
+    pub len: u64,
+    pub first_page: u64,
+    pub page: u64,
+    pub count: u64,
+}
+
+/// Shares the live block of `device` holding `ptr`: writes one POSIX descriptor per page into
+/// `fds` (the caller closes them) and the layout into `*out`. Returns the page count; when it
+/// exceeds `cap`, nothing is shared (no descriptor written, no mark kept) and the call can be
+/// repeated with room enough. -1 on failure.
+///
+/// # Safety
+/// `out` must be valid for writing a `cuvmm_export_t`; `fds` for writing `cap` ints.
+#[no_mangle]
+pub unsafe extern "C" fn cuvmm_export(
+    device: c_int,
+    ptr: *const c_void,
+    out: *mut CuvmmExport,
+    fds: *mut c_int,
+    cap: usize,
+) -> isize {
+    use std::os::fd::IntoRawFd;
+    guard("cuvmm_export", -1, || {
+        if out.is_null() || (fds.is_null() && cap > 0) {
+            return Err(plain("null output pointer".into()));
+        }
+        let a = existing_allocator(device)
+            .ok_or_else(|| plain(format!("no cuvmm allocation on device {device}")))?;
+        let e = a.export(ptr as usize as u64).map_err(reported)?;
+        let layout = CuvmmExport {
+            block: e.block,
+            len: e.len,
+            first_page: e.first_page,
+            page: e.page as u64,
+            count: e.fds.len() as u64,
+        };
+        // SAFETY: checked non-null; the caller gives a writable struct.
+        unsafe { out.write(layout) };
+        let n = e.fds.len();
+        if n > cap {
+            a.unexport(e.block).map_err(reported)?;
+            return Ok(n as isize);
+        }
+        for (i, fd) in e.fds.into_iter().enumerate() {
+            // SAFETY: i < n <= cap, inside the caller's array.
+            unsafe { fds.add(i).write(fd.into_raw_fd()) };
+        }
+        Ok(n as isize)
+    })
+}
+
+/// One sharing of the block at `block` on `device` (`cuvmm_export_t.block`) is over: its
+/// importers released it. 0, or -1 (not shared).
+#[no_mangle]
+pub extern "C" fn cuvmm_unexport(device: c_int, block: u64) -> c_int {
+    guard("cuvmm_unexport", -1, || {
+        let a =
+            existing_allocator(device).ok_or_else(|| plain(format!("nothing shared on device {device}")))?;
+        a.unexport(block).map_err(reported)?;
+        Ok(0)
+    })
+}
+
+/// Maps `count` pages of `page` bytes another process exported (`fds`, in address order) on
+/// `device`, side by side, with access for `device` and the `npeers` devices in `peers`; writes the
+/// address of the first into `*base` and returns a handle for [`cuvmm_import_release`], or NULL.
+/// The descriptors stay the caller's.
+///
+/// # Safety
+/// `fds` must be valid for reading `count` ints, each an open descriptor; `peers` for reading
+/// `npeers` ints (or null with 0); `base` for writing.
+#[no_mangle]
+pub unsafe extern "C" fn cuvmm_import(
+    device: c_int,
+    fds: *const c_int,
+    count: usize,
+    page: u64,
+    peers: *const c_int,
+    npeers: usize,
+    base: *mut u64,
+) -> *mut c_void {
+    use std::os::fd::BorrowedFd;
+    guard("cuvmm_import", std::ptr::null_mut(), || {
+        if fds.is_null() || base.is_null() || count == 0 {
+            return Err(plain("null pointer or no page to import".into()));
+        }
+        let page = usize::try_from(page).map_err(|_| plain(format!("page size {page}")))?;
+        // SAFETY: the caller's contract: `count` readable ints.
+        let raw = unsafe { std::slice::from_raw_parts(fds, count) };
+        if raw.iter().any(|&fd| fd < 0) {
+            return Err(plain("a negative descriptor".into()));
+        }
+        // SAFETY: each is an open descriptor the caller holds for the length of this call.
+        let borrowed: Vec<BorrowedFd<'_>> =
+            raw.iter().map(|&fd| unsafe { BorrowedFd::borrow_raw(fd) }).collect();
+        if peers.is_null() && npeers > 0 {
+            return Err(plain("null peer list".into()));
+        }
+        let peers: &[c_int] = if npeers == 0 {
+            &[]
+        } else {
+            // SAFETY: the caller's contract: `npeers` readable ints.
+            unsafe { std::slice::from_raw_parts(peers, npeers) }
+        };
+        let peers = peers
+            .iter()
+            .map(|&d| {
+                usize::try_from(d)
+                    .ok()
+                    .and_then(|d| Device::get(d).ok())
+                    .ok_or_else(|| plain(format!("no device {d}")))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let a = allocator(device).map_err(plain)?;
+        let imported =
+            cuvmm_lib::alloc::BlockImport::import(a.context(), &borrowed, page, &peers).map_err(reported)?;
+        // SAFETY: checked non-null; the caller gives a writable u64.
+        unsafe { base.write(imported.ptr()) };
+        Ok(Box::into_raw(Box::new(imported)).cast::<c_void>())
+    })
+}
+
+/// Releases an import of [`cuvmm_import`]: waits for the work of the devices that could use it,
+/// then unmaps. 0, or -1 for NULL.
+///
+/// # Safety
+/// `import` must be a handle `cuvmm_import` returned, released once.
+#[no_mangle]
+pub unsafe extern "C" fn cuvmm_import_release(import: *mut c_void) -> c_int {
+    guard("cuvmm_import_release", -1, || {
+        if import.is_null() {
+            return Err(plain("null import".into()));
+        }
+        // SAFETY: the caller's contract: a live handle from `cuvmm_import`, released once.
+        drop(unsafe { Box::from_raw(import.cast::<cuvmm_lib::alloc::BlockImport>()) });
         Ok(0)
     })
 }

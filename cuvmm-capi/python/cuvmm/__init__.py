@@ -75,7 +75,7 @@ def torch_version_problem(version: str):
 STAT_FIELDS = (
     "live", "live_peak", "requested", "mapped", "mapped_peak", "reserved", "allocations", "frees",
     "cache_hits", "pages_created", "pages_released", "pages_remapped", "events_recorded",
-    "oom_retries", "graph_held",
+    "oom_retries", "graph_held", "exported",
 )
 
 
@@ -96,6 +96,12 @@ class TagStats(ctypes.Structure):
         ("asleep", ctypes.c_int32),
         ("reserved_", ctypes.c_int32),
     ]
+
+
+class Export(ctypes.Structure):
+    """``cuvmm_export_t``."""
+
+    _fields_ = [(name, ctypes.c_uint64) for name in ("block", "len", "first_page", "page", "count")]
 
 
 _lock = threading.Lock()
@@ -154,6 +160,14 @@ def _declare(lib: ctypes.CDLL) -> None:
         "cuvmm_wake": (c_int, [c_char_p]),
         "cuvmm_get_tag_stats": (c_int, [c_char_p, ctypes.POINTER(TagStats)]),
         "cuvmm_set_backup": (c_int, [c_char_p, c_int, c_int, c_char_p]),
+        "cuvmm_owner": (c_int, [c_int, ctypes.c_void_p, ctypes.POINTER(ctypes.c_uint64),
+                                ctypes.POINTER(ctypes.c_uint64)]),
+        "cuvmm_export": (c_ssize_t, [c_int, ctypes.c_void_p, ctypes.POINTER(Export), ctypes.POINTER(c_int),
+                                     c_size_t]),
+        "cuvmm_unexport": (c_int, [c_int, ctypes.c_uint64]),
+        "cuvmm_import": (ctypes.c_void_p, [c_int, ctypes.POINTER(c_int), c_size_t, ctypes.c_uint64,
+                                           ctypes.POINTER(c_int), c_size_t, ctypes.POINTER(ctypes.c_uint64)]),
+        "cuvmm_import_release": (c_int, [ctypes.c_void_p]),
     }
     for name, (res, args) in sigs.items():
         if hasattr(lib, name):

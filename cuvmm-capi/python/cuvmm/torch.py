@@ -12,6 +12,10 @@ Only the tensors made inside a ``torch.cuda.MemPool``::
     with torch.cuda.use_mem_pool(pool):
         x = torch.randn(1 << 20, device="cuda")
 
+CUDA tensors on cuvmm memory go through ``torch.multiprocessing`` as exported pages, zero copy,
+from the moment this module is imported (:func:`share_tensors`; docs/multiprocessing.md);
+:class:`SharedEvent` orders a reader after a writer's in-place update.
+
 Importing this module imports PyTorch and checks its version (``cuvmm.TORCH_MINIMUM`` to
 ``cuvmm.TORCH_TESTED``): an older or unreadable one is an ImportError, a newer one a warning.
 Every name of :mod:`cuvmm` (stats, tags, sleep and wake) is available here too.
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import importlib.util
 import os
 import threading
 import warnings
@@ -44,7 +49,7 @@ if _problem is not None:
 
 __all__ = list(_core.__all__) + [
     "allocator", "use_as_current_allocator", "is_current_allocator", "mem_pool",
-    "use_mem_pool_all_threads", "raises_on_oom",
+    "use_mem_pool_all_threads", "raises_on_oom", "share_tensors", "pending_shares", "SharedEvent",
 ]
 
 _lock = threading.Lock()
@@ -170,3 +175,9 @@ def use_mem_pool_all_threads(pool, device=None):
     finally:
         _torch._C._cuda_endAllocateToPool(dev, pool.id)
         _torch._C._cuda_releasePool(dev, pool.id)
+
+
+from cuvmm._torch_share import SharedEvent, pending_shares, share_tensors  # noqa: E402
+
+if importlib.util.find_spec("torch.multiprocessing") is not None:
+    share_tensors()

@@ -7,7 +7,7 @@
 # summary.txt. Every script runs even when an earlier one failed; the exit status is 1 if any
 # failed. With BUNDLE_DIR/bin/cuvmm it also records a training run's allocations and runs
 # `cuvmm bench trace` on them and `cuvmm bench sleep`.
-# Knobs: PYTHON (default python3), TRAIN_ARGS, SLEEP_ARGS, TMS_ARGS (extra arguments), NCCL=0|1
+# Knobs: PYTHON (default python3), TRAIN_ARGS, SLEEP_ARGS, TMS_ARGS, MP_ARGS (extra arguments), NCCL=0|1
 # (default: run the all-reduce when the machine has two or more GPUs).
 set -u -o pipefail
 
@@ -95,6 +95,9 @@ run oom_raises $PY oom_raises.py --json "$OUT_DIR/oom_raises.json"
 run tms_compare $PY tms_compare.py --json "$OUT_DIR/tms_compare.json" ${TMS_ARGS:-}
 # A MemPool on cuvmm with expandable segments on: which segments PyTorch makes expandable.
 run pool_expandable $PY pool_expandable.py --json "$OUT_DIR/pool_expandable.json"
+# torch.multiprocessing on cuvmm memory beside PyTorch's allocator; weight sync with an IPC event.
+run mp_share $PY mp_share.py --json "$OUT_DIR/mp_share.json" ${MP_ARGS:-}
+run weight_sync $PY weight_sync.py --json "$OUT_DIR/weight_sync.json"
 
 # e. all-reduce, where there are GPUs for it
 gpus=$($PY -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)

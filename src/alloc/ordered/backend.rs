@@ -9,12 +9,16 @@ use crate::error::{Error, Result};
 use crate::host::{PinnedBuffer, Staging};
 use crate::memory::{DeviceSlice, DeviceSliceMut};
 use crate::stream::{Event, Stream};
-use crate::vmm::{PhysicalBuilder, PhysicalMemory, Reservation};
+use crate::vmm::{HandleTypes, PhysicalBuilder, PhysicalMemory, Reservation};
 
 pub(crate) struct DriverBackend {
     ctx: Context,
     page: usize,
     builder: PhysicalBuilder,
+    /// For pages of at least `fabric_above` bytes (0: none): exportable as fabric handles too,
+    /// until the driver refuses one (no IMEX channel), after which `builder` makes them.
+    fabric: Option<PhysicalBuilder>,
+    fabric_above: usize,
     reservations: Vec<Reservation>,
     /// Two streams for sleep's and wake's copies, made at first use.
     lanes: Vec<Stream>,
@@ -68,12 +72,24 @@ impl Copier for StagedCopier {
 }
 
 impl DriverBackend {
-    pub(crate) fn new(ctx: &Context, page: usize) -> DriverBackend {
+    pub(crate) fn new(ctx: &Context, page: usize, fabric_above: usize) -> DriverBackend {
+        // Pages are made exportable as POSIX descriptors wherever the device allows it, so that any
+        // live block can be shared with another process after the fact (`StreamAllocator::export`).
+        let mut builder = PhysicalMemory::builder(ctx);
+        if ctx.device().flag(CUdevice_attribute::HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED).unwrap_or(false)
+        {
+            builder = builder.handle_types(HandleTypes::POSIX_FD);
+        }
+        let fabric = (fabric_above != 0
+            && ctx.device().flag(CUdevice_attribute::HANDLE_TYPE_FABRIC_SUPPORTED).unwrap_or(false))
+        .then(|| builder.clone().handle_types(builder.get_handle_types() | HandleTypes::FABRIC));
         DriverBackend {
             ctx: ctx.clone(),
             page,
             lanes: Vec::new(),
-            builder: PhysicalMemory::builder(ctx),
+            builder,
+            fabric,
+            fabric_above,
             reservations: Vec::new(),
             mover: None,
         }
@@ -123,6 +139,14 @@ impl Backend for DriverBackend {
     }
 
     fn create_page(&mut self, size: u64) -> Result<PhysicalMemory> {
+        if let Some(fabric) = self.fabric.as_ref().filter(|_| size as usize >= self.fabric_above) {
+            match fabric.create(size as usize) {
+                Ok(p) => return Ok(p),
+                Err(e) if e.is_out_of_memory() => return Err(e),
+                // No IMEX channel (or another refusal of the handle type): POSIX descriptors only.
+                Err(_) => self.fabric = None,
+            }
+        }
         self.builder.create(size as usize)
     }
 

@@ -165,6 +165,9 @@ pub struct AllocatorStats {
     pub oom_retries: u64,
     /// Bytes kept for captured CUDA graphs (free inside graph pools, or live there).
     pub graph_held: u64,
+    /// Bytes of live blocks shared with other processes (exported, not yet let go by their
+    /// importers): counted in `live` too, since the exporter keeps them allocated meanwhile.
+    pub exported: u64,
 }
 
 struct Stream<E> {
@@ -284,6 +287,10 @@ pub(crate) struct Core<B: Backend> {
     /// changes nothing in `streams`, so it skips the lookup (the common case of a training step's
     /// frees).
     stamped: Option<(u64, u64, u64)>,
+    /// Blocks shared with other processes, by address: (sharings not yet over, size).
+    exported: HashMap<u64, (u32, u64)>,
+    /// Blocks of at least this many bytes (untagged) are one physical allocation each; 0: off.
+    whole_above: u64,
 }
 
 impl<B: Backend> Core<B> {
@@ -311,6 +318,8 @@ impl<B: Backend> Core<B> {
             may_settle: false,
             wants_settle: false,
             stamped: None,
+            exported: HashMap::new(),
+            whole_above: 0,
         }
     }
 
@@ -432,7 +441,7 @@ impl<B: Backend> Core<B> {
             Capture::Private(id) => self.pool_of(id),
             _ => 0,
         };
-        let req = Request { n, size, stream, kind: (n <= SMALL, tag), pool, capture };
+        let req = Request { n, size, stream, kind: self.kind_of(n, tag), pool, capture };
         if capture == Capture::None {
             if !self.captured.is_empty() {
                 self.captured.retain(|&s| s != stream.id);
@@ -550,6 +559,9 @@ impl<B: Backend> Core<B> {
         }
         let want = if small { self.sizes.small_reserve } else { self.sizes.large_reserve };
         let page = if tag != 0 && !small { self.sizes.tag_page } else { self.sizes.page };
+        // A heap of one page, for a block that must be one physical allocation.
+        let (want, page) =
+            if tag == WHOLE { (self.whole_page(n)?, self.whole_page(n)?) } else { (want, page) };
         let pages = n
             .div_ceil(page)
             .checked_mul(page)
@@ -1113,6 +1125,9 @@ impl<B: Backend> Core<B> {
                 }
             }
         }
+        if !self.exported.is_empty() {
+            self.drop_export_mark(addr);
+        }
         Ok(self.count_free(freed))
     }
 
@@ -1165,12 +1180,12 @@ impl<B: Backend> Core<B> {
     pub(crate) fn release_idle(&mut self) -> Result<u64> {
         let old = self.backend.relax()?;
         self.flush_cached();
-        let r = self.reclaim(usize::MAX);
+        let r = self.reclaim(usize::MAX).and_then(|_| self.release_whole());
         self.backend.restore(old);
-        r?;
+        let whole = r?;
         let n = self.spare.len() as u64;
         self.release_spare();
-        Ok(n * self.sizes.page)
+        Ok(n * self.sizes.page + whole)
     }
 
     /// Gives the memory held for captured graphs back to the shared pool; returns the free bytes
@@ -1182,6 +1197,8 @@ impl<B: Backend> Core<B> {
     }
 }
 
+mod export;
+use export::WHOLE;
 mod sleep;
 pub use sleep::{SleepMode, TagStats};
 

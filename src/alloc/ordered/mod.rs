@@ -85,6 +85,8 @@ use crate::error::{Error, Result};
 use crate::memory::{DeviceCopy, DeviceSlice, DeviceSliceMut};
 use crate::stream::order::Tracker;
 use crate::stream::{Event, Stream, StreamInner};
+use crate::vmm::{Access, Mapping, PhysicalMemory, Reservation};
+use crate::Device;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 /// Sizes of a [`StreamAllocator`].
@@ -113,11 +115,19 @@ pub struct AllocatorConfig {
     /// total). Each page moved costs the calling thread about 50 µs of driver calls (2,700-4,200
     /// in 40 steps, 6,800-8,800 in 160). Off, nothing moves once a repeated pattern has its pages.
     pub lend: bool,
+    /// Untagged blocks of at least this many bytes (0: none, the default) are each one physical
+    /// allocation of their size rounded to `page`, exportable as a POSIX descriptor and, where the
+    /// device supports it and an IMEX channel exists, as a fabric handle: what transfer engines
+    /// that register a range by its allocation (UCX's POSIX-descriptor path, fabric handles) can
+    /// carry. Such a block's free space serves later blocks of that size class only; its memory
+    /// goes back to the driver at [`StreamAllocator::empty_cache`] once idle, instead of being
+    /// moved to where other blocks need it.
+    pub export_threshold: usize,
 }
 
 impl Default for AllocatorConfig {
     fn default() -> Self {
-        AllocatorConfig { page: 4 << 20, reserve: 0, tag_page: 128 << 20, lend: true }
+        AllocatorConfig { page: 4 << 20, reserve: 0, tag_page: 128 << 20, lend: true, export_threshold: 0 }
     }
 }
 
@@ -240,13 +250,11 @@ impl StreamAllocator {
             small_reserve: round((large / 16).max(config.page)) as u64,
             lend: config.lend,
         };
-        let backend = DriverBackend::new(ctx, config.page);
+        let backend = DriverBackend::new(ctx, config.page, config.export_threshold);
+        let mut core = Core::new(backend, sizes);
+        core.set_whole_above(config.export_threshold as u64);
         Ok(StreamAllocator {
-            inner: Arc::new(Shared {
-                ctx: ctx.clone(),
-                memory: total as u64,
-                core: Mutex::new(Core::new(backend, sizes)),
-            }),
+            inner: Arc::new(Shared { ctx: ctx.clone(), memory: total as u64, core: Mutex::new(core) }),
         })
     }
 
@@ -384,6 +392,43 @@ impl StreamAllocator {
         lock(&self.inner.core).free(ptr, stream_key(stream)).map(|_| ())
     }
 
+    /// The live block holding `ptr` (anywhere inside it), as (address, size), if this allocator
+    /// handed it out.
+    pub fn owner_of(&self, ptr: u64) -> Option<(u64, u64)> {
+        lock(&self.inner.core).owner_of(ptr)
+    }
+
+    /// Shares the live block holding `ptr` with another process: a POSIX descriptor for each page
+    /// under it (the pages hold the block's neighbours too, as legacy CUDA IPC shares a whole
+    /// segment). [`BlockImport::import`] maps them elsewhere.
+    ///
+    /// The importer's pages stay valid after this process frees the block or exits; what must not
+    /// happen is the block's addresses being handed out again while an importer reads them, so keep
+    /// it allocated until the importers have let go, then call [`unexport`](Self::unexport). Until
+    /// then the block's bytes count in [`AllocatorStats::exported`] and its tag refuses to sleep.
+    /// Refused for a block whose tag is asleep, and where the device cannot export POSIX
+    /// descriptors.
+    pub fn export(&self, ptr: u64) -> Result<BlockExport> {
+        let mut fds = Vec::new();
+        let at = lock(&self.inner.core).export(ptr, |page| {
+            fds.push(page.export_fd()?);
+            Ok(())
+        })?;
+        Ok(BlockExport {
+            block: at.block,
+            len: at.len,
+            first_page: at.first_page,
+            page: at.page as usize,
+            fds,
+        })
+    }
+
+    /// One sharing of the block at `block` (as [`export`](Self::export) returned it) is over.
+    /// Refused for a block not shared.
+    pub fn unexport(&self, block: u64) -> Result<()> {
+        lock(&self.inner.core).unexport(block)
+    }
+
     /// Counters of this allocator.
     pub fn stats(&self) -> AllocatorStats {
         lock(&self.inner.core).stats()
@@ -461,6 +506,98 @@ fn stream_key(stream: CUstream) -> u64 {
         CU_STREAM_LEGACY as u64
     } else {
         stream as usize as u64
+    }
+}
+
+/// A live block of a [`StreamAllocator`] shared with another process ([`StreamAllocator::export`]).
+#[derive(Debug)]
+pub struct BlockExport {
+    /// The block's address.
+    pub block: u64,
+    /// The block's size.
+    pub len: u64,
+    /// The address of the first page under the block; the pages follow it without gaps.
+    pub first_page: u64,
+    /// Bytes per page.
+    pub page: usize,
+    /// One descriptor per page, in address order.
+    pub fds: Vec<std::os::fd::OwnedFd>,
+}
+
+/// Pages another process exported ([`StreamAllocator::export`]), mapped here side by side as they
+/// lie there, readable and writable by the exporter's device and by the peers named at the import.
+/// Dropping it waits for the work of those devices, then unmaps; the memory lives on while its
+/// exporter or any other importer holds it.
+pub struct BlockImport {
+    // Dropped before the reservation they are mapped in.
+    mappings: Vec<Mapping>,
+    reservation: Reservation,
+}
+
+impl BlockImport {
+    /// Imports `fds` (pages of `page` bytes each, in address order) on `ctx`'s device, which must
+    /// be the device they were made on, and grants `peers` access too (each must be able to reach
+    /// it; granting a device access retains its primary context, so name only devices this
+    /// process uses). The descriptors are not consumed: close them afterwards.
+    pub fn import(
+        ctx: &Context,
+        fds: &[std::os::fd::BorrowedFd<'_>],
+        page: usize,
+        peers: &[Device],
+    ) -> Result<BlockImport> {
+        if fds.is_empty() {
+            return Err(Error::invalid("nothing to import"));
+        }
+        let total =
+            fds.len().checked_mul(page).filter(|_| page > 0).ok_or_else(|| {
+                Error::invalid(format!("{} pages of {page} bytes cannot be mapped", fds.len()))
+            })?;
+        let reservation = Reservation::with_options(ctx, total, page, None)?;
+        let mut mappings = Vec::with_capacity(fds.len());
+        for (i, fd) in fds.iter().enumerate() {
+            let phys = PhysicalMemory::import_fd(ctx, *fd, page)?;
+            mappings.push(reservation.map_all(i * page, &phys)?);
+        }
+        let mut grants = vec![(ctx.device(), Access::ReadWrite)];
+        for &d in peers {
+            if grants.iter().any(|&(g, _)| g == d) {
+                continue;
+            }
+            if !d.can_access_peer(&ctx.device())? {
+                return Err(Error::invalid(format!(
+                    "device {} cannot reach device {}'s memory",
+                    d.ordinal(),
+                    ctx.device().ordinal()
+                )));
+            }
+            grants.push((d, Access::ReadWrite));
+        }
+        reservation.set_access(0, total, &grants)?;
+        Ok(BlockImport { mappings, reservation })
+    }
+
+    /// The address of the first page.
+    pub fn ptr(&self) -> u64 {
+        self.reservation.base()
+    }
+
+    /// Bytes mapped.
+    pub fn len(&self) -> usize {
+        self.mappings.len() * self.mappings.first().map_or(0, Mapping::len)
+    }
+
+    /// Whether nothing is mapped (never: an import maps at least one page).
+    pub fn is_empty(&self) -> bool {
+        self.mappings.is_empty()
+    }
+}
+
+impl std::fmt::Debug for BlockImport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BlockImport")
+            .field("ptr", &format_args!("{:#x}", self.ptr()))
+            .field("len", &self.len())
+            .finish()
     }
 }
 

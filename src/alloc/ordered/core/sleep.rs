@@ -105,6 +105,11 @@ impl<B: Backend> Core<B> {
         if !self.is_awake(tag) {
             return Err(Error::invalid("the tag is already asleep or going to sleep"));
         }
+        if self.tag_shared(tag) {
+            return Err(Error::invalid(
+                "a block of the tag is shared with another process: its importers must let go first",
+            ));
+        }
         self.sleepers.entry(tag).or_insert(Tag { state: State::Awake, backup: None }).state = State::Falling;
         Ok(self.settle_begin())
     }

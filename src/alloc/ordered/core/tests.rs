@@ -10,7 +10,7 @@ use std::cell::{Cell, RefCell};
 use std::collections::{BTreeMap, HashSet};
 use std::rc::Rc;
 
-const PAGE: u64 = 1 << 16;
+pub(super) const PAGE: u64 = 1 << 16;
 
 #[derive(Clone, Copy, Debug)]
 enum Op {
@@ -19,11 +19,11 @@ enum Op {
 }
 
 #[derive(Default)]
-struct Gpu {
+pub(super) struct Gpu {
     next_base: u64,
     mapped: BTreeMap<u64, (u32, u64)>,
     /// Memory in use, in units of PAGE, against `page_limit`.
-    units: Rc<Cell<usize>>,
+    pub(super) units: Rc<Cell<usize>>,
     /// Mappings of each page, and pages released while still mapped: as with the driver, the
     /// memory of a released page is freed when its last mapping goes.
     mappings: Rc<RefCell<HashMap<u32, usize>>>,
@@ -70,7 +70,7 @@ struct Gpu {
 
 /// A backup in the model: its size, what it holds at each offset (one value per page), the
 /// options it was made under; counted in `hosts_alive` while it lives.
-struct ModelHost {
+pub(super) struct ModelHost {
     len: u64,
     data: HashMap<u64, u64>,
     options: BackupOptions,
@@ -83,8 +83,8 @@ impl Drop for ModelHost {
     }
 }
 
-struct Page {
-    id: u32,
+pub(super) struct Page {
+    pub(super) id: u32,
     units: usize,
     mem: Rc<Cell<usize>>,
     mappings: Rc<RefCell<HashMap<u32, usize>>>,
@@ -100,7 +100,7 @@ impl Drop for Page {
         }
     }
 }
-struct Ev(u32);
+pub(super) struct Ev(u32);
 
 fn oom() -> Error {
     Error::Driver {
@@ -392,7 +392,7 @@ impl Gpu {
     }
 }
 
-fn core(page_limit: usize) -> Core<Gpu> {
+pub(super) fn core(page_limit: usize) -> Core<Gpu> {
     let gpu = Gpu { page_limit, ..Gpu::default() };
     Core::new(
         gpu,
@@ -837,8 +837,8 @@ proptest! {
     }
 }
 
-const TAG: u32 = 3;
-const TPAGE: u64 = 4 * PAGE;
+pub(super) const TAG: u32 = 3;
+pub(super) const TPAGE: u64 = 4 * PAGE;
 
 #[test]
 fn an_offloaded_tag_comes_back_at_the_same_addresses_with_its_contents() {

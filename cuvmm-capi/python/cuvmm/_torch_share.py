@@ -1,0 +1,270 @@
+"""``torch.multiprocessing`` on cuvmm memory: CUDA tensors whose storage cuvmm allocated travel
+as exported pages (POSIX descriptors) instead of legacy CUDA IPC; see :func:`share_tensors`."""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+import multiprocessing.reduction as _mpr
+import os
+import socket
+import threading
+
+import torch as _torch
+
+import cuvmm as _core
+from cuvmm import _share
+
+# Imported before any fork, as PyTorch does: a queue's feeder thread may pickle during one.
+from multiprocessing import resource_sharer as _resource_sharer
+
+_releases = _share.Releases()
+
+
+def _after_fork_in_child():
+    # The parent's exports are the parent's to release; the child starts with none (and without
+    # the parent's thread).
+    global _releases
+    _releases = _share.Releases()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+# torch.multiprocessing's reductions, imported (which registers them) by share_tensors before ours.
+_torch_reductions = None
+_installed = False
+_lock = threading.Lock()
+_fd_limit_raised = False
+_serial = itertools.count()
+
+
+def _owner(device: int, ptr: int):
+    """(block, length) of the live cuvmm block holding ``ptr``, or None."""
+    lib = _core.load()
+    if not hasattr(lib, "cuvmm_owner"):
+        return None
+    block, n = ctypes.c_uint64(), ctypes.c_uint64()
+    rc = lib.cuvmm_owner(device, ptr, ctypes.byref(block), ctypes.byref(n))
+    _core._check(rc, "cuvmm_owner", ok=lambda rc: rc >= 0)
+    return (block.value, n.value) if rc == 1 else None
+
+
+def _export(device: int, ptr: int):
+    """(cuvmm_export_t, [page descriptors]) for the block holding ``ptr``."""
+    lib = _core.load()
+    out = _core.Export()
+    cap = 64
+    while True:
+        fds = (ctypes.c_int * cap)()
+        n = _core._check(lib.cuvmm_export(device, ptr, ctypes.byref(out), fds, cap), "cuvmm_export",
+                         ok=lambda rc: rc >= 0)
+        if n <= cap:
+            return out, list(fds[:n])
+        cap = n
+
+
+def _raise_fd_limit():
+    global _fd_limit_raised
+    if not _fd_limit_raised:
+        _share.raise_fd_limit()
+        _fd_limit_raised = True
+
+
+def reduce_tensor(t):
+    """Our reduction for ``torch.Tensor`` and ``torch.nn.Parameter``: cuvmm's path for a CUDA
+    tensor on cuvmm memory, PyTorch's own for everything else."""
+    if (t.device.type != "cuda" or type(t) not in (_torch.Tensor, _torch.nn.Parameter)
+            or t.layout != _torch.strided or t.is_nested):
+        return _torch_reductions.reduce_tensor(t)
+    storage = t.untyped_storage()
+    ptr, nbytes = storage.data_ptr(), storage.nbytes()
+    device = t.device.index
+    owner = _owner(device, ptr) if ptr else None
+    if owner is None:
+        return _torch_reductions.reduce_tensor(t)
+    if t.requires_grad and not t.is_leaf:
+        raise RuntimeError("Cowardly refusing to send a non-leaf tensor that requires grad across "
+                           "processes (detach it first, as PyTorch asks)")
+    _raise_fd_limit()
+    layout, fds = _export(device, ptr)
+    try:
+        desc = _share.encode(
+            device=device, block=layout.block, block_len=layout.len, first_page=layout.first_page,
+            page=layout.page, count=layout.count, ptr=ptr, nbytes=nbytes,
+            dtype=str(t.dtype).removeprefix("torch."), size=tuple(t.shape), stride=tuple(t.stride()),
+            storage_offset=t.storage_offset(), requires_grad=t.requires_grad,
+            parameter=isinstance(t, _torch.nn.Parameter))
+        keep, give = _share.send_pages(fds)
+    except BaseException:
+        _core.load().cuvmm_unexport(device, layout.block)
+        raise
+    finally:
+        for fd in fds:
+            os.close(fd)
+    block = layout.block
+
+    def release():
+        # The importer has unmapped (or died): the block may be freed and its addresses reused.
+        _core.load().cuvmm_unexport(device, block)
+        held.clear()
+
+    # The storage stays allocated here until the receiver lets go of it.
+    held = [storage]
+    _releases.register(keep, release)
+    # Through the resource sharer in every case (a queue message or a Process argument): it
+    # duplicates the descriptor now and closes its copy once the receiver has fetched it, so the
+    # receiver's end is held only by the receiver. (The spawning Popen's own descriptor passing
+    # would leave the parent a copy for the Process object's lifetime, and the block with it.)
+    df = _resource_sharer.DupFd(give.fileno())
+    give.close()
+    return (_rebuild, (desc, df, os.getpid(), next(_serial)))
+
+
+def _peers(device: int) -> list[int]:
+    """Devices besides ``device`` that this process already uses (a CUDA context exists) and that
+    can reach ``device``'s memory: they get access to an import too. Granting one that has no
+    context would create one (hundreds of MiB of device memory) in a process that never uses it."""
+    has_context = getattr(_torch._C, "_cuda_hasPrimaryContext", None)
+    if has_context is None:
+        return []
+    return [d for d in range(_torch.cuda.device_count())
+            if d != device and has_context(d) and _torch.cuda.can_device_access_peer(d, device)]
+
+
+class _Mapped:
+    """Exported pages mapped in this process, seen by PyTorch through ``__cuda_array_interface__``
+    as the bytes of one storage; unmapped (and the sender told) when PyTorch lets go of it."""
+
+    def __init__(self, f, sock):
+        self._handle = None
+        self._sock = sock
+        lib = _core.load()
+        fds = _share.recv_pages(sock, f["count"])
+        try:
+            arr = (ctypes.c_int * len(fds))(*fds)
+            peers = _peers(f["device"])
+            parr = (ctypes.c_int * max(1, len(peers)))(*peers)
+            base = ctypes.c_uint64()
+            handle = lib.cuvmm_import(f["device"], arr, len(fds), f["page"], parr, len(peers), ctypes.byref(base))
+            if not handle:
+                raise RuntimeError(f"cuvmm_import failed: {_core.last_error() or 'no error text'}")
+        finally:
+            for fd in fds:
+                os.close(fd)
+        self._handle = handle
+        self.ptr = base.value + f["offset"]
+        self.__cuda_array_interface__ = {
+            "shape": (f["nbytes"],), "typestr": "|u1", "data": (self.ptr, False), "version": 2,
+        }
+
+    def release(self):
+        h, self._handle = self._handle, None
+        if h:
+            _core.load().cuvmm_import_release(h)
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+    def __del__(self):
+        try:
+            self.release()
+        except Exception:  # at interpreter exit the library may be gone; the process ends anyway
+            pass
+
+
+def _rebuild(desc, df, sender_pid, serial):
+    # Taken first, whatever follows: closing it is what lets the sender free the block.
+    sock = socket.socket(fileno=df.detach())
+    try:
+        f = _share.decode(desc)
+        dtype = getattr(_torch, f["dtype"], None)
+        if not isinstance(dtype, _torch.dtype):
+            raise ValueError(f"descriptor field dtype: {f['dtype']!r} is not a torch dtype")
+        if _share.extent(f["size"], f["stride"], f["storage_offset"]) * dtype.itemsize > f["nbytes"]:
+            raise ValueError("the tensor reaches past its storage")
+    except BaseException:
+        sock.close()
+        raise
+    _raise_fd_limit()
+    device = _torch.device("cuda", f["device"])
+    if f["nbytes"] == 0:
+        sock.close()
+        storage = _torch.UntypedStorage(0, device=device)
+    else:
+        try:
+            m = _Mapped(f, sock)
+        except BaseException:
+            sock.close()
+            raise
+        with _torch.cuda.device(device):
+            storage = _torch.as_tensor(m, device=device).untyped_storage()
+        del m  # PyTorch holds it now: the storage's last reference releases the mapping
+    t = _torch.empty((0,), dtype=dtype, device=device)
+    t.set_(storage, f["storage_offset"], f["size"], f["stride"])
+    if f["parameter"]:
+        return _torch.nn.Parameter(t, requires_grad=f["requires_grad"])
+    return t.requires_grad_(f["requires_grad"])
+
+
+def share_tensors(enable: bool = True) -> None:
+    """Send CUDA tensors on cuvmm memory through ``torch.multiprocessing`` (``Queue.put``, ``Pipe``,
+    ``Process`` arguments) as cuvmm exports. ``import cuvmm.torch`` calls it; ``enable=False`` puts
+    PyTorch's own reductions back.
+
+    The receiver gets a tensor over the same device memory (zero copy) with the same dtype, size,
+    strides and storage offset (``requires_grad`` and ``nn.Parameter`` kept). The sender keeps the
+    block allocated until every receiver has let go of it (its last tensor over it collected, or
+    its process gone); ``cuvmm.stats()["exported"]`` counts those bytes. No ``pidfd_getfd``, no
+    ``CAP_SYS_PTRACE``: descriptors travel over Unix sockets. Tensors PyTorch's own allocator made
+    keep PyTorch's path."""
+    global _installed, _torch_reductions
+    with _lock:
+        from torch.multiprocessing import reductions
+
+        _torch_reductions = reductions
+        reducer = reduce_tensor if enable else _torch_reductions.reduce_tensor
+        for cls in (_torch.Tensor, _torch.nn.Parameter):
+            _mpr.ForkingPickler.register(cls, reducer)
+        _installed = enable
+
+
+def pending_shares() -> int:
+    """Exports of this process whose receivers have not let go yet."""
+    return _releases.pending()
+
+
+class SharedEvent:
+    """An interprocess CUDA event that orders a reader's stream after a writer's update.
+
+    The writer updates shared tensors in place, then :meth:`publish` es (records the event on its
+    stream) and tells the reader (a queue message); the reader :meth:`acquire` s (its stream waits
+    for that record on the device) before reading. The event itself travels through
+    ``torch.multiprocessing`` once::
+
+        ev = cuvmm.torch.SharedEvent()          # writer
+        q.put((params, ev))
+        ...
+        with torch.no_grad():
+            p.add_(delta)
+        ev.publish(); q.put("updated")
+
+        params, ev = q.get()                     # reader
+        ...
+        q.get(); ev.acquire(); y = model(x)      # sees the update
+
+    A wait covers the latest :meth:`publish` made before it (the reader's ``acquire`` must follow
+    the writer's ``publish`` in time: hence the message)."""
+
+    def __init__(self, device=None, event=None):
+        if event is None:
+            with _torch.cuda.device(device if device is not None else _torch.cuda.current_device()):
+                event = _torch.cuda.Event(interprocess=True, blocking=False)
+        self.event = event
+
+    def publish(self, stream=None) -> None:
+        self.event.record(stream if stream is not None else _torch.cuda.current_stream())
+
+    def acquire(self, stream=None) -> None:
+        (stream if stream is not None else _torch.cuda.current_stream()).wait_event(self.event)
+
+    def __reduce__(self):
+        return (SharedEvent, (None, self.event))

@@ -1,0 +1,278 @@
+//! Blocks shared with other processes: which pages lie under a live block, and the marks that
+//! keep a tag with shared blocks from sleeping.
+//!
+//! An importer maps the pages themselves (their physical memory stays alive as long as it holds
+//! them), so sharing moves nothing here. What must not happen is the block's address range being
+//! handed out again while an importer still reads it: the exporter keeps the block allocated until
+//! its importers have let go (then [`Core::unexport`]), as a block lent to legacy CUDA IPC is kept.
+
+use super::{Backend, Core, SMALL};
+use crate::error::{Error, Result};
+
+/// The heap kind (in place of a tag) of blocks that are one physical allocation each (see
+/// [`Core::set_whole_above`]). Interned tags count up from 1 and never reach it.
+pub(crate) const WHOLE: u32 = u32::MAX;
+
+/// Where a live block lies on its pages.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct BlockPages {
+    /// The block's address.
+    pub block: u64,
+    /// The block's size (a multiple of 512).
+    pub len: u64,
+    /// The address of the first page under it, and the size of every page.
+    pub first_page: u64,
+    pub page: u64,
+    /// How many pages, adjacent from `first_page`.
+    pub count: u64,
+}
+
+impl<B: Backend> Core<B> {
+    /// Makes every later untagged block of at least `bytes` bytes (0: none) one physical
+    /// allocation at offset 0, which engines that register a range by its allocation (UCX's POSIX
+    /// descriptor path, fabric handles) can carry: such a block takes a heap of one page of its
+    /// own size, rounded to the page size, and a later block fitting the free space there may
+    /// reuse it. Those pages are not moved or lent, and go back to the driver at `empty_cache`
+    /// once idle.
+    pub(crate) fn set_whole_above(&mut self, bytes: u64) {
+        self.whole_above = bytes;
+    }
+
+    /// (small, tag) of the heaps that serve `n` bytes tagged `tag`.
+    pub(super) fn kind_of(&self, n: u64, tag: u32) -> (bool, u32) {
+        if tag == 0 && self.whole_above != 0 && n >= self.whole_above.max(SMALL + 1) {
+            (false, WHOLE)
+        } else {
+            (n <= SMALL, tag)
+        }
+    }
+
+    /// The page (and heap) size of a whole block of `n` bytes.
+    pub(super) fn whole_page(&self, n: u64) -> Result<u64> {
+        n.div_ceil(self.sizes.page)
+            .checked_mul(self.sizes.page)
+            .ok_or_else(|| Error::invalid(format!("{n} bytes cannot be allocated")))
+    }
+
+    /// Unmaps and releases the pages of one-page heaps whose free space is idle; returns the bytes.
+    pub(super) fn release_whole(&mut self) -> Result<u64> {
+        let mut bytes = 0;
+        for slot in 0..self.slots.len() {
+            let (tag, page) = (self.slots[slot].tag, self.slots[slot].page);
+            if tag != WHOLE || page == self.sizes.page {
+                // One ordinary page: `reclaim` has dealt with it.
+                continue;
+            }
+            let base = self.slots[slot].heap.base();
+            for p in self.slots[slot].heap.idle_pages(page) {
+                if self.slots[slot].pages[p as usize].is_none() {
+                    continue;
+                }
+                self.backend.unmap(base + p * page, page)?;
+                drop(self.slots[slot].pages[p as usize].take());
+                self.mapped_bytes -= page;
+                self.stats.pages_released += 1;
+                bytes += page;
+            }
+        }
+        self.note_mapped();
+        Ok(bytes)
+    }
+
+    /// The live block holding `addr` (anywhere inside it), as (slot, address, size).
+    fn live_block_at(&self, addr: u64) -> Option<(usize, u64, u64)> {
+        let slot = self.slots.iter().position(|s| s.heap.contains(addr))?;
+        self.slots[slot]
+            .heap
+            .live_blocks()
+            .find(|&(a, n)| addr >= a && addr - a < n)
+            .map(|(a, n)| (slot, a, n))
+    }
+
+    /// The live block holding `addr`, as (address, size), if this allocator handed it out.
+    pub(crate) fn owner_of(&self, addr: u64) -> Option<(u64, u64)> {
+        self.live_block_at(addr).map(|(_, a, n)| (a, n))
+    }
+
+    /// The pages under the live block holding `addr`, each given to `each` in address order, and
+    /// the block marked shared: until as many [`unexport`](Self::unexport) calls, its tag refuses
+    /// to sleep. A failure of `each` leaves nothing marked.
+    pub(crate) fn export(
+        &mut self,
+        addr: u64,
+        mut each: impl FnMut(&B::Page) -> Result<()>,
+    ) -> Result<BlockPages> {
+        let (slot, block, len) = self
+            .live_block_at(addr)
+            .ok_or_else(|| Error::invalid(format!("{addr:#x} is not a live allocation")))?;
+        let s = &self.slots[slot];
+        if !self.is_awake(s.tag) {
+            return Err(Error::invalid(
+                "the block's tag is asleep or going to sleep: wake it before sharing",
+            ));
+        }
+        let (base, page) = (s.heap.base(), s.page);
+        let (first, end) = ((block - base) / page, (block + len - base).div_ceil(page));
+        for p in first..end {
+            let handle = s.pages[p as usize]
+                .as_ref()
+                .ok_or_else(|| Error::invalid("a page of a live block is not mapped"))?;
+            each(handle)?;
+        }
+        let mark = self.exported.entry(block).or_insert((0, len));
+        mark.0 += 1;
+        if mark.0 == 1 {
+            self.stats.exported += len;
+        }
+        Ok(BlockPages { block, len, first_page: base + first * page, page, count: end - first })
+    }
+
+    /// One sharing of the block at `block` (its address, as [`export`](Self::export) returned it)
+    /// is over: its importers unmapped it.
+    pub(crate) fn unexport(&mut self, block: u64) -> Result<()> {
+        let Some(mark) = self.exported.get_mut(&block) else {
+            return Err(Error::invalid(format!("{block:#x} is not shared")));
+        };
+        mark.0 -= 1;
+        if mark.0 == 0 {
+            let len = mark.1;
+            self.exported.remove(&block);
+            self.stats.exported -= len;
+        }
+        Ok(())
+    }
+
+    /// Forgets the marks of a block being freed (a C caller that did not wait for its importers):
+    /// its memory stays valid for them, since they hold the pages, but the addresses may be
+    /// handed out again.
+    pub(crate) fn drop_export_mark(&mut self, block: u64) {
+        if let Some((_, len)) = self.exported.remove(&block) {
+            self.stats.exported -= len;
+        }
+    }
+
+    /// Whether a live block of `tag` is shared.
+    pub(crate) fn tag_shared(&self, tag: u32) -> bool {
+        self.exported.keys().any(|&a| self.slots.iter().any(|s| s.tag == tag && s.heap.contains(a)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::tests::{core, PAGE, TAG, TPAGE};
+    use super::super::{Capture, SleepMode};
+    use crate::error::Error;
+
+    #[test]
+    fn a_block_is_shared_with_the_pages_under_it_from_any_address_inside() {
+        let mut c = core(1000);
+        let a = c.allocate(PAGE / 2, 1, Capture::None, 0).unwrap();
+        // Large: three pages and a half, starting on a page of its own heap.
+        let b = c.allocate(3 * PAGE + PAGE / 2, 1, Capture::None, 0).unwrap();
+        let mut ids = Vec::new();
+        let at = c
+            .export(b + PAGE + 4096, |p| {
+                ids.push(p.id);
+                Ok(())
+            })
+            .unwrap();
+        assert_eq!((at.block, at.len, at.page, at.count), (b, 3 * PAGE + PAGE / 2, PAGE, 4));
+        assert_eq!(at.first_page, b / PAGE * PAGE);
+        ids.dedup();
+        assert_eq!(ids.len(), 4, "four distinct pages, in order");
+        assert_eq!(c.stats().exported, at.len);
+        assert_eq!(c.owner_of(a + 100), Some((a, 512 * (PAGE / 2 / 512))));
+        assert_eq!(c.owner_of(b + at.len), None, "past the block's end");
+        // Twice shared, twice let go.
+        c.export(b, |_| Ok(())).unwrap();
+        assert_eq!(c.stats().exported, at.len, "bytes count once");
+        c.unexport(b).unwrap();
+        assert_eq!(c.stats().exported, at.len);
+        c.unexport(b).unwrap();
+        assert_eq!(c.stats().exported, 0);
+        assert!(c.unexport(b).is_err(), "no sharing left");
+        assert!(c.unexport(a).is_err(), "never shared");
+    }
+
+    #[test]
+    fn a_failed_export_marks_nothing_and_free_or_missing_blocks_are_refused() {
+        let mut c = core(1000);
+        let b = c.allocate(2 * PAGE, 1, Capture::None, 0).unwrap();
+        let mut calls = 0;
+        let r = c.export(b, |_| {
+            calls += 1;
+            if calls == 2 {
+                Err(Error::invalid("refused by the test"))
+            } else {
+                Ok(())
+            }
+        });
+        assert!(r.is_err());
+        assert_eq!(c.stats().exported, 0);
+        assert!(c.unexport(b).is_err());
+        assert!(c.export(b + 2 * PAGE, |_| Ok(())).is_err(), "past the block");
+        c.free(b, 1).unwrap();
+        assert!(c.export(b, |_| Ok(())).is_err(), "a freed block");
+        assert_eq!(c.owner_of(b), None);
+    }
+
+    #[test]
+    fn freeing_a_shared_block_drops_its_mark() {
+        let mut c = core(1000);
+        let b = c.allocate(PAGE, 1, Capture::None, 0).unwrap();
+        c.export(b, |_| Ok(())).unwrap();
+        c.free(b, 1).unwrap();
+        assert_eq!(c.stats().exported, 0);
+        assert!(c.unexport(b).is_err());
+    }
+
+    #[test]
+    fn a_tag_with_a_shared_block_refuses_to_sleep_until_it_is_let_go() {
+        let mut c = core(1000);
+        let a = c.allocate(2 * TPAGE, 1, Capture::None, TAG).unwrap();
+        let other = c.allocate(PAGE, 1, Capture::None, 0).unwrap();
+        c.export(a, |_| Ok(())).unwrap();
+        c.export(other, |_| Ok(())).unwrap();
+        let before = c.tag_stats(TAG);
+        assert!(c.sleep(TAG, SleepMode::Discard).is_err());
+        assert_eq!(c.tag_stats(TAG), before, "nothing changed");
+        c.unexport(a).unwrap();
+        // An untagged shared block does not hold the tag back.
+        c.sleep(TAG, SleepMode::Discard).unwrap();
+        assert!(c.export(a, |_| Ok(())).is_err(), "an asleep block cannot be shared");
+        c.wake(TAG).unwrap();
+        c.export(a, |_| Ok(())).unwrap();
+    }
+
+    #[test]
+    fn above_the_threshold_a_block_is_one_allocation_released_by_empty_cache() {
+        let mut c = core(1000);
+        c.set_whole_above(24 * PAGE);
+        let units = c.backend().units.get();
+        let big = c.allocate(40 * PAGE + 100, 1, Capture::None, 0).unwrap();
+        let at = c.export(big, |_| Ok(())).unwrap();
+        assert_eq!((at.count, at.page, at.first_page), (1, 41 * PAGE, big), "one page of the block's size");
+        c.unexport(big).unwrap();
+        // Below the threshold, and tagged: ordinary heaps.
+        let small = c.allocate(2 * PAGE, 1, Capture::None, 0).unwrap();
+        assert_eq!(c.export(small, |_| Ok(())).unwrap().page, PAGE);
+        let tagged = c.allocate(40 * PAGE, 1, Capture::None, TAG).unwrap();
+        assert_eq!(c.export(tagged, |_| Ok(())).unwrap().page, TPAGE);
+        assert_eq!(c.backend().units.get() - units, 41 + 2 + 40);
+        // Freed, it serves the next block of its size class where it is, still one allocation.
+        c.free(big, 1).unwrap();
+        let again = c.allocate(30 * PAGE, 1, Capture::None, 0).unwrap();
+        assert_eq!(again, big);
+        assert_eq!(c.export(again, |_| Ok(())).unwrap().count, 1);
+        c.unexport(again).unwrap();
+        c.free(again, 1).unwrap();
+        let released = c.stats().pages_released;
+        assert_eq!(c.empty_cache().unwrap(), 41 * PAGE);
+        assert_eq!(c.stats().pages_released - released, 1);
+        assert_eq!(c.backend().units.get() - units, 2 + 40, "the whole block's memory went back");
+        // A new one maps a fresh page.
+        let fresh = c.allocate(41 * PAGE, 1, Capture::None, 0).unwrap();
+        assert_eq!(c.export(fresh, |_| Ok(())).unwrap().count, 1);
+        assert_eq!(c.backend().units.get() - units, 41 + 2 + 40);
+    }
+}

@@ -1,0 +1,129 @@
+//! Sharing a `StreamAllocator`'s blocks with other processes, on the CPU against the fake driver's
+//! FAKE_VMM device (its exports are real descriptors): which pages a block exports, that an import
+//! and its release leave no descriptor, mapping or reservation behind, and the marks' accounting.
+
+mod common;
+
+use cuvmm::alloc::{AllocatorConfig, BlockImport, GraphMemory, StreamAllocator};
+use cuvmm::driver::driver;
+use cuvmm::Context;
+use std::ffi::{c_char, CString};
+use std::os::fd::AsFd;
+
+const MIB: usize = 1 << 20;
+
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn fake_device() -> (std::sync::MutexGuard<'static, ()>, std::path::PathBuf, Context) {
+    let turn = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let lib = common::fake_driver("FAKE_VMM");
+    std::env::set_var(cuvmm::driver::LIBRARY_ENV, &lib);
+    driver().expect("the fake driver loads");
+    (turn, lib, Context::for_ordinal(0).unwrap())
+}
+
+/// The fake's counter of `name`'s calls.
+fn count(lib: &std::path::Path, name: &str) -> i64 {
+    let path = CString::new(lib.as_os_str().as_encoded_bytes()).unwrap();
+    let name = CString::new(name).unwrap();
+    // SAFETY: the fake driver is loaded (RTLD_NOLOAD only finds it) and defines
+    // `long fake_count(const char *)`; the counters are atomics.
+    unsafe {
+        let h = libc::dlopen(path.as_ptr(), libc::RTLD_NOW | libc::RTLD_NOLOAD);
+        assert!(!h.is_null());
+        let f = libc::dlsym(h, c"fake_count".as_ptr());
+        assert!(!f.is_null());
+        let f = std::mem::transmute::<*mut libc::c_void, unsafe extern "C" fn(*const c_char) -> i64>(f);
+        f(name.as_ptr())
+    }
+}
+
+fn open_fds() -> usize {
+    std::fs::read_dir("/proc/self/fd").unwrap().count()
+}
+
+#[test]
+fn a_block_exports_the_pages_under_it_and_a_thousand_round_trips_leave_nothing_behind() {
+    let (_turn, lib, ctx) = fake_device();
+    let config = AllocatorConfig { page: 2 * MIB, ..AllocatorConfig::default() };
+    let alloc = StreamAllocator::with_config(&ctx, config).unwrap();
+    // SAFETY: the legacy default stream; the block is freed below, before the allocator goes.
+    let small = unsafe { alloc.allocate_raw(4096, std::ptr::null_mut(), GraphMemory::Keep) }.unwrap();
+    // SAFETY: as above.
+    let big = unsafe { alloc.allocate_raw(5 * MIB, std::ptr::null_mut(), GraphMemory::Keep) }.unwrap();
+    assert_eq!(alloc.owner_of(big + 12345), Some((big, 5 * MIB as u64)));
+    assert_eq!(alloc.owner_of(small + 4096), None, "past the small block");
+
+    let fds0 = open_fds();
+    let (created, released) = (count(&lib, "cuMemCreate"), count(&lib, "cuMemRelease"));
+    let (maps, unmaps) = (count(&lib, "cuMemMap"), count(&lib, "cuMemUnmap"));
+    let (reserves, frees) = (count(&lib, "cuMemAddressReserve"), count(&lib, "cuMemAddressFree"));
+    for round in 0..1000 {
+        let e = alloc.export(big + 100).unwrap();
+        assert_eq!((e.block, e.len, e.page), (big, 5 * MIB as u64, 2 * MIB));
+        // 5 MiB from a page boundary: three pages.
+        assert_eq!((e.fds.len(), e.first_page), (3, big / (2 * MIB as u64) * (2 * MIB as u64)));
+        assert_eq!(alloc.stats().exported, 5 * MIB as u64);
+        let borrowed: Vec<_> = e.fds.iter().map(|f| f.as_fd()).collect();
+        let imported = BlockImport::import(&ctx, &borrowed, e.page, &[]).unwrap();
+        assert_eq!(imported.len(), 6 * MIB);
+        if round == 0 {
+            assert_eq!(count(&lib, "cuMemImportFromShareableHandle"), 3);
+        }
+        drop(imported);
+        drop(e);
+        alloc.unexport(big).unwrap();
+    }
+    assert_eq!(alloc.stats().exported, 0);
+    assert_eq!(open_fds(), fds0, "every exported descriptor closed");
+    assert_eq!(count(&lib, "cuMemCreate") - created, 0, "an export creates nothing");
+    assert_eq!(count(&lib, "cuMemRelease") - released, 3000, "every imported handle released");
+    assert_eq!(count(&lib, "cuMemMap") - maps, 3000);
+    assert_eq!(count(&lib, "cuMemUnmap") - unmaps, 3000, "every imported page unmapped");
+    assert_eq!(count(&lib, "cuMemAddressReserve") - reserves, 1000);
+    assert_eq!(count(&lib, "cuMemAddressFree") - frees, 1000, "every import's address space freed");
+    assert!(alloc.unexport(big).is_err(), "nothing shared any more");
+    assert!(BlockImport::import(&ctx, &[], 2 * MIB, &[]).is_err(), "nothing to import");
+    // The owner named among the peers is granted once; the import, dropped at once, leaves nothing.
+    let e = alloc.export(big).unwrap();
+    let borrowed: Vec<_> = e.fds.iter().map(|f| f.as_fd()).collect();
+    let maps = count(&lib, "cuMemMap") - count(&lib, "cuMemUnmap");
+    let peer = cuvmm::Device::get(0).unwrap();
+    assert!(BlockImport::import(&ctx, &borrowed, e.page, &[peer]).is_ok(), "the owner itself is no peer");
+    assert_eq!(count(&lib, "cuMemMap") - count(&lib, "cuMemUnmap"), maps);
+    drop(e);
+    alloc.unexport(big).unwrap();
+    // SAFETY: the blocks came from this allocator on the legacy stream and are freed once.
+    unsafe {
+        alloc.free_raw(small, std::ptr::null_mut()).unwrap();
+        alloc.free_raw(big, std::ptr::null_mut()).unwrap();
+    }
+    assert!(alloc.export(big).is_err(), "a freed block");
+}
+
+#[test]
+fn above_the_export_threshold_a_block_is_one_exportable_allocation() {
+    let (_turn, lib, ctx) = fake_device();
+    let config = AllocatorConfig { page: 2 * MIB, export_threshold: 8 * MIB, ..AllocatorConfig::default() };
+    let alloc = StreamAllocator::with_config(&ctx, config).unwrap();
+    let created = count(&lib, "cuMemCreate");
+    // SAFETY: the legacy default stream; freed below, before the allocator goes.
+    let big = unsafe { alloc.allocate_raw(19 * MIB, std::ptr::null_mut(), GraphMemory::Keep) }.unwrap();
+    assert_eq!(count(&lib, "cuMemCreate") - created, 1, "one physical allocation");
+    let e = alloc.export(big).unwrap();
+    assert_eq!((e.fds.len(), e.page, e.first_page), (1, 20 * MIB, big));
+    drop(e);
+    alloc.unexport(big).unwrap();
+    // SAFETY: as above.
+    let small = unsafe { alloc.allocate_raw(7 * MIB, std::ptr::null_mut(), GraphMemory::Keep) }.unwrap();
+    assert_eq!(alloc.export(small).unwrap().fds.len(), 4, "below the threshold: ordinary pages");
+    alloc.unexport(small).unwrap();
+    // SAFETY: both came from this allocator on the legacy stream and are freed once.
+    unsafe {
+        alloc.free_raw(big, std::ptr::null_mut()).unwrap();
+        alloc.free_raw(small, std::ptr::null_mut()).unwrap();
+    }
+    let released = count(&lib, "cuMemRelease");
+    assert!(alloc.empty_cache().unwrap() >= 20 * MIB);
+    assert!(count(&lib, "cuMemRelease") - released >= 1);
+}

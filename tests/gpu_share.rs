@@ -1,0 +1,79 @@
+//! Blocks of the stream-ordered allocator shared as exported pages, on a GPU: what the importer
+//! maps is the exporter's memory, it stays valid after the exporter frees the block, and a block
+//! above the export threshold is one allocation.
+
+use cuvmm::alloc::{AllocatorConfig, BlockImport, GraphMemory, StreamAllocator};
+use cuvmm::kernels::Kernels;
+use cuvmm::stream::copy;
+use cuvmm::{Context, DeviceSlice, DeviceSliceMut, Stream};
+use std::os::fd::AsFd;
+
+const N: usize = 3 << 20; // u32 words: 12 MiB, over four 4 MiB pages from an unaligned start
+
+fn words_mut(ptr: u64, n: usize) -> DeviceSliceMut<'static, u32> {
+    // SAFETY: every caller passes a live mapping of at least `n` words and synchronises after.
+    unsafe { DeviceSliceMut::from_raw_parts(ptr, n) }
+}
+
+fn read(ctx: &Context, ptr: u64, n: usize) -> Vec<u32> {
+    let mut out = vec![0u32; n];
+    // SAFETY: as in `words_mut`.
+    let v = unsafe { DeviceSlice::<u32>::from_raw_parts(ptr, n) };
+    copy::to_host(ctx, &mut out, &v).unwrap();
+    out
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn an_imported_block_is_the_same_memory_and_outlives_the_exporters_free() {
+    let ctx = Context::for_ordinal(0).expect("a CUDA device");
+    let k = Kernels::load(&ctx).unwrap();
+    let s = Stream::non_blocking(&ctx).unwrap();
+    let alloc = StreamAllocator::new(&ctx).unwrap();
+    // A 2 MiB block first (large: above 1 MiB), so that the big one starts inside a page.
+    let small = alloc.allocate(2 << 20, &s).unwrap();
+    let big = alloc.allocate(N * 4, &s).unwrap();
+    k.fill_u32(&s, &mut words_mut(big.ptr(), N), 0xabcd_0001).unwrap();
+    s.synchronize().unwrap();
+    let e = alloc.export(big.ptr() + 4096).unwrap();
+    assert_eq!(e.block, big.ptr());
+    assert!(e.first_page < big.ptr() && e.fds.len() == 4, "{e:?}");
+    let fds: Vec<_> = e.fds.iter().map(|f| f.as_fd()).collect();
+    let imported = BlockImport::import(&ctx, &fds, e.page, &[]).unwrap();
+    let at = imported.ptr() + (big.ptr() - e.first_page);
+    drop(e);
+    assert!(read(&ctx, at, N).iter().all(|&v| v == 0xabcd_0001), "the importer sees the exporter's bytes");
+    // A write through the import is seen at the block's own address.
+    k.fill_u32(&s, &mut words_mut(at, 1024), 0x5eed).unwrap();
+    s.synchronize().unwrap();
+    assert!(read(&ctx, big.ptr(), 1024).iter().all(|&v| v == 0x5eed));
+    // The exporter lets go and empties its cache: the import still holds the memory.
+    alloc.unexport(big.ptr()).unwrap();
+    assert_eq!(alloc.stats().exported, 0);
+    drop(big);
+    drop(small);
+    ctx.synchronize().unwrap();
+    alloc.empty_cache().unwrap();
+    let got = read(&ctx, at, N);
+    assert!(got[..1024].iter().all(|&v| v == 0x5eed) && got[1024..].iter().all(|&v| v == 0xabcd_0001));
+    drop(imported);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn above_the_export_threshold_a_block_exports_as_one_descriptor() {
+    let ctx = Context::for_ordinal(0).expect("a CUDA device");
+    let s = Stream::non_blocking(&ctx).unwrap();
+    let config = AllocatorConfig { export_threshold: 64 << 20, ..AllocatorConfig::default() };
+    let alloc = StreamAllocator::with_config(&ctx, config).unwrap();
+    // SAFETY: a live stream of the context, alive past the free below.
+    let p = unsafe { alloc.allocate_raw(100 << 20, s.raw(), GraphMemory::Keep) }.unwrap();
+    let e = alloc.export(p).unwrap();
+    assert_eq!((e.fds.len(), e.page, e.first_page), (1, 100 << 20, p));
+    drop(e);
+    alloc.unexport(p).unwrap();
+    // SAFETY: from this allocator, freed once on its stream.
+    unsafe { alloc.free_raw(p, s.raw()) }.unwrap();
+    s.synchronize().unwrap();
+    assert_eq!(alloc.empty_cache().unwrap(), 100 << 20);
+}
