@@ -101,6 +101,11 @@ fn growth_stays_in_place_when_it_fits_refuses_the_impossible_and_leaves_nothing_
     let unmapped = (count(&lib, "cuMemUnmap"), thread_count(&lib, "cuMemUnmap"));
     let v = VmmVec::<f32>::builder(&ctx).create_ahead(true).reserve_address_space(8 << 30).build().unwrap();
     assert!(v.raw().ahead_bytes() > 0);
+    // Drop while a chunk is being made: wait until its (slow) create has been called.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while count(&lib, "cuMemCreate") - created < 2 && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
     drop(v);
     std::env::remove_var("FAKE_CREATE_SLEEP_US");
     let made = count(&lib, "cuMemCreate") - created;
