@@ -132,9 +132,9 @@ fn out_of_memory_during_growth_leaves_the_vector_intact() {
         // Inside the reservation (it is as large as the device), more than is free.
         let err = v.reserve(total / 4 - v.len() - 1).unwrap_err();
         assert!(err.is_out_of_memory(), "{err}");
-        // Past the reservation (the relocation path), far more than exists.
+        // Far more than the device holds: refused before anything is planned.
         let err = v.resize(total, 7).unwrap_err();
-        assert!(err.is_out_of_memory(), "{err}");
+        assert_eq!(err.kind(), cuvmm::ErrorKind::InvalidArgument, "{err}");
         assert_eq!(
             (v.device_ptr(), v.mapped_bytes(), v.raw().chunk_count(), v.len()),
             (ptr, mapped, chunks, data.len())

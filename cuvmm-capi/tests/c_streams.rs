@@ -14,7 +14,8 @@ use std::process::Command;
 
 /// libcuvmm.so of this build, beside the `deps` folder that holds this test. Cargo builds no
 /// cdylib for a package's tests, so under cargo the test builds it first (a copied test
-/// executable, on another machine, takes the library beside it as it is).
+/// executable, on another machine, takes the library beside it, or in `lib/` beside it as
+/// `tools/gpu-bundle` lays it out, as it is).
 fn libcuvmm() -> PathBuf {
     let exe = std::env::current_exe().unwrap();
     let dir = exe.parent().and_then(|d| d.parent()).unwrap();
@@ -28,6 +29,10 @@ fn libcuvmm() -> PathBuf {
         assert!(status.success(), "building libcuvmm.so failed");
     }
     let lib = dir.join("libcuvmm.so");
+    let bundled = dir.join("lib").join("libcuvmm.so");
+    if !lib.exists() && bundled.exists() {
+        return bundled;
+    }
     assert!(lib.exists(), "{} is not built", lib.display());
     lib
 }
