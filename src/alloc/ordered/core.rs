@@ -253,10 +253,6 @@ pub(crate) struct Core<B: Backend> {
     idle_events: Vec<B::Event>,
     pools: HashMap<u64, u32>,
     next_pool: u32,
-    /// Streams whose latest allocation was made under capture (identities): a capture may be
-    /// under way there, which a device-wide synchronisation would break, and their frees may be
-    /// part of it.
-    captured: Vec<u64>,
     /// Identities made up for streams the driver could not name during a capture, by (capture,
     /// handle): within one capture a handle names one stream.
     capture_ids: HashMap<(u64, u64), u64>,
@@ -304,7 +300,6 @@ impl<B: Backend> Core<B> {
             idle_events: Vec::new(),
             pools: HashMap::new(),
             next_pool: 1,
-            captured: Vec::new(),
             capture_ids: HashMap::new(),
             next_synthetic: LEGACY + 1,
             demand: 0,
@@ -443,17 +438,12 @@ impl<B: Backend> Core<B> {
         };
         let req = Request { n, size, stream, kind: self.kind_of(n, tag), pool, capture };
         if capture == Capture::None {
-            if !self.captured.is_empty() {
-                self.captured.retain(|&s| s != stream.id);
-            }
             for slot in self.slots.iter_mut().filter(|s| (s.small, s.tag) == req.kind) {
                 if let Some(addr) = slot.heap.take_cached((stream.id, stream.raw), n, size) {
                     self.count_alloc(n, size, true);
                     return Ok(addr);
                 }
             }
-        } else {
-            self.note_capture(stream.id);
         }
         self.may_settle = may_settle;
         self.flush_cached();
@@ -1022,7 +1012,6 @@ impl<B: Backend> Core<B> {
             }
             return Ok(());
         }
-        self.captured.clear();
         let mut r = Ok(());
         for (s, n) in settle.upto {
             if let Some(st) = self.streams.get_mut(&s) {
@@ -1040,11 +1029,12 @@ impl<B: Backend> Core<B> {
     }
 
     /// Whether an allocation out of memory should fail for its caller to wait for the whole
-    /// device and ask again: not during a capture (nothing may wait), nor while a stream's latest
-    /// allocation was made under capture (the wait would break a capture under way), nor a second
-    /// time.
+    /// device and ask again: not during its own capture (nothing may wait there), nor a second
+    /// time. Whether another stream is being captured cannot be known without asking a stream
+    /// this call did not pass (a capture may have ended long ago on a stream that never calls
+    /// again): the driver refuses the wait while one is, and the request then fails out of memory.
     fn ask_settle(&mut self, capture: Capture) -> bool {
-        let ask = self.may_settle && capture == Capture::None && self.captured.is_empty();
+        let ask = self.may_settle && capture == Capture::None;
         self.wants_settle |= ask;
         ask
     }
@@ -1143,14 +1133,6 @@ impl<B: Backend> Core<B> {
         let done = |s: u64, epoch: u64| streams.get(&s).is_some_and(|st| st.done >= epoch);
         for s in &mut self.slots {
             s.heap.flush_cached(done);
-        }
-    }
-
-    /// Remembers a stream seen under capture: until its next allocation outside a capture, or a
-    /// device-wide wait that succeeds, a capture may be under way there.
-    fn note_capture(&mut self, stream: u64) {
-        if !self.captured.contains(&stream) {
-            self.captured.push(stream);
         }
     }
 

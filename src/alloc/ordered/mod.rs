@@ -44,8 +44,8 @@
 //! An allocation asks the driver whether its stream is being captured; a free asks nothing unless
 //! it records an event: a block freed on a stream is that stream's alone until an event recorded
 //! on it after the free has completed (none is recorded on a captured stream) or a wait for the
-//! whole device returns (the driver refuses one during a capture, and the allocator does not try
-//! one for memory while a stream's latest allocation was made under capture), and requests made
+//! whole device returns (the driver refuses one during a capture: a request out of memory
+//! while another thread captures in global mode fails, and may end that capture in error), and requests made
 //! during a capture take only their graph's blocks or idle ones. So a block freed during a
 //! capture comes back once the capture is over, with no need to know at the free.
 //!

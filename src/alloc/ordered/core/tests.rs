@@ -1614,3 +1614,23 @@ fn a_copy_failing_in_the_middle_of_a_wake_leaves_the_tag_asleep_with_its_backup(
         assert_eq!(c.backend().hosts_alive.get(), usize::from(opts.retain), "{opts:?}");
     }
 }
+
+/// A capture that ended long ago on a stream that never allocates again does not keep later
+/// requests out of memory from the wait for the whole device (PyTorch captures graphs on side
+/// streams it may never allocate on again).
+#[test]
+fn out_of_memory_after_a_finished_capture_still_waits_for_freed_memory() {
+    let mut c = core(4);
+    let mut held = Vec::new();
+    // Stream 3 allocates during a capture, which then ends; it never allocates again.
+    c.backend().captures.insert(3, 11);
+    alloc(&mut c, &mut held, PAGE, 3).unwrap();
+    c.backend().captures.remove(&3);
+    // Stream 1 frees two pages' worth; stream 2 then needs them.
+    alloc(&mut c, &mut held, 2 * PAGE, 1).unwrap();
+    let k = held.iter().position(|h| h.size == 2 * PAGE).unwrap();
+    free(&mut c, &mut held, k);
+    let b = alloc(&mut c, &mut held, 2 * PAGE, 2);
+    assert!(b.is_some(), "the freed pages should have been waited for: {:?}", c.stats());
+    assert_eq!(c.backend().synchronized, 1);
+}
