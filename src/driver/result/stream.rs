@@ -87,7 +87,6 @@ pub(crate) unsafe fn launch_host_func(
 ///
 /// # Safety
 /// As [`synchronize`].
-#[allow(dead_code)] // the stream-ordered allocator's capture check
 #[inline]
 pub(crate) unsafe fn is_capturing(api: &Api, stream: CUstream) -> Result<c_int> {
     let mut status = 0;
@@ -100,7 +99,6 @@ pub(crate) unsafe fn is_capturing(api: &Api, stream: CUstream) -> Result<c_int> 
 ///
 /// # Safety
 /// As [`synchronize`].
-#[allow(dead_code)] // the stream-ordered allocator's capture check
 #[inline]
 pub(crate) unsafe fn capture_info(api: &Api, stream: CUstream) -> Result<(c_int, u64)> {
     let (mut status, mut id) = (0, 0u64);
