@@ -831,12 +831,16 @@ mod tests {
             (2, std::ptr::null(), "needs a directory"),
             (2, missing.as_ptr(), "not a directory"),
         ] {
-            assert_eq!(set(tag.as_ptr(), backend, 0, dir), -1);
+            let (rc, lines) = stderr_of(|| set(tag.as_ptr(), backend, 0, dir));
+            assert_eq!(rc, -1);
             let msg = last_error();
             assert!(msg.contains("cuvmm_set_backup") && msg.contains(says), "{msg}");
+            assert!(lines.iter().all(|l| l.contains("cuvmm_set_backup")), "{lines:?}");
             assert_eq!(t.backup(), want, "a refused call changes nothing");
         }
-        assert_eq!(set(std::ptr::null(), 0, 0, std::ptr::null()), -1);
+        let (rc, lines) = stderr_of(|| set(std::ptr::null(), 0, 0, std::ptr::null()));
+        assert_eq!(rc, -1);
+        assert!(lines.iter().all(|l| l.contains("no tag given")), "{lines:?}");
         assert_eq!(set(tag.as_ptr(), 1, 0, std::ptr::null()), 0);
         assert_eq!(t.backup(), BackupOptions { kind: BackupKind::Pinned, retain: false });
         assert_eq!(set(tag.as_ptr(), 0, 0, std::ptr::null()), 0);
