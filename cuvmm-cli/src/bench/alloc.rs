@@ -43,15 +43,10 @@ fn per_pair(iters: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
     Ok(median(&samples))
 }
 
-/// Measures each size.
-pub fn run(ctx: &Context, sizes: &[usize]) -> Result<Vec<AllocRow>> {
-    if sizes.is_empty() || sizes.contains(&0) {
-        return Err(crate::bench::invalid("sizes must be positive"));
-    }
-    let cache = CachingAllocator::new(PeerAllocator::new(ctx, &[], ExportMode::PosixFd)?, 2 << 20)?;
+/// The device's default stream-ordered pool with its release threshold raised, so that it keeps
+/// freed memory cached like the allocators it is measured beside.
+fn caching_default_pool(ctx: &Context) -> Result<CUmemoryPool> {
     let api = driver()?.api();
-    let stream = Stream::non_blocking(ctx)?;
-    ctx.bind()?;
     let mut pool: CUmemoryPool = std::ptr::null_mut();
     // SAFETY: out-pointer valid; the device handle is live.
     unsafe { api.cuDeviceGetDefaultMemPool(&mut pool, ctx.device().raw()) }?;
@@ -64,6 +59,19 @@ pub fn run(ctx: &Context, sizes: &[usize]) -> Result<Vec<AllocRow>> {
             (&mut threshold as *mut u64).cast(),
         )
     }?;
+    Ok(pool)
+}
+
+/// Measures each size.
+pub fn run(ctx: &Context, sizes: &[usize]) -> Result<Vec<AllocRow>> {
+    if sizes.is_empty() || sizes.contains(&0) {
+        return Err(crate::bench::invalid("sizes must be positive"));
+    }
+    let cache = CachingAllocator::new(PeerAllocator::new(ctx, &[], ExportMode::PosixFd)?, 2 << 20)?;
+    let api = driver()?.api();
+    let stream = Stream::non_blocking(ctx)?;
+    ctx.bind()?;
+    let pool = caching_default_pool(ctx)?;
     let mut rows = Vec::new();
     for &size in sizes {
         let cached_us = per_pair(20_000, || {
@@ -237,18 +245,7 @@ pub fn run_threads(
     let alloc = StreamAllocator::new(ctx)?;
     let api = driver()?.api();
     ctx.bind()?;
-    let mut pool: CUmemoryPool = std::ptr::null_mut();
-    // SAFETY: out-pointer valid; the device handle is live.
-    unsafe { api.cuDeviceGetDefaultMemPool(&mut pool, ctx.device().raw()) }?;
-    let mut threshold = u64::MAX;
-    // SAFETY: the release threshold attribute takes a cuuint64_t.
-    unsafe {
-        api.cuMemPoolSetAttribute(
-            pool,
-            CUmemPool_attribute::RELEASE_THRESHOLD,
-            (&mut threshold as *mut u64).cast(),
-        )
-    }?;
+    let pool = caching_default_pool(ctx)?;
     let mut rows = Vec::new();
     for &size in sizes {
         for &n in threads {
