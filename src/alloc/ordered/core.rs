@@ -361,7 +361,7 @@ impl<B: Backend> Core<B> {
     /// before, or, during a capture, the one it got earlier in that capture: within one capture a
     /// handle names one stream.
     pub(crate) fn caller(&mut self, raw: u64, id: Option<u64>, capture: Capture) -> Caller {
-        if let Some(id) = id.filter(|&i| i < SYNTHETIC) {
+        if let Some(id) = id.filter(|&i| i < SYNTHETIC || i == LEGACY) {
             return Caller { id, raw };
         }
         let id = match capture.id() {
