@@ -4,9 +4,12 @@
 
 * a descriptor (:func:`encode` / :func:`decode`): where the storage lies on the exported pages,
   and the tensor's dtype, size, strides and storage offset, every field checked on arrival;
-* one file descriptor, the receiving end of a ``SOCK_SEQPACKET`` socket pair (travelling with
-  ``multiprocessing.reduction.DupFd``) over which the pages' own descriptors follow, up to
-  ``MAX_FDS_PER_MESSAGE`` a message (:func:`send_pages` / :func:`recv_pages`).
+* one file descriptor, the receiving end of a ``SOCK_SEQPACKET`` socket pair over which the pages'
+  own descriptors follow, up to ``MAX_FDS_PER_MESSAGE`` a message (:func:`send_pages` /
+  :func:`recv_pages`). The sender offers it (:class:`Handoff`) under a random token that travels
+  in the pickle with the sender's address; the receiver fetches it (:func:`fetch`) over one
+  connection per sending process, kept for the next tensor: a tensor costs one request on an open
+  connection, not a connection and a handshake of its own.
 
 The receiver keeps its end open while it maps the pages and closes it once it has unmapped them;
 the sender sees the other end hang up (:class:`Releases`) and only then lets its block go, so the
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import os
 import resource
+import secrets
 import select
 import socket
 import struct
@@ -216,3 +220,141 @@ class Releases:
                         except Exception as e:  # a release must not stop the others
                             import sys
                             print(f"cuvmm: releasing a shared block failed: {e}", file=sys.stderr)
+
+
+_TOKEN = 16
+_OFFERED, _UNKNOWN = b"\x01", b"\x00"
+_UCRED = struct.Struct("3i")  # pid, uid, gid
+
+
+class Handoff:
+    """Keeps sockets offered to other processes until one asks for it by its token.
+
+    It listens on an abstract Unix socket of its own (a name in no filesystem, gone with the
+    process) once something is offered; a thread per connected process answers. Only processes of
+    this user may connect, and only a receiver holding the token (16 random bytes, in the pickle)
+    gets the socket, once. A socket nobody fetches stays offered until the process exits, as with
+    ``multiprocessing``'s resource sharer."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._offers: dict[bytes, socket.socket] = {}
+        self._listener = None
+        self.address = None
+
+    def offer(self, sock: socket.socket) -> tuple[bytes, bytes]:
+        """Takes ``sock`` (closed here once fetched); returns (address, token) for the receiver."""
+        token = secrets.token_bytes(_TOKEN)
+        with self._lock:
+            if self._listener is None:
+                self._listen()
+            self._offers[token] = sock
+        return self.address, token
+
+    def pending(self) -> int:
+        """Sockets offered and not fetched yet."""
+        with self._lock:
+            return len(self._offers)
+
+    def close(self) -> None:
+        """Stops listening and closes what was not fetched (a forked child's copy, tests)."""
+        with self._lock:
+            if self._listener is not None:
+                self._listener.close()
+                self._listener = None
+            for sock in self._offers.values():
+                sock.close()
+            self._offers.clear()
+
+    def _listen(self):
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        address = b"\0cuvmm-share-%d-%s" % (os.getpid(), secrets.token_hex(8).encode())
+        listener.bind(address)
+        listener.listen(64)
+        self._listener, self.address = listener, address
+        threading.Thread(target=self._accept, args=(listener,), name="cuvmm-share-handoff",
+                         daemon=True).start()
+
+    def _accept(self, listener):
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:  # closed
+                return
+            _, uid, _ = _UCRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
+            if uid != os.getuid():
+                conn.close()
+                continue
+            threading.Thread(target=self._serve, args=(conn,), name="cuvmm-share-handoff",
+                             daemon=True).start()
+
+    def _serve(self, conn):
+        with conn:
+            while True:
+                try:
+                    token = conn.recv(_TOKEN + 1)
+                except OSError:
+                    return
+                if not token:  # the receiving process is done (or gone)
+                    return
+                with self._lock:
+                    sock = self._offers.pop(token, None) if len(token) == _TOKEN else None
+                try:
+                    if sock is None:
+                        conn.send(_UNKNOWN)
+                    else:
+                        socket.send_fds(conn, [_OFFERED], [sock.fileno()])
+                except OSError:
+                    return
+                finally:
+                    if sock is not None:
+                        sock.close()
+
+
+_connections: dict[bytes, socket.socket] = {}
+_connections_lock = threading.Lock()
+
+
+def fetch(address: bytes, token: bytes) -> socket.socket:
+    """The socket a :class:`Handoff` at ``address`` offered under ``token``. The connection to
+    that process is kept for later fetches. ValueError when it has no such offer (fetched already);
+    OSError when it cannot be reached."""
+    if not isinstance(address, bytes) or not address.startswith(b"\0cuvmm-share-"):
+        raise ValueError(f"not a cuvmm hand-off address: {address!r}")
+    if not isinstance(token, bytes) or len(token) != _TOKEN:
+        raise ValueError("not a cuvmm hand-off token")
+    with _connections_lock:
+        conn = _connections.get(address)
+        if conn is None:
+            conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            try:
+                conn.connect(address)
+            except BaseException:
+                conn.close()
+                raise
+            _connections[address] = conn
+        try:
+            conn.send(token)
+            msg, fds, flags, _ = socket.recv_fds(conn, 2, 1)
+        except BaseException:
+            _connections.pop(address, None)
+            conn.close()
+            raise
+        if not msg:
+            _connections.pop(address, None)
+            conn.close()
+    if msg == _OFFERED and len(fds) == 1 and not flags & (socket.MSG_CTRUNC | socket.MSG_TRUNC):
+        return socket.socket(fileno=fds[0])
+    for fd in fds:
+        os.close(fd)
+    if not msg:
+        raise ValueError("the sending process hung up (it exited?)")
+    raise ValueError("the sending process has no such tensor (fetched already?)")
+
+
+def forget_connections() -> None:
+    """Closes every kept connection (a forked child must not share its parent's)."""
+    with _connections_lock:
+        for conn in _connections.values():
+            conn.close()
+        _connections.clear()

@@ -4,10 +4,8 @@ as exported pages (POSIX descriptors) instead of legacy CUDA IPC; see :func:`sha
 from __future__ import annotations
 
 import ctypes
-import itertools
 import multiprocessing.reduction as _mpr
 import os
-import socket
 import threading
 
 import torch as _torch
@@ -15,17 +13,19 @@ import torch as _torch
 import cuvmm as _core
 from cuvmm import _share
 
-# Imported before any fork, as PyTorch does: a queue's feeder thread may pickle during one.
-from multiprocessing import resource_sharer as _resource_sharer
-
 _releases = _share.Releases()
+_handoff = _share.Handoff()
 
 
 def _after_fork_in_child():
-    # The parent's exports are the parent's to release; the child starts with none (and without
-    # the parent's thread).
-    global _releases
+    # The parent's exports are the parent's to release and its offers the parent's to hand out;
+    # the child starts with none (and without the parent's threads), and opens connections of its
+    # own.
+    global _releases, _handoff
     _releases = _share.Releases()
+    _handoff.close()
+    _handoff = _share.Handoff()
+    _share.forget_connections()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
@@ -34,7 +34,6 @@ _torch_reductions = None
 _installed = False
 _lock = threading.Lock()
 _fd_limit_raised = False
-_serial = itertools.count()
 
 
 def _owner(device: int, ptr: int):
@@ -110,13 +109,12 @@ def reduce_tensor(t):
     # The storage stays allocated here until the receiver lets go of it.
     held = [storage]
     _releases.register(keep, release)
-    # Through the resource sharer in every case (a queue message or a Process argument): it
-    # duplicates the descriptor now and closes its copy once the receiver has fetched it, so the
-    # receiver's end is held only by the receiver. (The spawning Popen's own descriptor passing
-    # would leave the parent a copy for the Process object's lifetime, and the block with it.)
-    df = _resource_sharer.DupFd(give.fileno())
-    give.close()
-    return (_rebuild, (desc, df, os.getpid(), next(_serial)))
+    # Offered in every case (a queue message or a Process argument) and closed here once fetched,
+    # so the receiver's end is held only by the receiver. (The spawning Popen's own descriptor
+    # passing would leave the parent a copy for the Process object's lifetime, and the block with
+    # it.)
+    address, token = _handoff.offer(give)
+    return (_rebuild, (desc, address, token))
 
 
 def _peers(device: int) -> list[int]:
@@ -171,9 +169,9 @@ class _Mapped:
             pass
 
 
-def _rebuild(desc, df, sender_pid, serial):
+def _rebuild(desc, address, token):
     # Taken first, whatever follows: closing it is what lets the sender free the block.
-    sock = socket.socket(fileno=df.detach())
+    sock = _share.fetch(address, token)
     try:
         f = _share.decode(desc)
         dtype = getattr(_torch, f["dtype"], None)

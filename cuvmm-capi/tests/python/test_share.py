@@ -7,7 +7,6 @@ a spawned process with multiprocessing's DupFd, and the sender learning that the
 """
 
 import multiprocessing
-from multiprocessing import resource_sharer
 import os
 import socket
 import sys
@@ -44,17 +43,26 @@ def memfds(n):
     return out
 
 
-def child_reads_pages(df, count, results):
-    """In a spawned process: take the socket, read the page descriptors, check each is the page
-    it should be, report, and hang up."""
+def child_fetches_pages(offers, count, results):
+    """In a spawned process: fetch each offered socket, read its page descriptors, check each is
+    the page it should be, ask for the first again, report, and hang up."""
     before = open_fds()
-    sock = socket.socket(fileno=df.detach())
-    fds = _share.recv_pages(sock, count)
-    contents = [os.pread(fd, 16, 0).decode() for fd in fds]
-    for fd in fds:
-        os.close(fd)
-    sock.close()
-    results.put((contents, open_fds() - before))
+    got = []
+    for address, token in offers:
+        sock = _share.fetch(address, token)
+        fds = _share.recv_pages(sock, count)
+        got.append([os.pread(fd, 16, 0).decode() for fd in fds])
+        for fd in fds:
+            os.close(fd)
+        sock.close()
+    try:
+        _share.fetch(*offers[0])
+        again = "fetched twice"
+    except ValueError as e:
+        again = str(e)
+    connections = len(_share._connections)
+    _share.forget_connections()
+    results.put((got, open_fds() - before, connections, again))
 
 
 class Descriptor(unittest.TestCase):
@@ -143,30 +151,59 @@ class Transport(unittest.TestCase):
         a.close()
         b.close()
 
-    def test_a_spawned_process_gets_the_pages_through_dupfd_and_the_sender_sees_it_let_go(self):
+    def test_a_spawned_process_fetches_the_pages_by_token_and_the_sender_sees_it_let_go(self):
         ctx = multiprocessing.get_context("spawn")
         results = ctx.Queue()
-        fds = memfds(4)
-        keep, give = _share.send_pages(fds)
-        released = threading.Event()
+        handoff = _share.Handoff()
+        offers = []
+        keeps = []
+        released = [threading.Event() for _ in range(3)]
         releases = _share.Releases()
-        releases.register(keep, released.set)
-        self.assertEqual(releases.pending(), 1)
-        # As cuvmm.torch does, for a queue message or (here) a Process argument: the resource
-        # sharer duplicates at once and lets go of its copy once the child fetched it.
-        df = resource_sharer.DupFd(give.fileno())
-        give.close()
-        p = ctx.Process(target=child_reads_pages, args=(df, 4, results))
+        pages = []
+        for k in range(3):
+            fds = memfds(4)
+            pages.append(fds)
+            keep, give = _share.send_pages(fds)
+            releases.register(keep, released[k].set)
+            keeps.append(keep)
+            offers.append(handoff.offer(give))
+        self.assertEqual(handoff.pending(), 3)
+        p = ctx.Process(target=child_fetches_pages, args=(offers, 4, results))
         p.start()
-        contents, leaked = results.get(timeout=60)
-        self.assertEqual(contents, ["0", "1", "2", "3"])
+        got, leaked, connections, again = results.get(timeout=60)
+        self.assertEqual(got, [["0", "1", "2", "3"]] * 3)
         self.assertEqual(leaked, 0, "the child closed what it received")
-        self.assertTrue(released.wait(10), "the sender learns the receiver hung up, the Process object alive")
+        self.assertEqual(connections, 1, "one connection to the sender serves every fetch")
+        self.assertIn("fetched already", again, "a token serves once")
+        for e in released:
+            self.assertTrue(e.wait(10), "the sender learns the receiver hung up, the Process object alive")
         self.assertEqual(releases.pending(), 0)
-        self.assertEqual(keep.fileno(), -1, "the sender's end is closed once it was told")
+        self.assertEqual(handoff.pending(), 0, "the sender's copy of each offered end is closed")
+        self.assertTrue(all(k.fileno() == -1 for k in keeps), "the sender's ends are closed once told")
         p.join(60)
-        for fd in fds:
-            os.close(fd)
+        handoff.close()
+        for fds in pages:
+            for fd in fds:
+                os.close(fd)
+
+    def test_a_fetch_without_the_token_gets_nothing(self):
+        handoff = _share.Handoff()
+        a, b = socket.socketpair()
+        address, token = handoff.offer(b)
+        with self.assertRaises(ValueError):
+            _share.fetch(address, bytes(16))
+        with self.assertRaises(ValueError):
+            _share.fetch(address, token[:8])
+        with self.assertRaises(ValueError):
+            _share.fetch(b"/tmp/elsewhere", token)
+        self.assertEqual(handoff.pending(), 1, "the offer is still there for its receiver")
+        got = _share.fetch(address, token)
+        got.send(b"x")
+        self.assertEqual(a.recv(1), b"x", "the offered socket itself")
+        got.close()
+        a.close()
+        handoff.close()
+        _share.forget_connections()
 
     def test_the_sender_is_not_told_while_the_receiver_holds_on(self):
         fds = memfds(1)
