@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """How cuvmm.torch sends a tensor to another process, without a GPU or PyTorch: the descriptor's
 encoding and the checks on arrival, the page descriptors' transport over a socket pair handed to
-a spawned process with multiprocessing's DupFd, and the sender learning that the receiver let go.
+a spawned process fetching them by token over one connection (Handoff), and the sender learning that the receiver let go.
 
     python3 cuvmm-capi/tests/python/test_share.py
 """
