@@ -59,8 +59,8 @@ pub(crate) enum State {
     },
 }
 
-/// Free blocks [`Heap::find`] compares by address, smallest first: a bound on its work. A recorded
-/// training run never had more than 63 that fit a request.
+/// Free blocks [`Heap::find`] compares by address, smallest first: a bound on its work, above what
+/// real workloads offer (docs/PERFORMANCE.md, "Figures behind the defaults").
 const FIT_AMONG: usize = 64;
 
 /// Blocks kept per (stream, size) before frees go to the index directly.
@@ -247,10 +247,8 @@ impl Heap {
     ///
     /// Lowest address first keeps live blocks packed at the bottom of the heap, so the free space
     /// above stays in large pieces and a repeated pattern of allocations finds the blocks it had
-    /// last time, pages and all. Smallest first (best fit) lets free space scatter; with lending
-    /// (see `Core::lend`) it scattered further on every repetition of a recorded training run:
-    /// the address space in use grew from 26 to 67 GiB over four replays and the pages moved per
-    /// replay from 4,000 to 46,000, where lowest first held 25-28 GiB and 1,000-3,500 moves.
+    /// last time, pages and all, where best fit scatters free space further on every repetition
+    /// once pages are lent (docs/PERFORMANCE.md, "Figures behind the defaults").
     pub(crate) fn find(&self, pool: u32, stream: u64, size: u64) -> Option<(u64, BlockId)> {
         let lowest = |owner: u64| {
             self.free
