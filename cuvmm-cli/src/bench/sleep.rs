@@ -490,82 +490,82 @@ pub struct Args {
 
 /// `cuvmm bench sleep`: runs the benchmark with `args` and writes its report to `out`.
 pub fn cli(args: Args, out: &mut impl Write) -> CliResult {
-    let Args {
-        size,
-        block,
-        reps,
-        device,
-        devices,
-        backup,
-        dir,
-        retain,
-        fresh_process,
-        gap_ms,
-        first_only,
-        json,
-    } = args;
-    let kind = match (backup.as_str(), &dir) {
-        ("pageable", _) => BackupKind::Pageable,
-        ("pinned", _) => BackupKind::Pinned,
-        ("disk", Some(d)) => BackupKind::Disk(d.clone()),
-        ("disk", None) => return Err(super::invalid("--backup disk needs --dir").into()),
-        (other, _) => {
-            return Err(super::invalid(format!("unknown --backup {other} (pageable, pinned, disk)")).into())
-        }
-    };
-    let devices = if devices.is_empty() { vec![device] } else { devices };
+    let kind = backup_kind(&args.backup, args.dir.as_ref())?;
+    let devices = if args.devices.is_empty() { vec![args.device] } else { args.devices.clone() };
     let ctxs = devices.iter().map(|&d| Context::for_ordinal(d)).collect::<cuvmm::Result<Vec<_>>>()?;
     let cfg = SleepConfig {
-        bytes: size,
-        block,
-        reps,
-        backup: BackupOptions { kind, retain },
-        gap: std::time::Duration::from_millis(gap_ms),
-        first_only,
+        bytes: args.size,
+        block: args.block,
+        reps: args.reps,
+        backup: BackupOptions { kind, retain: args.retain },
+        gap: std::time::Duration::from_millis(args.gap_ms),
+        first_only: args.first_only,
     };
-    if first_only {
+    let bytes = args.size * devices.len();
+    if args.first_only {
         run(&ctxs, &cfg, 1, |c| {
-            let _ = writeln!(out, "{}", json!({"bench": "sleep-cycle", "cycle": c.to_json()}));
+            let _ = print_cycle(out, c, bytes, true);
         })?;
         return Ok(());
     }
     let mut child = Vec::new();
-    if fresh_process {
-        child = sleep_in_child(size, block, &devices, &backup, dir.as_deref(), retain, gap_ms)?;
+    if args.fresh_process {
+        child = sleep_in_child(&args, &devices)?;
     }
     let names = ctxs.iter().map(|c| c.device().name()).collect::<cuvmm::Result<Vec<_>>>()?;
-    if !json {
-        writeln!(
-            out,
-            "{}: sleep and wake of {} tagged on each of {} device(s) in {} blocks, backup {backup}{}{}; bounds taken in each cycle",
-            names.join(", "),
-            show(size),
-            devices.len(),
-            show(block),
-            if retain { ", retained" } else { "" },
-            if gap_ms > 0 { format!(", {gap_ms} ms between sleep and wake") } else { String::new() },
-        )?;
-        writeln!(out, "{}", SLEEP_CYCLE_HEADER)?;
-        writeln!(out, "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")?;
-        for c in &child {
-            print_sleep_cycle(out, c, size * devices.len())?;
-        }
-    } else {
-        for c in &child {
-            writeln!(out, "{}", json!({"bench": "sleep-cycle", "cycle": c.to_json()}))?;
-        }
+    if !args.json {
+        print_sleep_header(out, &args, &names, devices.len())?;
     }
-    let first = child.len() + 1;
-    let r = run(&ctxs, &cfg, first, |c| {
-        let _ = if json {
-            writeln!(out, "{}", json!({"bench": "sleep-cycle", "cycle": c.to_json()}))
-        } else {
-            print_sleep_cycle(out, c, size * devices.len())
-        };
+    for c in &child {
+        print_cycle(out, c, bytes, args.json)?;
+    }
+    let r = run(&ctxs, &cfg, child.len() + 1, |c| {
+        let _ = print_cycle(out, c, bytes, args.json);
     })?;
     let r = with_child_cycles(r, child);
-    print_sleep_summary(out, &r, &names, block, reps, json)?;
-    Ok(())
+    print_sleep_summary(out, &r, &names, args.block, args.reps, args.json)
+}
+
+/// The backup `--backup` names (with `--dir` for a disk backup).
+fn backup_kind(backup: &str, dir: Option<&std::path::PathBuf>) -> Result<BackupKind> {
+    match (backup, dir) {
+        ("pageable", _) => Ok(BackupKind::Pageable),
+        ("pinned", _) => Ok(BackupKind::Pinned),
+        ("disk", Some(d)) => Ok(BackupKind::Disk(d.clone())),
+        ("disk", None) => Err(super::invalid("--backup disk needs --dir")),
+        (other, _) => Err(super::invalid(format!("unknown --backup {other} (pageable, pinned, disk)"))),
+    }
+}
+
+/// What the run does, and the head of the table of cycles.
+fn print_sleep_header(
+    out: &mut impl Write,
+    args: &Args,
+    names: &[String],
+    devices: usize,
+) -> std::io::Result<()> {
+    let (backup, retain, gap_ms) = (&args.backup, args.retain, args.gap_ms);
+    writeln!(
+        out,
+        "{}: sleep and wake of {} tagged on each of {} device(s) in {} blocks, backup {backup}{}{}; bounds taken in each cycle",
+        names.join(", "),
+        show(args.size),
+        devices,
+        show(args.block),
+        if retain { ", retained" } else { "" },
+        if gap_ms > 0 { format!(", {gap_ms} ms between sleep and wake") } else { String::new() },
+    )?;
+    writeln!(out, "{}", SLEEP_CYCLE_HEADER)?;
+    writeln!(out, "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+}
+
+/// One cycle, as a JSON line or a row of the table.
+fn print_cycle(out: &mut impl Write, c: &Cycle, bytes: usize, json: bool) -> std::io::Result<()> {
+    if json {
+        writeln!(out, "{}", json!({"bench": "sleep-cycle", "cycle": c.to_json()}))
+    } else {
+        print_sleep_cycle(out, c, bytes)
+    }
 }
 
 const SLEEP_CYCLE_HEADER: &str = "| cycle | sleep ms | D2H bound ms | ratio | wake ms | H2D bound ms | ratio | H2D after frees ms | ratio | discard ms | RSS MiB before / asleep / woken / settled | pinned MiB before / asleep / woken / settled | mismatches | disk: plain write ms (sleep GB/s vs write GB/s) |";
@@ -602,15 +602,7 @@ fn print_sleep_cycle(out: &mut impl Write, c: &Cycle, bytes: usize) -> std::io::
 
 /// Runs the first cycle of `bench sleep` in a child process (a fresh process's first sleep) and
 /// reads its cycle back.
-fn sleep_in_child(
-    size: usize,
-    block: usize,
-    devices: &[usize],
-    backup: &str,
-    dir: Option<&std::path::Path>,
-    retain: bool,
-    gap_ms: u64,
-) -> Result<Vec<Cycle>, Box<dyn std::error::Error>> {
+fn sleep_in_child(args: &Args, devices: &[usize]) -> Result<Vec<Cycle>, Box<dyn std::error::Error>> {
     let exe = std::env::current_exe()?;
     let mut cmd = std::process::Command::new(exe);
     let devs: Vec<String> = devices.iter().map(|d| d.to_string()).collect();
@@ -620,15 +612,22 @@ fn sleep_in_child(
         "--first-only",
         "--json",
         "--size",
-        &size.to_string(),
+        &args.size.to_string(),
         "--block",
-        &block.to_string(),
+        &args.block.to_string(),
     ])
-    .args(["--devices", &devs.join(","), "--backup", backup, "--gap-ms", &gap_ms.to_string()]);
-    if let Some(d) = dir {
+    .args([
+        "--devices",
+        &devs.join(","),
+        "--backup",
+        &args.backup,
+        "--gap-ms",
+        &args.gap_ms.to_string(),
+    ]);
+    if let Some(d) = &args.dir {
         cmd.arg("--dir").arg(d);
     }
-    if retain {
+    if args.retain {
         cmd.arg("--retain");
     }
     let o = cmd.stderr(std::process::Stdio::inherit()).output()?;
@@ -668,6 +667,8 @@ fn sleep_goals(r: &SleepReport) -> Vec<(String, serde_json::Value)> {
     ]
 }
 
+/// The run's summary (a JSON line or a table and its notes); an error after it when a wake did
+/// not restore what was written.
 fn print_sleep_summary(
     out: &mut impl Write,
     r: &SleepReport,
@@ -677,82 +678,10 @@ fn print_sleep_summary(
     json: bool,
 ) -> CliResult {
     if json {
-        let line = json!({"bench": "sleep", "bytes": r.bytes, "devices": r.devices, "d2h_bound_ms": r.d2h_bound_ms,
-                "h2d_bound_ms": r.h2d_bound_ms, "first_offload_ms": r.first_offload_ms,
-                "offload_ms": r.offload_ms, "offload_ratio": r.offload_ratio(), "wake_ms": r.wake_ms,
-                "wake_ratio": r.wake_ratio(), "h2d_after_frees_ms": r.h2d_after_frees_ms,
-                "wake_ratio_after_frees": r.wake_ratio_after_frees(), "discard_ms": r.discard_ms, "discard_wake_ms": r.discard_wake_ms,
-                "freed_ratio": r.freed_ratio, "mismatches": r.mismatches,
-                "goals": sleep_goals(r).into_iter().collect::<serde_json::Map<String, serde_json::Value>>(),
-                "fastest_slowest_ms": {"offload": r.spread.0[0], "d2h_bound": r.spread.0[1],
-                    "wake": r.spread.0[2], "h2d_bound": r.spread.0[3]}});
-        writeln!(out, "{line}")?;
+        print_summary_json(out, r)?;
     } else {
-        let gbs = |ms: f64| r.bytes as f64 / ms / 1e6;
-        writeln!(
-                out,
-                "{}: sleep and wake of {} tagged in {} blocks, {} cycles after the first; medians of the cycles after each process's first",
-                names.join(", "),
-                show(r.bytes),
-                show(block),
-                reps
-            )?;
-        let [off, d2h, wake, h2d] = r.spread.0;
-        writeln!(out, "| step | ms | fastest-slowest | GB/s | bound ms | bound fastest-slowest | ratio |")?;
-        writeln!(out, "|---|---|---|---|---|---|---|")?;
-        writeln!(
-            out,
-            "| sleep, offload | {:.1} | {:.1}-{:.1} | {:.1} | {:.1} (pinned D2H) | {:.1}-{:.1} | {:.3} |",
-            r.offload_ms,
-            off.0,
-            off.1,
-            gbs(r.offload_ms),
-            r.d2h_bound_ms,
-            d2h.0,
-            d2h.1,
-            r.offload_ratio()
-        )?;
-        writeln!(
-            out,
-            "| wake, restore | {:.1} | {:.1}-{:.1} | {:.1} | {:.1} (pinned H2D) | {:.1}-{:.1} | {:.3} |",
-            r.wake_ms,
-            wake.0,
-            wake.1,
-            gbs(r.wake_ms),
-            r.h2d_bound_ms,
-            h2d.0,
-            h2d.1,
-            r.wake_ratio()
-        )?;
-        writeln!(
-                out,
-                "| wake, restore, against the bound after the same frees | {:.1} | | | {:.1} (pinned H2D right after releasing {}) | | {:.3} |",
-                r.wake_ms,
-                r.h2d_after_frees_ms,
-                show(r.bytes),
-                r.wake_ratio_after_frees()
-            )?;
-        writeln!(out, "| sleep, discard | {:.2} | | | | | |", r.discard_ms)?;
-        writeln!(out, "| wake after discard | {:.2} | | | | | |", r.discard_wake_ms)?;
-        writeln!(
-            out,
-            "driver free memory gained by a sleep: {:.3} of the tagged bytes (lowest of the runs)",
-            r.freed_ratio
-        )?;
-        for c in r.cycles.iter().filter(|c| c.first_in_process) {
-            writeln!(
-                out,
-                "first sleep of {} (cycle {}): {:.1} ms, {:.3}x its cycle's D2H bound",
-                if c.in_child { "a fresh child process" } else { "this process" },
-                c.index,
-                c.offload_ms,
-                c.offload_ratio()
-            )?;
-        }
-        writeln!(out, "elements changed across sleep and wake: {}", r.mismatches)?;
-        for (goal, met) in sleep_goals(r) {
-            writeln!(out, "goal: {goal}: {}", if met == true { "met" } else { "NOT met" })?;
-        }
+        print_summary_table(out, r, names, block, reps)?;
+        print_summary_notes(out, r)?;
     }
     if r.mismatches > 0 {
         return Err(super::invalid(format!(
@@ -762,4 +691,158 @@ fn print_sleep_summary(
         .into());
     }
     Ok(())
+}
+
+fn print_summary_json(out: &mut impl Write, r: &SleepReport) -> std::io::Result<()> {
+    let line = json!({"bench": "sleep", "bytes": r.bytes, "devices": r.devices, "d2h_bound_ms": r.d2h_bound_ms,
+            "h2d_bound_ms": r.h2d_bound_ms, "first_offload_ms": r.first_offload_ms,
+            "offload_ms": r.offload_ms, "offload_ratio": r.offload_ratio(), "wake_ms": r.wake_ms,
+            "wake_ratio": r.wake_ratio(), "h2d_after_frees_ms": r.h2d_after_frees_ms,
+            "wake_ratio_after_frees": r.wake_ratio_after_frees(), "discard_ms": r.discard_ms, "discard_wake_ms": r.discard_wake_ms,
+            "freed_ratio": r.freed_ratio, "mismatches": r.mismatches,
+            "goals": sleep_goals(r).into_iter().collect::<serde_json::Map<String, serde_json::Value>>(),
+            "fastest_slowest_ms": {"offload": r.spread.0[0], "d2h_bound": r.spread.0[1],
+                "wake": r.spread.0[2], "h2d_bound": r.spread.0[3]}});
+    writeln!(out, "{line}")
+}
+
+/// Each step's median, spread and GB/s beside its bound.
+fn print_summary_table(
+    out: &mut impl Write,
+    r: &SleepReport,
+    names: &[String],
+    block: usize,
+    reps: usize,
+) -> std::io::Result<()> {
+    let gbs = |ms: f64| r.bytes as f64 / ms / 1e6;
+    writeln!(
+        out,
+        "{}: sleep and wake of {} tagged in {} blocks, {} cycles after the first; medians of the cycles after each process's first",
+        names.join(", "),
+        show(r.bytes),
+        show(block),
+        reps
+    )?;
+    let [off, d2h, wake, h2d] = r.spread.0;
+    writeln!(out, "| step | ms | fastest-slowest | GB/s | bound ms | bound fastest-slowest | ratio |")?;
+    writeln!(out, "|---|---|---|---|---|---|---|")?;
+    writeln!(
+        out,
+        "| sleep, offload | {:.1} | {:.1}-{:.1} | {:.1} | {:.1} (pinned D2H) | {:.1}-{:.1} | {:.3} |",
+        r.offload_ms,
+        off.0,
+        off.1,
+        gbs(r.offload_ms),
+        r.d2h_bound_ms,
+        d2h.0,
+        d2h.1,
+        r.offload_ratio()
+    )?;
+    writeln!(
+        out,
+        "| wake, restore | {:.1} | {:.1}-{:.1} | {:.1} | {:.1} (pinned H2D) | {:.1}-{:.1} | {:.3} |",
+        r.wake_ms,
+        wake.0,
+        wake.1,
+        gbs(r.wake_ms),
+        r.h2d_bound_ms,
+        h2d.0,
+        h2d.1,
+        r.wake_ratio()
+    )?;
+    writeln!(
+        out,
+        "| wake, restore, against the bound after the same frees | {:.1} | | | {:.1} (pinned H2D right after releasing {}) | | {:.3} |",
+        r.wake_ms,
+        r.h2d_after_frees_ms,
+        show(r.bytes),
+        r.wake_ratio_after_frees()
+    )?;
+    writeln!(out, "| sleep, discard | {:.2} | | | | | |", r.discard_ms)?;
+    writeln!(out, "| wake after discard | {:.2} | | | | | |", r.discard_wake_ms)
+}
+
+/// Under the table: memory freed, each process's first sleep, the contents check, the goals.
+fn print_summary_notes(out: &mut impl Write, r: &SleepReport) -> std::io::Result<()> {
+    writeln!(
+        out,
+        "driver free memory gained by a sleep: {:.3} of the tagged bytes (lowest of the runs)",
+        r.freed_ratio
+    )?;
+    for c in r.cycles.iter().filter(|c| c.first_in_process) {
+        writeln!(
+            out,
+            "first sleep of {} (cycle {}): {:.1} ms, {:.3}x its cycle's D2H bound",
+            if c.in_child { "a fresh child process" } else { "this process" },
+            c.index,
+            c.offload_ms,
+            c.offload_ratio()
+        )?;
+    }
+    writeln!(out, "elements changed across sleep and wake: {}", r.mismatches)?;
+    for (goal, met) in sleep_goals(r) {
+        writeln!(out, "goal: {goal}: {}", if met == true { "met" } else { "NOT met" })?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::bench::assert_report;
+
+    fn cycle(index: usize, first_in_process: bool, in_child: bool, scale: f64) -> Cycle {
+        Cycle {
+            index,
+            first_in_process,
+            in_child,
+            d2h_bound_ms: 330.25 * scale,
+            offload_ms: 343.6 * scale,
+            wake_ms: 352.75 * scale,
+            h2d_bound_ms: 325.3,
+            h2d_after_frees_ms: 346.9,
+            discard_ms: 12.345,
+            discard_wake_ms: 3.5,
+            mismatches: 0,
+            freed_ratio: 0.999 + scale / 1000.0,
+            rss: [1 << 30, 17 << 30, 3 << 29, 1 << 30],
+            pinned: [0, 32 << 20, 32 << 20, 0],
+            plain_write_ms: (index == 3).then_some(4321.0),
+        }
+    }
+
+    fn report() -> SleepReport {
+        let later =
+            vec![cycle(2, true, false, 1.4), cycle(3, false, false, 1.0), cycle(4, false, false, 1.02)];
+        let r = SleepReport { bytes: 16 << 30, devices: 1, cycles: later, ..SleepReport::default() };
+        with_child_cycles(r, vec![cycle(1, true, true, 1.25)])
+    }
+
+    #[test]
+    fn the_sleep_report_keeps_its_layout() {
+        let r = report();
+        let mut out = Vec::new();
+        for c in &r.cycles {
+            print_sleep_cycle(&mut out, c, r.bytes).unwrap();
+        }
+        print_sleep_summary(&mut out, &r, &["NVIDIA H100".to_string()], 1 << 30, 3, false).unwrap();
+        assert_report("sleep.txt", &out);
+        let mut out = Vec::new();
+        print_sleep_summary(&mut out, &r, &["NVIDIA H100".to_string()], 1 << 30, 3, true).unwrap();
+        assert_report("sleep.jsonl", &out);
+    }
+
+    #[test]
+    fn a_wake_that_changed_elements_fails_the_run_after_its_report() {
+        let mut r = report();
+        r.cycles[2].mismatches = 7;
+        r.summarise();
+        for json in [false, true] {
+            let mut out = Vec::new();
+            let e = print_sleep_summary(&mut out, &r, &["NVIDIA H100".to_string()], 1 << 30, 3, json)
+                .expect_err("mismatches fail the run");
+            assert!(e.to_string().contains("7 elements changed"), "{e}");
+            assert!(!out.is_empty(), "the report is printed first");
+        }
+    }
 }
