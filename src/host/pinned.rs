@@ -54,8 +54,8 @@ pub struct PinnedBuffer<T: DeviceCopy> {
 
 /// From this size on, a pinned buffer without write-combining is mapped by the process,
 /// faulted in by several threads (with transparent huge pages where the system allows) and then
-/// registered: measured on a 16-core host with 16 GiB, 0.94 s instead of about ten for
-/// `cuMemHostAlloc`, which faults in and locks the pages on one thread.
+/// registered: far faster than `cuMemHostAlloc`, which faults in and locks the pages on
+/// one thread (docs/PERFORMANCE.md, "Figures behind the defaults").
 const MAPPED_FROM: usize = 64 << 20;
 
 /// Huge-page size the mapping is aligned to.

@@ -63,6 +63,125 @@ def exact_sum(t):
     return t.sum(dtype=torch.int64)
 
 
+def rss_bytes(missing: int = 0) -> int:
+    """Resident memory of this process (VmRSS), bytes; `missing` where /proc says nothing."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return missing
+
+
+def timed_copy(fn) -> float:
+    """Seconds between CUDA events recorded on the current stream around fn, the device idle
+    before: how long the copies fn queues take on the device."""
+    import torch
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3
+
+
+class WeightsAndCache:
+    """The sleep and pause workload: a model's weights, a KV-cache-like set of buffers, a forward
+    through both for a CUDA graph to capture, and pinned copies of the weights that bound how
+    fast their bytes can leave the device and come back.
+
+    args: gib (GiB of dim x dim bf16 weights, allocated inside the context weights_scope() returns
+    and filled from seeds), cache_gib (GiB of cache_chunk_mib MiB chunks inside cache_scope(),
+    filled from seeds by fill_cache), dim, batch, seed. Both are filled outside their scopes, so
+    that no temporary of a fill is allocated there; the fills leave the global generator alone.
+    """
+
+    def __init__(self, args, weights_scope, cache_scope):
+        import torch
+        self.args = args
+        self.dev, self.bf16 = torch.device("cuda"), torch.bfloat16
+        n_weights = max(1, int(args.gib * GiB) // (args.dim * args.dim * 2))
+        self.chunk_elems = args.cache_chunk_mib * MiB // 2
+        self.n_chunks = max(1, int(args.cache_gib * GiB) // (self.chunk_elems * 2))
+        with weights_scope():
+            self.weights = [torch.empty(args.dim, args.dim, dtype=self.bf16, device=self.dev)
+                            for _ in range(n_weights)]
+        with cache_scope():
+            self.cache = [torch.empty(self.chunk_elems, dtype=self.bf16, device=self.dev)
+                          for _ in range(self.n_chunks)]
+        self.gen = torch.Generator(device=self.dev)
+        for i, w in enumerate(self.weights):
+            self.gen.manual_seed(args.seed * 7919 + i)
+            w.normal_(0.0, 1.0 / math.sqrt(args.dim), generator=self.gen)
+        self.fill_cache()
+        self.weight_bytes = sum(w.numel() * 2 for w in self.weights)
+        self.cache_bytes = self.n_chunks * self.chunk_elems * 2
+        self.host = None
+
+    def fill_cache(self):
+        """The cache's contents, the same every time (a wake after a discarding sleep refills it)."""
+        for i, c in enumerate(self.cache):
+            self.gen.manual_seed(self.args.seed * 104729 + i)
+            c.uniform_(-1.0, 1.0, generator=self.gen)
+
+    def forward(self, x):
+        """A reduction over the whole cache, then a matmul through every weight."""
+        import torch
+        dim = self.args.dim
+        c = torch.zeros(dim, dtype=torch.float32, device=self.dev)
+        for chunk in self.cache:
+            c += chunk.view(-1, dim).sum(0, dtype=torch.float32)
+        h = x + (c * (1.0 / (self.n_chunks * self.chunk_elems // dim))).to(self.bf16)
+        for w in self.weights:
+            h = torch.tanh(h @ w)
+        return h
+
+    def warm_up(self, x):
+        """Two forwards on a side stream, as before a capture."""
+        import torch
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self.forward(x)
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+
+    def pin_host(self):
+        """The pinned host buffer the bound copies use, as large as the weights."""
+        import torch
+        self.host = torch.empty(self.weight_bytes, dtype=torch.uint8, pin_memory=True)
+
+    def d2h(self):
+        """Queues a copy of every weight into the pinned buffer, per tensor, non-blocking."""
+        import torch
+        off = 0
+        for w in self.weights:
+            nb = w.numel() * 2
+            self.host[off:off + nb].copy_(w.view(-1).view(torch.uint8), non_blocking=True)
+            off += nb
+
+    def h2d(self):
+        """Queues the copy back of what d2h read, so the weights do not change."""
+        import torch
+        off = 0
+        for w in self.weights:
+            nb = w.numel() * 2
+            w.view(-1).view(torch.uint8).copy_(self.host[off:off + nb], non_blocking=True)
+            off += nb
+
+    def weights_equal_host(self) -> bool:
+        """Every weight byte for byte against the pinned buffer (what d2h copied last)."""
+        import torch
+        off = 0
+        for w in self.weights:
+            nb = w.numel() * 2
+            if not torch.equal(w.view(-1).view(torch.uint8), self.host[off:off + nb].to(self.dev)):
+                return False
+            off += nb
+        return True
+
+
 def driver_version() -> str | None:
     try:
         v = ctypes.c_int()

@@ -54,11 +54,11 @@ os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
 import argparse  # noqa: E402
 import contextlib  # noqa: E402
 import ctypes  # noqa: E402
-import math  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 
-from _common import GiB, MiB, Alloc, add_common_args, env_info, finish, median, ranges_overlap  # noqa: E402
+from _common import (GiB, MiB, Alloc, WeightsAndCache, add_common_args, env_info, finish, median,  # noqa: E402
+                     ranges_overlap, rss_bytes, timed_copy)
 import cuvmm_torch  # noqa: E402
 
 
@@ -117,21 +117,11 @@ def main():
 
     def host_memory():
         """(resident bytes of this process, bytes cuvmm holds pinned)."""
-        rss = 0
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    rss = int(line.split()[1]) * 1024
-        return rss, int(lib.cuvmm_pinned_bytes())
+        return rss_bytes(), int(lib.cuvmm_pinned_bytes())
 
     torch.manual_seed(args.seed)
-    dev = torch.device("cuda")
-    bf16 = torch.bfloat16
-    n_weights = max(1, int(args.gib * GiB) // (args.dim * args.dim * 2))
-    chunk_elems = args.cache_chunk_mib * MiB // 2
-    if chunk_elems % args.dim:
+    if args.cache_chunk_mib * MiB // 2 % args.dim:
         p.error("--cache-chunk-mib must hold whole rows of --dim bf16 values")
-    n_chunks = max(1, int(args.cache_gib * GiB) // (chunk_elems * 2))
     pools = {}
 
     @contextlib.contextmanager
@@ -144,51 +134,19 @@ def main():
             else:
                 yield
 
-    # Filled outside the tag so no temporary of the fill is tagged.
-    with tagged("weights"):
-        weights = [torch.empty(args.dim, args.dim, dtype=bf16, device=dev) for _ in range(n_weights)]
-    with tagged("cache"):
-        cache = [torch.empty(chunk_elems, dtype=bf16, device=dev) for _ in range(n_chunks)]
-    gen = torch.Generator(device=dev)
-    for i, w in enumerate(weights):
-        gen.manual_seed(args.seed * 7919 + i)
-        w.normal_(0.0, 1.0 / math.sqrt(args.dim), generator=gen)
-
-    def fill_cache():
-        for i, c in enumerate(cache):
-            gen.manual_seed(args.seed * 104729 + i)
-            c.uniform_(-1.0, 1.0, generator=gen)
-
-    fill_cache()
-    weight_bytes = sum(w.numel() * w.element_size() for w in weights)
-    cache_bytes = sum(c.numel() * c.element_size() for c in cache)
+    wl = WeightsAndCache(args, lambda: tagged("weights"), lambda: tagged("cache"))
+    weights, cache, weight_bytes = wl.weights, wl.cache, wl.weight_bytes
 
     def checksums():
         return torch.stack([w.view(torch.int16).sum(dtype=torch.int64) for w in weights]).tolist()
 
     graph_pool = cuvmm_torch.mem_pool() if alloc.mode == "cuvmm-pool" else None
-    static_x = torch.randn(args.batch, args.dim, device=dev, dtype=bf16)
-
-    def forward(x):
-        c = torch.zeros(args.dim, dtype=torch.float32, device=dev)
-        for chunk in cache:
-            c += chunk.view(-1, args.dim).sum(0, dtype=torch.float32)
-        h = x + (c * (1.0 / (n_chunks * chunk_elems // args.dim))).to(bf16)
-        for w in weights:
-            h = torch.tanh(h @ w)
-        return h
-
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            forward(static_x)
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
+    static_x = torch.randn(args.batch, args.dim, device=wl.dev, dtype=wl.bf16)
+    wl.warm_up(static_x)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g, pool=graph_pool.id if graph_pool is not None else None,
                           capture_error_mode=args.capture_error_mode):
-        static_y = forward(static_x)
+        static_y = wl.forward(static_x)
     g.replay()
     torch.cuda.synchronize()
     ref_y = static_y.clone()
@@ -198,43 +156,9 @@ def main():
     replay_repeatable = torch.equal(static_y, ref_y)
 
     # Copy bounds: the same bytes, the same per-tensor pieces, pinned host memory, events.
-    host = torch.empty(weight_bytes, dtype=torch.uint8, pin_memory=True)
-
-    def timed(fn):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / 1e3
-
-    def d2h():
-        off = 0
-        for w in weights:
-            nb = w.numel() * 2
-            host[off:off + nb].copy_(w.view(-1).view(torch.uint8), non_blocking=True)
-            off += nb
-
-    def h2d():  # writes back the bytes d2h just read, so the weights do not change
-        off = 0
-        for w in weights:
-            nb = w.numel() * 2
-            w.view(-1).view(torch.uint8).copy_(host[off:off + nb], non_blocking=True)
-            off += nb
-
-    def weights_equal_host():
-        """Every weight byte for byte against `host` (what d2h copied before the sleep)."""
-        off = 0
-        for w in weights:
-            nb = w.numel() * 2
-            if not torch.equal(w.view(-1).view(torch.uint8), host[off:off + nb].to(dev)):
-                return False
-            off += nb
-        return True
-
-    d2h()  # warm-up of the bounds; the host buffer is kept for the bounds of every rep
-    h2d()
+    wl.pin_host()
+    wl.d2h()  # warm-up of the bounds; the host buffer is kept for the bounds of every rep
+    wl.h2d()
     torch.cuda.synchronize()
     bounds_kept_weights = checksums() == ref_sums
 
@@ -247,7 +171,7 @@ def main():
         left = nbytes
         while left > 0:
             nb = min(left, GiB)
-            t = torch.empty(nb, dtype=torch.uint8, device=dev).fill_(0xA5)
+            t = torch.empty(nb, dtype=torch.uint8, device=wl.dev).fill_(0xA5)
             on_tagged += any(ranges_overlap(span(t), s) for s in tagged_spans)
             others.append(t)
             left -= nb
@@ -261,7 +185,7 @@ def main():
         tw0, tc0 = cuvmm_torch.tag_stats("weights"), cuvmm_torch.tag_stats("cache")
         tagged_bytes = tw0["mapped"] + tc0["mapped"]
         free0 = torch.cuda.mem_get_info()[0]
-        d2h_s = timed(d2h)
+        d2h_s = timed_copy(wl.d2h)
         mem_before = host_memory()
 
         t0 = time.perf_counter()
@@ -295,17 +219,17 @@ def main():
         second_wake_refused = refused(lambda: cuvmm_torch.wake("cache"))
         # What the wake restored, checked before any bound copy writes the weights again: every
         # weight byte for byte against the copy taken before the sleep, and the graph's output.
-        weights_ok = weights_equal_host() and checksums() == ref_sums
-        fill_cache()
+        weights_ok = wl.weights_equal_host() and checksums() == ref_sums
+        wl.fill_cache()
         g.replay()
         torch.cuda.synchronize()
         out_ok = torch.equal(static_y, ref_y)
-        h2d_s = timed(h2d)
+        h2d_s = timed_copy(wl.h2d)
         # The bound again in the wake's conditions: right after the same other user's frees
         # (and pause), during which the driver's own work after large frees slows any copy.
         other_user(other_bytes)
         time.sleep(args.settle_ms / 1e3)
-        h2d_after_frees_s = timed(h2d)
+        h2d_after_frees_s = timed_copy(wl.h2d)
         mem_settled = host_memory()
 
         reps.append({
@@ -347,7 +271,7 @@ def main():
     def spread(key):
         return [min(r[key] for r in later), max(r[key] for r in later)]
     result = {
-        "env": env_info(), "weights": n_weights, "weight_bytes": weight_bytes, "cache_bytes": cache_bytes,
+        "env": env_info(), "weights": len(weights), "weight_bytes": weight_bytes, "cache_bytes": wl.cache_bytes,
         "d2h_bound_s": d2h_b, "h2d_bound_s": h2d_b,
         "d2h_bound_gbps": weight_bytes / d2h_b / 1e9, "h2d_bound_gbps": weight_bytes / h2d_b / 1e9,
         "sleep_offload_s": sleep_s, "wake_weights_s": wake_s, "sleep_discard_ms": discard_s * 1e3,
@@ -397,7 +321,7 @@ def main():
         goals["resident memory back within the ring after wake"] = all(
             r["rss"]["settled"] <= r["rss"]["before"] + ring for r in reps)
     rc = finish("sleep_wake", args, result, checks, goals)
-    del g, static_y, weights, cache
+    del g, static_y, weights, cache, wl
     return rc
 
 

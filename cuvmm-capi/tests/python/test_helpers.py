@@ -38,6 +38,12 @@ class Pure(unittest.TestCase):
         self.assertFalse(_common.ranges_overlap((0, 10), (10, 20)))
         self.assertTrue(_common.ranges_overlap((5, 6), (0, 100)))
 
+    def test_rss_bytes_counts_memory_this_process_touches(self):
+        before = _common.rss_bytes()
+        touched = bytearray(b"\x01") * (64 << 20)
+        self.assertGreaterEqual(_common.rss_bytes() - before, 48 << 20)
+        del touched
+
     def test_f32_bits_round_trip(self):
         x = struct.unpack("<f", struct.pack("<f", 10.3731))[0]
         self.assertEqual(struct.unpack("<f", bytes.fromhex(_common.f32_bits(x)))[0], x)

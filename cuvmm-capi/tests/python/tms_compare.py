@@ -33,29 +33,15 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 import argparse  # noqa: E402
 import importlib.util  # noqa: E402
 import json  # noqa: E402
-import math  # noqa: E402
-import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-GiB, MiB = 1 << 30, 1 << 20
+from _common import GiB, MiB, WeightsAndCache, median, rss_bytes, timed_copy  # noqa: E402
+
 IMPLS = ("cuvmm", "torch_memory_saver")
-
-
-def rss_bytes() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return -1
-
-
-def median(xs):
-    xs = list(xs)
-    return statistics.median(xs) if xs else None
 
 
 def summarize(reps: list) -> dict:
@@ -108,7 +94,6 @@ def table(results: dict) -> list:
 def child(args) -> dict:
     import torch
     if args.impl == "cuvmm":
-        import _common  # noqa: F401  (the installed package, else this checkout's)
         import cuvmm
         from cuvmm.torch_memory_saver import torch_memory_saver as saver
         if args.cuvmm_mode == "current":
@@ -119,87 +104,19 @@ def child(args) -> dict:
         from torch_memory_saver import torch_memory_saver as saver
     torch.cuda.init()
     torch.manual_seed(args.seed)
-    dev, bf16 = torch.device("cuda"), torch.bfloat16
     backend = None if args.cpu_backup_backend == "default" else args.cpu_backup_backend
-    n_weights = max(1, int(args.gib * GiB) // (args.dim * args.dim * 2))
-    chunk_elems = args.cache_chunk_mib * MiB // 2
-    n_chunks = max(1, int(args.cache_gib * GiB) // (chunk_elems * 2))
-    rss0 = rss_bytes()
-
-    with saver.region(tag="weights", enable_cpu_backup=True, cpu_backup_backend=backend):
-        weights = [torch.empty(args.dim, args.dim, dtype=bf16, device=dev) for _ in range(n_weights)]
-    with saver.region(tag="kv_cache"):
-        cache = [torch.empty(chunk_elems, dtype=bf16, device=dev) for _ in range(n_chunks)]
-    gen = torch.Generator(device=dev)
-    for i, w in enumerate(weights):
-        gen.manual_seed(args.seed * 7919 + i)
-        w.normal_(0.0, 1.0 / math.sqrt(args.dim), generator=gen)
-
-    def fill_cache():
-        for i, c in enumerate(cache):
-            gen.manual_seed(args.seed * 104729 + i)
-            c.uniform_(-1.0, 1.0, generator=gen)
-
-    fill_cache()
-    weight_bytes = sum(w.numel() * 2 for w in weights)
-    static_x = torch.randn(args.batch, args.dim, device=dev, dtype=bf16)
-
-    def forward(x):
-        c = torch.zeros(args.dim, dtype=torch.float32, device=dev)
-        for chunk in cache:
-            c += chunk.view(-1, args.dim).sum(0, dtype=torch.float32)
-        h = x + (c * (1.0 / (n_chunks * chunk_elems // args.dim))).to(bf16)
-        for w in weights:
-            h = torch.tanh(h @ w)
-        return h
-
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            forward(static_x)
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
+    rss0 = rss_bytes(missing=-1)
+    wl = WeightsAndCache(args, lambda: saver.region(tag="weights", enable_cpu_backup=True, cpu_backup_backend=backend),
+                         lambda: saver.region(tag="kv_cache"))
+    static_x = torch.randn(args.batch, args.dim, device=wl.dev, dtype=wl.bf16)
+    wl.warm_up(static_x)
     g = torch.cuda.CUDAGraph()
     with saver.cuda_graph(g, tag="graph"):
-        static_y = forward(static_x)
+        static_y = wl.forward(static_x)
     g.replay()
     torch.cuda.synchronize()
     ref_y = static_y.clone()
-
-    host = torch.empty(weight_bytes, dtype=torch.uint8, pin_memory=True)
-
-    def timed_copy(fn):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / 1e3
-
-    def d2h():
-        off = 0
-        for w in weights:
-            nb = w.numel() * 2
-            host[off:off + nb].copy_(w.view(-1).view(torch.uint8), non_blocking=True)
-            off += nb
-
-    def h2d():  # writes back what d2h read: the weights do not change
-        off = 0
-        for w in weights:
-            nb = w.numel() * 2
-            w.view(-1).view(torch.uint8).copy_(host[off:off + nb], non_blocking=True)
-            off += nb
-
-    def weights_equal_host():
-        off = 0
-        for w in weights:
-            nb = w.numel() * 2
-            if not torch.equal(w.view(-1).view(torch.uint8), host[off:off + nb].to(dev)):
-                return False
-            off += nb
-        return True
+    wl.pin_host()
 
     def timed(fn):
         torch.cuda.synchronize()
@@ -208,27 +125,27 @@ def child(args) -> dict:
         torch.cuda.synchronize()
         return time.perf_counter() - t0
 
-    d2h()  # warm-up of the bound copies
-    h2d()
+    wl.d2h()  # warm-up of the bound copies
+    wl.h2d()
     torch.cuda.synchronize()
     reps = []
     for rep in range(args.reps):
-        rss_before = rss_bytes()
-        d2h_s = timed_copy(d2h)
+        rss_before = rss_bytes(missing=-1)
+        d2h_s = timed_copy(wl.d2h)
         pw = timed(lambda: saver.pause("weights"))
         pc = timed(lambda: saver.pause("kv_cache"))
         pg = timed(lambda: saver.pause("graph"))
-        rss_paused = rss_bytes()
+        rss_paused = rss_bytes(missing=-1)
         rw = timed(lambda: saver.resume("weights"))
         rc = timed(lambda: saver.resume("kv_cache"))
         rg = timed(lambda: saver.resume("graph"))
-        intact = weights_equal_host()
-        fill_cache()
+        intact = wl.weights_equal_host()
+        wl.fill_cache()
         g.replay()
         torch.cuda.synchronize()
         same = torch.equal(static_y, ref_y)
-        h2d_s = timed_copy(h2d)
-        rss_after = rss_bytes()
+        h2d_s = timed_copy(wl.h2d)
+        rss_after = rss_bytes(missing=-1)
         reps.append({"pause_weights_s": pw, "pause_cache_s": pc, "pause_graph_s": pg, "resume_weights_s": rw,
                      "resume_cache_s": rc, "resume_graph_s": rg, "d2h_bound_s": d2h_s, "h2d_bound_s": h2d_s,
                      "weights_intact": intact, "graph_output_identical": same, "rss_before": rss_before,
@@ -237,8 +154,8 @@ def child(args) -> dict:
               f"graph {pg * 1e3:.1f}ms; resume {rw:.3f}s (H2D {h2d_s:.3f}s) cache {rc * 1e3:.1f}ms "
               f"graph {rg * 1e3:.1f}ms; intact={intact and same}", file=sys.stderr, flush=True)
     p = torch.cuda.get_device_properties(torch.cuda.current_device())
-    info = {"device": p.name, "torch": torch.__version__, "weight_bytes": weight_bytes,
-            "cache_bytes": n_chunks * chunk_elems * 2, "rss_start": rss0}
+    info = {"device": p.name, "torch": torch.__version__, "weight_bytes": wl.weight_bytes,
+            "cache_bytes": wl.cache_bytes, "rss_start": rss0}
     if cuvmm is not None:
         info["cuvmm_library"] = cuvmm.library_path()
         info["cuvmm_has_backup"] = cuvmm.has_backup()

@@ -985,33 +985,65 @@ pub fn print_sweep(
     idle_ms: u64,
     json: bool,
 ) -> CliResult {
+    if json {
+        return print_sweep_json(out, name, rows, refs, idle_ms);
+    }
     let mut sizes: Vec<usize> = rows.iter().map(|r| r.size).collect();
     sizes.sort_unstable();
     sizes.dedup();
-    if json {
-        for r in rows {
-            let c = r.config;
-            writeln!(
-                out,
-                "{}",
-                json!({"bench": "bandwidth-sweep", "device": name, "idle_ms": idle_ms, "size": r.size, "chunk": c.chunk, "piece": c.piece,
-                       "slots": c.slots, "threads": c.threads, "staged_h2d": r.staged[0], "staged_d2h": r.staged[1]})
-            )?;
+    let mut shapes: Vec<StagingConfig> = Vec::new();
+    for r in rows {
+        if !shapes.contains(&r.config) {
+            shapes.push(r.config);
         }
-        for f in refs {
-            let memcpy: Vec<_> =
-                f.memcpy.iter().map(|(t, m)| json!({"threads": t, "h2d": m[0], "d2h": m[1]})).collect();
-            let read: Vec<_> = f.read.iter().map(|(t, r)| json!({"threads": t, "gbps": r})).collect();
-            writeln!(
-                out,
-                "{}",
-                json!({"bench": "bandwidth-sweep", "idle_ms": idle_ms, "size": f.size, "pinned_h2d": f.pinned[0],
-                       "pinned_d2h": f.pinned[1], "pinned_host_clock_h2d": f.pinned_host[0],
-                       "pinned_host_clock_d2h": f.pinned_host[1], "memcpy": memcpy, "read_source": read})
-            )?;
-        }
-        return Ok(());
     }
+    print_sweep_table(out, name, rows, &sizes, &shapes, reps, idle_ms)?;
+    print_sweep_references(out, refs)?;
+    print_best_shape(out, rows, &sizes, &shapes)
+}
+
+/// The sweep as JSON lines: one per ring shape and size, then one per reference size.
+fn print_sweep_json(
+    out: &mut impl Write,
+    name: &str,
+    rows: &[SweepRow],
+    refs: &[SweepReference],
+    idle_ms: u64,
+) -> CliResult {
+    for r in rows {
+        let c = r.config;
+        writeln!(
+            out,
+            "{}",
+            json!({"bench": "bandwidth-sweep", "device": name, "idle_ms": idle_ms, "size": r.size, "chunk": c.chunk, "piece": c.piece,
+                   "slots": c.slots, "threads": c.threads, "staged_h2d": r.staged[0], "staged_d2h": r.staged[1]})
+        )?;
+    }
+    for f in refs {
+        let memcpy: Vec<_> =
+            f.memcpy.iter().map(|(t, m)| json!({"threads": t, "h2d": m[0], "d2h": m[1]})).collect();
+        let read: Vec<_> = f.read.iter().map(|(t, r)| json!({"threads": t, "gbps": r})).collect();
+        writeln!(
+            out,
+            "{}",
+            json!({"bench": "bandwidth-sweep", "idle_ms": idle_ms, "size": f.size, "pinned_h2d": f.pinned[0],
+                   "pinned_d2h": f.pinned[1], "pinned_host_clock_h2d": f.pinned_host[0],
+                   "pinned_host_clock_d2h": f.pinned_host[1], "memcpy": memcpy, "read_source": read})
+        )?;
+    }
+    Ok(())
+}
+
+/// Staged GB/s, a line per ring shape and a column per size (`-` where a shape skipped a size).
+fn print_sweep_table(
+    out: &mut impl Write,
+    name: &str,
+    rows: &[SweepRow],
+    sizes: &[usize],
+    shapes: &[StagingConfig],
+    reps: usize,
+    idle_ms: u64,
+) -> CliResult {
     writeln!(out, "staged pageable GB/s on {name}, H2D / D2H, median of {reps} (host clock, to completion)")?;
     if idle_ms > 0 {
         writeln!(
@@ -1020,19 +1052,13 @@ pub fn print_sweep(
         )?;
     }
     write!(out, "{:>9} {:>9} {:>6} {:>8}", "chunk", "piece", "slots", "threads")?;
-    for &s in &sizes {
+    for &s in sizes {
         write!(out, " {:>15}", show(s))?;
     }
     writeln!(out)?;
-    let mut shapes: Vec<cuvmm::host::StagingConfig> = Vec::new();
-    for r in rows {
-        if !shapes.contains(&r.config) {
-            shapes.push(r.config);
-        }
-    }
-    for c in &shapes {
+    for c in shapes {
         write!(out, "{:>9} {:>9} {:>6} {:>8}", show(c.chunk), show(c.piece), c.slots, c.threads)?;
-        for &s in &sizes {
+        for &s in sizes {
             match rows.iter().find(|r| r.config == *c && r.size == s) {
                 Some(r) => write!(out, " {:>7.1} /{:>6.1}", r.staged[0], r.staged[1])?,
                 None => write!(out, " {:>15}", "-")?,
@@ -1040,6 +1066,11 @@ pub fn print_sweep(
         }
         writeln!(out)?;
     }
+    Ok(())
+}
+
+/// What the sweep is judged against, per size: pinned DMA, host memcpy, reading the source.
+fn print_sweep_references(out: &mut impl Write, refs: &[SweepReference]) -> CliResult {
     writeln!(out, "references, same run (H2D / D2H): pinned DMA (raw cuMemcpy*Async, device events, and on the host clock from the call to completion as the staged path is timed); host memcpy pageable → pinned / pinned → pageable in the default ring's pieces, taken in turn; reading the source alone (host to device cannot be faster on as many threads)")?;
     for f in refs {
         write!(
@@ -1061,13 +1092,22 @@ pub fn print_sweep(
         }
         writeln!(out)?;
     }
-    // The shape whose slower direction at its slowest size ≥ 64 MiB (or at all sizes) is fastest.
+    Ok(())
+}
+
+/// The shape whose slower direction at its slowest size ≥ 64 MiB (or at all sizes) is fastest.
+fn print_best_shape(
+    out: &mut impl Write,
+    rows: &[SweepRow],
+    sizes: &[usize],
+    shapes: &[StagingConfig],
+) -> CliResult {
     let judged: Vec<usize> = if sizes.iter().any(|&s| s >= 64 << 20) {
         sizes.iter().copied().filter(|&s| s >= 64 << 20).collect()
     } else {
-        sizes.clone()
+        sizes.to_vec()
     };
-    let floor = |c: &cuvmm::host::StagingConfig| {
+    let floor = |c: &StagingConfig| {
         rows.iter()
             .filter(|r| r.config == *c && judged.contains(&r.size))
             .map(|r| r.staged[0].min(r.staged[1]))
@@ -1092,6 +1132,39 @@ pub fn print_sweep(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::bench::assert_report;
+
+    fn sweep_input() -> (Vec<SweepRow>, Vec<SweepReference>) {
+        let shape = |chunk: usize, slots| StagingConfig { chunk, piece: 256 << 10, slots, threads: 12 };
+        let row =
+            |config, size, h2d, d2h| SweepRow { config, size, staged: [h2d, d2h], slowest: [None, None] };
+        let rows = vec![
+            row(shape(4 << 20, 8), 16 << 20, 30.04, 31.96),
+            row(shape(4 << 20, 8), 64 << 20, 43.15, 52.7),
+            row(shape(2 << 20, 16), 64 << 20, 40.25, 38.95),
+            row(shape(4 << 20, 8), 1 << 30, 49.2, 51.05),
+        ];
+        let refs = vec![SweepReference {
+            size: 64 << 20,
+            pinned: [53.1, 54.25],
+            pinned_host: [50.05, 51.9],
+            memcpy: vec![(8, [47.0, 60.5]), (12, [55.55, 70.0])],
+            read: vec![(8, 47.25), (16, 70.1)],
+        }];
+        (rows, refs)
+    }
+
+    #[test]
+    fn the_sweep_report_keeps_its_layout() {
+        let (rows, refs) = sweep_input();
+        let mut out = Vec::new();
+        print_sweep(&mut out, "NVIDIA H100", &rows, &refs, 5, 0, false).unwrap();
+        print_sweep(&mut out, "NVIDIA H100", &rows[..1], &[], 3, 40, false).unwrap();
+        assert_report("sweep.txt", &out);
+        let mut out = Vec::new();
+        print_sweep(&mut out, "NVIDIA H100", &rows, &refs, 5, 40, true).unwrap();
+        assert_report("sweep.jsonl", &out);
+    }
 
     #[test]
     fn memcpy_reference_copies_everything() {

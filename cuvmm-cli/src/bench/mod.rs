@@ -39,3 +39,16 @@ pub fn timed<T>(f: impl FnOnce() -> T) -> (T, Duration) {
     let r = f();
     (r, t.elapsed())
 }
+
+/// Compares a report printer's output with `src/bench/testdata/<name>`, the layout it must keep;
+/// `CUVMM_BLESS=1 cargo test -p cuvmm-cli` rewrites the file from the output instead.
+#[cfg(test)]
+pub(crate) fn assert_report(name: &str, got: &[u8]) {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src/bench/testdata").join(name);
+    if std::env::var_os("CUVMM_BLESS").is_some() {
+        std::fs::write(&path, got).expect("writing the expected report");
+        return;
+    }
+    let want = std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    assert_eq!(String::from_utf8_lossy(got), String::from_utf8_lossy(&want), "{name} changed");
+}

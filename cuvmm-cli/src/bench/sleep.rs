@@ -65,19 +65,8 @@ pub struct Cycle {
     pub first_in_process: bool,
     /// Ran in a child process (`--fresh-process`).
     pub in_child: bool,
-    /// Device-to-pinned-host copy of the tagged bytes, every device at once, just before the sleep.
-    pub d2h_bound_ms: f64,
-    /// The sleep with offload.
-    pub offload_ms: f64,
-    /// The wake, contents restored.
-    pub wake_ms: f64,
-    /// Pinned-host-to-device copy right after the wake (undisturbed).
-    pub h2d_bound_ms: f64,
-    /// The same copy right after releasing as much memory as a sleep does.
-    pub h2d_after_frees_ms: f64,
-    /// A sleep that drops the contents, and its wake.
-    pub discard_ms: f64,
-    pub discard_wake_ms: f64,
+    /// What the cycle timed.
+    pub steps: Steps,
     /// Elements that differed from what was written, after the wake.
     pub mismatches: u64,
     /// Driver free memory gained by the sleep, over the tagged bytes mapped before it.
@@ -91,24 +80,51 @@ pub struct Cycle {
     pub plain_write_ms: Option<f64>,
 }
 
-impl Cycle {
+/// The steps of a cycle, timed on every device at once, in milliseconds: of one cycle, or their
+/// medians over a run's cycles.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Steps {
+    /// Device-to-pinned-host copy of the tagged bytes, just before the sleep.
+    pub d2h_bound_ms: f64,
+    /// The sleep with offload.
+    pub offload_ms: f64,
+    /// The wake, contents restored.
+    pub wake_ms: f64,
+    /// Pinned-host-to-device copy right after the wake (undisturbed).
+    pub h2d_bound_ms: f64,
+    /// The same copy right after releasing as much memory as a sleep does.
+    pub h2d_after_frees_ms: f64,
+    /// A sleep that drops the contents, and its wake.
+    pub discard_ms: f64,
+    pub discard_wake_ms: f64,
+}
+
+impl Steps {
+    /// Sleep with offload over the device-to-host bound.
     pub fn offload_ratio(&self) -> f64 {
         self.offload_ms / self.d2h_bound_ms
     }
+
+    /// Wake over the host-to-device bound.
     pub fn wake_ratio(&self) -> f64 {
         self.wake_ms / self.h2d_bound_ms
     }
+
+    /// Wake over the host-to-device bound taken after the same frees.
     pub fn wake_ratio_after_frees(&self) -> f64 {
         self.wake_ms / self.h2d_after_frees_ms
     }
+}
 
+impl Cycle {
     pub fn to_json(&self) -> serde_json::Value {
+        let t = &self.steps;
         serde_json::json!({
             "cycle": self.index, "first_in_process": self.first_in_process, "in_child": self.in_child,
-            "d2h_bound_ms": self.d2h_bound_ms, "offload_ms": self.offload_ms, "offload_ratio": self.offload_ratio(),
-            "wake_ms": self.wake_ms, "h2d_bound_ms": self.h2d_bound_ms, "wake_ratio": self.wake_ratio(),
-            "h2d_after_frees_ms": self.h2d_after_frees_ms, "wake_ratio_after_frees": self.wake_ratio_after_frees(),
-            "discard_ms": self.discard_ms, "discard_wake_ms": self.discard_wake_ms,
+            "d2h_bound_ms": t.d2h_bound_ms, "offload_ms": t.offload_ms, "offload_ratio": t.offload_ratio(),
+            "wake_ms": t.wake_ms, "h2d_bound_ms": t.h2d_bound_ms, "wake_ratio": t.wake_ratio(),
+            "h2d_after_frees_ms": t.h2d_after_frees_ms, "wake_ratio_after_frees": t.wake_ratio_after_frees(),
+            "discard_ms": t.discard_ms, "discard_wake_ms": t.discard_wake_ms,
             "mismatches": self.mismatches, "freed_ratio": self.freed_ratio,
             "rss": {"before": self.rss[0], "asleep": self.rss[1], "after_wake": self.rss[2], "settled": self.rss[3]},
             "pinned": {"before": self.pinned[0], "asleep": self.pinned[1], "after_wake": self.pinned[2], "settled": self.pinned[3]},
@@ -128,13 +144,15 @@ impl Cycle {
             index: v.get("cycle")?.as_u64()? as usize,
             first_in_process: v.get("first_in_process")?.as_bool()?,
             in_child: true,
-            d2h_bound_ms: f("d2h_bound_ms")?,
-            offload_ms: f("offload_ms")?,
-            wake_ms: f("wake_ms")?,
-            h2d_bound_ms: f("h2d_bound_ms")?,
-            h2d_after_frees_ms: f("h2d_after_frees_ms")?,
-            discard_ms: f("discard_ms")?,
-            discard_wake_ms: f("discard_wake_ms")?,
+            steps: Steps {
+                d2h_bound_ms: f("d2h_bound_ms")?,
+                offload_ms: f("offload_ms")?,
+                wake_ms: f("wake_ms")?,
+                h2d_bound_ms: f("h2d_bound_ms")?,
+                h2d_after_frees_ms: f("h2d_after_frees_ms")?,
+                discard_ms: f("discard_ms")?,
+                discard_wake_ms: f("discard_wake_ms")?,
+            },
             mismatches: v.get("mismatches")?.as_u64()?,
             freed_ratio: f("freed_ratio")?,
             rss: four("rss")?,
@@ -154,22 +172,10 @@ pub struct SleepReport {
     pub devices: usize,
     /// Every cycle, in order.
     pub cycles: Vec<Cycle>,
-    /// Device-to-pinned-host copies of `bytes`, one per later cycle, just before its sleep (median).
-    pub d2h_bound_ms: f64,
-    /// Pinned-host-to-device copies of `bytes`, one per later cycle, just after its wake (median).
-    pub h2d_bound_ms: f64,
-    /// The same copies, each right after as many bytes as a sleep frees were released (median).
-    pub h2d_after_frees_ms: f64,
+    /// Each step's median over the cycles after the first of each process.
+    pub median: Steps,
     /// The first sleep with offload of this process.
     pub first_offload_ms: f64,
-    /// Later sleeps with offload (median).
-    pub offload_ms: f64,
-    /// Wakes after an offloading sleep, contents restored (median).
-    pub wake_ms: f64,
-    /// Sleeps that drop the contents (median).
-    pub discard_ms: f64,
-    /// Wakes after those (median).
-    pub discard_wake_ms: f64,
     /// Driver free memory gained by a sleep, over the tagged bytes mapped before it (lowest).
     pub freed_ratio: f64,
     /// Elements that differed from what was written, over every wake that restored contents.
@@ -189,37 +195,28 @@ impl Spread {
 }
 
 impl SleepReport {
-    /// Sleep with offload over the device-to-host bound.
-    pub fn offload_ratio(&self) -> f64 {
-        self.offload_ms / self.d2h_bound_ms
-    }
-
-    /// Wake over the host-to-device bound.
-    pub fn wake_ratio(&self) -> f64 {
-        self.wake_ms / self.h2d_bound_ms
-    }
-
-    /// Wake over the host-to-device bound taken after the same frees.
-    pub fn wake_ratio_after_frees(&self) -> f64 {
-        self.wake_ms / self.h2d_after_frees_ms
-    }
-
     /// Adds `c` to the cycles and the medians.
     fn summarise(&mut self) {
-        let later: Vec<&Cycle> = self.cycles.iter().filter(|c| !c.first_in_process).collect();
-        let get = |f: fn(&Cycle) -> f64| later.iter().map(|c| f(c)).collect::<Vec<f64>>();
+        let later: Vec<&Steps> =
+            self.cycles.iter().filter(|c| !c.first_in_process).map(|c| &c.steps).collect();
+        let get = |f: fn(&Steps) -> f64| later.iter().map(|t| f(t)).collect::<Vec<f64>>();
         let (off, d2h, wake, h2d) =
-            (get(|c| c.offload_ms), get(|c| c.d2h_bound_ms), get(|c| c.wake_ms), get(|c| c.h2d_bound_ms));
-        self.offload_ms = median(&off);
-        self.d2h_bound_ms = median(&d2h);
-        self.wake_ms = median(&wake);
-        self.h2d_bound_ms = median(&h2d);
-        self.h2d_after_frees_ms = median(&get(|c| c.h2d_after_frees_ms));
-        self.discard_ms = median(&get(|c| c.discard_ms));
-        self.discard_wake_ms = median(&get(|c| c.discard_wake_ms));
+            (get(|t| t.offload_ms), get(|t| t.d2h_bound_ms), get(|t| t.wake_ms), get(|t| t.h2d_bound_ms));
+        self.median = Steps {
+            d2h_bound_ms: median(&d2h),
+            offload_ms: median(&off),
+            wake_ms: median(&wake),
+            h2d_bound_ms: median(&h2d),
+            h2d_after_frees_ms: median(&get(|t| t.h2d_after_frees_ms)),
+            discard_ms: median(&get(|t| t.discard_ms)),
+            discard_wake_ms: median(&get(|t| t.discard_wake_ms)),
+        };
         self.spread = Spread::of([&off, &d2h, &wake, &h2d]);
-        self.first_offload_ms =
-            self.cycles.iter().find(|c| c.first_in_process && !c.in_child).map_or(0.0, |c| c.offload_ms);
+        self.first_offload_ms = self
+            .cycles
+            .iter()
+            .find(|c| c.first_in_process && !c.in_child)
+            .map_or(0.0, |c| c.steps.offload_ms);
         self.mismatches = self.cycles.iter().map(|c| c.mismatches).sum();
         self.freed_ratio = self.cycles.iter().map(|c| c.freed_ratio).fold(f64::INFINITY, f64::min);
     }
@@ -401,12 +398,12 @@ pub fn run(
         for d in &devs {
             d.fill(seed)?;
         }
-        c.d2h_bound_ms = on_all(&devs, |d| d.pass(true))?.0;
+        c.steps.d2h_bound_ms = on_all(&devs, |d| d.pass(true))?.0;
         let mapped: u64 = devs.iter().map(|d| d.alloc.tag_stats(tag).mapped).sum();
         let free_before: usize =
             devs.iter().map(|d| d.ctx.memory_info().map(|m| m.free)).sum::<Result<usize>>()?;
         (c.rss[0], c.pinned[0]) = (rss(), pinned());
-        c.offload_ms = on_all(&devs, |d| d.alloc.sleep(tag, SleepMode::Offload))?.0;
+        c.steps.offload_ms = on_all(&devs, |d| d.alloc.sleep(tag, SleepMode::Offload))?.0;
         (c.rss[1], c.pinned[1]) = (rss(), pinned());
         let free_after: usize =
             devs.iter().map(|d| d.ctx.memory_info().map(|m| m.free)).sum::<Result<usize>>()?;
@@ -415,18 +412,18 @@ pub fn run(
             c.plain_write_ms = Some(plain_write(dir, total)?);
         }
         std::thread::sleep(gap);
-        c.wake_ms = on_all(&devs, |d| d.alloc.wake(tag))?.0;
+        c.steps.wake_ms = on_all(&devs, |d| d.alloc.wake(tag))?.0;
         (c.rss[2], c.pinned[2]) = (rss(), pinned());
         for d in &devs {
             c.mismatches += d.check(seed)?;
         }
         // Overwrites the blocks, which the next cycle fills again.
-        c.h2d_bound_ms = on_all(&devs, |d| d.pass(false))?.0;
+        c.steps.h2d_bound_ms = on_all(&devs, |d| d.pass(false))?.0;
         on_all(&devs, |d| release_like_a_sleep(&d.ctx, &d.s, mapped as usize / devs.len(), page))?;
-        c.h2d_after_frees_ms = on_all(&devs, |d| d.pass(false))?.0;
+        c.steps.h2d_after_frees_ms = on_all(&devs, |d| d.pass(false))?.0;
 
-        c.discard_ms = on_all(&devs, |d| d.alloc.sleep(tag, SleepMode::Discard))?.0;
-        c.discard_wake_ms = on_all(&devs, |d| d.alloc.wake(tag))?.0;
+        c.steps.discard_ms = on_all(&devs, |d| d.alloc.sleep(tag, SleepMode::Discard))?.0;
+        c.steps.discard_wake_ms = on_all(&devs, |d| d.alloc.wake(tag))?.0;
         (c.rss[3], c.pinned[3]) = (rss(), pinned());
         each(&c);
         r.cycles.push(c);
@@ -490,82 +487,82 @@ pub struct Args {
 
 /// `cuvmm bench sleep`: runs the benchmark with `args` and writes its report to `out`.
 pub fn cli(args: Args, out: &mut impl Write) -> CliResult {
-    let Args {
-        size,
-        block,
-        reps,
-        device,
-        devices,
-        backup,
-        dir,
-        retain,
-        fresh_process,
-        gap_ms,
-        first_only,
-        json,
-    } = args;
-    let kind = match (backup.as_str(), &dir) {
-        ("pageable", _) => BackupKind::Pageable,
-        ("pinned", _) => BackupKind::Pinned,
-        ("disk", Some(d)) => BackupKind::Disk(d.clone()),
-        ("disk", None) => return Err(super::invalid("--backup disk needs --dir").into()),
-        (other, _) => {
-            return Err(super::invalid(format!("unknown --backup {other} (pageable, pinned, disk)")).into())
-        }
-    };
-    let devices = if devices.is_empty() { vec![device] } else { devices };
+    let kind = backup_kind(&args.backup, args.dir.as_ref())?;
+    let devices = if args.devices.is_empty() { vec![args.device] } else { args.devices.clone() };
     let ctxs = devices.iter().map(|&d| Context::for_ordinal(d)).collect::<cuvmm::Result<Vec<_>>>()?;
     let cfg = SleepConfig {
-        bytes: size,
-        block,
-        reps,
-        backup: BackupOptions { kind, retain },
-        gap: std::time::Duration::from_millis(gap_ms),
-        first_only,
+        bytes: args.size,
+        block: args.block,
+        reps: args.reps,
+        backup: BackupOptions { kind, retain: args.retain },
+        gap: std::time::Duration::from_millis(args.gap_ms),
+        first_only: args.first_only,
     };
-    if first_only {
+    let bytes = args.size * devices.len();
+    if args.first_only {
         run(&ctxs, &cfg, 1, |c| {
-            let _ = writeln!(out, "{}", json!({"bench": "sleep-cycle", "cycle": c.to_json()}));
+            let _ = print_cycle(out, c, bytes, true);
         })?;
         return Ok(());
     }
     let mut child = Vec::new();
-    if fresh_process {
-        child = sleep_in_child(size, block, &devices, &backup, dir.as_deref(), retain, gap_ms)?;
+    if args.fresh_process {
+        child = sleep_in_child(&args, &devices)?;
     }
     let names = ctxs.iter().map(|c| c.device().name()).collect::<cuvmm::Result<Vec<_>>>()?;
-    if !json {
-        writeln!(
-            out,
-            "{}: sleep and wake of {} tagged on each of {} device(s) in {} blocks, backup {backup}{}{}; bounds taken in each cycle",
-            names.join(", "),
-            show(size),
-            devices.len(),
-            show(block),
-            if retain { ", retained" } else { "" },
-            if gap_ms > 0 { format!(", {gap_ms} ms between sleep and wake") } else { String::new() },
-        )?;
-        writeln!(out, "{}", SLEEP_CYCLE_HEADER)?;
-        writeln!(out, "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")?;
-        for c in &child {
-            print_sleep_cycle(out, c, size * devices.len())?;
-        }
-    } else {
-        for c in &child {
-            writeln!(out, "{}", json!({"bench": "sleep-cycle", "cycle": c.to_json()}))?;
-        }
+    if !args.json {
+        print_sleep_header(out, &args, &names, devices.len())?;
     }
-    let first = child.len() + 1;
-    let r = run(&ctxs, &cfg, first, |c| {
-        let _ = if json {
-            writeln!(out, "{}", json!({"bench": "sleep-cycle", "cycle": c.to_json()}))
-        } else {
-            print_sleep_cycle(out, c, size * devices.len())
-        };
+    for c in &child {
+        print_cycle(out, c, bytes, args.json)?;
+    }
+    let r = run(&ctxs, &cfg, child.len() + 1, |c| {
+        let _ = print_cycle(out, c, bytes, args.json);
     })?;
     let r = with_child_cycles(r, child);
-    print_sleep_summary(out, &r, &names, block, reps, json)?;
-    Ok(())
+    print_sleep_summary(out, &r, &names, args.block, args.reps, args.json)
+}
+
+/// The backup `--backup` names (with `--dir` for a disk backup).
+fn backup_kind(backup: &str, dir: Option<&std::path::PathBuf>) -> Result<BackupKind> {
+    match (backup, dir) {
+        ("pageable", _) => Ok(BackupKind::Pageable),
+        ("pinned", _) => Ok(BackupKind::Pinned),
+        ("disk", Some(d)) => Ok(BackupKind::Disk(d.clone())),
+        ("disk", None) => Err(super::invalid("--backup disk needs --dir")),
+        (other, _) => Err(super::invalid(format!("unknown --backup {other} (pageable, pinned, disk)"))),
+    }
+}
+
+/// What the run does, and the head of the table of cycles.
+fn print_sleep_header(
+    out: &mut impl Write,
+    args: &Args,
+    names: &[String],
+    devices: usize,
+) -> std::io::Result<()> {
+    let (backup, retain, gap_ms) = (&args.backup, args.retain, args.gap_ms);
+    writeln!(
+        out,
+        "{}: sleep and wake of {} tagged on each of {} device(s) in {} blocks, backup {backup}{}{}; bounds taken in each cycle",
+        names.join(", "),
+        show(args.size),
+        devices,
+        show(args.block),
+        if retain { ", retained" } else { "" },
+        if gap_ms > 0 { format!(", {gap_ms} ms between sleep and wake") } else { String::new() },
+    )?;
+    writeln!(out, "{}", SLEEP_CYCLE_HEADER)?;
+    writeln!(out, "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+}
+
+/// One cycle, as a JSON line or a row of the table.
+fn print_cycle(out: &mut impl Write, c: &Cycle, bytes: usize, json: bool) -> std::io::Result<()> {
+    if json {
+        writeln!(out, "{}", json!({"bench": "sleep-cycle", "cycle": c.to_json()}))
+    } else {
+        print_sleep_cycle(out, c, bytes)
+    }
 }
 
 const SLEEP_CYCLE_HEADER: &str = "| cycle | sleep ms | D2H bound ms | ratio | wake ms | H2D bound ms | ratio | H2D after frees ms | ratio | discard ms | RSS MiB before / asleep / woken / settled | pinned MiB before / asleep / woken / settled | mismatches | disk: plain write ms (sleep GB/s vs write GB/s) |";
@@ -575,7 +572,7 @@ fn print_sleep_cycle(out: &mut impl Write, c: &Cycle, bytes: usize) -> std::io::
     let gbs = |ms: f64| bytes as f64 / ms / 1e6;
     let disk = c
         .plain_write_ms
-        .map_or(String::new(), |w| format!("{w:.1} ({:.2} vs {:.2})", gbs(c.offload_ms), gbs(w)));
+        .map_or(String::new(), |w| format!("{w:.1} ({:.2} vs {:.2})", gbs(c.steps.offload_ms), gbs(w)));
     let place = match (c.in_child, c.first_in_process) {
         (true, _) => " (fresh child)",
         (false, true) => " (first in process)",
@@ -585,15 +582,15 @@ fn print_sleep_cycle(out: &mut impl Write, c: &Cycle, bytes: usize) -> std::io::
         out,
         "| {}{place} | {:.1} | {:.1} | {:.3} | {:.1} | {:.1} | {:.3} | {:.1} | {:.3} | {:.2} | {} | {} | {} | {disk} |",
         c.index,
-        c.offload_ms,
-        c.d2h_bound_ms,
-        c.offload_ratio(),
-        c.wake_ms,
-        c.h2d_bound_ms,
-        c.wake_ratio(),
-        c.h2d_after_frees_ms,
-        c.wake_ratio_after_frees(),
-        c.discard_ms,
+        c.steps.offload_ms,
+        c.steps.d2h_bound_ms,
+        c.steps.offload_ratio(),
+        c.steps.wake_ms,
+        c.steps.h2d_bound_ms,
+        c.steps.wake_ratio(),
+        c.steps.h2d_after_frees_ms,
+        c.steps.wake_ratio_after_frees(),
+        c.steps.discard_ms,
         mib(c.rss),
         mib(c.pinned),
         c.mismatches,
@@ -602,15 +599,7 @@ fn print_sleep_cycle(out: &mut impl Write, c: &Cycle, bytes: usize) -> std::io::
 
 /// Runs the first cycle of `bench sleep` in a child process (a fresh process's first sleep) and
 /// reads its cycle back.
-fn sleep_in_child(
-    size: usize,
-    block: usize,
-    devices: &[usize],
-    backup: &str,
-    dir: Option<&std::path::Path>,
-    retain: bool,
-    gap_ms: u64,
-) -> Result<Vec<Cycle>, Box<dyn std::error::Error>> {
+fn sleep_in_child(args: &Args, devices: &[usize]) -> Result<Vec<Cycle>, Box<dyn std::error::Error>> {
     let exe = std::env::current_exe()?;
     let mut cmd = std::process::Command::new(exe);
     let devs: Vec<String> = devices.iter().map(|d| d.to_string()).collect();
@@ -620,15 +609,22 @@ fn sleep_in_child(
         "--first-only",
         "--json",
         "--size",
-        &size.to_string(),
+        &args.size.to_string(),
         "--block",
-        &block.to_string(),
+        &args.block.to_string(),
     ])
-    .args(["--devices", &devs.join(","), "--backup", backup, "--gap-ms", &gap_ms.to_string()]);
-    if let Some(d) = dir {
+    .args([
+        "--devices",
+        &devs.join(","),
+        "--backup",
+        &args.backup,
+        "--gap-ms",
+        &args.gap_ms.to_string(),
+    ]);
+    if let Some(d) = &args.dir {
         cmd.arg("--dir").arg(d);
     }
-    if retain {
+    if args.retain {
         cmd.arg("--retain");
     }
     let o = cmd.stderr(std::process::Stdio::inherit()).output()?;
@@ -654,20 +650,25 @@ fn sleep_goals(r: &SleepReport) -> Vec<(String, serde_json::Value)> {
     vec![
         (
             "first sleep of a process <= 1.3x its D2H bound".into(),
-            first.iter().all(|c| c.offload_ratio() <= 1.3).into(),
+            first.iter().all(|c| c.steps.offload_ratio() <= 1.3).into(),
         ),
         (
             "every later sleep <= 1.05x its D2H bound".into(),
-            later.iter().all(|c| c.offload_ratio() <= 1.05).into(),
+            later.iter().all(|c| c.steps.offload_ratio() <= 1.05).into(),
         ),
         (
             "every wake <= 1.05x the H2D bound after the same frees".into(),
-            r.cycles.iter().all(|c| c.wake_ratio_after_frees() <= 1.05).into(),
+            r.cycles.iter().all(|c| c.steps.wake_ratio_after_frees() <= 1.05).into(),
         ),
-        ("every discarding sleep <= 25 ms".into(), r.cycles.iter().all(|c| c.discard_ms <= 25.0).into()),
+        (
+            "every discarding sleep <= 25 ms".into(),
+            r.cycles.iter().all(|c| c.steps.discard_ms <= 25.0).into(),
+        ),
     ]
 }
 
+/// The run's summary (a JSON line or a table and its notes); an error after it when a wake did
+/// not restore what was written.
 fn print_sleep_summary(
     out: &mut impl Write,
     r: &SleepReport,
@@ -677,82 +678,10 @@ fn print_sleep_summary(
     json: bool,
 ) -> CliResult {
     if json {
-        let line = json!({"bench": "sleep", "bytes": r.bytes, "devices": r.devices, "d2h_bound_ms": r.d2h_bound_ms,
-                "h2d_bound_ms": r.h2d_bound_ms, "first_offload_ms": r.first_offload_ms,
-                "offload_ms": r.offload_ms, "offload_ratio": r.offload_ratio(), "wake_ms": r.wake_ms,
-                "wake_ratio": r.wake_ratio(), "h2d_after_frees_ms": r.h2d_after_frees_ms,
-                "wake_ratio_after_frees": r.wake_ratio_after_frees(), "discard_ms": r.discard_ms, "discard_wake_ms": r.discard_wake_ms,
-                "freed_ratio": r.freed_ratio, "mismatches": r.mismatches,
-                "goals": sleep_goals(r).into_iter().collect::<serde_json::Map<String, serde_json::Value>>(),
-                "fastest_slowest_ms": {"offload": r.spread.0[0], "d2h_bound": r.spread.0[1],
-                    "wake": r.spread.0[2], "h2d_bound": r.spread.0[3]}});
-        writeln!(out, "{line}")?;
+        print_summary_json(out, r)?;
     } else {
-        let gbs = |ms: f64| r.bytes as f64 / ms / 1e6;
-        writeln!(
-                out,
-                "{}: sleep and wake of {} tagged in {} blocks, {} cycles after the first; medians of the cycles after each process's first",
-                names.join(", "),
-                show(r.bytes),
-                show(block),
-                reps
-            )?;
-        let [off, d2h, wake, h2d] = r.spread.0;
-        writeln!(out, "| step | ms | fastest-slowest | GB/s | bound ms | bound fastest-slowest | ratio |")?;
-        writeln!(out, "|---|---|---|---|---|---|---|")?;
-        writeln!(
-            out,
-            "| sleep, offload | {:.1} | {:.1}-{:.1} | {:.1} | {:.1} (pinned D2H) | {:.1}-{:.1} | {:.3} |",
-            r.offload_ms,
-            off.0,
-            off.1,
-            gbs(r.offload_ms),
-            r.d2h_bound_ms,
-            d2h.0,
-            d2h.1,
-            r.offload_ratio()
-        )?;
-        writeln!(
-            out,
-            "| wake, restore | {:.1} | {:.1}-{:.1} | {:.1} | {:.1} (pinned H2D) | {:.1}-{:.1} | {:.3} |",
-            r.wake_ms,
-            wake.0,
-            wake.1,
-            gbs(r.wake_ms),
-            r.h2d_bound_ms,
-            h2d.0,
-            h2d.1,
-            r.wake_ratio()
-        )?;
-        writeln!(
-                out,
-                "| wake, restore, against the bound after the same frees | {:.1} | | | {:.1} (pinned H2D right after releasing {}) | | {:.3} |",
-                r.wake_ms,
-                r.h2d_after_frees_ms,
-                show(r.bytes),
-                r.wake_ratio_after_frees()
-            )?;
-        writeln!(out, "| sleep, discard | {:.2} | | | | | |", r.discard_ms)?;
-        writeln!(out, "| wake after discard | {:.2} | | | | | |", r.discard_wake_ms)?;
-        writeln!(
-            out,
-            "driver free memory gained by a sleep: {:.3} of the tagged bytes (lowest of the runs)",
-            r.freed_ratio
-        )?;
-        for c in r.cycles.iter().filter(|c| c.first_in_process) {
-            writeln!(
-                out,
-                "first sleep of {} (cycle {}): {:.1} ms, {:.3}x its cycle's D2H bound",
-                if c.in_child { "a fresh child process" } else { "this process" },
-                c.index,
-                c.offload_ms,
-                c.offload_ratio()
-            )?;
-        }
-        writeln!(out, "elements changed across sleep and wake: {}", r.mismatches)?;
-        for (goal, met) in sleep_goals(r) {
-            writeln!(out, "goal: {goal}: {}", if met == true { "met" } else { "NOT met" })?;
-        }
+        print_summary_table(out, r, names, block, reps)?;
+        print_summary_notes(out, r)?;
     }
     if r.mismatches > 0 {
         return Err(super::invalid(format!(
@@ -762,4 +691,190 @@ fn print_sleep_summary(
         .into());
     }
     Ok(())
+}
+
+fn print_summary_json(out: &mut impl Write, r: &SleepReport) -> std::io::Result<()> {
+    let line = json!({"bench": "sleep", "bytes": r.bytes, "devices": r.devices, "d2h_bound_ms": r.median.d2h_bound_ms,
+            "h2d_bound_ms": r.median.h2d_bound_ms, "first_offload_ms": r.first_offload_ms,
+            "offload_ms": r.median.offload_ms, "offload_ratio": r.median.offload_ratio(), "wake_ms": r.median.wake_ms,
+            "wake_ratio": r.median.wake_ratio(), "h2d_after_frees_ms": r.median.h2d_after_frees_ms,
+            "wake_ratio_after_frees": r.median.wake_ratio_after_frees(), "discard_ms": r.median.discard_ms, "discard_wake_ms": r.median.discard_wake_ms,
+            "freed_ratio": r.freed_ratio, "mismatches": r.mismatches,
+            "goals": sleep_goals(r).into_iter().collect::<serde_json::Map<String, serde_json::Value>>(),
+            "fastest_slowest_ms": {"offload": r.spread.0[0], "d2h_bound": r.spread.0[1],
+                "wake": r.spread.0[2], "h2d_bound": r.spread.0[3]}});
+    writeln!(out, "{line}")
+}
+
+/// Each step's median, spread and GB/s beside its bound.
+fn print_summary_table(
+    out: &mut impl Write,
+    r: &SleepReport,
+    names: &[String],
+    block: usize,
+    reps: usize,
+) -> std::io::Result<()> {
+    let gbs = |ms: f64| r.bytes as f64 / ms / 1e6;
+    writeln!(
+        out,
+        "{}: sleep and wake of {} tagged in {} blocks, {} cycles after the first; medians of the cycles after each process's first",
+        names.join(", "),
+        show(r.bytes),
+        show(block),
+        reps
+    )?;
+    let [off, d2h, wake, h2d] = r.spread.0;
+    writeln!(out, "| step | ms | fastest-slowest | GB/s | bound ms | bound fastest-slowest | ratio |")?;
+    writeln!(out, "|---|---|---|---|---|---|---|")?;
+    writeln!(
+        out,
+        "| sleep, offload | {:.1} | {:.1}-{:.1} | {:.1} | {:.1} (pinned D2H) | {:.1}-{:.1} | {:.3} |",
+        r.median.offload_ms,
+        off.0,
+        off.1,
+        gbs(r.median.offload_ms),
+        r.median.d2h_bound_ms,
+        d2h.0,
+        d2h.1,
+        r.median.offload_ratio()
+    )?;
+    writeln!(
+        out,
+        "| wake, restore | {:.1} | {:.1}-{:.1} | {:.1} | {:.1} (pinned H2D) | {:.1}-{:.1} | {:.3} |",
+        r.median.wake_ms,
+        wake.0,
+        wake.1,
+        gbs(r.median.wake_ms),
+        r.median.h2d_bound_ms,
+        h2d.0,
+        h2d.1,
+        r.median.wake_ratio()
+    )?;
+    writeln!(
+        out,
+        "| wake, restore, against the bound after the same frees | {:.1} | | | {:.1} (pinned H2D right after releasing {}) | | {:.3} |",
+        r.median.wake_ms,
+        r.median.h2d_after_frees_ms,
+        show(r.bytes),
+        r.median.wake_ratio_after_frees()
+    )?;
+    writeln!(out, "| sleep, discard | {:.2} | | | | | |", r.median.discard_ms)?;
+    writeln!(out, "| wake after discard | {:.2} | | | | | |", r.median.discard_wake_ms)
+}
+
+/// Under the table: memory freed, each process's first sleep, the contents check, the goals.
+fn print_summary_notes(out: &mut impl Write, r: &SleepReport) -> std::io::Result<()> {
+    writeln!(
+        out,
+        "driver free memory gained by a sleep: {:.3} of the tagged bytes (lowest of the runs)",
+        r.freed_ratio
+    )?;
+    for c in r.cycles.iter().filter(|c| c.first_in_process) {
+        writeln!(
+            out,
+            "first sleep of {} (cycle {}): {:.1} ms, {:.3}x its cycle's D2H bound",
+            if c.in_child { "a fresh child process" } else { "this process" },
+            c.index,
+            c.steps.offload_ms,
+            c.steps.offload_ratio()
+        )?;
+    }
+    writeln!(out, "elements changed across sleep and wake: {}", r.mismatches)?;
+    for (goal, met) in sleep_goals(r) {
+        writeln!(out, "goal: {goal}: {}", if met == true { "met" } else { "NOT met" })?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::bench::assert_report;
+
+    fn cycle(index: usize, first_in_process: bool, in_child: bool, scale: f64) -> Cycle {
+        Cycle {
+            index,
+            first_in_process,
+            in_child,
+            steps: Steps {
+                d2h_bound_ms: 330.25 * scale,
+                offload_ms: 343.6 * scale,
+                wake_ms: 352.75 * scale,
+                h2d_bound_ms: 325.3,
+                h2d_after_frees_ms: 346.9,
+                discard_ms: 12.345,
+                discard_wake_ms: 3.5,
+            },
+            mismatches: 0,
+            freed_ratio: 0.999 + scale / 1000.0,
+            rss: [1 << 30, 17 << 30, 3 << 29, 1 << 30],
+            pinned: [0, 32 << 20, 32 << 20, 0],
+            plain_write_ms: (index == 3).then_some(4321.0),
+        }
+    }
+
+    fn report() -> SleepReport {
+        let later =
+            vec![cycle(2, true, false, 1.4), cycle(3, false, false, 1.0), cycle(4, false, false, 1.02)];
+        let r = SleepReport { bytes: 16 << 30, devices: 1, cycles: later, ..SleepReport::default() };
+        with_child_cycles(r, vec![cycle(1, true, true, 1.25)])
+    }
+
+    #[test]
+    fn the_sleep_report_keeps_its_layout() {
+        let r = report();
+        let mut out = Vec::new();
+        for c in &r.cycles {
+            print_sleep_cycle(&mut out, c, r.bytes).unwrap();
+        }
+        print_sleep_summary(&mut out, &r, &["NVIDIA H100".to_string()], 1 << 30, 3, false).unwrap();
+        assert_report("sleep.txt", &out);
+        let mut out = Vec::new();
+        print_sleep_summary(&mut out, &r, &["NVIDIA H100".to_string()], 1 << 30, 3, true).unwrap();
+        assert_report("sleep.jsonl", &out);
+    }
+
+    #[test]
+    fn a_child_cycle_reads_back_from_its_json_line() {
+        // serde_json parses floats to within an ulp or so, not always to the bit.
+        let close = |a: f64, b: f64| (a - b).abs() <= 1e-12 * a.abs().max(1.0);
+        let steps = |t: &Steps| {
+            [
+                t.d2h_bound_ms,
+                t.offload_ms,
+                t.wake_ms,
+                t.h2d_bound_ms,
+                t.h2d_after_frees_ms,
+                t.discard_ms,
+                t.discard_wake_ms,
+            ]
+        };
+        for c in report().cycles {
+            let mut line = Vec::new();
+            print_cycle(&mut line, &c, 16 << 30, true).unwrap();
+            let v: serde_json::Value = serde_json::from_slice(&line).unwrap();
+            let back = Cycle::from_json(&v["cycle"]).expect("a whole cycle");
+            assert!(steps(&back.steps).iter().zip(steps(&c.steps)).all(|(&a, b)| close(a, b)), "{back:?}");
+            assert!(close(back.freed_ratio, c.freed_ratio));
+            assert_eq!(back.plain_write_ms, c.plain_write_ms);
+            assert_eq!(
+                (back.index, back.first_in_process, back.in_child, back.mismatches, back.rss, back.pinned),
+                (c.index, c.first_in_process, true, c.mismatches, c.rss, c.pinned)
+            );
+        }
+    }
+
+    #[test]
+    fn a_wake_that_changed_elements_fails_the_run_after_its_report() {
+        let mut r = report();
+        r.cycles[2].mismatches = 7;
+        r.summarise();
+        for json in [false, true] {
+            let mut out = Vec::new();
+            let e = print_sleep_summary(&mut out, &r, &["NVIDIA H100".to_string()], 1 << 30, 3, json)
+                .expect_err("mismatches fail the run");
+            assert!(e.to_string().contains("7 elements changed"), "{e}");
+            assert!(!out.is_empty(), "the report is printed first");
+        }
+    }
 }

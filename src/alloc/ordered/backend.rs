@@ -157,7 +157,7 @@ impl Backend for DriverBackend {
         self.ctx.bind()?;
         // SAFETY: `addr` is an aligned page of a reservation this backend owns, unmapped (the
         // allocator's page table says so); the handle is live and `size` bytes long.
-        unsafe { driver()?.api().cuMemMap(addr, size as usize, 0, page.handle(), 0) }
+        unsafe { result::mem::map(driver()?.api(), addr, size as usize, 0, page.handle()) }
     }
 
     fn unmap(&mut self, addr: u64, size: u64) -> Result<()> {
@@ -165,7 +165,7 @@ impl Backend for DriverBackend {
         // SAFETY: the page was mapped by `map` with this size and no queued work uses it (the
         // allocator unmaps only pages of blocks whose last use has completed, or after a
         // synchronisation).
-        unsafe { driver()?.api().cuMemUnmap(addr, size as usize) }
+        unsafe { result::mem::unmap(driver()?.api(), addr, size as usize) }
     }
 
     fn set_access(&mut self, addr: u64, len: u64) -> Result<()> {
@@ -175,7 +175,7 @@ impl Backend for DriverBackend {
         };
         self.ctx.bind()?;
         // SAFETY: the range is mapped (the pages were just mapped) and `desc` outlives the call.
-        unsafe { driver()?.api().cuMemSetAccess(addr, len as usize, &desc, 1) }
+        unsafe { result::mem::set_access(driver()?.api(), addr, len as usize, &[desc]) }
     }
 
     fn new_event(&mut self) -> Result<Event> {
@@ -186,7 +186,7 @@ impl Backend for DriverBackend {
         self.ctx.bind()?;
         // SAFETY: the event is live; the stream is the one the call under way passes, which its
         // caller keeps alive for the call.
-        unsafe { driver()?.api().cuEventRecord(event.raw(), Self::stream(stream)) }
+        unsafe { result::event::record(driver()?.api(), event.raw(), Self::stream(stream)) }
     }
 
     fn query(&mut self, event: &Event) -> Result<bool> {
@@ -197,11 +197,7 @@ impl Backend for DriverBackend {
         self.ctx.bind()?;
         // SAFETY: the stream is the one the call under way passes, alive for the call; it is not
         // being captured (the caller asked).
-        match unsafe { driver()?.api().cuStreamQuery(Self::stream(stream)) } {
-            Ok(()) => Ok(true),
-            Err(e) if e.is_code(CUresult::ERROR_NOT_READY) => Ok(false),
-            Err(e) => Err(e),
-        }
+        unsafe { result::stream::query(driver()?.api(), Self::stream(stream)) }
     }
 
     fn capture_of(&mut self, stream: u64) -> Result<Option<u64>> {
@@ -213,10 +209,8 @@ impl Backend for DriverBackend {
     }
 
     fn relax(&mut self) -> Result<u32> {
-        let mut mode = CU_STREAM_CAPTURE_MODE_RELAXED;
-        // SAFETY: the out/in pointer is a valid local.
-        match unsafe { driver()?.api().cuThreadExchangeStreamCaptureMode(&mut mode) } {
-            Ok(()) => Ok(mode as u32),
+        match result::stream::exchange_capture_mode(driver()?.api(), CU_STREAM_CAPTURE_MODE_RELAXED) {
+            Ok(mode) => Ok(mode as u32),
             // Drivers before 10.1 have no capture modes: nothing to relax.
             Err(Error::Unsupported { .. }) => Ok(CU_STREAM_CAPTURE_MODE_RELAXED as u32),
             Err(e) => Err(e),
@@ -224,10 +218,9 @@ impl Backend for DriverBackend {
     }
 
     fn restore(&mut self, mode: u32) {
-        let mut mode = mode as i32;
+        // Restoring the mode `relax` returned.
         if let Ok(d) = driver() {
-            // SAFETY: as in `relax`; restoring the mode `relax` returned.
-            let _ = unsafe { d.api().cuThreadExchangeStreamCaptureMode(&mut mode) };
+            let _ = result::stream::exchange_capture_mode(d.api(), mode as i32);
         }
     }
 
@@ -281,7 +274,7 @@ impl Backend for DriverBackend {
         // SAFETY: the host range lies inside the pinned buffer (checked), which outlives the copy
         // (`finish_copies` runs before the allocator lets go of it) and nothing reads it
         // meanwhile; the device range is mapped.
-        unsafe { driver()?.api().cuMemcpyDtoHAsync(dst, src, len as usize, stream) }
+        unsafe { result::mem::memcpy_dtoh_async(driver()?.api(), dst, src, len as usize, stream) }
     }
 
     fn copy_in(&mut self, dst: u64, host: &HostBackup, offset: u64, len: u64, lane: usize) -> Result<()> {
@@ -294,7 +287,7 @@ impl Backend for DriverBackend {
         let stream = self.lane(lane)?.raw();
         self.ctx.bind()?;
         // SAFETY: as in `copy_out`, the other way; nothing writes the buffer meanwhile.
-        unsafe { driver()?.api().cuMemcpyHtoDAsync(dst, src, len as usize, stream) }
+        unsafe { result::mem::memcpy_htod_async(driver()?.api(), dst, src, len as usize, stream) }
     }
 
     fn finish_copies(&mut self) -> Result<()> {
@@ -330,10 +323,9 @@ pub(crate) fn stream_id(stream: CUstream) -> Option<u64> {
     if stream.is_null() || stream as usize == CU_STREAM_LEGACY {
         return Some(LEGACY);
     }
-    let mut id = 0;
-    // SAFETY: the out-pointer is a valid local; the caller passes a live stream.
-    match unsafe { driver().ok()?.api().cuStreamGetId(stream, &mut id) } {
-        Ok(()) if id < SYNTHETIC => Some(id),
+    // SAFETY: the caller passes a live stream.
+    match unsafe { result::stream::get_id(driver().ok()?.api(), stream) } {
+        Ok(id) if id < SYNTHETIC => Some(id),
         _ => None,
     }
 }

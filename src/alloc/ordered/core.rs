@@ -5,7 +5,7 @@
 //! against a model of the GPU that checks every page is mapped only where no queued work can see
 //! the change.
 
-use super::heap::{AddrMap, Freed, Heap, Owner, ALIGN, IDLE};
+use super::heap::{AddrMap, Freed, Heap, Owner, PendingFree, ALIGN, IDLE};
 use crate::error::{Error, Result};
 use std::collections::{HashMap, VecDeque};
 
@@ -743,7 +743,7 @@ impl<B: Backend> Core<B> {
                 continue;
             }
             let base = self.slots[slot].heap.base();
-            for (id, addr, size, epoch) in self.slots[slot].heap.stream_free(stream) {
+            for PendingFree { id, addr, size, epoch } in self.slots[slot].heap.stream_free(stream) {
                 if got >= want {
                     return;
                 }

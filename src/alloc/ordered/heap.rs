@@ -5,6 +5,7 @@
 
 use std::collections::{BTreeSet, HashMap};
 use std::hash::{BuildHasherDefault, Hasher};
+use std::ops::{Index, IndexMut, RangeInclusive};
 
 /// Every block starts and ends on this boundary.
 pub(crate) const ALIGN: u64 = 512;
@@ -58,24 +59,77 @@ pub(crate) enum State {
     },
 }
 
-/// Free blocks [`Heap::find`] compares by address, smallest first: a bound on its work. A recorded
-/// training run never had more than 63 that fit a request.
+/// Free blocks [`Heap::find`] compares by address, smallest first: a bound on its work, above what
+/// real workloads offer (docs/PERFORMANCE.md, "Figures behind the defaults").
 const FIT_AMONG: usize = 64;
 
 /// Blocks kept per (stream, size) before frees go to the index directly.
 const CACHED_PER_SIZE: usize = 16;
 
-const NIL: u32 = u32::MAX;
+/// A block's index in [`Heap`]'s table: stable while the block exists, reused after it merges
+/// into a neighbour.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub(crate) struct BlockId(u32);
+
+/// No block: the ends of the address-ordered list.
+const NIL: BlockId = BlockId(u32::MAX);
 
 #[derive(Clone, Copy, Debug)]
 struct Block {
     addr: u64,
     size: u64,
-    prev: u32,
-    next: u32,
+    prev: BlockId,
+    next: BlockId,
     /// 0 for the shared pool; others belong to a captured graph.
     pool: u32,
     state: State,
+}
+
+impl Index<BlockId> for Vec<Block> {
+    type Output = Block;
+    fn index(&self, i: BlockId) -> &Block {
+        &self[i.0 as usize]
+    }
+}
+
+impl IndexMut<BlockId> for Vec<Block> {
+    fn index_mut(&mut self, i: BlockId) -> &mut Block {
+        &mut self[i.0 as usize]
+    }
+}
+
+/// The free index's key, ordered field by field (owner key, pool, size, address): a best fit for
+/// one owner and pool is one range query. The id, last, names the block.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+struct FreeKey {
+    owner: u64,
+    pool: u32,
+    size: u64,
+    addr: u64,
+    id: BlockId,
+}
+
+impl FreeKey {
+    fn of(owner: Owner, b: &Block, id: BlockId) -> FreeKey {
+        FreeKey { owner: owner.key(), pool: b.pool, size: b.size, addr: b.addr, id }
+    }
+
+    /// The keys of free blocks owned by `owner` in `pools` holding at least `size` bytes.
+    fn range(owner: u64, pools: RangeInclusive<u32>, size: u64) -> RangeInclusive<FreeKey> {
+        let lo = FreeKey { owner, pool: *pools.start(), size, addr: 0, id: BlockId(0) };
+        let hi = FreeKey { owner, pool: *pools.end(), size: u64::MAX, addr: u64::MAX, id: BlockId(u32::MAX) };
+        lo..=hi
+    }
+}
+
+/// A block [`Heap::stream_free`] lists: freed on a stream whose work may not have run yet.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct PendingFree {
+    pub id: BlockId,
+    pub addr: u64,
+    pub size: u64,
+    /// The number of the first event recorded on the stream after the free.
+    pub epoch: u64,
 }
 
 /// A fast hash for addresses, which are distinct multiples of 512.
@@ -114,22 +168,22 @@ pub(crate) struct Heap {
     size: u64,
     top: u64,
     /// The block that ends at `top`.
-    last: u32,
+    last: BlockId,
     blocks: Vec<Block>,
-    spare: Vec<u32>,
+    spare: Vec<BlockId>,
     /// Blocks in the `Lent` state.
-    lent: Vec<u32>,
-    /// Free blocks by (owner key, pool, size, address): a best fit for one stream is one range query.
-    free: BTreeSet<(u64, u32, u64, u64, u32)>,
+    lent: Vec<BlockId>,
+    /// Free blocks, ordered by [`FreeKey`].
+    free: BTreeSet<FreeKey>,
     /// Blocks handed out and not yet back in the index: `Live` and `Cached` ones. A cached block
     /// stays here, so that a free and the next request of its size touch the map once between
     /// them (a lookup) instead of removing and inserting.
-    live: AddrMap<u32>,
+    live: AddrMap<BlockId>,
     /// Bytes of blocks in graph pools.
     graph: u64,
     /// `Cached` blocks: one list per (stream, size), found through `cached_lists`, and the list
     /// used last, which a free followed by a request of the same size finds without hashing.
-    cached: Vec<Vec<u32>>,
+    cached: Vec<Vec<BlockId>>,
     cached_lists: HashMap<(u64, u64), u32, BuildHasherDefault<AddrHasher>>,
     cached_last: Option<((u64, u64), u32)>,
     cached_count: usize,
@@ -168,7 +222,7 @@ impl Heap {
     pub(crate) fn live_blocks(&self) -> impl Iterator<Item = (u64, u64)> + '_ {
         self.live
             .values()
-            .map(|&i| &self.blocks[i as usize])
+            .map(|&i| &self.blocks[i])
             .filter(|b| matches!(b.state, State::Live { .. }))
             .map(|b| (b.addr, b.size))
     }
@@ -176,8 +230,8 @@ impl Heap {
     /// Blocks whose memory must be there whenever the tag is awake: live blocks, and free blocks
     /// of graph pools, which a captured graph goes on using.
     pub(crate) fn kept_blocks(&self) -> impl Iterator<Item = (u64, u64)> + '_ {
-        let graph_free = self.free.iter().filter(|&&(_, p, ..)| p != 0).map(|&(.., i)| {
-            let b = &self.blocks[i as usize];
+        let graph_free = self.free.iter().filter(|k| k.pool != 0).map(|k| {
+            let b = &self.blocks[k.id];
             (b.addr, b.size)
         });
         self.live_blocks().chain(graph_free)
@@ -193,17 +247,15 @@ impl Heap {
     ///
     /// Lowest address first keeps live blocks packed at the bottom of the heap, so the free space
     /// above stays in large pieces and a repeated pattern of allocations finds the blocks it had
-    /// last time, pages and all. Smallest first (best fit) lets free space scatter; with lending
-    /// (see `Core::lend`) it scattered further on every repetition of a recorded training run:
-    /// the address space in use grew from 26 to 67 GiB over four replays and the pages moved per
-    /// replay from 4,000 to 46,000, where lowest first held 25-28 GiB and 1,000-3,500 moves.
-    pub(crate) fn find(&self, pool: u32, stream: u64, size: u64) -> Option<(u64, u64)> {
-        let lowest = |key: u64| {
+    /// last time, pages and all, where best fit scatters free space further on every repetition
+    /// once pages are lent (docs/PERFORMANCE.md, "Figures behind the defaults").
+    pub(crate) fn find(&self, pool: u32, stream: u64, size: u64) -> Option<(u64, BlockId)> {
+        let lowest = |owner: u64| {
             self.free
-                .range((key, pool, size, 0, 0)..=(key, pool, u64::MAX, u64::MAX, u32::MAX))
+                .range(FreeKey::range(owner, pool..=pool, size))
                 .take(FIT_AMONG)
-                .min_by_key(|&&(_, _, _, a, _)| a)
-                .map(|&(_, _, _, a, i)| (a, u64::from(i)))
+                .min_by_key(|k| k.addr)
+                .map(|k| (k.addr, k.id))
         };
         let own = if stream == IDLE { None } else { lowest(stream) };
         match (own, lowest(IDLE)) {
@@ -212,21 +264,20 @@ impl Heap {
         }
     }
 
-    /// Takes `size` bytes at the start of free block `id` (from [`find`](Self::find)) for `stream`,
+    /// Takes `size` bytes at the start of free block `i` (from [`find`](Self::find)) for `stream`,
     /// leaving the rest free with the same owner. Returns the address.
     pub(crate) fn take(
         &mut self,
-        id: u64,
+        i: BlockId,
         size: u64,
         (stream, raw): (u64, u64),
         requested: u64,
         pool: u32,
     ) -> u64 {
-        let i = id as u32;
-        let b = self.blocks[i as usize];
+        let b = self.blocks[i];
         let State::Free(owner) = b.state else { unreachable!("take of a block that is not free") };
         debug_assert!(b.size >= size && size % ALIGN == 0);
-        self.free.remove(&(owner.key(), b.pool, b.size, b.addr, i));
+        self.free.remove(&FreeKey::of(owner, &b, i));
         if b.size > size {
             let rest = self.split(i, size);
             self.index(rest);
@@ -234,7 +285,7 @@ impl Heap {
         if b.pool == 0 && pool != 0 {
             self.graph += size;
         }
-        let blk = &mut self.blocks[i as usize];
+        let blk = &mut self.blocks[i];
         blk.pool = pool;
         blk.state = State::Live { stream, raw, requested };
         self.live.insert(blk.addr, i);
@@ -256,7 +307,7 @@ impl Heap {
         // A free block at the end that the request may use grows into the never-used part: its
         // pages serve again instead of new ones beside them.
         if self.last != NIL {
-            let l = self.blocks[self.last as usize];
+            let l = self.blocks[self.last];
             if let State::Free(owner) = l.state {
                 let usable = l.pool == pool
                     && match owner {
@@ -266,16 +317,16 @@ impl Heap {
                 let grow = size.saturating_sub(l.size);
                 if usable && grow > 0 && self.base + self.size - self.top >= grow {
                     self.unindex(self.last);
-                    self.blocks[self.last as usize].size += grow;
+                    self.blocks[self.last].size += grow;
                     self.top += grow;
                     if pool != 0 {
                         // Already in the graph's pool, so `take` will not count it: the growth is
                         // graph memory too.
                         self.graph += grow;
                     }
-                    self.blocks[self.last as usize].state = State::Free(owner);
+                    self.blocks[self.last].state = State::Free(owner);
                     self.index(self.last);
-                    return Some(self.take(self.last as u64, size, (stream, raw), requested, pool));
+                    return Some(self.take(self.last, size, (stream, raw), requested, pool));
                 }
             }
         }
@@ -291,7 +342,7 @@ impl Heap {
             state: State::Live { stream, raw, requested },
         });
         if self.last != NIL {
-            self.blocks[self.last as usize].next = i;
+            self.blocks[self.last].next = i;
         }
         if pool != 0 {
             self.graph += size;
@@ -336,16 +387,16 @@ impl Heap {
         let l = self.cached_list((stream, size), false)?;
         let i = self.cached[l as usize].pop()?;
         self.cached_count -= 1;
-        let b = &mut self.blocks[i as usize];
+        let b = &mut self.blocks[i];
         b.state = State::Live { stream, raw, requested };
         Some(b.addr)
     }
 
-    /// The live block at `addr`: its index (for [`free_cached`](Self::free_cached)), the identity
+    /// The live block at `addr`: its id (for [`free_cached`](Self::free_cached)), the identity
     /// of the stream it was handed out on and the handle that call passed.
-    pub(crate) fn live_block(&self, addr: u64) -> Option<(u32, u64, u64)> {
+    pub(crate) fn live_block(&self, addr: u64) -> Option<(BlockId, u64, u64)> {
         let i = *self.live.get(&addr)?;
-        match self.blocks[i as usize].state {
+        match self.blocks[i].state {
             State::Live { stream, raw, .. } => Some((i, stream, raw)),
             _ => None,
         }
@@ -354,8 +405,8 @@ impl Heap {
     /// Frees live block `i` (from [`live_block`](Self::live_block)) on `stream` at `epoch`,
     /// keeping it whole for the stream's next request of its size when there is room; else as
     /// [`free`](Self::free) does.
-    pub(crate) fn free_cached(&mut self, i: u32, stream: u64, epoch: u64) -> Freed {
-        let b = self.blocks[i as usize];
+    pub(crate) fn free_cached(&mut self, i: BlockId, stream: u64, epoch: u64) -> Freed {
+        let b = self.blocks[i];
         let State::Live { requested, .. } = b.state else {
             unreachable!("free_cached of a block that is not live")
         };
@@ -364,7 +415,7 @@ impl Heap {
             if self.cached[l].len() < CACHED_PER_SIZE {
                 self.cached[l].push(i);
                 self.cached_count += 1;
-                self.blocks[i as usize].state = State::Cached { stream, epoch };
+                self.blocks[i].state = State::Cached { stream, epoch };
                 return Freed { size: b.size, requested, pool: 0 };
             }
         }
@@ -379,12 +430,12 @@ impl Heap {
         if self.cached_count == 0 {
             return;
         }
-        let lists: Vec<u32> = self.cached.drain(..).flatten().collect();
+        let lists: Vec<BlockId> = self.cached.drain(..).flatten().collect();
         self.cached_lists.clear();
         self.cached_last = None;
         self.cached_count = 0;
         for i in lists {
-            let b = self.blocks[i as usize];
+            let b = self.blocks[i];
             let State::Cached { stream, epoch } = b.state else { unreachable!() };
             self.live.remove(&b.addr);
             let owner = if done(stream, epoch) { Owner::Idle } else { Owner::Stream { stream, epoch } };
@@ -396,7 +447,7 @@ impl Heap {
     /// the same pool that `owner`'s stream may use.
     pub(crate) fn free(&mut self, addr: u64, owner: Owner) -> Option<Freed> {
         let i = *self.live.get(&addr)?;
-        if !matches!(self.blocks[i as usize].state, State::Live { .. }) {
+        if !matches!(self.blocks[i].state, State::Live { .. }) {
             return None;
         }
         self.live.remove(&addr);
@@ -404,42 +455,42 @@ impl Heap {
     }
 
     /// [`free`](Self::free) of block `i`, already out of the live map.
-    fn free_block(&mut self, i: u32, owner: Owner) -> Freed {
-        let b = self.blocks[i as usize];
+    fn free_block(&mut self, i: BlockId, owner: Owner) -> Freed {
+        let b = self.blocks[i];
         let State::Live { requested, .. } = b.state else { unreachable!("live map names a free block") };
         let freed = Freed { size: b.size, requested, pool: b.pool };
-        self.blocks[i as usize].state = State::Free(owner);
+        self.blocks[i].state = State::Free(owner);
         self.settle(i, owner);
         freed
     }
 
     /// Indexes free block `i` with `owner`, merging it with neighbours it may share with.
-    fn settle(&mut self, mut i: u32, mut owner: Owner) {
-        let pool = self.blocks[i as usize].pool;
-        let prev = self.blocks[i as usize].prev;
+    fn settle(&mut self, mut i: BlockId, mut owner: Owner) {
+        let pool = self.blocks[i].pool;
+        let prev = self.blocks[i].prev;
         if let Some(o) = self.mergeable(prev, pool, owner) {
             owner = o;
             self.unindex(prev);
             self.absorb(prev, i);
             i = prev;
         }
-        let next = self.blocks[i as usize].next;
+        let next = self.blocks[i].next;
         if let Some(o) = self.mergeable(next, pool, owner) {
             owner = o;
             self.unindex(next);
             self.absorb(i, next);
         }
-        self.blocks[i as usize].state = State::Free(owner);
+        self.blocks[i].state = State::Free(owner);
         self.index(i);
     }
 
     /// The owner of `owner`'s block merged with block `j`, if they may merge: same pool, and `j`
     /// idle or freed on the same stream (the merged block is then as late as the later free).
-    fn mergeable(&self, j: u32, pool: u32, owner: Owner) -> Option<Owner> {
+    fn mergeable(&self, j: BlockId, pool: u32, owner: Owner) -> Option<Owner> {
         if j == NIL {
             return None;
         }
-        let b = &self.blocks[j as usize];
+        let b = &self.blocks[j];
         let State::Free(other) = b.state else { return None };
         if b.pool != pool {
             return None;
@@ -456,54 +507,52 @@ impl Heap {
     }
 
     /// Merges `hi` (the block after `lo`) into `lo`.
-    fn absorb(&mut self, lo: u32, hi: u32) {
-        let h = self.blocks[hi as usize];
-        self.blocks[lo as usize].size += h.size;
-        self.blocks[lo as usize].next = h.next;
+    fn absorb(&mut self, lo: BlockId, hi: BlockId) {
+        let h = self.blocks[hi];
+        self.blocks[lo].size += h.size;
+        self.blocks[lo].next = h.next;
         if h.next != NIL {
-            self.blocks[h.next as usize].prev = lo;
+            self.blocks[h.next].prev = lo;
         } else {
             self.last = lo;
         }
         self.spare.push(hi);
     }
 
-    fn index(&mut self, i: u32) {
-        let b = &self.blocks[i as usize];
+    fn index(&mut self, i: BlockId) {
+        let b = &self.blocks[i];
         if let State::Free(owner) = b.state {
-            self.free.insert((owner.key(), b.pool, b.size, b.addr, i));
+            self.free.insert(FreeKey::of(owner, b, i));
         }
     }
 
-    fn unindex(&mut self, i: u32) {
-        let b = &self.blocks[i as usize];
+    fn unindex(&mut self, i: BlockId) {
+        let b = &self.blocks[i];
         if let State::Free(owner) = b.state {
-            self.free.remove(&(owner.key(), b.pool, b.size, b.addr, i));
+            self.free.remove(&FreeKey::of(owner, b, i));
         }
     }
 
-    fn slot(&mut self, b: Block) -> u32 {
+    fn slot(&mut self, b: Block) -> BlockId {
         match self.spare.pop() {
             Some(i) => {
-                self.blocks[i as usize] = b;
+                self.blocks[i] = b;
                 i
             }
             None => {
                 self.blocks.push(b);
-                (self.blocks.len() - 1) as u32
+                BlockId((self.blocks.len() - 1) as u32)
             }
         }
     }
 
     /// Makes every block freed on `stream` up to `epoch` idle. Returns how many moved.
     pub(crate) fn promote(&mut self, stream: u64, epoch: u64) -> usize {
-        let due: Vec<u32> = self
+        let due: Vec<BlockId> = self
             .free
-            .range((stream, 0, 0, 0, 0)..=(stream, u32::MAX, u64::MAX, u64::MAX, u32::MAX))
-            .filter(|&&(.., i)| {
-                matches!(self.blocks[i as usize].state, State::Free(Owner::Stream { epoch: e, .. }) if e <= epoch)
-            })
-            .map(|&(.., i)| i)
+            .range(FreeKey::range(stream, 0..=u32::MAX, 0))
+            .filter(|k| matches!(self.blocks[k.id].state, State::Free(Owner::Stream { epoch: e, .. }) if e <= epoch))
+            .map(|k| k.id)
             .collect();
         for &i in &due {
             self.unindex(i);
@@ -512,28 +561,30 @@ impl Heap {
         due.len()
     }
 
-    /// Free blocks of the shared pool freed on `stream` whose work may not have run yet, as
-    /// (id, address, size, epoch), highest address first.
-    pub(crate) fn stream_free(&self, stream: u64) -> Vec<(u64, u64, u64, u64)> {
-        let mut v: Vec<(u64, u64, u64, u64)> = self
+    /// Free blocks of the shared pool freed on `stream` whose work may not have run yet, highest
+    /// address first.
+    pub(crate) fn stream_free(&self, stream: u64) -> Vec<PendingFree> {
+        let mut v: Vec<PendingFree> = self
             .free
-            .range((stream, 0, 0, 0, 0)..=(stream, 0, u64::MAX, u64::MAX, u32::MAX))
-            .filter_map(|&(_, _, size, addr, i)| match self.blocks[i as usize].state {
-                State::Free(Owner::Stream { epoch, .. }) => Some((u64::from(i), addr, size, epoch)),
+            .range(FreeKey::range(stream, 0..=0, 0))
+            .filter_map(|k| match self.blocks[k.id].state {
+                State::Free(Owner::Stream { epoch, .. }) => {
+                    Some(PendingFree { id: k.id, addr: k.addr, size: k.size, epoch })
+                }
                 _ => None,
             })
             .collect();
         // Pages leave the top of the heap first: the holes they leave are where `find`, lowest
         // address first, looks last.
-        v.sort_unstable_by_key(|&(_, a, _, _)| std::cmp::Reverse(a));
+        v.sort_unstable_by_key(|f| std::cmp::Reverse(f.addr));
         v
     }
 
     /// Takes `[start, end)` of free block `id` (from [`stream_free`](Self::stream_free)) out of
     /// use, as a block of its own: its pages are being lent. The rest stays free as it was.
-    pub(crate) fn lend(&mut self, id: u64, start: u64, end: u64) {
-        let mut i = id as u32;
-        let b = self.blocks[i as usize];
+    pub(crate) fn lend(&mut self, id: BlockId, start: u64, end: u64) {
+        let mut i = id;
+        let b = self.blocks[i];
         let State::Free(Owner::Stream { stream, epoch }) = b.state else {
             unreachable!("only blocks freed on a stream are lent")
         };
@@ -544,21 +595,21 @@ impl Heap {
             self.index(i);
             i = j;
         }
-        let b = self.blocks[i as usize];
+        let b = self.blocks[i];
         if end < b.addr + b.size {
             let k = self.split(i, end - b.addr);
             self.index(k);
         }
-        self.blocks[i as usize].state = State::Lent { stream, epoch };
+        self.blocks[i].state = State::Lent { stream, epoch };
         self.lent.push(i);
     }
 
     /// The blocks beside block `i` that reach into `[lo, hi)`, before it then after it.
-    fn beside(&self, i: u32, lo: u64, hi: u64) -> impl Iterator<Item = u32> + '_ {
-        let step = move |j: u32, next: bool| {
-            let b = &self.blocks[j as usize];
+    fn beside(&self, i: BlockId, lo: u64, hi: u64) -> impl Iterator<Item = BlockId> + '_ {
+        let step = move |j: BlockId, next: bool| {
+            let b = &self.blocks[j];
             let k = if next { b.next } else { b.prev };
-            let c = self.blocks.get(k as usize)?;
+            let c = (k != NIL).then(|| &self.blocks[k])?;
             (if next { c.addr < hi } else { c.addr + c.size > lo }).then_some(k)
         };
         let before = std::iter::successors(step(i, false), move |&j| step(j, false));
@@ -570,8 +621,8 @@ impl Heap {
     /// and inside the heap: the rest of a page that the block partly covers.
     pub(crate) fn edges_claimable(&self, addr: u64, lo: u64, hi: u64, stream: u64) -> bool {
         let Some(&i) = self.live.get(&addr) else { return false };
-        let ok = |j: u32| {
-            let b = &self.blocks[j as usize];
+        let ok = |j: BlockId| {
+            let b = &self.blocks[j];
             b.pool == 0
                 && match b.state {
                     State::Free(Owner::Idle) => true,
@@ -598,7 +649,7 @@ impl Heap {
                 pool: 0,
                 state: State::Free(owner),
             });
-            self.blocks[self.last as usize].next = t;
+            self.blocks[self.last].next = t;
             self.last = t;
             self.top = hi;
             self.settle(t, owner);
@@ -606,9 +657,9 @@ impl Heap {
         // Each re-owned block may merge with its neighbours, so the walk starts over after each.
         let claimed = |b: &Block| matches!(b.state, State::Free(Owner::Stream { stream: s, epoch: e }) if s == stream && e >= epoch);
         loop {
-            let due = self.beside(i, lo, hi).find(|&j| !claimed(&self.blocks[j as usize]));
+            let due = self.beside(i, lo, hi).find(|&j| !claimed(&self.blocks[j]));
             let Some(due) = due else { return };
-            let State::Free(old) = self.blocks[due as usize].state else { unreachable!("checked claimable") };
+            let State::Free(old) = self.blocks[due].state else { unreachable!("checked claimable") };
             let e = match old {
                 Owner::Stream { epoch: e, .. } => e.max(epoch),
                 Owner::Idle => epoch,
@@ -620,8 +671,8 @@ impl Heap {
 
     /// Cuts block `i` (not indexed) after `at` bytes; the part after, in the same state and pool,
     /// becomes a new block (not indexed), whose id is returned.
-    fn split(&mut self, i: u32, at: u64) -> u32 {
-        let b = self.blocks[i as usize];
+    fn split(&mut self, i: BlockId, at: u64) -> BlockId {
+        let b = self.blocks[i];
         debug_assert!(at > 0 && at < b.size && at % ALIGN == 0);
         let rest = self.slot(Block {
             addr: b.addr + at,
@@ -632,12 +683,12 @@ impl Heap {
             state: b.state,
         });
         if b.next != NIL {
-            self.blocks[b.next as usize].prev = rest;
+            self.blocks[b.next].prev = rest;
         } else {
             self.last = rest;
         }
-        self.blocks[i as usize].next = rest;
-        self.blocks[i as usize].size = at;
+        self.blocks[i].next = rest;
+        self.blocks[i].size = at;
         rest
     }
 
@@ -646,7 +697,7 @@ impl Heap {
     pub(crate) fn return_lent(&mut self, stream: u64, epoch: u64) -> Vec<u64> {
         let mut due = Vec::new();
         self.lent.retain(|&i| {
-            let State::Lent { stream: s, epoch: e } = self.blocks[i as usize].state else { unreachable!() };
+            let State::Lent { stream: s, epoch: e } = self.blocks[i].state else { unreachable!() };
             let hit = s == stream && e <= epoch;
             if hit {
                 due.push(i);
@@ -655,7 +706,7 @@ impl Heap {
         });
         due.iter()
             .map(|&i| {
-                let addr = self.blocks[i as usize].addr;
+                let addr = self.blocks[i].addr;
                 self.settle(i, Owner::Idle);
                 addr
             })
@@ -665,17 +716,17 @@ impl Heap {
     /// Moves every free block of graph pools into the shared pool, each owned as it was; live
     /// blocks of those pools join the shared pool when freed (`pool_of` then says 0).
     pub(crate) fn dissolve_pools(&mut self) -> u64 {
-        let due: Vec<u32> = self.free.iter().filter(|&&(_, p, ..)| p != 0).map(|&(.., i)| i).collect();
+        let due: Vec<BlockId> = self.free.iter().filter(|k| k.pool != 0).map(|k| k.id).collect();
         let mut bytes = 0;
         for &i in &due {
             self.unindex(i);
-            self.blocks[i as usize].pool = 0;
-            bytes += self.blocks[i as usize].size;
-            let State::Free(owner) = self.blocks[i as usize].state else { unreachable!() };
+            self.blocks[i].pool = 0;
+            bytes += self.blocks[i].size;
+            let State::Free(owner) = self.blocks[i].state else { unreachable!() };
             self.settle(i, owner);
         }
         for &i in self.live.values() {
-            self.blocks[i as usize].pool = 0;
+            self.blocks[i].pool = 0;
         }
         self.graph = 0;
         bytes
@@ -686,8 +737,8 @@ impl Heap {
     pub(crate) fn idle_pages(&self, page: u64) -> Vec<u64> {
         let mut out = Vec::new();
         let mut tail = self.top;
-        for &(.., i) in self.free.range((IDLE, 0, 0, 0, 0)..=(IDLE, 0, u64::MAX, u64::MAX, u32::MAX)) {
-            let b = &self.blocks[i as usize];
+        for k in self.free.range(FreeKey::range(IDLE, 0..=0, 0)) {
+            let b = &self.blocks[k.id];
             if b.addr + b.size == self.top {
                 // It runs on into the never-used part: a page across the boundary is idle too.
                 tail = b.addr;
@@ -713,16 +764,16 @@ impl Heap {
         let mut prev = NIL;
         let (mut free, mut live, mut cached) = (0, 0, 0);
         while i != NIL {
-            let b = &self.blocks[i as usize];
+            let b = &self.blocks[i];
             assert_eq!(b.addr, at, "blocks are contiguous");
             assert_eq!(b.prev, prev);
             assert!(b.size > 0 && b.size % ALIGN == 0);
             match b.state {
                 State::Free(o) => {
                     free += 1;
-                    assert!(self.free.contains(&(o.key(), b.pool, b.size, b.addr, i)));
+                    assert!(self.free.contains(&FreeKey::of(o, b, i)));
                     if prev != NIL {
-                        let p = &self.blocks[prev as usize];
+                        let p = &self.blocks[prev];
                         if p.pool == b.pool {
                             if let State::Free(po) = p.state {
                                 assert!(
@@ -761,7 +812,7 @@ impl Heap {
         let mut v = Vec::new();
         let mut i = if self.top == self.base { NIL } else { self.first() };
         while i != NIL {
-            let b = &self.blocks[i as usize];
+            let b = &self.blocks[i];
             v.push((b.addr, b.size, b.state));
             i = b.next;
         }
@@ -769,10 +820,10 @@ impl Heap {
     }
 
     #[cfg(test)]
-    fn first(&self) -> u32 {
+    fn first(&self) -> BlockId {
         let mut i = self.last;
-        while self.blocks[i as usize].prev != NIL {
-            i = self.blocks[i as usize].prev;
+        while self.blocks[i].prev != NIL {
+            i = self.blocks[i].prev;
         }
         i
     }
@@ -858,9 +909,10 @@ mod tests {
         h.free(g, Owner::Idle);
         assert_eq!(h.find(0, S, 512), None);
         assert_eq!(h.find(7, S, 512).map(|(x, _)| x), Some(g));
-        assert!(h.idle_pages(4096).is_empty() || !h.idle_pages(4096).contains(&0));
+        assert_eq!(h.idle_pages(4096), Vec::<u64>::new(), "a graph pool's free page is not idle");
         assert_eq!(h.dissolve_pools(), 4096);
         assert_eq!(h.find(0, S, 512).map(|(x, _)| x), Some(g));
+        assert_eq!(h.idle_pages(4096), vec![0], "dissolved, it is");
         h.check();
     }
 
@@ -886,7 +938,7 @@ mod tests {
         let mut h = Heap::new(0, 1 << 20);
         let a = alloc(&mut h, 512, S);
         assert!(h.free(a + 512, Owner::Idle).is_none());
-        assert!(h.free(a, Owner::Idle).is_some());
+        assert_eq!(h.free(a, Owner::Idle), Some(Freed { size: 512, requested: 512, pool: 0 }));
         assert!(h.free(a, Owner::Idle).is_none());
         h.check();
     }

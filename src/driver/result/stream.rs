@@ -95,6 +95,18 @@ pub(crate) unsafe fn is_capturing(api: &Api, stream: CUstream) -> Result<c_int> 
     Ok(status)
 }
 
+/// `cuStreamGetId`: the stream's id, unique for the life of the process (CUDA 12.0 and later).
+///
+/// # Safety
+/// `stream` is live (not a special default-stream value).
+#[inline]
+pub(crate) unsafe fn get_id(api: &Api, stream: CUstream) -> Result<u64> {
+    let mut id = 0;
+    // SAFETY: the out-pointer is a valid local; the stream per the caller's contract.
+    unsafe { api.cuStreamGetId(stream, &mut id) }?;
+    Ok(id)
+}
+
 /// `cuStreamGetCaptureInfo`: the capture status of `stream` and the capture's id.
 ///
 /// # Safety
@@ -119,7 +131,6 @@ pub(crate) unsafe fn capture_info(api: &Api, stream: CUstream) -> Result<(c_int,
 
 /// `cuThreadExchangeStreamCaptureMode`: sets the calling thread's capture mode to `mode` and
 /// returns the one it replaces.
-#[allow(dead_code)] // the stream-ordered allocator's capture-mode guard
 #[inline]
 pub(crate) fn exchange_capture_mode(api: &Api, mode: c_int) -> Result<c_int> {
     let mut mode = mode;
