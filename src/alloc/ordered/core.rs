@@ -469,9 +469,10 @@ impl<B: Backend> Core<B> {
         };
         let req = Request { n, size, stream, kind: self.kind_of(n, tag), pool, capture };
         if capture == Capture::None {
-            let found = self.slots.iter_mut().enumerate().filter(|(_, s)| (s.small, s.tag) == req.kind).find_map(
-                |(i, slot)| slot.heap.take_cached((stream.id, stream.raw), n, size).map(|a| (i, a)),
-            );
+            let found =
+                self.slots.iter_mut().enumerate().filter(|(_, s)| (s.small, s.tag) == req.kind).find_map(
+                    |(i, slot)| slot.heap.take_cached((stream.id, stream.raw), n, size).map(|a| (i, a)),
+                );
             if let Some((slot, addr)) = found {
                 // A block of its own stream's cache: the peak stays where the last search left it.
                 self.stats.allocations += 1;
@@ -512,7 +513,8 @@ impl<B: Backend> Core<B> {
         if req.capture != Capture::None || req.kind.1 != 0 || req.pool != 0 || !published(req.stream.id) {
             return;
         }
-        let entry = Entry { n: req.n, requested: req.size, slot: slot as u32, cached: false, via_core: false };
+        let entry =
+            Entry { n: req.n, requested: req.size, slot: slot as u32, cached: false, via_core: false };
         let front = &self.stream(req.stream).front;
         if front.raw == req.stream.raw {
             front.lock().blocks.insert(addr, entry);
@@ -967,7 +969,10 @@ impl<B: Backend> Core<B> {
         // The front stays locked from the query to the new number: a free stamped with the old
         // one happened before the query, a free after it takes the new one.
         let mut f = front.lock();
-        if f.last_free <= done || self.backend.capture_of(c.raw)?.is_some() || !self.backend.stream_idle(c.raw)? {
+        if f.last_free <= done
+            || self.backend.capture_of(c.raw)?.is_some()
+            || !self.backend.stream_idle(c.raw)?
+        {
             return Ok(false);
         }
         let n = f.next;
@@ -1196,6 +1201,11 @@ impl<B: Backend> Core<B> {
             f.seen_demand = demand;
         }
         drop(f);
+        // Attributed without asking, the stream may have been destroyed and its handle given to
+        // another: an event recorded (or an idle query) through the handle would then be the
+        // other stream's, taken for this one's. So the handle is asked first (never its id while
+        // captured); a destroyed stream's frees wait for a device-wide wait.
+        let ask = ask && (raw != alloc_raw || self.names(stream));
         if ask {
             // Its frees are made idle at once if its work has run, else an event is recorded
             // after them. Best effort: without the event the blocks wait for a later one, or
@@ -1222,6 +1232,18 @@ impl<B: Backend> Core<B> {
                 e.via_core = true;
             }
         }
+    }
+
+    /// Whether the handle of `c` still names the stream `c.id` (it is not being captured, and the
+    /// driver gives that id): the legacy default stream always; an identity the allocator made
+    /// up, never.
+    fn names(&mut self, c: Caller) -> bool {
+        if c.id == LEGACY {
+            return true;
+        }
+        published(c.id)
+            && matches!(self.backend.capture_of(c.raw), Ok(None))
+            && self.backend.stream_id(c.raw) == Some(c.id)
     }
 
     fn count_free(&mut self, freed: Freed) -> Freed {

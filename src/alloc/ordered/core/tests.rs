@@ -584,6 +584,32 @@ fn a_destroyed_streams_handle_on_a_new_stream_takes_none_of_its_blocks_before_it
     assert!(again.contains(&a) || again.contains(&b), "{again:x?}");
 }
 
+/// A block of a destroyed stream freed through its old handle, now another stream's, is
+/// attributed to the destroyed stream without asking; the event its free would record for the
+/// others (another stream found memory short) must not be recorded through that handle, nor the
+/// handle asked whether it is idle: that would be the new stream's answer, taken for the
+/// destroyed stream's, and every block the destroyed stream freed with its work still queued would
+/// go to others.
+#[test]
+fn a_free_through_a_destroyed_streams_reused_handle_records_nothing_for_it() {
+    let mut c = core(1000);
+    let mut held = Vec::new();
+    let a = alloc(&mut c, &mut held, 4096, 1).unwrap();
+    alloc(&mut c, &mut held, 8192, 1).unwrap();
+    free(&mut c, &mut held, 0); // `a`, its use still queued on stream 1
+    alloc(&mut c, &mut held, SMALL + 512, 2).unwrap(); // demand moves
+                                                       // Stream 1 is destroyed with its work queued; handle 1 now names stream 3, which is idle.
+    c.backend().handles.insert(1, 3);
+    let events = c.stats().events_recorded;
+    free(&mut c, &mut held, 0); // the 8 KiB block, through handle 1
+    for _ in 0..3 {
+        let x = alloc(&mut c, &mut held, 4096, 2).unwrap();
+        assert_ne!(x, a, "stream 2 took a block stream 1's queued work still uses");
+        alloc(&mut c, &mut held, 3 * SMALL, 2).unwrap(); // misses: polls
+    }
+    assert_eq!(c.stats().events_recorded, events, "no event for stream 1 after its destruction");
+}
+
 /// A free through another handle than the allocation's asks the stream's identity: when the
 /// driver cannot say, the block is owned by an identity nothing uses again, and comes back only
 /// after a device-wide wait.
@@ -1709,3 +1735,5 @@ fn out_of_memory_after_a_finished_capture_still_waits_for_freed_memory() {
     assert!(b.is_some(), "the freed pages should have been waited for: {:?}", c.stats());
     assert_eq!(c.backend().synchronized, 1);
 }
+
+mod threads;
