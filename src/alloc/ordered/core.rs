@@ -1150,12 +1150,6 @@ impl<B: Backend> Core<B> {
         };
         let twice = || Error::invalid(format!("{addr:#x} is not a live allocation (freed twice?)"));
         let (i, id, alloc_raw) = self.slots[slot].heap.live_block(addr).ok_or_else(twice)?;
-        // The allocating stream's front knows the blocks its fast paths may free or hand out.
-        let front = self.streams.get(&id).map(|st| st.front.clone());
-        let entry = front.as_ref().and_then(|f| f.lock().blocks.get(&addr).copied());
-        if entry.is_some_and(|e| e.cached) {
-            return Err(twice());
-        }
         let stream = if raw == alloc_raw {
             Caller { id, raw }
         } else {
@@ -1170,9 +1164,30 @@ impl<B: Backend> Core<B> {
             }
         };
         let demand = self.fronts.demand();
+        // The allocating stream's front knows the blocks its fast paths may free or hand out; each
+        // is looked at and changed under one hold of that front's lock (a fast path may run
+        // meanwhile), one front at a time.
+        let mut moved = None;
+        if stream.id != id {
+            if let Some(st) = self.streams.get(&id) {
+                let mut g = st.front.lock();
+                match g.blocks.get(&addr).copied() {
+                    Some(e) if e.cached => return Err(twice()),
+                    Some(e) => {
+                        g.blocks.remove(&addr);
+                        moved = Some(e);
+                    }
+                    None => {}
+                }
+            }
+        }
         let own = self.stream(stream).front.clone();
         let mut f = own.lock();
         let epoch = f.next;
+        let entry = if stream.id == id { f.blocks.get(&addr).copied() } else { moved };
+        if stream.id == id && entry.is_some_and(|e| e.cached) {
+            return Err(twice());
+        }
         f.last_free = epoch;
         let freed = match entry {
             // Its own front's block, freed there: cached in the front, as a fast free would.
@@ -1180,20 +1195,11 @@ impl<B: Backend> Core<B> {
                 Freed { size: e.n, requested: e.requested, pool: 0 }
             }
             _ => {
-                if entry.is_some() {
-                    if stream.id == id {
-                        f.blocks.remove(&addr);
-                    } else {
-                        // Another front: the lock of this one is let go first (one front at a
-                        // time).
-                        drop(f);
-                        front.as_ref().expect("a front holds it").lock().blocks.remove(&addr);
-                        f = own.lock();
-                    }
+                if stream.id == id && entry.is_some() {
+                    f.blocks.remove(&addr);
                 }
-                let requested = entry.map(|e| e.requested);
                 let freed = self.slots[slot].heap.free_cached(i, stream.id, epoch);
-                Freed { requested: requested.unwrap_or(freed.requested), ..freed }
+                Freed { requested: entry.map_or(freed.requested, |e| e.requested), ..freed }
             }
         };
         let ask = f.seen_demand < demand;
