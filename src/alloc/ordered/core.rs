@@ -138,7 +138,11 @@ impl From<u64> for Caller {
 pub struct AllocatorStats {
     /// Bytes handed out (block sizes, multiples of 512).
     pub live: u64,
-    /// The largest `live` since the last reset.
+    /// The largest `live` since the last reset, as seen by requests that search the shared index
+    /// (all but those served by a block their own stream freed with the same size, which cannot
+    /// raise `live` above its value at the latest such search: every cache is emptied into the
+    /// index at each search and at the reset). Exact when one thread allocates at a time; with
+    /// several, a search may also count, as still live, blocks that other threads freed during it.
     pub live_peak: u64,
     /// Bytes asked for by live allocations.
     pub requested: u64,

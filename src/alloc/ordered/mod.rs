@@ -24,9 +24,29 @@
 //! allocator does not ask (the driver may forbid it) and names the stream by the capture and the
 //! handle, which within one capture name one stream; where the driver cannot name a stream
 //! (before CUDA 12.0) the allocator makes up an identity it never uses again. Blocks freed under
-//! such an identity outside its call wait for a wait for the whole device. A free through the handle its block was allocated with is on that stream, or
-//! on a destroyed one whose identity nothing uses again; a free through another handle asks
-//! the driver.
+//! such an identity outside its call wait for a wait for the whole device. A free through the
+//! handle its block was allocated with is on that stream, or on a destroyed one whose identity
+//! nothing uses again (such a free asks the driver whether the handle still names the stream
+//! before it records an event or asks whether the stream is idle, since the answer would
+//! otherwise be the new stream's); a free through another handle asks the driver.
+//!
+//! # Threads
+//!
+//! Each stream has a front of its own (`front.rs`), behind its own lock: the blocks handed out on
+//! it and the blocks it freed, kept whole for its next request of the same size. A request such a
+//! block serves, and a free through the handle its block was allocated with, take that lock alone,
+//! so threads each on their own stream do not wait for one another; the device-wide lock is taken
+//! by requests that find no such block, by a stream's first free after another stream's request
+//! found none (to record the event the others wait for), by tagged or captured requests, by frees
+//! through other handles, and by the calls that look at the whole device. Soundness rests on the
+//! numbering: a free is stamped, under its front's lock, with the number of the next event to be
+//! recorded on its stream, and that number is taken and advanced under the same lock, in the same
+//! hold, as the event is recorded (or the stream found idle, or a wait for the whole device
+//! begun), so an event covers exactly the frees made before it. Cached blocks reach other streams
+//! only through the device-wide path, which takes every front's cache into the shared index,
+//! owned by its stream until an event covering its stamp has completed, before it looks for free
+//! space, waits, sleeps, exports or releases graph memory. Lock order: the device-wide lock, then
+//! one front's.
 //!
 //! Address space is reserved in large heaps (by default twice the device's memory: address space
 //! costs nothing) and physical pages are mapped under blocks only as they are handed out. A heap
