@@ -34,7 +34,7 @@
 
 use super::heap::AddrMap;
 use std::cell::RefCell;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 
 /// Blocks a front keeps per size before frees go to the core.
@@ -105,6 +105,9 @@ pub(crate) struct Front {
     pub id: u64,
     /// The handle the stream's calls pass (one per stream while it lives).
     pub raw: u64,
+    /// Set with `State::retired`, read without the lock: a thread's memo then looks in the
+    /// registry again (the locked flag is what keeps a retired front unused).
+    gone: AtomicBool,
     state: Mutex<State>,
 }
 
@@ -113,6 +116,7 @@ impl Front {
         Front {
             id,
             raw,
+            gone: AtomicBool::new(false),
             state: Mutex::new(State {
                 retired: false,
                 next: 1,
@@ -256,14 +260,21 @@ struct Padded(AtomicU64);
 
 static NEXT_KEY: AtomicU64 = AtomicU64::new(1);
 
-/// The front this thread used last, for requests (by stream id) and for frees (by handle).
+/// Fronts this thread used last (a thread may drive a few streams in turn), as (allocator,
+/// stream id or handle, front), the latest first.
+type Recent = [Option<(u64, u64, Arc<Front>)>; MEMO_WAYS];
+
+const MEMO_WAYS: usize = 4;
+
+/// The fronts this thread used last, for requests (by stream id) and for frees (by handle).
 struct Memo {
-    take: Option<(u64, u64, Arc<Front>)>,
-    give: Option<(u64, u64, Arc<Front>)>,
+    take: Recent,
+    give: Recent,
 }
 
 thread_local! {
-    static MEMO: RefCell<Memo> = const { RefCell::new(Memo { take: None, give: None }) };
+    static MEMO: RefCell<Memo> =
+        const { RefCell::new(Memo { take: [None, None, None, None], give: [None, None, None, None] }) };
 }
 
 impl Default for Fronts {
@@ -295,6 +306,7 @@ impl Fronts {
 
     /// Takes `front` (already marked retired) out of the registry.
     pub(crate) fn withdraw(&self, front: &Arc<Front>) {
+        front.gone.store(true, Ordering::Relaxed);
         for (map, k) in [(&self.by_id, front.id), (&self.by_raw, front.raw)] {
             let mut m = map.write().unwrap_or_else(|e| e.into_inner());
             if m.get(&k).is_some_and(|f| Arc::ptr_eq(f, front)) {
@@ -323,15 +335,22 @@ impl Fronts {
         let mut op = Some(op);
         let memo = MEMO.try_with(|m| {
             let mut m = m.borrow_mut();
-            let slot = if by_id { &mut m.take } else { &mut m.give };
-            if let Some((k, x, f)) = slot {
-                if *k == self.key && *x == key {
-                    return Some((op.take().expect("once"))(f));
+            let recent = if by_id { &mut m.take } else { &mut m.give };
+            let hit = recent.iter().position(|e| {
+                e.as_ref()
+                    .is_some_and(|(k, x, f)| *k == self.key && *x == key && !f.gone.load(Ordering::Relaxed))
+            });
+            match hit {
+                Some(0) => {}
+                Some(i) => recent[..=i].rotate_right(1),
+                None => {
+                    let f = self.find(key, by_id)?;
+                    recent.rotate_right(1);
+                    recent[0] = Some((self.key, key, f));
                 }
             }
-            let f = self.find(key, by_id)?;
-            *slot = Some((self.key, key, f.clone()));
-            Some((op.take().expect("once"))(&f))
+            let (.., f) = recent[0].as_ref().expect("just placed");
+            Some((op.take().expect("once"))(f))
         });
         match memo {
             Ok(Some(r)) => r,

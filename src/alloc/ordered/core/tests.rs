@@ -749,6 +749,34 @@ fn a_stream_whose_frees_all_completed_is_forgotten() {
     assert!(!c.streams.contains_key(&9));
 }
 
+/// A stream the core forgot (all its frees idle, no block left) gets a new front at its next
+/// request, and the fast paths find that one, not the retired front a thread remembers.
+#[test]
+fn a_forgotten_streams_next_front_serves_its_cached_pairs() {
+    let mut c = core(1000);
+    let mut held = Vec::new();
+    // This thread remembers stream 9's front from a pair it served.
+    for _ in 0..2 {
+        alloc(&mut c, &mut held, 4096, 9).unwrap();
+        free(&mut c, &mut held, 0);
+    }
+    alloc(&mut c, &mut held, 4096, 9).unwrap();
+    let _ = alloc(&mut c, &mut held, 1 << 20, 1); // a miss: demand moves
+    c.backend().run_all();
+    let k = held.iter().position(|h| h.stream == 9).unwrap();
+    free(&mut c, &mut held, k); // through the core: stream 9 has run all its work
+    let _ = alloc(&mut c, &mut held, 2 << 20, 1); // a miss: takes the front's cache, promotes
+    let _ = alloc(&mut c, &mut held, 3 << 20, 1); // a miss: nothing left of 9
+    assert!(!c.streams.contains_key(&9));
+    alloc(&mut c, &mut held, 4096, 9).unwrap();
+    let k = held.iter().position(|h| h.stream == 9).unwrap();
+    free(&mut c, &mut held, k);
+    let before = c.stats.allocations;
+    alloc(&mut c, &mut held, 4096, 9).unwrap();
+    assert_eq!(c.stats.allocations, before, "served by the stream's new front, not the core");
+    assert_eq!(c.stats().allocations, before + 1);
+}
+
 /// A cached block stays in the heap's address map (a free and the next request of its size do
 /// one lookup between them), so the map alone no longer says a block is live: each way of
 /// freeing must still refuse a block that is cached or back in the index.
