@@ -186,6 +186,10 @@ struct Stream<E> {
     /// Events recorded here, by number; `None` stands for one known complete when recorded (the
     /// stream had run all its work), whose blocks become idle at the next poll.
     fences: VecDeque<(u64, Option<E>)>,
+    /// Whether the fast paths may find the front: since an allocation, whose call asked the driver
+    /// that the handle names this stream (a free through a destroyed stream's handle must not make
+    /// the fast paths of the stream now holding that handle find the destroyed one's front).
+    published: bool,
 }
 
 /// Whether the fast paths may find the stream `id`: the driver's ids and the legacy default
@@ -338,15 +342,13 @@ impl<B: Backend> Core<B> {
         }
     }
 
-    /// The stream `c` names, its front made (and published for the fast paths) if new.
+    /// The stream `c` names, its front made if new.
     fn stream(&mut self, c: Caller) -> &mut Stream<B::Event> {
-        let fronts = &self.fronts;
-        self.streams.entry(c.id).or_insert_with(|| {
-            let front = Arc::new(Front::new(c.id, c.raw));
-            if published(c.id) {
-                fronts.publish(&front);
-            }
-            Stream { front, done: 0, fences: VecDeque::new() }
+        self.streams.entry(c.id).or_insert_with(|| Stream {
+            front: Arc::new(Front::new(c.id, c.raw)),
+            done: 0,
+            fences: VecDeque::new(),
+            published: false,
         })
     }
 
@@ -519,10 +521,16 @@ impl<B: Backend> Core<B> {
         }
         let entry =
             Entry { n: req.n, requested: req.size, slot: slot as u32, cached: false, via_core: false };
-        let front = &self.stream(req.stream).front;
-        if front.raw == req.stream.raw {
-            front.lock().blocks.insert(addr, entry);
+        self.stream(req.stream);
+        let st = self.streams.get_mut(&req.stream.id).expect("just made");
+        if st.front.raw != req.stream.raw {
+            return;
         }
+        if !st.published {
+            self.fronts.publish(&st.front);
+            st.published = true;
+        }
+        st.front.lock().blocks.insert(addr, entry);
     }
 
     /// Gives every spare page back to the driver.
@@ -946,7 +954,9 @@ impl<B: Backend> Core<B> {
                 // holding the front finds it retired and comes here.
                 f.retired = true;
                 drop(f);
-                self.fronts.withdraw(&front);
+                if st.published {
+                    self.fronts.withdraw(&front);
+                }
                 self.streams.remove(&s);
             }
         }

@@ -25,8 +25,8 @@
 //!   covering its stamp has completed, as for blocks the core frees itself.
 //! * Lock order: the core, then a front. The fast paths hold one front lock and call nothing else.
 //!
-//! The cost a fast path may add is a thread-local look-up, an uncontended lock and two hash
-//! look-ups; the core's lock is taken only by requests that find no cached block, frees after
+//! The cost a fast path may add is a thread-local look-up, an uncontended lock and a hash look-up
+//! or two; the core's lock is taken only by requests that find no cached block, frees after
 //! another stream found memory short (one per stream, to record the event the others wait for),
 //! tagged or captured requests, and the calls that look at the whole device.
 //!
@@ -245,18 +245,19 @@ impl Cache {
 pub(crate) struct Fronts {
     /// Tells this allocator's entries in the thread-local memo from another's.
     key: u64,
-    by_id: RwLock<AddrMap<Arc<Front>>>,
-    by_raw: RwLock<AddrMap<Arc<Front>>>,
+    by_id: Apart<RwLock<AddrMap<Arc<Front>>>>,
+    by_raw: Apart<RwLock<AddrMap<Arc<Front>>>>,
     /// Requests that found no cached block, so far: a stream with frees that no event covers
     /// records one at its next free when this moved since (see `Core::free`). Only the core
     /// writes it, under its lock; a fast free that reads an old value leaves its block to a later
     /// event or a device-wide wait, which costs memory for a while, never soundness.
-    demand: Padded,
+    demand: Apart<AtomicU64>,
 }
 
-/// A counter on cache lines of its own: every fast free reads it, and only misses write it.
+/// A value on cache lines of its own: the fast paths read `key` and `demand` on every call, while
+/// the registry's locks are written whenever a thread looks a front up there.
 #[repr(align(128))]
-struct Padded(AtomicU64);
+struct Apart<T>(T);
 
 static NEXT_KEY: AtomicU64 = AtomicU64::new(1);
 
@@ -281,9 +282,9 @@ impl Default for Fronts {
     fn default() -> Self {
         Fronts {
             key: NEXT_KEY.fetch_add(1, Ordering::Relaxed),
-            by_id: RwLock::new(AddrMap::default()),
-            by_raw: RwLock::new(AddrMap::default()),
-            demand: Padded(AtomicU64::new(0)),
+            by_id: Apart(RwLock::new(AddrMap::default())),
+            by_raw: Apart(RwLock::new(AddrMap::default())),
+            demand: Apart(AtomicU64::new(0)),
         }
     }
 }
@@ -300,14 +301,14 @@ impl Fronts {
 
     /// Makes `front` what the fast paths find for its id and handle.
     pub(crate) fn publish(&self, front: &Arc<Front>) {
-        self.by_id.write().unwrap_or_else(|e| e.into_inner()).insert(front.id, front.clone());
-        self.by_raw.write().unwrap_or_else(|e| e.into_inner()).insert(front.raw, front.clone());
+        self.by_id.0.write().unwrap_or_else(|e| e.into_inner()).insert(front.id, front.clone());
+        self.by_raw.0.write().unwrap_or_else(|e| e.into_inner()).insert(front.raw, front.clone());
     }
 
     /// Takes `front` (already marked retired) out of the registry.
     pub(crate) fn withdraw(&self, front: &Arc<Front>) {
         front.gone.store(true, Ordering::Relaxed);
-        for (map, k) in [(&self.by_id, front.id), (&self.by_raw, front.raw)] {
+        for (map, k) in [(&self.by_id.0, front.id), (&self.by_raw.0, front.raw)] {
             let mut m = map.write().unwrap_or_else(|e| e.into_inner());
             if m.get(&k).is_some_and(|f| Arc::ptr_eq(f, front)) {
                 m.remove(&k);
@@ -364,7 +365,7 @@ impl Fronts {
     }
 
     fn find(&self, key: u64, by_id: bool) -> Option<Arc<Front>> {
-        let map = if by_id { &self.by_id } else { &self.by_raw };
+        let map = if by_id { &self.by_id.0 } else { &self.by_raw.0 };
         map.read().unwrap_or_else(|e| e.into_inner()).get(&key).cloned()
     }
 }
