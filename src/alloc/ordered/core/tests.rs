@@ -777,6 +777,30 @@ fn a_forgotten_streams_next_front_serves_its_cached_pairs() {
     assert_eq!(c.stats().allocations, before + 1);
 }
 
+/// A free through a destroyed stream's handle, of a block the fast paths never held (tagged),
+/// leaves the fronts the fast paths find as they were: the new stream holding that handle keeps
+/// its own front, and its pairs still take no device-wide lock.
+#[test]
+fn a_free_through_a_reused_handle_leaves_the_new_streams_front_in_place() {
+    let mut c = core(1000);
+    let tagged = c.allocate(8192, 1, Capture::None, 5).unwrap();
+    // Stream 1 is destroyed; handle 1 now names stream 3.
+    c.backend().handles.insert(1, 3);
+    let new = Caller { id: 3, raw: 1 };
+    let a = c.allocate(4096, new, Capture::None, 0).unwrap();
+    c.free(a, 1).unwrap(); // the first free after a miss goes through the core
+    assert_eq!(c.allocate(4096, new, Capture::None, 0).unwrap(), a);
+    assert!(c.fronts.give(a, 1), "the new stream's free, through its front");
+    c.free(tagged, 1).unwrap(); // stream 1's, through the core
+    let before = (c.stats.allocations, c.stats.frees);
+    assert_eq!(c.allocate(4096, new, Capture::None, 0).unwrap(), a);
+    // From a thread that remembers no front: the registry's answer.
+    let fronts = c.fronts.clone();
+    let given = std::thread::spawn(move || fronts.give(a, 1)).join().unwrap();
+    assert!(given, "the new stream's front is still the one its handle finds");
+    assert_eq!((c.stats.allocations, c.stats.frees), before, "no pair went through the core");
+}
+
 /// A cached block stays in the heap's address map (a free and the next request of its size do
 /// one lookup between them), so the map alone no longer says a block is live: each way of
 /// freeing must still refuse a block that is cached or back in the index.
