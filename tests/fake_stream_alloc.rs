@@ -231,3 +231,103 @@ fn threads_destroying_their_streams_never_get_a_block_still_in_use() {
     alloc.empty_cache().unwrap();
     assert_eq!(count(&lib, "destroyed_stream_calls"), 0);
 }
+
+/// Threads on streams of their own allocate blocks of a few sizes (most served by the stream's
+/// own freed blocks, without the allocator's lock), queue work that checks, when it runs, that
+/// every 512 bytes of its block still belong to its stream, hand some blocks to the next thread
+/// (which frees them on their stream from its own thread), and destroy their streams between
+/// rounds while that work is queued: no work ever finds its block handed to another stream, and
+/// the counters add up.
+#[test]
+fn threads_see_their_blocks_owned_by_their_own_stream_until_their_work_has_run() {
+    use std::collections::HashMap;
+    use std::sync::Mutex;
+    let (_turn, lib, ctx) = fake_device();
+    let alloc = StreamAllocator::new(&ctx).unwrap();
+    // Owner of every 512-byte unit handed out: (thread, round), the stream's identity.
+    let owners: Arc<Mutex<HashMap<u64, (usize, usize)>>> = Arc::new(Mutex::new(HashMap::new()));
+    let wrong: Arc<Mutex<Vec<String>>> = Arc::new(Mutex::new(Vec::new()));
+    let threads = 4;
+    let (senders, receivers): (Vec<_>, Vec<_>) =
+        (0..threads).map(|_| mpsc::channel::<cuvmm::alloc::StreamBlock>()).unzip();
+    let mut receivers: Vec<Option<_>> = receivers.into_iter().map(Some).collect();
+    receivers.rotate_right(1);
+    let (mut allocated, mut freed_elsewhere) = (0u64, 0u64);
+    std::thread::scope(|scope| {
+        let mut handles = Vec::new();
+        for (t, give) in senders.into_iter().enumerate() {
+            let take = receivers[t].take().unwrap();
+            let (alloc, ctx, owners, wrong) = (&alloc, &ctx, owners.clone(), wrong.clone());
+            handles.push(scope.spawn(move || {
+                let (mut made, mut taken) = (0u64, 0u64);
+                for round in 0..24usize {
+                    let s = Stream::non_blocking(ctx).unwrap();
+                    for k in 0..60usize {
+                        let size = [4096, 8192, 512 * 3][(k + t) % 3];
+                        let b = alloc.allocate(size, &s).unwrap();
+                        made += 1;
+                        let units: Vec<u64> = (b.ptr()..b.ptr() + size as u64).step_by(512).collect();
+                        {
+                            let mut o = owners.lock().unwrap();
+                            for &u in &units {
+                                o.insert(u, (t, round));
+                            }
+                        }
+                        let (o, w) = (owners.clone(), wrong.clone());
+                        s.launch_host_fn(move || {
+                            if k % 8 == 0 {
+                                std::thread::sleep(Duration::from_micros(300));
+                            }
+                            let o = o.lock().unwrap();
+                            if let Some(u) = units.iter().find(|u| o.get(u) != Some(&(t, round))) {
+                                w.lock().unwrap().push(format!(
+                                    "thread {t} round {round}: {u:#x} belongs to {:?} while its work runs",
+                                    o.get(u)
+                                ));
+                            }
+                        })
+                        .unwrap();
+                        if k % 5 == 0 {
+                            // Freed on its stream by the next thread.
+                            let _ = give.send(b);
+                        } else {
+                            drop(b);
+                        }
+                        while let Ok(other) = take.try_recv() {
+                            drop(other);
+                            taken += 1;
+                        }
+                    }
+                    // A request no cached block serves now and then, so that frees record events.
+                    drop(alloc.allocate((1 + t) << 20, &s).unwrap());
+                    made += 1;
+                    drop(s);
+                }
+                drop(give);
+                while let Ok(other) = take.recv_timeout(Duration::from_millis(200)) {
+                    drop(other);
+                    taken += 1;
+                }
+                (made, taken)
+            }));
+        }
+        for h in handles {
+            let (m, f) = h.join().unwrap();
+            allocated += m;
+            freed_elsewhere += f;
+        }
+    });
+    alloc.empty_cache().unwrap();
+    let wrong = wrong.lock().unwrap();
+    assert!(
+        wrong.is_empty(),
+        "{} blocks handed out under queued work: {:?}",
+        wrong.len(),
+        &wrong[..wrong.len().min(5)]
+    );
+    let st = alloc.stats();
+    assert_eq!((st.allocations, st.frees, st.live, st.requested), (allocated, allocated, 0, 0), "{st:?}");
+    assert!(freed_elsewhere > 0);
+    assert!(st.cache_hits > allocated / 2, "most requests took their stream's own blocks: {st:?}");
+    assert_eq!(count(&lib, "destroyed_stream_calls"), 0);
+}

@@ -377,3 +377,50 @@ fn blocks_of_a_destroyed_busy_stream_are_not_handed_to_the_next_streams_while_it
         );
     }
 }
+
+/// Threads each on their own streams (a new one every round), all at once: each frees a block
+/// while a kernel on its stream still writes it, asks again on its stream (served without the
+/// allocator's device-wide lock), fills what it gets and reads it back; a larger request now and
+/// then makes the frees record events for the others. No thread's block is written by another
+/// stream's kernel, and the counters add up.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn threads_on_their_own_streams_get_no_block_another_streams_kernel_still_writes() {
+    const M: usize = 1 << 16;
+    let ctx = ctx();
+    let alloc = StreamAllocator::new(&ctx).unwrap();
+    std::thread::scope(|scope| {
+        for t in 0..4u32 {
+            let (ctx, alloc) = (&ctx, &alloc);
+            scope.spawn(move || {
+                ctx.bind().unwrap();
+                let k = Kernels::load(ctx).unwrap();
+                for round in 0..8u32 {
+                    let s = Stream::non_blocking(ctx).unwrap();
+                    for i in 0..8u32 {
+                        let x = alloc.allocate(M * 4, &s).unwrap();
+                        k.busy_f32(&s, &mut view_mut(x.ptr(), M), 1 << 14).unwrap();
+                        drop(x); // freed while the kernel runs
+                        if i % 4 == 0 {
+                            drop(alloc.allocate((1 + t as usize) << 22, &s).unwrap());
+                        }
+                        let y = alloc.allocate(M * 4, &s).unwrap();
+                        let marker = 0x5100_0000 | t << 16 | round << 8 | i;
+                        k.fill_u32(&s, &mut words_mut(y.ptr(), M), marker).unwrap();
+                        s.synchronize().unwrap();
+                        let got = read(ctx, y.ptr(), M);
+                        assert!(
+                            got.iter().all(|&v| v == marker),
+                            "thread {t} round {round}: block {:#x} written by another stream's kernel",
+                            y.ptr()
+                        );
+                    }
+                }
+            });
+        }
+    });
+    let st = alloc.stats();
+    assert_eq!((st.live, st.requested), (0, 0), "{st:?}");
+    assert_eq!(st.allocations, st.frees, "{st:?}");
+    assert!(st.cache_hits > st.allocations / 2, "{st:?}");
+}

@@ -352,6 +352,7 @@ fn bench_alloc_threads_runs_cuvmm_and_the_pool_per_thread_count_on_the_fake_devi
             (Some("alloc_threads"), Some(size), Some(threads))
         );
         assert!(r["cuvmm_mpairs"].as_f64().unwrap() > 0.0 && r["pool_mpairs"].as_f64().unwrap() > 0.0, "{r}");
+        assert!(r["stream_calls_mpairs"].as_f64().unwrap() > 0.0, "{r}");
     }
     assert_eq!(rows[0]["cuvmm_vs_one_thread"].as_f64(), Some(1.0));
     let bad = Command::new(cuvmm_bin())

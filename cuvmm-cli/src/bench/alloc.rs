@@ -175,6 +175,10 @@ pub struct ThreadRow {
     pub cuvmm_mpairs: f64,
     /// `cuMemAllocAsync` / `cuMemFreeAsync` on the default pool, release threshold raised.
     pub pool_mpairs: f64,
+    /// The two driver calls each of cuvmm's requests makes (`cuStreamIsCapturing`,
+    /// `cuStreamGetId`), alone: million pairs of calls per second, all threads together. cuvmm's
+    /// pairs cannot go faster, so this tells the allocator's share from the driver's.
+    pub stream_calls_mpairs: f64,
 }
 
 /// Million pairs per second of `threads` threads together, each running `pairs` calls of the pair
@@ -257,6 +261,15 @@ pub fn run_threads(
                     alloc.free_raw(std::hint::black_box(p), s.raw())
                 }
             })?;
+            let stream_calls_mpairs = aggregate(ctx, n, pairs, |s| {
+                let (mut status, mut id) = (0, 0);
+                // SAFETY: the stream is this thread's, alive for the calls; the out-pointers are
+                // locals.
+                unsafe {
+                    api.cuStreamIsCapturing(s.raw(), &mut status)?;
+                    api.cuStreamGetId(s.raw(), &mut id)
+                }
+            })?;
             let pool_mpairs = aggregate(ctx, n, pairs / 8, |s| {
                 let mut p = 0;
                 // SAFETY: stream-ordered alloc and free of the same pointer on one stream.
@@ -265,7 +278,7 @@ pub fn run_threads(
                     api.cuMemFreeAsync(p, s.raw())
                 }
             })?;
-            rows.push(ThreadRow { size, threads: n, cuvmm_mpairs, pool_mpairs });
+            rows.push(ThreadRow { size, threads: n, cuvmm_mpairs, pool_mpairs, stream_calls_mpairs });
         }
     }
     alloc.empty_cache()?;
@@ -286,14 +299,15 @@ fn print_threads(
         writeln!(
             out,
             "cached allocate+free pairs on {}, each thread on its own stream: million pairs/s, all threads \
-             (median of 5 batches of {pairs} pairs a thread; the pool {} a thread)",
+             (median of 5 batches of {pairs} pairs a thread; the pool {} a thread); stream calls: \
+             cuStreamIsCapturing + cuStreamGetId alone, which each of cuvmm's requests makes",
             ctx.device().name()?,
             pairs / 8
         )?;
         writeln!(
             out,
-            "{:>9} {:>7} {:>12} {:>9} {:>11} {:>12} {:>9} {:>10}",
-            "size", "threads", "cuvmm", "x 1 thr", "ns/pair", "pool", "x 1 thr", "cuvmm/pool"
+            "{:>9} {:>7} {:>12} {:>9} {:>11} {:>12} {:>9} {:>10} {:>12}",
+            "size", "threads", "cuvmm", "x 1 thr", "ns/pair", "pool", "x 1 thr", "cuvmm/pool", "stream calls"
         )?;
     }
     for r in rows {
@@ -309,12 +323,13 @@ fn print_threads(
                 "{}",
                 json!({"bench": "alloc_threads", "size": r.size, "threads": r.threads,
                 "cuvmm_mpairs": r.cuvmm_mpairs, "pool_mpairs": r.pool_mpairs,
-                "cuvmm_vs_one_thread": c1, "pool_vs_one_thread": p1, "cuvmm_ns_per_pair_per_thread": ns})
+                "cuvmm_vs_one_thread": c1, "pool_vs_one_thread": p1, "cuvmm_ns_per_pair_per_thread": ns,
+                "stream_calls_mpairs": r.stream_calls_mpairs})
             )?;
         } else {
             writeln!(
                 out,
-                "{:>9} {:>7} {:>12.2} {:>8.2}x {:>11.1} {:>12.3} {:>8.2}x {:>9.1}x",
+                "{:>9} {:>7} {:>12.2} {:>8.2}x {:>11.1} {:>12.3} {:>8.2}x {:>9.1}x {:>12.2}",
                 show(r.size),
                 r.threads,
                 r.cuvmm_mpairs,
@@ -322,7 +337,8 @@ fn print_threads(
                 ns,
                 r.pool_mpairs,
                 p1,
-                r.cuvmm_mpairs / r.pool_mpairs
+                r.cuvmm_mpairs / r.pool_mpairs,
+                r.stream_calls_mpairs
             )?;
         }
     }

@@ -5,9 +5,11 @@
 //! against a model of the GPU that checks every page is mapped only where no queued work can see
 //! the change.
 
+use super::front::{lock, Entry, Front, Fronts};
 use super::heap::{AddrMap, Freed, Heap, Owner, PendingFree, ALIGN, IDLE};
 use crate::error::{Error, Result};
 use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Mutex, MutexGuard};
 
 /// What the allocator needs from the device.
 pub(crate) trait Backend {
@@ -136,7 +138,11 @@ impl From<u64> for Caller {
 pub struct AllocatorStats {
     /// Bytes handed out (block sizes, multiples of 512).
     pub live: u64,
-    /// The largest `live` since the last reset.
+    /// The largest `live` since the last reset, as seen by requests that search the shared index
+    /// (all but those served by a block their own stream freed with the same size, which cannot
+    /// raise `live` above its value at the latest such search: every cache is emptied into the
+    /// index at each search and at the reset). Exact when one thread allocates at a time; with
+    /// several, a search may also count, as still live, blocks that other threads freed during it.
     pub live_peak: u64,
     /// Bytes asked for by live allocations.
     pub requested: u64,
@@ -171,23 +177,25 @@ pub struct AllocatorStats {
 }
 
 struct Stream<E> {
-    /// Number of the next event recorded on the stream; a free stamped with it is covered by it.
-    next: u64,
+    /// The stream's numbering (`next`, `last_free`, `seen_demand`) and the blocks of its fast
+    /// paths. Its `next` is read and advanced under its lock only, in the same critical section
+    /// as the event (or the idle query) that number stands for.
+    front: Arc<Front>,
     /// Largest event number known complete.
     done: u64,
-    /// Stamp of the latest free, 0 for none.
-    last_free: u64,
     /// Events recorded here, by number; `None` stands for one known complete when recorded (the
     /// stream had run all its work), whose blocks become idle at the next poll.
     fences: VecDeque<(u64, Option<E>)>,
-    /// The value of [`Core::demand`] when an event was last recorded here for others.
-    seen_demand: u64,
+    /// Whether the fast paths may find the front: since an allocation, whose call asked the driver
+    /// that the handle names this stream (a free through a destroyed stream's handle must not make
+    /// the fast paths of the stream now holding that handle find the destroyed one's front).
+    published: bool,
 }
 
-impl<E> Stream<E> {
-    fn new() -> Self {
-        Stream { next: 1, done: 0, last_free: 0, fences: VecDeque::new(), seen_demand: 0 }
-    }
+/// Whether the fast paths may find the stream `id`: the driver's ids and the legacy default
+/// stream's, not the identities made up for one call or one capture.
+fn published(id: u64) -> bool {
+    id < SYNTHETIC || id == LEGACY
 }
 
 /// Pages of a lent block (see [`super::heap::State::Lent`]): still mapped at its address (as
@@ -258,9 +266,8 @@ pub(crate) struct Core<B: Backend> {
     capture_ids: HashMap<(u64, u64), u64>,
     /// The next made-up identity.
     next_synthetic: u64,
-    /// Requests that found no cached block, so far: a stream with frees that no event covers
-    /// records one at its next free when this moved since (see [`Core::free`]).
-    demand: u64,
+    /// Every stream's front, and the demand counter the fast paths read (see [`Core::free`]).
+    fronts: Arc<Fronts>,
     /// Bytes of pages mapped (spare ones apart).
     mapped_bytes: u64,
     stats: AllocatorStats,
@@ -278,11 +285,6 @@ pub(crate) struct Core<B: Backend> {
     /// and whether it did (see [`Core::try_allocate`]).
     may_settle: bool,
     wants_settle: bool,
-    /// A stream whose latest free is stamped with the number of its next event, that number, and
-    /// the demand then: until an event is recorded there or demand grows, another free on it
-    /// changes nothing in `streams`, so it skips the lookup (the common case of a training step's
-    /// frees).
-    stamped: Option<(u64, u64, u64)>,
     /// Blocks shared with other processes, by address: (sharings not yet over, size).
     exported: HashMap<u64, (u32, u64)>,
     /// Blocks of at least this many bytes (untagged) are one physical allocation each; 0: off.
@@ -302,7 +304,7 @@ impl<B: Backend> Core<B> {
             next_pool: 1,
             capture_ids: HashMap::new(),
             next_synthetic: LEGACY + 1,
-            demand: 0,
+            fronts: Arc::new(Fronts::default()),
             mapped_bytes: 0,
             stats: AllocatorStats::default(),
             sleepers: HashMap::new(),
@@ -312,7 +314,6 @@ impl<B: Backend> Core<B> {
             settling: 0,
             may_settle: false,
             wants_settle: false,
-            stamped: None,
             exported: HashMap::new(),
             whole_above: 0,
         }
@@ -322,8 +323,33 @@ impl<B: Backend> Core<B> {
         &mut self.backend
     }
 
-    pub(crate) fn stats(&self) -> AllocatorStats {
+    /// The counters, the fronts' included. Makes no driver call (a host function may ask).
+    pub(crate) fn stats(&mut self) -> AllocatorStats {
+        self.take_counts();
         AllocatorStats { graph_held: self.slots.iter().map(|s| s.heap.graph_bytes()).sum(), ..self.stats }
+    }
+
+    /// Adds what the fronts counted since last time to the core's counters.
+    fn take_counts(&mut self) {
+        for st in self.streams.values() {
+            let c = std::mem::take(&mut st.front.lock().counts);
+            let s = &mut self.stats;
+            s.allocations += c.allocations;
+            s.cache_hits += c.allocations;
+            s.frees += c.frees;
+            s.live = s.live.wrapping_add_signed(c.live);
+            s.requested = s.requested.wrapping_add_signed(c.requested);
+        }
+    }
+
+    /// The stream `c` names, its front made if new.
+    fn stream(&mut self, c: Caller) -> &mut Stream<B::Event> {
+        self.streams.entry(c.id).or_insert_with(|| Stream {
+            front: Arc::new(Front::new(c.id, c.raw)),
+            done: 0,
+            fences: VecDeque::new(),
+            published: false,
+        })
     }
 
     /// Addresses of every mapped page (for teardown).
@@ -346,7 +372,11 @@ impl<B: Backend> Core<B> {
         out
     }
 
+    /// Also flushes every cache: the peak is taken at allocations that search the shared index
+    /// (see [`AllocatorStats::live_peak`]), which holds only once no block freed before the reset
+    /// can come back without a search.
     pub(crate) fn reset_peaks(&mut self) {
+        self.flush_cached();
         self.stats.live_peak = self.stats.live;
         self.stats.mapped_peak = self.stats.mapped;
     }
@@ -394,6 +424,13 @@ impl<B: Backend> Core<B> {
         tag: u32,
     ) -> Result<u64> {
         let stream = stream.into();
+        // The fast path first, as `Ordered::allocate`.
+        if capture == Capture::None && tag == 0 && published(stream.id) && size > 0 && size < u64::MAX / 2 {
+            let n = (size + ALIGN - 1) & !(ALIGN - 1);
+            if let Some(addr) = self.fronts.take(stream.id, n, size) {
+                return Ok(addr);
+            }
+        }
         let r = self.try_allocate(size, stream, capture, tag, true);
         if r.is_err() && self.wants_settle() {
             let settle = self.settle_begin();
@@ -438,11 +475,18 @@ impl<B: Backend> Core<B> {
         };
         let req = Request { n, size, stream, kind: self.kind_of(n, tag), pool, capture };
         if capture == Capture::None {
-            for slot in self.slots.iter_mut().filter(|s| (s.small, s.tag) == req.kind) {
-                if let Some(addr) = slot.heap.take_cached((stream.id, stream.raw), n, size) {
-                    self.count_alloc(n, size, true);
-                    return Ok(addr);
-                }
+            let found =
+                self.slots.iter_mut().enumerate().filter(|(_, s)| (s.small, s.tag) == req.kind).find_map(
+                    |(i, slot)| slot.heap.take_cached((stream.id, stream.raw), n, size).map(|a| (i, a)),
+                );
+            if let Some((slot, addr)) = found {
+                // A block of its own stream's cache: the peak stays where the last search left it.
+                self.stats.allocations += 1;
+                self.stats.cache_hits += 1;
+                self.stats.live = self.stats.live.wrapping_add(n);
+                self.stats.requested = self.stats.requested.wrapping_add(size);
+                self.register(&req, slot, addr);
+                return Ok(addr);
             }
         }
         self.may_settle = may_settle;
@@ -450,18 +494,43 @@ impl<B: Backend> Core<B> {
         // During a capture nothing may be queried, so only blocks known idle (or this capture's
         // own, reused in capture order) qualify.
         let reuse = if matches!(capture, Capture::Shared(_)) { IDLE } else { stream.id };
-        if let Some(addr) = self.reuse(&req, reuse, pool)? {
-            return Ok(addr);
+        let mut found = self.reuse(&req, reuse, pool)?;
+        if found.is_none() && pool != 0 {
+            found = self.reuse(&req, IDLE, 0)?;
         }
-        if pool != 0 {
-            if let Some(addr) = self.reuse(&req, IDLE, 0)? {
-                return Ok(addr);
+        let (slot, addr) = match found {
+            Some(f) => f,
+            None => {
+                let old = self.backend.relax()?;
+                let r = self.allocate_slow(&req);
+                self.backend.restore(old);
+                r?
             }
+        };
+        self.register(&req, slot, addr);
+        Ok(addr)
+    }
+
+    /// Gives the front of the request's stream the block just handed out, so that its free
+    /// through the same handle, and the stream's later requests of its size, need not come here:
+    /// untagged blocks of the shared pool (not one-allocation blocks) outside captures, on
+    /// streams the driver named.
+    fn register(&mut self, req: &Request, slot: usize, addr: u64) {
+        if req.capture != Capture::None || req.kind.1 != 0 || req.pool != 0 || !published(req.stream.id) {
+            return;
         }
-        let old = self.backend.relax()?;
-        let r = self.allocate_slow(&req);
-        self.backend.restore(old);
-        r
+        let entry =
+            Entry { n: req.n, requested: req.size, slot: slot as u32, cached: false, via_core: false };
+        self.stream(req.stream);
+        let st = self.streams.get_mut(&req.stream.id).expect("just made");
+        if st.front.raw != req.stream.raw {
+            return;
+        }
+        if !st.published {
+            self.fronts.publish(&st.front);
+            st.published = true;
+        }
+        st.front.lock().blocks.insert(addr, entry);
     }
 
     /// Gives every spare page back to the driver.
@@ -471,12 +540,12 @@ impl<B: Backend> Core<B> {
         self.note_mapped();
     }
 
-    fn allocate_slow(&mut self, req: &Request) -> Result<u64> {
-        self.demand += 1;
+    fn allocate_slow(&mut self, req: &Request) -> Result<(usize, u64)> {
+        self.fronts.add_demand();
         if req.capture == Capture::None {
             self.poll_all(req.stream)?;
-            if let Some(addr) = self.reuse(req, req.stream.id, req.pool)? {
-                return Ok(addr);
+            if let Some(found) = self.reuse(req, req.stream.id, req.pool)? {
+                return Ok(found);
             }
         }
         // Fresh address space; its pages come from idle ones, spare ones, or the driver.
@@ -484,7 +553,7 @@ impl<B: Backend> Core<B> {
         match self.ensure_pages(slot, addr, req.n, req.capture, req.stream.id) {
             Ok(()) => {
                 self.count_alloc(req.n, req.size, false);
-                Ok(addr)
+                Ok((slot, addr))
             }
             Err(e) => {
                 self.give_back_block(slot, addr, req.stream);
@@ -496,16 +565,17 @@ impl<B: Backend> Core<B> {
     /// Returns a block whose pages could not be mapped. It may hold memory `stream`'s queued work
     /// still uses (a hole it freed, grown or merged), so it goes back as freed on `stream` now.
     fn give_back_block(&mut self, slot: usize, addr: u64, stream: Caller) {
-        let st = self.streams.entry(stream.id).or_insert_with(Stream::new);
-        st.last_free = st.next;
-        let owner = Owner::Stream { stream: stream.id, epoch: st.next };
-        self.stamped = None;
-        self.slots[slot].heap.free(addr, owner);
+        let epoch = {
+            let mut f = self.stream(stream).front.lock();
+            f.last_free = f.next;
+            f.next
+        };
+        self.slots[slot].heap.free(addr, Owner::Stream { stream: stream.id, epoch });
     }
 
     /// Takes a free block of pool `pool` that `reuse` (a stream, or [`IDLE`]) may use, for `req`
     /// (and its pool).
-    fn reuse(&mut self, req: &Request, reuse: u64, pool: u32) -> Result<Option<u64>> {
+    fn reuse(&mut self, req: &Request, reuse: u64, pool: u32) -> Result<Option<(usize, u64)>> {
         // Heaps of one kind are few (more only when one's address space ran out): the first that
         // fits wins.
         let found = self
@@ -522,15 +592,15 @@ impl<B: Backend> Core<B> {
             return Err(e);
         }
         self.count_alloc(req.n, req.size, self.mapped_bytes == mapped_before);
-        Ok(Some(addr))
+        Ok(Some((slot, addr)))
     }
 
     fn count_alloc(&mut self, n: u64, size: u64, hit: bool) {
         let s = &mut self.stats;
         s.allocations += 1;
         s.cache_hits += u64::from(hit);
-        s.live += n;
-        s.requested += size;
+        s.live = s.live.wrapping_add(n);
+        s.requested = s.requested.wrapping_add(size);
         s.live_peak = s.live_peak.max(s.live);
     }
 
@@ -872,11 +942,21 @@ impl<B: Backend> Core<B> {
         for s in streams {
             self.poll(s)?;
             let st = &self.streams[&s];
-            if st.fences.is_empty() && st.last_free < st.next && self.settling == 0 {
-                // Everything freed on it is idle. A stamped stream's latest free has no event
-                // after it yet, so it is never idle. While a device-wide wait is under way its
-                // numbers must stay, or a free after the wait began could be taken as covered.
-                debug_assert!(self.stamped.map_or(true, |(t, ..)| t != s), "forgetting a stamped stream");
+            if !st.fences.is_empty() || self.settling > 0 {
+                // While a device-wide wait is under way its numbers must stay, or a free after
+                // the wait began could be taken as covered.
+                continue;
+            }
+            let front = st.front.clone();
+            let mut f = front.lock();
+            if f.last_free < f.next && f.is_empty() {
+                // Everything freed on it is idle and its front holds no block: a fast path still
+                // holding the front finds it retired and comes here.
+                f.retired = true;
+                drop(f);
+                if st.published {
+                    self.fronts.withdraw(&front);
+                }
                 self.streams.remove(&s);
             }
         }
@@ -899,18 +979,22 @@ impl<B: Backend> Core<B> {
     /// that a free just after, merging with them, does not take them back to its stream first.
     fn caught_up(&mut self, c: Caller, now: bool) -> Result<bool> {
         let st = &self.streams[&c.id];
-        if st.last_free <= st.done
+        let (front, done) = (st.front.clone(), st.done);
+        // The front stays locked from the query to the new number: a free stamped with the old
+        // one happened before the query, a free after it takes the new one.
+        let mut f = front.lock();
+        if f.last_free <= done
             || self.backend.capture_of(c.raw)?.is_some()
             || !self.backend.stream_idle(c.raw)?
         {
             return Ok(false);
         }
+        let n = f.next;
+        f.next += 1;
+        drop(f);
         let st = self.streams.get_mut(&c.id).expect("known stream");
         // Every event recorded there has completed too.
         self.idle_events.extend(st.fences.drain(..).filter_map(|(_, ev)| ev));
-        let n = st.next;
-        st.next += 1;
-        self.stamped = None;
         if now {
             st.done = n;
             self.work_ran(c.id, n)?;
@@ -955,8 +1039,11 @@ impl<B: Backend> Core<B> {
     /// Records an event on the caller's stream if a free there is not covered by one yet and the
     /// stream is not being captured.
     fn fence(&mut self, c: Caller) -> Result<()> {
-        let st = &self.streams[&c.id];
-        if st.last_free < st.next {
+        let front = self.streams[&c.id].front.clone();
+        // Locked from the check to the new number, the record between: a free stamped with the
+        // event's number happened before the record, a free after it takes the next number.
+        let mut f = front.lock();
+        if f.last_free < f.next {
             return Ok(());
         }
         if self.backend.capture_of(c.raw)?.is_some() {
@@ -971,10 +1058,10 @@ impl<B: Backend> Core<B> {
             return Err(e);
         }
         self.stats.events_recorded += 1;
-        let st = self.streams.get_mut(&c.id).expect("known stream");
-        st.fences.push_back((st.next, Some(ev)));
-        st.next += 1;
-        self.stamped = None;
+        let n = f.next;
+        f.next += 1;
+        drop(f);
+        self.streams.get_mut(&c.id).expect("known stream").fences.push_back((n, Some(ev)));
         Ok(())
     }
 
@@ -983,13 +1070,13 @@ impl<B: Backend> Core<B> {
     /// has returned.
     pub(crate) fn settle_begin(&mut self) -> Settle {
         self.settling += 1;
-        self.stamped = None;
         let upto = self
             .streams
-            .iter_mut()
+            .iter()
             .map(|(&s, st)| {
-                st.next += 1;
-                (s, st.next - 1)
+                let mut f = st.front.lock();
+                f.next += 1;
+                (s, f.next - 1)
             })
             .collect();
         Settle { upto }
@@ -1004,9 +1091,10 @@ impl<B: Backend> Core<B> {
             // No event stands behind the numbers skipped: a stream whose latest free had none
             // after it is left so, to be covered by the next event recorded there.
             for (s, n) in settle.upto {
-                if let Some(st) = self.streams.get_mut(&s) {
-                    if st.last_free == n {
-                        st.last_free = st.next;
+                if let Some(st) = self.streams.get(&s) {
+                    let mut f = st.front.lock();
+                    if f.last_free == n {
+                        f.last_free = f.next;
                     }
                 }
             }
@@ -1089,30 +1177,65 @@ impl<B: Backend> Core<B> {
                 Err(_) => self.caller(raw, None, Capture::None),
             }
         };
-        let demand = self.demand;
-        let (epoch, unstamped) = match self.stamped {
-            Some((s, epoch, d)) if s == stream.id && d == demand => (epoch, None),
+        let demand = self.fronts.demand();
+        // The allocating stream's front knows the blocks its fast paths may free or hand out; each
+        // is looked at and changed under one hold of that front's lock (a fast path may run
+        // meanwhile), one front at a time.
+        let mut moved = None;
+        if stream.id != id {
+            if let Some(st) = self.streams.get(&id) {
+                let mut g = st.front.lock();
+                match g.blocks.get(&addr).copied() {
+                    Some(e) if e.cached => return Err(twice()),
+                    Some(e) => {
+                        g.blocks.remove(&addr);
+                        moved = Some(e);
+                    }
+                    None => {}
+                }
+            }
+        }
+        let own = self.stream(stream).front.clone();
+        let mut f = own.lock();
+        let epoch = f.next;
+        let entry = if stream.id == id { f.blocks.get(&addr).copied() } else { moved };
+        if stream.id == id && entry.is_some_and(|e| e.cached) {
+            return Err(twice());
+        }
+        f.last_free = epoch;
+        let freed = match entry {
+            // Its own front's block, freed there: cached in the front, as a fast free would.
+            Some(e) if stream.id == id && f.cache_free(addr, epoch) => {
+                Freed { size: e.n, requested: e.requested, pool: 0 }
+            }
             _ => {
-                let st = self.streams.entry(stream.id).or_insert_with(Stream::new);
-                (st.next, Some(st))
+                if stream.id == id && entry.is_some() {
+                    f.blocks.remove(&addr);
+                }
+                let freed = self.slots[slot].heap.free_cached(i, stream.id, epoch);
+                Freed { requested: entry.map_or(freed.requested, |e| e.requested), ..freed }
             }
         };
-        let freed = self.slots[slot].heap.free_cached(i, stream.id, epoch);
-        if let Some(st) = unstamped {
-            st.last_free = epoch;
-            self.stamped = Some((stream.id, epoch, demand));
-            if st.seen_demand < demand {
-                st.seen_demand = demand;
-                // Its frees are made idle at once if its work has run, else an event is recorded
-                // after them. Best effort: without the event the blocks wait for a later one, or
-                // for a device-wide wait. Relaxed, as a capture elsewhere in global mode forbids
-                // the event.
-                if let Ok(old) = self.backend.relax() {
-                    if !matches!(self.caught_up(stream, false), Ok(true)) {
-                        let _ = self.fence(stream);
-                    }
-                    self.backend.restore(old);
+        let ask = f.seen_demand < demand;
+        if ask {
+            f.seen_demand = demand;
+        }
+        drop(f);
+        // Attributed without asking, the stream may have been destroyed and its handle given to
+        // another: an event recorded (or an idle query) through the handle would then be the
+        // other stream's, taken for this one's. So the handle is asked first (never its id while
+        // captured); a destroyed stream's frees wait for a device-wide wait.
+        let ask = ask && (raw != alloc_raw || self.names(stream));
+        if ask {
+            // Its frees are made idle at once if its work has run, else an event is recorded
+            // after them. Best effort: without the event the blocks wait for a later one, or
+            // for a device-wide wait. Relaxed, as a capture elsewhere in global mode forbids
+            // the event.
+            if let Ok(old) = self.backend.relax() {
+                if !matches!(self.caught_up(stream, false), Ok(true)) {
+                    let _ = self.fence(stream);
                 }
+                self.backend.restore(old);
             }
         }
         if !self.exported.is_empty() {
@@ -1121,14 +1244,51 @@ impl<B: Backend> Core<B> {
         Ok(self.count_free(freed))
     }
 
+    /// Makes the free of the live block at `addr` in `slot` go through the core.
+    pub(super) fn free_via_core(&mut self, slot: usize, addr: u64) {
+        let Some((_, id, _)) = self.slots[slot].heap.live_block(addr) else { return };
+        if let Some(st) = self.streams.get(&id) {
+            if let Some(e) = st.front.lock().blocks.get_mut(&addr) {
+                e.via_core = true;
+            }
+        }
+    }
+
+    /// Whether the handle of `c` still names the stream `c.id` (it is not being captured, and the
+    /// driver gives that id): the legacy default stream always; an identity the allocator made
+    /// up, never.
+    fn names(&mut self, c: Caller) -> bool {
+        if c.id == LEGACY {
+            return true;
+        }
+        published(c.id)
+            && matches!(self.backend.capture_of(c.raw), Ok(None))
+            && self.backend.stream_id(c.raw) == Some(c.id)
+    }
+
     fn count_free(&mut self, freed: Freed) -> Freed {
+        // Wrapping: a block a front handed out is counted there until the core takes the
+        // fronts' counts in, so the core's own share may dip below zero meanwhile.
         self.stats.frees += 1;
-        self.stats.live -= freed.size;
-        self.stats.requested -= freed.requested;
+        self.stats.live = self.stats.live.wrapping_sub(freed.size);
+        self.stats.requested = self.stats.requested.wrapping_sub(freed.requested);
         freed
     }
 
+    /// Moves every cached block, the fronts' and the heaps', into the shared index (idle when an
+    /// event covering its free has completed), and takes in the fronts' counters.
     pub(crate) fn flush_cached(&mut self) {
+        self.take_counts();
+        let mut due = Vec::new();
+        for (&s, st) in &self.streams {
+            due.extend(st.front.lock().drain().into_iter().map(|(addr, epoch, e)| (s, addr, epoch, e.slot)));
+        }
+        for (s, addr, epoch, slot) in due {
+            let done = self.streams.get(&s).is_some_and(|st| st.done >= epoch);
+            let owner = if done { Owner::Idle } else { Owner::Stream { stream: s, epoch } };
+            let freed = self.slots[slot as usize].heap.free(addr, owner);
+            debug_assert!(freed.is_some(), "a block cached in a front is live in its heap");
+        }
         let streams = &self.streams;
         let done = |s: u64, epoch: u64| streams.get(&s).is_some_and(|st| st.done >= epoch);
         for s in &mut self.slots {
@@ -1176,6 +1336,76 @@ impl<B: Backend> Core<B> {
         self.flush_cached();
         self.pools.clear();
         self.slots.iter_mut().map(|s| s.heap.dissolve_pools()).sum()
+    }
+}
+
+/// The allocator's state for one device: the core behind its lock, and the streams' fronts,
+/// which serve a stream's cached requests and its frees through the allocating handle without
+/// that lock (see [`super::front`]).
+pub(crate) struct Ordered<B: Backend> {
+    core: Mutex<Core<B>>,
+    fronts: Arc<Fronts>,
+}
+
+impl<B: Backend> Ordered<B> {
+    pub(crate) fn new(core: Core<B>) -> Ordered<B> {
+        let fronts = core.fronts.clone();
+        Ordered { core: Mutex::new(core), fronts }
+    }
+
+    /// The core, locked. Lock order: the core, then a front.
+    pub(crate) fn core(&self) -> MutexGuard<'_, Core<B>> {
+        lock(&self.core)
+    }
+
+    pub(crate) fn core_mut(&mut self) -> &mut Core<B> {
+        self.core.get_mut().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// `size` bytes for work on the stream whose handle is `raw` and which the driver named `id`
+    /// (`None`: it could not, or was not asked). Out of memory, the core's lock is let go while
+    /// `wait` waits for the whole device (it says whether the wait succeeded), and the request
+    /// asks once more.
+    pub(crate) fn allocate(
+        &self,
+        size: u64,
+        raw: u64,
+        id: Option<u64>,
+        capture: Capture,
+        tag: u32,
+        wait: impl FnOnce() -> bool,
+    ) -> Result<u64> {
+        if let Some(id) = id.filter(|&i| capture == Capture::None && tag == 0 && published(i)) {
+            if let Some(n) = size.checked_add(ALIGN - 1).map(|s| s & !(ALIGN - 1)).filter(|&n| n > 0) {
+                if let Some(addr) = self.fronts.take(id, n, size) {
+                    return Ok(addr);
+                }
+            }
+        }
+        let mut core = self.core();
+        let caller = core.caller(raw, id, capture);
+        let r = core.try_allocate(size, caller, capture, tag, true);
+        if r.is_err() && core.wants_settle() {
+            // Out of memory: what was freed becomes idle once the device has run the work queued
+            // before, waited for without the lock (a host function the device waits for may
+            // take it).
+            let settle = core.settle_begin();
+            drop(core);
+            let ok = wait();
+            let mut core = self.core();
+            let _ = core.settled(settle, ok);
+            return core.try_allocate(size, caller, capture, tag, false);
+        }
+        r
+    }
+
+    /// Frees the block at `addr` on the stream whose handle is `raw`: through that stream's front
+    /// when it is the front's block, else through the core.
+    pub(crate) fn free(&self, addr: u64, raw: u64) -> Result<()> {
+        if self.fronts.give(addr, raw) {
+            return Ok(());
+        }
+        self.core().free(addr, raw).map(|_| ())
     }
 }
 

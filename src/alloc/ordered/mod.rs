@@ -24,9 +24,29 @@
 //! allocator does not ask (the driver may forbid it) and names the stream by the capture and the
 //! handle, which within one capture name one stream; where the driver cannot name a stream
 //! (before CUDA 12.0) the allocator makes up an identity it never uses again. Blocks freed under
-//! such an identity outside its call wait for a wait for the whole device. A free through the handle its block was allocated with is on that stream, or
-//! on a destroyed one whose identity nothing uses again; a free through another handle asks
-//! the driver.
+//! such an identity outside its call wait for a wait for the whole device. A free through the
+//! handle its block was allocated with is on that stream, or on a destroyed one whose identity
+//! nothing uses again (such a free asks the driver whether the handle still names the stream
+//! before it records an event or asks whether the stream is idle, since the answer would
+//! otherwise be the new stream's); a free through another handle asks the driver.
+//!
+//! # Threads
+//!
+//! Each stream has a front of its own (`front.rs`), behind its own lock: the blocks handed out on
+//! it and the blocks it freed, kept whole for its next request of the same size. A request such a
+//! block serves, and a free through the handle its block was allocated with, take that lock alone,
+//! so threads each on their own stream do not wait for one another; the device-wide lock is taken
+//! by requests that find no such block, by a stream's first free after another stream's request
+//! found none (to record the event the others wait for), by tagged or captured requests, by frees
+//! through other handles, and by the calls that look at the whole device. Soundness rests on the
+//! numbering: a free is stamped, under its front's lock, with the number of the next event to be
+//! recorded on its stream, and that number is taken and advanced under the same lock, in the same
+//! hold, as the event is recorded (or the stream found idle, or a wait for the whole device
+//! begun), so an event covers exactly the frees made before it. Cached blocks reach other streams
+//! only through the device-wide path, which takes every front's cache into the shared index,
+//! owned by its stream until an event covering its stamp has completed, before it looks for free
+//! space, waits, sleeps, exports or releases graph memory. Lock order: the device-wide lock, then
+//! one front's.
 //!
 //! Address space is reserved in large heaps (by default twice the device's memory: address space
 //! costs nothing) and physical pages are mapped under blocks only as they are handed out. A heap
@@ -72,13 +92,14 @@
 mod backend;
 mod backup;
 pub(crate) mod core;
+mod front;
 mod heap;
 
 pub use self::backup::{BackupKind, BackupOptions};
 pub use self::core::{AllocatorStats, SleepMode, TagStats};
 
 use self::backend::DriverBackend;
-use self::core::{Capture, Core, Settle, Sizes};
+use self::core::{Capture, Core, Ordered, Settle, Sizes};
 use crate::context::Context;
 use crate::driver::{driver, sys::*};
 use crate::error::{Error, Result};
@@ -203,12 +224,12 @@ struct Shared {
     ctx: Context,
     /// The device's memory in bytes: no block can be larger.
     memory: u64,
-    core: Mutex<Core<DriverBackend>>,
+    alloc: Ordered<DriverBackend>,
 }
 
 impl Drop for Shared {
     fn drop(&mut self) {
-        let core = self.core.get_mut().unwrap_or_else(|e| e.into_inner());
+        let core = self.alloc.core_mut();
         let pages = core.mapped_addresses();
         core.backend().unmap_all(pages.into_iter());
     }
@@ -254,7 +275,7 @@ impl StreamAllocator {
         let mut core = Core::new(backend, sizes);
         core.set_whole_above(config.export_threshold as u64);
         Ok(StreamAllocator {
-            inner: Arc::new(Shared { ctx: ctx.clone(), memory: total as u64, core: Mutex::new(core) }),
+            inner: Arc::new(Shared { ctx: ctx.clone(), memory: total as u64, alloc: Ordered::new(core) }),
         })
     }
 
@@ -325,17 +346,8 @@ impl StreamAllocator {
         // Every driver call the allocator may make binds the context itself: the cached path makes
         // none.
         let tag = tag.map_or(0, |t| t.0);
-        let mut core = lock(&self.inner.core);
-        let caller = core.caller(stream_key(stream), id, capture);
-        let r = core.try_allocate(size as u64, caller, capture, tag, true);
-        if r.is_err() && core.wants_settle() {
-            // Out of memory: what was freed becomes idle once the device has run the work queued
-            // before, waited for without the lock.
-            let settle = core.settle_begin();
-            let (mut core, _) = self.settle(core, settle);
-            return core.try_allocate(size as u64, caller, capture, tag, false);
-        }
-        r
+        let wait = || self.inner.ctx.synchronize().is_ok();
+        self.inner.alloc.allocate(size as u64, stream_key(stream), id, capture, tag, wait)
     }
 
     /// `size` bytes on `stream` that sleep and wake with `tag`.
@@ -356,10 +368,10 @@ impl StreamAllocator {
     /// block faults the context: sleep only what nothing queued will use before
     /// [`wake`](Self::wake).
     pub fn sleep(&self, tag: Tag, mode: SleepMode) -> Result<usize> {
-        let settle = lock(&self.inner.core).sleep_begin(tag.0)?;
+        let settle = self.inner.alloc.core().sleep_begin(tag.0)?;
         // Not under the lock: a host function the device waits for may take it (`stats`).
         let waited = self.inner.ctx.synchronize();
-        lock(&self.inner.core).sleep_finish(tag.0, mode, settle, waited).map(|b| b as usize)
+        self.inner.alloc.core().sleep_finish(tag.0, mode, settle, waited).map(|b| b as usize)
     }
 
     /// Maps memory again under every live block tagged `tag`, at the same addresses with the same
@@ -367,12 +379,12 @@ impl StreamAllocator {
     /// Out of memory, it gives back what it had mapped and the tag stays asleep with nothing lost:
     /// a later wake may succeed.
     pub fn wake(&self, tag: Tag) -> Result<()> {
-        lock(&self.inner.core).wake(tag.0)
+        self.inner.alloc.core().wake(tag.0)
     }
 
     /// What `tag` holds.
     pub fn tag_stats(&self, tag: Tag) -> TagStats {
-        lock(&self.inner.core).tag_stats(tag.0)
+        self.inner.alloc.core().tag_stats(tag.0)
     }
 
     /// Frees the block at `ptr` on the raw stream `stream`: work queued on `stream` before this
@@ -389,13 +401,13 @@ impl StreamAllocator {
     /// stream found memory short, to record an event after the free.
     pub unsafe fn free_raw(&self, ptr: u64, stream: CUstream) -> Result<()> {
         check_stream(stream)?;
-        lock(&self.inner.core).free(ptr, stream_key(stream)).map(|_| ())
+        self.inner.alloc.free(ptr, stream_key(stream))
     }
 
     /// The live block holding `ptr` (anywhere inside it), as (address, size), if this allocator
     /// handed it out.
     pub fn owner_of(&self, ptr: u64) -> Option<(u64, u64)> {
-        lock(&self.inner.core).owner_of(ptr)
+        self.inner.alloc.core().owner_of(ptr)
     }
 
     /// Shares the live block holding `ptr` with another process: a POSIX descriptor for each page
@@ -410,7 +422,7 @@ impl StreamAllocator {
     /// descriptors.
     pub fn export(&self, ptr: u64) -> Result<BlockExport> {
         let mut fds = Vec::new();
-        let at = lock(&self.inner.core).export(ptr, |page| {
+        let at = self.inner.alloc.core().export(ptr, |page| {
             fds.push(page.export_fd()?);
             Ok(())
         })?;
@@ -426,17 +438,17 @@ impl StreamAllocator {
     /// One sharing of the block at `block` (as [`export`](Self::export) returned it) is over.
     /// Refused for a block not shared.
     pub fn unexport(&self, block: u64) -> Result<()> {
-        lock(&self.inner.core).unexport(block)
+        self.inner.alloc.core().unexport(block)
     }
 
     /// Counters of this allocator.
     pub fn stats(&self) -> AllocatorStats {
-        lock(&self.inner.core).stats()
+        self.inner.alloc.core().stats()
     }
 
     /// Resets the peaks of [`stats`](Self::stats) to the current values.
     pub fn reset_peaks(&self) {
-        lock(&self.inner.core).reset_peaks()
+        self.inner.alloc.core().reset_peaks()
     }
 
     /// Waits for the work that used freed blocks, then gives every idle page back to the driver.
@@ -445,7 +457,7 @@ impl StreamAllocator {
     /// during a capture).
     pub fn empty_cache(&self) -> Result<usize> {
         self.inner.ctx.bind()?;
-        let mut core = lock(&self.inner.core);
+        let mut core = self.inner.alloc.core();
         core.flush_cached();
         let settle = core.settle_begin();
         let (mut core, waited) = self.settle(core, settle);
@@ -463,7 +475,7 @@ impl StreamAllocator {
     ) -> (MutexGuard<'a, Core<DriverBackend>>, Result<()>) {
         drop(core);
         let waited = self.inner.ctx.synchronize();
-        let mut core = lock(&self.inner.core);
+        let mut core = self.inner.alloc.core();
         let r = core.settled(settle, waited.is_ok());
         (core, waited.and(r))
     }
@@ -475,7 +487,7 @@ impl StreamAllocator {
     /// No graph captured with memory from this allocator may be replayed again (destroy them
     /// first): their replays would write memory handed out to others.
     pub unsafe fn release_graph_memory(&self) -> usize {
-        lock(&self.inner.core).release_graph_memory() as usize
+        self.inner.alloc.core().release_graph_memory() as usize
     }
 }
 

@@ -90,7 +90,9 @@ impl<B: Backend> Core<B> {
     }
 
     /// The live block holding `addr`, as (address, size), if this allocator handed it out.
-    pub(crate) fn owner_of(&self, addr: u64) -> Option<(u64, u64)> {
+    pub(crate) fn owner_of(&mut self, addr: u64) -> Option<(u64, u64)> {
+        // A block cached in a front is still live in its heap.
+        self.flush_cached();
         self.live_block_at(addr).map(|(_, a, n)| (a, n))
     }
 
@@ -102,6 +104,8 @@ impl<B: Backend> Core<B> {
         addr: u64,
         mut each: impl FnMut(&B::Page) -> Result<()>,
     ) -> Result<BlockPages> {
+        // A block cached in a front is still live in its heap.
+        self.flush_cached();
         let (slot, block, len) = self
             .live_block_at(addr)
             .ok_or_else(|| Error::invalid(format!("{addr:#x} is not a live allocation")))?;
@@ -119,6 +123,8 @@ impl<B: Backend> Core<B> {
                 .ok_or_else(|| Error::invalid("a page of a live block is not mapped"))?;
             each(handle)?;
         }
+        // Its free must drop the mark: the front's fast path leaves it to the core.
+        self.free_via_core(slot, block);
         let mark = self.exported.entry(block).or_insert((0, len));
         mark.0 += 1;
         if mark.0 == 1 {

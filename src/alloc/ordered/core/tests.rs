@@ -6,9 +6,9 @@ use super::*;
 use crate::alloc::{BackupKind, BackupOptions};
 use crate::driver::sys::CUresult;
 use proptest::prelude::*;
-use std::cell::{Cell, RefCell};
 use std::collections::{BTreeMap, HashSet};
-use std::rc::Rc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Mutex, MutexGuard};
 
 pub(super) const PAGE: u64 = 1 << 16;
 
@@ -18,16 +18,48 @@ enum Op {
     Record(u32),
 }
 
+thread_local! {
+    /// The handle of the call under way on this thread, where several threads share the model.
+    static IN_CALL: std::cell::Cell<Option<u64>> = const { std::cell::Cell::new(None) };
+}
+
+/// A counter the model shares with its pages and backups (`Send`, so that the model can serve
+/// several threads behind the allocator's lock).
+#[derive(Clone, Default)]
+pub(super) struct Count(Arc<AtomicUsize>);
+
+impl Count {
+    pub(super) fn get(&self) -> usize {
+        self.0.load(Ordering::Relaxed)
+    }
+    fn set(&self, v: usize) {
+        self.0.store(v, Ordering::Relaxed)
+    }
+}
+
+/// A map the model shares with its pages.
+#[derive(Clone, Default)]
+pub(super) struct SharedMap(Arc<Mutex<HashMap<u32, usize>>>);
+
+impl SharedMap {
+    fn borrow(&self) -> MutexGuard<'_, HashMap<u32, usize>> {
+        lock(&self.0)
+    }
+    fn borrow_mut(&self) -> MutexGuard<'_, HashMap<u32, usize>> {
+        lock(&self.0)
+    }
+}
+
 #[derive(Default)]
 pub(super) struct Gpu {
     next_base: u64,
     mapped: BTreeMap<u64, (u32, u64)>,
     /// Memory in use, in units of PAGE, against `page_limit`.
-    pub(super) units: Rc<Cell<usize>>,
+    pub(super) units: Count,
     /// Mappings of each page, and pages released while still mapped: as with the driver, the
     /// memory of a released page is freed when its last mapping goes.
-    mappings: Rc<RefCell<HashMap<u32, usize>>>,
-    released_mapped: Rc<RefCell<HashMap<u32, usize>>>,
+    mappings: SharedMap,
+    released_mapped: SharedMap,
     pages_alive: usize,
     page_limit: usize,
     next_page: u32,
@@ -60,7 +92,7 @@ pub(super) struct Gpu {
     /// Each tag's backup options (the default when absent).
     backup_options: HashMap<u32, BackupOptions>,
     /// Backups alive now, and made so far.
-    hosts_alive: Rc<Cell<usize>>,
+    hosts_alive: Count,
     hosts_made: usize,
     /// Copies (either way) left before one fails, as a copy to or from a backup may (None: never).
     copies_left: Option<usize>,
@@ -74,7 +106,7 @@ pub(super) struct ModelHost {
     len: u64,
     data: HashMap<u64, u64>,
     options: BackupOptions,
-    alive: Rc<Cell<usize>>,
+    alive: Count,
 }
 
 impl Drop for ModelHost {
@@ -86,9 +118,9 @@ impl Drop for ModelHost {
 pub(super) struct Page {
     pub(super) id: u32,
     units: usize,
-    mem: Rc<Cell<usize>>,
-    mappings: Rc<RefCell<HashMap<u32, usize>>>,
-    released_mapped: Rc<RefCell<HashMap<u32, usize>>>,
+    mem: Count,
+    mappings: SharedMap,
+    released_mapped: SharedMap,
 }
 
 impl Drop for Page {
@@ -310,7 +342,7 @@ impl Backend for Gpu {
         }
         self.hosts_made += 1;
         self.hosts_alive.set(self.hosts_alive.get() + 1);
-        Ok(ModelHost { len: bytes, data: HashMap::new(), options, alive: Rc::clone(&self.hosts_alive) })
+        Ok(ModelHost { len: bytes, data: HashMap::new(), options, alive: self.hosts_alive.clone() })
     }
     fn host_retained(host: &ModelHost) -> bool {
         host.options.retain
@@ -373,7 +405,7 @@ impl Gpu {
     /// The stream a handle names now; checks that the allocator passes the driver no handle but
     /// that of the call under way.
     fn stream_of(&mut self, raw: u64) -> u64 {
-        if let Some(c) = self.in_call {
+        if let Some(c) = self.in_call.or(IN_CALL.get()) {
             assert_eq!(raw, c, "the driver was called on handle {raw} during a call on handle {c}");
         }
         self.handles.get(&raw).copied().unwrap_or(raw)
@@ -479,7 +511,9 @@ fn capture_id(c: Capture) -> Option<u64> {
 fn free(c: &mut Core<Gpu>, held: &mut Vec<Held>, k: usize) {
     let h = held.swap_remove(k);
     c.backend().in_call = Some(h.raw);
-    c.free(h.addr, h.raw).expect("free of a live block");
+    if !c.fronts.give(h.addr, h.raw) {
+        c.free(h.addr, h.raw).expect("free of a live block");
+    }
     c.backend().in_call = None;
 }
 
@@ -548,6 +582,32 @@ fn a_destroyed_streams_handle_on_a_new_stream_takes_none_of_its_blocks_before_it
     c.empty_cache().unwrap();
     let again: Vec<u64> = (0..2).map(|_| alloc_on(&mut c, &mut held, 4096, new).unwrap()).collect();
     assert!(again.contains(&a) || again.contains(&b), "{again:x?}");
+}
+
+/// A block of a destroyed stream freed through its old handle, now another stream's, is
+/// attributed to the destroyed stream without asking; the event its free would record for the
+/// others (another stream found memory short) must not be recorded through that handle, nor the
+/// handle asked whether it is idle: that would be the new stream's answer, taken for the
+/// destroyed stream's, and every block the destroyed stream freed with its work still queued would
+/// go to others.
+#[test]
+fn a_free_through_a_destroyed_streams_reused_handle_records_nothing_for_it() {
+    let mut c = core(1000);
+    let mut held = Vec::new();
+    let a = alloc(&mut c, &mut held, 4096, 1).unwrap();
+    alloc(&mut c, &mut held, 8192, 1).unwrap();
+    free(&mut c, &mut held, 0); // `a`, its use still queued on stream 1
+    alloc(&mut c, &mut held, SMALL + 512, 2).unwrap(); // demand moves
+                                                       // Stream 1 is destroyed with its work queued; handle 1 now names stream 3, which is idle.
+    c.backend().handles.insert(1, 3);
+    let events = c.stats().events_recorded;
+    free(&mut c, &mut held, 0); // the 8 KiB block, through handle 1
+    for _ in 0..3 {
+        let x = alloc(&mut c, &mut held, 4096, 2).unwrap();
+        assert_ne!(x, a, "stream 2 took a block stream 1's queued work still uses");
+        alloc(&mut c, &mut held, 3 * SMALL, 2).unwrap(); // misses: polls
+    }
+    assert_eq!(c.stats().events_recorded, events, "no event for stream 1 after its destruction");
 }
 
 /// A free through another handle than the allocation's asks the stream's identity: when the
@@ -689,6 +749,58 @@ fn a_stream_whose_frees_all_completed_is_forgotten() {
     assert!(!c.streams.contains_key(&9));
 }
 
+/// A stream the core forgot (all its frees idle, no block left) gets a new front at its next
+/// request, and the fast paths find that one, not the retired front a thread remembers.
+#[test]
+fn a_forgotten_streams_next_front_serves_its_cached_pairs() {
+    let mut c = core(1000);
+    let mut held = Vec::new();
+    // This thread remembers stream 9's front from a pair it served.
+    for _ in 0..2 {
+        alloc(&mut c, &mut held, 4096, 9).unwrap();
+        free(&mut c, &mut held, 0);
+    }
+    alloc(&mut c, &mut held, 4096, 9).unwrap();
+    let _ = alloc(&mut c, &mut held, 1 << 20, 1); // a miss: demand moves
+    c.backend().run_all();
+    let k = held.iter().position(|h| h.stream == 9).unwrap();
+    free(&mut c, &mut held, k); // through the core: stream 9 has run all its work
+    let _ = alloc(&mut c, &mut held, 2 << 20, 1); // a miss: takes the front's cache, promotes
+    let _ = alloc(&mut c, &mut held, 3 << 20, 1); // a miss: nothing left of 9
+    assert!(!c.streams.contains_key(&9));
+    alloc(&mut c, &mut held, 4096, 9).unwrap();
+    let k = held.iter().position(|h| h.stream == 9).unwrap();
+    free(&mut c, &mut held, k);
+    let before = c.stats.allocations;
+    alloc(&mut c, &mut held, 4096, 9).unwrap();
+    assert_eq!(c.stats.allocations, before, "served by the stream's new front, not the core");
+    assert_eq!(c.stats().allocations, before + 1);
+}
+
+/// A free through a destroyed stream's handle, of a block the fast paths never held (tagged),
+/// leaves the fronts the fast paths find as they were: the new stream holding that handle keeps
+/// its own front, and its pairs still take no device-wide lock.
+#[test]
+fn a_free_through_a_reused_handle_leaves_the_new_streams_front_in_place() {
+    let mut c = core(1000);
+    let tagged = c.allocate(8192, 1, Capture::None, 5).unwrap();
+    // Stream 1 is destroyed; handle 1 now names stream 3.
+    c.backend().handles.insert(1, 3);
+    let new = Caller { id: 3, raw: 1 };
+    let a = c.allocate(4096, new, Capture::None, 0).unwrap();
+    c.free(a, 1).unwrap(); // the first free after a miss goes through the core
+    assert_eq!(c.allocate(4096, new, Capture::None, 0).unwrap(), a);
+    assert!(c.fronts.give(a, 1), "the new stream's free, through its front");
+    c.free(tagged, 1).unwrap(); // stream 1's, through the core
+    let before = (c.stats.allocations, c.stats.frees);
+    assert_eq!(c.allocate(4096, new, Capture::None, 0).unwrap(), a);
+    // From a thread that remembers no front: the registry's answer.
+    let fronts = c.fronts.clone();
+    let given = std::thread::spawn(move || fronts.give(a, 1)).join().unwrap();
+    assert!(given, "the new stream's front is still the one its handle finds");
+    assert_eq!((c.stats.allocations, c.stats.frees), before, "no pair went through the core");
+}
+
 /// A cached block stays in the heap's address map (a free and the next request of its size do
 /// one lookup between them), so the map alone no longer says a block is live: each way of
 /// freeing must still refuse a block that is cached or back in the index.
@@ -701,7 +813,8 @@ fn a_second_free_is_refused_whether_the_block_is_cached_or_indexed() {
     assert!(c.free(a, 8).is_err(), "freed twice while cached, on another stream");
     let stats = c.stats();
     assert_eq!((stats.live, stats.frees), (0, 1));
-    assert!(c.slots[0].heap.live_blocks().next().is_none(), "a cached block is not live");
+    assert!(!c.fronts.give(a, 7), "the fast path refuses it too");
+    assert_eq!(c.owner_of(a), None, "a cached block is not live");
     // Handed out once, then again after its free.
     assert_eq!(c.allocate(4096, 7, Capture::None, 0).unwrap(), a);
     assert_ne!(c.allocate(4096, 7, Capture::None, 0).unwrap(), a);
@@ -1674,3 +1787,5 @@ fn out_of_memory_after_a_finished_capture_still_waits_for_freed_memory() {
     assert!(b.is_some(), "the freed pages should have been waited for: {:?}", c.stats());
     assert_eq!(c.backend().synchronized, 1);
 }
+
+mod threads;
