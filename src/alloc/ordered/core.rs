@@ -69,16 +69,9 @@ pub(crate) trait Backend {
 }
 
 /// Pages are lent (see [`Core::lend`]) only when new ones would bring the memory held past this
-/// many times the largest live total so far. Every page moved costs the calling thread about 50 µs
-/// of driver calls (cuMemMap, cuMemSetAccess and later cuMemUnmap of a 2 MiB page on an H100; about
-/// the same for a 4 MiB one), and a call that moves a thousand can starve the device. Replaying a
-/// recorded training run on the model with 2 MiB pages (before placement went lowest address
-/// first): lending whenever it can kept 0.7-3.4% over the live peak but moved 14,000-29,000
-/// pages; from 2% on, 2.1% and 6,500-16,500; from 3% on, 3.1% and 6,500-8,900 (no lending: 6.1%
-/// and 1,100). On the H100 that run, from 3% on, lost up to 3.3% of its step time on 2 MiB pages,
-/// from 2% on 4.4%. Now, on 4 MiB pages, six replays in a row hold 1.02-1.04x moving 1,000-3,500
-/// pages each; from 3.5% or 4% on, or on 8 MiB pages, the peak was no lower than that and
-/// sometimes higher (up to 1.057x) for no clear saving in moves.
+/// many times the largest live total so far: each page moved costs the calling thread tens of
+/// microseconds of driver calls, so a little memory buys far fewer moves (docs/PERFORMANCE.md,
+/// "Lending threshold").
 const LEND_ABOVE: f64 = 1.03;
 
 /// Requests up to this size come from the small heaps, so small blocks never pin large pages.
@@ -969,11 +962,9 @@ impl<B: Backend> Core<B> {
     /// If the caller's stream has frees no completed event covers and has run all its work, makes
     /// them idle, as a completed event recorded now would. Asked at a request of that stream that
     /// found no block, and at its first free after another stream's request found no cached
-    /// block: with events alone, when the device keeps up with the host (short kernels, or none),
-    /// a stream that frees much while another allocates kept its memory to itself in the
-    /// meantime: replaying `cuvmm bench trace`'s synthetic three-stream trace with no kernels on
-    /// an H100 held 1.27x the live peak after one pass, 1.45x after three and 1.71x after six,
-    /// the other streams taking new pages each time.
+    /// block: with events alone, when the device keeps up with the host, a stream that frees much
+    /// while another allocates keeps its memory to itself and the others take new pages
+    /// (docs/PERFORMANCE.md, "Streams that have caught up").
     ///
     /// `now` makes them idle at once (a request about to search); otherwise at the next poll, so
     /// that a free just after, merging with them, does not take them back to its stream first.

@@ -128,13 +128,9 @@ pub struct AllocatorConfig {
     /// next blocks instead of new pages (mapped at both places until the work has run), when new
     /// pages would bring the memory held past 1.03x the largest live total. On by default.
     /// Without it, a block that fits no free block takes new pages while freed ones sit in blocks
-    /// too small for it: a transformer training run on an H100 (40 steps, 2 MiB pages) mapped
-    /// 1.061x the native run's peak of allocated bytes without lending; with it, on 4 MiB pages,
-    /// 1.029-1.030x over 40 steps and 1.025-1.027x over 160 (1.032-1.037x in driver memory), at
-    /// 0.992-1.004x native median step time over 40 steps (over 160: 1.025x, 0.997x and 0.995x
-    /// in three runs, the same steps 0.999-1.001x apart by their median ratio, 1.6-1.8% more in
-    /// total). Each page moved costs the calling thread about 50 µs of driver calls (2,700-4,200
-    /// in 40 steps, 6,800-8,800 in 160). Off, nothing moves once a repeated pattern has its pages.
+    /// too small for it; each page moved costs the calling thread tens of microseconds of driver
+    /// calls. Off, nothing moves once a repeated pattern has its pages (docs/PERFORMANCE.md,
+    /// "Lending threshold").
     pub lend: bool,
     /// Untagged blocks of at least this many bytes (0: none, the default) are each one physical
     /// allocation of their size rounded to `page`, exportable as a POSIX descriptor and, where the
@@ -706,7 +702,9 @@ impl Drop for StreamBlock {
                 let ordered = Event::without_timing(&alloc.inner.ctx).and_then(|ev| {
                     ev.record_on(other)?;
                     // SAFETY: both handles are live (held by this block).
-                    unsafe { driver()?.api().cuStreamWaitEvent(stream.raw, ev.raw(), 0) }
+                    unsafe {
+                        crate::driver::result::stream::wait_event(driver()?.api(), stream.raw, ev.raw())
+                    }
                 });
                 if ordered.is_err() {
                     return;
