@@ -131,11 +131,15 @@ impl From<u64> for Caller {
 pub struct AllocatorStats {
     /// Bytes handed out (block sizes, multiples of 512).
     pub live: u64,
-    /// The largest `live` since the last reset, as seen by requests that search the shared index
-    /// (all but those served by a block their own stream freed with the same size, which cannot
-    /// raise `live` above its value at the latest such search: every cache is emptied into the
-    /// index at each search and at the reset). Exact when one thread allocates at a time; with
-    /// several, a search may also count, as still live, blocks that other threads freed during it.
+    /// The largest `live` since the last reset, as seen when the allocator adds up its streams'
+    /// counts: at each request that searches the shared index, and at each read of the counters.
+    /// A request served by a block its own stream freed with that size since the latest search
+    /// cannot raise `live` above the value seen then. One served by a block that its stream's
+    /// front kept through another stream's search can (a search takes from the other streams
+    /// only their idle blocks, so that one stream's request does not send every other stream to
+    /// the device-wide lock): the next search or read sees it. Exact while requests come from
+    /// one stream at a time; otherwise a lower bound, off by at most what the other streams keep
+    /// cached.
     pub live_peak: u64,
     /// Bytes asked for by live allocations.
     pub requested: u64,
@@ -333,6 +337,7 @@ impl<B: Backend> Core<B> {
             s.live = s.live.wrapping_add_signed(c.live);
             s.requested = s.requested.wrapping_add_signed(c.requested);
         }
+        self.stats.live_peak = self.stats.live_peak.max(self.stats.live);
     }
 
     /// The stream `c` names, its front made if new.
@@ -483,13 +488,16 @@ impl<B: Backend> Core<B> {
             }
         }
         self.may_settle = may_settle;
-        self.flush_cached();
-        // During a capture nothing may be queried, so only blocks known idle (or this capture's
-        // own, reused in capture order) qualify.
-        let reuse = if matches!(capture, Capture::Shared(_)) { IDLE } else { stream.id };
-        let mut found = self.reuse(&req, reuse, pool)?;
-        if found.is_none() && pool != 0 {
-            found = self.reuse(&req, IDLE, 0)?;
+        // The caller's own cached blocks and every idle one first: emptying every front here
+        // would send every other stream's next request to this lock too, and each of those would
+        // empty the others' again (threads each on their own stream kept one another off their
+        // fronts).
+        self.flush_for(stream.id);
+        let mut found = self.find_free(&req)?;
+        if found.is_none() {
+            // Other streams' cached blocks may be idle by now: all of them, before new memory.
+            self.flush_cached();
+            found = self.find_free(&req)?;
         }
         let (slot, addr) = match found {
             Some(f) => f,
@@ -502,6 +510,18 @@ impl<B: Backend> Core<B> {
         };
         self.register(&req, slot, addr);
         Ok(addr)
+    }
+
+    /// A free block for `req` in the index: its stream's or an idle one, of its pool, else an idle
+    /// one of the shared pool. During a capture nothing may be queried, so only blocks known idle
+    /// (or this capture's own, reused in capture order) qualify.
+    fn find_free(&mut self, req: &Request) -> Result<Option<(usize, u64)>> {
+        let reuse = if matches!(req.capture, Capture::Shared(_)) { IDLE } else { req.stream.id };
+        let found = self.reuse(req, reuse, req.pool)?;
+        if found.is_none() && req.pool != 0 {
+            return self.reuse(req, IDLE, 0);
+        }
+        Ok(found)
     }
 
     /// Gives the front of the request's stream the block just handed out, so that its free
@@ -1268,6 +1288,36 @@ impl<B: Backend> Core<B> {
 
     /// Moves every cached block, the fronts' and the heaps', into the shared index (idle when an
     /// event covering its free has completed), and takes in the fronts' counters.
+    /// Moves into the index the blocks cached in the front of stream `s`, and those of the other
+    /// fronts that are idle (which any stream may take). The others' blocks still waiting for
+    /// their stream's work stay cached, for their own stream's next request.
+    fn flush_for(&mut self, s: u64) {
+        self.take_counts();
+        let mut due = Vec::new();
+        for (&t, st) in &self.streams {
+            let mut f = st.front.lock();
+            let blocks = if t == s { f.drain() } else { f.drain_done(st.done) };
+            due.extend(blocks.into_iter().map(|(addr, epoch, e)| (t, addr, epoch, e.slot)));
+        }
+        for (t, addr, epoch, slot) in due {
+            let done = self.streams.get(&t).is_some_and(|st| st.done >= epoch);
+            let owner = if done { Owner::Idle } else { Owner::Stream { stream: t, epoch } };
+            let freed = self.slots[slot as usize].heap.free(addr, owner);
+            debug_assert!(freed.is_some(), "a block cached in a front is live in its heap");
+        }
+        self.flush_heaps();
+    }
+
+    /// Moves the blocks the heaps cache themselves (frees that found their front's cache full,
+    /// or that no front serves) into the index.
+    fn flush_heaps(&mut self) {
+        let streams = &self.streams;
+        let done = |s: u64, epoch: u64| streams.get(&s).is_some_and(|st| st.done >= epoch);
+        for s in &mut self.slots {
+            s.heap.flush_cached(done);
+        }
+    }
+
     pub(crate) fn flush_cached(&mut self) {
         self.take_counts();
         let mut due = Vec::new();
@@ -1280,11 +1330,7 @@ impl<B: Backend> Core<B> {
             let freed = self.slots[slot as usize].heap.free(addr, owner);
             debug_assert!(freed.is_some(), "a block cached in a front is live in its heap");
         }
-        let streams = &self.streams;
-        let done = |s: u64, epoch: u64| streams.get(&s).is_some_and(|st| st.done >= epoch);
-        for s in &mut self.slots {
-            s.heap.flush_cached(done);
-        }
+        self.flush_heaps();
     }
 
     /// The graph pool of a capture.

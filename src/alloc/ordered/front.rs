@@ -20,9 +20,11 @@
 //!   `e` happened before event `e` was recorded, and event `e` covers it; a free after the record
 //!   is stamped `e + 1`.
 //! * Cached blocks go to the shared index only through the core ([`Core::flush_cached`]), which
-//!   drains every front before it searches for free space, waits for the device, sleeps, exports
-//!   or releases graph memory: a block cached in a front is idle for others only once an event
-//!   covering its stamp has completed, as for blocks the core frees itself.
+//!   drains, before it searches for free space, the requesting stream's front and the idle
+//!   blocks of every other front, and every front before it takes new memory, waits for the
+//!   device, sleeps, exports or releases graph memory: a block cached in a front is idle for
+//!   others only once an event covering its stamp has completed, as for blocks the core frees
+//!   itself.
 //! * Lock order: the core, then a front. The fast paths hold one front lock and call nothing else.
 //!
 //! The cost a fast path may add is a thread-local look-up, an uncontended lock and a hash look-up
@@ -199,6 +201,26 @@ impl State {
         self.cache.by_size.clear();
         self.cache.last = None;
         out
+    }
+
+    /// The cached blocks stamped `done` or earlier (an event after their free has completed),
+    /// taken out: (address, stamp, entry).
+    pub(crate) fn drain_done(&mut self, done: u64) -> Vec<(u64, u64, Entry)> {
+        let mut due = Vec::new();
+        for list in &mut self.cache.lists {
+            list.retain(|&(addr, epoch)| {
+                let idle = epoch <= done;
+                if idle {
+                    due.push((addr, epoch));
+                }
+                !idle
+            });
+        }
+        due.into_iter()
+            .map(|(addr, epoch)| {
+                (addr, epoch, self.blocks.remove(&addr).expect("a cached block is in the front's map"))
+            })
+            .collect()
     }
 
     /// Whether the front holds no block, live or cached.

@@ -43,9 +43,11 @@
 //! recorded on its stream, and that number is taken and advanced under the same lock, in the same
 //! hold, as the event is recorded (or the stream found idle, or a wait for the whole device
 //! begun), so an event covers exactly the frees made before it. Cached blocks reach other streams
-//! only through the device-wide path, which takes every front's cache into the shared index,
-//! owned by its stream until an event covering its stamp has completed, before it looks for free
-//! space, waits, sleeps, exports or releases graph memory. Lock order: the device-wide lock, then
+//! only through the device-wide path, which takes cached blocks into the shared index, each owned
+//! by its stream until an event covering its stamp has completed: before it looks for free space,
+//! the requesting stream's and every other stream's idle ones (the others keep their blocks still
+//! waiting for work, for their own next requests); before it takes new memory, waits, sleeps,
+//! exports or releases graph memory, every one. Lock order: the device-wide lock, then
 //! one front's.
 //!
 //! Address space is reserved in large heaps (by default twice the device's memory: address space
