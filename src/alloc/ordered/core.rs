@@ -492,7 +492,7 @@ impl<B: Backend> Core<B> {
         // would send every other stream's next request to this lock too, and each of those would
         // empty the others' again (threads each on their own stream kept one another off their
         // fronts).
-        self.flush_for(stream.id);
+        self.flush_fronts(Some(stream.id));
         let mut found = self.find_free(&req)?;
         if found.is_none() {
             // Other streams' cached blocks may be idle by now: all of them, before new memory.
@@ -1288,15 +1288,22 @@ impl<B: Backend> Core<B> {
 
     /// Moves every cached block, the fronts' and the heaps', into the shared index (idle when an
     /// event covering its free has completed), and takes in the fronts' counters.
-    /// Moves into the index the blocks cached in the front of stream `s`, and those of the other
-    /// fronts that are idle (which any stream may take). The others' blocks still waiting for
-    /// their stream's work stay cached, for their own stream's next request.
-    fn flush_for(&mut self, s: u64) {
+    pub(crate) fn flush_cached(&mut self) {
+        self.flush_fronts(None);
+    }
+
+    /// [`flush_cached`](Self::flush_cached), except that with `Some(s)` the fronts of streams
+    /// other than `s` give up only their idle blocks (which any stream may take): their blocks
+    /// still waiting for their stream's work stay cached, for that stream's next request.
+    fn flush_fronts(&mut self, only: Option<u64>) {
         self.take_counts();
         let mut due = Vec::new();
         for (&t, st) in &self.streams {
             let mut f = st.front.lock();
-            let blocks = if t == s { f.drain() } else { f.drain_done(st.done) };
+            let blocks = match only {
+                Some(s) if s != t => f.drain_done(st.done),
+                _ => f.drain(),
+            };
             due.extend(blocks.into_iter().map(|(addr, epoch, e)| (t, addr, epoch, e.slot)));
         }
         for (t, addr, epoch, slot) in due {
@@ -1305,32 +1312,11 @@ impl<B: Backend> Core<B> {
             let freed = self.slots[slot as usize].heap.free(addr, owner);
             debug_assert!(freed.is_some(), "a block cached in a front is live in its heap");
         }
-        self.flush_heaps();
-    }
-
-    /// Moves the blocks the heaps cache themselves (frees that found their front's cache full,
-    /// or that no front serves) into the index.
-    fn flush_heaps(&mut self) {
         let streams = &self.streams;
         let done = |s: u64, epoch: u64| streams.get(&s).is_some_and(|st| st.done >= epoch);
         for s in &mut self.slots {
             s.heap.flush_cached(done);
         }
-    }
-
-    pub(crate) fn flush_cached(&mut self) {
-        self.take_counts();
-        let mut due = Vec::new();
-        for (&s, st) in &self.streams {
-            due.extend(st.front.lock().drain().into_iter().map(|(addr, epoch, e)| (s, addr, epoch, e.slot)));
-        }
-        for (s, addr, epoch, slot) in due {
-            let done = self.streams.get(&s).is_some_and(|st| st.done >= epoch);
-            let owner = if done { Owner::Idle } else { Owner::Stream { stream: s, epoch } };
-            let freed = self.slots[slot as usize].heap.free(addr, owner);
-            debug_assert!(freed.is_some(), "a block cached in a front is live in its heap");
-        }
-        self.flush_heaps();
     }
 
     /// The graph pool of a capture.
