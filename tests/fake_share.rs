@@ -4,39 +4,12 @@
 
 mod common;
 
+use common::{count, fake_device};
+
 use cuvmm::alloc::{AllocatorConfig, BlockImport, GraphMemory, StreamAllocator};
-use cuvmm::driver::driver;
-use cuvmm::Context;
-use std::ffi::{c_char, CString};
 use std::os::fd::AsFd;
 
 const MIB: usize = 1 << 20;
-
-static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
-
-fn fake_device() -> (std::sync::MutexGuard<'static, ()>, std::path::PathBuf, Context) {
-    let turn = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let lib = common::fake_driver("FAKE_VMM");
-    std::env::set_var(cuvmm::driver::LIBRARY_ENV, &lib);
-    driver().expect("the fake driver loads");
-    (turn, lib, Context::for_ordinal(0).unwrap())
-}
-
-/// The fake's counter of `name`'s calls.
-fn count(lib: &std::path::Path, name: &str) -> i64 {
-    let path = CString::new(lib.as_os_str().as_encoded_bytes()).unwrap();
-    let name = CString::new(name).unwrap();
-    // SAFETY: the fake driver is loaded (RTLD_NOLOAD only finds it) and defines
-    // `long fake_count(const char *)`; the counters are atomics.
-    unsafe {
-        let h = libc::dlopen(path.as_ptr(), libc::RTLD_NOW | libc::RTLD_NOLOAD);
-        assert!(!h.is_null());
-        let f = libc::dlsym(h, c"fake_count".as_ptr());
-        assert!(!f.is_null());
-        let f = std::mem::transmute::<*mut libc::c_void, unsafe extern "C" fn(*const c_char) -> i64>(f);
-        f(name.as_ptr())
-    }
-}
 
 fn open_fds() -> usize {
     std::fs::read_dir("/proc/self/fd").unwrap().count()

@@ -5,52 +5,24 @@
 
 mod common;
 
+use common::{count, fake_symbol};
+
 use cuvmm::alloc::StreamAllocator;
-use cuvmm::driver::driver;
 use cuvmm::{Context, Stream};
-use std::ffi::{c_char, c_int, CString};
+use std::ffi::c_int;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::Duration;
 
-static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
-
 /// This test's turn, the fake driver (loaded for the whole process, host functions on their own
 /// thread) and its device's context.
 fn fake_device() -> (std::sync::MutexGuard<'static, ()>, std::path::PathBuf, Context) {
-    let turn = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let lib = common::fake_driver("FAKE_VMM");
-    std::env::set_var(cuvmm::driver::LIBRARY_ENV, &lib);
-    driver().expect("the fake driver loads");
+    let (turn, lib, ctx) = common::fake_device();
     let on = fake_symbol(&lib, "fake_host_thread");
     // SAFETY: `void fake_host_thread(int)` of the fake driver.
     unsafe { std::mem::transmute::<*mut libc::c_void, unsafe extern "C" fn(c_int)>(on)(1) };
-    (turn, lib, Context::for_ordinal(0).unwrap())
-}
-
-fn fake_symbol(lib: &std::path::Path, name: &str) -> *mut libc::c_void {
-    let path = CString::new(lib.as_os_str().as_encoded_bytes()).unwrap();
-    let name = CString::new(name).unwrap();
-    // SAFETY: the fake driver is loaded (RTLD_NOLOAD only finds it); the handle is not closed, so
-    // the symbol stays valid.
-    unsafe {
-        let h = libc::dlopen(path.as_ptr(), libc::RTLD_NOW | libc::RTLD_NOLOAD);
-        assert!(!h.is_null());
-        let f = libc::dlsym(h, name.as_ptr());
-        assert!(!f.is_null(), "the fake driver lacks {name:?}");
-        f
-    }
-}
-
-/// The fake's counter of `name`.
-fn count(lib: &std::path::Path, name: &str) -> i64 {
-    let f = fake_symbol(lib, "fake_count");
-    let name = CString::new(name).unwrap();
-    // SAFETY: `long fake_count(const char *)`; the counters are atomics.
-    unsafe {
-        std::mem::transmute::<*mut libc::c_void, unsafe extern "C" fn(*const c_char) -> i64>(f)(name.as_ptr())
-    }
+    (turn, lib, ctx)
 }
 
 /// Work queued on `stream` that runs until the returned sender says go (or 10 s pass); the flag

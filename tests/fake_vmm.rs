@@ -6,49 +6,14 @@
 
 mod common;
 
+use common::{count, fake_device, thread_count};
+
 use cuvmm::driver::driver;
 use cuvmm::vmm::HandleTypes;
-use cuvmm::{Context, VmmVec};
-use std::ffi::{c_char, CString};
+use cuvmm::VmmVec;
 use std::os::unix::net::UnixStream;
 
 const MIB: usize = 1 << 20;
-
-static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
-
-/// This test's turn, the fake driver (loaded for the whole process) and its device's context.
-fn fake_device() -> (std::sync::MutexGuard<'static, ()>, std::path::PathBuf, Context) {
-    let turn = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let lib = common::fake_driver("FAKE_VMM");
-    std::env::set_var(cuvmm::driver::LIBRARY_ENV, &lib);
-    driver().expect("the fake driver loads");
-    (turn, lib, Context::for_ordinal(0).unwrap())
-}
-
-/// The fake's counter of `name`'s calls.
-fn count(lib: &std::path::Path, name: &str) -> i64 {
-    counter(lib, c"fake_count", name)
-}
-
-/// The fake's counter of `name`'s calls made by this thread.
-fn thread_count(lib: &std::path::Path, name: &str) -> i64 {
-    counter(lib, c"fake_thread_count", name)
-}
-
-fn counter(lib: &std::path::Path, which: &std::ffi::CStr, name: &str) -> i64 {
-    let path = CString::new(lib.as_os_str().as_encoded_bytes()).unwrap();
-    let name = CString::new(name).unwrap();
-    // SAFETY: the fake driver is loaded (RTLD_NOLOAD only finds it) and defines `which` as
-    // `long (const char *)`; the counters are atomics or the calling thread's.
-    unsafe {
-        let h = libc::dlopen(path.as_ptr(), libc::RTLD_NOW | libc::RTLD_NOLOAD);
-        assert!(!h.is_null());
-        let f = libc::dlsym(h, which.as_ptr());
-        assert!(!f.is_null());
-        let f = std::mem::transmute::<*mut libc::c_void, unsafe extern "C" fn(*const c_char) -> i64>(f);
-        f(name.as_ptr())
-    }
-}
 
 /// Threads of this process named like the vector's create-ahead thread.
 fn ahead_threads() -> usize {

@@ -2,26 +2,15 @@
 //! maps is the exporter's memory, it stays valid after the exporter frees the block, and a block
 //! above the export threshold is one allocation.
 
+mod common;
+
+use common::{read, words_mut};
 use cuvmm::alloc::{AllocatorConfig, BlockImport, GraphMemory, StreamAllocator};
 use cuvmm::kernels::Kernels;
-use cuvmm::stream::copy;
-use cuvmm::{Context, DeviceSlice, DeviceSliceMut, Stream};
+use cuvmm::{Context, Stream};
 use std::os::fd::AsFd;
 
 const N: usize = 3 << 20; // u32 words: 12 MiB, over four 4 MiB pages from an unaligned start
-
-fn words_mut(ptr: u64, n: usize) -> DeviceSliceMut<'static, u32> {
-    // SAFETY: every caller passes a live mapping of at least `n` words and synchronises after.
-    unsafe { DeviceSliceMut::from_raw_parts(ptr, n) }
-}
-
-fn read(ctx: &Context, ptr: u64, n: usize) -> Vec<u32> {
-    let mut out = vec![0u32; n];
-    // SAFETY: as in `words_mut`.
-    let v = unsafe { DeviceSlice::<u32>::from_raw_parts(ptr, n) };
-    copy::to_host(ctx, &mut out, &v).unwrap();
-    out
-}
 
 #[test]
 #[ignore = "needs a CUDA GPU"]

@@ -1,9 +1,11 @@
 //! The stream-ordered allocator on a GPU: reuse across streams waits for the work that used a
 //! block, same-stream reuse does not, out of memory is retried, and the cache empties.
 
+mod common;
+
+use common::{read, words_mut};
 use cuvmm::alloc::{AllocatorConfig, SleepMode, StreamAllocator, Tag};
 use cuvmm::kernels::Kernels;
-use cuvmm::stream::copy;
 use cuvmm::{Context, DeviceSlice, DeviceSliceMut, Stream};
 
 fn ctx() -> Context {
@@ -18,19 +20,6 @@ fn view_mut(ptr: u64, n: usize) -> DeviceSliceMut<'static, f32> {
     // SAFETY: every caller passes a live block of at least `n` floats from the allocator and orders
     // the work itself (that is what these tests check).
     unsafe { DeviceSliceMut::from_raw_parts(ptr, n) }
-}
-
-fn words_mut(ptr: u64, n: usize) -> DeviceSliceMut<'static, u32> {
-    // SAFETY: as in `view_mut`.
-    unsafe { DeviceSliceMut::from_raw_parts(ptr, n) }
-}
-
-fn read(ctx: &Context, ptr: u64, n: usize) -> Vec<u32> {
-    let mut out = vec![0u32; n];
-    // SAFETY: as in `view_mut`.
-    let v = unsafe { DeviceSlice::<u32>::from_raw_parts(ptr, n) };
-    copy::to_host(ctx, &mut out, &v).unwrap();
-    out
 }
 
 #[test]
