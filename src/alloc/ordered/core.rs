@@ -195,6 +195,16 @@ fn published(id: u64) -> bool {
     id < SYNTHETIC || id == LEGACY
 }
 
+/// A request served by a block its stream's front cached with that size, without the core:
+/// untagged, outside captures, on a stream the driver named.
+fn take_fast(fronts: &Fronts, id: u64, size: u64, capture: Capture, tag: u32) -> Option<u64> {
+    if capture != Capture::None || tag != 0 || !published(id) {
+        return None;
+    }
+    let n = size.checked_add(ALIGN - 1).map(|s| s & !(ALIGN - 1)).filter(|&n| n > 0)?;
+    fronts.take(id, n, size)
+}
+
 /// Pages of a lent block (see [`super::heap::State::Lent`]): still mapped at its address (as
 /// well as where they now serve) until the work queued on `stream` before the block's free has run.
 struct Lent {
@@ -389,7 +399,7 @@ impl<B: Backend> Core<B> {
     /// before, or, during a capture, the one it got earlier in that capture: within one capture a
     /// handle names one stream.
     pub(crate) fn caller(&mut self, raw: u64, id: Option<u64>, capture: Capture) -> Caller {
-        if let Some(id) = id.filter(|&i| i < SYNTHETIC || i == LEGACY) {
+        if let Some(id) = id.filter(|&i| published(i)) {
             return Caller { id, raw };
         }
         let id = match capture.id() {
@@ -422,12 +432,8 @@ impl<B: Backend> Core<B> {
         tag: u32,
     ) -> Result<u64> {
         let stream = stream.into();
-        // The fast path first, as `Ordered::allocate`.
-        if capture == Capture::None && tag == 0 && published(stream.id) && size > 0 && size < u64::MAX / 2 {
-            let n = (size + ALIGN - 1) & !(ALIGN - 1);
-            if let Some(addr) = self.fronts.take(stream.id, n, size) {
-                return Ok(addr);
-            }
+        if let Some(addr) = take_fast(&self.fronts, stream.id, size, capture, tag) {
+            return Ok(addr);
         }
         let r = self.try_allocate(size, stream, capture, tag, true);
         if r.is_err() && self.wants_settle() {
@@ -1304,11 +1310,12 @@ impl<B: Backend> Core<B> {
                 Some(s) if s != t => f.drain_done(st.done),
                 _ => f.drain(),
             };
-            due.extend(blocks.into_iter().map(|(addr, epoch, e)| (t, addr, epoch, e.slot)));
+            due.extend(blocks.into_iter().map(|(addr, epoch, e)| {
+                let owner = if st.done >= epoch { Owner::Idle } else { Owner::Stream { stream: t, epoch } };
+                (addr, owner, e.slot)
+            }));
         }
-        for (t, addr, epoch, slot) in due {
-            let done = self.streams.get(&t).is_some_and(|st| st.done >= epoch);
-            let owner = if done { Owner::Idle } else { Owner::Stream { stream: t, epoch } };
+        for (addr, owner, slot) in due {
             let freed = self.slots[slot as usize].heap.free(addr, owner);
             debug_assert!(freed.is_some(), "a block cached in a front is live in its heap");
         }
@@ -1398,12 +1405,8 @@ impl<B: Backend> Ordered<B> {
         tag: u32,
         wait: impl FnOnce() -> bool,
     ) -> Result<u64> {
-        if let Some(id) = id.filter(|&i| capture == Capture::None && tag == 0 && published(i)) {
-            if let Some(n) = size.checked_add(ALIGN - 1).map(|s| s & !(ALIGN - 1)).filter(|&n| n > 0) {
-                if let Some(addr) = self.fronts.take(id, n, size) {
-                    return Ok(addr);
-                }
-            }
+        if let Some(addr) = id.and_then(|id| take_fast(&self.fronts, id, size, capture, tag)) {
+            return Ok(addr);
         }
         let mut core = self.core();
         let caller = core.caller(raw, id, capture);
