@@ -144,6 +144,26 @@ fn oom() -> Error {
 }
 
 impl Gpu {
+    /// Checks a block of `n` bytes at `addr` just handed to `stream`: its pages are mapped and
+    /// accessible, and no queued work of another stream (of any stream when `except` is `None`)
+    /// uses its addresses or the physical memory under them.
+    pub(super) fn check_new_block(&self, addr: u64, n: u64, stream: u64, except: Option<u64>) {
+        if let Some(s) = self.pending_use(addr, n, except) {
+            panic!("block {addr:#x}+{n} handed to stream {stream} while stream {s} still uses it");
+        }
+        for p in (addr / PAGE * PAGE..addr + n).step_by(PAGE as usize) {
+            assert!(self.covered(p), "page {p:#x} of a new block is not mapped");
+            assert!(self.accessible.contains(&p), "page {p:#x} of a new block is not accessible");
+            let (&at, &(id, _)) = self.mapped.range(..=p).next_back().expect("covered");
+            let (lo, hi) = (addr.max(p) - at, (addr + n).min(p + PAGE) - at);
+            if let Some(s) = self.pending_physical(id, lo, hi, except.unwrap_or(u64::MAX)) {
+                panic!(
+                    "page {p:#x} of a block for stream {stream} is memory stream {s} still has work queued on"
+                );
+            }
+        }
+    }
+
     fn pending_use(&self, addr: u64, len: u64, except: Option<u64>) -> Option<u64> {
         for (&s, q) in &self.queues {
             if Some(s) == except {
@@ -481,20 +501,7 @@ fn alloc_on(c: &mut Core<Gpu>, held: &mut Vec<Held>, size: u64, caller: Caller) 
         assert!(addr + n <= h.addr || h.addr + h.size <= addr, "{addr:#x}+{n} overlaps a live block {h:?}");
     }
     let gpu = c.backend();
-    if let Some(s) = gpu.pending_use(addr, n, except) {
-        panic!("block {addr:#x}+{n} handed to stream {stream} ({capture:?}) while stream {s} still uses it");
-    }
-    for p in (addr / PAGE * PAGE..addr + n).step_by(PAGE as usize) {
-        assert!(gpu.covered(p), "page {p:#x} of a new block is not mapped");
-        assert!(gpu.accessible.contains(&p), "page {p:#x} of a new block is not accessible");
-        let (&at, &(id, _)) = gpu.mapped.range(..=p).next_back().expect("covered");
-        let (lo, hi) = (addr.max(p) - at, (addr + n).min(p + PAGE) - at);
-        if let Some(s) = gpu.pending_physical(id, lo, hi, except.unwrap_or(u64::MAX)) {
-            panic!(
-                "page {p:#x} of a block for stream {stream} is memory stream {s} still has work queued on"
-            );
-        }
-    }
+    gpu.check_new_block(addr, n, stream, except);
     gpu.queues.entry(stream).or_default().push_back(Op::Use { addr, len: n });
     let pool = capture_id(capture);
     held.push(Held { addr, size: n, stream, raw: caller.raw, pool });

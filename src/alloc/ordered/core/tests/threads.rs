@@ -46,22 +46,7 @@ impl World {
         let n = size.div_ceil(ALIGN) * ALIGN;
         let mut core = self.alloc.core();
         let gpu = core.backend();
-        if let Some(s) = gpu.pending_use(addr, n, Some(id)) {
-            panic!("block {addr:#x}+{n} handed to stream {id} while stream {s} still uses it");
-        }
-        for p in (addr / PAGE * PAGE..addr + n).step_by(PAGE as usize) {
-            assert!(
-                gpu.covered(p) && gpu.accessible.contains(&p),
-                "page {p:#x} of a new block is not usable"
-            );
-            let (&at, &(page, _)) = gpu.mapped.range(..=p).next_back().expect("covered");
-            let (lo, hi) = (addr.max(p) - at, (addr + n).min(p + PAGE) - at);
-            if let Some(s) = gpu.pending_physical(page, lo, hi, id) {
-                panic!(
-                    "page {p:#x} of a block for stream {id} is memory stream {s} still has work queued on"
-                );
-            }
-        }
+        gpu.check_new_block(addr, n, id, Some(id));
         gpu.queues.entry(id).or_default().push_back(Op::Use { addr, len: n });
         let mut held = lock(&self.held);
         for &(a, m, ..) in held.iter() {
