@@ -47,6 +47,20 @@ fn staged_transfers_round_trip_for_every_shape() {
             assert!(back == data, "to host, {config:?}, n = {n}");
         }
     }
+    // Fewer threads draining than filling: every byte still arrives, whatever the limit asked.
+    let config = StagingConfig { chunk: 64 * KIB, piece: 16 * KIB, slots: 3, threads: 4 };
+    let mut staging = Staging::with_config(&ctx, config).unwrap();
+    for (limit, got) in [(1, 1), (3, 3), (0, 1), (9, 4)] {
+        staging.set_to_host_threads(limit);
+        assert_eq!(staging.to_host_threads(), got, "limit {limit}");
+        let n = 300 * KIB + 3;
+        let data = fresh(n, limit as u32);
+        let mut dev = DeviceBuffer::<u32>::new(&ctx, n).unwrap();
+        staging.to_device(&st, &data, dev.as_mut_slice()).unwrap();
+        let mut back = vec![0u32; n];
+        staging.to_host(&st, dev.as_slice(), &mut back).unwrap();
+        assert!(back == data, "to host on {got} of 4 threads");
+    }
     let bad = StagingConfig { chunk: 64 * KIB, piece: 128 * KIB, slots: 2, threads: 1 };
     assert!(Staging::with_config(&ctx, bad).is_err());
 

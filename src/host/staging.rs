@@ -69,6 +69,8 @@ pub struct Staging {
     slots: Vec<PinnedBuffer<u8>>,
     events: Vec<Event>,
     config: StagingConfig,
+    /// Threads that drain a device-to-host transfer (at most `config.threads`).
+    to_host_threads: usize,
     /// Whether transfers record a [`StagingTrace`].
     tracing: bool,
     last_trace: Option<StagingTrace>,
@@ -519,6 +521,7 @@ impl Staging {
             slots: slots_v,
             events,
             config,
+            to_host_threads: threads,
             tracing: false,
             last_trace: None,
         })
@@ -556,6 +559,19 @@ impl Staging {
     /// Host threads.
     pub fn threads(&self) -> usize {
         self.config.threads
+    }
+
+    /// Lets only `n` of the ring's threads (at least 1, at most all) drain device-to-host
+    /// transfers from now on; the others sit them out. For a ring that writes into memory the
+    /// kernel is still faulting in: the threads faulting it need the cores more than the copies
+    /// do (docs/PERFORMANCE.md, "Sleep and wake").
+    pub fn set_to_host_threads(&mut self, n: usize) {
+        self.to_host_threads = n.clamp(1, self.config.threads);
+    }
+
+    /// Threads that drain a device-to-host transfer.
+    pub fn to_host_threads(&self) -> usize {
+        self.to_host_threads
     }
 
     /// Starts a transfer of `bytes`: forgets the last trace, refuses sides of different lengths
@@ -787,9 +803,20 @@ impl Staging {
             }
             Ok(())
         };
+        let drain = first_of(self.to_host_threads, &drain);
         let (trace, outcome) = transfer.run(&self.pool, stream, false, &drain, issue);
         self.last_trace = trace;
         outcome
+    }
+}
+
+/// A pool job that runs `job` on the first `n` threads to start it; the others return at once.
+fn first_of(n: usize, job: &(dyn Fn() + Sync)) -> impl Fn() + Sync + '_ {
+    let started = AtomicUsize::new(0);
+    move || {
+        if started.fetch_add(1, Ordering::Relaxed) < n {
+            job()
+        }
     }
 }
 
@@ -1075,6 +1102,20 @@ mod tests {
             let here = pool.run(&job, || round, || {});
             assert_eq!(here, round);
             assert_eq!(ran.load(Ordering::SeqCst), 3, "every thread ran the job once, and is done");
+        }
+    }
+
+    #[test]
+    fn a_job_limited_to_some_threads_runs_on_that_many() {
+        let pool = Pool::new(4).unwrap();
+        for n in [1, 2, 4, 9] {
+            let ran = AtomicUsize::new(0);
+            let count = || {
+                ran.fetch_add(1, Ordering::SeqCst);
+            };
+            let job = first_of(n, &count);
+            pool.run(&job, || (), || {});
+            assert_eq!(ran.load(Ordering::SeqCst), n.min(4), "limit {n}");
         }
     }
 

@@ -110,10 +110,9 @@ impl DriverBackend {
 
     fn mover(&mut self) -> Result<&Mover> {
         if self.mover.is_none() {
-            let copier = StagedCopier {
-                staging: Staging::with_config(&self.ctx, backup::ring_config())?,
-                stream: Stream::non_blocking(&self.ctx)?,
-            };
+            let mut staging = Staging::with_config(&self.ctx, backup::ring_config())?;
+            staging.set_to_host_threads(backup::to_host_threads());
+            let copier = StagedCopier { staging, stream: Stream::non_blocking(&self.ctx)? };
             self.mover = Some(Mover::new(copier)?);
         }
         Ok(self.mover.as_ref().expect("made above"))
