@@ -17,7 +17,7 @@ mod peer;
 
 pub use cache::{CacheStats, CachingAllocator, SubAllocation, MIN_CLASS};
 pub use ordered::{
-    AllocatorConfig, AllocatorStats, BackupKind, BackupOptions, BlockExport, BlockImport, GraphMemory,
-    SleepMode, StreamAllocator, StreamBlock, Tag, TagStats,
+    fresh_backup_memory, AllocatorConfig, AllocatorStats, BackupKind, BackupOptions, BlockExport,
+    BlockImport, GraphMemory, SleepMode, StreamAllocator, StreamBlock, Tag, TagStats,
 };
 pub use peer::{ExportMode, PeerAllocation, PeerAllocator};

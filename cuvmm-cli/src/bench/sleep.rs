@@ -78,6 +78,10 @@ pub struct Cycle {
     /// A plain sequential write of the tagged bytes to a file in the disk backup's directory
     /// (`write` of 64 MiB pieces, then `fdatasync`), taken in the same cycle.
     pub plain_write_ms: Option<f64>,
+    /// The same bytes of fresh host memory, faulted in as a pageable backup is at a sleep
+    /// ([`cuvmm::alloc::fresh_backup_memory`]), taken at the end of the cycle: the floor of a
+    /// sleep into a backup released at its last wake. Pageable backups only.
+    pub fresh_host_ms: Option<f64>,
 }
 
 /// The steps of a cycle, timed on every device at once, in milliseconds: of one cycle, or their
@@ -128,7 +132,7 @@ impl Cycle {
             "mismatches": self.mismatches, "freed_ratio": self.freed_ratio,
             "rss": {"before": self.rss[0], "asleep": self.rss[1], "after_wake": self.rss[2], "settled": self.rss[3]},
             "pinned": {"before": self.pinned[0], "asleep": self.pinned[1], "after_wake": self.pinned[2], "settled": self.pinned[3]},
-            "plain_write_ms": self.plain_write_ms,
+            "plain_write_ms": self.plain_write_ms, "fresh_host_ms": self.fresh_host_ms,
         })
     }
 
@@ -158,6 +162,7 @@ impl Cycle {
             rss: four("rss")?,
             pinned: four("pinned")?,
             plain_write_ms: f("plain_write_ms"),
+            fresh_host_ms: f("fresh_host_ms"),
         })
     }
 }
@@ -195,6 +200,16 @@ impl Spread {
 }
 
 impl SleepReport {
+    /// The fresh host memory of every cycle that took it: median, fastest and slowest ms, and the
+    /// median of its ratios to each cycle's D2H bound.
+    pub fn fresh_host(&self) -> Option<(f64, f64, f64, f64)> {
+        let ms: Vec<f64> = self.cycles.iter().filter_map(|c| c.fresh_host_ms).collect();
+        let ratios: Vec<f64> =
+            self.cycles.iter().filter_map(|c| Some(c.fresh_host_ms? / c.steps.d2h_bound_ms)).collect();
+        let (lo, hi) = ms.iter().fold((f64::INFINITY, 0.0_f64), |(lo, hi), &x| (lo.min(x), hi.max(x)));
+        (!ms.is_empty()).then(|| (median(&ms), lo, hi, median(&ratios)))
+    }
+
     /// Adds `c` to the cycles and the medians.
     fn summarise(&mut self) {
         let later: Vec<&Steps> =
@@ -425,6 +440,9 @@ pub fn run(
         c.steps.discard_ms = on_all(&devs, |d| d.alloc.sleep(tag, SleepMode::Discard))?.0;
         c.steps.discard_wake_ms = on_all(&devs, |d| d.alloc.wake(tag))?.0;
         (c.rss[3], c.pinned[3]) = (rss(), pinned());
+        if backup.kind == BackupKind::Pageable {
+            c.fresh_host_ms = Some(cuvmm::alloc::fresh_backup_memory(total)?.as_secs_f64() * 1e3);
+        }
         each(&c);
         r.cycles.push(c);
     }
@@ -700,6 +718,7 @@ fn print_summary_json(out: &mut impl Write, r: &SleepReport) -> std::io::Result<
             "wake_ratio": r.median.wake_ratio(), "h2d_after_frees_ms": r.median.h2d_after_frees_ms,
             "wake_ratio_after_frees": r.median.wake_ratio_after_frees(), "discard_ms": r.median.discard_ms, "discard_wake_ms": r.median.discard_wake_ms,
             "freed_ratio": r.freed_ratio, "mismatches": r.mismatches,
+            "fresh_host_ms": r.fresh_host().map(|f| f.0), "fresh_host_ratio": r.fresh_host().map(|f| f.3),
             "goals": sleep_goals(r).into_iter().collect::<serde_json::Map<String, serde_json::Value>>(),
             "fastest_slowest_ms": {"offload": r.spread.0[0], "d2h_bound": r.spread.0[1],
                 "wake": r.spread.0[2], "h2d_bound": r.spread.0[3]}});
@@ -779,6 +798,13 @@ fn print_summary_notes(out: &mut impl Write, r: &SleepReport) -> std::io::Result
             c.steps.offload_ratio()
         )?;
     }
+    if let Some((ms, lo, hi, ratio)) = r.fresh_host() {
+        writeln!(
+            out,
+            "fresh host memory for the backup ({} faulted in as a sleep does, end of each cycle): {ms:.1} ms ({lo:.1}-{hi:.1}), {ratio:.3}x its cycle's D2H bound: a sleep into a backup released at its last wake takes no less",
+            show(r.bytes)
+        )?;
+    }
     writeln!(out, "elements changed across sleep and wake: {}", r.mismatches)?;
     for (goal, met) in sleep_goals(r) {
         writeln!(out, "goal: {goal}: {}", if met == true { "met" } else { "NOT met" })?;
@@ -810,6 +836,7 @@ mod tests {
             rss: [1 << 30, 17 << 30, 3 << 29, 1 << 30],
             pinned: [0, 32 << 20, 32 << 20, 0],
             plain_write_ms: (index == 3).then_some(4321.0),
+            fresh_host_ms: Some(470.5 * scale),
         }
     }
 
@@ -857,6 +884,7 @@ mod tests {
             assert!(steps(&back.steps).iter().zip(steps(&c.steps)).all(|(&a, b)| close(a, b)), "{back:?}");
             assert!(close(back.freed_ratio, c.freed_ratio));
             assert_eq!(back.plain_write_ms, c.plain_write_ms);
+            assert!(close(back.fresh_host_ms.unwrap(), c.fresh_host_ms.unwrap()));
             assert_eq!(
                 (back.index, back.first_in_process, back.in_child, back.mismatches, back.rss, back.pinned),
                 (c.index, c.first_in_process, true, c.mismatches, c.rss, c.pinned)

@@ -121,6 +121,8 @@ pub(crate) struct HostMap {
     mapping: (usize, usize),
     stop: Arc<AtomicBool>,
     touch: Vec<JoinHandle<()>>,
+    /// Huge-page units the threads faulted in.
+    touched: Arc<AtomicUsize>,
 }
 
 impl HostMap {
@@ -158,10 +160,12 @@ impl HostMap {
             mapping: (mapped as usize, map_len),
             stop: Arc::new(AtomicBool::new(false)),
             touch: Vec::new(),
+            touched: Arc::new(AtomicUsize::new(0)),
         };
         let next = Arc::new(AtomicUsize::new(0));
         for _ in 0..touchers {
             let (next, stop, base) = (Arc::clone(&next), Arc::clone(&map.stop), map.base);
+            let touched = Arc::clone(&map.touched);
             let spawned = std::thread::Builder::new().name("cuvmm-backup-touch".into()).spawn(move || {
                 let units = len / TOUCH_UNIT;
                 while !stop.load(Ordering::Relaxed) {
@@ -183,6 +187,7 @@ impl HostMap {
                         // An older kernel: the copies fault the pages in themselves.
                         return;
                     }
+                    touched.fetch_add(1, Ordering::Relaxed);
                 }
             });
             // Without a thread the copies fault the pages in themselves.
@@ -207,6 +212,21 @@ impl HostMap {
         self.stop.store(true, Ordering::Relaxed);
         for t in self.touch.drain(..) {
             let _ = t.join();
+        }
+    }
+
+    /// Waits for the threads faulting it in to finish, then faults in on this thread whatever they
+    /// left (a kernel without `MADV_POPULATE_WRITE`) by writing a zero to each small page.
+    fn finish_touching(&mut self) {
+        for t in self.touch.drain(..) {
+            let _ = t.join();
+        }
+        if self.touched.load(Ordering::Relaxed) * TOUCH_UNIT < self.len {
+            for off in (0..self.len).step_by(4096) {
+                // SAFETY: inside the mapping, which nothing else uses (the threads are joined);
+                // the bytes are fresh anonymous memory, zero already.
+                unsafe { (self.ptr().add(off)).write_volatile(0) };
+            }
         }
     }
 
@@ -236,6 +256,25 @@ impl Drop for HostMap {
 unsafe impl Send for HostMap {}
 // SAFETY: as above; `&HostMap` gives out memory only as raw pointers (`range`).
 unsafe impl Sync for HostMap {}
+
+/// How long this host takes to provide `bytes` of fresh host memory the way a pageable backup
+/// gets it at a sleep: one anonymous mapping, huge pages advised, faulted in by as many threads.
+/// A sleep into a pageable backup released at the last wake (the default) cannot take less, so
+/// `cuvmm bench sleep` reports it beside the copy bounds. The memory is given back before this
+/// returns.
+///
+/// ```no_run
+/// # fn main() -> cuvmm::Result<()> {
+/// let t = cuvmm::alloc::fresh_backup_memory(16 << 30)?;
+/// println!("16 GiB of fresh host memory: {t:?}");
+/// # Ok(()) }
+/// ```
+pub fn fresh_backup_memory(bytes: usize) -> Result<std::time::Duration> {
+    let t = std::time::Instant::now();
+    let mut map = HostMap::new(bytes, touchers())?;
+    map.finish_touching();
+    Ok(t.elapsed())
+}
 
 static SPILLS: AtomicU64 = AtomicU64::new(0);
 
@@ -645,6 +684,28 @@ mod tests {
         }
         mover.finish().unwrap();
         assert!(*mem.lock().unwrap() == before, "the contents did not come back");
+    }
+
+    /// Pages of `map` the kernel reports resident.
+    fn resident(map: &HostMap) -> usize {
+        let pages = map.len() / 4096;
+        let mut v = vec![0u8; pages];
+        // SAFETY: the range is the map's, page aligned; `v` has a byte per page.
+        let r = unsafe { libc::mincore(map.ptr().cast(), map.len(), v.as_mut_ptr()) };
+        assert_eq!(r, 0);
+        v.iter().filter(|&&b| b & 1 == 1).count()
+    }
+
+    #[test]
+    fn fresh_memory_is_faulted_in_whole_with_or_without_threads() {
+        for threads in [0, 3] {
+            let mut m = HostMap::new(6 << 20, threads).unwrap();
+            m.finish_touching();
+            assert_eq!(resident(&m), m.len() / 4096, "{threads} threads");
+        }
+        let t = fresh_backup_memory(8 << 20).unwrap();
+        assert!(t > std::time::Duration::ZERO);
+        assert!(fresh_backup_memory(0).is_err(), "no byte asked for is refused, as a backup of none is");
     }
 
     #[test]

@@ -97,7 +97,7 @@ pub(crate) mod core;
 mod front;
 mod heap;
 
-pub use self::backup::{BackupKind, BackupOptions};
+pub use self::backup::{fresh_backup_memory, BackupKind, BackupOptions};
 pub use self::core::{AllocatorStats, SleepMode, TagStats};
 
 use self::backend::DriverBackend;
