@@ -3,8 +3,9 @@
 //!
 //! A pinned backup as large as the tag costs a first sleep its pinning (page faults, zeroing and
 //! locking of every page on the driver's side) and holds that memory locked for as long as it is
-//! kept. A pageable backup is an anonymous mapping, huge pages advised, faulted in by a few
-//! threads ahead of the staging ring's drain: the only pinned memory is the ring's. A disk
+//! kept. A pageable backup is an anonymous mapping, huge pages advised, faulted in by most of the
+//! cores ahead of the staging ring's drain (the faults, not the copies, bound such a sleep:
+//! [`fresh_backup_memory`] measures them): the only pinned memory is the ring's. A disk
 //! backup goes through the same ring and a bounce buffer into a file in a directory the user
 //! names, for tags larger than host memory.
 //!
