@@ -199,6 +199,18 @@ impl HostMap {
         Ok(map)
     }
 
+    /// A fresh backup of `len` bytes, faulted in by the backup's threads; refused with `ENOMEM`
+    /// when the host has not that much memory available, before anything is mapped: the faults
+    /// would otherwise wake the kernel's out-of-memory killer in the middle of a sleep.
+    pub(crate) fn fresh(len: usize) -> Result<HostMap> {
+        if let Some(avail) = available_host_memory() {
+            if len as u64 > avail {
+                return Err(Error::Os { call: "mmap (host backup)", errno: nix::errno::Errno::ENOMEM });
+            }
+        }
+        HostMap::new(len, touchers())
+    }
+
     pub(crate) fn len(&self) -> usize {
         self.len
     }
@@ -272,9 +284,17 @@ unsafe impl Sync for HostMap {}
 /// ```
 pub fn fresh_backup_memory(bytes: usize) -> Result<std::time::Duration> {
     let t = std::time::Instant::now();
-    let mut map = HostMap::new(bytes, touchers())?;
+    let mut map = HostMap::fresh(bytes)?;
     map.finish_touching();
     Ok(t.elapsed())
+}
+
+/// Bytes of host memory the kernel reports available (`MemAvailable`), if it says.
+fn available_host_memory() -> Option<u64> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    kib.checked_mul(1024)
 }
 
 static SPILLS: AtomicU64 = AtomicU64::new(0);
@@ -576,7 +596,7 @@ impl Staged {
             BackupKind::Disk(dir) => Store::File(Arc::new(SpillFile::create(dir, bytes)?)),
             _ => {
                 let len = usize::try_from(bytes).map_err(|_| Error::invalid("host backup too large"))?;
-                Store::Memory(Arc::new(HostMap::new(len, touchers())?))
+                Store::Memory(Arc::new(HostMap::fresh(len)?))
             }
         };
         Ok(Staged { store, options })
@@ -707,6 +727,12 @@ mod tests {
         let t = fresh_backup_memory(8 << 20).unwrap();
         assert!(t > std::time::Duration::ZERO);
         assert!(fresh_backup_memory(0).is_err(), "no byte asked for is refused, as a backup of none is");
+        // More than the host has: refused before anything is mapped or faulted.
+        let too_much = available_host_memory().unwrap() as usize + (1 << 30);
+        let e = fresh_backup_memory(too_much).unwrap_err();
+        assert_eq!(e.kind(), crate::error::ErrorKind::Os(nix::errno::Errno::ENOMEM), "{e}");
+        let e = Staged::new(too_much as u64, BackupOptions::default()).err().expect("refused");
+        assert_eq!(e.kind(), crate::error::ErrorKind::Os(nix::errno::Errno::ENOMEM), "{e}");
     }
 
     #[test]
