@@ -229,7 +229,8 @@ impl HostMap {
     }
 
     /// Waits for the threads faulting it in to finish, then faults in on this thread whatever they
-    /// left (a kernel without `MADV_POPULATE_WRITE`) by writing a zero to each small page.
+    /// left (a kernel without `MADV_POPULATE_WRITE`) by writing a zero to each small page: only
+    /// for a map nothing has written yet.
     fn finish_touching(&mut self) {
         for t in self.touch.drain(..) {
             let _ = t.join();
@@ -275,6 +276,10 @@ unsafe impl Sync for HostMap {}
 /// A sleep into a pageable backup released at the last wake (the default) cannot take less, so
 /// `cuvmm bench sleep` reports it beside the copy bounds. The memory is given back before this
 /// returns.
+///
+/// # Errors
+/// [`Error::Os`] with `ENOMEM` when the host has less memory available than `bytes` (nothing is
+/// mapped then), or when the mapping fails; [`Error::InvalidArgument`] for no bytes.
 ///
 /// ```no_run
 /// # fn main() -> cuvmm::Result<()> {
