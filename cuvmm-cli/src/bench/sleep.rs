@@ -183,8 +183,9 @@ pub struct SleepReport {
     /// Fastest and slowest of each timed series: offload, D2H bound, wake, H2D bound.
     pub spread: Spread,
     /// The tagged bytes of fresh host memory, faulted in as a pageable backup's are at a sleep
-    /// ([`cuvmm::alloc::fresh_backup_memory`]), a few times after the cycles: the floor of a
-    /// sleep into a backup released at its last wake. Pageable backups only.
+    /// ([`cuvmm::alloc::fresh_backup_memory`], each device's at once), a few times after the
+    /// cycles: the floor of a sleep into a backup released at its last wake. Pageable backups
+    /// only.
     pub fresh_host_ms: Vec<f64>,
 }
 
@@ -440,10 +441,12 @@ pub fn run(
         each(&c);
         r.cycles.push(c);
     }
-    // After every cycle, so that nothing timed follows the host's work of giving the memory back.
+    // After every cycle, so that nothing timed follows the host's work of giving the memory back;
+    // each device's backup at once, as the sleeps make them.
     if backup.kind == BackupKind::Pageable && !first_only {
         for _ in 0..FRESH_SAMPLES {
-            r.fresh_host_ms.push(cuvmm::alloc::fresh_backup_memory(total)?.as_secs_f64() * 1e3);
+            let per_device = total / devs.len();
+            r.fresh_host_ms.push(on_all(&devs, |_| cuvmm::alloc::fresh_backup_memory(per_device))?.0);
         }
     }
     r.summarise();
