@@ -34,13 +34,10 @@
 //!
 //! [`Core::flush_cached`]: super::core::Core::flush_cached
 
-use super::heap::AddrMap;
+use super::heap::{AddrMap, KeyedLists};
 use std::cell::RefCell;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
-
-/// Blocks a front keeps per size before frees go to the core.
-pub(crate) const CACHED_PER_SIZE: usize = 16;
 
 pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
@@ -83,19 +80,9 @@ pub(crate) struct State {
     pub seen_demand: u64,
     /// Blocks handed out on the stream and not yet back in the core, by address.
     pub blocks: AddrMap<Entry>,
-    /// The cached blocks.
-    cache: Cache,
+    /// The cached blocks, (address, stamp) per size.
+    cache: KeyedLists<u64, (u64, u64)>,
     pub counts: Counts,
-}
-
-/// Cached blocks, one list per size, (address, stamp) the latest last; found through `by_size`,
-/// or `last` (the list used last: a free and the next request of the same size find it without
-/// hashing).
-#[derive(Default)]
-struct Cache {
-    lists: Vec<Vec<(u64, u64)>>,
-    by_size: AddrMap<u32>,
-    last: Option<(u64, u32)>,
 }
 
 /// One stream's front. Aligned to two cache lines, so that the fronts of threads running side by
@@ -125,7 +112,7 @@ impl Front {
                 last_free: 0,
                 seen_demand: 0,
                 blocks: AddrMap::default(),
-                cache: Cache::default(),
+                cache: KeyedLists::default(),
                 counts: Counts::default(),
             }),
         }
@@ -141,8 +128,7 @@ impl Front {
         if s.retired {
             return None;
         }
-        let l = s.cache.list(n, false)?;
-        let (addr, _) = s.cache.lists[l].pop()?;
+        let (addr, _) = s.cache.list(n, false)?.pop()?;
         let e = s.blocks.get_mut(&addr).expect("a cached block is in the front's map");
         e.cached = false;
         e.requested = requested;
@@ -166,7 +152,7 @@ impl Front {
             return false;
         }
         let epoch = s.next;
-        if !s.cache.push(addr, e.n, epoch) {
+        if !s.cache.push(e.n, (addr, epoch)) {
             return false;
         }
         e.cached = true;
@@ -183,7 +169,7 @@ impl State {
     /// when the cache of its size is full.
     pub(crate) fn cache_free(&mut self, addr: u64, epoch: u64) -> bool {
         let Some(e) = self.blocks.get_mut(&addr) else { return false };
-        if !self.cache.push(addr, e.n, epoch) {
+        if !self.cache.push(e.n, (addr, epoch)) {
             return false;
         }
         e.cached = true;
@@ -194,12 +180,10 @@ impl State {
     /// Every cached block, taken out: (address, stamp, entry).
     pub(crate) fn drain(&mut self) -> Vec<(u64, u64, Entry)> {
         let mut out = Vec::new();
-        for (addr, epoch) in self.cache.lists.drain(..).flatten() {
+        for (addr, epoch) in self.cache.drain() {
             let e = self.blocks.remove(&addr).expect("a cached block is in the front's map");
             out.push((addr, epoch, e));
         }
-        self.cache.by_size.clear();
-        self.cache.last = None;
         out
     }
 
@@ -207,7 +191,7 @@ impl State {
     /// taken out: (address, stamp, entry).
     pub(crate) fn drain_done(&mut self, done: u64) -> Vec<(u64, u64, Entry)> {
         let mut due = Vec::new();
-        for list in &mut self.cache.lists {
+        for list in self.cache.lists_mut() {
             list.retain(|&(addr, epoch)| {
                 let idle = epoch <= done;
                 if idle {
@@ -226,39 +210,6 @@ impl State {
     /// Whether the front holds no block, live or cached.
     pub(crate) fn is_empty(&self) -> bool {
         self.blocks.is_empty()
-    }
-}
-
-impl Cache {
-    /// The list of size `n`, made if `make`.
-    fn list(&mut self, n: u64, make: bool) -> Option<usize> {
-        if let Some((m, l)) = self.last {
-            if m == n {
-                return Some(l as usize);
-            }
-        }
-        let l = match self.by_size.get(&n) {
-            Some(&l) => l,
-            None if make => {
-                self.lists.push(Vec::new());
-                let l = (self.lists.len() - 1) as u32;
-                self.by_size.insert(n, l);
-                l
-            }
-            None => return None,
-        };
-        self.last = Some((n, l));
-        Some(l as usize)
-    }
-
-    /// Adds a block of `n` bytes to its size's list unless that holds [`CACHED_PER_SIZE`].
-    fn push(&mut self, addr: u64, n: u64, epoch: u64) -> bool {
-        let l = self.list(n, true).expect("made");
-        if self.lists[l].len() >= CACHED_PER_SIZE {
-            return false;
-        }
-        self.lists[l].push((addr, epoch));
-        true
     }
 }
 

@@ -63,8 +63,9 @@ pub(crate) enum State {
 /// real workloads offer (docs/PERFORMANCE.md, "Figures behind the defaults").
 const FIT_AMONG: usize = 64;
 
-/// Blocks kept per (stream, size) before frees go to the index directly.
-const CACHED_PER_SIZE: usize = 16;
+/// Blocks kept per list of [`KeyedLists`] (per (stream, size) in the heap, per size in a
+/// stream's front) before frees go further.
+pub(crate) const CACHED_PER_SIZE: usize = 16;
 
 /// A block's index in [`Heap`]'s table: stable while the block exists, reused after it merges
 /// into a neighbour.
@@ -153,6 +154,73 @@ impl Hasher for AddrHasher {
 
 pub(crate) type AddrMap<V> = HashMap<u64, V, BuildHasherDefault<AddrHasher>>;
 
+/// Cached blocks, one list per key (the latest last), found through a map or, for the key used
+/// last, without hashing: a free and the next request of the same size meet there. The heap's
+/// lists per (stream, size) and a stream front's per size.
+pub(crate) struct KeyedLists<K, T> {
+    lists: Vec<Vec<T>>,
+    index: HashMap<K, u32, BuildHasherDefault<AddrHasher>>,
+    last: Option<(K, u32)>,
+}
+
+impl<K, T> Default for KeyedLists<K, T> {
+    fn default() -> Self {
+        KeyedLists { lists: Vec::new(), index: HashMap::default(), last: None }
+    }
+}
+
+impl<K: Copy + Eq + std::hash::Hash, T> KeyedLists<K, T> {
+    /// The list of `key`, made if `make`.
+    pub(crate) fn list(&mut self, key: K, make: bool) -> Option<&mut Vec<T>> {
+        let l = match self.last {
+            Some((k, l)) if k == key => l,
+            _ => {
+                let l = match self.index.get(&key) {
+                    Some(&l) => l,
+                    None if make => {
+                        self.lists.push(Vec::new());
+                        let l = (self.lists.len() - 1) as u32;
+                        self.index.insert(key, l);
+                        l
+                    }
+                    None => return None,
+                };
+                self.last = Some((key, l));
+                l
+            }
+        };
+        Some(&mut self.lists[l as usize])
+    }
+
+    /// Adds `item` to the list of `key` unless that holds [`CACHED_PER_SIZE`].
+    pub(crate) fn push(&mut self, key: K, item: T) -> bool {
+        let list = self.list(key, true).expect("made");
+        if list.len() >= CACHED_PER_SIZE {
+            return false;
+        }
+        list.push(item);
+        true
+    }
+
+    /// Every item, taken out, the lists and their index emptied.
+    pub(crate) fn drain(&mut self) -> impl Iterator<Item = T> + '_ {
+        self.index.clear();
+        self.last = None;
+        self.lists.drain(..).flatten()
+    }
+
+    /// Every list, to take some items out.
+    pub(crate) fn lists_mut(&mut self) -> impl Iterator<Item = &mut Vec<T>> {
+        self.lists.iter_mut()
+    }
+
+    /// Items held, every list together.
+    #[cfg(test)]
+    pub(crate) fn len(&self) -> usize {
+        self.lists.iter().map(Vec::len).sum()
+    }
+}
+
 /// What [`Heap::free`] found.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct Freed {
@@ -181,11 +249,8 @@ pub(crate) struct Heap {
     live: AddrMap<BlockId>,
     /// Bytes of blocks in graph pools.
     graph: u64,
-    /// `Cached` blocks: one list per (stream, size), found through `cached_lists`, and the list
-    /// used last, which a free followed by a request of the same size finds without hashing.
-    cached: Vec<Vec<BlockId>>,
-    cached_lists: HashMap<(u64, u64), u32, BuildHasherDefault<AddrHasher>>,
-    cached_last: Option<((u64, u64), u32)>,
+    /// `Cached` blocks, one list per (stream, size).
+    cached: KeyedLists<(u64, u64), BlockId>,
     cached_count: usize,
 }
 
@@ -203,9 +268,7 @@ impl Heap {
             live: AddrMap::default(),
             lent: Vec::new(),
             graph: 0,
-            cached: Vec::new(),
-            cached_lists: HashMap::default(),
-            cached_last: None,
+            cached: KeyedLists::default(),
             cached_count: 0,
         }
     }
@@ -353,27 +416,6 @@ impl Heap {
         Some(self.top - size)
     }
 
-    /// The cached list of `key`, created if `create`.
-    fn cached_list(&mut self, key: (u64, u64), create: bool) -> Option<u32> {
-        if let Some((k, l)) = self.cached_last {
-            if k == key {
-                return Some(l);
-            }
-        }
-        let l = match self.cached_lists.get(&key) {
-            Some(&l) => l,
-            None if create => {
-                self.cached.push(Vec::new());
-                let l = (self.cached.len() - 1) as u32;
-                self.cached_lists.insert(key, l);
-                l
-            }
-            None => return None,
-        };
-        self.cached_last = Some((key, l));
-        Some(l)
-    }
-
     /// A block `stream` freed whole with exactly `size` bytes, handed out again to it.
     pub(crate) fn take_cached(
         &mut self,
@@ -384,8 +426,7 @@ impl Heap {
         if self.cached_count == 0 {
             return None;
         }
-        let l = self.cached_list((stream, size), false)?;
-        let i = self.cached[l as usize].pop()?;
+        let i = self.cached.list((stream, size), false)?.pop()?;
         self.cached_count -= 1;
         let b = &mut self.blocks[i];
         b.state = State::Live { stream, raw, requested };
@@ -410,14 +451,10 @@ impl Heap {
         let State::Live { requested, .. } = b.state else {
             unreachable!("free_cached of a block that is not live")
         };
-        if b.pool == 0 {
-            let l = self.cached_list((stream, b.size), true).expect("created") as usize;
-            if self.cached[l].len() < CACHED_PER_SIZE {
-                self.cached[l].push(i);
-                self.cached_count += 1;
-                self.blocks[i].state = State::Cached { stream, epoch };
-                return Freed { size: b.size, requested, pool: 0 };
-            }
+        if b.pool == 0 && self.cached.push((stream, b.size), i) {
+            self.cached_count += 1;
+            self.blocks[i].state = State::Cached { stream, epoch };
+            return Freed { size: b.size, requested, pool: 0 };
         }
         self.live.remove(&b.addr);
         self.free_block(i, Owner::Stream { stream, epoch })
@@ -430,9 +467,7 @@ impl Heap {
         if self.cached_count == 0 {
             return;
         }
-        let lists: Vec<BlockId> = self.cached.drain(..).flatten().collect();
-        self.cached_lists.clear();
-        self.cached_last = None;
+        let lists: Vec<BlockId> = self.cached.drain().collect();
         self.cached_count = 0;
         for i in lists {
             let b = self.blocks[i];
@@ -801,7 +836,7 @@ impl Heap {
         assert_eq!(at, self.top);
         assert_eq!(free, self.free.len());
         assert_eq!(cached, self.cached_count);
-        assert_eq!(cached, self.cached.iter().map(Vec::len).sum::<usize>());
+        assert_eq!(cached, self.cached.len());
         assert_eq!(live + cached, self.live.len(), "the map holds live and cached blocks only");
         assert_eq!(prev, self.last);
     }
