@@ -718,13 +718,14 @@ fn print_sleep_summary(
 }
 
 fn print_summary_json(out: &mut impl Write, r: &SleepReport) -> std::io::Result<()> {
+    let fresh = r.fresh_host();
     let line = json!({"bench": "sleep", "bytes": r.bytes, "devices": r.devices, "d2h_bound_ms": r.median.d2h_bound_ms,
             "h2d_bound_ms": r.median.h2d_bound_ms, "first_offload_ms": r.first_offload_ms,
             "offload_ms": r.median.offload_ms, "offload_ratio": r.median.offload_ratio(), "wake_ms": r.median.wake_ms,
             "wake_ratio": r.median.wake_ratio(), "h2d_after_frees_ms": r.median.h2d_after_frees_ms,
             "wake_ratio_after_frees": r.median.wake_ratio_after_frees(), "discard_ms": r.median.discard_ms, "discard_wake_ms": r.median.discard_wake_ms,
             "freed_ratio": r.freed_ratio, "mismatches": r.mismatches,
-            "fresh_host_ms": r.fresh_host().map(|f| f.0), "fresh_host_ratio": r.fresh_host().map(|f| f.3),
+            "fresh_host_ms": fresh.map(|f| f.0), "fresh_host_ratio": fresh.map(|f| f.3),
             "goals": sleep_goals(r).into_iter().collect::<serde_json::Map<String, serde_json::Value>>(),
             "fastest_slowest_ms": {"offload": r.spread.0[0], "d2h_bound": r.spread.0[1],
                 "wake": r.spread.0[2], "h2d_bound": r.spread.0[3]}});

@@ -95,7 +95,12 @@ fn cores() -> usize {
 /// cores (at most 8), leaving the rest to the threads faulting the backup in; all of the ring's
 /// when `CUVMM_BACKUP_COPY_THREADS` sets them. A wake fills the ring with all of them.
 pub(crate) fn to_host_threads() -> usize {
-    env_threads("CUVMM_BACKUP_COPY_THREADS").filter(|&n| n > 0).unwrap_or_else(|| (cores() / 2).clamp(1, 8))
+    copy_threads_set().unwrap_or_else(|| (cores() / 2).clamp(1, 8))
+}
+
+/// The ring's threads `CUVMM_BACKUP_COPY_THREADS` sets, if it does (0 does not).
+fn copy_threads_set() -> Option<usize> {
+    env_threads("CUVMM_BACKUP_COPY_THREADS").filter(|&n| n > 0)
 }
 
 /// A thread count from the environment: a tuning knob for hosts whose core count misleads.
@@ -107,7 +112,7 @@ pub(crate) fn env_threads(name: &str) -> Option<usize> {
 /// `CUVMM_BACKUP_COPY_THREADS` copying threads if set.
 pub(crate) fn ring_config() -> crate::host::StagingConfig {
     let mut config = crate::host::StagingConfig::default();
-    if let Some(n) = env_threads("CUVMM_BACKUP_COPY_THREADS").filter(|&n| n > 0) {
+    if let Some(n) = copy_threads_set() {
         config.threads = n;
     }
     config
@@ -223,6 +228,11 @@ impl HostMap {
     /// Stops the threads faulting it in and waits for them.
     pub(crate) fn stop_touching(&mut self) {
         self.stop.store(true, Ordering::Relaxed);
+        self.join_touching();
+    }
+
+    /// Waits for the threads faulting it in.
+    fn join_touching(&mut self) {
         for t in self.touch.drain(..) {
             let _ = t.join();
         }
@@ -232,9 +242,7 @@ impl HostMap {
     /// left (a kernel without `MADV_POPULATE_WRITE`) by writing a zero to each small page: only
     /// for a map nothing has written yet.
     fn finish_touching(&mut self) {
-        for t in self.touch.drain(..) {
-            let _ = t.join();
-        }
+        self.join_touching();
         if self.touched.load(Ordering::Relaxed) * TOUCH_UNIT < self.len {
             for off in (0..self.len).step_by(4096) {
                 // SAFETY: inside the mapping, which nothing else uses (the threads are joined);
