@@ -474,6 +474,17 @@ fn alloc(c: &mut Core<Gpu>, held: &mut Vec<Held>, size: u64, stream: u64) -> Opt
     alloc_on(c, held, size, Caller::from(stream))
 }
 
+/// The address of a block handed out, `None` when memory ran out; any other error fails the test.
+fn handed_out(r: Result<u64>) -> Option<u64> {
+    match r {
+        Ok(a) => Some(a),
+        Err(e) => {
+            assert!(e.is_out_of_memory(), "{e}");
+            None
+        }
+    }
+}
+
 /// [`alloc`] on the stream `caller` names (its handle may be one a destroyed stream had).
 fn alloc_on(c: &mut Core<Gpu>, held: &mut Vec<Held>, size: u64, caller: Caller) -> Option<u64> {
     let stream = caller.id;
@@ -489,13 +500,7 @@ fn alloc_on(c: &mut Core<Gpu>, held: &mut Vec<Held>, size: u64, caller: Caller) 
     c.backend().in_call = Some(caller.raw);
     let r = c.allocate(size, caller, capture, 0);
     c.backend().in_call = None;
-    let addr = match r {
-        Ok(a) => a,
-        Err(e) => {
-            assert!(e.is_out_of_memory(), "{e}");
-            return None;
-        }
-    };
+    let addr = handed_out(r)?;
     let n = size.div_ceil(ALIGN) * ALIGN;
     for h in held.iter() {
         assert!(addr + n <= h.addr || h.addr + h.size <= addr, "{addr:#x}+{n} overlaps a live block {h:?}");

@@ -36,13 +36,7 @@ impl World {
         let wait = || self.alloc.core().backend().synchronize().is_ok();
         let r = self.alloc.allocate(size, raw, Some(id), Capture::None, 0, wait);
         IN_CALL.set(None);
-        let addr = match r {
-            Ok(a) => a,
-            Err(e) => {
-                assert!(e.is_out_of_memory(), "{e}");
-                return None;
-            }
-        };
+        let addr = handed_out(r)?;
         let n = size.div_ceil(ALIGN) * ALIGN;
         let mut core = self.alloc.core();
         let gpu = core.backend();
