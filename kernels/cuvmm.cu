@@ -73,3 +73,20 @@ extern "C" __global__ void cuvmm_busy_f32(float *p, uint64_t n, uint32_t iters) 
     p[i] = x;
   }
 }
+
+// dst[i] = src[i] over 16-byte words, four loads in flight per thread: the staging ring's copy of
+// a filled slot (pinned host memory, read over the bus by the multiprocessors) into device memory,
+// for when the copy engines are busy with the driver's own work. Both 16-byte aligned; n4 counts
+// uint4s.
+extern "C" __global__ void cuvmm_copy_u32x4(const uint4 *__restrict__ src, uint4 *__restrict__ dst, uint64_t n4) {
+  const uint64_t stride = (uint64_t)gridDim.x * blockDim.x;
+  uint64_t i = blockIdx.x * (uint64_t)blockDim.x + threadIdx.x;
+  for (; i + 3 * stride < n4; i += 4 * stride) {
+    uint4 v[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) v[k] = src[i + k * stride];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) dst[i + k * stride] = v[k];
+  }
+  for (; i < n4; i += stride) dst[i] = src[i];
+}

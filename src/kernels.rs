@@ -52,6 +52,7 @@ pub struct Kernels {
     checksum4: CUfunction,
     vadd: CUfunction,
     busy: CUfunction,
+    copy4: CUfunction,
     max_blocks: u32,
 }
 
@@ -81,12 +82,18 @@ impl Kernels {
             checksum4: f("cuvmm_checksum_u32x4")?,
             vadd: f("cuvmm_vector_add_f32")?,
             busy: f("cuvmm_busy_f32")?,
+            copy4: f("cuvmm_copy_u32x4")?,
             // Exactly as many blocks as can be resident at once (2048 threads per multiprocessor
             // on sm_75 to sm_90 = 8 blocks of 256): one wave, no straggling second one; the
             // kernels stride over the rest.
             max_blocks: sms * 8,
             module,
         })
+    }
+
+    /// The context the kernels are loaded into.
+    pub fn context(&self) -> &Context {
+        self.module.context()
     }
 
     fn launch(&self, f: CUfunction, n: usize, stream: &Stream, params: &mut [*mut c_void]) -> Result<()> {
@@ -101,6 +108,22 @@ impl Kernels {
         // SAFETY: `f` is one of this module's kernels, and each public wrapper passes exactly its
         // parameter list (types as in kernels/cuvmm.cu) with device views valid for `n` elements.
         unsafe { crate::module::launch_raw(f, cfg, stream, params) }
+    }
+
+    /// Queues a copy of `bytes` from `src` to `dst` on `stream` by the multiprocessors: `src` may
+    /// be pinned host memory, which they read over the bus, leaving the copy engines alone.
+    ///
+    /// # Safety
+    /// `src` and `dst` are 16-byte aligned addresses the device can read and write for `bytes`
+    /// bytes (a multiple of 16), until the copy completes, and nothing else writes `dst` or `src`
+    /// meanwhile.
+    pub(crate) unsafe fn copy_raw(&self, stream: &Stream, src: u64, dst: u64, bytes: usize) -> Result<()> {
+        if src % 16 != 0 || dst % 16 != 0 || bytes % 16 != 0 {
+            return Err(Error::invalid("a kernel copy moves aligned 16-byte words"));
+        }
+        let n4 = (bytes / 16) as u64;
+        // Four words in flight per thread: a quarter as many threads as words, at most one wave.
+        self.launch(self.copy4, (n4 as usize).div_ceil(4), stream, &mut params!(src, dst, n4))
     }
 
     /// `dst[i] = value`, queued on `stream`.

@@ -1,6 +1,6 @@
 //! Pinned memory, registration, streams, events, callbacks, async copies and kernels on a GPU.
 
-use cuvmm::host::Staging;
+use cuvmm::host::{KernelLane, Staging};
 use cuvmm::host::{PinnedFlags, RegisterFlags};
 use cuvmm::kernels::{pattern_value, Kernels};
 use cuvmm::{scope, Context, DeviceBuffer, Error, Event, PinnedBuffer, Registered, Stream, VmmVec};
@@ -85,6 +85,75 @@ fn the_staged_pageable_path_round_trips_exactly() {
     }
     let mut dev = DeviceBuffer::<u32>::new(&ctx, 4).unwrap();
     assert!(matches!(staging.to_device(&st, &[1, 2, 3], dev.as_mut_slice()), Err(Error::InvalidArgument(_))));
+}
+
+/// With the kernel lane on, chunks go to the device through kernels as well as the copy engines,
+/// every byte arrives, and the kernels wait for what the caller queued before the transfer (a
+/// slow kernel, then a fill of the destination that would overwrite an early copy).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn the_kernel_lane_carries_chunks_after_the_callers_earlier_work() {
+    let ctx = ctx();
+    let k = Kernels::load(&ctx).unwrap();
+    let st = Stream::non_blocking(&ctx).unwrap();
+    let mut staging = Staging::new(&ctx, 1 << 20, 4, 4).unwrap();
+    staging
+        .set_kernel_lane(Some((Kernels::load(&ctx).unwrap(), KernelLane { bias: 1, slowdown: 0.0 })))
+        .unwrap();
+    let mut slow = DeviceBuffer::<f32>::new(&ctx, 1 << 22).unwrap();
+    // An odd length: the last chunk is no whole number of 16-byte words and takes the copy engines.
+    for (round, n) in [(16usize << 20) + 3, 24 << 20].into_iter().enumerate() {
+        let data = fresh(n, 77 + round as u32);
+        let mut dev = DeviceBuffer::<u32>::new(&ctx, n).unwrap();
+        k.busy_f32(&st, &mut slow.as_mut_slice(), 4000).unwrap();
+        k.fill_u32(&st, &mut dev.as_mut_slice(), 0).unwrap();
+        staging.to_device(&st, &data, dev.as_mut_slice()).unwrap();
+        assert!(dev.to_vec().unwrap() == data, "n = {n}");
+    }
+    assert!(staging.kernel_chunks() > 0, "no chunk went through the kernel lane");
+    staging.set_kernel_lane(None).unwrap();
+    let before = staging.kernel_chunks();
+    let data = fresh(1 << 20, 5);
+    let mut dev = DeviceBuffer::<u32>::new(&ctx, 1 << 20).unwrap();
+    staging.to_device(&st, &data, dev.as_mut_slice()).unwrap();
+    assert!(dev.to_vec().unwrap() == data);
+    assert_eq!(staging.kernel_chunks(), before, "off, the lane takes no chunk");
+}
+
+/// By default the lane waits for the copy engines to be slow: right after much device memory is
+/// freed (the driver's work then halves their rate) chunks go through it too, and arrive whole.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn the_kernel_lane_takes_chunks_while_the_copy_engines_are_slow_after_frees() {
+    let ctx = ctx();
+    let st = Stream::non_blocking(&ctx).unwrap();
+    let mut staging = Staging::with_defaults(&ctx).unwrap();
+    staging.set_kernel_lane(Some((Kernels::load(&ctx).unwrap(), KernelLane::default()))).unwrap();
+    let n = 128 << 20; // 512 MiB of u32
+    let data = fresh(n, 91);
+    let mut dev = DeviceBuffer::<u32>::new(&ctx, n).unwrap();
+    // Undisturbed transfers both ways teach the ring what a chunk takes.
+    staging.to_device(&st, &data, dev.as_mut_slice()).unwrap();
+    let mut back = vec![0u32; n];
+    staging.to_host(&st, dev.as_slice(), &mut back).unwrap();
+    assert!(back == data);
+    let before = staging.kernel_chunks();
+    let others: Vec<DeviceBuffer<u32>> = (0..12)
+        .map(|_| {
+            let mut b = DeviceBuffer::<u32>::new(&ctx, 1 << 28).unwrap();
+            scope(|s| s.fill_u32(&st, b.as_mut_slice(), 0xa5a5_a5a5)).unwrap();
+            b
+        })
+        .collect();
+    st.synchronize().unwrap();
+    drop(others);
+    let data = fresh(n, 92);
+    staging.to_device(&st, &data, dev.as_mut_slice()).unwrap();
+    assert!(dev.to_vec().unwrap() == data);
+    assert!(
+        staging.kernel_chunks() > before,
+        "no chunk went through the kernel lane right after 12 GiB of frees"
+    );
 }
 
 #[test]

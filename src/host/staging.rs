@@ -62,6 +62,42 @@ fn default_threads(cores: usize) -> usize {
     (cores - cores / 4).clamp(1, 12)
 }
 
+/// When host-to-device chunks go through a kernel as well as the copy engines:
+/// [`Staging::set_kernel_lane`].
+///
+/// For some tens of milliseconds after a program frees much device memory, the driver's own work
+/// runs on the copy engines and they move host-to-device copies at about half their rate; a
+/// kernel's reads of pinned memory are slowed far less, but otherwise move 5-10% less than the
+/// copy engines (docs/PERFORMANCE.md, "Sleep and wake"). So the ring sends a chunk through the
+/// kernel only while the copy engines are slow and behind.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct KernelLane {
+    /// The copy engines hold at least this many more chunks in flight than the kernel (at
+    /// least 1).
+    pub bias: usize,
+    /// The copy engines' last chunk took more than this many times, per byte, the fastest chunk
+    /// the ring has moved either way (0: whatever they took).
+    pub slowdown: f32,
+}
+
+impl Default for KernelLane {
+    /// Two chunks behind, 1.3 times the fastest: the copy engines at half their rate are well
+    /// past it, their ordinary spread well under it.
+    fn default() -> Self {
+        KernelLane { bias: 2, slowdown: 1.3 }
+    }
+}
+
+/// The kernel lane of a ring: see [`KernelLane`].
+struct Lane {
+    kernels: crate::kernels::Kernels,
+    stream: Stream,
+    config: KernelLane,
+    /// Recorded on the caller's stream at a transfer's start, waited for here; and back.
+    start: Event,
+    end: Event,
+}
+
 /// A reusable ring of pinned slots and the threads that fill or drain them.
 pub struct Staging {
     /// First, so that its threads (idle between transfers) stop before the slots are freed.
@@ -71,6 +107,15 @@ pub struct Staging {
     config: StagingConfig,
     /// Threads that drain a device-to-host transfer (at most `config.threads`).
     to_host_threads: usize,
+    /// The multiprocessors' way to the device, when on: [`Staging::set_kernel_lane`].
+    kernel_lane: Option<Lane>,
+    /// Per slot, recorded on the copy engines' stream just before a chunk's DMA: with the slot's
+    /// event after it, how long the DMA took.
+    begun: Vec<Event>,
+    /// The fastest DMA so far, in nanoseconds per MiB.
+    fastest: AtomicU64,
+    /// Chunks sent through it so far.
+    kernel_chunks: u64,
     /// Whether transfers record a [`StagingTrace`].
     tracing: bool,
     last_trace: Option<StagingTrace>,
@@ -377,9 +422,10 @@ impl<F: FnMut()> Drop for OnUnwind<F> {
 /// chunks have their DMA queued, and which slots wait for their DMA to complete.
 ///
 /// The first chunks get the slots in order; each later chunk, in chunk order, gets the slot whose
-/// DMA was queued first (so completes first, the stream running them in order) once that DMA has
-/// completed. DMAs are queued in the order chunks are filled, which is mostly chunk order; a slot
-/// goes wherever it is needed next, so a chunk filled late holds back no other chunk's slot.
+/// DMA was queued first on a lane (so completes first there, each lane's stream running them in
+/// order) once that DMA has completed. DMAs are queued in the order chunks are filled, which is
+/// mostly chunk order; a slot goes wherever it is needed next, so a chunk filled late holds back no
+/// other chunk's slot. Lane 0 is the copy engines; lane 1, where the ring has it, the kernel copy.
 struct Issuer {
     slot_of: Vec<Option<usize>>,
     queued: Vec<bool>,
@@ -387,9 +433,12 @@ struct Issuer {
     first_unqueued: usize,
     /// Every chunk before it has a slot; none after it has.
     slotted: usize,
-    /// Slots whose chunk's DMA is queued, in the order queued.
-    in_flight: VecDeque<usize>,
+    /// Per lane, slots whose chunk's DMA is queued, in the order queued.
+    in_flight: [VecDeque<usize>; LANES],
 }
+
+/// Ways a chunk goes to the device: the copy engines, and the multiprocessors.
+const LANES: usize = 2;
 
 impl Issuer {
     fn new(chunks: usize, slots: usize) -> Issuer {
@@ -399,7 +448,7 @@ impl Issuer {
             queued: vec![false; chunks],
             first_unqueued: 0,
             slotted,
-            in_flight: VecDeque::with_capacity(slots),
+            in_flight: [VecDeque::with_capacity(slots), VecDeque::with_capacity(slots)],
         }
     }
 
@@ -422,34 +471,39 @@ impl Issuer {
         self.slot_of[i]
     }
 
-    /// Chunk `i` (filled, through its slot) has its DMA queued; returns the slot.
+    /// Chunk `i` (filled, through its slot) has its DMA queued on `lane`; returns the slot.
     ///
     /// # Panics
     /// If chunk `i` has no slot or was queued before.
-    fn queue(&mut self, i: usize) -> usize {
+    fn queue(&mut self, i: usize, lane: usize) -> usize {
         let s = self.slot_of[i].expect("a filled chunk has a slot");
         assert!(!std::mem::replace(&mut self.queued[i], true), "chunk {i} queued twice");
-        self.in_flight.push_back(s);
+        self.in_flight[lane].push_back(s);
         while self.queued.get(self.first_unqueued) == Some(&true) {
             self.first_unqueued += 1;
         }
         s
     }
 
-    /// The slot whose DMA to ask about: the one queued first, when the next chunk without a slot
-    /// exists and a thread has claimed pieces up to it (`claimed`, a chunk index).
-    fn to_free(&self, claimed: usize) -> Option<usize> {
+    /// The slot of `lane` whose DMA to ask about: the one queued first there, when the next chunk
+    /// without a slot exists and a thread has claimed pieces up to it (`claimed`, a chunk index).
+    fn to_free(&self, claimed: usize, lane: usize) -> Option<usize> {
         let needed = self.slotted < self.queued.len() && self.slotted <= claimed;
-        self.in_flight.front().copied().filter(|_| needed)
+        self.in_flight[lane].front().copied().filter(|_| needed)
     }
 
-    /// [`Issuer::to_free`]'s slot's DMA has completed: it goes to the next chunk. Returns that
-    /// chunk and the slot.
+    /// Chunks of `lane` whose DMA is queued and not yet seen complete.
+    fn in_flight(&self, lane: usize) -> usize {
+        self.in_flight[lane].len()
+    }
+
+    /// [`Issuer::to_free`]'s slot of `lane` has its DMA completed: it goes to the next chunk.
+    /// Returns that chunk and the slot.
     ///
     /// # Panics
-    /// If no slot is in flight or every chunk has one.
-    fn freed(&mut self) -> (usize, usize) {
-        let s = self.in_flight.pop_front().expect("a slot in flight");
+    /// If no slot of `lane` is in flight or every chunk has one.
+    fn freed(&mut self, lane: usize) -> (usize, usize) {
+        let s = self.in_flight[lane].pop_front().expect("a slot in flight");
         let j = self.slotted;
         self.slot_of[j] = Some(s);
         self.slotted += 1;
@@ -515,13 +569,18 @@ impl Staging {
             )));
         }
         let slots_v = (0..slots).map(|_| PinnedBuffer::<u8>::new(ctx, chunk)).collect::<Result<Vec<_>>>()?;
-        let events = (0..slots).map(|_| Event::without_timing(ctx)).collect::<Result<Vec<_>>>()?;
+        let events = (0..slots).map(|_| Event::new(ctx)).collect::<Result<Vec<_>>>()?;
+        let begun = (0..slots).map(|_| Event::new(ctx)).collect::<Result<Vec<_>>>()?;
         Ok(Staging {
             pool: Pool::new(threads)?,
             slots: slots_v,
             events,
             config,
             to_host_threads: threads,
+            kernel_lane: None,
+            begun,
+            fastest: AtomicU64::new(u64::MAX),
+            kernel_chunks: 0,
             tracing: false,
             last_trace: None,
         })
@@ -574,6 +633,41 @@ impl Staging {
         self.to_host_threads
     }
 
+    /// Lets host-to-device transfers send chunks through the copy kernel of `kernels` (loaded
+    /// into the ring's context) as well as the copy engines, as the [`KernelLane`] says; `None`
+    /// turns it off. Loading the kernels takes some tens of milliseconds where the driver's cache
+    /// of compiled kernels is cold, which a caller may spend on another thread.
+    ///
+    /// ```no_run
+    /// # fn main() -> cuvmm::Result<()> {
+    /// use cuvmm::host::{KernelLane, Staging};
+    /// let ctx = cuvmm::Context::for_ordinal(0)?;
+    /// let mut staging = Staging::with_defaults(&ctx)?;
+    /// staging.set_kernel_lane(Some((cuvmm::kernels::Kernels::load(&ctx)?, KernelLane::default())))?;
+    /// # Ok(()) }
+    /// ```
+    pub fn set_kernel_lane(&mut self, lane: Option<(crate::kernels::Kernels, KernelLane)>) -> Result<()> {
+        self.kernel_lane = match lane {
+            None => None,
+            Some((kernels, config)) => {
+                let ctx = kernels.context().clone();
+                Some(Lane {
+                    stream: Stream::non_blocking(&ctx)?,
+                    config: KernelLane { bias: config.bias.max(1), ..config },
+                    start: Event::without_timing(&ctx)?,
+                    end: Event::without_timing(&ctx)?,
+                    kernels,
+                })
+            }
+        };
+        Ok(())
+    }
+
+    /// Chunks host-to-device transfers have sent through the kernel lane so far.
+    pub fn kernel_chunks(&self) -> u64 {
+        self.kernel_chunks
+    }
+
     /// Starts a transfer of `bytes`: forgets the last trace, refuses sides of different lengths
     /// (named, with their lengths in elements, in the order the data moves) and cuts the bytes
     /// into chunks and pieces (`None`: nothing to move).
@@ -622,6 +716,18 @@ impl Staging {
         let src_addr = Addr(src.as_ptr() as usize);
         let api = driver()?.api();
         let events = &self.events;
+        let lane = self.kernel_lane.as_ref();
+        if let Some(l) = lane {
+            // The kernels follow whatever the caller queued before, as the copies do.
+            l.start.record(stream)?;
+            l.stream.wait_event(&l.start)?;
+        }
+        // Whatever happens, nothing of the kernel lane may still read a slot once this returns.
+        let _drained = OnUnwind(|| {
+            if let Some(l) = lane {
+                let _ = l.stream.synchronize();
+            }
+        });
         let fill = || loop {
             let Some(p) = shared.claim(plan.pieces) else { return };
             marks.piece_taken();
@@ -653,6 +759,12 @@ impl Staging {
                 marks.mark(j, Step::Filled);
             }
         };
+        let lanes = if lane.is_some() { LANES } else { 1 };
+        let (begun, fastest) = (&self.begun, &self.fastest);
+        // Whether the copy engines' last chunk was slow; the length each slot's DMA moved.
+        let mut slow = lane.is_some_and(|l| l.config.slowdown <= 0.0);
+        let mut chunk_of = vec![0usize; self.slots.len()];
+        let by_kernels = AtomicUsize::new(0);
         let issue = || -> Result<()> {
             stream.context().bind()?;
             let mut ring = ring;
@@ -672,15 +784,25 @@ impl Staging {
                     // DMA has completed, asking only when a thread has claimed a piece that needs
                     // it: a query is a driver call, and asking in a tight loop slowed the copies.
                     let claimed = shared.next.load(Ordering::Relaxed) / plan.per_chunk;
-                    if let Some(s) = ring.to_free(claimed) {
-                        match events[s].is_complete() {
-                            Ok(true) => {
-                                let (j, s) = ring.freed();
-                                shared.slot_of[j].store(s, Ordering::Release);
+                    for l in 0..lanes {
+                        if let Some(s) = ring.to_free(claimed, l) {
+                            match events[s].is_complete() {
+                                Ok(true) => {
+                                    let (j, s) = ring.freed(l);
+                                    if l == 0 {
+                                        if let Some(took) = dma_time(&begun[s], &events[s], chunk_of[s]) {
+                                            let best = fastest.fetch_min(took, Ordering::Relaxed).min(took);
+                                            slow = lane.is_some_and(|l| {
+                                                took as f32 > best as f32 * l.config.slowdown
+                                            });
+                                        }
+                                    }
+                                    shared.slot_of[j].store(s, Ordering::Release);
+                                }
+                                Ok(false) => {}
+                                // Ends this wait and every thread's: the error is in `shared`.
+                                Err(e) => shared.fail(e),
                             }
-                            Ok(false) => {}
-                            // Ends this wait and every thread's: the error is in `shared`.
-                            Err(e) => shared.fail(e),
                         }
                     }
                     false
@@ -688,27 +810,50 @@ impl Staging {
                 let Some(i) = ready.filter(|_| found.is_ok()) else {
                     return Ok(()); // a query or a worker failed; the error is in `shared`
                 };
-                let s = ring.queue(i);
-                // SAFETY: slot s holds chunk i (every piece's copy happened before the count
-                // acquired above); `dst` has room for it at this offset; the slot goes to another
-                // chunk only after the event recorded next completes.
-                unsafe {
-                    result::mem::memcpy_htod_async(
-                        api,
-                        dst.ptr() + (i * plan.chunk) as u64,
-                        slots[s].0 as *const _,
-                        plan.chunk_len(i),
-                        stream.raw(),
-                    )
-                }?;
+                let (to, len) = (dst.ptr() + (i * plan.chunk) as u64, plan.chunk_len(i));
+                let by_kernel = lane.filter(|l| {
+                    ring.in_flight(0) >= ring.in_flight(1) + l.config.bias
+                        && slow
+                        && len % 16 == 0
+                        && to % 16 == 0
+                });
+                let s = ring.queue(i, usize::from(by_kernel.is_some()));
+                chunk_of[s] = len;
+                by_kernels.fetch_add(usize::from(by_kernel.is_some()), Ordering::Relaxed);
+                match by_kernel {
+                    // SAFETY: as below; the slot is pinned memory the device reads (unified
+                    // addressing), and chunks and slots are 16-byte aligned (checked).
+                    Some(l) => unsafe { l.kernels.copy_raw(&l.stream, slots[s].0 as u64, to, len) }?,
+                    None => {
+                        begun[s].record(stream)?;
+                        // SAFETY: slot s holds chunk i (every piece's copy happened before the
+                        // count acquired above); `dst` has room for it at this offset; the slot
+                        // goes to another chunk only after the event recorded next completes.
+                        unsafe {
+                            result::mem::memcpy_htod_async(api, to, slots[s].0 as *const _, len, stream.raw())
+                        }?
+                    }
+                }
                 marks.mark(i, Step::Queued);
-                events[s].record(stream)?;
+                events[s].record(by_kernel.map_or(stream, |l| &l.stream))?;
             }
             Ok(())
         };
+        let issue = || -> Result<()> {
+            let queued = issue();
+            // The caller's stream, which the transfer ends by waiting for, waits for the kernels.
+            let joined = match lane {
+                Some(l) => l.end.record(&l.stream).and_then(|()| stream.wait_event(&l.end)),
+                None => Ok(()),
+            };
+            queued.and(joined)
+        };
         let (trace, outcome) = transfer.run(&self.pool, stream, true, &fill, issue);
         self.last_trace = trace;
-        outcome
+        self.kernel_chunks += by_kernels.into_inner() as u64;
+        // Already waited for through the caller's stream, unless the join failed.
+        let drained = lane.map_or(Ok(()), |l| l.stream.synchronize());
+        outcome.and(drained)
     }
 
     /// Copies `src` into pageable `dst` on `stream`; returns when the data is in `dst`.
@@ -735,6 +880,7 @@ impl Staging {
         let dst_addr = Addr(dst.as_mut_ptr() as usize);
         let api = driver()?.api();
         let events = &self.events;
+        let (begun, fastest) = (&self.begun, &self.fastest);
         let drain = || loop {
             let Some(p) = shared.claim(plan.pieces) else { return };
             marks.piece_taken();
@@ -750,6 +896,9 @@ impl Staging {
                 if let Err(e) = events[s].synchronize() {
                     shared.fail(e);
                     return;
+                }
+                if let Some(took) = dma_time(&begun[s], &events[s], plan.chunk_len(j)) {
+                    fastest.fetch_min(took, Ordering::Relaxed);
                 }
                 shared.landed[j].store(true, Ordering::Release);
                 marks.mark(j, Step::Landed);
@@ -786,6 +935,7 @@ impl Staging {
                 // Only this thread takes slots.
                 shared.slot_free[s].store(false, Ordering::Relaxed);
                 shared.slot_of[i].store(s, Ordering::Relaxed);
+                begun[s].record(stream)?;
                 // SAFETY: slot s is free (every read of its last chunk happened before the flag
                 // acquired above); `src` holds chunk i.
                 unsafe {
@@ -808,6 +958,13 @@ impl Staging {
         self.last_trace = trace;
         outcome
     }
+}
+
+/// How long the DMA between `begun` and `done` (both complete) took, in nanoseconds per MiB of its
+/// `len` bytes; `None` when the driver cannot say.
+fn dma_time(begun: &Event, done: &Event, len: usize) -> Option<u64> {
+    let ms = begun.elapsed_ms(done).ok()?;
+    (len > 0 && ms >= 0.0).then(|| (f64::from(ms) * 1e6 * (1u64 << 20) as f64 / len as f64) as u64)
 }
 
 /// A pool job that runs `job` on the first `n` threads to start it; the others return at once.
@@ -1051,42 +1208,60 @@ mod tests {
         let mut r = Issuer::new(6, 2);
         assert_eq!((r.first_unqueued(), r.slotted()), (Some(0), 2));
         assert_eq!((0..6).map(|j| r.slot(j)).collect::<Vec<_>>(), [Some(0), Some(1), None, None, None, None]);
-        assert_eq!(r.to_free(6), None, "no DMA queued, no slot to ask about");
+        assert_eq!(r.to_free(6, 0), None, "no DMA queued, no slot to ask about");
         // Chunk 1 is filled before chunk 0: its DMA goes first, and its slot is the one to free.
-        assert_eq!(r.queue(1), 1);
+        assert_eq!(r.queue(1, 0), 1);
         assert!(r.queued(1) && !r.queued(0));
         assert_eq!(r.first_unqueued(), Some(0));
-        assert_eq!(r.to_free(1), None, "no thread needs a slot for chunk 2 yet");
-        assert_eq!(r.to_free(2), Some(1));
-        assert_eq!(r.freed(), (2, 1), "chunk 2 gets chunk 1's slot while chunk 0 is still filling");
+        assert_eq!(r.to_free(1, 0), None, "no thread needs a slot for chunk 2 yet");
+        assert_eq!(r.to_free(2, 0), Some(1));
+        assert_eq!(r.freed(0), (2, 1), "chunk 2 gets chunk 1's slot while chunk 0 is still filling");
         assert_eq!(r.slot(2), Some(1));
         assert_eq!(r.slotted(), 3);
-        assert_eq!(r.to_free(6), None, "chunk 0's DMA is not queued");
-        assert_eq!(r.queue(0), 0);
+        assert_eq!(r.to_free(6, 0), None, "chunk 0's DMA is not queued");
+        assert_eq!(r.queue(0, 0), 0);
         assert_eq!(r.first_unqueued(), Some(2));
-        assert_eq!(r.queue(2), 1);
-        assert_eq!(r.to_free(3), Some(0));
-        assert_eq!(r.freed(), (3, 0));
-        assert_eq!(r.to_free(4), Some(1));
-        assert_eq!(r.freed(), (4, 1));
-        assert_eq!(r.queue(4), 1);
-        assert_eq!(r.queue(3), 0);
-        assert_eq!(r.to_free(5), Some(1), "slots free in the order their DMAs were queued");
-        assert_eq!(r.freed(), (5, 1));
-        assert_eq!(r.to_free(6), None, "every chunk has a slot");
-        assert_eq!(r.queue(5), 1);
+        assert_eq!(r.queue(2, 0), 1);
+        assert_eq!(r.to_free(3, 0), Some(0));
+        assert_eq!(r.freed(0), (3, 0));
+        assert_eq!(r.to_free(4, 0), Some(1));
+        assert_eq!(r.freed(0), (4, 1));
+        assert_eq!(r.queue(4, 0), 1);
+        assert_eq!(r.queue(3, 0), 0);
+        assert_eq!(r.to_free(5, 0), Some(1), "slots free in the order their DMAs were queued");
+        assert_eq!(r.freed(0), (5, 1));
+        assert_eq!(r.to_free(6, 0), None, "every chunk has a slot");
+        assert_eq!(r.queue(5, 0), 1);
         assert_eq!(r.first_unqueued(), None, "every DMA is queued");
         // Fewer chunks than slots.
         let r = Issuer::new(1, 4);
-        assert_eq!((r.slotted(), r.to_free(9)), (1, None));
+        assert_eq!((r.slotted(), r.to_free(9, 0)), (1, None));
+    }
+
+    #[test]
+    fn each_lane_frees_its_slots_in_its_own_order() {
+        // 5 chunks through 3 slots: chunks 0 and 2 to the copy engines, chunk 1 to the kernel.
+        let mut r = Issuer::new(5, 3);
+        assert_eq!(r.queue(0, 0), 0);
+        assert_eq!(r.queue(1, 1), 1);
+        assert_eq!(r.queue(2, 0), 2);
+        assert_eq!((r.in_flight(0), r.in_flight(1)), (2, 1));
+        // Each lane offers its oldest; the kernel's completes first and its slot goes on at once.
+        assert_eq!(r.to_free(3, 0), Some(0));
+        assert_eq!(r.to_free(3, 1), Some(1));
+        assert_eq!(r.freed(1), (3, 1));
+        assert_eq!((r.in_flight(0), r.in_flight(1)), (2, 0));
+        assert_eq!(r.to_free(4, 1), None, "nothing in flight on the kernel lane");
+        assert_eq!(r.freed(0), (4, 0));
+        assert_eq!(r.to_free(9, 0), None, "every chunk has a slot");
     }
 
     #[test]
     #[should_panic(expected = "queued twice")]
     fn a_chunk_is_queued_once() {
         let mut r = Issuer::new(3, 2);
-        r.queue(0);
-        r.queue(0);
+        r.queue(0, 0);
+        r.queue(0, 0);
     }
 
     #[test]

@@ -6,10 +6,12 @@ use super::core::{Backend, LEGACY, SYNTHETIC};
 use crate::context::Context;
 use crate::driver::{driver, result, sys::*};
 use crate::error::{Error, Result};
-use crate::host::{PinnedBuffer, Staging};
+use crate::host::{KernelLane, PinnedBuffer, Staging};
+use crate::kernels::Kernels;
 use crate::memory::{DeviceSlice, DeviceSliceMut};
 use crate::stream::{Event, Stream};
 use crate::vmm::{HandleTypes, PhysicalBuilder, PhysicalMemory, Reservation};
+use std::sync::mpsc::{channel, Receiver, TryRecvError};
 
 pub(crate) struct DriverBackend {
     ctx: Context,
@@ -54,6 +56,28 @@ impl HostBackup {
 struct StagedCopier {
     staging: Staging,
     stream: Stream,
+    /// The kernel lane's kernels, loading on a thread of their own (the first sleep need not wait
+    /// for the driver to compile them); the ring takes them on once they are there.
+    loading: Option<Receiver<Result<(Kernels, KernelLane)>>>,
+}
+
+impl StagedCopier {
+    /// Gives the ring its kernel lane if the kernels have loaded; without them (a load that
+    /// failed) the ring keeps to the copy engines.
+    fn take_lane(&mut self) -> Result<()> {
+        let Some(rx) = &self.loading else { return Ok(()) };
+        match rx.try_recv() {
+            Err(TryRecvError::Empty) => Ok(()),
+            Ok(Ok(lane)) => {
+                self.loading = None;
+                self.staging.set_kernel_lane(Some(lane))
+            }
+            Ok(Err(_)) | Err(TryRecvError::Disconnected) => {
+                self.loading = None;
+                Ok(())
+            }
+        }
+    }
 }
 
 impl Copier for StagedCopier {
@@ -67,6 +91,7 @@ impl Copier for StagedCopier {
     fn to_device(&mut self, src: &[u8], dst: u64) -> Result<()> {
         // SAFETY: as in `to_host`; nothing else writes the range during a wake.
         let to = unsafe { DeviceSliceMut::<u8>::from_raw_parts(dst, src.len()) };
+        self.take_lane()?;
         self.staging.to_device(&self.stream, src, to)
     }
 }
@@ -112,7 +137,13 @@ impl DriverBackend {
         if self.mover.is_none() {
             let mut staging = Staging::with_config(&self.ctx, backup::ring_config())?;
             staging.set_to_host_threads(backup::to_host_threads());
-            let copier = StagedCopier { staging, stream: Stream::non_blocking(&self.ctx)? };
+            let loading = backup::kernel_lane().and_then(|config| {
+                let (tx, rx) = channel();
+                let ctx = self.ctx.clone();
+                let load = move || drop(tx.send(Kernels::load(&ctx).map(|k| (k, config))));
+                std::thread::Builder::new().name("cuvmm-kernels".into()).spawn(load).ok().map(|_| rx)
+            });
+            let copier = StagedCopier { staging, stream: Stream::non_blocking(&self.ctx)?, loading };
             self.mover = Some(Mover::new(copier)?);
         }
         Ok(self.mover.as_ref().expect("made above"))

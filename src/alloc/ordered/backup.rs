@@ -103,6 +103,24 @@ fn copy_threads_set() -> Option<usize> {
     env_threads("CUVMM_BACKUP_COPY_THREADS").filter(|&n| n > 0)
 }
 
+/// A wake's kernel lane ([`KernelLane`](crate::host::KernelLane)): the default, with its bias set
+/// by `CUVMM_WAKE_KERNEL_BIAS` (0 turns the lane off) and its slowdown by
+/// `CUVMM_WAKE_KERNEL_SLOWDOWN` (0 sends chunks through it whenever the copy engines are behind).
+pub(crate) fn kernel_lane() -> Option<crate::host::KernelLane> {
+    let mut lane = crate::host::KernelLane::default();
+    match env_threads("CUVMM_WAKE_KERNEL_BIAS") {
+        Some(0) => return None,
+        Some(n) => lane.bias = n,
+        None => {}
+    }
+    if let Some(x) =
+        std::env::var("CUVMM_WAKE_KERNEL_SLOWDOWN").ok().and_then(|v| v.trim().parse::<f32>().ok())
+    {
+        lane.slowdown = x.max(0.0);
+    }
+    Some(lane)
+}
+
 /// A thread count from the environment: a tuning knob for hosts whose core count misleads.
 pub(crate) fn env_threads(name: &str) -> Option<usize> {
     std::env::var(name).ok()?.trim().parse::<usize>().ok().filter(|&n| n <= 256)
