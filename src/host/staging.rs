@@ -109,11 +109,8 @@ pub struct Staging {
     to_host_threads: usize,
     /// The multiprocessors' way to the device, when on: [`Staging::set_kernel_lane`].
     kernel_lane: Option<Lane>,
-    /// Per slot, recorded on the copy engines' stream just before a chunk's DMA: with the slot's
-    /// event after it, how long the DMA took.
-    begun: Vec<Event>,
-    /// The fastest DMA so far, in nanoseconds per MiB.
-    fastest: AtomicU64,
+    /// How long the copy engines' DMAs take.
+    clock: DmaClock,
     /// Chunks sent through it so far.
     kernel_chunks: u64,
     /// Whether transfers record a [`StagingTrace`].
@@ -570,7 +567,6 @@ impl Staging {
         }
         let slots_v = (0..slots).map(|_| PinnedBuffer::<u8>::new(ctx, chunk)).collect::<Result<Vec<_>>>()?;
         let events = (0..slots).map(|_| Event::new(ctx)).collect::<Result<Vec<_>>>()?;
-        let begun = (0..slots).map(|_| Event::new(ctx)).collect::<Result<Vec<_>>>()?;
         Ok(Staging {
             pool: Pool::new(threads)?,
             slots: slots_v,
@@ -578,8 +574,7 @@ impl Staging {
             config,
             to_host_threads: threads,
             kernel_lane: None,
-            begun,
-            fastest: AtomicU64::new(u64::MAX),
+            clock: DmaClock::new(ctx, slots)?,
             kernel_chunks: 0,
             tracing: false,
             last_trace: None,
@@ -760,11 +755,11 @@ impl Staging {
             }
         };
         let lanes = if lane.is_some() { LANES } else { 1 };
-        let (begun, fastest) = (&self.begun, &self.fastest);
+        let clock = &self.clock;
         // Whether the copy engines' last chunk was slow; the length each slot's DMA moved.
         let mut slow = lane.is_some_and(|l| l.config.slowdown <= 0.0);
         let mut chunk_of = vec![0usize; self.slots.len()];
-        let by_kernels = AtomicUsize::new(0);
+        let mut by_kernels = 0;
         let issue = || -> Result<()> {
             stream.context().bind()?;
             let mut ring = ring;
@@ -789,13 +784,10 @@ impl Staging {
                             match events[s].is_complete() {
                                 Ok(true) => {
                                     let (j, s) = ring.freed(l);
-                                    if l == 0 {
-                                        if let Some(took) = dma_time(&begun[s], &events[s], chunk_of[s]) {
-                                            let best = fastest.fetch_min(took, Ordering::Relaxed).min(took);
-                                            slow = lane.is_some_and(|l| {
-                                                took as f32 > best as f32 * l.config.slowdown
-                                            });
-                                        }
+                                    let lap =
+                                        (l == 0).then(|| clock.lap(s, &events[s], chunk_of[s])).flatten();
+                                    if let (Some(lane), Some((took, best))) = (lane, lap) {
+                                        slow = took as f32 > best as f32 * lane.config.slowdown;
                                     }
                                     shared.slot_of[j].store(s, Ordering::Release);
                                 }
@@ -819,13 +811,13 @@ impl Staging {
                 });
                 let s = ring.queue(i, usize::from(by_kernel.is_some()));
                 chunk_of[s] = len;
-                by_kernels.fetch_add(usize::from(by_kernel.is_some()), Ordering::Relaxed);
+                by_kernels += u64::from(by_kernel.is_some());
                 match by_kernel {
                     // SAFETY: as below; the slot is pinned memory the device reads (unified
                     // addressing), and chunks and slots are 16-byte aligned (checked).
                     Some(l) => unsafe { l.kernels.copy_raw(&l.stream, slots[s].0 as u64, to, len) }?,
                     None => {
-                        begun[s].record(stream)?;
+                        clock.start(s, stream)?;
                         // SAFETY: slot s holds chunk i (every piece's copy happened before the
                         // count acquired above); `dst` has room for it at this offset; the slot
                         // goes to another chunk only after the event recorded next completes.
@@ -850,7 +842,7 @@ impl Staging {
         };
         let (trace, outcome) = transfer.run(&self.pool, stream, true, &fill, issue);
         self.last_trace = trace;
-        self.kernel_chunks += by_kernels.into_inner() as u64;
+        self.kernel_chunks += by_kernels;
         // Already waited for through the caller's stream, unless the join failed.
         let drained = lane.map_or(Ok(()), |l| l.stream.synchronize());
         outcome.and(drained)
@@ -880,7 +872,7 @@ impl Staging {
         let dst_addr = Addr(dst.as_mut_ptr() as usize);
         let api = driver()?.api();
         let events = &self.events;
-        let (begun, fastest) = (&self.begun, &self.fastest);
+        let clock = &self.clock;
         let drain = || loop {
             let Some(p) = shared.claim(plan.pieces) else { return };
             marks.piece_taken();
@@ -897,9 +889,7 @@ impl Staging {
                     shared.fail(e);
                     return;
                 }
-                if let Some(took) = dma_time(&begun[s], &events[s], plan.chunk_len(j)) {
-                    fastest.fetch_min(took, Ordering::Relaxed);
-                }
+                clock.lap(s, &events[s], plan.chunk_len(j));
                 shared.landed[j].store(true, Ordering::Release);
                 marks.mark(j, Step::Landed);
             }
@@ -935,7 +925,7 @@ impl Staging {
                 // Only this thread takes slots.
                 shared.slot_free[s].store(false, Ordering::Relaxed);
                 shared.slot_of[i].store(s, Ordering::Relaxed);
-                begun[s].record(stream)?;
+                clock.start(s, stream)?;
                 // SAFETY: slot s is free (every read of its last chunk happened before the flag
                 // acquired above); `src` holds chunk i.
                 unsafe {
@@ -960,11 +950,37 @@ impl Staging {
     }
 }
 
-/// How long the DMA between `begun` and `done` (both complete) took, in nanoseconds per MiB of its
-/// `len` bytes; `None` when the driver cannot say.
-fn dma_time(begun: &Event, done: &Event, len: usize) -> Option<u64> {
-    let ms = begun.elapsed_ms(done).ok()?;
-    (len > 0 && ms >= 0.0).then(|| (f64::from(ms) * 1e6 * (1u64 << 20) as f64 / len as f64) as u64)
+/// How long the copy engines take over each slot's DMAs: an event recorded on their stream just
+/// before each DMA, read against the slot's own event after it; and the fastest so far, per byte,
+/// which the kernel lane judges them by.
+struct DmaClock {
+    begun: Vec<Event>,
+    /// Nanoseconds per MiB.
+    fastest: AtomicU64,
+}
+
+impl DmaClock {
+    fn new(ctx: &Context, slots: usize) -> Result<DmaClock> {
+        let begun = (0..slots).map(|_| Event::new(ctx)).collect::<Result<Vec<_>>>()?;
+        Ok(DmaClock { begun, fastest: AtomicU64::new(u64::MAX) })
+    }
+
+    /// Marks the start of the DMA through slot `s` that is queued next on `stream`.
+    fn start(&self, s: usize, stream: &Stream) -> Result<()> {
+        self.begun[s].record(stream)
+    }
+
+    /// The DMA through slot `s` that `done` (complete) follows moved `len` bytes: how long it took
+    /// and the fastest so far, this one included, in nanoseconds per MiB; `None` when the driver
+    /// cannot say.
+    fn lap(&self, s: usize, done: &Event, len: usize) -> Option<(u64, u64)> {
+        let ms = self.begun[s].elapsed_ms(done).ok()?;
+        if len == 0 || ms < 0.0 {
+            return None;
+        }
+        let took = (f64::from(ms) * 1e6 * (1u64 << 20) as f64 / len as f64) as u64;
+        Some((took, self.fastest.fetch_min(took, Ordering::Relaxed).min(took)))
+    }
 }
 
 /// A pool job that runs `job` on the first `n` threads to start it; the others return at once.
