@@ -276,11 +276,12 @@ def ask(out, address, token):
     with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
         s.connect(address)
         s.settimeout(10)
-        s.send(token)
         try:
-            print(repr(s.recv(2)), file=out)
-        except ConnectionError:
-            print("b''", file=out)
+            s.send(token)
+            answer = s.recv(2)
+        except (BrokenPipeError, ConnectionResetError):  # hung up on before or after the token
+            answer = b""
+        print(repr(answer), file=out)
 
 
 def reap(pid):
