@@ -382,9 +382,11 @@ def _connect(address: bytes, pid: int, deadline: float) -> socket.socket:
         sock.connect(address)
         # Before the token goes out or a descriptor comes in: whoever holds the name now must be
         # the process it names, running as us. Abstract names are visible to every user, and
-        # free for any of them to take once the sender has gone.
+        # free for any of them to take once the sender has gone. A peer whose PID namespace we
+        # cannot see (pid 0: a sibling container sharing our network namespace) is checked by
+        # its user alone.
         got_pid, uid, _ = peer_credentials(sock)
-        if uid != os.geteuid() or got_pid != pid:
+        if uid != os.geteuid() or (got_pid != 0 and _own_pid(got_pid) != pid):
             raise PermissionError(
                 f"refusing the cuvmm hand-off at {address[1:].decode()}: it is answered by pid "
                 f"{got_pid} running as uid {uid}, not by pid {pid} running as uid {os.geteuid()} "
@@ -393,6 +395,20 @@ def _connect(address: bytes, pid: int, deadline: float) -> socket.socket:
     except BaseException:
         sock.close()
         raise
+
+
+def _own_pid(pid: int) -> int:
+    """The pid that process ``pid`` (as this process sees it) has in its own PID namespace: what
+    its ``os.getpid()`` returns, and so what its address names. They differ where it runs in a
+    namespace nested in ours (a container's process seen from the host)."""
+    try:
+        with open(f"/proc/{pid}/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"NSpid:"):
+                    return int(line.split()[-1])
+    except (OSError, ValueError):
+        pass
+    return pid
 
 
 def _drop(address: bytes, c: _Connection) -> None:

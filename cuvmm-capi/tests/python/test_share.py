@@ -386,6 +386,7 @@ class Trust(unittest.TestCase):
         self.assertIn(f"pid {os.getpid()}", str(e.exception))
         self.assertFalse(sender.got_token.wait(0.2))
         sender.close()
+        self.assertEqual(_share._own_pid(os.getpid()), os.getpid(), "the pid in our own namespace")
 
     def test_an_address_that_names_no_process_is_refused(self):
         for bad in (b"\0cuvmm-share-0-0123456789abcdef", b"\0cuvmm-share-x-0123456789abcdef",
