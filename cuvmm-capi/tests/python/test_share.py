@@ -26,6 +26,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[1] / "python"))
 
 from cuvmm import _share  # noqa: E402
+from _common import NOBODY, as_nobody, squat  # noqa: E402
 
 PAGE = 2 << 20
 
@@ -224,51 +225,6 @@ class Transport(unittest.TestCase):
         give.close()
         self.assertTrue(released.wait(10))
 
-
-NOBODY = 65534
-
-def as_nobody(fn, *args):
-    """Runs ``fn(*args)`` in a forked child as user and group nobody; returns (pid, a file of what
-    it prints)."""
-    r, w = os.pipe()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)  # fork with threads: we mean it
-        pid = os.fork()
-    if pid == 0:
-        code = 1
-        try:
-            os.close(r)
-            os.setgroups([])
-            os.setgid(NOBODY)
-            os.setuid(NOBODY)
-            with os.fdopen(w, "w", buffering=1) as out:
-                fn(out, *args)
-            code = 0
-        finally:
-            os._exit(code)
-    os.close(w)
-    return pid, os.fdopen(r)
-
-
-def squat(out, address):
-    """Takes a cuvmm hand-off address, answers a token with a socket, says whether one came."""
-    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
-        s.bind(address)
-        s.listen(1)
-        print("ready", file=out)
-        s.settimeout(20)
-        conn, _ = s.accept()
-        with conn:
-            conn.settimeout(5)
-            try:
-                token = conn.recv(17)
-            except OSError:
-                token = b""
-            if token:
-                a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-                with a, b:
-                    socket.send_fds(conn, [b"\x01"], [b.fileno()])
-    print("got a token" if token else "no token", file=out)
 
 
 def ask(out, address, token):
