@@ -449,5 +449,33 @@ class Liveness(unittest.TestCase):
         handoff.close()
 
 
+    def test_the_release_thread_survives_an_exception(self):
+        class FailingOnce:  # a poll whose first wait fails
+            def __init__(self, real):
+                self.real, self.failed = real, False
+
+            def poll(self, *a):
+                if not self.failed:
+                    self.failed = True
+                    raise OSError("injected")
+                return self.real.poll(*a)
+
+            def __getattr__(self, name):
+                return getattr(self.real, name)
+
+        releases = _share.Releases()
+        releases._poll = FailingOnce(releases._poll)
+        fds = memfds(1)
+        keep, give = _share.send_pages(fds)
+        os.close(fds[0])
+        released = threading.Event()
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            releases.register(keep, released.set)
+            give.close()
+            self.assertTrue(released.wait(10), "the hang-up is still seen")
+        self.assertIn("OSError: injected", err.getvalue())
+
+
 if __name__ == "__main__":
     unittest.main()
