@@ -411,6 +411,20 @@ def _own_pid(pid: int) -> int:
     return pid
 
 
+def _connection(address: bytes, pid: int, deadline: float) -> _Connection:
+    """The kept connection to ``address``, made (and checked) if there is none."""
+    with _connections_lock:
+        c = _connections.get(address)
+    if c is None:
+        c = _Connection(_connect(address, pid, deadline))
+        with _connections_lock:
+            # Another thread may have connected meanwhile: keep one, close the other.
+            c, extra = _connections.setdefault(address, c), c
+        if extra is not c:
+            extra.sock.close()
+    return c
+
+
 def _drop(address: bytes, c: _Connection) -> None:
     with _connections_lock:
         if _connections.get(address) is c:
@@ -431,34 +445,30 @@ def fetch(address: bytes, token: bytes, timeout: float = FETCH_TIMEOUT) -> socke
         raise ValueError("not a cuvmm hand-off token")
     pid = int(m.group(1))
     deadline = time.monotonic() + timeout
-    with _connections_lock:
-        c = _connections.get(address)
-    if c is None:
-        c = _Connection(_connect(address, pid, deadline))
-        with _connections_lock:
-            # Another thread may have connected meanwhile: keep one, close the other.
-            c, extra = _connections.setdefault(address, c), c
-        if extra is not c:
-            extra.sock.close()
-    if not c.lock.acquire(timeout=max(deadline - time.monotonic(), 0)):
-        raise TimeoutError(f"no turn to ask the cuvmm sending process {pid} within {timeout} s "
-                           "(another fetch from it is waiting for its answer)")
-    try:
-        c.sock.settimeout(max(deadline - time.monotonic(), 0.001))
-        c.sock.send(token)
-        msg, fds, flags, _ = socket.recv_fds(c.sock, 2, 1)
-    except TimeoutError:
-        # The answer may still come: the connection is out of step, so nobody uses it again.
-        _drop(address, c)
-        raise TimeoutError(f"the cuvmm sending process {pid} did not answer within {timeout} s "
-                           "(is it stalled?)") from None
-    except BaseException:
-        _drop(address, c)
-        raise
-    finally:
-        c.lock.release()
-    if not msg:
-        _drop(address, c)
+    while True:
+        c = _connection(address, pid, deadline)
+        if not c.lock.acquire(timeout=max(deadline - time.monotonic(), 0)):
+            raise TimeoutError(f"no turn to ask the cuvmm sending process {pid} within {timeout} s "
+                               "(another fetch from it is waiting for its answer)")
+        try:
+            if c.sock.fileno() == -1:
+                continue  # dropped by the fetch before us: connect again
+            c.sock.settimeout(max(deadline - time.monotonic(), 0.001))
+            c.sock.send(token)
+            msg, fds, flags, _ = socket.recv_fds(c.sock, 2, 1)
+            if not msg:
+                _drop(address, c)
+            break
+        except TimeoutError:
+            # The answer may still come: the connection is out of step, so nobody uses it again.
+            _drop(address, c)
+            raise TimeoutError(f"the cuvmm sending process {pid} did not answer within {timeout} s "
+                               "(is it stalled?)") from None
+        except BaseException:
+            _drop(address, c)
+            raise
+        finally:
+            c.lock.release()
     if msg == _OFFERED and len(fds) == 1 and not flags & (socket.MSG_CTRUNC | socket.MSG_TRUNC):
         return socket.socket(fileno=fds[0])
     for fd in fds:

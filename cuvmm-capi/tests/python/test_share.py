@@ -380,6 +380,28 @@ class Liveness(unittest.TestCase):
         a.close()
         handoff.close()
 
+    def test_a_fetch_waiting_its_turn_on_a_connection_dropped_meanwhile_connects_again(self):
+        stalled = FakeSender(an_address(), answer=False)
+        errors = {}
+
+        def fetch(name, timeout):
+            try:
+                _share.fetch(stalled.address, bytes(16), timeout=timeout)
+            except BaseException as e:
+                errors[name] = e
+
+        first = threading.Thread(target=fetch, args=("first", 1))
+        first.start()
+        self.assertTrue(stalled.got_token.wait(10))
+        second = threading.Thread(target=fetch, args=("second", 2.5))  # waits for the first's turn
+        second.start()
+        first.join(20)
+        second.join(20)
+        self.assertIsInstance(errors["first"], TimeoutError)
+        self.assertIsInstance(errors["second"], TimeoutError, "asked again on a new connection, not a closed one")
+        self.assertIn("did not answer", str(errors["second"]))
+        stalled.close()
+
     def test_a_fork_while_a_thread_waits_for_a_sender_leaves_a_working_child(self):
         stalled = FakeSender(an_address(), answer=False)
         handoff = _share.Handoff()
