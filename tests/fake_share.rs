@@ -85,6 +85,12 @@ fn above_the_export_threshold_a_block_is_one_exportable_allocation() {
     assert_eq!(count(&lib, "cuMemCreate") - created, 1, "one physical allocation");
     let e = alloc.export(big).unwrap();
     assert_eq!((e.fds.len(), e.page, e.first_page), (1, 20 * MIB, big));
+    // Its one page is 20 MiB, no power of two: the import aligns to what divides it.
+    let borrowed: Vec<_> = e.fds.iter().map(|f| f.as_fd()).collect();
+    let imported = BlockImport::import(&ctx, &borrowed, e.page, &[]).unwrap();
+    assert_eq!(imported.len(), 20 * MIB);
+    assert_eq!(imported.ptr() % (4 * MIB as u64), 0, "aligned to 4 MiB, the power of two dividing 20 MiB");
+    drop(imported);
     drop(e);
     alloc.unexport(big).unwrap();
     // SAFETY: as above.

@@ -1,6 +1,6 @@
 //! Blocks of the stream-ordered allocator shared as exported pages, on a GPU: what the importer
 //! maps is the exporter's memory, it stays valid after the exporter frees the block, and a block
-//! above the export threshold is one allocation.
+//! above the export threshold is one allocation, imported whatever its size.
 
 mod common;
 
@@ -59,7 +59,16 @@ fn above_the_export_threshold_a_block_exports_as_one_descriptor() {
     let p = unsafe { alloc.allocate_raw(100 << 20, s.raw(), GraphMemory::Keep) }.unwrap();
     let e = alloc.export(p).unwrap();
     assert_eq!((e.fds.len(), e.page, e.first_page), (1, 100 << 20, p));
+    // 100 MiB is no power of two: the import is aligned to what divides it, and is the same memory.
+    let fds: Vec<_> = e.fds.iter().map(|f| f.as_fd()).collect();
+    let imported = BlockImport::import(&ctx, &fds, e.page, &[]).unwrap();
     drop(e);
+    let k = Kernels::load(&ctx).unwrap();
+    let words = (100 << 20) / 4;
+    k.fill_u32(&s, &mut words_mut(imported.ptr(), words), 0x19_0019).unwrap();
+    s.synchronize().unwrap();
+    assert!(read(&ctx, p, words).iter().all(|&v| v == 0x19_0019), "the exporter sees the importer's write");
+    drop(imported);
     alloc.unexport(p).unwrap();
     // SAFETY: from this allocator, freed once on its stream.
     unsafe { alloc.free_raw(p, s.raw()) }.unwrap();

@@ -11,6 +11,13 @@
   connection per sending process, kept for the next tensor: a tensor costs one request on an open
   connection, not a connection and a handshake of its own.
 
+Both ends check the other with ``SO_PEERCRED`` before anything travels: the sender answers only
+processes of its effective uid, and the receiver talks only to the process its address names (the
+pid in it) running as the receiver's effective uid, since an abstract name outlives nobody's claim
+to it: once the sender has gone, any local user may take it. A fetch waits at most its timeout
+(``FETCH_TIMEOUT`` by default) and holds nothing across its round trip that a fetch from another
+sender or a fork would wait on.
+
 The receiver keeps its end open while it maps the pages and closes it once it has unmapped them;
 the sender sees the other end hang up (:class:`Releases`) and only then lets its block go, so the
 block's addresses are never handed out again while someone reads them.
@@ -19,12 +26,15 @@ block's addresses are never handed out again while someone reads them.
 from __future__ import annotations
 
 import os
+import re
 import resource
 import secrets
 import select
 import socket
 import struct
+import sys
 import threading
+import time
 
 VERSION = 1
 
@@ -200,6 +210,14 @@ class Releases:
             return len(self._waiting)
 
     def _run(self):
+        # Whatever one round of watching meets, the thread goes on: it alone tells the senders.
+        while True:
+            try:
+                self._watch()
+            except Exception as e:
+                _report("watching for receivers that let go", e)
+
+    def _watch(self):
         while True:
             for fd, ev in self._poll.poll():
                 if fd == self._wake_r:
@@ -222,24 +240,39 @@ class Releases:
                             print(f"cuvmm: releasing a shared block failed: {e}", file=sys.stderr)
 
 
+def _report(what: str, e: BaseException) -> None:
+    print(f"cuvmm: {what} failed: {type(e).__name__}: {e}", file=sys.stderr)
+
+
 _TOKEN = 16
 _OFFERED, _UNKNOWN = b"\x01", b"\x00"
 _UCRED = struct.Struct("3i")  # pid, uid, gid
+_ADDRESS = re.compile(rb"\0cuvmm-share-([1-9][0-9]{0,9})-[0-9a-f]{16}\Z")
+
+#: Seconds a :func:`fetch` waits for the sending process by default.
+FETCH_TIMEOUT = 60.0
+
+
+def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
+    """(pid, effective uid, effective gid) of the process at the other end of a connected Unix
+    socket, as the kernel recorded them when it connected or listened (``SO_PEERCRED``)."""
+    return _UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
 
 
 class Handoff:
     """Keeps sockets offered to other processes until one asks for it by its token.
 
     It listens on an abstract Unix socket of its own (a name in no filesystem, gone with the
-    process) once something is offered; a thread per connected process answers. Only processes of
-    this user may connect, and only a receiver holding the token (16 random bytes, in the pickle)
-    gets the socket, once. A socket nobody fetches stays offered until the process exits, as with
-    ``multiprocessing``'s resource sharer."""
+    process) once something is offered; a thread per connected process answers. Only processes
+    whose effective uid is this process's may connect, and only a receiver holding the token (16
+    random bytes, in the pickle) gets the socket, once. A socket nobody fetches stays offered until
+    the process exits, as with ``multiprocessing``'s resource sharer."""
 
     def __init__(self):
         self._lock = threading.Lock()
         self._offers: dict[bytes, socket.socket] = {}
         self._listener = None
+        self._pid = os.getpid()
         self.address = None
 
     def offer(self, sock: socket.socket) -> tuple[bytes, bytes]:
@@ -258,6 +291,11 @@ class Handoff:
 
     def close(self) -> None:
         """Stops listening and closes what was not fetched (a forked child's copy, tests)."""
+        if os.getpid() != self._pid:
+            # A forked child: the parent's threads are not here, so a lock one of them held at
+            # the fork would never be released. The child's copy is its own.
+            self._lock = threading.Lock()
+            self._pid = os.getpid()
         with self._lock:
             if self._listener is not None:
                 self._listener.close()
@@ -276,17 +314,28 @@ class Handoff:
                          daemon=True).start()
 
     def _accept(self, listener):
+        # One failure (a connection gone before it is looked at, descriptors or threads running
+        # out) must not end the thread: every later fetch from this process would wait for ever.
         while True:
             try:
                 conn, _ = listener.accept()
-            except OSError:  # closed
-                return
-            _, uid, _ = _UCRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
-            if uid != os.getuid():
-                conn.close()
+            except OSError as e:
+                if listener.fileno() == -1:  # closed
+                    return
+                _report("accepting a receiver", e)
+                time.sleep(0.05)  # out of descriptors, say: let some go
                 continue
-            threading.Thread(target=self._serve, args=(conn,), name="cuvmm-share-handoff",
-                             daemon=True).start()
+            try:
+                _, uid, _ = peer_credentials(conn)
+                # SO_PEERCRED gives the peer's effective uid: compare like with like.
+                if uid != os.geteuid():
+                    conn.close()
+                    continue
+                threading.Thread(target=self._serve, args=(conn,), name="cuvmm-share-handoff",
+                                 daemon=True).start()
+            except Exception as e:
+                conn.close()
+                _report("accepting a receiver", e)
 
     def _serve(self, conn):
         with conn:
@@ -311,38 +360,115 @@ class Handoff:
                         sock.close()
 
 
-_connections: dict[bytes, socket.socket] = {}
+class _Connection:
+    """A connection to one sending process, checked, and the lock its round trips take turns on:
+    a sender that stalls holds up fetches from itself, never from another."""
+
+    def __init__(self, sock: socket.socket):
+        self.sock = sock
+        self.lock = threading.Lock()
+
+
+# Taken only to look up, add or drop a connection, never across a round trip: a fork while
+# another thread waits for a sender finds it free.
+_connections: dict[bytes, _Connection] = {}
 _connections_lock = threading.Lock()
 
 
-def fetch(address: bytes, token: bytes) -> socket.socket:
+def _connect(address: bytes, pid: int, deadline: float) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        sock.settimeout(max(deadline - time.monotonic(), 0.001))
+        sock.connect(address)
+        # Before the token goes out or a descriptor comes in: whoever holds the name now must be
+        # the process it names, running as us. Abstract names are visible to every user, and
+        # free for any of them to take once the sender has gone. A peer whose PID namespace we
+        # cannot see (pid 0: a sibling container sharing our network namespace) is checked by
+        # its user alone.
+        got_pid, uid, _ = peer_credentials(sock)
+        if uid != os.geteuid() or (got_pid != 0 and _own_pid(got_pid) != pid):
+            raise PermissionError(
+                f"refusing the cuvmm hand-off at {address[1:].decode()}: it is answered by pid "
+                f"{got_pid} running as uid {uid}, not by pid {pid} running as uid {os.geteuid()} "
+                "(the sending process has exited, and another has taken its address?)")
+        return sock
+    except BaseException:
+        sock.close()
+        raise
+
+
+def _own_pid(pid: int) -> int:
+    """The pid that process ``pid`` (as this process sees it) has in its own PID namespace: what
+    its ``os.getpid()`` returns, and so what its address names. They differ where it runs in a
+    namespace nested in ours (a container's process seen from the host)."""
+    try:
+        with open(f"/proc/{pid}/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"NSpid:"):
+                    return int(line.split()[-1])
+    except (OSError, ValueError):
+        pass
+    return pid
+
+
+def _connection(address: bytes, pid: int, deadline: float) -> _Connection:
+    """The kept connection to ``address``, made (and checked) if there is none."""
+    with _connections_lock:
+        c = _connections.get(address)
+    if c is None:
+        c = _Connection(_connect(address, pid, deadline))
+        with _connections_lock:
+            # Another thread may have connected meanwhile: keep one, close the other.
+            c, extra = _connections.setdefault(address, c), c
+        if extra is not c:
+            extra.sock.close()
+    return c
+
+
+def _drop(address: bytes, c: _Connection) -> None:
+    with _connections_lock:
+        if _connections.get(address) is c:
+            del _connections[address]
+    c.sock.close()
+
+
+def fetch(address: bytes, token: bytes, timeout: float = FETCH_TIMEOUT) -> socket.socket:
     """The socket a :class:`Handoff` at ``address`` offered under ``token``. The connection to
     that process is kept for later fetches. ValueError when it has no such offer (fetched already);
+    PermissionError when the process answering is not the one the address names or runs as
+    another user; TimeoutError when it has not answered within ``timeout`` seconds; another
     OSError when it cannot be reached."""
-    if not isinstance(address, bytes) or not address.startswith(b"\0cuvmm-share-"):
+    m = _ADDRESS.match(address) if isinstance(address, bytes) else None
+    if m is None:
         raise ValueError(f"not a cuvmm hand-off address: {address!r}")
     if not isinstance(token, bytes) or len(token) != _TOKEN:
         raise ValueError("not a cuvmm hand-off token")
-    with _connections_lock:
-        conn = _connections.get(address)
-        if conn is None:
-            conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-            try:
-                conn.connect(address)
-            except BaseException:
-                conn.close()
-                raise
-            _connections[address] = conn
+    pid = int(m.group(1))
+    deadline = time.monotonic() + timeout
+    while True:
+        c = _connection(address, pid, deadline)
+        if not c.lock.acquire(timeout=max(deadline - time.monotonic(), 0)):
+            raise TimeoutError(f"no turn to ask the cuvmm sending process {pid} within {timeout} s "
+                               "(another fetch from it is waiting for its answer)")
         try:
-            conn.send(token)
-            msg, fds, flags, _ = socket.recv_fds(conn, 2, 1)
+            if c.sock.fileno() == -1:
+                continue  # dropped by the fetch before us: connect again
+            c.sock.settimeout(max(deadline - time.monotonic(), 0.001))
+            c.sock.send(token)
+            msg, fds, flags, _ = socket.recv_fds(c.sock, 2, 1)
+            if not msg:
+                _drop(address, c)
+            break
+        except TimeoutError:
+            # The answer may still come: the connection is out of step, so nobody uses it again.
+            _drop(address, c)
+            raise TimeoutError(f"the cuvmm sending process {pid} did not answer within {timeout} s "
+                               "(is it stalled?)") from None
         except BaseException:
-            _connections.pop(address, None)
-            conn.close()
+            _drop(address, c)
             raise
-        if not msg:
-            _connections.pop(address, None)
-            conn.close()
+        finally:
+            c.lock.release()
     if msg == _OFFERED and len(fds) == 1 and not flags & (socket.MSG_CTRUNC | socket.MSG_TRUNC):
         return socket.socket(fileno=fds[0])
     for fd in fds:
@@ -355,6 +481,20 @@ def fetch(address: bytes, token: bytes) -> socket.socket:
 def forget_connections() -> None:
     """Closes every kept connection (a forked child must not share its parent's)."""
     with _connections_lock:
-        for conn in _connections.values():
-            conn.close()
+        kept = list(_connections.values())
         _connections.clear()
+    for c in kept:
+        c.sock.close()
+
+
+def _after_fork_in_child():
+    # The parent's threads are not in the child: a lock one of them held (a fetch waiting for its
+    # sender) stays held for ever. Start afresh, without taking any, and close the child's copies
+    # of the parent's connections.
+    global _connections, _connections_lock
+    kept, _connections, _connections_lock = _connections, {}, threading.Lock()
+    for c in kept.values():
+        c.sock.close()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -27,6 +27,57 @@ KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 ALLOCS = ("native", "cuvmm", "cuvmm-pool")
 
 
+NOBODY = 65534
+
+
+def as_nobody(fn, *args):
+    """Runs ``fn(out, *args)`` in a forked child as user and group nobody (the caller is root),
+    ``out`` a text file the child prints to; returns (pid, that file's reading end). The child
+    must use no CUDA."""
+    import warnings
+    r, w = os.pipe()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # fork with threads: we mean it
+        pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            os.close(r)
+            os.setgroups([])
+            os.setgid(NOBODY)
+            os.setuid(NOBODY)
+            with os.fdopen(w, "w", buffering=1) as out:
+                fn(out, *args)
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(w)
+    return pid, os.fdopen(r)
+
+
+def squat(out, address: bytes):
+    """Takes a cuvmm hand-off address (an abstract socket name) as an impostor would, answers a
+    token with a socket, and prints "ready", then whether a token came."""
+    import socket
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
+        s.bind(address)
+        s.listen(1)
+        print("ready", file=out, flush=True)
+        s.settimeout(60)
+        conn, _ = s.accept()
+        with conn:
+            conn.settimeout(5)
+            try:
+                token = conn.recv(17)
+            except OSError:
+                token = b""
+            if token:
+                a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+                with a, b:
+                    socket.send_fds(conn, [b"\x01"], [b.fileno()])
+    print("got a token" if token else "no token", file=out, flush=True)
+
+
 def median(xs):
     xs = list(xs)
     return statistics.median(xs) if xs else None

@@ -1,23 +1,32 @@
 #!/usr/bin/env python3
 """How cuvmm.torch sends a tensor to another process, without a GPU or PyTorch: the descriptor's
 encoding and the checks on arrival, the page descriptors' transport over a socket pair handed to
-a spawned process fetching them by token over one connection (Handoff), and the sender learning that the receiver let go.
+a spawned process fetching them by token over one connection (Handoff), the sender learning that
+the receiver let go, and whom a fetch trusts and how long it waits: another user or another process
+answering on the sender's address, a stalled sender, a fork during a fetch, a failing accept.
 
     python3 cuvmm-capi/tests/python/test_share.py
 """
 
+import contextlib
+import io
 import multiprocessing
 import os
+import secrets
 import socket
+import subprocess
 import sys
 import threading
+import time
 import unittest
+import warnings
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[1] / "python"))
 
 from cuvmm import _share  # noqa: E402
+from _common import NOBODY, as_nobody, squat  # noqa: E402
 
 PAGE = 2 << 20
 
@@ -215,6 +224,279 @@ class Transport(unittest.TestCase):
         self.assertFalse(released.wait(0.3))
         give.close()
         self.assertTrue(released.wait(10))
+
+
+
+def ask(out, address, token):
+    """Connects to a Handoff and asks for ``token``; prints the answer."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
+        s.connect(address)
+        s.settimeout(10)
+        try:
+            s.send(token)
+            answer = s.recv(2)
+        except (BrokenPipeError, ConnectionResetError):  # hung up on before or after the token
+            answer = b""
+        print(repr(answer), file=out)
+
+
+def reap(pid):
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status)
+
+
+def an_address(pid=None):
+    return b"\0cuvmm-share-%d-%s" % (pid or os.getpid(), secrets.token_hex(8).encode())
+
+
+class FakeSender:
+    """Listens on ``address`` in this process: answers each token with a socket when ``answer``,
+    else holds the connection without a word (a stalled sender). ``got_token`` is set once one came."""
+
+    def __init__(self, address, answer):
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.listener.bind(address)
+        self.listener.listen(4)
+        self.address, self.answer = address, answer
+        self.got_token = threading.Event()
+        self.conns = []
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self):
+        try:
+            conn, _ = self.listener.accept()
+        except OSError:
+            return
+        self.conns.append(conn)
+        while True:
+            try:
+                token = conn.recv(17)
+            except OSError:
+                return
+            if not token:
+                return
+            self.got_token.set()
+            if self.answer:
+                a, b = socket.socketpair()
+                socket.send_fds(conn, [b"\x01"], [b.fileno()])
+                a.close()
+                b.close()
+
+    def close(self):
+        self.listener.close()
+        for c in self.conns:
+            c.close()
+
+
+def an_offer():
+    handoff = _share.Handoff()
+    a, b = socket.socketpair()
+    return handoff, a, handoff.offer(b)
+
+
+class Trust(unittest.TestCase):
+    def tearDown(self):
+        _share.forget_connections()
+
+    @unittest.skipUnless(os.geteuid() == 0, "needs root, to run a process as another user")
+    def test_another_user_answering_on_the_address_gets_no_token_and_gives_no_memory(self):
+        # The sender has gone; a process of another user has taken its abstract name.
+        address = an_address(pid=os.getpid())
+        pid, said = as_nobody(squat, address)
+        with said:
+            self.assertEqual(said.readline().strip(), "ready")
+            with self.assertRaises(PermissionError) as e:
+                _share.fetch(address, bytes(16), timeout=10)
+            self.assertIn(f"uid {NOBODY}", str(e.exception))
+            self.assertEqual(said.readline().strip(), "no token")
+        self.assertEqual(reap(pid), 0)
+        self.assertEqual(len(_share._connections), 0, "nothing kept of it")
+
+    @unittest.skipUnless(os.geteuid() == 0, "needs root, to run a process as another user")
+    def test_a_receiver_of_another_user_is_refused_by_the_sender(self):
+        handoff, a, (address, token) = an_offer()
+        pid, said = as_nobody(ask, address, token)
+        with said:
+            self.assertEqual(said.read().strip(), "b''", "hung up on")
+        self.assertEqual(reap(pid), 0)
+        self.assertEqual(handoff.pending(), 1, "still offered, to its receiver")
+        _share.fetch(address, token, timeout=10).close()
+        a.close()
+        handoff.close()
+
+    @unittest.skipUnless(os.geteuid() == 0, "needs root, to set real and effective uids apart")
+    def test_same_user_means_the_effective_uid_on_both_sides(self):
+        # As a set-uid-root program runs (real uid nobody, effective root), a process fetches
+        # from itself: both sides see effective uid 0 and accept each other.
+        code = (f"import os, socket, sys; sys.path.insert(0, {str(HERE.parents[1] / 'python')!r}); "
+                "from cuvmm import _share; os.setresuid(65534, 0, 0); h = _share.Handoff(); "
+                "a, b = socket.socketpair(); _share.fetch(*h.offer(b), timeout=10).close(); print('fetched')")
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
+        self.assertEqual(out.stdout.strip(), "fetched", out.stderr)
+
+    def test_another_process_of_this_user_answering_on_the_address_gets_no_token(self):
+        # The name says pid 1; this process answers.
+        sender = FakeSender(an_address(pid=1), answer=True)
+        with self.assertRaises(PermissionError) as e:
+            _share.fetch(sender.address, bytes(16), timeout=10)
+        self.assertIn(f"pid {os.getpid()}", str(e.exception))
+        self.assertFalse(sender.got_token.wait(0.2))
+        sender.close()
+        self.assertEqual(_share._own_pid(os.getpid()), os.getpid(), "the pid in our own namespace")
+
+    def test_an_address_that_names_no_process_is_refused(self):
+        for bad in (b"\0cuvmm-share-0-0123456789abcdef", b"\0cuvmm-share-x-0123456789abcdef",
+                    b"\0cuvmm-share-12-short", b"\0cuvmm-share-12-0123456789abcdef\0"):
+            with self.assertRaises(ValueError, msg=bad):
+                _share.fetch(bad, bytes(16), timeout=1)
+
+
+class Liveness(unittest.TestCase):
+    def tearDown(self):
+        _share.forget_connections()
+
+    def test_a_stalled_sender_times_out_clearly_and_blocks_no_other_sender(self):
+        stalled = FakeSender(an_address(), answer=False)
+        handoff, a, offer = an_offer()
+        errors = []
+
+        def fetch_stalled():
+            try:
+                _share.fetch(stalled.address, bytes(16), timeout=3)
+            except BaseException as e:
+                errors.append(e)
+
+        t = threading.Thread(target=fetch_stalled)
+        t.start()
+        self.assertTrue(stalled.got_token.wait(10), "the stalled fetch is waiting for its answer")
+        t0 = time.monotonic()
+        _share.fetch(*offer, timeout=10).close()
+        self.assertLess(time.monotonic() - t0, 2, "another sender answers at once")
+        t.join(20)
+        self.assertEqual([type(e) for e in errors], [TimeoutError])
+        self.assertIn("did not answer within 3", str(errors[0]))
+        self.assertNotIn(stalled.address, _share._connections, "a connection out of step is not kept")
+        stalled.close()
+        a.close()
+        handoff.close()
+
+    def test_a_fetch_waiting_its_turn_on_a_connection_dropped_meanwhile_connects_again(self):
+        stalled = FakeSender(an_address(), answer=False)
+        errors = {}
+
+        def fetch(name, timeout):
+            try:
+                _share.fetch(stalled.address, bytes(16), timeout=timeout)
+            except BaseException as e:
+                errors[name] = e
+
+        first = threading.Thread(target=fetch, args=("first", 1))
+        first.start()
+        self.assertTrue(stalled.got_token.wait(10))
+        second = threading.Thread(target=fetch, args=("second", 2.5))  # waits for the first's turn
+        second.start()
+        first.join(20)
+        second.join(20)
+        self.assertIsInstance(errors["first"], TimeoutError)
+        self.assertIsInstance(errors["second"], TimeoutError, "asked again on a new connection, not a closed one")
+        self.assertIn("did not answer", str(errors["second"]))
+        stalled.close()
+
+    def test_a_fork_while_a_thread_waits_for_a_sender_leaves_a_working_child(self):
+        stalled = FakeSender(an_address(), answer=False)
+        handoff = _share.Handoff()
+        held, hold = threading.Event(), threading.Event()
+
+        def hold_handoff_lock():  # as a thread of the parent may at the moment of the fork
+            with handoff._lock:
+                held.set()
+                hold.wait(30)
+
+        waiter = threading.Thread(target=lambda: self.assertRaises(
+            TimeoutError, _share.fetch, stalled.address, bytes(16), timeout=4))
+        waiter.start()
+        holder = threading.Thread(target=hold_handoff_lock)
+        holder.start()
+        self.assertTrue(stalled.got_token.wait(10) and held.wait(10))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)  # fork with threads: we mean it
+            pid = os.fork()
+        if pid == 0:  # the child: what cuvmm.torch's at-fork hook does, then a fetch of its own
+            try:
+                _share.forget_connections()
+                handoff.close()
+                h = _share.Handoff()
+                a, b = socket.socketpair()
+                _share.fetch(*h.offer(b), timeout=5).close()
+                os._exit(0)
+            except BaseException:
+                os._exit(1)
+        hold.set()
+        deadline = time.monotonic() + 15
+        while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if done[0] == 0:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            self.fail("the child hung after the fork")
+        self.assertEqual(os.waitstatus_to_exitcode(done[1]), 0, "the child fetched on its own")
+        waiter.join(20)
+        holder.join(20)
+        stalled.close()
+        handoff.close()
+
+    def test_the_accept_thread_survives_an_exception(self):
+        handoff, a, offer = an_offer()
+        real = _share.peer_credentials
+        failed = []
+
+        def failing_once(sock):
+            if threading.current_thread().name == "cuvmm-share-handoff" and not failed:
+                failed.append(True)
+                raise RuntimeError("injected")
+            return real(sock)
+
+        _share.peer_credentials = failing_once
+        err = io.StringIO()
+        try:
+            with contextlib.redirect_stderr(err):
+                with self.assertRaises((ValueError, ConnectionError)):  # this connection was dropped
+                    _share.fetch(*offer, timeout=10)
+                _share.fetch(*offer, timeout=10).close()
+        finally:
+            _share.peer_credentials = real
+        self.assertIn("RuntimeError: injected", err.getvalue())
+        self.assertEqual(handoff.pending(), 0)
+        a.close()
+        handoff.close()
+
+
+    def test_the_release_thread_survives_an_exception(self):
+        class FailingOnce:  # a poll whose first wait fails
+            def __init__(self, real):
+                self.real, self.failed = real, False
+
+            def poll(self, *a):
+                if not self.failed:
+                    self.failed = True
+                    raise OSError("injected")
+                return self.real.poll(*a)
+
+            def __getattr__(self, name):
+                return getattr(self.real, name)
+
+        releases = _share.Releases()
+        releases._poll = FailingOnce(releases._poll)
+        fds = memfds(1)
+        keep, give = _share.send_pages(fds)
+        os.close(fds[0])
+        released = threading.Event()
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            releases.register(keep, released.set)
+            give.close()
+            self.assertTrue(released.wait(10), "the hang-up is still seen")
+        self.assertIn("OSError: injected", err.getvalue())
 
 
 if __name__ == "__main__":

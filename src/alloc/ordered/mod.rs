@@ -562,7 +562,10 @@ impl BlockImport {
             fds.len().checked_mul(page).filter(|_| page > 0).ok_or_else(|| {
                 Error::invalid(format!("{} pages of {page} bytes cannot be mapped", fds.len()))
             })?;
-        let reservation = Reservation::with_options(ctx, total, page, None)?;
+        // Every page is mapped at a multiple of `page`, so the base needs no more alignment than
+        // the largest power of two dividing it: a whole-block export's page is the block's size
+        // (20 MiB, say), which no reservation can be aligned to.
+        let reservation = Reservation::with_options(ctx, total, 1 << page.trailing_zeros(), None)?;
         let mut mappings = Vec::with_capacity(fds.len());
         for (i, fd) in fds.iter().enumerate() {
             let phys = PhysicalMemory::import_fd(ctx, *fd, page)?;
