@@ -126,6 +126,21 @@ class TorchVersion(unittest.TestCase):
         self.assertEqual(cuvmm.torch_version_problem("3.0.0")[0], "warning")
         self.assertEqual(cuvmm.torch_version_problem("unknown")[0], "error")
 
+    def test_build_backend_reads_the_toml_as_tomllib_does(self):
+        # The backend's own reader lets Python 3.9 and 3.10 (no tomllib) build the package.
+        try:
+            import tomllib
+        except ImportError:
+            self.skipTest("tomllib is Python 3.11+")
+        for path in (CAPI / "pyproject.toml", CAPI.parent / "Cargo.toml", CAPI / "Cargo.toml"):
+            with open(path, "rb") as f:
+                self.assertEqual(cuvmm_build.read_toml(path), tomllib.load(f), path)
+        with tempfile.TemporaryDirectory() as d:
+            bad = Path(d) / "bad.toml"
+            bad.write_text("[a]\nb = 1979-05-27\n")
+            with self.assertRaisesRegex(cuvmm_build.BuildError, "unsupported TOML value"):
+                cuvmm_build.read_toml(bad)
+
     def test_version_is_the_workspaces(self):
         self.assertEqual(cuvmm_build.version(), cuvmm.__version__)
 
@@ -266,6 +281,11 @@ class InstalledWheel(unittest.TestCase):
                 self.assertEqual((digest, int(size)), ("sha256=" + h, len(data)), name)
             self.assertIn("cuvmm/libcuvmm.so", names)
             self.assertIn("cuvmm/libcuvmm_torch.so", names)
+            metadata = z.read(info + "METADATA").decode()
+            self.assertIn("Project-URL: Repository, https://", metadata)
+            self.assertIn("Requires-Python: >=3.9", metadata)
+            # Stripped: no static symbol table left (its section name goes with it).
+            self.assertNotIn(b".symtab", z.read("cuvmm/libcuvmm.so"))
 
     def test_library_found_in_the_installed_package(self):
         r = self.run_py("import cuvmm, cuvmm_torch; print(cuvmm.library_path()); print(cuvmm_torch.stats(0)['live'])")
