@@ -62,6 +62,8 @@ int cuvmm_reset_peaks(int d) { return 0; }
 int cuvmm_empty_cache(int d) { return 0; }
 int cuvmm_release_graph_memory(int d) { return 0; }
 const char *cuvmm_last_error(void) { return err; }
+int error_log_mode = -1;
+int cuvmm_set_error_log(int m) { error_log_mode = m; return 0; }
 int cuvmm_set_backup(const char *t, int b, int r, const char *dir) {
     if (b < 0 || b > 2) { err = "cuvmm_set_backup: invalid argument: no backend 3"; return -1; }
     strncpy(backup_tag, t, sizeof backup_tag - 1);
@@ -293,6 +295,19 @@ class InstalledWheel(unittest.TestCase):
         path, live = r.stdout.split()
         self.assertEqual(Path(path), (self.site / "cuvmm" / "libcuvmm.so").resolve())
         self.assertEqual(live, "100")
+
+    def test_statistics_without_torch_take_device_0_and_never_import_it(self):
+        r = self.run_py("import sys, cuvmm; print(cuvmm.stats()['live'], cuvmm.stats('cuda')['live'], "
+                        "cuvmm.stats('cuda:0')['live'], 'torch' in sys.modules)")
+        self.assertEqual((r.returncode, r.stdout.split()), (0, ["100", "100", "100", "False"]), r.stderr)
+        r = self.run_py("import cuvmm; cuvmm.stats('cpu')")
+        self.assertIn("ValueError: not a CUDA device: 'cpu'", r.stderr)
+
+    def test_loading_leaves_stderr_the_errors_no_exception_reports(self):
+        header = (CAPI / "include" / "cuvmm.h").read_text()
+        self.assertIn(f"#define CUVMM_LOG_UNRETURNED {cuvmm._LOG_UNRETURNED}\n", header)
+        r = self.run_py("import ctypes, cuvmm; print(ctypes.c_int.in_dll(cuvmm.load(), 'error_log_mode').value)")
+        self.assertEqual((r.returncode, r.stdout.strip()), (0, str(cuvmm._LOG_UNRETURNED)), r.stderr)
 
     def test_cuvmm_torch_without_torch_says_what_is_missing(self):
         r = self.run_py("import cuvmm.torch")
