@@ -140,7 +140,7 @@ _REQUIRED = ("cuvmm_malloc", "cuvmm_free", "cuvmm_pool_malloc", "cuvmm_pool_free
              "cuvmm_stats_json", "cuvmm_reset_peaks", "cuvmm_empty_cache", "cuvmm_release_graph_memory",
              "cuvmm_last_error")
 _SLEEP = ("cuvmm_set_tag", "cuvmm_sleep", "cuvmm_wake", "cuvmm_get_tag_stats")
-_LOG_UNRETURNED = 1  # cuvmm.h's CUVMM_LOG_UNRETURNED
+_LOG_ALL, _LOG_UNRETURNED = 0, 1  # cuvmm.h's CUVMM_LOG_ALL and CUVMM_LOG_UNRETURNED
 # Where each backup of a sleeping tag's contents lives (cuvmm_set_backup's `backend`).
 BACKUP_BACKENDS = {"pageable": 0, "pinned": 1, "disk": 2}
 
@@ -215,6 +215,14 @@ def load(path: str | os.PathLike | None = None) -> ctypes.CDLL:
             lib.cuvmm_set_error_log(_LOG_UNRETURNED)
         _lib, _lib_path = lib, p
         return lib
+
+
+def _log_every_error() -> None:
+    """Write every kind of error to stderr once, as for a C caller, also those that functions of
+    this package raise: for a caller that hands cuvmm_malloc's NULL on without its text."""
+    lib = load()
+    if hasattr(lib, "cuvmm_set_error_log"):
+        lib.cuvmm_set_error_log(_LOG_ALL)
 
 
 def library_path() -> str:

@@ -306,8 +306,20 @@ class InstalledWheel(unittest.TestCase):
     def test_loading_leaves_stderr_the_errors_no_exception_reports(self):
         header = (CAPI / "include" / "cuvmm.h").read_text()
         self.assertIn(f"#define CUVMM_LOG_UNRETURNED {cuvmm._LOG_UNRETURNED}\n", header)
+        self.assertIn(f"#define CUVMM_LOG_ALL {cuvmm._LOG_ALL}\n", header)
         r = self.run_py("import ctypes, cuvmm; print(ctypes.c_int.in_dll(cuvmm.load(), 'error_log_mode').value)")
         self.assertEqual((r.returncode, r.stdout.strip()), (0, str(cuvmm._LOG_UNRETURNED)), r.stderr)
+
+    def test_plain_cuvmm_malloc_handed_to_pytorch_writes_every_error(self):
+        # Without libcuvmm_torch.so PyTorch gets cuvmm_malloc's NULL and no text: stderr has it.
+        code = ("import ctypes, types, warnings, cuvmm, cuvmm.torch as t\n"
+                "t._shim_path = lambda: None\n"
+                "t._torch.cuda = types.SimpleNamespace(memory=types.SimpleNamespace(\n"
+                "    CUDAPluggableAllocator=lambda path, m, f: (m, f)))\n"
+                "warnings.simplefilter('ignore')\n"
+                "print(*t.allocator(), ctypes.c_int.in_dll(cuvmm.load(), 'error_log_mode').value)")
+        r = self.run_py(code, fake_torch="2.11.0")
+        self.assertEqual((r.returncode, r.stdout.split()), (0, ["cuvmm_malloc", "cuvmm_free", "0"]), r.stderr)
 
     def test_cuvmm_torch_without_torch_says_what_is_missing(self):
         r = self.run_py("import cuvmm.torch")
