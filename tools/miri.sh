@@ -3,13 +3,16 @@
 # crate's unsafe code for undefined behaviour. None of those tests needs a CUDA driver: under Miri
 # the loader reports no driver without calling dlopen (Miri cannot run foreign code), as on a
 # machine without CUDA. Exits 0, saying why, when the nightly toolchain or its Miri component is
-# missing.
+# missing; with MIRI_REQUIRED=1 (as in CI) that is a failure instead.
 #
 #   tools/miri.sh [extra args for the test harness, e.g. a test name filter]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-skip() { echo "miri: skipped: $*"; exit 0; }
+skip() {
+  [ "${MIRI_REQUIRED:-0}" = 1 ] && { echo "miri: cannot run: $*"; exit 1; }
+  echo "miri: skipped: $*"; exit 0
+}
 command -v rustup >/dev/null || skip "rustup is not installed"
 rustup toolchain list | grep -q '^nightly' || skip "no nightly toolchain (rustup toolchain install nightly --component miri)"
 rustup +nightly component list --installed 2>/dev/null | grep -q '^miri' \

@@ -165,6 +165,14 @@ int cuvmm_import_release(void *import);
 /* Writes the allocation trace (trace= in CUVMM_ALLOC_CONF) out now; it is also written at exit. */
 void cuvmm_trace_flush(void);
 
+/* Which errors are written to stderr (each kind once, when logging is on): CUVMM_LOG_ALL (the
+ * default), or CUVMM_LOG_UNRETURNED, for a caller that reports every error a return value gives
+ * (the Python package raises them): then only those of cuvmm_free, cuvmm_pool_free and
+ * cuvmm_pool_malloc, whose callers never see the text. Returns 0, or -1 for another mode. */
+#define CUVMM_LOG_ALL 0
+#define CUVMM_LOG_UNRETURNED 1
+int cuvmm_set_error_log(int mode);
+
 /* The calling thread's last error as text (valid until its next cuvmm call), or NULL. */
 const char *cuvmm_last_error(void);
 

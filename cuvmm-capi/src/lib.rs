@@ -1,7 +1,8 @@
 //! `libcuvmm.so`: cuvmm's [`StreamAllocator`] behind the C ABI declared in `include/cuvmm.h`.
 //!
 //! Every exported function catches panics (nothing unwinds into C), turns errors into a NULL or
-//! -1 return, keeps the text for [`cuvmm_last_error`] and writes each kind of error to stderr once.
+//! -1 return, keeps the text for [`cuvmm_last_error`] and writes each kind of error to stderr once
+//! (or, after [`cuvmm_set_error_log`], only the errors that no return value reports).
 //! One allocator per device, created at its first use with the configuration of
 //! `CUVMM_ALLOC_CONF` (see [`config`]).
 
@@ -24,6 +25,7 @@ use std::cell::RefCell;
 use std::collections::HashSet;
 use std::ffi::{c_char, c_int, c_void, CString};
 use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, OnceLock};
 use trace::Trace;
 
@@ -38,6 +40,16 @@ static GLOBAL: OnceLock<Result<Global, String>> = OnceLock::new();
 /// The kinds of error already written to stderr. Apart from `GLOBAL`, so that a set-up that failed
 /// (a bad `CUVMM_ALLOC_CONF`, no driver) is written once too, not at every call.
 static LOGGED: Mutex<Option<HashSet<String>>> = Mutex::new(None);
+
+/// Whether errors that a return value reports go unwritten (`cuvmm_set_error_log`): a caller that
+/// raises them, as the Python package does, would otherwise show each one twice.
+static RETURNED_UNWRITTEN: AtomicBool = AtomicBool::new(false);
+
+/// Whether an error of `function` reaches no caller through its return value: the frees return
+/// nothing, and PyTorch answers a pool's NULL with an out-of-memory message of its own.
+fn unreturned(function: &str) -> bool {
+    matches!(function, "cuvmm_free" | "cuvmm_pool_free" | "cuvmm_pool_malloc")
+}
 
 /// The tags asleep, from a `cuvmm_sleep` that succeeded until a `cuvmm_wake` that did: the C
 /// ABI's own record, so that a tag is asleep the same way whichever devices were used before or
@@ -136,7 +148,8 @@ fn shape(msg: &str) -> String {
 fn fail(function: &str, kind: String, msg: String) {
     use std::io::Write;
     let text = format!("{function}: {msg}");
-    let enabled = !matches!(GLOBAL.get(), Some(Ok(g)) if !g.config.log);
+    let enabled = !matches!(GLOBAL.get(), Some(Ok(g)) if !g.config.log)
+        && (unreturned(function) || !RETURNED_UNWRITTEN.load(Ordering::Relaxed));
     if enabled {
         let mut logged = LOGGED.lock().unwrap_or_else(|e| e.into_inner());
         if logged.get_or_insert_with(HashSet::new).insert(format!("{function}: {}", shape(&kind))) {
@@ -763,6 +776,22 @@ pub extern "C" fn cuvmm_trace_flush() {
     flush_trace_at_exit()
 }
 
+/// Which errors go to stderr: `CUVMM_LOG_ALL` (0, the default: each kind once) or
+/// `CUVMM_LOG_UNRETURNED` (1: only those of the entry points whose return value does not report
+/// them). 0, or -1 for another `mode`, which changes nothing.
+#[no_mangle]
+pub extern "C" fn cuvmm_set_error_log(mode: c_int) -> c_int {
+    guard("cuvmm_set_error_log", -1, || {
+        let quiet = match mode {
+            0 => false,
+            1 => true,
+            other => return Err(plain(format!("unknown error log mode {other} (0 or 1)"))),
+        };
+        RETURNED_UNWRITTEN.store(quiet, Ordering::Relaxed);
+        Ok(0)
+    })
+}
+
 /// The calling thread's last error, or NULL.
 #[no_mangle]
 pub extern "C" fn cuvmm_last_error() -> *const c_char {
@@ -1014,6 +1043,40 @@ mod tests {
 
     fn is_child(name: &str) -> bool {
         std::env::var(CHILD).as_deref() == Ok(name)
+    }
+
+    #[test]
+    fn errors_a_return_value_reports_can_go_unwritten() {
+        let (rc, lines) = stderr_of(|| cuvmm_set_error_log(2));
+        assert_eq!(rc, -1);
+        assert!(last_error().contains("unknown error log mode 2"), "{}", last_error());
+        assert_eq!(lines.len(), 1, "{lines:?}");
+        // The process-wide switch is flipped in a child, not under the other tests' feet.
+        in_child("child_returned_errors_unwritten");
+    }
+
+    #[test]
+    fn child_returned_errors_unwritten() {
+        if !is_child("child_returned_errors_unwritten") {
+            return;
+        }
+        assert_eq!(cuvmm_set_error_log(1), 0);
+        let c = |s: &str| std::ffi::CString::new(s).unwrap();
+        let (rc, lines) = stderr_of(|| {
+            // SAFETY: a NUL-terminated tag and a null directory.
+            unsafe { cuvmm_set_backup(c("unwritten").as_ptr(), 9, 0, std::ptr::null()) }
+        });
+        assert_eq!(rc, -1);
+        assert!(lines.is_empty(), "{lines:?}");
+        assert!(last_error().contains("unknown backup backend"), "{}", last_error());
+        for f in ["cuvmm_free", "cuvmm_pool_free", "cuvmm_pool_malloc"] {
+            let ((), lines) = stderr_of(|| fail(f, "k".into(), "lost".into()));
+            assert_eq!(lines, [format!("cuvmm: {f}: lost")]);
+        }
+        assert_eq!(cuvmm_set_error_log(0), 0);
+        let ((), lines) = stderr_of(|| fail("cuvmm_sleep", "k".into(), "written".into()));
+        assert_eq!(lines, ["cuvmm: cuvmm_sleep: written"]);
+        println!("child done");
     }
 
     #[test]

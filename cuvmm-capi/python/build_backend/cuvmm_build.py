@@ -2,13 +2,14 @@
 
 The wheel holds the pure-Python modules (cuvmm, cuvmm.torch, cuvmm.torch_memory_saver,
 cuvmm_torch), libcuvmm.so from `cargo build --release -p cuvmm-capi` (or the file named by
-CUVMM_WHEEL_LIB) and libcuvmm_torch.so compiled from python/csrc/torch_oom.cpp. The modules use
+CUVMM_WHEEL_LIB), stripped, and libcuvmm_torch.so compiled from python/csrc/torch_oom.cpp. The modules use
 ctypes and the libraries no Python C API, so the wheel fits every Python 3 on one platform:
 py3-none-<platform>.
 """
 
 from __future__ import annotations
 
+import ast
 import base64
 import csv
 import hashlib
@@ -36,21 +37,84 @@ class BuildError(RuntimeError):
     pass
 
 
-def _project() -> dict:
+def _toml_value(text: str):
+    """One value of the TOML this backend reads: a string, a boolean, an integer, an array or an
+    inline table of those."""
+    text = text.strip()
+    # TOML's basic strings, arrays and inline tables read as Python literals once the tables'
+    # keys are quoted and the booleans spelled Python's way; nothing else is accepted.
+    out, i = [], 0
+    for m in re.finditer(r'"(?:[^"\\]|\\.)*"|([A-Za-z_][\w-]*)(\s*=)?|\d[-:_]\d', text):
+        out.append(text[i:m.start()])
+        if m.group(0)[1:2] in ("-", ":", "_"):  # a date, a time or 1_000: Python reads them otherwise
+            raise BuildError(f"unsupported TOML value {text!r}")
+        word, eq = m.group(1), m.group(2)
+        if word is None:
+            out.append(m.group(0))
+        elif eq:
+            out.append(f"{word!r}:")
+        elif word in ("true", "false"):
+            out.append(str(word == "true"))
+        else:
+            raise BuildError(f"unsupported TOML value {text!r}")
+        i = m.end()
+    out.append(text[i:])
     try:
-        import tomllib
-    except ImportError:
-        raise BuildError("building the cuvmm wheel needs Python 3.11 or newer (tomllib); "
-                         "installing the wheel does not") from None
-    with open(CAPI / "pyproject.toml", "rb") as f:
-        return tomllib.load(f)["project"]
+        return ast.literal_eval("".join(out))
+    except (ValueError, SyntaxError):
+        raise BuildError(f"unsupported TOML value {text!r}") from None
+
+
+def read_toml(path: Path) -> dict:
+    """The subset of TOML that pyproject.toml and Cargo.toml here use: tables, dotted table
+    headers, arrays of tables, `key = value` with values that may span lines, comments. The
+    standard library reads TOML only from Python 3.11 (tomllib); this reader lets every Python
+    the package declares build it offline."""
+    doc: dict = {}
+    table = doc
+    pending = ""
+    for raw in path.read_text().splitlines():
+        line = re.sub(r'("(?:[^"\\]|\\.)*")|#.*', lambda m: m.group(1) or "", raw).strip()
+        if pending:
+            line, pending = pending + " " + line, ""
+        if not line:
+            continue
+        header = re.fullmatch(r"(\[\[?)\s*([\w.-]+)\s*\]\]?", line)
+        if header and not pending:
+            *parents, last = header.group(2).split(".")
+            node = doc
+            for k in parents:
+                node = node.setdefault(k, {})
+                node = node[-1] if isinstance(node, list) else node
+            if header.group(1) == "[[":
+                node.setdefault(last, []).append({})
+                table = node[last][-1]
+            else:
+                table = node.setdefault(last, {})
+            continue
+        key, sep, value = line.partition("=")
+        if not sep:
+            raise BuildError(f"{path}: cannot read {raw!r}")
+        if value.count("[") + value.count("{") > value.count("]") + value.count("}"):
+            pending = line  # the value goes on over the next lines
+            continue
+        *parents, last = [k.strip().strip('"') for k in key.split(".")]
+        node = table
+        for k in parents:
+            node = node.setdefault(k, {})
+        node[last] = _toml_value(value)
+    if pending:
+        raise BuildError(f"{path}: a value is not closed: {pending!r}")
+    return doc
+
+
+def _project() -> dict:
+    return read_toml(CAPI / "pyproject.toml")["project"]
 
 
 def version() -> str:
     """The workspace's version (Cargo.toml), which cuvmm.__version__ must repeat."""
-    import tomllib
-    with open(ROOT / "Cargo.toml", "rb") as f:
-        v = tomllib.load(f)["workspace"]["package"]["version"]
+    v = read_toml(ROOT / "Cargo.toml")["workspace"]["package"]["version"]
     src = (PYTHON / "cuvmm" / "__init__.py").read_text()
     m = re.search(r'^__version__ = "([^"]+)"', src, re.M)
     if m is None or m.group(1) != v:
@@ -108,11 +172,21 @@ def build_shim(out_dir: Path) -> Path:
     return out
 
 
+def stripped(lib: Path, out_dir: Path) -> Path:
+    """A copy of `lib` without its symbol table and debug sections (a third of a release build's
+    size); its exported functions stay, in the dynamic symbol table."""
+    out = out_dir / lib.name
+    shutil.copyfile(lib, out)
+    _run([os.environ.get("STRIP", "strip"), "--strip-unneeded", str(out)])
+    return out
+
+
 def _metadata(project: dict, ver: str) -> str:
     lines = ["Metadata-Version: 2.1", f"Name: {project['name']}", f"Version: {ver}",
              f"Summary: {project['description']}", f"Requires-Python: {project['requires-python']}",
              f"License: {project['license']['text']}"]
     lines += [f"Classifier: {c}" for c in project.get("classifiers", [])]
+    lines += [f"Project-URL: {label}, {url}" for label, url in project.get("urls", {}).items()]
     for extra, reqs in project.get("optional-dependencies", {}).items():
         lines.append(f"Provides-Extra: {extra}")
         lines += [f'Requires-Dist: {r}; extra == "{extra}"' for r in reqs]
@@ -190,7 +264,7 @@ def build_wheel(wheel_directory, config_settings=None, metadata_directory=None):
         ver = version()
         lib = cargo_library()
         with tempfile.TemporaryDirectory(prefix="cuvmm-wheel-") as d:
-            return write_wheel(wheel_directory, lib, build_shim(Path(d)), ver)
+            return write_wheel(wheel_directory, stripped(lib, Path(d)), build_shim(Path(d)), ver)
     except BuildError as e:
         print(f"cuvmm_build: {e}", file=sys.stderr)
         raise

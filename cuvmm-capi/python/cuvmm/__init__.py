@@ -29,6 +29,8 @@ import contextlib
 import ctypes
 import json
 import os
+import re
+import sys
 import threading
 from pathlib import Path
 
@@ -138,6 +140,7 @@ _REQUIRED = ("cuvmm_malloc", "cuvmm_free", "cuvmm_pool_malloc", "cuvmm_pool_free
              "cuvmm_stats_json", "cuvmm_reset_peaks", "cuvmm_empty_cache", "cuvmm_release_graph_memory",
              "cuvmm_last_error")
 _SLEEP = ("cuvmm_set_tag", "cuvmm_sleep", "cuvmm_wake", "cuvmm_get_tag_stats")
+_LOG_ALL, _LOG_UNRETURNED = 0, 1  # cuvmm.h's CUVMM_LOG_ALL and CUVMM_LOG_UNRETURNED
 # Where each backup of a sleeping tag's contents lives (cuvmm_set_backup's `backend`).
 BACKUP_BACKENDS = {"pageable": 0, "pinned": 1, "disk": 2}
 
@@ -154,6 +157,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "cuvmm_empty_cache": (c_int, [c_int]),
         "cuvmm_release_graph_memory": (c_int, [c_int]),
         "cuvmm_last_error": (c_char_p, []),
+        "cuvmm_set_error_log": (c_int, [c_int]),
         "cuvmm_trace_flush": (None, []),
         "cuvmm_set_tag": (c_int, [c_char_p]),
         "cuvmm_sleep": (c_int, [c_char_p, c_int]),
@@ -205,8 +209,20 @@ def load(path: str | os.PathLike | None = None) -> ctypes.CDLL:
         p = find_library(path)
         lib = ctypes.CDLL(p)
         _declare(lib)
+        if hasattr(lib, "cuvmm_set_error_log"):
+            # Every error a return value reports becomes an exception here: stderr keeps only the
+            # rest (frees, and the pool's allocations, whose text PyTorch never sees).
+            lib.cuvmm_set_error_log(_LOG_UNRETURNED)
         _lib, _lib_path = lib, p
         return lib
+
+
+def _log_every_error() -> None:
+    """Write every kind of error to stderr once, as for a C caller, also those that functions of
+    this package raise: for a caller that hands cuvmm_malloc's NULL on without its text."""
+    lib = load()
+    if hasattr(lib, "cuvmm_set_error_log"):
+        lib.cuvmm_set_error_log(_LOG_ALL)
 
 
 def library_path() -> str:
@@ -231,15 +247,28 @@ def _check(rc: int, what: str, ok=lambda rc: rc == 0) -> int:
     return rc
 
 
+def _current_device() -> int:
+    # PyTorch's current device where PyTorch is in use; without it nothing chose one, and CUDA's
+    # default is device 0. Importing torch here would make every caller without it pay for it.
+    torch = sys.modules.get("torch")
+    return torch.cuda.current_device() if torch is not None else 0
+
+
 def _device(device) -> int:
+    """A device index from None (the current device), an int, "cuda", "cuda:N" or a torch.device."""
     if device is None:
-        import torch
-        return torch.cuda.current_device()
+        return _current_device()
     if isinstance(device, int):
         return device
-    import torch
-    index = torch.device(device).index
-    return torch.cuda.current_device() if index is None else index
+    if isinstance(device, str):
+        m = re.fullmatch(r"cuda(?::(\d+))?", device.strip())
+        if m is None:
+            raise ValueError(f"not a CUDA device: {device!r}")
+        return _current_device() if m.group(1) is None else int(m.group(1))
+    index = getattr(device, "index", None)
+    if getattr(device, "type", None) != "cuda":
+        raise ValueError(f"not a CUDA device: {device!r}")
+    return _current_device() if index is None else index
 
 
 def stats(device=None) -> dict:

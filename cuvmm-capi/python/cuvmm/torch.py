@@ -114,6 +114,8 @@ def allocator(pool: bool = False):
                               "package): out of memory under this allocator makes a tensor at address 0",
                               RuntimeWarning, stacklevel=3)
                 path, names = _core.library_path(), ("cuvmm_malloc", "cuvmm_free")
+                # PyTorch gets cuvmm_malloc's NULL without its text: stderr is where it shows.
+                _core._log_every_error()
             _allocators[key] = _torch.cuda.memory.CUDAPluggableAllocator(path, *names)
         return _allocators[key]
 

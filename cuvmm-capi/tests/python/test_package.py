@@ -62,6 +62,8 @@ int cuvmm_reset_peaks(int d) { return 0; }
 int cuvmm_empty_cache(int d) { return 0; }
 int cuvmm_release_graph_memory(int d) { return 0; }
 const char *cuvmm_last_error(void) { return err; }
+int error_log_mode = -1;
+int cuvmm_set_error_log(int m) { error_log_mode = m; return 0; }
 int cuvmm_set_backup(const char *t, int b, int r, const char *dir) {
     if (b < 0 || b > 2) { err = "cuvmm_set_backup: invalid argument: no backend 3"; return -1; }
     strncpy(backup_tag, t, sizeof backup_tag - 1);
@@ -125,6 +127,21 @@ class TorchVersion(unittest.TestCase):
         self.assertIn("2.12.0.dev20260101", text)
         self.assertEqual(cuvmm.torch_version_problem("3.0.0")[0], "warning")
         self.assertEqual(cuvmm.torch_version_problem("unknown")[0], "error")
+
+    def test_build_backend_reads_the_toml_as_tomllib_does(self):
+        # The backend's own reader lets Python 3.9 and 3.10 (no tomllib) build the package.
+        try:
+            import tomllib
+        except ImportError:
+            self.skipTest("tomllib is Python 3.11+")
+        for path in (CAPI / "pyproject.toml", CAPI.parent / "Cargo.toml", CAPI / "Cargo.toml"):
+            with open(path, "rb") as f:
+                self.assertEqual(cuvmm_build.read_toml(path), tomllib.load(f), path)
+        with tempfile.TemporaryDirectory() as d:
+            bad = Path(d) / "bad.toml"
+            bad.write_text("[a]\nb = 1979-05-27\n")
+            with self.assertRaisesRegex(cuvmm_build.BuildError, "unsupported TOML value"):
+                cuvmm_build.read_toml(bad)
 
     def test_version_is_the_workspaces(self):
         self.assertEqual(cuvmm_build.version(), cuvmm.__version__)
@@ -266,6 +283,11 @@ class InstalledWheel(unittest.TestCase):
                 self.assertEqual((digest, int(size)), ("sha256=" + h, len(data)), name)
             self.assertIn("cuvmm/libcuvmm.so", names)
             self.assertIn("cuvmm/libcuvmm_torch.so", names)
+            metadata = z.read(info + "METADATA").decode()
+            self.assertIn("Project-URL: Repository, https://", metadata)
+            self.assertIn("Requires-Python: >=3.9", metadata)
+            # Stripped: no static symbol table left (its section name goes with it).
+            self.assertNotIn(b".symtab", z.read("cuvmm/libcuvmm.so"))
 
     def test_library_found_in_the_installed_package(self):
         r = self.run_py("import cuvmm, cuvmm_torch; print(cuvmm.library_path()); print(cuvmm_torch.stats(0)['live'])")
@@ -273,6 +295,31 @@ class InstalledWheel(unittest.TestCase):
         path, live = r.stdout.split()
         self.assertEqual(Path(path), (self.site / "cuvmm" / "libcuvmm.so").resolve())
         self.assertEqual(live, "100")
+
+    def test_statistics_without_torch_take_device_0_and_never_import_it(self):
+        r = self.run_py("import sys, cuvmm; print(cuvmm.stats()['live'], cuvmm.stats('cuda')['live'], "
+                        "cuvmm.stats('cuda:0')['live'], 'torch' in sys.modules)")
+        self.assertEqual((r.returncode, r.stdout.split()), (0, ["100", "100", "100", "False"]), r.stderr)
+        r = self.run_py("import cuvmm; cuvmm.stats('cpu')")
+        self.assertIn("ValueError: not a CUDA device: 'cpu'", r.stderr)
+
+    def test_loading_leaves_stderr_the_errors_no_exception_reports(self):
+        header = (CAPI / "include" / "cuvmm.h").read_text()
+        self.assertIn(f"#define CUVMM_LOG_UNRETURNED {cuvmm._LOG_UNRETURNED}\n", header)
+        self.assertIn(f"#define CUVMM_LOG_ALL {cuvmm._LOG_ALL}\n", header)
+        r = self.run_py("import ctypes, cuvmm; print(ctypes.c_int.in_dll(cuvmm.load(), 'error_log_mode').value)")
+        self.assertEqual((r.returncode, r.stdout.strip()), (0, str(cuvmm._LOG_UNRETURNED)), r.stderr)
+
+    def test_plain_cuvmm_malloc_handed_to_pytorch_writes_every_error(self):
+        # Without libcuvmm_torch.so PyTorch gets cuvmm_malloc's NULL and no text: stderr has it.
+        code = ("import ctypes, types, warnings, cuvmm, cuvmm.torch as t\n"
+                "t._shim_path = lambda: None\n"
+                "t._torch.cuda = types.SimpleNamespace(memory=types.SimpleNamespace(\n"
+                "    CUDAPluggableAllocator=lambda path, m, f: (m, f)))\n"
+                "warnings.simplefilter('ignore')\n"
+                "print(*t.allocator(), ctypes.c_int.in_dll(cuvmm.load(), 'error_log_mode').value)")
+        r = self.run_py(code, fake_torch="2.11.0")
+        self.assertEqual((r.returncode, r.stdout.split()), (0, ["cuvmm_malloc", "cuvmm_free", "0"]), r.stderr)
 
     def test_cuvmm_torch_without_torch_says_what_is_missing(self):
         r = self.run_py("import cuvmm.torch")
