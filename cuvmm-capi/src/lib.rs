@@ -11,6 +11,7 @@ mod config;
 #[cfg(test)]
 #[path = "../../tests/common/fake.rs"]
 mod fake;
+mod tag_states;
 mod trace;
 
 use config::Config;
@@ -25,6 +26,7 @@ use std::collections::HashSet;
 use std::ffi::{c_char, c_int, c_void, CString};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::{Mutex, OnceLock};
+use tag_states::TagStates;
 use trace::Trace;
 
 struct Global {
@@ -42,11 +44,7 @@ static LOGGED: Mutex<Option<HashSet<String>>> = Mutex::new(None);
 /// The tags asleep, from a `cuvmm_sleep` that succeeded until a `cuvmm_wake` that did: the C
 /// ABI's own record, so that a tag is asleep the same way whichever devices were used before or
 /// after (an allocator made after the sleep does not know of it).
-static ASLEEP: Mutex<Vec<Tag>> = Mutex::new(Vec::new());
-
-fn asleep() -> std::sync::MutexGuard<'static, Vec<Tag>> {
-    ASLEEP.lock().unwrap_or_else(|e| e.into_inner())
-}
+static TAGS: TagStates<Tag> = TagStates::new();
 
 thread_local! {
     static LAST_ERROR: RefCell<Option<CString>> = const { RefCell::new(None) };
@@ -206,9 +204,14 @@ fn malloc_with(function: &str, size: isize, device: c_int, stream: CUstream, cal
             return if size == 0 { Ok(0) } else { Err(plain(format!("negative size {size}"))) };
         }
         let tag = TAG.try_with(|t| t.get()).ok().flatten();
-        if tag.is_some_and(|t| asleep().contains(&t)) {
-            return Err(plain("cannot allocate with a tag that is asleep: wake it first".into()));
-        }
+        // Counted until the allocation returns: a sleep of the tag waits for it.
+        let _allocating =
+            match tag {
+                Some(t) => Some(TAGS.begin_allocation(t).ok_or_else(|| {
+                    plain("cannot allocate with a tag that is asleep: wake it first".into())
+                })?),
+                None => None,
+            };
         let a = allocator(device).map_err(plain)?;
         // SAFETY: the C contract (cuvmm.h) makes `stream` a live stream of the device's primary
         // context that outlives the blocks freed on it.
@@ -452,6 +455,44 @@ fn wake_all<A>(
     Ok(())
 }
 
+/// `cuvmm_sleep` of `tag` on the `devices` there are once no other sleep or wake of it is under
+/// way (see [`tag_states`]). On a failure the tag is awake again, unless waking a device the call
+/// had put to sleep failed too: then it is recorded asleep, so that `cuvmm_wake` finishes it.
+fn sleep_tag<A>(
+    states: &TagStates<Tag>,
+    t: Tag,
+    devices: impl FnOnce() -> Vec<A>,
+    sleep: impl Fn(&A) -> cuvmm_lib::Result<()>,
+    wake: impl Fn(&A) -> cuvmm_lib::Result<()>,
+    asleep: impl Fn(&A) -> bool,
+) -> Result<(), (String, String)> {
+    let falling = states.begin_sleep(t).map_err(|r| plain(r.message().into()))?;
+    // Not under the lock: the sleep waits for the device.
+    let all = devices();
+    let slept = sleep_all(&all, sleep, wake);
+    falling.finish(slept.is_ok() || all.iter().any(asleep));
+    slept
+}
+
+/// `cuvmm_wake` of `tag` on the `devices` there are once no other sleep or wake of it is under
+/// way; a failure leaves it asleep (see [`wake_all`]).
+fn wake_tag<A>(
+    states: &TagStates<Tag>,
+    t: Tag,
+    devices: impl FnOnce() -> Vec<A>,
+    asleep: impl Fn(&A) -> bool,
+    wake: impl Fn(&A) -> cuvmm_lib::Result<()>,
+) -> Result<(), (String, String)> {
+    let waking = states.begin_wake(t).map_err(|r| plain(r.message().into()))?;
+    let woke = wake_all(&devices(), asleep, wake);
+    waking.finish(woke.is_err());
+    woke
+}
+
+fn all_allocators() -> Vec<&'static StreamAllocator> {
+    allocators().into_iter().map(|(_, a)| a).collect()
+}
+
 /// Puts `tag` to sleep on every device (offloading its contents when `offload` is non-zero); it is
 /// asleep for the process, devices used later included, until [`cuvmm_wake`] (see cuvmm.h).
 ///
@@ -463,20 +504,14 @@ pub unsafe extern "C" fn cuvmm_sleep(tag: *const c_char, offload: c_int) -> c_in
         // SAFETY: the caller's contract.
         let t = tag_of(unsafe { c_str(tag) }?)?;
         let mode = if offload != 0 { SleepMode::Offload } else { SleepMode::Discard };
-        {
-            let mut tags = asleep();
-            if tags.contains(&t) {
-                return Err(plain("the tag is already asleep".into()));
-            }
-            // Counted asleep from now: an allocation under it made meanwhile would not be slept.
-            tags.push(t);
-        }
-        // Not under the lock: the sleep waits for the device.
-        let all: Vec<_> = allocators().into_iter().map(|(_, a)| a).collect();
-        if let Err(e) = sleep_all(&all, |a| a.sleep(t, mode).map(drop), |a| a.wake(t)) {
-            asleep().retain(|&x| x != t);
-            return Err(e);
-        }
+        sleep_tag(
+            &TAGS,
+            t,
+            all_allocators,
+            |a| a.sleep(t, mode).map(drop),
+            |a| a.wake(t),
+            |a| a.tag_stats(t).asleep,
+        )?;
         Ok(0)
     })
 }
@@ -490,13 +525,7 @@ pub unsafe extern "C" fn cuvmm_wake(tag: *const c_char) -> c_int {
     guard("cuvmm_wake", -1, || {
         // SAFETY: the caller's contract.
         let t = tag_of(unsafe { c_str(tag) }?)?;
-        if !asleep().contains(&t) {
-            return Err(plain("the tag is not asleep".into()));
-        }
-        // Still counted asleep while it wakes, and after a failure, until every device woke.
-        let all: Vec<_> = allocators().into_iter().map(|(_, a)| a).collect();
-        wake_all(&all, |a| a.tag_stats(t).asleep, |a| a.wake(t))?;
-        asleep().retain(|&x| x != t);
+        wake_tag(&TAGS, t, all_allocators, |a| a.tag_stats(t).asleep, |a| a.wake(t))?;
         Ok(0)
     })
 }
@@ -563,7 +592,7 @@ pub unsafe extern "C" fn cuvmm_get_tag_stats(tag: *const c_char, out: *mut Cuvmm
         }
         // SAFETY: the caller's contract.
         let t = tag_of(unsafe { c_str(tag) }?)?;
-        let mut sum = CuvmmTagStats { asleep: i32::from(asleep().contains(&t)), ..Default::default() };
+        let mut sum = CuvmmTagStats { asleep: i32::from(TAGS.phase(t).is_some()), ..Default::default() };
         for (_, a) in allocators() {
             let TagStats { live, mapped, offloaded, asleep } = a.tag_stats(t);
             sum.live += live;
