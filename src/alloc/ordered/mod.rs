@@ -96,6 +96,7 @@ mod backup;
 pub(crate) mod core;
 mod front;
 mod heap;
+mod host_memory;
 
 pub use self::backup::{fresh_backup_memory, BackupKind, BackupOptions};
 pub use self::core::{AllocatorStats, SleepMode, TagStats};
