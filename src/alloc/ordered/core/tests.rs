@@ -1289,6 +1289,26 @@ fn the_legacy_default_stream_keeps_one_identity_and_costs_what_any_stream_does()
     );
 }
 
+/// Streams the driver cannot name during a capture get an identity per (capture, handle). A
+/// process that captures for ever (a graph per step) kept every one it ever saw; now they are
+/// bounded, and the capture under way keeps its own.
+#[test]
+fn the_identities_made_up_for_captured_streams_are_bounded() {
+    let mut c = core(1000);
+    for capture in 0..3 * super::CAPTURE_IDS as u64 {
+        let a = c.caller(7, None, Capture::Private(capture));
+        let b = c.caller(8, None, Capture::Private(capture));
+        assert_ne!(a.id, b.id);
+        assert_eq!(a, c.caller(7, None, Capture::Private(capture)), "one handle, one stream in a capture");
+        assert!(c.capture_ids.len() <= super::CAPTURE_IDS, "{} identities kept", c.capture_ids.len());
+    }
+    // One capture with more streams than the bound: still bounded.
+    for raw in 0..2 * super::CAPTURE_IDS as u64 {
+        c.caller(raw, None, Capture::Shared(u64::MAX));
+    }
+    assert!(c.capture_ids.len() <= super::CAPTURE_IDS);
+}
+
 #[test]
 fn a_block_that_cannot_be_mapped_goes_back_to_its_stream_not_to_every_stream() {
     let mut c = core(1000);
