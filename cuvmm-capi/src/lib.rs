@@ -1208,6 +1208,80 @@ mod tests {
     }
 
     #[test]
+    fn sleeps_wakes_and_tagged_allocations_from_several_threads_end_in_a_state_the_header_describes() {
+        in_child_with("child_sleep_wake_threads", Some(&fake_vmm()));
+    }
+
+    /// The child of the test above: threads sleep, wake, allocate under and free one tag at
+    /// random through the C ABI on the fake driver's device. Every call succeeds or refuses with
+    /// -1 or NULL; afterwards the tag's reported state is the devices' and one wake (if asleep)
+    /// brings it back, and it sleeps and wakes again.
+    #[test]
+    fn child_sleep_wake_threads() {
+        if !is_child("child_sleep_wake_threads") {
+            return;
+        }
+        // Each sleep's wait for the device takes a while, as on a busy GPU: wakes and sleeps of
+        // the other threads come meanwhile. (Set before any thread or driver call.)
+        std::env::set_var("FAKE_SYNC_SLEEP_US", "2000");
+        let t = c"threads";
+        let start = std::sync::Barrier::new(4);
+        std::thread::scope(|s| {
+            for i in 0..4u32 {
+                let start = &start;
+                s.spawn(move || {
+                    let mut x = 0x2545_f491_u32.wrapping_mul(i + 1);
+                    let mut held = Vec::new();
+                    start.wait();
+                    for _ in 0..150 {
+                        x ^= x << 13;
+                        x ^= x >> 17;
+                        x ^= x << 5;
+                        // SAFETY: a NUL-terminated name; blocks of this thread's cuvmm_malloc.
+                        unsafe {
+                            match x % 4 {
+                                0 => drop(cuvmm_sleep(t.as_ptr(), 0)),
+                                1 => drop(cuvmm_wake(t.as_ptr())),
+                                2 => {
+                                    assert_eq!(cuvmm_set_tag(t.as_ptr()), 0);
+                                    let p = cuvmm_malloc(64 << 10, 0, std::ptr::null_mut());
+                                    assert_eq!(cuvmm_set_tag(std::ptr::null()), 0);
+                                    if !p.is_null() {
+                                        held.push(p);
+                                    }
+                                }
+                                _ => {
+                                    if let Some(p) = held.pop() {
+                                        cuvmm_free(p, 64 << 10, 0, std::ptr::null_mut());
+                                    }
+                                }
+                            }
+                        }
+                    }
+                    for p in held {
+                        cuvmm_free(p, 64 << 10, 0, std::ptr::null_mut());
+                    }
+                });
+            }
+        });
+        let a = allocator(0).unwrap();
+        let tag = Tag::new("threads").unwrap();
+        let dev_asleep = a.tag_stats(tag).asleep;
+        assert_eq!(tag_stats(t).asleep, i32::from(dev_asleep), "the C ABI and the device disagree");
+        // SAFETY: a NUL-terminated name.
+        unsafe {
+            if dev_asleep {
+                assert_eq!(cuvmm_wake(t.as_ptr()), 0, "{}", last_error());
+            }
+            assert_eq!(tag_stats(t).asleep, 0);
+            assert!(!a.tag_stats(tag).asleep);
+            assert_eq!(cuvmm_sleep(t.as_ptr(), 0), 0, "{}", last_error());
+            assert_eq!(cuvmm_wake(t.as_ptr()), 0, "{}", last_error());
+        }
+        println!("child done");
+    }
+
+    #[test]
     fn sizes_larger_than_the_device_return_null_and_an_error_not_an_abort() {
         in_child_with("child_huge_sizes", Some(&fake_vmm()));
     }
