@@ -354,15 +354,19 @@ class InstalledWheel(unittest.TestCase):
     def tearDownClass(cls):
         cls.dir.cleanup()
 
-    def run_py(self, code, fake_torch=None):
+    def run_py(self, code, fake_torch=None, torch_libs=()):
         """Runs code in the environment with no PYTHONPATH, no CUVMM_LIB, outside the checkout;
-        fake_torch: a torch module of that version installed beside the package meanwhile."""
+        fake_torch: a torch module of that version installed beside the package meanwhile, with
+        the libraries `torch_libs` in its lib folder."""
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "CUVMM_LIB")}
         env["PYTHONDONTWRITEBYTECODE"] = "1"
         torch_dir = self.site / "torch"
         if fake_torch is not None:
             torch_dir.mkdir()
             (torch_dir / "__init__.py").write_text(f"__version__ = {fake_torch!r}\n")
+            (torch_dir / "lib").mkdir()
+            for lib in torch_libs:
+                shutil.copy(lib, torch_dir / "lib" / Path(lib).name)
         try:
             return subprocess.run([str(self.python), "-c", code], capture_output=True, text=True, env=env,
                                   cwd=self.dir.name)
@@ -413,6 +417,24 @@ class InstalledWheel(unittest.TestCase):
         self.assertIn("RuntimeWarning: cuvmm 0.1.0 supports PyTorch 2.8 to 2.11; PyTorch 2.13.0 is newer", r.stderr)
         r = self.run_py("import warnings; warnings.simplefilter('error'); import cuvmm.torch", fake_torch="2.11.0+cu130")
         self.assertEqual((r.returncode, r.stderr), (0, ""))
+
+    def test_the_loaded_pytorchs_c10_out_of_memory_error_is_found_and_bound(self):
+        c10 = build_c(Path(self.dir.name), "c10", FAKE_C10, cxx=True)
+        code = """if True:
+            import ctypes, os, torch, cuvmm.torch as t
+            lib = os.path.join(os.path.dirname(torch.__file__), "lib")
+            print(t._c10_oom_symbols(lib) is None)  # not loaded by PyTorch: not used
+            ctypes.CDLL(os.path.join(lib, "libc10.so"))
+            print(t._c10_oom_symbols(lib) is not None)
+            torch.OutOfMemoryError = MemoryError
+            t._bound_shim()  # what allocator() binds
+            print(t.native_oom_error())
+        """
+        r = self.run_py(code, fake_torch="2.11.0", torch_libs=[c10])
+        self.assertEqual((r.returncode, r.stdout.split()), (0, ["True", "True", "True"]), r.stderr)
+        r = self.run_py(code.replace("t._bound_shim()", "os.environ['CUVMM_TORCH_NATIVE_OOM'] = '0'; t._bound_shim()"),
+                        fake_torch="2.11.0", torch_libs=[c10])
+        self.assertEqual((r.returncode, r.stdout.split()), (0, ["True", "True", "False"]), r.stderr)
 
 
 class FakeApi:
