@@ -42,6 +42,7 @@ def child(args) -> dict:
         ct.use_as_current_allocator()
     torch.cuda.init()
     dev = torch.device("cuda")
+    torch.backends.cudnn.allow_tf32 = False
     gen = torch.Generator(device=dev).manual_seed(5)
     x = torch.randn(args.batch, args.channels, args.size, args.size, device=dev, generator=gen)
     conv = torch.nn.Conv2d(args.channels, args.channels, 3, padding=1, bias=False).to(dev)
@@ -62,9 +63,11 @@ def child(args) -> dict:
             return kind, str(e).splitlines()[0][:200]
 
     def run():
+        # The norm is a reduction (no temporary as large as the output, which the margin may not
+        # hold), and without TF32 every algorithm agrees on it to far below the tolerance.
         with torch.no_grad():
             y = conv(x)
-        s = y.sum().item()
+        s = torch.linalg.vector_norm(y).item()
         del y
         return s
 
@@ -82,7 +85,7 @@ def child(args) -> dict:
                 rows.append({"margin_mib": m, "outcome": "hog " + hog_kind, "detail": hog})
                 continue
             kind, got = outcome(run)
-            close = kind == "ok" and abs(got - ref) <= 1e-3 * max(1.0, abs(ref))
+            close = kind == "ok" and abs(got - ref) <= 1e-4 * abs(ref)
             rows.append({"margin_mib": m, "outcome": kind, "close": close,
                          "detail": "" if kind == "ok" else got})
             del hog
