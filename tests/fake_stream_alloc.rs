@@ -7,7 +7,7 @@ mod common;
 
 use common::{count, fake_symbol};
 
-use cuvmm::alloc::StreamAllocator;
+use cuvmm::alloc::{AllocatorConfig, SleepMode, StreamAllocator, Tag};
 use cuvmm::{Context, Stream};
 use std::ffi::c_int;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -302,4 +302,57 @@ fn threads_see_their_blocks_owned_by_their_own_stream_until_their_work_has_run()
     assert!(freed_elsewhere > 0);
     assert!(st.cache_hits > allocated / 2, "most requests took their stream's own blocks: {st:?}");
     assert_eq!(count(&lib, "destroyed_stream_calls"), 0);
+}
+
+/// The driver's memory limit for this test (bytes above what the process holds now), lifted when
+/// dropped.
+struct MemoryLimit(unsafe extern "C" fn(u64));
+
+impl MemoryLimit {
+    fn set(lib: &std::path::Path, bytes: u64) -> MemoryLimit {
+        let f = fake_symbol(lib, "fake_memory_limit");
+        // SAFETY: `void fake_memory_limit(uint64_t)` of the fake driver.
+        let f = unsafe { std::mem::transmute::<*mut libc::c_void, unsafe extern "C" fn(u64)>(f) };
+        // SAFETY: as above; it only sets a number.
+        unsafe { f(bytes) };
+        MemoryLimit(f)
+    }
+}
+
+impl Drop for MemoryLimit {
+    fn drop(&mut self) {
+        // SAFETY: as in `set`.
+        unsafe { (self.0)(0) };
+    }
+}
+
+/// The sleep, train, wake cycle on a full device: the memory a tag gave back is taken by other
+/// work and freed with that work still queued, and the wake needs it. The wake waits for the
+/// device and takes the cache back instead of failing out of memory (before, it took the exit the
+/// last allocation had left open, which nothing retried).
+#[test]
+fn a_wake_out_of_memory_waits_for_the_device_and_takes_back_the_cache() {
+    let (_turn, lib, ctx) = fake_device();
+    let mib = 1usize << 20;
+    let cfg = AllocatorConfig { page: 4 << 20, tag_page: 4 << 20, ..AllocatorConfig::default() };
+    let alloc = StreamAllocator::with_config(&ctx, cfg).unwrap();
+    let (s, t) = (Stream::non_blocking(&ctx).unwrap(), Stream::non_blocking(&ctx).unwrap());
+    let _limit = MemoryLimit::set(&lib, 64 << 20);
+    let tag = Tag::new("fake-wake-full").unwrap();
+    let w = alloc.allocate_tagged(32 * mib, &s, tag).unwrap();
+    alloc.sleep(tag, SleepMode::Discard).unwrap();
+    let hog = alloc.allocate(48 * mib, &s).unwrap();
+    let (go, running) = busy(&s);
+    drop(hog);
+    // Another stream's request, which searched and found memory: it leaves the settle flag set.
+    let small = alloc.allocate(4096, &t).unwrap();
+    std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(100));
+        let _ = go.send(());
+    });
+    alloc.wake(tag).unwrap();
+    assert!(!running.load(Ordering::SeqCst), "the wake waited for the work on the freed block");
+    assert_eq!(alloc.tag_stats(tag).mapped, 32 << 20);
+    drop((w, small));
+    s.synchronize().unwrap();
 }

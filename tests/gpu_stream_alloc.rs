@@ -210,6 +210,35 @@ fn a_sleeping_tag_gives_its_memory_back_and_wakes_at_the_same_addresses_with_its
     s.synchronize().unwrap();
 }
 
+/// The RL cycle on a full device: a tag sleeps, other work takes the memory it gave back and frees
+/// it with work still queued (cached, not yet idle), and the wake needs that memory. The wake waits
+/// for the device and takes the cache back; before, it failed out of memory beside idle pages.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_wake_on_a_full_device_takes_back_the_cache_other_work_left() {
+    let ctx = ctx();
+    let k = Kernels::load(&ctx).unwrap();
+    let alloc = StreamAllocator::new(&ctx).unwrap();
+    let s = Stream::non_blocking(&ctx).unwrap();
+    let weights = Tag::new("wake-full").unwrap();
+    let n = (4usize << 30) / 4;
+    let w = alloc.allocate_tagged(n * 4, &s, weights).unwrap();
+    k.pattern_u32(&s, &mut words_mut(w.ptr(), n), 0, 23).unwrap();
+    s.synchronize().unwrap();
+    alloc.sleep(weights, SleepMode::Offload).unwrap();
+    // Everything free but 256 MiB goes to untagged work, freed while a kernel on it still runs.
+    let free = ctx.memory_info().unwrap().free;
+    let hog = alloc.allocate((free - (256 << 20)) & !((2 << 20) - 1), &s).unwrap();
+    k.busy_f32(&s, &mut view_mut(hog.ptr(), N), ITERS).unwrap();
+    drop(hog);
+    // An allocation that searched and found memory, as training does between the free and the wake.
+    let small = alloc.allocate(4096, &s).unwrap();
+    alloc.wake(weights).unwrap();
+    assert_eq!(k.count_pattern_mismatches(&s, &words(w.ptr(), n), 0, 23).unwrap(), 0);
+    drop(small);
+    s.synchronize().unwrap();
+}
+
 const ASLEEP_CHILD: &str = "CUVMM_TEST_EXIT_ASLEEP";
 
 /// The child of `a_process_that_exits_asleep_exits_cleanly`: puts a tag to sleep and exits. Does

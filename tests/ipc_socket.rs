@@ -411,6 +411,31 @@ fn a_partial_frame_on_a_non_blocking_socket_is_an_error_at_once_or_kept_by_a_fra
     assert_eq!(open_fds(), before, "a dropped reader left a descriptor open");
 }
 
+/// A peer that sends a frame a byte at a time, each byte with descriptors, parked up to 143 x 253
+/// of them in the receiver's partial frame before it completed. No message carries more than one:
+/// more are refused, and closed, as they arrive.
+#[test]
+fn descriptors_beyond_what_a_message_carries_are_refused_as_they_arrive() {
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let (a, b) = UnixStream::pair().unwrap();
+    b.set_nonblocking(true).unwrap();
+    let fds: Vec<OwnedFd> = (0..4).map(|_| memfd(b"x")).collect();
+    let raw: Vec<i32> = fds.iter().map(|f| f.as_raw_fd()).collect();
+    let bytes = header(WireHandle::PosixFd).encode().unwrap();
+    let before = open_fds();
+    let mut reader = FrameReader::new();
+    // One descriptor with the first byte: what a share carries, kept.
+    raw_send(&a, &bytes[..1], &raw[..1]);
+    let r = reader.recv(b.as_fd(), PeerPolicy::SameUid, None);
+    assert!(matches!(&r, Err(e) if e.is_would_block()), "{r:?}");
+    assert_eq!((reader.pending(), open_fds()), (1, before + 1));
+    // Three more with the next byte: refused at once, every one closed, the frame discarded.
+    raw_send(&a, &bytes[1..2], &raw[1..]);
+    let r = reader.recv(b.as_fd(), PeerPolicy::SameUid, None);
+    assert!(matches!(&r, Err(Error::Protocol(m)) if m.contains("at most 1")), "{r:?}");
+    assert_eq!((reader.pending(), open_fds()), (0, before));
+}
+
 #[test]
 fn an_explicit_deadline_bounds_a_blocking_socket_and_a_timeout_before_a_frame_consumes_nothing() {
     let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());

@@ -92,14 +92,20 @@ int cuvmm_release_graph_memory(int device);
  * whole process: on every device, those used before the sleep and those used after it alike,
  * and whether or not it holds memory (a tag never used sleeps too, as in the Rust API).
  * Allocating with a sleeping tag fails (NULL); freeing is allowed.
+ * Calls for one tag from several threads: a cuvmm_sleep or cuvmm_wake waits while another sleep
+ *   or wake of the same tag is under way, then answers for the state that one left (a wake racing
+ *   a sleep wakes the tag the sleep put to sleep; a second sleep is refused as already asleep); a
+ *   sleep also waits for allocations with the tag already under way, and allocations that start
+ *   after it are refused. cuvmm_get_tag_stats reports a tag asleep from the start of a sleep until
+ *   the end of the wake that succeeds.
  * cuvmm_set_tag: later allocations of the calling thread carry this tag (copied; NULL: none).
  *   0; -1 for a name that is empty, too long or not UTF-8 (the thread's tag stays as it was).
  * cuvmm_sleep: waits for queued work, then releases the device memory of every allocation
  *   tagged `tag`, first copying it to the tag's backup (cuvmm_set_backup) when `offload` is
  *   non-zero; addresses stay reserved. 0 on success; -1 when already asleep, during a capture,
  *   or on failure (then the tag is awake, and the devices this call put to sleep are woken again:
- *   an offload's contents come back, discarded ones do not; cuvmm_last_error says if waking one
- *   failed too).
+ *   an offload's contents come back, discarded ones do not; if waking one of them failed too,
+ *   cuvmm_last_error says so and the tag stays asleep until a cuvmm_wake wakes it).
  * cuvmm_wake: on every device where the tag holds sleeping memory, maps memory again at the same
  *   addresses and restores offloaded contents. 0 on success; -1 when the tag is not asleep
  *   (never put to sleep, or woken already), or on failure (out of memory included): the devices

@@ -12,6 +12,7 @@ mod config;
 #[cfg(test)]
 #[path = "../../tests/common/fake.rs"]
 mod fake;
+mod tag_states;
 mod trace;
 
 use config::Config;
@@ -27,6 +28,7 @@ use std::ffi::{c_char, c_int, c_void, CString};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, OnceLock};
+use tag_states::TagStates;
 use trace::Trace;
 
 struct Global {
@@ -54,11 +56,7 @@ fn unreturned(function: &str) -> bool {
 /// The tags asleep, from a `cuvmm_sleep` that succeeded until a `cuvmm_wake` that did: the C
 /// ABI's own record, so that a tag is asleep the same way whichever devices were used before or
 /// after (an allocator made after the sleep does not know of it).
-static ASLEEP: Mutex<Vec<Tag>> = Mutex::new(Vec::new());
-
-fn asleep() -> std::sync::MutexGuard<'static, Vec<Tag>> {
-    ASLEEP.lock().unwrap_or_else(|e| e.into_inner())
-}
+static TAGS: TagStates<Tag> = TagStates::new();
 
 thread_local! {
     static LAST_ERROR: RefCell<Option<CString>> = const { RefCell::new(None) };
@@ -219,9 +217,14 @@ fn malloc_with(function: &str, size: isize, device: c_int, stream: CUstream, cal
             return if size == 0 { Ok(0) } else { Err(plain(format!("negative size {size}"))) };
         }
         let tag = TAG.try_with(|t| t.get()).ok().flatten();
-        if tag.is_some_and(|t| asleep().contains(&t)) {
-            return Err(plain("cannot allocate with a tag that is asleep: wake it first".into()));
-        }
+        // Counted until the allocation returns: a sleep of the tag waits for it.
+        let _allocating =
+            match tag {
+                Some(t) => Some(TAGS.begin_allocation(t).ok_or_else(|| {
+                    plain("cannot allocate with a tag that is asleep: wake it first".into())
+                })?),
+                None => None,
+            };
         let a = allocator(device).map_err(plain)?;
         // SAFETY: the C contract (cuvmm.h) makes `stream` a live stream of the device's primary
         // context that outlives the blocks freed on it.
@@ -465,6 +468,44 @@ fn wake_all<A>(
     Ok(())
 }
 
+/// `cuvmm_sleep` of `tag` on the `devices` there are once no other sleep or wake of it is under
+/// way (see [`tag_states`]). On a failure the tag is awake again, unless waking a device the call
+/// had put to sleep failed too: then it is recorded asleep, so that `cuvmm_wake` finishes it.
+fn sleep_tag<A>(
+    states: &TagStates<Tag>,
+    t: Tag,
+    devices: impl FnOnce() -> Vec<A>,
+    sleep: impl Fn(&A) -> cuvmm_lib::Result<()>,
+    wake: impl Fn(&A) -> cuvmm_lib::Result<()>,
+    asleep: impl Fn(&A) -> bool,
+) -> Result<(), (String, String)> {
+    let falling = states.begin_sleep(t).map_err(|r| plain(r.message().into()))?;
+    // Not under the lock: the sleep waits for the device.
+    let all = devices();
+    let slept = sleep_all(&all, sleep, wake);
+    falling.finish(slept.is_ok() || all.iter().any(asleep));
+    slept
+}
+
+/// `cuvmm_wake` of `tag` on the `devices` there are once no other sleep or wake of it is under
+/// way; a failure leaves it asleep (see [`wake_all`]).
+fn wake_tag<A>(
+    states: &TagStates<Tag>,
+    t: Tag,
+    devices: impl FnOnce() -> Vec<A>,
+    asleep: impl Fn(&A) -> bool,
+    wake: impl Fn(&A) -> cuvmm_lib::Result<()>,
+) -> Result<(), (String, String)> {
+    let waking = states.begin_wake(t).map_err(|r| plain(r.message().into()))?;
+    let woke = wake_all(&devices(), asleep, wake);
+    waking.finish(woke.is_err());
+    woke
+}
+
+fn all_allocators() -> Vec<&'static StreamAllocator> {
+    allocators().into_iter().map(|(_, a)| a).collect()
+}
+
 /// Puts `tag` to sleep on every device (offloading its contents when `offload` is non-zero); it is
 /// asleep for the process, devices used later included, until [`cuvmm_wake`] (see cuvmm.h).
 ///
@@ -476,20 +517,14 @@ pub unsafe extern "C" fn cuvmm_sleep(tag: *const c_char, offload: c_int) -> c_in
         // SAFETY: the caller's contract.
         let t = tag_of(unsafe { c_str(tag) }?)?;
         let mode = if offload != 0 { SleepMode::Offload } else { SleepMode::Discard };
-        {
-            let mut tags = asleep();
-            if tags.contains(&t) {
-                return Err(plain("the tag is already asleep".into()));
-            }
-            // Counted asleep from now: an allocation under it made meanwhile would not be slept.
-            tags.push(t);
-        }
-        // Not under the lock: the sleep waits for the device.
-        let all: Vec<_> = allocators().into_iter().map(|(_, a)| a).collect();
-        if let Err(e) = sleep_all(&all, |a| a.sleep(t, mode).map(drop), |a| a.wake(t)) {
-            asleep().retain(|&x| x != t);
-            return Err(e);
-        }
+        sleep_tag(
+            &TAGS,
+            t,
+            all_allocators,
+            |a| a.sleep(t, mode).map(drop),
+            |a| a.wake(t),
+            |a| a.tag_stats(t).asleep,
+        )?;
         Ok(0)
     })
 }
@@ -503,13 +538,7 @@ pub unsafe extern "C" fn cuvmm_wake(tag: *const c_char) -> c_int {
     guard("cuvmm_wake", -1, || {
         // SAFETY: the caller's contract.
         let t = tag_of(unsafe { c_str(tag) }?)?;
-        if !asleep().contains(&t) {
-            return Err(plain("the tag is not asleep".into()));
-        }
-        // Still counted asleep while it wakes, and after a failure, until every device woke.
-        let all: Vec<_> = allocators().into_iter().map(|(_, a)| a).collect();
-        wake_all(&all, |a| a.tag_stats(t).asleep, |a| a.wake(t))?;
-        asleep().retain(|&x| x != t);
+        wake_tag(&TAGS, t, all_allocators, |a| a.tag_stats(t).asleep, |a| a.wake(t))?;
         Ok(0)
     })
 }
@@ -576,7 +605,7 @@ pub unsafe extern "C" fn cuvmm_get_tag_stats(tag: *const c_char, out: *mut Cuvmm
         }
         // SAFETY: the caller's contract.
         let t = tag_of(unsafe { c_str(tag) }?)?;
-        let mut sum = CuvmmTagStats { asleep: i32::from(asleep().contains(&t)), ..Default::default() };
+        let mut sum = CuvmmTagStats { asleep: i32::from(TAGS.phase(t).is_some()), ..Default::default() };
         for (_, a) in allocators() {
             let TagStats { live, mapped, offloaded, asleep } = a.tag_stats(t);
             sum.live += live;
@@ -1237,6 +1266,80 @@ mod tests {
             assert_eq!(cuvmm_wake(after.as_ptr()), 0, "{}", last_error());
             assert_eq!(cuvmm_wake(after.as_ptr()), -1);
             assert_eq!(tag_stats(after).asleep, 0);
+        }
+        println!("child done");
+    }
+
+    #[test]
+    fn sleeps_wakes_and_tagged_allocations_from_several_threads_end_in_a_state_the_header_describes() {
+        in_child_with("child_sleep_wake_threads", Some(&fake_vmm()));
+    }
+
+    /// The child of the test above: threads sleep, wake, allocate under and free one tag at
+    /// random through the C ABI on the fake driver's device. Every call succeeds or refuses with
+    /// -1 or NULL; afterwards the tag's reported state is the devices' and one wake (if asleep)
+    /// brings it back, and it sleeps and wakes again.
+    #[test]
+    fn child_sleep_wake_threads() {
+        if !is_child("child_sleep_wake_threads") {
+            return;
+        }
+        // Each sleep's wait for the device takes a while, as on a busy GPU: wakes and sleeps of
+        // the other threads come meanwhile. (Set before any thread or driver call.)
+        std::env::set_var("FAKE_SYNC_SLEEP_US", "2000");
+        let t = c"threads";
+        let start = std::sync::Barrier::new(4);
+        std::thread::scope(|s| {
+            for i in 0..4u32 {
+                let start = &start;
+                s.spawn(move || {
+                    let mut x = 0x2545_f491_u32.wrapping_mul(i + 1);
+                    let mut held = Vec::new();
+                    start.wait();
+                    for _ in 0..150 {
+                        x ^= x << 13;
+                        x ^= x >> 17;
+                        x ^= x << 5;
+                        // SAFETY: a NUL-terminated name; blocks of this thread's cuvmm_malloc.
+                        unsafe {
+                            match x % 4 {
+                                0 => drop(cuvmm_sleep(t.as_ptr(), 0)),
+                                1 => drop(cuvmm_wake(t.as_ptr())),
+                                2 => {
+                                    assert_eq!(cuvmm_set_tag(t.as_ptr()), 0);
+                                    let p = cuvmm_malloc(64 << 10, 0, std::ptr::null_mut());
+                                    assert_eq!(cuvmm_set_tag(std::ptr::null()), 0);
+                                    if !p.is_null() {
+                                        held.push(p);
+                                    }
+                                }
+                                _ => {
+                                    if let Some(p) = held.pop() {
+                                        cuvmm_free(p, 64 << 10, 0, std::ptr::null_mut());
+                                    }
+                                }
+                            }
+                        }
+                    }
+                    for p in held {
+                        cuvmm_free(p, 64 << 10, 0, std::ptr::null_mut());
+                    }
+                });
+            }
+        });
+        let a = allocator(0).unwrap();
+        let tag = Tag::new("threads").unwrap();
+        let dev_asleep = a.tag_stats(tag).asleep;
+        assert_eq!(tag_stats(t).asleep, i32::from(dev_asleep), "the C ABI and the device disagree");
+        // SAFETY: a NUL-terminated name.
+        unsafe {
+            if dev_asleep {
+                assert_eq!(cuvmm_wake(t.as_ptr()), 0, "{}", last_error());
+            }
+            assert_eq!(tag_stats(t).asleep, 0);
+            assert!(!a.tag_stats(tag).asleep);
+            assert_eq!(cuvmm_sleep(t.as_ptr(), 0), 0, "{}", last_error());
+            assert_eq!(cuvmm_wake(t.as_ptr()), 0, "{}", last_error());
         }
         println!("child done");
     }

@@ -383,6 +383,10 @@ fn recv_once(
     }
 }
 
+/// The most descriptors any message of the wire format carries; a frame that brings more is
+/// refused as soon as they arrive.
+const MOST_FDS: usize = 1;
+
 /// A receiver that keeps a partial frame, and the descriptors that came with it, from one call to
 /// the next: for event loops on non-blocking sockets and for callers that retry after a timeout.
 /// [`GrowableImport`](super::GrowableImport) receives through one.
@@ -468,6 +472,14 @@ impl FrameReader {
                 return Err(Error::Protocol(format!(
                     "more ancillary data arrived than a message may carry (the {} descriptors that \
                      fitted are closed)",
+                    self.fds.len()
+                )));
+            }
+            if self.fds.len() > MOST_FDS {
+                // Refused as they arrive, not when the frame completes: a peer sending a byte at a
+                // time with a full load of descriptors would park 143 x 253 of them here.
+                return Err(Error::Protocol(format!(
+                    "{} descriptors arrived for one message, which carries at most {MOST_FDS} (closed)",
                     self.fds.len()
                 )));
             }

@@ -18,12 +18,28 @@
 // Python class it names (torch.OutOfMemoryError, or RuntimeError for other refusals) is handed
 // over by cuvmm_torch_bind. An exception thrown before binding is a plain std::exception, which
 // the bindings raise as RuntimeError.
+//
+// Out of memory is better thrown as PyTorch's own c10::OutOfMemoryError: PyTorch's C++ code
+// catches that type to fall back (cuDNN's convolution tries the next algorithm, or halves its
+// workspace), and a look-alike of another name goes past those catch clauses. Its layout changes
+// between PyTorch versions, so it is not reproduced here: cuvmm_torch_bind_c10 hands over, from
+// the PyTorch libraries loaded in the process, c10::Error's exported constructor
+// Error(SourceLocation, std::string) and c10::OutOfMemoryError's vtable. The object is built by
+// that constructor in memory of the C++ runtime's exception allocator, given the vtable (what
+// OutOfMemoryError's inherited constructor does after its base's), and thrown with the type_info
+// the vtable names. PyTorch's catch clauses, its Python bindings (torch.OutOfMemoryError with
+// what_without_backtrace()) and its destructor all see its own object.
+
+#include <cxxabi.h>
 
 #include <atomic>
+#include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <exception>
+#include <string>
 #include <sys/types.h>
+#include <typeinfo>
 
 #define CUVMM_EXPORT __attribute__((visibility("default")))
 
@@ -71,6 +87,47 @@ struct Refused final : std::exception {
   char text_[kText];
 };
 
+// c10::SourceLocation, as Error's constructor takes it (by value).
+struct SourceLocation {
+  const char *function;
+  const char *file;
+  uint32_t line;
+};
+using ErrorCtor = void (*)(void *self, SourceLocation where, std::string msg);
+using Destructor = void (*)(void *);
+
+// c10::OutOfMemoryError as the loaded PyTorch defines it (cuvmm_torch_bind_c10), or nulls.
+std::atomic<ErrorCtor> c10_ctor{nullptr};
+std::atomic<void *const *> c10_vtable{nullptr};  // the address point: the first virtual function
+// Room for the object: c10::Error is about 150 bytes in every PyTorch version so far.
+constexpr size_t kErrorRoom = 2048;
+
+const std::type_info *type_of(void *const *vtable) {
+  return static_cast<const std::type_info *>(vtable[-1]);
+}
+
+// Throws a c10::OutOfMemoryError built by PyTorch's own constructor; returns when none is bound or
+// the constructor itself threw (the caller throws the look-alike then).
+void throw_c10_oom(const char *text) {
+  ErrorCtor ctor = c10_ctor.load(std::memory_order_acquire);
+  void *const *vtable = c10_vtable.load(std::memory_order_acquire);
+  if (ctor == nullptr || vtable == nullptr) {
+    return;
+  }
+  void *obj = abi::__cxa_allocate_exception(kErrorRoom);
+  std::memset(obj, 0, kErrorRoom);
+  try {
+    ctor(obj, SourceLocation{"cuvmm_torch_malloc", __FILE__, static_cast<uint32_t>(__LINE__)}, std::string(text));
+  } catch (...) {
+    abi::__cxa_free_exception(obj);
+    return;
+  }
+  // The most derived class's vtable, as its constructor sets it once the base is built.
+  *static_cast<void *const **>(obj) = vtable;
+  // Slot 0 of an Itanium vtable is the complete-object destructor.
+  abi::__cxa_throw(obj, const_cast<std::type_info *>(type_of(vtable)), reinterpret_cast<Destructor>(vtable[0]));
+}
+
 // A request larger than the whole device is out of memory too, as PyTorch's own allocator reports it.
 bool is_out_of_memory(const char *err) {
   return err != nullptr && (std::strstr(err, "OUT_OF_MEMORY") != nullptr || std::strstr(err, "out of memory") != nullptr ||
@@ -83,6 +140,9 @@ bool is_out_of_memory(const char *err) {
   std::snprintf(text, sizeof text, "%s: cuvmm could not allocate %zd bytes on device %d (%s)",
                 oom ? "CUDA out of memory" : "cuvmm allocation failed", size, device,
                 err != nullptr ? err : "no error text");
+  if (oom) {
+    throw_c10_oom(text);
+  }
   void *type = (oom ? oom_type : error_type).load(std::memory_order_acquire);
   if (type == nullptr) {
     throw Refused(text);
@@ -109,6 +169,32 @@ CUVMM_EXPORT int cuvmm_torch_bind(void *malloc_fn, void *free_fn, void *last_err
   bound_last_error.store(reinterpret_cast<LastErrorFn>(last_error_fn), std::memory_order_release);
   bound_free.store(reinterpret_cast<FreeFn>(free_fn), std::memory_order_release);
   bound_malloc.store(reinterpret_cast<MallocFn>(malloc_fn), std::memory_order_release);
+  return 0;
+}
+
+// Makes out of memory throw c10::OutOfMemoryError (see the top of this file): `error_ctor` is
+// c10::Error::Error(c10::SourceLocation, std::string) and `oom_vtable` the symbol
+// _ZTVN3c1016OutOfMemoryErrorE, both of the PyTorch loaded in the process. Returns 0, or -1 (and
+// binds nothing) when either is missing or the vtable is not that class's. Both NULL: unbinds.
+CUVMM_EXPORT int cuvmm_torch_bind_c10(void *error_ctor, void *oom_vtable) {
+  using namespace cuvmm_torch;
+  if (error_ctor == nullptr && oom_vtable == nullptr) {
+    c10_ctor.store(nullptr, std::memory_order_release);
+    c10_vtable.store(nullptr, std::memory_order_release);
+    return 0;
+  }
+  if (error_ctor == nullptr || oom_vtable == nullptr) {
+    return -1;
+  }
+  // The symbol holds the offset to the top (0 for a primary vtable) and the type_info, then the
+  // virtual functions, where an object's vtable pointer points.
+  auto *table = static_cast<void *const *>(oom_vtable);
+  if (table[0] != nullptr || table[1] == nullptr ||
+      std::strcmp(type_of(table + 2)->name(), "N3c1016OutOfMemoryErrorE") != 0) {
+    return -1;
+  }
+  c10_vtable.store(table + 2, std::memory_order_release);
+  c10_ctor.store(reinterpret_cast<ErrorCtor>(error_ctor), std::memory_order_release);
   return 0;
 }
 

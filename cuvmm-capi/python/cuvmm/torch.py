@@ -49,7 +49,8 @@ if _problem is not None:
 
 __all__ = list(_core.__all__) + [
     "allocator", "use_as_current_allocator", "is_current_allocator", "mem_pool",
-    "use_mem_pool_all_threads", "raises_on_oom", "share_tensors", "pending_shares", "SharedEvent",
+    "use_mem_pool_all_threads", "raises_on_oom", "native_oom_error", "share_tensors", "pending_shares",
+    "SharedEvent",
 ]
 
 _lock = threading.Lock()
@@ -75,6 +76,53 @@ def raises_on_oom() -> bool:
     return _shim_path() is not None
 
 
+# c10::Error::Error(c10::SourceLocation, std::string) and c10::OutOfMemoryError's vtable.
+_C10_CTORS = tuple(f"_ZN3c105ErrorC{k}ENS_14SourceLocationENSt7__cxx1112basic_stringIcSt11char_traitsIcESaIcEEE"
+                   for k in (1, 2))
+_C10_OOM_VTABLE = "_ZTVN3c1016OutOfMemoryErrorE"
+# Where the loaded PyTorch keeps them: the constructor in libc10, the vtable (emitted where the
+# class is thrown) in whichever of these has one.
+_C10_LIBS = ("libc10.so", "libc10_cuda.so", "libtorch_cuda.so", "libtorch_cpu.so", "libtorch_python.so")
+
+
+def _c10_oom_symbols(lib_dir: str):
+    """(constructor, vtable) addresses of c10::OutOfMemoryError in the PyTorch libraries of
+    `lib_dir` that this process has loaded, or None."""
+    found = {}
+    for name in _C10_LIBS:
+        path = os.path.join(lib_dir, name)
+        if not os.path.isfile(path):
+            continue
+        try:
+            # Only a library PyTorch loaded already: its symbols are the ones PyTorch uses.
+            lib = ctypes.CDLL(path, mode=os.RTLD_NOW | os.RTLD_LOCAL | getattr(os, "RTLD_NOLOAD", 0))
+        except OSError:
+            continue
+        for key, symbols in (("ctor", _C10_CTORS), ("vtable", (_C10_OOM_VTABLE,))):
+            for sym in symbols:
+                if key in found:
+                    break
+                try:
+                    found[key] = ctypes.addressof(ctypes.c_char.in_dll(lib, sym))
+                except ValueError:
+                    pass
+    if "ctor" in found and "vtable" in found:
+        return found["ctor"], found["vtable"]
+    return None
+
+
+def native_oom_error() -> bool:
+    """Whether out of memory under :func:`allocator` (``pool=False``) throws PyTorch's own
+    ``c10::OutOfMemoryError`` in C++, which PyTorch's fallbacks catch (cuDNN's convolution tries
+    another algorithm or a smaller workspace), rather than an exception Python sees as
+    ``torch.OutOfMemoryError`` but such C++ code does not catch. True once the allocator is made,
+    where the loaded PyTorch exports the class's constructor and vtable."""
+    return _native_oom
+
+
+_native_oom = False
+
+
 def _bound_shim():
     """libcuvmm_torch.so, bound to the loaded libcuvmm.so and to PyTorch's exception classes."""
     global _shim
@@ -90,8 +138,22 @@ def _bound_shim():
         if shim.cuvmm_torch_bind(addr(lib.cuvmm_malloc), addr(lib.cuvmm_free), addr(lib.cuvmm_last_error),
                                  _oom_class(), RuntimeError) != 0:
             raise RuntimeError("cuvmm_torch_bind refused the library's functions")
+        _bind_c10(shim)
         _shim = shim
     return _shim
+
+
+def _bind_c10(shim):
+    global _native_oom
+    if os.environ.get("CUVMM_TORCH_NATIVE_OOM", "1") == "0":
+        return
+    bind = getattr(shim, "cuvmm_torch_bind_c10", None)
+    symbols = _c10_oom_symbols(os.path.join(os.path.dirname(os.path.abspath(_torch.__file__)), "lib"))
+    if bind is None or symbols is None:
+        return
+    bind.restype = ctypes.c_int
+    bind.argtypes = [ctypes.c_void_p] * 2
+    _native_oom = bind(*symbols) == 0
 
 
 def allocator(pool: bool = False):

@@ -110,7 +110,8 @@ def main():
     big_ok = b.sum(dtype=torch.int64).item() == 3 * chunk
     del b
 
-    result = {"env": env_info(), "plain": args.plain, "raises_on_oom": ct.raises_on_oom(), "total": total,
+    result = {"env": env_info(), "plain": args.plain, "raises_on_oom": ct.raises_on_oom(),
+              "native_oom_error": ct.native_oom_error(), "total": total,
               "free_before": free0, "oversized": {"exception": name, "message": msg, "address": address},
               "fill": {"held_bytes": held_bytes, "exception": fill_name, "message": fill_msg},
               "sleeping_tag": tag_name, "after": {"compute": after_name or "ok", "sync": sync_name or "ok"},

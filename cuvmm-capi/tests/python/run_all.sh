@@ -91,6 +91,8 @@ done
 run pool_oom $PY pool_oom.py --json "$OUT_DIR/pool_oom.json"
 # Out of memory through change_current_allocator is torch.OutOfMemoryError too, and the process goes on.
 run oom_raises $PY oom_raises.py --json "$OUT_DIR/oom_raises.json"
+# A convolution near the limit falls back (smaller cuDNN workspace) under cuvmm as under PyTorch's allocator.
+run conv_oom $PY conv_oom.py --json "$OUT_DIR/conv_oom.json"
 # torch_memory_saver's API on cuvmm, beside torch_memory_saver where it is installed.
 run tms_compare $PY tms_compare.py --json "$OUT_DIR/tms_compare.json" ${TMS_ARGS:-}
 # A MemPool on cuvmm with expandable segments on: which segments PyTorch makes expandable.

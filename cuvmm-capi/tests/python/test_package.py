@@ -105,6 +105,64 @@ extern "C" int call(void *(*fn)(ssize_t, int, void *), ssize_t size, void **ptr,
 """
 
 
+# c10's error classes as PyTorch declares them (c10/util/Exception.h), with members of another
+# layout than any PyTorch's: the shim must build the object with the library's own constructor,
+# never assume a layout. FAKE_C10 is the "libc10" (the constructor out of line, the vtable of
+# OutOfMemoryError emitted by a function that throws one); C10_CATCHER is PyTorch's C++ code that
+# falls back on out of memory (cuDNN's algorithm search): it catches c10::OutOfMemoryError by type
+# and reads what_without_backtrace() as the Python bindings do. 3: caught as that type, 1: as
+# torch::PyTorchError, 2: any other std::exception, 0: nothing thrown.
+C10_DECLS = r"""
+#include <cstdint>
+#include <exception>
+#include <string>
+#include <vector>
+namespace c10 {
+struct SourceLocation { const char *function; const char *file; uint32_t line; };
+class Error : public std::exception {
+  std::string msg_;
+  std::vector<std::string> context_;
+  std::string what_, what_without_backtrace_;
+  const void *caller_ = nullptr;
+ public:
+  Error(SourceLocation where, std::string msg);
+  const char *what() const noexcept override { return what_.c_str(); }
+  virtual const char *what_without_backtrace() const noexcept { return what_without_backtrace_.c_str(); }
+};
+class OutOfMemoryError : public Error { using Error::Error; };
+}
+"""
+FAKE_C10 = C10_DECLS + r"""
+c10::Error::Error(SourceLocation where, std::string msg)
+    : msg_(msg), what_(msg + " (raised from " + where.function + ")"), what_without_backtrace_(msg) {}
+extern "C" void fake_c10_throw_oom() { throw c10::OutOfMemoryError({"here", "file", 1}, "native"); }
+"""
+C10_CATCHER = C10_DECLS + r"""
+#include <cstring>
+#include <sys/types.h>
+namespace torch {
+struct PyTorchError : public std::exception {
+  virtual void *python_type() = 0;
+};
+}
+extern "C" int call(void *(*fn)(ssize_t, int, void *), ssize_t size, char *text, size_t n) {
+  try {
+    fn(size, 0, nullptr);
+    return 0;
+  } catch (c10::OutOfMemoryError &e) {
+    std::strncpy(text, e.what_without_backtrace(), n - 1);
+    return 3;
+  } catch (torch::PyTorchError &e) {
+    std::strncpy(text, e.what(), n - 1);
+    return 1;
+  } catch (const std::exception &e) {
+    std::strncpy(text, e.what(), n - 1);
+    return 2;
+  }
+}
+"""
+
+
 def build_c(tmp: Path, name: str, src: str, cxx: bool = False) -> Path:
     ext = ".cpp" if cxx else ".c"
     (tmp / (name + ext)).write_text(src)
@@ -222,6 +280,70 @@ class RaisingEntryPoints(unittest.TestCase):
 
 
 @unittest.skipUnless(HAVE_TOOLS, "needs cc and g++")
+class NativeOutOfMemoryError(unittest.TestCase):
+    """Bound to a libc10 (cuvmm_torch_bind_c10), out of memory throws c10::OutOfMemoryError, which
+    C++ that catches that type (cuDNN's fallbacks) catches; before, only the look-alike was thrown
+    and went past such a catch clause."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.dir = tempfile.TemporaryDirectory()
+        tmp = Path(cls.dir.name)
+        cls.fake = ctypes.CDLL(str(build_c(tmp, "fakecuvmm", FAKE_LIB)))
+        cls.c10 = ctypes.CDLL(str(build_c(tmp, "c10", FAKE_C10, cxx=True)))
+        cls.shim = ctypes.CDLL(str(cuvmm_build.build_shim(tmp)))
+        cls.catcher = ctypes.CDLL(str(build_c(tmp, "c10catcher", C10_CATCHER, cxx=True)))
+        cls.catcher.call.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_char_p, ctypes.c_size_t]
+        cls.shim.cuvmm_torch_bind.argtypes = [ctypes.c_void_p] * 3 + [ctypes.py_object] * 2
+        cls.shim.cuvmm_torch_bind_c10.argtypes = [ctypes.c_void_p] * 2
+        f = cls.fake
+        assert cls.shim.cuvmm_torch_bind(ctypes.cast(f.cuvmm_malloc, ctypes.c_void_p),
+                                         ctypes.cast(f.cuvmm_free, ctypes.c_void_p),
+                                         ctypes.cast(f.cuvmm_last_error, ctypes.c_void_p),
+                                         MemoryError, LookupError) == 0
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.shim.cuvmm_torch_bind_c10(None, None)
+        cls.dir.cleanup()
+
+    def symbol(self, name):
+        return ctypes.addressof(ctypes.c_char.in_dll(self.c10, name))
+
+    def bind_c10(self, vtable="_ZTVN3c1016OutOfMemoryErrorE"):
+        ctor = self.symbol("_ZN3c105ErrorC1ENS_14SourceLocationENSt7__cxx1112basic_stringIcSt11char_traits"
+                           "IcESaIcEEE")
+        return self.shim.cuvmm_torch_bind_c10(ctor, self.symbol(vtable))
+
+    def call(self, size):
+        text = ctypes.create_string_buffer(2048)
+        rc = self.catcher.call(ctypes.cast(self.shim.cuvmm_torch_malloc, ctypes.c_void_p), size, text, 2048)
+        return rc, text.value.decode()
+
+    def test_out_of_memory_is_caught_as_c10_out_of_memory_error_once_bound(self):
+        self.shim.cuvmm_torch_bind_c10(None, None)
+        self.assertEqual(self.call(2 << 20)[0], 1, "unbound: the look-alike, which such a catch misses")
+        self.assertEqual(self.bind_c10(), 0)
+        for _ in range(3):
+            rc, text = self.call(2 << 20)
+            self.assertEqual(rc, 3, text)
+            self.assertTrue(text.startswith("CUDA out of memory"), text)
+            self.assertIn("CUDA_ERROR_OUT_OF_MEMORY", text)
+        rc, text = self.call(9)
+        self.assertEqual(rc, 3, text)
+
+    def test_other_refusals_stay_runtime_errors(self):
+        self.assertEqual(self.bind_c10(), 0)
+        rc, text = self.call(7)
+        self.assertEqual(rc, 1, text)
+        self.assertIn("sleeping tag", text)
+
+    def test_a_vtable_of_another_class_or_a_missing_symbol_is_refused(self):
+        self.assertEqual(self.bind_c10("_ZTVN3c105ErrorE"), -1)
+        self.assertEqual(self.shim.cuvmm_torch_bind_c10(None, self.symbol("_ZTVN3c1016OutOfMemoryErrorE")), -1)
+
+
+@unittest.skipUnless(HAVE_TOOLS, "needs cc and g++")
 class InstalledWheel(unittest.TestCase):
     """`pip wheel ./cuvmm-capi` (the PEP 517 path, offline) with a stand-in library, installed with
     `pip install --no-deps --no-index` into a fresh virtual environment."""
@@ -249,15 +371,19 @@ class InstalledWheel(unittest.TestCase):
     def tearDownClass(cls):
         cls.dir.cleanup()
 
-    def run_py(self, code, fake_torch=None):
+    def run_py(self, code, fake_torch=None, torch_libs=()):
         """Runs code in the environment with no PYTHONPATH, no CUVMM_LIB, outside the checkout;
-        fake_torch: a torch module of that version installed beside the package meanwhile."""
+        fake_torch: a torch module of that version installed beside the package meanwhile, with
+        the libraries `torch_libs` in its lib folder."""
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "CUVMM_LIB")}
         env["PYTHONDONTWRITEBYTECODE"] = "1"
         torch_dir = self.site / "torch"
         if fake_torch is not None:
             torch_dir.mkdir()
             (torch_dir / "__init__.py").write_text(f"__version__ = {fake_torch!r}\n")
+            (torch_dir / "lib").mkdir()
+            for lib in torch_libs:
+                shutil.copy(lib, torch_dir / "lib" / Path(lib).name)
         try:
             return subprocess.run([str(self.python), "-c", code], capture_output=True, text=True, env=env,
                                   cwd=self.dir.name)
@@ -338,6 +464,24 @@ class InstalledWheel(unittest.TestCase):
         self.assertIn("RuntimeWarning: cuvmm 0.1.0 supports PyTorch 2.8 to 2.11; PyTorch 2.13.0 is newer", r.stderr)
         r = self.run_py("import warnings; warnings.simplefilter('error'); import cuvmm.torch", fake_torch="2.11.0+cu130")
         self.assertEqual((r.returncode, r.stderr), (0, ""))
+
+    def test_the_loaded_pytorchs_c10_out_of_memory_error_is_found_and_bound(self):
+        c10 = build_c(Path(self.dir.name), "c10", FAKE_C10, cxx=True)
+        code = """if True:
+            import ctypes, os, torch, cuvmm.torch as t
+            lib = os.path.join(os.path.dirname(torch.__file__), "lib")
+            print(t._c10_oom_symbols(lib) is None)  # not loaded by PyTorch: not used
+            ctypes.CDLL(os.path.join(lib, "libc10.so"))
+            print(t._c10_oom_symbols(lib) is not None)
+            torch.OutOfMemoryError = MemoryError
+            t._bound_shim()  # what allocator() binds
+            print(t.native_oom_error())
+        """
+        r = self.run_py(code, fake_torch="2.11.0", torch_libs=[c10])
+        self.assertEqual((r.returncode, r.stdout.split()), (0, ["True", "True", "True"]), r.stderr)
+        r = self.run_py(code.replace("t._bound_shim()", "os.environ['CUVMM_TORCH_NATIVE_OOM'] = '0'; t._bound_shim()"),
+                        fake_torch="2.11.0", torch_libs=[c10])
+        self.assertEqual((r.returncode, r.stdout.split()), (0, ["True", "True", "False"]), r.stderr)
 
 
 class FakeApi:

@@ -320,12 +320,10 @@ pub fn fresh_backup_memory(bytes: usize) -> Result<std::time::Duration> {
     Ok(t.elapsed())
 }
 
-/// Bytes of host memory the kernel reports available (`MemAvailable`), if it says.
+/// Bytes of host memory this process may still use: the host's `MemAvailable` within the limits
+/// of its memory cgroups (see [`host_memory`](super::host_memory)), if the kernel says.
 fn available_host_memory() -> Option<u64> {
-    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
-    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    kib.checked_mul(1024)
+    super::host_memory::available()
 }
 
 static SPILLS: AtomicU64 = AtomicU64::new(0);

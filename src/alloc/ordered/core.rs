@@ -103,6 +103,10 @@ impl Capture {
 /// default stream's, and those made up for a stream the driver could not name.
 pub(crate) const SYNTHETIC: u64 = 1 << 62;
 
+/// The most (capture, handle) identities kept (see [`Core::caller`]): far more streams than one
+/// capture uses, and a bound on a process that captures for ever.
+pub(crate) const CAPTURE_IDS: usize = 4096;
+
 /// The identity of the legacy default stream (the null handle and `CU_STREAM_LEGACY`), which is
 /// never destroyed.
 pub(crate) const LEGACY: u64 = SYNTHETIC;
@@ -269,7 +273,7 @@ pub(crate) struct Core<B: Backend> {
     pools: HashMap<u64, u32>,
     next_pool: u32,
     /// Identities made up for streams the driver could not name during a capture, by (capture,
-    /// handle): within one capture a handle names one stream.
+    /// handle): within one capture a handle names one stream. At most [`CAPTURE_IDS`].
     capture_ids: HashMap<(u64, u64), u64>,
     /// The next made-up identity.
     next_synthetic: u64,
@@ -406,6 +410,15 @@ impl<B: Backend> Core<B> {
             Some(c) => match self.capture_ids.get(&(c, raw)) {
                 Some(&id) => id,
                 None => {
+                    if self.capture_ids.len() >= CAPTURE_IDS {
+                        // Captures end without telling the allocator: past the bound, those of
+                        // other captures go (a capture still running then gives its stream a new
+                        // identity, taken as another stream's: less reuse, never unsound).
+                        self.capture_ids.retain(|&(other, _), _| other == c);
+                        if self.capture_ids.len() >= CAPTURE_IDS {
+                            self.capture_ids.clear();
+                        }
+                    }
                     let id = self.fresh_id();
                     self.capture_ids.insert((c, raw), id);
                     id

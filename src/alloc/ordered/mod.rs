@@ -96,6 +96,7 @@ mod backup;
 pub(crate) mod core;
 mod front;
 mod heap;
+mod host_memory;
 
 pub use self::backup::{fresh_backup_memory, BackupKind, BackupOptions};
 pub use self::core::{AllocatorStats, SleepMode, TagStats};
@@ -376,8 +377,23 @@ impl StreamAllocator {
     /// access, and restores what an offloading sleep saved. Refused when the tag is not asleep.
     /// Out of memory, it gives back what it had mapped and the tag stays asleep with nothing lost:
     /// a later wake may succeed.
+    ///
+    /// Before it reports out of memory it uses every page the allocator can give back: it waits
+    /// for the whole device (without the allocator's lock) so that every free so far is idle, and
+    /// gives the idle and spare pages back to the driver, as [`empty_cache`](Self::empty_cache).
     pub fn wake(&self, tag: Tag) -> Result<()> {
-        self.inner.alloc.core().wake(tag.0)
+        let mut core = self.inner.alloc.core();
+        let r = core.wake_with(tag.0, true);
+        if r.is_err() && core.wants_settle() {
+            core.flush_cached();
+            let settle = core.settle_begin();
+            let (mut core, waited) = self.settle(core, settle);
+            // A failed wait (a capture elsewhere) still leaves what was known idle to give back.
+            let _ = waited;
+            core.release_idle()?;
+            return core.wake_with(tag.0, false);
+        }
+        r
     }
 
     /// What `tag` holds.

@@ -249,13 +249,46 @@ impl<B: Backend> Core<B> {
     /// Maps `tag`'s live blocks again at their addresses and restores what was offloaded. Each
     /// page's copy is queued as soon as the page is mapped, so that making and mapping the next
     /// pages overlaps the copies.
+    ///
+    /// Out of memory, it takes back every page known idle before it fails (see
+    /// [`wake_with`](Self::wake_with) for the wake that may also wait for the device).
     pub(crate) fn wake(&mut self, tag: u32) -> Result<()> {
+        self.wake_with(tag, false)
+    }
+
+    /// [`wake`](Self::wake); with `may_settle`, out of memory when a wait for the whole device
+    /// could make more memory idle, it fails with [`wants_settle`](Self::wants_settle) set, as
+    /// [`try_allocate`](Self::try_allocate) does: the caller waits without the lock, gives back
+    /// every idle page ([`release_idle`](Self::release_idle)) and wakes again without it. Never
+    /// the flag an earlier allocation left: a wake must not take an exit nothing retries.
+    pub(crate) fn wake_with(&mut self, tag: u32, may_settle: bool) -> Result<()> {
+        self.wants_settle = false;
         if !self.is_asleep(tag) {
             return Err(Error::invalid("the tag is not asleep"));
         }
-        let old = self.backend.relax()?;
-        let r = self.wake_relaxed(tag);
-        self.backend.restore(old);
+        self.may_settle = may_settle;
+        let r = self.backend.relax().and_then(|old| {
+            let r = self.wake_relaxed(tag);
+            self.backend.restore(old);
+            r
+        });
+        self.may_settle = false;
+        r
+    }
+
+    /// A wake that waits for the whole device when out of memory and gives back every idle
+    /// page before it asks again (the tests' path: the allocator waits without its lock).
+    #[cfg(test)]
+    pub(crate) fn wake_settling(&mut self, tag: u32) -> Result<()> {
+        let r = self.wake_with(tag, true);
+        if r.is_err() && self.wants_settle() {
+            self.flush_cached();
+            let settle = self.settle_begin();
+            let waited = self.backend.synchronize();
+            self.settled(settle, waited.is_ok())?;
+            self.release_idle()?;
+            return self.wake_with(tag, false);
+        }
         r
     }
 

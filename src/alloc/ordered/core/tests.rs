@@ -1047,6 +1047,48 @@ fn a_wake_out_of_memory_stays_asleep_with_nothing_lost_and_a_retry_works() {
     }
 }
 
+/// The RL cycle: a tag sleeps, other work allocates the memory it gave back and frees it (still
+/// queued on its stream: not yet idle), and the wake needs that memory. The wake waits for the
+/// device and takes the idle cache back instead of failing out of memory; before, it took the
+/// "fail for the caller to wait" exit the last allocation had left open, which nothing retried.
+#[test]
+fn a_wake_out_of_memory_waits_for_the_device_and_takes_back_the_idle_cache() {
+    let mut c = core(48);
+    let a = c.allocate(8 * TPAGE, 1, Capture::None, TAG).unwrap();
+    for k in 0..8 {
+        c.backend().write(a + k * TPAGE, 70 + k);
+    }
+    c.sleep(TAG, SleepMode::Offload).unwrap();
+    let hog = c.allocate(SMALL + 12 * PAGE, 2, Capture::None, 0).unwrap();
+    c.backend().queues.entry(2).or_default().push_back(Op::Use { addr: hog, len: SMALL + 12 * PAGE });
+    c.free(hog, 2).unwrap();
+    let synchronized = c.backend().synchronized;
+    c.wake_settling(TAG).unwrap();
+    assert_eq!(c.backend().synchronized, synchronized + 1, "one wait for the device");
+    for k in 0..8 {
+        assert_eq!(c.backend().read(a + k * TPAGE), 70 + k);
+    }
+    assert!(!c.tag_stats(TAG).asleep);
+}
+
+/// A wake that may not wait (the undo of a failed sleep) still takes back every page already
+/// idle, whatever flag the last allocation left.
+#[test]
+fn a_wake_takes_back_pages_known_idle_whatever_the_last_allocation_left() {
+    let mut c = core(48);
+    let a = c.allocate(8 * TPAGE, 1, Capture::None, TAG).unwrap();
+    c.backend().write(a, 7);
+    c.sleep(TAG, SleepMode::Offload).unwrap();
+    let hog = c.allocate(SMALL + 12 * PAGE, 2, Capture::None, 0).unwrap();
+    c.free(hog, 2).unwrap();
+    c.backend().run_all();
+    // An allocation that searched and found memory: it leaves the settle flag as it was.
+    let small = c.allocate(4096, 3, Capture::None, 0).unwrap();
+    c.wake(TAG).unwrap();
+    assert_eq!(c.backend().read(a), 7);
+    c.free(small, 3).unwrap();
+}
+
 /// A training-like pattern: persistent weights (allocated by the caller); per step, activations
 /// sized by a random sequence length, some freed at once, the rest freed in reverse during a
 /// backward pass that allocates gradients; the GPU running `lag` operations behind.
@@ -1245,6 +1287,26 @@ fn the_legacy_default_stream_keeps_one_identity_and_costs_what_any_stream_does()
         (a.events_recorded, a.cache_hits, a.mapped_peak, a.pages_created),
         (b.events_recorded, b.cache_hits, b.mapped_peak, b.pages_created)
     );
+}
+
+/// Streams the driver cannot name during a capture get an identity per (capture, handle). A
+/// process that captures for ever (a graph per step) kept every one it ever saw; now they are
+/// bounded, and the capture under way keeps its own.
+#[test]
+fn the_identities_made_up_for_captured_streams_are_bounded() {
+    let mut c = core(1000);
+    for capture in 0..3 * super::CAPTURE_IDS as u64 {
+        let a = c.caller(7, None, Capture::Private(capture));
+        let b = c.caller(8, None, Capture::Private(capture));
+        assert_ne!(a.id, b.id);
+        assert_eq!(a, c.caller(7, None, Capture::Private(capture)), "one handle, one stream in a capture");
+        assert!(c.capture_ids.len() <= super::CAPTURE_IDS, "{} identities kept", c.capture_ids.len());
+    }
+    // One capture with more streams than the bound: still bounded.
+    for raw in 0..2 * super::CAPTURE_IDS as u64 {
+        c.caller(raw, None, Capture::Shared(u64::MAX));
+    }
+    assert!(c.capture_ids.len() <= super::CAPTURE_IDS);
 }
 
 #[test]
