@@ -8,7 +8,7 @@ Needs the NVIDIA driver (libcuda.so.1) and numpy; no build. Prints the pinned co
 cuMemHostUnregister on one thread and split over 4, 8 and 16 threads; register + copy to the
 device + unregister on one thread; and the driver's own pageable copy. Medians of 5, host clock.
 It bounds what the staged pageable path could gain by registering the caller's buffer instead
-of copying it through pinned staging buffers (see docs/PERFORMANCE.md).
+of copying it through pinned staging buffers (see docs/DECISIONS.md).
 """
 import ctypes, time, threading, numpy as np, statistics as st
 cu = ctypes.CDLL("libcuda.so.1")
