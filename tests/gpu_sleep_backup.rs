@@ -1,7 +1,8 @@
 //! Sleep backups on a GPU: every kind (pageable host memory through the staging ring, pinned host
 //! memory, a file) brings the contents back, holds pinned memory only as it says, and is released
 //! at wake unless retained; a disk backup that cannot be written leaves the tag awake; a tag on two
-//! devices sleeps and wakes on both at once.
+//! devices sleeps and wakes on both at once; a pageable backup released lazily at wake is
+//! written again by the next sleep without new memory.
 
 use cuvmm::alloc::{BackupKind, BackupOptions, SleepMode, StreamAllocator, StreamBlock, Tag};
 use cuvmm::host::pinned_bytes;
@@ -131,6 +132,38 @@ fn every_backup_kind_restores_the_contents_and_is_released_at_wake_unless_retain
     }
     // Awake, with nothing retained: at most the rings stay pinned.
     assert!(soon(|| pinned_bytes() <= 6 * RING), "{} pinned while awake", pinned_bytes());
+}
+
+/// Resident memory of this process (VmRSS), bytes.
+fn rss() -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap();
+    let kib = status.lines().find_map(|l| l.strip_prefix("VmRSS:")).unwrap();
+    kib.trim().trim_end_matches("kB").trim().parse::<u64>().unwrap() * 1024
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_released_pageable_backup_serves_the_next_sleeps_without_new_host_memory() {
+    let ctx = Context::for_ordinal(0).expect("a CUDA device");
+    let tag = Tag::new("lazily-released").unwrap();
+    let t = Tagged::new(&ctx, tag, 4);
+    let bytes = t.alloc.tag_stats(tag).mapped;
+    for cycle in 0..3u32 {
+        let seed = 21 + cycle;
+        t.fill(seed);
+        let before = rss();
+        t.alloc.sleep(tag, SleepMode::Offload).unwrap();
+        let grew = rss().saturating_sub(before);
+        t.alloc.wake(tag).unwrap();
+        assert_eq!(t.mismatches(seed), 0, "cycle {cycle} changed the contents");
+        if cycle == 0 {
+            assert!(grew >= bytes / 2, "the first sleep faults its backup in: {grew} for {bytes}");
+        } else {
+            // The pages given back lazily at the last wake are still this process's; the sleep
+            // writes into them rather than into new ones.
+            assert!(grew < bytes / 4, "cycle {cycle}: {grew} new resident bytes for {bytes}");
+        }
+    }
 }
 
 #[test]
