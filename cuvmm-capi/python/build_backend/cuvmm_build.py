@@ -1,6 +1,6 @@
 """PEP 517 build backend of the `cuvmm` wheel, standard library only (builds offline).
 
-The wheel holds the pure-Python modules (cuvmm, cuvmm.torch, cuvmm.torch_memory_saver,
+The wheel holds the pure-Python modules (cuvmm, cuvmm.torch, cuvmm.torch_memory_saver, cuvmm.vllm,
 cuvmm_torch), libcuvmm.so from `cargo build --release -p cuvmm-capi` (or the file named by
 CUVMM_WHEEL_LIB) and libcuvmm_torch.so compiled from python/csrc/torch_oom.cpp. The modules use
 ctypes and the libraries no Python C API, so the wheel fits every Python 3 on one platform:
@@ -29,7 +29,7 @@ ROOT = CAPI.parent                              # the cargo workspace
 PYTHON = CAPI / "python"
 SHIM_SOURCE = PYTHON / "csrc" / "torch_oom.cpp"
 MODULES = ("cuvmm/__init__.py", "cuvmm/_share.py", "cuvmm/_torch_share.py", "cuvmm/torch.py",
-           "cuvmm/torch_memory_saver.py", "cuvmm_torch.py")
+           "cuvmm/torch_memory_saver.py", "cuvmm/vllm.py", "cuvmm_torch.py")
 
 
 class BuildError(RuntimeError):
