@@ -148,6 +148,11 @@ class Compare(unittest.TestCase):
         self.assertAlmostEqual(s["worst_later_sleep_over_d2h"], 1.2)
         self.assertTrue(s["all_weights_intact"] and s["all_graph_outputs_identical"])
 
+    def test_kernel_counters_are_read_as_numbers(self):
+        got = vllm_compare.vmstat()
+        self.assertEqual(set(got), set(vllm_compare.VMSTAT))
+        self.assertTrue(all(isinstance(v, int) and v >= 0 for v in got.values()))
+
     def test_table_puts_both_side_by_side_with_the_ratio(self):
         cu = {"summary": vllm_compare.summarize([self.rep(0.5, 0.35), self.rep(0.34, 0.35)])}
         vs = {"summary": vllm_compare.summarize([self.rep(10.0, 0.35), self.rep(0.34, 0.35)])}

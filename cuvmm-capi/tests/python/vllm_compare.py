@@ -41,6 +41,19 @@ from pathlib import Path  # noqa: E402
 from _common import GiB, MiB, WeightsAndCache, median, rss_bytes, timed_copy  # noqa: E402
 
 IMPLS = ("cuvmm", "vllm-style")
+# Host-wide kernel counters taken around each sleep: huge pages faulted in, huge-page faults that
+# fell back to small pages, direct compaction stalls (a first sleep that waits on the kernel to
+# find huge pages in fragmented memory shows there).
+VMSTAT = ("thp_fault_alloc", "thp_fault_fallback", "compact_stall")
+
+
+def vmstat() -> dict:
+    try:
+        with open("/proc/vmstat") as f:
+            got = dict(line.split() for line in f if line.split()[0] in VMSTAT)
+    except OSError:
+        got = {}
+    return {k: int(got.get(k, 0)) for k in VMSTAT}
 
 
 def vllm_style_allocator(weights_of):
@@ -99,6 +112,7 @@ def summarize(reps: list) -> dict:
     out["all_weights_intact"] = all(r["weights_intact"] for r in reps)
     out["all_graph_outputs_identical"] = all(r["graph_output_identical"] for r in reps)
     out["rss"] = {k: [r[k] for r in reps] for k in ("rss_before", "rss_asleep", "rss_after")}
+    out["sleep_vmstat"] = [r.get("sleep_vmstat") for r in reps]
     return out
 
 
@@ -167,7 +181,9 @@ def child(args) -> dict:
     for rep in range(args.reps):
         rss_before = rss_bytes(missing=-1)
         d2h_s = timed_copy(wl.d2h)
+        kernel = vmstat()
         s = timed(lambda: alloc.sleep(offload_tags=("weights",)))
+        kernel = {k: v - kernel[k] for k, v in vmstat().items()}
         rss_asleep = rss_bytes(missing=-1)
         w = timed(alloc.wake_up)
         intact = wl.weights_equal_host()
@@ -179,9 +195,9 @@ def child(args) -> dict:
         rss_after = rss_bytes(missing=-1)
         reps.append({"sleep_s": s, "wake_s": w, "d2h_bound_s": d2h_s, "h2d_bound_s": h2d_s,
                      "weights_intact": intact, "graph_output_identical": same, "rss_before": rss_before,
-                     "rss_asleep": rss_asleep, "rss_after": rss_after})
+                     "rss_asleep": rss_asleep, "rss_after": rss_after, "sleep_vmstat": kernel})
         print(f"{args.impl} rep {rep}: sleep {s:.3f}s (D2H {d2h_s:.3f}s); wake {w:.3f}s (H2D {h2d_s:.3f}s); "
-              f"intact={intact and same}", file=sys.stderr, flush=True)
+              f"intact={intact and same}; during the sleep {kernel}", file=sys.stderr, flush=True)
     p = torch.cuda.get_device_properties(torch.cuda.current_device())
     info = {"device": p.name, "torch": torch.__version__, "weight_bytes": wl.weight_bytes,
             "cache_bytes": wl.cache_bytes, "rss_start": rss0, "usage_bytes": usage,

@@ -89,6 +89,25 @@ pub struct Cycle {
     /// A plain sequential write of the tagged bytes to a file in the disk backup's directory
     /// (`write` of 64 MiB pieces, then `fdatasync`), taken in the same cycle.
     pub plain_write_ms: Option<f64>,
+    /// What the host's kernel did during the sleep, from `/proc/vmstat` (the whole host's
+    /// counts): huge pages faulted in, huge-page faults that fell back to small pages, and
+    /// direct compaction stalls. A first sleep far above the fresh-memory floor with many
+    /// fallbacks or stalls waited for the kernel to find free huge pages in fragmented memory.
+    pub sleep_vmstat: [u64; 3],
+}
+
+/// The `/proc/vmstat` counters [`Cycle::sleep_vmstat`] takes, in its order.
+const VMSTAT: [&str; 3] = ["thp_fault_alloc", "thp_fault_fallback", "compact_stall"];
+
+/// The host's [`VMSTAT`] counters now (zeros where /proc says nothing).
+fn vmstat() -> [u64; 3] {
+    let text = std::fs::read_to_string("/proc/vmstat").unwrap_or_default();
+    VMSTAT.map(|name| {
+        text.lines()
+            .find_map(|l| l.strip_prefix(name).and_then(|v| v.strip_prefix(' ')))
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or(0)
+    })
 }
 
 /// The steps of a cycle, timed on every device at once, in milliseconds: of one cycle, or their
@@ -140,6 +159,7 @@ impl Cycle {
             "rss": {"before": self.rss[0], "asleep": self.rss[1], "after_wake": self.rss[2], "settled": self.rss[3]},
             "pinned": {"before": self.pinned[0], "asleep": self.pinned[1], "after_wake": self.pinned[2], "settled": self.pinned[3]},
             "plain_write_ms": self.plain_write_ms,
+            "sleep_vmstat": VMSTAT.iter().zip(self.sleep_vmstat).map(|(k, v)| ((*k).to_string(), v.into())).collect::<serde_json::Map<_, _>>(),
         })
     }
 
@@ -169,6 +189,8 @@ impl Cycle {
             rss: four("rss")?,
             pinned: four("pinned")?,
             plain_write_ms: f("plain_write_ms"),
+            sleep_vmstat: VMSTAT
+                .map(|k| v.get("sleep_vmstat").and_then(|o| o.get(k)).and_then(|x| x.as_u64()).unwrap_or(0)),
         })
     }
 }
@@ -438,7 +460,10 @@ pub fn run(
         let free_before: usize =
             devs.iter().map(|d| d.ctx.memory_info().map(|m| m.free)).sum::<Result<usize>>()?;
         (c.rss[0], c.pinned[0]) = (rss(), pinned());
+        let kernel = vmstat();
         c.steps.offload_ms = on_all(&devs, |d| d.alloc.sleep(tag, SleepMode::Offload))?.0;
+        let after = vmstat();
+        c.sleep_vmstat = std::array::from_fn(|i| after[i].saturating_sub(kernel[i]));
         (c.rss[1], c.pinned[1]) = (rss(), pinned());
         let free_after: usize =
             devs.iter().map(|d| d.ctx.memory_info().map(|m| m.free)).sum::<Result<usize>>()?;
@@ -643,8 +668,7 @@ pub fn cli(args: Args, out: &mut impl Write) -> CliResult {
         SleepConfig { backup: BackupOptions { retain: true, ..cfg.backup.clone() }, floor: false, ..cfg };
     if !args.json {
         writeln!(out, "the same cycles with the backup retained:")?;
-        writeln!(out, "{}", SLEEP_CYCLE_HEADER)?;
-        writeln!(out, "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")?;
+        print_cycle_header(out)?;
     }
     let kept = run(&ctxs, &retained, r.cycles.len() + 1, |c| {
         let _ = print_cycle(out, c, bytes, args.json);
@@ -683,8 +707,13 @@ fn print_sleep_header(
         if retain { ", retained" } else { "" },
         if gap_ms > 0 { format!(", {gap_ms} ms between sleep and wake") } else { String::new() },
     )?;
-    writeln!(out, "{}", SLEEP_CYCLE_HEADER)?;
-    writeln!(out, "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print_cycle_header(out)
+}
+
+/// The head of the table of cycles.
+fn print_cycle_header(out: &mut impl Write) -> std::io::Result<()> {
+    writeln!(out, "{SLEEP_CYCLE_HEADER}")?;
+    writeln!(out, "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 }
 
 /// One cycle, as a JSON line or a row of the table.
@@ -696,7 +725,7 @@ fn print_cycle(out: &mut impl Write, c: &Cycle, bytes: usize, json: bool) -> std
     }
 }
 
-const SLEEP_CYCLE_HEADER: &str = "| cycle | sleep ms | D2H bound ms | ratio | wake ms | H2D bound ms | ratio | H2D after frees ms | ratio | discard ms | RSS MiB before / asleep / woken / settled | pinned MiB before / asleep / woken / settled | mismatches | disk: plain write ms (sleep GB/s vs write GB/s) |";
+const SLEEP_CYCLE_HEADER: &str = "| cycle | sleep ms | D2H bound ms | ratio | wake ms | H2D bound ms | ratio | H2D after frees ms | ratio | discard ms | RSS MiB before / asleep / woken / settled | pinned MiB before / asleep / woken / settled | mismatches | disk: plain write ms (sleep GB/s vs write GB/s) | during the sleep, host-wide: huge pages faulted / fallbacks / compaction stalls |";
 
 fn print_sleep_cycle(out: &mut impl Write, c: &Cycle, bytes: usize) -> std::io::Result<()> {
     let mib = |v: [u64; 4]| v.map(|b| format!("{:.0}", b as f64 / (1u64 << 20) as f64)).join(" / ");
@@ -711,7 +740,7 @@ fn print_sleep_cycle(out: &mut impl Write, c: &Cycle, bytes: usize) -> std::io::
     };
     writeln!(
         out,
-        "| {}{place} | {:.1} | {:.1} | {:.3} | {:.1} | {:.1} | {:.3} | {:.1} | {:.3} | {:.2} | {} | {} | {} | {disk} |",
+        "| {}{place} | {:.1} | {:.1} | {:.3} | {:.1} | {:.1} | {:.3} | {:.1} | {:.3} | {:.2} | {} | {} | {} | {disk} | {} |",
         c.index,
         c.steps.offload_ms,
         c.steps.d2h_bound_ms,
@@ -725,6 +754,7 @@ fn print_sleep_cycle(out: &mut impl Write, c: &Cycle, bytes: usize) -> std::io::
         mib(c.rss),
         mib(c.pinned),
         c.mismatches,
+        c.sleep_vmstat.map(|n| n.to_string()).join(" / "),
     )
 }
 
@@ -968,6 +998,7 @@ mod tests {
             rss: [1 << 30, 17 << 30, 3 << 29, 1 << 30],
             pinned: [0, 32 << 20, 32 << 20, 0],
             plain_write_ms: (index == 3).then_some(4321.0),
+            sleep_vmstat: [8192, index as u64, 3],
         }
     }
 
@@ -1031,6 +1062,7 @@ mod tests {
             assert!(steps(&back.steps).iter().zip(steps(&c.steps)).all(|(&a, b)| close(a, b)), "{back:?}");
             assert!(close(back.freed_ratio, c.freed_ratio));
             assert_eq!(back.plain_write_ms, c.plain_write_ms);
+            assert_eq!(back.sleep_vmstat, c.sleep_vmstat);
             assert_eq!(
                 (back.index, back.first_in_process, back.in_child, back.mismatches, back.rss, back.pinned),
                 (c.index, c.first_in_process, true, c.mismatches, c.rss, c.pinned)
