@@ -129,6 +129,9 @@ def _dist_info(project: dict, ver: str) -> dict:
         "WHEEL": ("Wheel-Version: 1.0\nGenerator: cuvmm_build\nRoot-Is-Purelib: false\n"
                   f"Tag: py3-none-{platform_tag()}\n").encode(),
         "top_level.txt": b"cuvmm\ncuvmm_torch\n",
+        # vLLM loads its general plugins in every process it starts; this one does nothing
+        # unless CUVMM_VLLM=1 (cuvmm.vllm.plugin).
+        "entry_points.txt": b"[vllm.general_plugins]\ncuvmm = cuvmm.vllm:plugin\n",
     }
 
 

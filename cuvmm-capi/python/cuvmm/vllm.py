@@ -1,9 +1,10 @@
 """vLLM's sleep-mode allocator (``CuMemAllocator``) on cuvmm's sleep and wake.
 
 vLLM, and RL frameworks on top of it, sleep an engine through
-``vllm.device_allocator.cumem.CuMemAllocator``. This class has the same calls, so one line
-before the engine starts puts cuvmm under vLLM's sleep mode, in every process that runs a
-worker::
+``vllm.device_allocator.cumem.CuMemAllocator``. This class has the same calls. With the cuvmm
+wheel installed, ``CUVMM_VLLM=1`` in the environment puts cuvmm under vLLM's sleep mode in every
+process vLLM starts (through vLLM's plugin entry point); or one line in each process that runs a
+worker, before the engine starts::
 
     import cuvmm.vllm; cuvmm.vllm.install()     # then LLM(..., enable_sleep_mode=True) as before
 
@@ -32,9 +33,10 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import os
 import sys
 
-__all__ = ["CuMemAllocator", "install"]
+__all__ = ["CuMemAllocator", "install", "plugin"]
 
 
 class CuMemAllocator:
@@ -142,6 +144,15 @@ class CuMemAllocator:
         if key not in self._pools:
             self._pools[key] = ct.mem_pool()
         return self._pools[key]
+
+
+def plugin() -> None:
+    """vLLM's general plugin (the ``vllm.general_plugins`` entry point of the cuvmm wheel), which
+    vLLM runs in every process it starts: :func:`install` when ``CUVMM_VLLM=1``, else nothing.
+    So setting that variable for the job (workers inherit it, Ray's too through its runtime
+    environment) puts every worker's sleep mode on cuvmm."""
+    if os.environ.get("CUVMM_VLLM", "").strip() not in ("", "0"):
+        install()
 
 
 def install() -> None:

@@ -267,6 +267,13 @@ class InstalledWheel(unittest.TestCase):
             self.assertIn("cuvmm/libcuvmm.so", names)
             self.assertIn("cuvmm/libcuvmm_torch.so", names)
 
+    def test_vllm_finds_the_plugin_and_it_does_nothing_unless_asked(self):
+        r = self.run_py("from importlib.metadata import entry_points; "
+                        "[ep] = [e for e in entry_points(group='vllm.general_plugins') if e.name == 'cuvmm']; "
+                        "print(ep.value); ep.load()(); print('loaded')")
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertEqual(r.stdout.split(), ["cuvmm.vllm:plugin", "loaded"])
+
     def test_library_found_in_the_installed_package(self):
         r = self.run_py("import cuvmm, cuvmm_torch; print(cuvmm.library_path()); print(cuvmm_torch.stats(0)['live'])")
         self.assertEqual(r.returncode, 0, r.stderr)

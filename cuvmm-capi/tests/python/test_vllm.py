@@ -7,6 +7,7 @@ and vllm_compare's summary and table.
 """
 
 import contextlib
+import os
 import sys
 import types
 import unittest
@@ -114,6 +115,28 @@ class Facade(unittest.TestCase):
 
     def test_get_instance_is_one_per_process_and_install_puts_it_under_vllm(self):
         self.assertIs(cv.CuMemAllocator.get_instance(), cv.CuMemAllocator.get_instance())
+        for env, installed in (({}, False), ({"CUVMM_VLLM": "0"}, False), ({"CUVMM_VLLM": "1"}, True)):
+            cumem = self.with_fake_vllm(lambda: self.plugin_with(env))
+            self.assertIs(cumem.CuMemAllocator is cv.CuMemAllocator, installed, env)
+        cumem = self.with_fake_vllm(cv.install)
+        self.assertIs(cumem.CuMemAllocator, cv.CuMemAllocator)
+        self.assertTrue(cumem.cumem_available)
+
+    @staticmethod
+    def plugin_with(env):
+        saved = os.environ.get("CUVMM_VLLM")
+        os.environ.pop("CUVMM_VLLM", None)
+        os.environ.update(env)
+        try:
+            cv.plugin()
+        finally:
+            os.environ.pop("CUVMM_VLLM", None)
+            if saved is not None:
+                os.environ["CUVMM_VLLM"] = saved
+
+    @staticmethod
+    def with_fake_vllm(fn):
+        """Runs ``fn`` with a stand-in vllm.device_allocator.cumem imported; that module after."""
         cumem = types.ModuleType("vllm.device_allocator.cumem")
         cumem.CuMemAllocator, cumem.cumem_available = object, False
         pkg = {"vllm": types.ModuleType("vllm"), "vllm.device_allocator": types.ModuleType("vllm.device_allocator"),
@@ -123,15 +146,14 @@ class Facade(unittest.TestCase):
         saved = {k: sys.modules.get(k) for k in pkg}
         sys.modules.update(pkg)
         try:
-            cv.install()
+            fn()
         finally:
             for k, v in saved.items():
                 if v is None:
                     sys.modules.pop(k, None)
                 else:
                     sys.modules[k] = v
-        self.assertIs(cumem.CuMemAllocator, cv.CuMemAllocator)
-        self.assertTrue(cumem.cumem_available)
+        return cumem
 
 
 class Compare(unittest.TestCase):
