@@ -42,9 +42,10 @@ from _common import GiB, MiB, WeightsAndCache, median, rss_bytes, timed_copy  # 
 
 IMPLS = ("cuvmm", "vllm-style")
 # Host-wide kernel counters taken around each sleep: huge pages faulted in, huge-page faults that
-# fell back to small pages, direct compaction stalls (a first sleep that waits on the kernel to
-# find huge pages in fragmented memory shows there).
-VMSTAT = ("thp_fault_alloc", "thp_fault_fallback", "compact_stall")
+# fell back to small pages, direct compaction stalls, pages scanned for reclaim by kswapd and by
+# the faulting threads (a first sleep that waits on the kernel to find huge pages in fragmented
+# memory, or to reclaim page cache, shows there).
+VMSTAT = ("thp_fault_alloc", "thp_fault_fallback", "compact_stall", "pgscan_kswapd", "pgscan_direct")
 
 
 def vmstat() -> dict:

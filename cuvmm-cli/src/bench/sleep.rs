@@ -90,17 +90,20 @@ pub struct Cycle {
     /// (`write` of 64 MiB pieces, then `fdatasync`), taken in the same cycle.
     pub plain_write_ms: Option<f64>,
     /// What the host's kernel did during the sleep, from `/proc/vmstat` (the whole host's
-    /// counts): huge pages faulted in, huge-page faults that fell back to small pages, and
-    /// direct compaction stalls. A first sleep far above the fresh-memory floor with many
-    /// fallbacks or stalls waited for the kernel to find free huge pages in fragmented memory.
-    pub sleep_vmstat: [u64; 3],
+    /// counts): huge pages faulted in, huge-page faults that fell back to small pages, direct
+    /// compaction stalls, and pages scanned for reclaim by kswapd and by the faulting threads. A
+    /// first sleep far above the fresh-memory floor with fallbacks or stalls waited for the kernel
+    /// to find free huge pages in fragmented memory; with pages scanned, to reclaim memory (page
+    /// cache, say) to give it.
+    pub sleep_vmstat: [u64; 5],
 }
 
 /// The `/proc/vmstat` counters [`Cycle::sleep_vmstat`] takes, in its order.
-const VMSTAT: [&str; 3] = ["thp_fault_alloc", "thp_fault_fallback", "compact_stall"];
+const VMSTAT: [&str; 5] =
+    ["thp_fault_alloc", "thp_fault_fallback", "compact_stall", "pgscan_kswapd", "pgscan_direct"];
 
 /// The host's [`VMSTAT`] counters now (zeros where /proc says nothing).
-fn vmstat() -> [u64; 3] {
+fn vmstat() -> [u64; 5] {
     let text = std::fs::read_to_string("/proc/vmstat").unwrap_or_default();
     VMSTAT.map(|name| {
         text.lines()
@@ -725,7 +728,7 @@ fn print_cycle(out: &mut impl Write, c: &Cycle, bytes: usize, json: bool) -> std
     }
 }
 
-const SLEEP_CYCLE_HEADER: &str = "| cycle | sleep ms | D2H bound ms | ratio | wake ms | H2D bound ms | ratio | H2D after frees ms | ratio | discard ms | RSS MiB before / asleep / woken / settled | pinned MiB before / asleep / woken / settled | mismatches | disk: plain write ms (sleep GB/s vs write GB/s) | during the sleep, host-wide: huge pages faulted / fallbacks / compaction stalls |";
+const SLEEP_CYCLE_HEADER: &str = "| cycle | sleep ms | D2H bound ms | ratio | wake ms | H2D bound ms | ratio | H2D after frees ms | ratio | discard ms | RSS MiB before / asleep / woken / settled | pinned MiB before / asleep / woken / settled | mismatches | disk: plain write ms (sleep GB/s vs write GB/s) | during the sleep, host-wide: huge pages faulted / fallbacks / compaction stalls / pages scanned by kswapd / directly |";
 
 fn print_sleep_cycle(out: &mut impl Write, c: &Cycle, bytes: usize) -> std::io::Result<()> {
     let mib = |v: [u64; 4]| v.map(|b| format!("{:.0}", b as f64 / (1u64 << 20) as f64)).join(" / ");
@@ -998,7 +1001,7 @@ mod tests {
             rss: [1 << 30, 17 << 30, 3 << 29, 1 << 30],
             pinned: [0, 32 << 20, 32 << 20, 0],
             plain_write_ms: (index == 3).then_some(4321.0),
-            sleep_vmstat: [8192, index as u64, 3],
+            sleep_vmstat: [8192, index as u64, 3, 0, 7],
         }
     }
 
