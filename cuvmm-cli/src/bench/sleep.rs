@@ -738,7 +738,7 @@ fn print_sleep_cycle(out: &mut impl Write, c: &Cycle, bytes: usize) -> std::io::
         .map_or(String::new(), |w| format!("{w:.1} ({:.2} vs {:.2})", gbs(c.steps.offload_ms), gbs(w)));
     let place = match (c.in_child, c.first_in_process) {
         (true, _) => " (fresh child)",
-        (false, true) => " (first in process)",
+        (false, true) => " (first of the run)",
         _ => "",
     };
     writeln!(
@@ -953,7 +953,7 @@ fn print_summary_notes(out: &mut impl Write, r: &SleepReport) -> std::io::Result
         writeln!(
             out,
             "first sleep of {} (cycle {}): {:.1} ms, {:.3}x its cycle's D2H bound",
-            if c.in_child { "a fresh child process" } else { "this process" },
+            if c.in_child { "a fresh child process" } else { "this run's allocators, backup fresh" },
             c.index,
             c.steps.offload_ms,
             c.steps.offload_ratio()
