@@ -174,6 +174,18 @@ mod tests {
     }
 
     #[test]
+    fn processes_with_a_fresh_child_or_the_wrong_number_of_devices_are_refused_before_any_start() {
+        for (argv, says) in [
+            (&["bench", "--processes", "2", "--fresh-process"][..], "--fresh-process"),
+            (&["bench", "--processes", "3", "--devices", "0,1"][..], "2 devices"),
+        ] {
+            let args = Cli::parse_from(argv).args;
+            let e = super::super::sleep::cli(args, &mut Vec::new()).expect_err("refused");
+            assert!(e.to_string().contains(says), "{argv:?}: {e}");
+        }
+    }
+
+    #[test]
     fn each_process_reports_a_row_per_run_and_its_barriers_are_not_rows() {
         let args = Cli::parse_from(["bench"]).args;
         let summary = |run: &str, first: f64| {
