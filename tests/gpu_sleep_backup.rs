@@ -1,7 +1,8 @@
 //! Sleep backups on a GPU: every kind (pageable host memory through the staging ring, pinned host
 //! memory, a file) brings the contents back, holds pinned memory only as it says, and is released
 //! at wake unless retained; a disk backup that cannot be written leaves the tag awake; a tag on two
-//! devices sleeps and wakes on both at once.
+//! devices sleeps and wakes on both at once; a pageable backup released lazily at wake is
+//! written again by the next sleep without new memory.
 
 use cuvmm::alloc::{BackupKind, BackupOptions, SleepMode, StreamAllocator, StreamBlock, Tag};
 use cuvmm::host::pinned_bytes;
@@ -131,6 +132,73 @@ fn every_backup_kind_restores_the_contents_and_is_released_at_wake_unless_retain
     }
     // Awake, with nothing retained: at most the rings stay pinned.
     assert!(soon(|| pinned_bytes() <= 6 * RING), "{} pinned while awake", pinned_bytes());
+}
+
+/// Resident memory of this process (VmRSS), bytes.
+fn rss() -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap();
+    let kib = status.lines().find_map(|l| l.strip_prefix("VmRSS:")).unwrap();
+    kib.trim().trim_end_matches("kB").trim().parse::<u64>().unwrap() * 1024
+}
+
+/// Address ranges of this process's mappings with pages the kernel may take back at will
+/// (`LazyFree` in /proc/self/smaps), and those bytes in all.
+fn lazily_freed() -> (Vec<(usize, usize)>, u64) {
+    let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap();
+    let (mut ranges, mut bytes, mut range) = (Vec::new(), 0, (0, 0));
+    for line in smaps.lines() {
+        let head = line.split_whitespace().next().unwrap_or("");
+        if let Some((lo, hi)) = head.split_once('-').filter(|_| !head.ends_with(':')) {
+            if let (Ok(lo), Ok(hi)) = (usize::from_str_radix(lo, 16), usize::from_str_radix(hi, 16)) {
+                range = (lo, hi - lo);
+            }
+        } else if let Some(kib) = line.strip_prefix("LazyFree:") {
+            let kib: u64 = kib.trim().trim_end_matches("kB").trim().parse().unwrap();
+            if kib > 0 {
+                ranges.push(range);
+                bytes += kib * 1024;
+            }
+        }
+    }
+    (ranges, bytes)
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_released_pageable_backup_serves_the_next_sleeps_and_is_right_when_the_kernel_took_it() {
+    let ctx = Context::for_ordinal(0).expect("a CUDA device");
+    let tag = Tag::new("lazily-released").unwrap();
+    let t = Tagged::new(&ctx, tag, 4);
+    let bytes = t.alloc.tag_stats(tag).mapped;
+    for cycle in 0..3u32 {
+        let seed = 21 + cycle;
+        t.fill(seed);
+        let before = rss();
+        t.alloc.sleep(tag, SleepMode::Offload).unwrap();
+        let grew = rss().saturating_sub(before);
+        t.alloc.wake(tag).unwrap();
+        assert_eq!(t.mismatches(seed), 0, "cycle {cycle} changed the contents");
+        match cycle {
+            0 => assert!(grew >= bytes / 2, "the first sleep faults its backup in: {grew} for {bytes}"),
+            // The pages given back lazily at the last wake are still this process's; the sleep
+            // writes into them rather than into new ones.
+            1 => assert!(grew < bytes / 4, "cycle {cycle}: {grew} new resident bytes for {bytes}"),
+            _ => {}
+        }
+        // The backup is given back lazily on a thread of its own.
+        assert!(soon(|| lazily_freed().1 >= bytes / 2), "cycle {cycle}: {:?} lazily freed", lazily_freed());
+        if cycle == 1 {
+            // The kernel takes the backup back, as under memory pressure: the next sleep gets
+            // zeroed pages in its place, and every byte must still come back.
+            const MADV_PAGEOUT: libc::c_int = 21;
+            for (addr, len) in lazily_freed().0 {
+                // SAFETY: a mapping of this process the kernel may already drop at will: paging
+                // it out changes no content that anything counts on.
+                unsafe { libc::madvise(addr as *mut libc::c_void, len, MADV_PAGEOUT) };
+            }
+            assert!(lazily_freed().1 < bytes / 2, "reclaimed: {:?}", lazily_freed());
+        }
+    }
 }
 
 #[test]

@@ -1,6 +1,6 @@
 """PEP 517 build backend of the `cuvmm` wheel, standard library only (builds offline).
 
-The wheel holds the pure-Python modules (cuvmm, cuvmm.torch, cuvmm.torch_memory_saver,
+The wheel holds the pure-Python modules (cuvmm, cuvmm.torch, cuvmm.torch_memory_saver, cuvmm.vllm,
 cuvmm_torch), libcuvmm.so from `cargo build --release -p cuvmm-capi` (or the file named by
 CUVMM_WHEEL_LIB), stripped, and libcuvmm_torch.so compiled from python/csrc/torch_oom.cpp. The modules use
 ctypes and the libraries no Python C API, so the wheel fits every Python 3 on one platform:
@@ -30,7 +30,7 @@ ROOT = CAPI.parent                              # the cargo workspace
 PYTHON = CAPI / "python"
 SHIM_SOURCE = PYTHON / "csrc" / "torch_oom.cpp"
 MODULES = ("cuvmm/__init__.py", "cuvmm/_share.py", "cuvmm/_torch_share.py", "cuvmm/torch.py",
-           "cuvmm/torch_memory_saver.py", "cuvmm_torch.py")
+           "cuvmm/torch_memory_saver.py", "cuvmm/vllm.py", "cuvmm_torch.py")
 
 
 class BuildError(RuntimeError):
@@ -203,6 +203,9 @@ def _dist_info(project: dict, ver: str) -> dict:
         "WHEEL": ("Wheel-Version: 1.0\nGenerator: cuvmm_build\nRoot-Is-Purelib: false\n"
                   f"Tag: py3-none-{platform_tag()}\n").encode(),
         "top_level.txt": b"cuvmm\ncuvmm_torch\n",
+        # vLLM loads its general plugins in every process it starts; this one does nothing
+        # unless CUVMM_VLLM=1 (cuvmm.vllm.plugin).
+        "entry_points.txt": b"[vllm.general_plugins]\ncuvmm = cuvmm.vllm:plugin\n",
     }
 
 

@@ -415,6 +415,13 @@ class InstalledWheel(unittest.TestCase):
             # Stripped: no static symbol table left (its section name goes with it).
             self.assertNotIn(b".symtab", z.read("cuvmm/libcuvmm.so"))
 
+    def test_vllm_finds_the_plugin_and_it_does_nothing_unless_asked(self):
+        r = self.run_py("from importlib.metadata import entry_points; "
+                        "[ep] = [e for e in entry_points(group='vllm.general_plugins') if e.name == 'cuvmm']; "
+                        "print(ep.value); ep.load()(); print('loaded')")
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertEqual(r.stdout.split(), ["cuvmm.vllm:plugin", "loaded"])
+
     def test_library_found_in_the_installed_package(self):
         r = self.run_py("import cuvmm, cuvmm_torch; print(cuvmm.library_path()); print(cuvmm_torch.stats(0)['live'])")
         self.assertEqual(r.returncode, 0, r.stderr)

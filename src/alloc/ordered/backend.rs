@@ -3,6 +3,7 @@
 
 use super::backup::{self, BackupKind, BackupOptions, Copier, Mover, Staged};
 use super::core::{Backend, LEGACY, SYNTHETIC};
+use super::lazy::LazyBackups;
 use crate::context::Context;
 use crate::driver::{driver, result, sys::*};
 use crate::error::{Error, Result};
@@ -26,6 +27,8 @@ pub(crate) struct DriverBackend {
     lanes: Vec<Stream>,
     /// The thread that runs staged backups' copies through the staging ring, made at first use.
     mover: Option<Mover>,
+    /// Pageable backups released lazily at their wakes, for later sleeps.
+    lazy: LazyBackups,
 }
 
 /// A sleeping tag's backup on the driver.
@@ -117,6 +120,7 @@ impl DriverBackend {
             fabric_above,
             reservations: Vec::new(),
             mover: None,
+            lazy: LazyBackups::default(),
         }
     }
 
@@ -271,6 +275,9 @@ impl Backend for DriverBackend {
             return Ok(HostBackup::Pinned { buf, options });
         }
         self.mover()?;
+        if let Some(s) = self.lazy.take(bytes, &options) {
+            return Ok(HostBackup::Staged(s));
+        }
         Ok(HostBackup::Staged(Staged::new(bytes, options)?))
     }
 
@@ -279,6 +286,14 @@ impl Backend for DriverBackend {
     }
 
     fn host_release(&mut self, host: HostBackup) {
+        // Pageable memory is kept, released lazily, for the next sleep to write into.
+        let host = match host {
+            HostBackup::Staged(s) => match self.lazy.keep(s) {
+                Some(rest) => HostBackup::Staged(rest),
+                None => return,
+            },
+            pinned => pinned,
+        };
         // Unmapping, unpinning or unlinking gigabytes takes milliseconds the caller need not wait
         // for: done on a thread of its own where one can be started.
         // Should no thread start, the closure and the backup are dropped here.

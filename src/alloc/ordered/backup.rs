@@ -9,9 +9,11 @@
 //! backup goes through the same ring and a bounce buffer into a file in a directory the user
 //! names, for tags larger than host memory.
 //!
-//! After a wake the backup is released (its host memory given back to the system, its file
-//! removed) unless the tag's options say `retain`; a retained backup serves the next sleep
-//! without faulting or pinning anything.
+//! After a wake the backup is released unless the tag's options say `retain`: a file is
+//! removed, pinned memory unpinned and freed, and pageable memory given back lazily
+//! (`MADV_FREE`, see the `lazy` module), so that the next sleep writes into whatever pages the
+//! kernel has not needed meanwhile. A retained backup serves the next sleep without faulting or
+//! pinning anything, whatever the kernel needs.
 
 use crate::error::{Error, Result};
 use std::collections::HashMap;
@@ -139,7 +141,7 @@ pub(crate) fn ring_config() -> crate::host::StagingConfig {
 /// An anonymous private mapping of host memory, unmapped when dropped.
 pub(crate) struct HostMap {
     /// The first byte, on a huge-page boundary.
-    base: usize,
+    pub(super) base: usize,
     len: usize,
     /// The whole mapping (address, length), a huge page longer so that `base` can be aligned.
     mapping: (usize, usize),
@@ -186,10 +188,23 @@ impl HostMap {
             touch: Vec::new(),
             touched: Arc::new(AtomicUsize::new(0)),
         };
+        map.start_touching(touchers);
+        Ok(map)
+    }
+
+    /// Starts `touchers` threads faulting the map in, in address order, in the background,
+    /// without writing it: pages already there cost them a walk of the page tables, pages the
+    /// kernel took back (see [`free_lazily`](Self::free_lazily)) come back zeroed, ahead of the
+    /// copies that fill them.
+    fn start_touching(&mut self, touchers: usize) {
+        self.stop_touching();
+        self.stop.store(false, Ordering::Relaxed);
+        self.touched.store(0, Ordering::Relaxed);
         let next = Arc::new(AtomicUsize::new(0));
+        let len = self.len;
         for _ in 0..touchers {
-            let (next, stop, base) = (Arc::clone(&next), Arc::clone(&map.stop), map.base);
-            let touched = Arc::clone(&map.touched);
+            let (next, stop, base) = (Arc::clone(&next), Arc::clone(&self.stop), self.base);
+            let touched = Arc::clone(&self.touched);
             let spawned = std::thread::Builder::new().name("cuvmm-backup-touch".into()).spawn(move || {
                 let units = len / TOUCH_UNIT;
                 while !stop.load(Ordering::Relaxed) {
@@ -216,10 +231,35 @@ impl HostMap {
             });
             // Without a thread the copies fault the pages in themselves.
             if let Ok(t) = spawned {
-                map.touch.push(t);
+                self.touch.push(t);
             }
         }
-        Ok(map)
+    }
+
+    /// Gives the pages back the way the kernel takes them only when it needs the memory
+    /// (`MADV_FREE`): until then they stay in place, and a later write keeps them, without a
+    /// fault or the kernel zeroing them again. A page the kernel did take reads back as zero, so
+    /// whatever is written next must not count on the bytes that were there: a sleep writes
+    /// every byte a wake reads. Kernels without `MADV_FREE` (before 4.5) drop the pages at once
+    /// (`MADV_DONTNEED`). Whether the pages were left lazily.
+    pub(crate) fn free_lazily(&mut self) -> bool {
+        self.stop_touching();
+        // SAFETY: the map's own range; its threads are joined and no copy runs into it (the
+        // allocator gives a backup back only after its copies finished). The advice frees pages
+        // and nothing that follows counts on their contents.
+        let r = unsafe { libc::madvise(self.ptr().cast(), self.len, libc::MADV_FREE) };
+        if r == 0 {
+            return true;
+        }
+        // SAFETY: as above.
+        unsafe { libc::madvise(self.ptr().cast(), self.len, libc::MADV_DONTNEED) };
+        false
+    }
+
+    /// A lazily freed map taken up again for a sleep: faulted in by the backup's threads
+    /// whatever the kernel took back meanwhile.
+    pub(crate) fn reuse(&mut self) {
+        self.start_touching(touchers());
     }
 
     /// A fresh backup of `len` bytes, faulted in by the backup's threads; refused with `ENOMEM`
@@ -259,6 +299,7 @@ impl HostMap {
     /// Waits for the threads faulting it in to finish, then faults in on this thread whatever they
     /// left (a kernel without `MADV_POPULATE_WRITE`) by writing a zero to each small page: only
     /// for a map nothing has written yet.
+    #[cfg(test)]
     fn finish_touching(&mut self) {
         self.join_touching();
         if self.touched.load(Ordering::Relaxed) * TOUCH_UNIT < self.len {
@@ -297,11 +338,16 @@ unsafe impl Send for HostMap {}
 // SAFETY: as above; `&HostMap` gives out memory only as raw pointers (`range`).
 unsafe impl Sync for HostMap {}
 
-/// How long this host takes to provide `bytes` of fresh host memory the way a pageable backup
-/// gets it at a sleep: one anonymous mapping, huge pages advised, faulted in by as many threads.
-/// A sleep into a pageable backup released at the last wake (the default) cannot take less, so
-/// `cuvmm bench sleep` reports it beside the copy bounds. The memory is given back before this
-/// returns.
+/// How long this host takes to provide `bytes` of fresh host memory at best: one anonymous
+/// mapping, huge pages advised, each core writing a byte to every page of a contiguous slice of
+/// its own. A sleep into a fresh pageable backup (the first of a process, or one after the kernel
+/// took a lazily released backup back) cannot take less, so `cuvmm bench sleep` reports it
+/// beside the copy bounds. The memory is given back before this returns.
+///
+/// A sleep's own fault-in differs in two ways that cost it: its threads share the cores with the
+/// staging ring's, and they take 2 MiB units in address order from one counter, so that the
+/// copies, which go in that order, find their pages ready; neighbouring units then share the
+/// page-table pages and their locks, where a slice per core shares nothing.
 ///
 /// # Errors
 /// [`Error::Os`] with `ENOMEM` when the host has less memory available than `bytes` (nothing is
@@ -315,14 +361,33 @@ unsafe impl Sync for HostMap {}
 /// ```
 pub fn fresh_backup_memory(bytes: usize) -> Result<std::time::Duration> {
     let t = std::time::Instant::now();
-    let mut map = HostMap::fresh(bytes)?;
-    map.finish_touching();
+    if let Some(avail) = available_host_memory() {
+        if bytes as u64 > avail {
+            return Err(Error::Os { call: "mmap (host backup)", errno: nix::errno::Errno::ENOMEM });
+        }
+    }
+    let map = HostMap::new(bytes, 0)?;
+    let threads = cores().min(map.len() / TOUCH_UNIT).max(1);
+    let slice = (map.len() / TOUCH_UNIT).div_ceil(threads) * TOUCH_UNIT;
+    std::thread::scope(|s| {
+        for k in 0..threads {
+            let (from, to) = ((k * slice).min(map.len()), ((k + 1) * slice).min(map.len()));
+            let base = map.base;
+            s.spawn(move || {
+                for off in (from..to).step_by(4096) {
+                    // SAFETY: inside the map, which outlives the scope; each thread writes its
+                    // own slice, and the bytes are fresh anonymous memory, zero already.
+                    unsafe { ((base + off) as *mut u8).write_volatile(0) };
+                }
+            });
+        }
+    });
     Ok(t.elapsed())
 }
 
 /// Bytes of host memory this process may still use: the host's `MemAvailable` within the limits
 /// of its memory cgroups (see [`host_memory`](super::host_memory)), if the kernel says.
-fn available_host_memory() -> Option<u64> {
+pub(crate) fn available_host_memory() -> Option<u64> {
     super::host_memory::available()
 }
 

@@ -97,6 +97,7 @@ pub(crate) mod core;
 mod front;
 mod heap;
 mod host_memory;
+mod lazy;
 
 pub use self::backup::{fresh_backup_memory, BackupKind, BackupOptions};
 pub use self::core::{AllocatorStats, SleepMode, TagStats};
@@ -181,7 +182,9 @@ impl Tag {
     }
 
     /// Where this tag's later offloading sleeps keep its contents, on every allocator: pageable
-    /// host memory through a staging ring by default, released at wake. Refused, changing
+    /// host memory through a staging ring by default, released lazily at wake (the kernel takes
+    /// the pages back only when it needs them; until then the next sleep writes into them).
+    /// Refused, changing
     /// nothing, for a disk backup whose directory is not one.
     pub fn set_backup(&self, options: BackupOptions) -> Result<()> {
         backup::set_options(self.0, options)
