@@ -14,6 +14,7 @@ import struct
 import subprocess
 import sys
 import tempfile
+import types
 import unittest
 from pathlib import Path
 
@@ -296,6 +297,81 @@ class CtypesLayer(unittest.TestCase):
             cuvmm_torch.sleep("weights")
         cuvmm_torch.reset_peaks()
         cuvmm_torch.release_graph_memory(0)
+
+
+class TorchStats(unittest.TestCase):
+    """torch.cuda.memory_stats and its relatives answered from cuvmm's counters, on a stand-in
+    for torch whose three _C functions raise as they do under a pluggable allocator."""
+
+    COUNTERS = dict.fromkeys(cuvmm.STAT_FIELDS, 0) | {
+        "live": 3 << 20, "live_peak": 5 << 20, "requested": (3 << 20) - 100, "mapped": 8 << 20,
+        "mapped_peak": 12 << 20, "allocations": 10, "frees": 7, "pages_created": 4, "pages_released": 2,
+        "oom_retries": 1,
+    }
+
+    def fake_torch(self):
+        def raising(*_):
+            raise RuntimeError("CUDAPluggableAllocator does not yet support getDeviceStats")
+
+        c = types.SimpleNamespace(_cuda_memoryStats=raising, _cuda_resetPeakMemoryStats=raising,
+                                  _cuda_resetAccumulatedMemoryStats=raising)
+        return types.SimpleNamespace(_C=c), raising
+
+    def test_keys_and_meanings_in_pytorchs_format(self):
+        from cuvmm import _torch_stats
+        n = _torch_stats.nested(self.COUNTERS)
+        flat = {}
+
+        def walk(prefix, d):  # as torch.cuda.memory_stats flattens
+            for k, v in d.items():
+                walk(f"{prefix}{k}.", v) if isinstance(v, dict) else flat.__setitem__(prefix + k, v)
+
+        walk("", n)
+        self.assertEqual(flat["allocated_bytes.all.current"], 3 << 20)   # memory_allocated
+        self.assertEqual(flat["allocated_bytes.all.peak"], 5 << 20)      # max_memory_allocated
+        self.assertEqual(flat["reserved_bytes.all.current"], 8 << 20)    # memory_reserved
+        self.assertEqual(flat["reserved_bytes.all.peak"], 12 << 20)      # max_memory_reserved
+        self.assertEqual((flat["allocation.all.allocated"], flat["allocation.all.freed"],
+                          flat["allocation.all.current"]), (10, 7, 3))
+        self.assertEqual((flat["num_device_alloc"], flat["num_device_free"], flat["segment.all.current"]), (4, 2, 2))
+        self.assertEqual(flat["num_alloc_retries"], 1)
+        # Every key torch.cuda.memory_summary reads is there.
+        for metric in ("allocated_bytes", "active_bytes", "requested_bytes", "reserved_bytes",
+                       "inactive_split_bytes", "allocation", "active", "segment", "inactive_split"):
+            for pool in ("all", "large_pool", "small_pool"):
+                for stat in ("current", "peak", "allocated", "freed"):
+                    self.assertIn(f"{metric}.{pool}.{stat}", flat)
+        self.assertTrue(all(isinstance(v, int) for v in flat.values()))
+
+    def test_answer_then_restore_and_accumulated_counts_start_again(self):
+        from cuvmm import _torch_stats
+        torch, raising = self.fake_torch()
+        counters = dict(self.COUNTERS)
+        peaks_reset = []
+        _torch_stats.answer(torch, lambda d: dict(counters), peaks_reset.append)
+        self.assertTrue(_torch_stats.answering(torch))
+        self.assertEqual(torch._C._cuda_memoryStats(0)["allocated_bytes"]["all"]["current"], 3 << 20)
+        torch._C._cuda_resetPeakMemoryStats(0)
+        self.assertEqual(peaks_reset, [0])
+        torch._C._cuda_resetAccumulatedMemoryStats(0)
+        counters.update(allocations=12, frees=9)
+        got = torch._C._cuda_memoryStats(0)["allocation"]["all"]
+        self.assertEqual((got["allocated"], got["freed"], got["current"]), (2, 2, 3))
+        self.assertEqual(torch._C._cuda_memoryStats(1)["allocation"]["all"]["allocated"], 12, "per device")
+        _torch_stats.answer(torch, None, None)  # answering already: nothing changes
+        self.assertEqual(torch._C._cuda_memoryStats(0)["allocation"]["all"]["freed"], 2)
+        _torch_stats.restore(torch)
+        self.assertFalse(_torch_stats.answering(torch))
+        self.assertIs(torch._C._cuda_memoryStats, raising)
+        self.assertIs(torch._C._cuda_resetPeakMemoryStats, raising)
+        _torch_stats.restore(torch)  # not answering: nothing to do
+        self.assertIs(torch._C._cuda_memoryStats, raising)
+
+    def test_hook_entry_points_are_declared_with_the_hooks_signatures(self):
+        header = (Path(__file__).resolve().parents[2] / "include" / "cuvmm.h").read_text()
+        for decl in ("void cuvmm_empty_cache_all(void);", "void cuvmm_record_stream(void *ptr, cuvmm_stream_t stream);",
+                     "void cuvmm_set_memory_fraction(double fraction, int device);"):
+            self.assertIn(decl, header)
 
 
 if __name__ == "__main__":
