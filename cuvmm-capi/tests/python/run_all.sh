@@ -91,6 +91,15 @@ done
 run pool_oom $PY pool_oom.py --json "$OUT_DIR/pool_oom.json"
 # Out of memory through change_current_allocator is torch.OutOfMemoryError too, and the process goes on.
 run oom_raises $PY oom_raises.py --json "$OUT_DIR/oom_raises.json"
+# PyTorch's allocator contract under cuvmm: empty_cache, record_stream, the memory fraction, the
+# statistics functions, torch.compile with CUDA graphs (the record_stream run without the hooks
+# must fail: it is the proof that the hook matters, so only its RESULT is kept, not counted).
+run torch_empty_cache $PY torch_empty_cache.py --json "$OUT_DIR/torch_empty_cache.json"
+run record_stream $PY record_stream.py --json "$OUT_DIR/record_stream.json"
+(cd "$HERE" && $PY record_stream.py --no-hook) > "$OUT_DIR/record_stream_no_hook.txt" 2>&1 || true
+run memory_fraction $PY memory_fraction.py --json "$OUT_DIR/memory_fraction.json"
+run torch_stats $PY torch_stats.py --json "$OUT_DIR/torch_stats.json"
+run compile_graphs $PY compile_graphs.py --json "$OUT_DIR/compile_graphs.json"
 # torch_memory_saver's API on cuvmm, beside torch_memory_saver where it is installed.
 run tms_compare $PY tms_compare.py --json "$OUT_DIR/tms_compare.json" ${TMS_ARGS:-}
 # A MemPool on cuvmm with expandable segments on: which segments PyTorch makes expandable.
