@@ -218,7 +218,8 @@ def use_as_current_allocator():
     ``memory_reserved``, ``max_memory_reserved`` and ``reset_peak_memory_stats`` answer from
     cuvmm's counters in PyTorch's format. Out of memory raises ``torch.OutOfMemoryError`` and the
     process goes on. CUDA graphs captured by hand work; ``torch.compile(mode="reduce-overhead")``
-    needs ``torch._inductor.config.triton.cudagraph_trees = False`` (docs/pytorch.md).
+    needs ``torch._inductor.config.triton.cudagraph_trees = False`` (README, "What reaches
+    cuvmm").
     """
     if _torch.cuda.is_initialized():
         raise RuntimeError("use_as_current_allocator() must run before CUDA is initialized")
