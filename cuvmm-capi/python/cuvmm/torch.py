@@ -69,6 +69,7 @@ _current = False
 _shim = None
 # The native allocators (``CUDAPluggableAllocator(...).allocator()``) wire_hooks wired.
 _wired = []
+_wired_lock = threading.Lock()
 
 
 def _oom_class():
@@ -164,7 +165,7 @@ def wire_hooks(alloc):
     if missing:
         warnings.warn(f"not reaching cuvmm with this PyTorch or library: {', '.join(missing)}",
                       RuntimeWarning, stacklevel=2)
-    with _lock:
+    with _wired_lock:  # not _lock: allocator() holds that one while it calls this
         if not any(w is native for w in _wired):
             _wired.append(native)
     return used

@@ -299,6 +299,131 @@ class CtypesLayer(unittest.TestCase):
         cuvmm_torch.release_graph_memory(0)
 
 
+# A torch package with what cuvmm.torch touches of the pluggable allocator: the native object's
+# hook setters record the addresses they get; _C's statistics functions raise as they do under a
+# pluggable allocator. FAKE_TORCH_NO_RECORD drops set_record_stream_fn, as an older PyTorch might.
+FAKE_TORCH = r"""
+import os
+__version__ = "2.11.0"
+
+
+class _Native:
+    def __init__(self):
+        self.hooks = {}
+
+    def __getattr__(self, name):
+        if name.startswith("set_") and not (name == "set_record_stream_fn" and os.environ.get("FAKE_TORCH_NO_RECORD")):
+            return lambda ptr: self.hooks.__setitem__(name, ptr)
+        raise AttributeError(name)
+
+
+class _Pluggable:
+    def __init__(self, path, alloc_fn, free_fn):
+        self.names, self._native = (path, alloc_fn, free_fn), _Native()
+
+    def allocator(self):
+        return self._native
+
+
+def _raising(*_):
+    raise RuntimeError("CUDAPluggableAllocator does not yet support getDeviceStats")
+
+
+class _C:
+    _cuda_memoryStats = _cuda_resetPeakMemoryStats = _cuda_resetAccumulatedMemoryStats = staticmethod(_raising)
+
+
+class _Memory:
+    CUDAPluggableAllocator = _Pluggable
+    current = None
+
+    @staticmethod
+    def change_current_allocator(a):
+        _Memory.current = a
+
+
+class cuda:
+    memory = _Memory
+    OutOfMemoryError = MemoryError
+
+    @staticmethod
+    def is_initialized():
+        return False
+
+    @staticmethod
+    def current_device():
+        return 0
+"""
+
+HOOKS_SCRIPT = r"""
+import ctypes, json, sys, warnings
+warnings.simplefilter("always")
+with warnings.catch_warnings(record=True) as caught:
+    import torch, cuvmm, cuvmm.torch as ct
+    alloc = ct.use_as_current_allocator()
+lib = cuvmm.load()
+addr = lambda n: ctypes.cast(getattr(lib, n), ctypes.c_void_p).value
+out = {
+    "hooks": {k: v == addr(e) for k, v in alloc.allocator().hooks.items() for s, e, _ in ct.HOOKS if s == k},
+    "current": ct.is_current_allocator(),
+    "allocated": torch._C._cuda_memoryStats(0)["allocated_bytes"]["all"]["current"],
+    "warnings": [str(w.message) for w in caught],
+}
+other = torch.cuda.memory.CUDAPluggableAllocator("x.so", "a", "f")
+torch.cuda.memory.change_current_allocator(other)
+out["restored"] = torch._C._cuda_memoryStats is torch._raising and not ct.is_current_allocator()
+out["other_current"] = torch.cuda.memory.current is other
+print(json.dumps(out))
+"""
+
+
+@unittest.skipUnless(shutil.which("cc"), "needs a C compiler")
+class TorchHooks(unittest.TestCase):
+    """use_as_current_allocator wires cuvmm's hook entry points and the statistics, against a
+    fake library and a stand-in torch package, in a process of its own."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.dir = tempfile.TemporaryDirectory()
+        d = Path(cls.dir.name)
+        src, cls.so = d / "fake.c", d / "libcuvmm.so"
+        src.write_text(FAKE_LIB + "void cuvmm_empty_cache_all(void) {}\n"
+                       "void cuvmm_record_stream(void *p, void *s) {}\n"
+                       "void cuvmm_set_memory_fraction(double f, int d) {}\n")
+        subprocess.run(["cc", "-shared", "-fPIC", "-o", str(cls.so), str(src)], check=True)
+        (d / "torch").mkdir()
+        (d / "torch" / "__init__.py").write_text(FAKE_TORCH)
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.dir.cleanup()
+
+    def run_hooks(self, **env):
+        package = Path(cuvmm.__file__).resolve().parent.parent
+        r = subprocess.run([sys.executable, "-c", HOOKS_SCRIPT], capture_output=True, text=True, timeout=60,
+                           env={**os.environ, "PYTHONPATH": f"{self.dir.name}:{package}", "CUVMM_LIB": str(self.so),
+                                **env})
+        self.assertEqual(r.returncode, 0, r.stderr)
+        return json.loads(r.stdout)
+
+    def test_the_three_hooks_get_cuvmms_entry_points_and_statistics_answer_until_another_allocator(self):
+        out = self.run_hooks()
+        self.assertEqual(out["hooks"], {"set_reset_fn": True, "set_record_stream_fn": True,
+                                        "set_memory_fraction_fn": True})
+        self.assertTrue(out["current"])
+        self.assertEqual(out["allocated"], 100)  # the fake library's live
+        self.assertTrue(out["restored"])
+        self.assertTrue(out["other_current"])
+        self.assertFalse(any("not reaching cuvmm" in w for w in out["warnings"]), out["warnings"])
+
+    def test_a_missing_setter_is_named_in_a_warning(self):
+        out = self.run_hooks(FAKE_TORCH_NO_RECORD="1")
+        self.assertNotIn("set_record_stream_fn", out["hooks"])
+        self.assertEqual(len(out["hooks"]), 2)
+        self.assertTrue(any("Tensor.record_stream() (set_record_stream_fn)" in w for w in out["warnings"]),
+                        out["warnings"])
+
+
 class TorchStats(unittest.TestCase):
     """torch.cuda.memory_stats and its relatives answered from cuvmm's counters, on a stand-in
     for torch whose three _C functions raise as they do under a pluggable allocator."""
