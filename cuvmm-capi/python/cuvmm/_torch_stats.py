@@ -23,6 +23,10 @@ What each key means under cuvmm (``POOLS``: ``all`` and ``large_pool`` hold the 
   ``num_ooms``, ``num_sync_all_streams``, ``max_split_size`` and the ``oversize_*`` stats are 0:
   cuvmm does not count them.
 
+A block whose free waits for the streams ``Tensor.record_stream`` named counts as allocated until
+that work has run and cuvmm frees it (PyTorch's caching allocator counts it as active only).
+``torch.accelerator``'s memory functions answer the same where PyTorch has them.
+
 ``reset_peak_memory_stats`` resets cuvmm's peaks; ``reset_accumulated_memory_stats`` makes the
 cumulative counts start again from zero (cuvmm's own counters are not changed).
 """
@@ -34,6 +38,9 @@ _STATS = ("current", "peak", "allocated", "freed")
 # cuvmm counters that only grow: reset_accumulated_memory_stats subtracts their value at the reset.
 CUMULATIVE = ("allocations", "frees", "pages_created", "pages_released", "oom_retries")
 _C_NAMES = ("_cuda_memoryStats", "_cuda_resetPeakMemoryStats", "_cuda_resetAccumulatedMemoryStats")
+# The same three behind torch.accelerator's memory functions, in the PyTorch versions that have them.
+_ACCELERATOR_NAMES = ("_accelerator_getDeviceStats", "_accelerator_resetPeakStats",
+                      "_accelerator_resetAccumulatedStats")
 
 
 def _stat(current=0, peak=0, allocated=0, freed=0) -> dict:
@@ -113,10 +120,12 @@ def answer(torch_module, stats, reset_peaks) -> None:
     if answering(torch_module) or not all(hasattr(c, n) for n in _C_NAMES):
         return
     a = Answer(stats, reset_peaks)
-    _saved[id(torch_module)] = {n: getattr(c, n) for n in _C_NAMES}
-    c._cuda_memoryStats = a.memory_stats
-    c._cuda_resetPeakMemoryStats = a.reset_peak
-    c._cuda_resetAccumulatedMemoryStats = a.reset_accumulated
+    saved = _saved[id(torch_module)] = {}
+    for names in (_C_NAMES, _ACCELERATOR_NAMES):
+        for name, fn in zip(names, (a.memory_stats, a.reset_peak, a.reset_accumulated)):
+            if hasattr(c, name):
+                saved[name] = getattr(c, name)
+                setattr(c, name, fn)
 
 
 def restore(torch_module) -> None:

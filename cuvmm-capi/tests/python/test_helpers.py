@@ -439,7 +439,7 @@ class TorchStats(unittest.TestCase):
             raise RuntimeError("CUDAPluggableAllocator does not yet support getDeviceStats")
 
         c = types.SimpleNamespace(_cuda_memoryStats=raising, _cuda_resetPeakMemoryStats=raising,
-                                  _cuda_resetAccumulatedMemoryStats=raising)
+                                  _cuda_resetAccumulatedMemoryStats=raising, _accelerator_getDeviceStats=raising)
         return types.SimpleNamespace(_C=c), raising
 
     def test_keys_and_meanings_in_pytorchs_format(self):
@@ -476,6 +476,8 @@ class TorchStats(unittest.TestCase):
         _torch_stats.answer(torch, lambda d: dict(counters), peaks_reset.append)
         self.assertTrue(_torch_stats.answering(torch))
         self.assertEqual(torch._C._cuda_memoryStats(0)["allocated_bytes"]["all"]["current"], 3 << 20)
+        self.assertEqual(torch._C._accelerator_getDeviceStats(0)["reserved_bytes"]["all"]["current"], 8 << 20)
+        self.assertFalse(hasattr(torch._C, "_accelerator_resetPeakStats"), "only what this PyTorch has")
         torch._C._cuda_resetPeakMemoryStats(0)
         self.assertEqual(peaks_reset, [0])
         torch._C._cuda_resetAccumulatedMemoryStats(0)
@@ -489,6 +491,7 @@ class TorchStats(unittest.TestCase):
         self.assertFalse(_torch_stats.answering(torch))
         self.assertIs(torch._C._cuda_memoryStats, raising)
         self.assertIs(torch._C._cuda_resetPeakMemoryStats, raising)
+        self.assertIs(torch._C._accelerator_getDeviceStats, raising)
         _torch_stats.restore(torch)  # not answering: nothing to do
         self.assertIs(torch._C._cuda_memoryStats, raising)
 

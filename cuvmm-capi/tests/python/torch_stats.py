@@ -43,6 +43,8 @@ def main():
     held = {name: errs(getattr(torch.cuda, name)) for name in
             ("memory_allocated", "max_memory_allocated", "memory_reserved", "max_memory_reserved")}
     stats, stats_err = errs(torch.cuda.memory_stats)
+    accel = getattr(torch, "accelerator", None)
+    accel_allocated = errs(accel.memory_allocated) if hasattr(accel, "memory_allocated") else (None, "absent")
     del x
     torch.cuda.synchronize()
     peak_after_del = torch.cuda.max_memory_allocated()
@@ -52,7 +54,8 @@ def main():
     print(f"held 1 GiB: {held}; after del: peak {peak_after_del}, after reset {peak_after_reset}", file=sys.stderr)
     result = {"env": env_info(), "held": held, "cuvmm": s, "stats_error": stats_err,
               "peak_after_del": peak_after_del, "peak_after_reset": peak_after_reset,
-              "reset_error": reset_err, "summary_error": summary_err}
+              "reset_error": reset_err, "summary_error": summary_err,
+              "accelerator_memory_allocated": accel_allocated}
     v = {k: r[0] for k, r in held.items()}
     checks = {
         "PyTorch's own allocator keeps PyTorch's statistics": kept_own,
