@@ -95,8 +95,9 @@ int cuvmm_release_graph_memory(int device);
  *   than the free's and the block goes to no request, on any stream, until they have completed
  *   (checked at each request of the device; cuvmm_empty_cache and a request out of memory wait
  *   for them), as PyTorch's caching allocator does; it then is freed on the free's stream, so
- *   that stream and the recorded ones must still be alive then. A free during a capture makes
- *   its stream wait for the recorded streams' work instead (a join in the graph).
+ *   that stream and the recorded ones must still be alive then. A recorded stream being
+ *   captured runs nothing, so the free does not wait for it; a free captured with it makes its
+ *   stream join it in the graph.
  * cuvmm_set_memory_fraction (set_memory_fraction_fn, torch.cuda.set_per_process_memory_fraction):
  *   requests that would take the bytes handed out on `device` (cuvmm_stats_t.live) past
  *   `fraction` of its memory fail as out of memory; 1 removes the limit, a value outside 0..1

@@ -6,9 +6,10 @@
 //! own stream or any other. The same happens here. A free of a block with recorded uses records
 //! one event on each of those streams and keeps the block out of the allocator; the next request
 //! on its device (or an empty cache, or a request out of memory, which wait for the events) frees
-//! it on its own stream once every event has completed. During a capture nothing may wait or
-//! ask, so there the free's stream is made to wait for the events instead (captured as a join
-//! of the streams) and the block is freed at once, as any free during a capture.
+//! it on its own stream once every event has completed. A recorded stream being captured runs
+//! nothing meanwhile: the free does not wait for it, and a free captured with it makes its stream
+//! join it in the graph instead. The events are real work's only, so asking whether they have
+//! completed (in relaxed capture mode) never touches a capture.
 
 use cuvmm_lib::alloc::StreamAllocator;
 use cuvmm_lib::driver::sys::{CUstream, CU_STREAM_LEGACY};
@@ -90,23 +91,32 @@ pub(crate) unsafe fn free(
     }
     a.context().bind().map_err(|e| e.to_string())?;
     let raw = |s: usize| s as CUstream;
-    let mut capturing = false;
-    for &s in streams.iter().chain([&key(stream)]) {
+    // An error below leaves the block out of the allocator (never freed), not freed early.
+    let capturing = |s: usize| {
         // SAFETY: a live stream of the context, per this function's contract.
-        capturing |= unsafe { cuvmm_lib::stream::is_capturing(raw(s)) }.map_err(|e| e.to_string())?;
-    }
+        unsafe { cuvmm_lib::stream::is_capturing(raw(s)) }.map_err(|e| e.to_string())
+    };
+    let free_captured = capturing(key(stream))?;
     let mut events = Vec::with_capacity(streams.len());
     for s in streams {
         let e = Event::without_timing(a.context()).map_err(|e| e.to_string())?;
-        // SAFETY: as above.
-        unsafe { e.record_raw(raw(s)) }.map_err(|e| e.to_string())?;
-        if capturing {
-            // SAFETY: as above.
-            unsafe { e.wait_raw(stream) }.map_err(|e| e.to_string())?;
+        if capturing(s)? {
+            // Nothing runs on a stream being captured: its uses are nodes of a graph. Within the
+            // capture of the free, the free's stream joins it, which orders the graph's reuse of
+            // the block after them.
+            if free_captured {
+                // SAFETY: live streams of the context, per this function's contract; recording
+                // and waiting are legal during a capture.
+                unsafe { e.record_raw(raw(s)).and_then(|()| e.wait_raw(stream)) }
+                    .map_err(|e| e.to_string())?;
+            }
+            continue;
         }
+        // SAFETY: a live stream of the context, per this function's contract.
+        unsafe { e.record_raw(raw(s)) }.map_err(|e| e.to_string())?;
         events.push(e);
     }
-    if capturing {
+    if events.is_empty() {
         return Ok(false);
     }
     let mut deferred = lock(&DEFERRED);

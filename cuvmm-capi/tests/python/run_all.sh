@@ -94,7 +94,9 @@ run oom_raises $PY oom_raises.py --json "$OUT_DIR/oom_raises.json"
 # PyTorch's allocator contract under cuvmm: empty_cache, record_stream, the memory fraction, the
 # statistics functions, torch.compile with CUDA graphs (the record_stream run without the hooks
 # must fail: it is the proof that the hook matters, so only its RESULT is kept, not counted).
-run torch_empty_cache $PY torch_empty_cache.py --json "$OUT_DIR/torch_empty_cache.json"
+for a in cuvmm native; do
+    run "torch_empty_cache_$a" $PY torch_empty_cache.py --alloc "$a" --json "$OUT_DIR/torch_empty_cache_$a.json"
+done
 run record_stream $PY record_stream.py --json "$OUT_DIR/record_stream.json"
 (cd "$HERE" && $PY record_stream.py --no-hook) > "$OUT_DIR/record_stream_no_hook.txt" 2>&1 || true
 run memory_fraction $PY memory_fraction.py --json "$OUT_DIR/memory_fraction.json"
