@@ -160,7 +160,11 @@ def wire_hooks(alloc):
         if fn is None or not hasattr(lib, entry):
             missing.append(f"{what} ({setter})")
             continue
-        fn(ctypes.cast(getattr(lib, entry), ctypes.c_void_p).value)
+        try:
+            fn(ctypes.cast(getattr(lib, entry), ctypes.c_void_p).value)
+        except (TypeError, RuntimeError) as e:  # a setter of another signature than 2.8 to 2.11's
+            missing.append(f"{what} ({setter}: {e})")
+            continue
         used.append(setter)
     if missing:
         warnings.warn(f"not reaching cuvmm with this PyTorch or library: {', '.join(missing)}",
