@@ -26,7 +26,11 @@ def main():
     import torch
 
     own = torch._C._cuda_memoryStats
-    torch.cuda.memory.change_current_allocator(torch.cuda.memory._get_current_allocator())
+    try:
+        torch.cuda.memory.change_current_allocator(torch.cuda.memory._get_current_allocator())
+        swap_err = None
+    except Exception as e:  # noqa: BLE001 - PyTorch refusing the swap changes nothing either
+        swap_err = f"{type(e).__name__}: {e}"
     kept_own = torch._C._cuda_memoryStats is own and not ct.is_current_allocator()
     ct.use_as_current_allocator()
     answered = torch._C._cuda_memoryStats is not own and ct.is_current_allocator()
@@ -52,7 +56,7 @@ def main():
     peak_after_reset = torch.cuda.max_memory_allocated()
     summary, summary_err = errs(torch.cuda.memory_summary)
     print(f"held 1 GiB: {held}; after del: peak {peak_after_del}, after reset {peak_after_reset}", file=sys.stderr)
-    result = {"env": env_info(), "held": held, "cuvmm": s, "stats_error": stats_err,
+    result = {"env": env_info(), "own_allocator_swap_error": swap_err, "held": held, "cuvmm": s, "stats_error": stats_err,
               "peak_after_del": peak_after_del, "peak_after_reset": peak_after_reset,
               "reset_error": reset_err, "summary_error": summary_err,
               "accelerator_memory_allocated": accel_allocated}
