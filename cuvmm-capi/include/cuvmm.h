@@ -87,6 +87,25 @@ int cuvmm_empty_cache(int device);
  * that those graphs were destroyed. device -1: every device. */
 int cuvmm_release_graph_memory(int device);
 
+/* PyTorch's pluggable-allocator hooks, each with its hook's signature (they return nothing; a
+ * refusal is kept for cuvmm_last_error).
+ * cuvmm_empty_cache_all (set_reset_fn, torch.cuda.empty_cache): cuvmm_empty_cache(-1).
+ * cuvmm_record_stream (set_record_stream_fn, Tensor.record_stream): the block at `ptr`, of
+ *   cuvmm_malloc, is used on `stream` too. Its free records an event on each such stream other
+ *   than the free's and the block goes to no request, on any stream, until they have completed
+ *   (checked at each request of the device; cuvmm_empty_cache and a request out of memory wait
+ *   for them), as PyTorch's caching allocator does; it then is freed on the free's stream, so
+ *   that stream and the recorded ones must still be alive then. A recorded stream being
+ *   captured runs nothing, so the free does not wait for it; a free captured with it makes its
+ *   stream join it in the graph.
+ * cuvmm_set_memory_fraction (set_memory_fraction_fn, torch.cuda.set_per_process_memory_fraction):
+ *   requests that would take the bytes handed out on `device` (cuvmm_stats_t.live) past
+ *   `fraction` of its memory fail as out of memory; 1 removes the limit, a value outside 0..1
+ *   is refused. */
+void cuvmm_empty_cache_all(void);
+void cuvmm_record_stream(void *ptr, cuvmm_stream_t stream);
+void cuvmm_set_memory_fraction(double fraction, int device);
+
 /* Sleep and wake of tagged memory (every device).
  * A tag is asleep from a cuvmm_sleep that returned 0 until a cuvmm_wake that returned 0, for the
  * whole process: on every device, those used before the sleep and those used after it alike,

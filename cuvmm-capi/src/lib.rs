@@ -12,8 +12,11 @@ mod config;
 #[cfg(test)]
 #[path = "../../tests/common/fake.rs"]
 mod fake;
+mod hooks;
+mod limit;
 mod tag_states;
 mod trace;
+mod uses;
 
 use config::Config;
 use cuvmm_lib::alloc::{
@@ -226,9 +229,20 @@ fn malloc_with(function: &str, size: isize, device: c_int, stream: CUstream, cal
                 None => None,
             };
         let a = allocator(device).map_err(plain)?;
+        settle_uses(device, false);
+        if limit::of(device).is_some() {
+            limit::check(device, size as u64, a.stats().live).map_err(plain)?;
+        }
         // SAFETY: the C contract (cuvmm.h) makes `stream` a live stream of the device's primary
         // context that outlives the blocks freed on it.
-        unsafe { a.allocate_raw_tagged(size as usize, stream, graphs, tag) }.map_err(|e| {
+        let mut got = unsafe { a.allocate_raw_tagged(size as usize, stream, graphs, tag) };
+        if got.as_ref().is_err_and(|e| e.is_out_of_memory()) && uses::pending(device) {
+            // Blocks whose frees wait for other streams' work: wait for it, as PyTorch does.
+            settle_uses(device, true);
+            // SAFETY: as above.
+            got = unsafe { a.allocate_raw_tagged(size as usize, stream, graphs, tag) };
+        }
+        got.map_err(|e| {
             if caller == Caller::Tensors
                 && e.is_out_of_memory()
                 && matches!(GLOBAL.get(), Some(Ok(g)) if g.config.abort_on_oom)
@@ -258,10 +272,33 @@ fn free_with(function: &str, ptr: *mut c_void, size: isize, device: c_int, strea
     }
     guard(function, (), || {
         let a = allocator(device).map_err(plain)?;
+        // SAFETY: the C contract: `stream` and the streams `cuvmm_record_stream` named for `ptr`
+        // are live streams of the device's primary context.
+        if unsafe { uses::free(a, device, ptr as usize as u64, stream) }.map_err(plain)? {
+            return Ok(());
+        }
         // SAFETY: the C contract: `ptr` came from this library's malloc for `device` and every use
-        // on other streams is ordered before the work queued on `stream`.
+        // on other streams is ordered before the work queued on `stream` (or recorded with
+        // `cuvmm_record_stream`, which `uses::free` ordered it after).
         unsafe { a.free_raw(ptr as usize as u64, stream) }.map_err(reported)
     })
+}
+
+/// Frees the blocks of `device` (-1: all) whose frees waited for other streams' work, once it has
+/// run (with `wait`, waiting for it). A failure is recorded, not returned: the request or empty
+/// cache that settles goes on.
+fn settle_uses(device: c_int, wait: bool) {
+    let settled = uses::settle(device, wait, |d, ptr, stream| {
+        let a = allocator(d)?;
+        // SAFETY: `ptr` came from this allocator and its free was deferred, not made; the work of
+        // the other streams that used it has completed, and `stream` is the one it was allocated
+        // and freed on, live by the C contract of cuvmm_record_stream.
+        unsafe { a.free_raw(ptr, stream) }.map_err(|e| e.to_string())
+    });
+    if let Err(e) = settled {
+        let _ =
+            catch_unwind(AssertUnwindSafe(|| fail("cuvmm_free (after cuvmm_record_stream)", e.clone(), e)));
+    }
 }
 
 /// Allocates `size` bytes on `device` for work on `stream`; capture-aware (see cuvmm.h).
@@ -382,6 +419,7 @@ pub extern "C" fn cuvmm_reset_peaks(device: c_int) -> c_int {
 /// Waits for queued work and releases every idle page (device -1: all).
 #[no_mangle]
 pub extern "C" fn cuvmm_empty_cache(device: c_int) -> c_int {
+    settle_uses(device, true);
     each_device("cuvmm_empty_cache", device, |a| a.empty_cache().map(|_| ()))
 }
 
@@ -832,7 +870,7 @@ pub extern "C" fn cuvmm_last_error() -> *const c_char {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     thread_local! {
@@ -861,7 +899,7 @@ mod tests {
         (v, CAPTURED.with(|c| c.borrow_mut().take().unwrap_or_default()))
     }
 
-    fn last_error() -> String {
+    pub(crate) fn last_error() -> String {
         let p = cuvmm_last_error();
         assert!(!p.is_null());
         // SAFETY: a non-null result is the thread's NUL-terminated message, alive until its next
@@ -1051,12 +1089,10 @@ mod tests {
 
     /// The same with `CUVMM_LIBCUDA` set to `driver`. The child's stderr comes back, not to the
     /// terminal: it is shown only when the child fails (an abort, a failed assertion).
-    fn in_child_with(name: &str, driver: Option<&std::path::Path>) {
+    pub(crate) fn in_child_with(name: &str, driver: Option<&std::path::Path>) {
         let exe = std::env::current_exe().unwrap();
         let mut child = std::process::Command::new(exe);
-        child
-            .args(["--exact", &format!("tests::{name}"), "--nocapture", "--test-threads=1"])
-            .env(CHILD, name);
+        child.args(["--exact", &test_path(name), "--nocapture", "--test-threads=1"]).env(CHILD, name);
         if let Some(driver) = driver {
             child.env(cuvmm_lib::driver::LIBRARY_ENV, driver);
         }
@@ -1070,7 +1106,16 @@ mod tests {
         );
     }
 
-    fn is_child(name: &str) -> bool {
+    /// The test's path: `name` of this module, or a path of another (`hooks::tests::name`).
+    fn test_path(name: &str) -> String {
+        if name.contains("::") {
+            name.to_owned()
+        } else {
+            format!("tests::{name}")
+        }
+    }
+
+    pub(crate) fn is_child(name: &str) -> bool {
         std::env::var(CHILD).as_deref() == Ok(name)
     }
 
@@ -1230,7 +1275,7 @@ mod tests {
     }
 
     /// The fake driver (tests/fixtures/fake_libcuda.c), built for this process.
-    fn fake_vmm() -> std::path::PathBuf {
+    pub(crate) fn fake_vmm() -> std::path::PathBuf {
         crate::fake::fake_driver("FAKE_VMM")
     }
 

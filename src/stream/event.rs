@@ -57,6 +57,47 @@ impl Event {
         unsafe { result::event::record(driver()?.api(), self.raw, stream.raw) }
     }
 
+    /// Records the event at the current end of the queue of `stream`, a stream known only by its
+    /// handle (one another library made, such as PyTorch's).
+    ///
+    /// # Safety
+    /// `stream` must be a live stream of this event's context, the null handle or
+    /// `CU_STREAM_LEGACY`, for the duration of the call.
+    pub unsafe fn record_raw(&self, stream: CUstream) -> Result<()> {
+        self.ctx.bind()?;
+        // SAFETY: the event is live; the stream per the caller's contract.
+        unsafe { result::event::record(driver()?.api(), self.raw, stream) }
+    }
+
+    /// Makes work queued on `stream` from now on wait until this event's recorded work completes
+    /// (legal during a capture, where it orders the captured work).
+    ///
+    /// # Safety
+    /// As for [`record_raw`](Self::record_raw).
+    pub unsafe fn wait_raw(&self, stream: CUstream) -> Result<()> {
+        self.ctx.bind()?;
+        // SAFETY: the event is live; the stream per the caller's contract.
+        unsafe { crate::driver::result::stream::wait_event(driver()?.api(), stream, self.raw) }
+    }
+
+    /// [`is_complete`](Self::is_complete) with the calling thread's capture mode relaxed for the
+    /// call, so that asking while another thread captures in global mode does not end that
+    /// capture in error.
+    pub fn is_complete_relaxed(&self) -> Result<bool> {
+        let api = driver()?.api();
+        let old = match result::stream::exchange_capture_mode(api, CU_STREAM_CAPTURE_MODE_RELAXED) {
+            Ok(old) => Some(old),
+            // Drivers before 10.1 have no capture modes: nothing to relax.
+            Err(Error::Unsupported { .. }) => None,
+            Err(e) => return Err(e),
+        };
+        let done = self.is_complete();
+        if let Some(old) = old {
+            let _ = result::stream::exchange_capture_mode(api, old);
+        }
+        done
+    }
+
     /// Blocks until the work before the last record has completed (at once if never recorded).
     pub fn synchronize(&self) -> Result<()> {
         self.ctx.bind()?;

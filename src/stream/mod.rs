@@ -48,6 +48,17 @@ unsafe impl Sync for StreamInner {}
 
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);
 
+/// Whether `stream`, a stream known only by its handle, is being captured into a CUDA graph.
+///
+/// # Safety
+/// `stream` must be a live stream of the current context, the null handle or
+/// `CU_STREAM_LEGACY`, for the duration of the call.
+pub unsafe fn is_capturing(stream: CUstream) -> Result<bool> {
+    // SAFETY: the stream per the caller's contract.
+    let status = unsafe { result::stream::is_capturing(driver()?.api(), stream) }?;
+    Ok(status != CU_STREAM_CAPTURE_STATUS_NONE)
+}
+
 impl Stream {
     /// A stream that synchronises with the legacy default stream.
     pub fn new(ctx: &Context) -> Result<Stream> {

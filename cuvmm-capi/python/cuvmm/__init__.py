@@ -156,6 +156,9 @@ def _declare(lib: ctypes.CDLL) -> None:
         "cuvmm_reset_peaks": (c_int, [c_int]),
         "cuvmm_empty_cache": (c_int, [c_int]),
         "cuvmm_release_graph_memory": (c_int, [c_int]),
+        "cuvmm_empty_cache_all": (None, []),
+        "cuvmm_record_stream": (None, [ctypes.c_void_p, ctypes.c_void_p]),
+        "cuvmm_set_memory_fraction": (None, [ctypes.c_double, c_int]),
         "cuvmm_last_error": (c_char_p, []),
         "cuvmm_set_error_log": (c_int, [c_int]),
         "cuvmm_trace_flush": (None, []),
@@ -304,7 +307,8 @@ def reset_peaks(device: int = -1) -> None:
 
 def empty_cache(device: int = -1) -> None:
     """Wait for the device's work, then give every idle page back to the driver (-1: every
-    device). ``torch.cuda.empty_cache`` does not reach cuvmm under ``change_current_allocator``."""
+    device). Under :func:`cuvmm.torch.use_as_current_allocator` ``torch.cuda.empty_cache()``
+    does the same for every device; this stays as its alias, also for a MemPool on cuvmm."""
     _check(load().cuvmm_empty_cache(device), "cuvmm_empty_cache")
 
 

@@ -31,6 +31,7 @@ import threading
 import warnings
 
 import cuvmm as _core
+from cuvmm import _torch_stats as _stats
 from cuvmm import *  # noqa: F401,F403  (the torch-free part, so that this module is enough)
 
 try:
@@ -50,13 +51,25 @@ if _problem is not None:
 __all__ = list(_core.__all__) + [
     "allocator", "use_as_current_allocator", "is_current_allocator", "mem_pool",
     "use_mem_pool_all_threads", "raises_on_oom", "native_oom_error", "share_tensors", "pending_shares",
-    "SharedEvent",
+    "SharedEvent", "wire_hooks", "HOOKS",
 ]
+
+# The pluggable allocator's hooks cuvmm wires: (setter on CUDAPluggableAllocator(...).allocator(),
+# cuvmm's entry point, what PyTorch calls it for). PyTorch 2.8 to 2.11 have all three; where a
+# setter is missing, that call stays a no-op under cuvmm (wire_hooks warns and says which).
+HOOKS = (
+    ("set_reset_fn", "cuvmm_empty_cache_all", "torch.cuda.empty_cache()"),
+    ("set_record_stream_fn", "cuvmm_record_stream", "Tensor.record_stream()"),
+    ("set_memory_fraction_fn", "cuvmm_set_memory_fraction", "torch.cuda.set_per_process_memory_fraction()"),
+)
 
 _lock = threading.Lock()
 _allocators = {}
 _current = False
 _shim = None
+# The native allocators (``CUDAPluggableAllocator(...).allocator()``) wire_hooks wired.
+_wired = []
+_wired_lock = threading.Lock()
 
 
 def _oom_class():
@@ -178,8 +191,87 @@ def allocator(pool: bool = False):
                 path, names = _core.library_path(), ("cuvmm_malloc", "cuvmm_free")
                 # PyTorch gets cuvmm_malloc's NULL without its text: stderr is where it shows.
                 _core._log_every_error()
-            _allocators[key] = _torch.cuda.memory.CUDAPluggableAllocator(path, *names)
+            alloc = _torch.cuda.memory.CUDAPluggableAllocator(path, *names)
+            if not pool:
+                wire_hooks(alloc)
+            _allocators[key] = alloc
         return _allocators[key]
+
+
+def wire_hooks(alloc):
+    """Give a ``torch.cuda.memory.CUDAPluggableAllocator`` over cuvmm_malloc and cuvmm_free
+    (or the raising entry points of :func:`allocator`) cuvmm's hooks: ``torch.cuda.empty_cache()``
+    empties cuvmm's cache, ``Tensor.record_stream`` keeps a freed block from every request until
+    the work of the recorded streams at the free has run (PyTorch's caching-allocator semantics),
+    and ``torch.cuda.set_per_process_memory_fraction`` is a limit cuvmm enforces (past it,
+    ``torch.OutOfMemoryError``). :func:`allocator` does this itself; call it for an allocator
+    built by hand, before ``change_current_allocator``::
+
+        a = torch.cuda.memory.CUDAPluggableAllocator(cuvmm.library_path(), "cuvmm_malloc", "cuvmm_free")
+        cuvmm.torch.wire_hooks(a)
+        torch.cuda.memory.change_current_allocator(a)
+
+    Returns the setters used. Not for :func:`mem_pool`'s allocator: PyTorch's caching allocator
+    keeps those hooks for a MemPool itself. While an allocator wired here is the current one,
+    ``torch.cuda.memory_stats`` and its relatives answer from cuvmm's counters (see
+    ``cuvmm._torch_stats`` for what each key means)."""
+    lib = _core.load()
+    native = alloc.allocator()
+    used, missing = [], []
+    for setter, entry, what in HOOKS:
+        fn = getattr(native, setter, None)
+        if fn is None or not hasattr(lib, entry):
+            missing.append(f"{what} ({setter})")
+            continue
+        try:
+            fn(ctypes.cast(getattr(lib, entry), ctypes.c_void_p).value)
+        except (TypeError, RuntimeError) as e:  # a setter of another signature than 2.8 to 2.11's
+            missing.append(f"{what} ({setter}: {e})")
+            continue
+        used.append(setter)
+    if missing:
+        warnings.warn(f"not reaching cuvmm with this PyTorch or library: {', '.join(missing)}",
+                      RuntimeWarning, stacklevel=2)
+    with _wired_lock:  # not _lock: allocator() holds that one while it calls this
+        if not any(w is native for w in _wired):
+            _wired.append(native)
+    return used
+
+
+def _is_wired(alloc) -> bool:
+    native = getattr(alloc, "allocator", lambda: None)()
+    return native is not None and any(w is native for w in _wired)
+
+
+def _change_current_allocator(alloc):
+    """``torch.cuda.memory.change_current_allocator`` that also answers PyTorch's statistics
+    functions from cuvmm while an allocator wired to cuvmm is current, and gives PyTorch's own
+    back when another one is put in its place."""
+    global _current
+    _original_change(alloc)
+    if _is_wired(alloc):
+        _stats.answer(_torch, _core.stats, _core.reset_peaks)
+        _current = True
+    else:
+        _stats.restore(_torch)
+        _current = False
+
+
+def _wrap_change_current_allocator():
+    global _original_change
+    memory = getattr(getattr(_torch, "cuda", None), "memory", None)
+    change = getattr(memory, "change_current_allocator", None)
+    if change is None:  # a stand-in for torch without its CUDA part
+        return
+    _original_change = getattr(change, "__wrapped__", change)
+    _change_current_allocator.__wrapped__ = _original_change
+    memory.change_current_allocator = _change_current_allocator
+    if hasattr(_torch.cuda, "change_current_allocator"):
+        _torch.cuda.change_current_allocator = _change_current_allocator
+
+
+_original_change = None
+_wrap_change_current_allocator()
 
 
 def use_as_current_allocator():
@@ -188,18 +280,19 @@ def use_as_current_allocator():
     PyTorch refuses to swap an allocator once CUDA is initialized, so call this first, before
     ``torch.cuda.init()`` or any CUDA tensor.
 
-    Under this allocator PyTorch forwards neither ``Tensor.record_stream`` nor
-    ``torch.cuda.empty_cache`` to cuvmm, and ``torch.cuda.memory_stats`` and its relatives
-    raise: use :func:`cuvmm.stats` and :func:`cuvmm.empty_cache`, and order a free after work on
-    other streams yourself (``alloc_stream.wait_stream(other)`` before the last reference goes
-    away). Out of memory raises ``torch.OutOfMemoryError`` and the process goes on.
+    Under this allocator ``torch.cuda.empty_cache()``, ``Tensor.record_stream`` and
+    ``torch.cuda.set_per_process_memory_fraction`` reach cuvmm (:func:`wire_hooks`), and
+    ``torch.cuda.memory_stats``, ``memory_allocated``, ``max_memory_allocated``,
+    ``memory_reserved``, ``max_memory_reserved`` and ``reset_peak_memory_stats`` answer from
+    cuvmm's counters in PyTorch's format. Out of memory raises ``torch.OutOfMemoryError`` and the
+    process goes on. CUDA graphs captured by hand work; ``torch.compile(mode="reduce-overhead")``
+    needs ``torch._inductor.config.triton.cudagraph_trees = False`` (README, "What reaches
+    cuvmm").
     """
-    global _current
     if _torch.cuda.is_initialized():
         raise RuntimeError("use_as_current_allocator() must run before CUDA is initialized")
     alloc = allocator()
     _torch.cuda.memory.change_current_allocator(alloc)
-    _current = True
     return alloc
 
 

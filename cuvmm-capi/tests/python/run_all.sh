@@ -93,6 +93,17 @@ run pool_oom $PY pool_oom.py --json "$OUT_DIR/pool_oom.json"
 run oom_raises $PY oom_raises.py --json "$OUT_DIR/oom_raises.json"
 # A convolution near the limit falls back (smaller cuDNN workspace) under cuvmm as under PyTorch's allocator.
 run conv_oom $PY conv_oom.py --json "$OUT_DIR/conv_oom.json"
+# PyTorch's allocator contract under cuvmm: empty_cache, record_stream, the memory fraction, the
+# statistics functions, torch.compile with CUDA graphs (the record_stream run without the hooks
+# must fail: it is the proof that the hook matters, so only its RESULT is kept, not counted).
+for a in cuvmm native; do
+    run "torch_empty_cache_$a" $PY torch_empty_cache.py --alloc "$a" --json "$OUT_DIR/torch_empty_cache_$a.json"
+done
+run record_stream $PY record_stream.py --json "$OUT_DIR/record_stream.json"
+(cd "$HERE" && $PY record_stream.py --no-hook) > "$OUT_DIR/record_stream_no_hook.txt" 2>&1 || true
+run memory_fraction $PY memory_fraction.py --json "$OUT_DIR/memory_fraction.json"
+run torch_stats $PY torch_stats.py --json "$OUT_DIR/torch_stats.json"
+run compile_graphs $PY compile_graphs.py --json "$OUT_DIR/compile_graphs.json"
 # torch_memory_saver's API on cuvmm, beside torch_memory_saver where it is installed.
 run tms_compare $PY tms_compare.py --json "$OUT_DIR/tms_compare.json" ${TMS_ARGS:-}
 run vllm_compare $PY vllm_compare.py --json "$OUT_DIR/vllm_compare.json" ${VLLM_ARGS:-}

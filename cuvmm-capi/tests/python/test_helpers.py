@@ -14,6 +14,7 @@ import struct
 import subprocess
 import sys
 import tempfile
+import types
 import unittest
 from pathlib import Path
 
@@ -296,6 +297,209 @@ class CtypesLayer(unittest.TestCase):
             cuvmm_torch.sleep("weights")
         cuvmm_torch.reset_peaks()
         cuvmm_torch.release_graph_memory(0)
+
+
+# A torch package with what cuvmm.torch touches of the pluggable allocator: the native object's
+# hook setters record the addresses they get; _C's statistics functions raise as they do under a
+# pluggable allocator. FAKE_TORCH_NO_RECORD drops set_record_stream_fn, as an older PyTorch might.
+FAKE_TORCH = r"""
+import os
+__version__ = "2.11.0"
+
+
+class _Native:
+    def __init__(self):
+        self.hooks = {}
+
+    def __getattr__(self, name):
+        if name.startswith("set_") and not (name == "set_record_stream_fn" and os.environ.get("FAKE_TORCH_NO_RECORD")):
+            return lambda ptr: self.hooks.__setitem__(name, ptr)
+        raise AttributeError(name)
+
+
+class _Pluggable:
+    def __init__(self, path, alloc_fn, free_fn):
+        self.names, self._native = (path, alloc_fn, free_fn), _Native()
+
+    def allocator(self):
+        return self._native
+
+
+def _raising(*_):
+    raise RuntimeError("CUDAPluggableAllocator does not yet support getDeviceStats")
+
+
+class _C:
+    _cuda_memoryStats = _cuda_resetPeakMemoryStats = _cuda_resetAccumulatedMemoryStats = staticmethod(_raising)
+
+
+class _Memory:
+    CUDAPluggableAllocator = _Pluggable
+    current = None
+
+    @staticmethod
+    def change_current_allocator(a):
+        _Memory.current = a
+
+
+class cuda:
+    memory = _Memory
+    OutOfMemoryError = MemoryError
+
+    @staticmethod
+    def is_initialized():
+        return False
+
+    @staticmethod
+    def current_device():
+        return 0
+"""
+
+HOOKS_SCRIPT = r"""
+import ctypes, json, sys, warnings
+warnings.simplefilter("always")
+with warnings.catch_warnings(record=True) as caught:
+    import torch, cuvmm, cuvmm.torch as ct
+    alloc = ct.use_as_current_allocator()
+lib = cuvmm.load()
+addr = lambda n: ctypes.cast(getattr(lib, n), ctypes.c_void_p).value
+out = {
+    "hooks": {k: v == addr(e) for k, v in alloc.allocator().hooks.items() for s, e, _ in ct.HOOKS if s == k},
+    "current": ct.is_current_allocator(),
+    "allocated": torch._C._cuda_memoryStats(0)["allocated_bytes"]["all"]["current"],
+    "warnings": [str(w.message) for w in caught],
+}
+other = torch.cuda.memory.CUDAPluggableAllocator("x.so", "a", "f")
+torch.cuda.memory.change_current_allocator(other)
+out["restored"] = torch._C._cuda_memoryStats is torch._raising and not ct.is_current_allocator()
+out["other_current"] = torch.cuda.memory.current is other
+print(json.dumps(out))
+"""
+
+
+@unittest.skipUnless(shutil.which("cc"), "needs a C compiler")
+class TorchHooks(unittest.TestCase):
+    """use_as_current_allocator wires cuvmm's hook entry points and the statistics, against a
+    fake library and a stand-in torch package, in a process of its own."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.dir = tempfile.TemporaryDirectory()
+        d = Path(cls.dir.name)
+        src, cls.so = d / "fake.c", d / "libcuvmm.so"
+        src.write_text(FAKE_LIB + "void cuvmm_empty_cache_all(void) {}\n"
+                       "void cuvmm_record_stream(void *p, void *s) {}\n"
+                       "void cuvmm_set_memory_fraction(double f, int d) {}\n")
+        subprocess.run(["cc", "-shared", "-fPIC", "-o", str(cls.so), str(src)], check=True)
+        (d / "torch").mkdir()
+        (d / "torch" / "__init__.py").write_text(FAKE_TORCH)
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.dir.cleanup()
+
+    def run_hooks(self, **env):
+        package = Path(cuvmm.__file__).resolve().parent.parent
+        r = subprocess.run([sys.executable, "-c", HOOKS_SCRIPT], capture_output=True, text=True, timeout=60,
+                           env={**os.environ, "PYTHONPATH": f"{self.dir.name}:{package}", "CUVMM_LIB": str(self.so),
+                                **env})
+        self.assertEqual(r.returncode, 0, r.stderr)
+        return json.loads(r.stdout)
+
+    def test_the_three_hooks_get_cuvmms_entry_points_and_statistics_answer_until_another_allocator(self):
+        out = self.run_hooks()
+        self.assertEqual(out["hooks"], {"set_reset_fn": True, "set_record_stream_fn": True,
+                                        "set_memory_fraction_fn": True})
+        self.assertTrue(out["current"])
+        self.assertEqual(out["allocated"], 100)  # the fake library's live
+        self.assertTrue(out["restored"])
+        self.assertTrue(out["other_current"])
+        self.assertFalse(any("not reaching cuvmm" in w for w in out["warnings"]), out["warnings"])
+
+    def test_a_missing_setter_is_named_in_a_warning(self):
+        out = self.run_hooks(FAKE_TORCH_NO_RECORD="1")
+        self.assertNotIn("set_record_stream_fn", out["hooks"])
+        self.assertEqual(len(out["hooks"]), 2)
+        self.assertTrue(any("Tensor.record_stream() (set_record_stream_fn)" in w for w in out["warnings"]),
+                        out["warnings"])
+
+
+class TorchStats(unittest.TestCase):
+    """torch.cuda.memory_stats and its relatives answered from cuvmm's counters, on a stand-in
+    for torch whose three _C functions raise as they do under a pluggable allocator."""
+
+    COUNTERS = dict.fromkeys(cuvmm.STAT_FIELDS, 0) | {
+        "live": 3 << 20, "live_peak": 5 << 20, "requested": (3 << 20) - 100, "mapped": 8 << 20,
+        "mapped_peak": 12 << 20, "allocations": 10, "frees": 7, "pages_created": 4, "pages_released": 2,
+        "oom_retries": 1,
+    }
+
+    def fake_torch(self):
+        def raising(*_):
+            raise RuntimeError("CUDAPluggableAllocator does not yet support getDeviceStats")
+
+        c = types.SimpleNamespace(_cuda_memoryStats=raising, _cuda_resetPeakMemoryStats=raising,
+                                  _cuda_resetAccumulatedMemoryStats=raising, _accelerator_getDeviceStats=raising)
+        return types.SimpleNamespace(_C=c), raising
+
+    def test_keys_and_meanings_in_pytorchs_format(self):
+        from cuvmm import _torch_stats
+        n = _torch_stats.nested(self.COUNTERS)
+        flat = {}
+
+        def walk(prefix, d):  # as torch.cuda.memory_stats flattens
+            for k, v in d.items():
+                walk(f"{prefix}{k}.", v) if isinstance(v, dict) else flat.__setitem__(prefix + k, v)
+
+        walk("", n)
+        self.assertEqual(flat["allocated_bytes.all.current"], 3 << 20)   # memory_allocated
+        self.assertEqual(flat["allocated_bytes.all.peak"], 5 << 20)      # max_memory_allocated
+        self.assertEqual(flat["reserved_bytes.all.current"], 8 << 20)    # memory_reserved
+        self.assertEqual(flat["reserved_bytes.all.peak"], 12 << 20)      # max_memory_reserved
+        self.assertEqual((flat["allocation.all.allocated"], flat["allocation.all.freed"],
+                          flat["allocation.all.current"]), (10, 7, 3))
+        self.assertEqual((flat["num_device_alloc"], flat["num_device_free"], flat["segment.all.current"]), (4, 2, 2))
+        self.assertEqual(flat["num_alloc_retries"], 1)
+        # Every key torch.cuda.memory_summary reads is there.
+        for metric in ("allocated_bytes", "active_bytes", "requested_bytes", "reserved_bytes",
+                       "inactive_split_bytes", "allocation", "active", "segment", "inactive_split"):
+            for pool in ("all", "large_pool", "small_pool"):
+                for stat in ("current", "peak", "allocated", "freed"):
+                    self.assertIn(f"{metric}.{pool}.{stat}", flat)
+        self.assertTrue(all(isinstance(v, int) for v in flat.values()))
+
+    def test_answer_then_restore_and_accumulated_counts_start_again(self):
+        from cuvmm import _torch_stats
+        torch, raising = self.fake_torch()
+        counters = dict(self.COUNTERS)
+        peaks_reset = []
+        _torch_stats.answer(torch, lambda d: dict(counters), peaks_reset.append)
+        self.assertTrue(_torch_stats.answering(torch))
+        self.assertEqual(torch._C._cuda_memoryStats(0)["allocated_bytes"]["all"]["current"], 3 << 20)
+        self.assertEqual(torch._C._accelerator_getDeviceStats(0)["reserved_bytes"]["all"]["current"], 8 << 20)
+        self.assertFalse(hasattr(torch._C, "_accelerator_resetPeakStats"), "only what this PyTorch has")
+        torch._C._cuda_resetPeakMemoryStats(0)
+        self.assertEqual(peaks_reset, [0])
+        torch._C._cuda_resetAccumulatedMemoryStats(0)
+        counters.update(allocations=12, frees=9)
+        got = torch._C._cuda_memoryStats(0)["allocation"]["all"]
+        self.assertEqual((got["allocated"], got["freed"], got["current"]), (2, 2, 3))
+        self.assertEqual(torch._C._cuda_memoryStats(1)["allocation"]["all"]["allocated"], 12, "per device")
+        _torch_stats.answer(torch, None, None)  # answering already: nothing changes
+        self.assertEqual(torch._C._cuda_memoryStats(0)["allocation"]["all"]["freed"], 2)
+        _torch_stats.restore(torch)
+        self.assertFalse(_torch_stats.answering(torch))
+        self.assertIs(torch._C._cuda_memoryStats, raising)
+        self.assertIs(torch._C._cuda_resetPeakMemoryStats, raising)
+        self.assertIs(torch._C._accelerator_getDeviceStats, raising)
+        _torch_stats.restore(torch)  # not answering: nothing to do
+        self.assertIs(torch._C._cuda_memoryStats, raising)
+
+    def test_hook_entry_points_are_declared_with_the_hooks_signatures(self):
+        header = (Path(__file__).resolve().parents[2] / "include" / "cuvmm.h").read_text()
+        for decl in ("void cuvmm_empty_cache_all(void);", "void cuvmm_record_stream(void *ptr, cuvmm_stream_t stream);",
+                     "void cuvmm_set_memory_fraction(double fraction, int device);"):
+            self.assertIn(decl, header)
 
 
 if __name__ == "__main__":

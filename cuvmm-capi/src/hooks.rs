@@ -1,0 +1,47 @@
+//! The entry points PyTorch's pluggable allocator calls besides malloc and free, each with the
+//! signature of its hook (`CUDAPluggableAllocator(...).allocator().set_*_fn`): the empty cache
+//! of `torch.cuda.empty_cache`, the uses of `Tensor.record_stream`, the limit of
+//! `torch.cuda.set_per_process_memory_fraction`. They return nothing, as the hooks do; a refusal
+//! is kept for `cuvmm_last_error` and written to stderr once.
+
+use crate::{allocator, guard, plain, uses};
+use cuvmm_lib::driver::sys::CUstream;
+use cuvmm_lib::Device;
+use std::ffi::{c_int, c_void};
+
+/// `torch.cuda.empty_cache()`: frees the blocks whose frees waited for other streams once that
+/// work is done, then gives every idle page of every device used back to the driver.
+#[no_mangle]
+pub extern "C" fn cuvmm_empty_cache_all() {
+    crate::cuvmm_empty_cache(-1);
+}
+
+/// `Tensor.record_stream(stream)` for the block at `ptr`: its free waits for the work queued on
+/// `stream` by then, as in PyTorch's caching allocator (see cuvmm.h).
+#[no_mangle]
+pub extern "C" fn cuvmm_record_stream(ptr: *mut c_void, stream: CUstream) {
+    guard("cuvmm_record_stream", (), || {
+        if ptr.is_null() {
+            return Err(plain("null pointer".into()));
+        }
+        uses::record(ptr as usize as u64, stream);
+        Ok(())
+    })
+}
+
+/// `torch.cuda.set_per_process_memory_fraction(fraction, device)`: requests that would take the
+/// bytes handed out on `device` past `fraction` of its memory fail as out of memory; 1 removes
+/// the limit.
+#[no_mangle]
+pub extern "C" fn cuvmm_set_memory_fraction(fraction: f64, device: c_int) {
+    guard("cuvmm_set_memory_fraction", (), || {
+        allocator(device).map_err(plain)?;
+        let total =
+            Device::get(device as usize).and_then(|d| d.total_memory()).map_err(|e| plain(e.to_string()))?;
+        crate::limit::set(device, fraction, total as u64).map_err(plain)
+    })
+}
+
+#[cfg(test)]
+#[path = "hooks_tests.rs"]
+mod tests;

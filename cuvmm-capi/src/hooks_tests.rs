@@ -1,0 +1,162 @@
+//! The hooks on the fake driver's device, each in a child process of its own (the library's
+//! allocators and the fake's settings belong to the whole process), with host functions on a
+//! thread of their own so that work queued on a stream is really pending until they return.
+
+use super::*;
+use crate::tests::{fake_vmm, in_child_with, is_child, last_error};
+use crate::{cuvmm_free, cuvmm_get_stats, cuvmm_malloc, CuvmmStats};
+use cuvmm_lib::{Context, Stream};
+use std::sync::mpsc;
+use std::time::Duration;
+
+/// The fake driver loaded, host functions on their own thread, and its device's context.
+fn fake_device() -> Context {
+    cuvmm_lib::driver::driver().expect("the fake driver loads");
+    let lib = std::env::var_os(cuvmm_lib::driver::LIBRARY_ENV).expect("the parent names the fake driver");
+    let path = std::ffi::CString::new(lib.as_encoded_bytes()).unwrap();
+    // SAFETY: the fake driver is loaded (RTLD_NOLOAD only finds it) and exports
+    // `void fake_host_thread(int)`; the handle is not closed.
+    unsafe {
+        let h = libc::dlopen(path.as_ptr(), libc::RTLD_NOW | libc::RTLD_NOLOAD);
+        assert!(!h.is_null());
+        let f = libc::dlsym(h, c"fake_host_thread".as_ptr());
+        assert!(!f.is_null());
+        std::mem::transmute::<*mut c_void, unsafe extern "C" fn(c_int)>(f)(1);
+    }
+    Context::for_ordinal(0).unwrap()
+}
+
+/// Work queued on `stream` that runs until the returned sender says go (or 10 s pass).
+fn busy(stream: &Stream) -> mpsc::Sender<()> {
+    let (go, wait) = mpsc::channel::<()>();
+    stream
+        .launch_host_fn(move || {
+            let _ = wait.recv_timeout(Duration::from_secs(10));
+        })
+        .unwrap();
+    go
+}
+
+fn stats() -> CuvmmStats {
+    let mut s = CuvmmStats::default();
+    // SAFETY: a writable struct.
+    assert_eq!(unsafe { cuvmm_get_stats(0, &mut s) }, 0, "{}", last_error());
+    s
+}
+
+const SIZE: isize = 4 << 20;
+
+/// A block of the legacy stream read by work on a side stream that still runs, recorded there
+/// and freed (PyTorch's record_stream pattern): the side stream, the block, and what lets the
+/// work finish.
+fn freed_while_side_stream_reads() -> (Stream, *mut c_void, mpsc::Sender<()>) {
+    let ctx = fake_device();
+    let side = Stream::non_blocking(&ctx).unwrap();
+    let p = cuvmm_malloc(SIZE, 0, std::ptr::null_mut());
+    assert!(!p.is_null(), "{}", last_error());
+    let go = busy(&side);
+    cuvmm_record_stream(p, side.raw());
+    cuvmm_free(p, SIZE, 0, std::ptr::null_mut());
+    assert!(uses::pending(0));
+    (side, p, go)
+}
+
+#[test]
+fn a_block_recorded_on_a_busy_stream_is_not_handed_out_again_until_that_work_ran() {
+    in_child_with("hooks::tests::child_record_stream", Some(&fake_vmm()));
+}
+
+/// The child of the test above: PyTorch's record_stream pattern, a tensor of the legacy stream
+/// read by work on a side stream, recorded there and freed, and a request of the same size on
+/// the legacy stream at once.
+#[test]
+fn child_record_stream() {
+    if !is_child("hooks::tests::child_record_stream") {
+        return;
+    }
+    let (side, p, go) = freed_while_side_stream_reads();
+    let null = std::ptr::null_mut();
+    let q = cuvmm_malloc(SIZE, 0, null);
+    assert!(!q.is_null(), "{}", last_error());
+    assert_ne!(q, p, "the block went to a new request while the side stream's work could still read it");
+    assert_eq!(stats().frees, 0, "the free waits for the side stream");
+    // Once that work has run, the next request frees the block first.
+    go.send(()).unwrap();
+    side.synchronize().unwrap();
+    let r = cuvmm_malloc(SIZE, 0, null);
+    assert!(!r.is_null(), "{}", last_error());
+    assert!(!uses::pending(0));
+    assert_eq!(stats().frees, 1);
+    assert_eq!(r, p, "freed on its own stream, the block serves that stream at once");
+    for x in [q, r] {
+        cuvmm_free(x, SIZE, 0, null);
+    }
+    // A use recorded on the block's own stream defers nothing.
+    let s = cuvmm_malloc(SIZE, 0, null);
+    cuvmm_record_stream(s, null);
+    cuvmm_free(s, SIZE, 0, null);
+    assert!(!uses::pending(0));
+    assert!(uses::recorded(s as u64).is_empty());
+    println!("child done");
+}
+
+#[test]
+fn an_empty_cache_waits_for_the_recorded_work_and_gives_the_block_back() {
+    in_child_with("hooks::tests::child_record_stream_empty_cache", Some(&fake_vmm()));
+}
+
+/// The child of the test above: `torch.cuda.empty_cache()` with a free still waiting for a side
+/// stream frees it once that work ran and releases its pages.
+#[test]
+fn child_record_stream_empty_cache() {
+    if !is_child("hooks::tests::child_record_stream_empty_cache") {
+        return;
+    }
+    let (_side, _, go) = freed_while_side_stream_reads();
+    let later = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(50));
+        go.send(()).unwrap();
+    });
+    cuvmm_empty_cache_all();
+    later.join().unwrap();
+    assert!(!uses::pending(0));
+    let s = stats();
+    assert_eq!((s.live, s.frees), (0, 1));
+    assert_eq!(s.mapped, 0, "the block's pages went back to the driver");
+    println!("child done");
+}
+
+#[test]
+fn the_memory_fraction_refuses_requests_past_it_as_out_of_memory() {
+    in_child_with("hooks::tests::child_memory_fraction", Some(&fake_vmm()));
+}
+
+/// The child of the test above, on the fake's 80 GiB device.
+#[test]
+fn child_memory_fraction() {
+    if !is_child("hooks::tests::child_memory_fraction") {
+        return;
+    }
+    let _ctx = fake_device();
+    let null = std::ptr::null_mut();
+    cuvmm_set_memory_fraction(0.5, 0);
+    let a = cuvmm_malloc(30 << 30, 0, null);
+    assert!(!a.is_null(), "{}", last_error());
+    assert!(cuvmm_malloc(11 << 30, 0, null).is_null(), "41 GiB live is past half of 80 GiB");
+    let e = last_error();
+    assert!(e.contains("out of memory") && e.contains("memory fraction"), "{e}");
+    let b = cuvmm_malloc(9 << 30, 0, null);
+    assert!(!b.is_null(), "{}", last_error());
+    cuvmm_set_memory_fraction(2.0, 0);
+    assert!(last_error().contains("not between 0 and 1"), "{}", last_error());
+    assert!(cuvmm_malloc(2 << 30, 0, null).is_null(), "a refused fraction keeps the limit");
+    cuvmm_set_memory_fraction(1.0, 0);
+    let c = cuvmm_malloc(2 << 30, 0, null);
+    assert!(!c.is_null(), "{}", last_error());
+    for (x, n) in [(a, 30isize << 30), (b, 9 << 30), (c, 2 << 30)] {
+        cuvmm_free(x, n, 0, null);
+    }
+    cuvmm_set_memory_fraction(0.5, 9);
+    assert!(last_error().contains("no device 9"), "{}", last_error());
+    println!("child done");
+}
