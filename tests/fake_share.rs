@@ -100,3 +100,47 @@ fn above_the_export_threshold_a_block_is_one_exportable_allocation() {
     assert!(alloc.empty_cache().unwrap() >= 20 * MIB);
     assert!(count(&lib, "cuMemRelease") - released >= 1);
 }
+
+#[test]
+fn a_block_freed_while_imported_keeps_its_memory_from_later_blocks_until_let_go() {
+    let (_turn, lib, ctx) = fake_device();
+    let config = AllocatorConfig { page: 2 * MIB, ..AllocatorConfig::default() };
+    let alloc = StreamAllocator::with_config(&ctx, config).unwrap();
+    let len = 6 * MIB as u64;
+    // SAFETY: the legacy default stream; freed once below.
+    let big = unsafe { alloc.allocate_raw(len as usize, std::ptr::null_mut(), GraphMemory::Keep) }.unwrap();
+    let e = alloc.export(big).unwrap();
+    let borrowed: Vec<_> = e.fds.iter().map(|f| f.as_fd()).collect();
+    let imported = BlockImport::import(&ctx, &borrowed, e.page, &[]).unwrap();
+    drop(e);
+    // What FSDP's `storage.resize_(0)` does to a parameter a reader still maps.
+    // SAFETY: from this allocator on the legacy stream, freed once.
+    unsafe { alloc.free_raw(big, std::ptr::null_mut()).unwrap() };
+    let s = alloc.stats();
+    assert_eq!((s.live, s.exported, s.freed_shared), (0, 0, len));
+    assert_eq!(alloc.owner_of(big), None);
+    assert!(alloc.unexport(big + 4096).is_err(), "named by its address only");
+    let released = count(&lib, "cuMemRelease");
+    alloc.empty_cache().unwrap();
+    assert_eq!(count(&lib, "cuMemRelease"), released, "its pages stay mapped here");
+    let mut later = Vec::new();
+    for n in [len, len, len / 2, 3 * MIB as u64, len] {
+        // SAFETY: as above.
+        let a = unsafe { alloc.allocate_raw(n as usize, std::ptr::null_mut(), GraphMemory::Keep) }.unwrap();
+        assert!(a + n <= big || a >= big + len, "a later block at {a:#x} lies on the freed shared one");
+        later.push(a);
+    }
+    for a in later {
+        // SAFETY: as above.
+        unsafe { alloc.free_raw(a, std::ptr::null_mut()).unwrap() };
+    }
+    alloc.empty_cache().unwrap();
+    assert_eq!(alloc.stats().mapped, len, "its three pages stay, and nothing else");
+    drop(imported);
+    alloc.unexport(big).unwrap();
+    assert_eq!(alloc.stats().freed_shared, 0);
+    assert!(alloc.unexport(big).is_err(), "nothing shared any more");
+    // Freed now: its pages go back to the driver once idle.
+    alloc.empty_cache().unwrap();
+    assert_eq!((alloc.stats().mapped, alloc.stats().live), (0, 0));
+}

@@ -308,10 +308,10 @@ fn stats_json() -> String {
         .map(|(d, a)| {
             let s = a.stats();
             format!(
-                "\"{d}\":{{\"live\":{},\"live_peak\":{},\"requested\":{},\"mapped\":{},\"mapped_peak\":{},\"reserved\":{},\"allocations\":{},\"frees\":{},\"cache_hits\":{},\"pages_created\":{},\"pages_released\":{},\"pages_remapped\":{},\"events_recorded\":{},\"oom_retries\":{},\"graph_held\":{},\"exported\":{}}}",
+                "\"{d}\":{{\"live\":{},\"live_peak\":{},\"requested\":{},\"mapped\":{},\"mapped_peak\":{},\"reserved\":{},\"allocations\":{},\"frees\":{},\"cache_hits\":{},\"pages_created\":{},\"pages_released\":{},\"pages_remapped\":{},\"events_recorded\":{},\"oom_retries\":{},\"graph_held\":{},\"exported\":{},\"freed_shared\":{}}}",
                 s.live, s.live_peak, s.requested, s.mapped, s.mapped_peak, s.reserved, s.allocations, s.frees,
                 s.cache_hits, s.pages_created, s.pages_released, s.pages_remapped, s.events_recorded,
-                s.oom_retries, s.graph_held, s.exported
+                s.oom_retries, s.graph_held, s.exported, s.freed_shared
             )
         })
         .collect();

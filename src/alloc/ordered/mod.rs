@@ -412,10 +412,11 @@ impl StreamAllocator {
     /// under it (the pages hold the block's neighbours too, as legacy CUDA IPC shares a whole
     /// segment). [`BlockImport::import`] maps them elsewhere.
     ///
-    /// The importer's pages stay valid after this process frees the block or exits; what must not
-    /// happen is the block's addresses being handed out again while an importer reads them, so keep
-    /// it allocated until the importers have let go, then call [`unexport`](Self::unexport). Until
+    /// Once the importers have let go, call [`unexport`](Self::unexport) (once per export). Until
     /// then the block's bytes count in [`AllocatorStats::exported`] and its tag refuses to sleep.
+    /// The block may be freed before: its memory (addresses and pages) stays out of every later
+    /// allocation, its bytes move to [`AllocatorStats::freed_shared`], and the last `unexport`
+    /// frees it, so that no new block lands on memory an importer still reads and writes.
     /// Refused for a block whose tag is asleep, and where the device cannot export POSIX
     /// descriptors.
     pub fn export(&self, ptr: u64) -> Result<BlockExport> {
