@@ -410,7 +410,10 @@ impl StreamAllocator {
 
     /// Shares the live block holding `ptr` with another process: a POSIX descriptor for each page
     /// under it (the pages hold the block's neighbours too, as legacy CUDA IPC shares a whole
-    /// segment). [`BlockImport::import`] maps them elsewhere.
+    /// segment). [`BlockImport::import`] maps them elsewhere. Each page's first export is kept with
+    /// the page (see [`PhysicalMemory::export_fd_kept`](crate::vmm::PhysicalMemory::export_fd_kept)):
+    /// sharing the same block again duplicates those descriptors instead of asking the driver, and
+    /// a kept descriptor closes when the allocator gives its page back.
     ///
     /// Once the importers have let go, call [`unexport`](Self::unexport) (once per export). Until
     /// then the block's bytes count in [`AllocatorStats::exported`] and its tag refuses to sleep.
@@ -422,7 +425,7 @@ impl StreamAllocator {
     pub fn export(&self, ptr: u64) -> Result<BlockExport> {
         let mut fds = Vec::new();
         let at = self.inner.alloc.core().export(ptr, |page| {
-            fds.push(page.export_fd()?);
+            fds.push(page.export_fd_kept()?);
             Ok(())
         })?;
         Ok(BlockExport {
