@@ -137,9 +137,9 @@ int cuvmm_get_tag_stats(const char *tag, cuvmm_tag_stats_t *out);
  * cuvmm_export: shares that block: one POSIX file descriptor per physical page under it in fds
  *   (the caller owns and closes them; pages also hold the block's neighbours, as legacy CUDA IPC
  *   shares a whole segment) and the layout in *out. Each page's first export is kept with the page
- *   until the allocator gives it back, so sharing the same block again costs no driver export. Returns the page count; when it is larger than
- *   `cap` nothing is shared and the call may be repeated. -1 on failure (a tag asleep, a device
- *   without POSIX-fd export). Once its importers have released it, call cuvmm_unexport (once per
+ *   until the allocator gives it back, so sharing the same block again costs no driver export.
+ *   Returns the page count; when it is larger than `cap` nothing is shared and the call may be
+ *   repeated. -1 on failure (a tag asleep, a device without POSIX-fd export). Once its importers have released it, call cuvmm_unexport (once per
  *   export). Until then its bytes count in cuvmm_stats_t.exported and its tag refuses to sleep.
  *   A shared block may be freed before then: its memory (addresses and pages) stays out of every
  *   later allocation, its bytes move to cuvmm_stats_t.freed_shared, and the last cuvmm_unexport
