@@ -94,9 +94,12 @@ fn a_block_at_the_address_of_a_freed_one_exports_its_own_pages() {
     let fds0 = open_fds();
     // SAFETY: the legacy default stream; each block is freed once below.
     let a = unsafe { alloc.allocate_raw(4 * MIB, std::ptr::null_mut(), GraphMemory::Keep) }.unwrap();
-    let first: Vec<String> = alloc.export(a).unwrap().fds.iter().map(handle_of).collect();
-    let again: Vec<String> = alloc.export(a).unwrap().fds.iter().map(handle_of).collect();
+    let (e1, e2) = (alloc.export(a).unwrap(), alloc.export(a).unwrap());
+    let first: Vec<String> = e1.fds.iter().map(handle_of).collect();
+    let again: Vec<String> = e2.fds.iter().map(handle_of).collect();
     assert_eq!(first, again, "the same pages, their exports kept");
+    assert_eq!((e1.pages.len(), &e1.pages), (2, &e2.pages), "the same serials");
+    drop((e1.fds, e2.fds));
     alloc.unexport(a).unwrap();
     alloc.unexport(a).unwrap();
     // SAFETY: as above.
@@ -107,8 +110,10 @@ fn a_block_at_the_address_of_a_freed_one_exports_its_own_pages() {
     // SAFETY: as above.
     let b = unsafe { alloc.allocate_raw(4 * MIB, std::ptr::null_mut(), GraphMemory::Keep) }.unwrap();
     assert_eq!(b, a, "the same address, on new pages");
-    let fresh: Vec<String> = alloc.export(b).unwrap().fds.iter().map(handle_of).collect();
+    let e3 = alloc.export(b).unwrap();
+    let fresh: Vec<String> = e3.fds.iter().map(handle_of).collect();
     assert_eq!(count(&lib, "cuMemExportToShareableHandle") - exports, 2);
+    assert!(e3.pages.iter().all(|s| !e1.pages.contains(s)), "new pages, new serials: {:?}", e3.pages);
     assert!(fresh.iter().all(|h| !first.contains(h)), "{fresh:?} names a released page of {first:?}");
     alloc.unexport(b).unwrap();
     // SAFETY: as above.

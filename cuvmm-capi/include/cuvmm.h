@@ -159,6 +159,11 @@ typedef struct cuvmm_export {
 } cuvmm_export_t;
 int cuvmm_owner(int device, const void *ptr, uint64_t *block, uint64_t *len);
 ssize_t cuvmm_export(int device, const void *ptr, cuvmm_export_t *out, int *fds, size_t cap);
+/* cuvmm_export, also writing each page's serial into pages (room for cap): the same serial names
+ * the same physical memory of this process, and a serial never comes back, so an importer that
+ * kept a mapping of pages with these serials from this process may use it again. */
+ssize_t cuvmm_export_pages(int device, const void *ptr, cuvmm_export_t *out, int *fds, uint64_t *pages,
+                           size_t cap);
 int cuvmm_unexport(int device, uint64_t block);
 void *cuvmm_import(int device, const int *fds, size_t count, uint64_t page, const int *peers, size_t npeers,
                    uint64_t *base);

@@ -296,6 +296,14 @@ struct PhysInner {
     handles: HandleTypes,
     /// The POSIX descriptor of its first [`PhysicalMemory::export_fd_kept`], closed with it.
     kept_fd: OnceLock<std::os::fd::OwnedFd>,
+    serial: u64,
+}
+
+/// The next [`PhysicalMemory::serial`].
+static NEXT_SERIAL: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+
+fn next_serial() -> u64 {
+    NEXT_SERIAL.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
 }
 
 /// What the driver says of an allocation (`cuMemGetAllocationPropertiesFromHandle`).
@@ -335,13 +343,28 @@ impl PhysicalMemory {
     ) -> PhysicalMemory {
         let location = OnceLock::from(location);
         PhysicalMemory {
-            inner: Arc::new(PhysInner { ctx, handle, size, location, handles, kept_fd: OnceLock::new() }),
+            inner: Arc::new(PhysInner {
+                ctx,
+                handle,
+                size,
+                location,
+                handles,
+                kept_fd: OnceLock::new(),
+                serial: next_serial(),
+            }),
         }
     }
 
     /// Size in bytes.
     pub fn size(&self) -> usize {
         self.inner.size
+    }
+
+    /// A number that no other physical memory of this process had or will have (its clones share
+    /// it): the same number names the same memory, unlike a driver handle, which the driver gives
+    /// again once released.
+    pub fn serial(&self) -> u64 {
+        self.inner.serial
     }
 
     /// The driver's handle. It stays valid while `self` (or any clone) lives.
@@ -457,6 +480,7 @@ impl PhysicalMemory {
             location: OnceLock::new(),
             handles,
             kept_fd: OnceLock::new(),
+            serial: next_serial(),
         };
         PhysicalMemory { inner: Arc::new(inner) }
     }

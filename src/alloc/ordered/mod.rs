@@ -423,9 +423,10 @@ impl StreamAllocator {
     /// Refused for a block whose tag is asleep, and where the device cannot export POSIX
     /// descriptors.
     pub fn export(&self, ptr: u64) -> Result<BlockExport> {
-        let mut fds = Vec::new();
+        let (mut fds, mut pages) = (Vec::new(), Vec::new());
         let at = self.inner.alloc.core().export(ptr, |page| {
             fds.push(page.export_fd_kept()?);
+            pages.push(page.serial());
             Ok(())
         })?;
         Ok(BlockExport {
@@ -434,6 +435,7 @@ impl StreamAllocator {
             first_page: at.first_page,
             page: at.page as usize,
             fds,
+            pages,
         })
     }
 
@@ -536,6 +538,9 @@ pub struct BlockExport {
     pub page: usize,
     /// One descriptor per page, in address order.
     pub fds: Vec<std::os::fd::OwnedFd>,
+    /// Each page's [`serial`](crate::vmm::PhysicalMemory::serial), in address order: an importer
+    /// that kept a mapping of pages with these numbers from this process may use it again.
+    pub pages: Vec<u64>,
 }
 
 /// Pages another process exported ([`StreamAllocator::export`]), mapped here side by side as they
