@@ -3,11 +3,12 @@
 PyTorch's own allocator, in one run.
 
     python3 mp_share.py [--tensors 64] [--gib 16] [--rounds 3] [--trips 1000] [--no-nixl]
-                        [--export-threshold 64MiB]
+                        [--export-threshold 64MiB] [--share-keep 32GiB]
 
-For each allocator (a sender process each: native, cuvmm under change_current_allocator, and cuvmm
-again with --export-threshold, where each tensor is one physical allocation) a spawned receiver
-gets:
+For each allocator (a sender process each: native, cuvmm under change_current_allocator, cuvmm
+again with --export-threshold, where each tensor is one physical allocation, and cuvmm again with
+a receiver that keeps its mappings between hand-offs, CUVMM_SHARE_KEEP=--share-keep) a spawned
+receiver gets:
 
 * views of several dtypes, strides and offsets, and an nn.Parameter: it checks each against the
   sender's description (dtype, size, strides, storage offset, sum) and writes one element, which
@@ -285,9 +286,11 @@ def nixl_send(tensors, ask):
         return {"error": f"{type(e).__name__}: {e}"}
 
 
-def run_sender(alloc, argv, conf=None):
+def run_sender(alloc, argv, conf=None, keep=None):
     cmd = [sys.executable, os.path.abspath(__file__), "--role", "sender", "--alloc", alloc] + argv
     env = dict(os.environ)
+    if keep:
+        env["CUVMM_SHARE_KEEP"] = keep  # the spawned receiver inherits it
     if conf:
         env["CUVMM_ALLOC_CONF"] = ",".join(c for c in (env.get("CUVMM_ALLOC_CONF"), conf) if c)
     p = subprocess.run(cmd, cwd=HERE, stdout=subprocess.PIPE, text=True, env=env)
@@ -319,6 +322,9 @@ def main():
     p.add_argument("--export-threshold", default="64MiB",
                    help="a third run on cuvmm with this export_threshold (each tensor one physical "
                         "allocation, what UCX's descriptor and fabric paths take); 0: none")
+    p.add_argument("--share-keep", default="32GiB",
+                   help="a run on cuvmm whose receiver keeps up to this many bytes of mappings between "
+                        "hand-offs (CUVMM_SHARE_KEEP); 0: none")
     p.add_argument("--json", metavar="PATH")
     args = p.parse_args()
     if args.role == "sender":
@@ -329,15 +335,23 @@ def main():
     whole = None
     if args.export_threshold not in ("0", ""):
         whole = run_sender("cuvmm", argv, f"export_threshold={args.export_threshold}")
+    kept = None
+    if args.share_keep not in ("0", ""):
+        kept = run_sender("cuvmm", argv, keep=args.share_keep)
     checks = {f"cuvmm: {k}": v for k, v in cuvmm_run.get("checks", {}).items()}
     if whole is not None:
         checks.update({f"cuvmm export_threshold: {k}": v for k, v in whole.get("checks", {}).items()})
         checks["cuvmm export_threshold run completed"] = "handoff" in whole
+    if kept is not None:
+        checks.update({f"cuvmm CUVMM_SHARE_KEEP: {k}": v for k, v in kept.get("checks", {}).items()})
+        checks["cuvmm CUVMM_SHARE_KEEP run completed"] = "handoff" in kept
     checks["native run completed"] = "handoff" in native
     checks["cuvmm run completed"] = "handoff" in cuvmm_run
-    goals, result = {}, {"native": native, "cuvmm": cuvmm_run, "cuvmm_export_threshold": whole}
+    goals, result = {}, {"native": native, "cuvmm": cuvmm_run, "cuvmm_export_threshold": whole,
+                         "cuvmm_share_keep": kept}
     result["ratios"] = {}
-    for name, run in (("cuvmm", cuvmm_run), ("cuvmm export_threshold", whole or {})):
+    for name, run in (("cuvmm", cuvmm_run), ("cuvmm export_threshold", whole or {}),
+                      (f"cuvmm CUVMM_SHARE_KEEP={args.share_keep}", kept or {})):
         r = ratios(native, run)
         if r is None:
             continue

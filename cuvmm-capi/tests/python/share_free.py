@@ -15,7 +15,9 @@ their values and writes new ones into them; the sender's new tensors must not ch
 Checks: the receiver's tensors intact; the sender's new tensors untouched by the receiver's writes
 and lying on none of the freed blocks' addresses; on cuvmm, ``stats()["freed_shared"]`` holding
 the freed blocks while the receiver maps them and 0 once it lets go, the same after a receiver
-that is killed while it holds one, and live bytes back at the end. About 20 s on one GPU.
+that is killed while it holds one, and live bytes back at the end; a tensor allocated at the
+address of a freed one (the receiver having let go) arrives with its own memory. cuvmm runs twice:
+by default, and with a receiver that keeps its mappings (CUVMM_SHARE_KEEP). About 30 s on one GPU.
 """
 
 import argparse
@@ -147,6 +149,22 @@ def sender(args):
     if alloc.uses_cuvmm:
         checks["freed_shared holds the freed blocks while the receiver maps them"] = during == freed_bytes
         checks["freed_shared is 0 once the receiver let go"] = after == 0
+    # The same address on new pages once the receiver let go (its mapping kept, with
+    # CUVMM_SHARE_KEEP): what arrives is the new tensor's memory.
+    t = torch.full((64 * MiB // 4,), 5, dtype=torch.int32, device="cuda:0")
+    assert ask("hold", [t]) == 1
+    assert ask("drop") is None
+    settle()
+    addr = t.data_ptr()
+    del t
+    alloc.empty_cache()
+    t = torch.full((64 * MiB // 4,), 9, dtype=torch.int32, device="cuda:0")
+    result["reallocated_at_the_same_address"] = t.data_ptr() == addr
+    assert ask("hold", [t]) == 1
+    checks["a tensor at the address of a freed one arrives with its own memory"] = ask("check_and_write", [9]) == [True]
+    assert ask("drop") is None
+    del t
+    settle()
     ask("stop")
     child.join(60)
 
@@ -173,9 +191,12 @@ def sender(args):
     return finish("share_free.py", args, result, checks)
 
 
-def run_sender(alloc):
+def run_sender(alloc, keep=None):
     cmd = [sys.executable, os.path.abspath(__file__), "--role", "sender", "--alloc", alloc]
-    p = subprocess.run(cmd, cwd=HERE, stdout=subprocess.PIPE, text=True)
+    env = dict(os.environ)
+    if keep:
+        env["CUVMM_SHARE_KEEP"] = keep  # the spawned receiver inherits it
+    p = subprocess.run(cmd, cwd=HERE, stdout=subprocess.PIPE, text=True, env=env)
     sys.stdout.write("".join(line + "\n" for line in p.stdout.splitlines() if not line.startswith("RESULT ")))
     lines = [line for line in p.stdout.splitlines() if line.startswith("RESULT ")]
     return json.loads(lines[-1][len("RESULT "):]) if lines else {"error": f"exit {p.returncode}", "checks": {}}
@@ -191,6 +212,8 @@ def main():
         return sender(args)
     allocs = ("native", "cuvmm") if args.alloc == "all" else (args.alloc,)
     runs = {a: run_sender(a) for a in allocs}
+    if "cuvmm" in allocs:
+        runs["cuvmm CUVMM_SHARE_KEEP=1GiB"] = run_sender("cuvmm", "1GiB")
     checks = {}
     for a, r in runs.items():
         checks[f"{a} run completed"] = "intact" in r
