@@ -38,17 +38,23 @@ fn libcuvmm() -> PathBuf {
     lib
 }
 
-/// Builds the C program `fixtures/NAME.c` and runs it against libcuvmm.so and the fake driver;
-/// fails the test with its output unless it succeeds.
-fn run_fixture(name: &str) {
+/// Builds the C program `source` (a fixture, with cuvmm.h beside it: a copied test executable
+/// needs no source tree) and runs it against libcuvmm.so and the fake driver; fails the test with
+/// its output unless it succeeds.
+fn run_fixture(name: &str, source: &str) {
     let fake = common::fake_driver("FAKE_VMM");
     // Removed with the scratch folder when the tests end (the fake driver's folder is shared).
-    let exe = common::scratch().join(name);
+    let dir = common::scratch().join(format!("fixture-{name}"));
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("cuvmm.h"), include_str!("../include/cuvmm.h")).unwrap();
+    std::fs::write(dir.join(format!("{name}.c")), source).unwrap();
+    let exe = dir.join(name);
     let status = Command::new("cc")
         .args(["-O1", "-Wall", "-o"])
         .arg(&exe)
-        .arg(format!("{}/tests/fixtures/{name}.c", env!("CARGO_MANIFEST_DIR")))
-        .arg(concat!("-I", env!("CARGO_MANIFEST_DIR"), "/include"))
+        .arg(dir.join(format!("{name}.c")))
+        .arg("-I")
+        .arg(&dir)
         .args(["-ldl", "-lpthread"])
         .status()
         .expect("the test needs a C compiler (cc)");
@@ -71,10 +77,10 @@ fn run_fixture(name: &str) {
 
 #[test]
 fn threads_that_destroy_their_streams_between_rounds_get_no_block_still_in_use() {
-    run_fixture("streams_destroyed");
+    run_fixture("streams_destroyed", include_str!("fixtures/streams_destroyed.c"));
 }
 
 #[test]
 fn a_block_a_c_caller_frees_while_shared_stays_out_of_later_blocks_until_unexported() {
-    run_fixture("shared_free");
+    run_fixture("shared_free", include_str!("fixtures/shared_free.c"));
 }
