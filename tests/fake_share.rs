@@ -15,6 +15,14 @@ fn open_fds() -> usize {
     std::fs::read_dir("/proc/self/fd").unwrap().count()
 }
 
+/// The fake driver's handle that an exported descriptor names.
+fn handle_of(fd: &std::os::fd::OwnedFd) -> String {
+    use std::os::fd::AsRawFd;
+    let link = std::fs::read_link(format!("/proc/self/fd/{}", fd.as_raw_fd())).unwrap();
+    let name = link.to_string_lossy().into_owned();
+    name.split("fake-handle-").nth(1).unwrap().split(' ').next().unwrap().to_owned()
+}
+
 #[test]
 fn a_block_exports_the_pages_under_it_and_a_thousand_round_trips_leave_nothing_behind() {
     let (_turn, lib, ctx) = fake_device();
@@ -28,6 +36,7 @@ fn a_block_exports_the_pages_under_it_and_a_thousand_round_trips_leave_nothing_b
     assert_eq!(alloc.owner_of(small + 4096), None, "past the small block");
 
     let fds0 = open_fds();
+    let exports = count(&lib, "cuMemExportToShareableHandle");
     let (created, released) = (count(&lib, "cuMemCreate"), count(&lib, "cuMemRelease"));
     let (maps, unmaps) = (count(&lib, "cuMemMap"), count(&lib, "cuMemUnmap"));
     let (reserves, frees) = (count(&lib, "cuMemAddressReserve"), count(&lib, "cuMemAddressFree"));
@@ -48,7 +57,8 @@ fn a_block_exports_the_pages_under_it_and_a_thousand_round_trips_leave_nothing_b
         alloc.unexport(big).unwrap();
     }
     assert_eq!(alloc.stats().exported, 0);
-    assert_eq!(open_fds(), fds0, "every exported descriptor closed");
+    assert_eq!(count(&lib, "cuMemExportToShareableHandle") - exports, 3, "each page exported once");
+    assert_eq!(open_fds(), fds0 + 3, "every descriptor handed out closed; one kept for each page");
     assert_eq!(count(&lib, "cuMemCreate") - created, 0, "an export creates nothing");
     assert_eq!(count(&lib, "cuMemRelease") - released, 3000, "every imported handle released");
     assert_eq!(count(&lib, "cuMemMap") - maps, 3000);
@@ -72,6 +82,42 @@ fn a_block_exports_the_pages_under_it_and_a_thousand_round_trips_leave_nothing_b
         alloc.free_raw(big, std::ptr::null_mut()).unwrap();
     }
     assert!(alloc.export(big).is_err(), "a freed block");
+    alloc.empty_cache().unwrap();
+    assert_eq!(open_fds(), fds0, "the kept descriptors closed with their pages");
+}
+
+#[test]
+fn a_block_at_the_address_of_a_freed_one_exports_its_own_pages() {
+    let (_turn, lib, ctx) = fake_device();
+    let config = AllocatorConfig { page: 2 * MIB, ..AllocatorConfig::default() };
+    let alloc = StreamAllocator::with_config(&ctx, config).unwrap();
+    let fds0 = open_fds();
+    // SAFETY: the legacy default stream; each block is freed once below.
+    let a = unsafe { alloc.allocate_raw(4 * MIB, std::ptr::null_mut(), GraphMemory::Keep) }.unwrap();
+    let (e1, e2) = (alloc.export(a).unwrap(), alloc.export(a).unwrap());
+    let first: Vec<String> = e1.fds.iter().map(handle_of).collect();
+    let again: Vec<String> = e2.fds.iter().map(handle_of).collect();
+    assert_eq!(first, again, "the same pages, their exports kept");
+    assert_eq!((e1.pages.len(), &e1.pages), (2, &e2.pages), "the same serials");
+    drop((e1.fds, e2.fds));
+    alloc.unexport(a).unwrap();
+    alloc.unexport(a).unwrap();
+    // SAFETY: as above.
+    unsafe { alloc.free_raw(a, std::ptr::null_mut()).unwrap() };
+    alloc.empty_cache().unwrap();
+    assert_eq!(open_fds(), fds0, "released pages close their kept descriptors");
+    let exports = count(&lib, "cuMemExportToShareableHandle");
+    // SAFETY: as above.
+    let b = unsafe { alloc.allocate_raw(4 * MIB, std::ptr::null_mut(), GraphMemory::Keep) }.unwrap();
+    assert_eq!(b, a, "the same address, on new pages");
+    let e3 = alloc.export(b).unwrap();
+    let fresh: Vec<String> = e3.fds.iter().map(handle_of).collect();
+    assert_eq!(count(&lib, "cuMemExportToShareableHandle") - exports, 2);
+    assert!(e3.pages.iter().all(|s| !e1.pages.contains(s)), "new pages, new serials: {:?}", e3.pages);
+    assert!(fresh.iter().all(|h| !first.contains(h)), "{fresh:?} names a released page of {first:?}");
+    alloc.unexport(b).unwrap();
+    // SAFETY: as above.
+    unsafe { alloc.free_raw(b, std::ptr::null_mut()).unwrap() };
 }
 
 #[test]
@@ -105,4 +151,48 @@ fn above_the_export_threshold_a_block_is_one_exportable_allocation() {
     let released = count(&lib, "cuMemRelease");
     assert!(alloc.empty_cache().unwrap() >= 20 * MIB);
     assert!(count(&lib, "cuMemRelease") - released >= 1);
+}
+
+#[test]
+fn a_block_freed_while_imported_keeps_its_memory_from_later_blocks_until_let_go() {
+    let (_turn, lib, ctx) = fake_device();
+    let config = AllocatorConfig { page: 2 * MIB, ..AllocatorConfig::default() };
+    let alloc = StreamAllocator::with_config(&ctx, config).unwrap();
+    let len = 6 * MIB as u64;
+    // SAFETY: the legacy default stream; freed once below.
+    let big = unsafe { alloc.allocate_raw(len as usize, std::ptr::null_mut(), GraphMemory::Keep) }.unwrap();
+    let e = alloc.export(big).unwrap();
+    let borrowed: Vec<_> = e.fds.iter().map(|f| f.as_fd()).collect();
+    let imported = BlockImport::import(&ctx, &borrowed, e.page, &[]).unwrap();
+    drop(e);
+    // What FSDP's `storage.resize_(0)` does to a parameter a reader still maps.
+    // SAFETY: from this allocator on the legacy stream, freed once.
+    unsafe { alloc.free_raw(big, std::ptr::null_mut()).unwrap() };
+    let s = alloc.stats();
+    assert_eq!((s.live, s.exported, s.freed_shared), (0, 0, len));
+    assert_eq!(alloc.owner_of(big), None);
+    assert!(alloc.unexport(big + 4096).is_err(), "named by its address only");
+    let released = count(&lib, "cuMemRelease");
+    alloc.empty_cache().unwrap();
+    assert_eq!(count(&lib, "cuMemRelease"), released, "its pages stay mapped here");
+    let mut later = Vec::new();
+    for n in [len, len, len / 2, 3 * MIB as u64, len] {
+        // SAFETY: as above.
+        let a = unsafe { alloc.allocate_raw(n as usize, std::ptr::null_mut(), GraphMemory::Keep) }.unwrap();
+        assert!(a + n <= big || a >= big + len, "a later block at {a:#x} lies on the freed shared one");
+        later.push(a);
+    }
+    for a in later {
+        // SAFETY: as above.
+        unsafe { alloc.free_raw(a, std::ptr::null_mut()).unwrap() };
+    }
+    alloc.empty_cache().unwrap();
+    assert_eq!(alloc.stats().mapped, len, "its three pages stay, and nothing else");
+    drop(imported);
+    alloc.unexport(big).unwrap();
+    assert_eq!(alloc.stats().freed_shared, 0);
+    assert!(alloc.unexport(big).is_err(), "nothing shared any more");
+    // Freed now: its pages go back to the driver once idle.
+    alloc.empty_cache().unwrap();
+    assert_eq!((alloc.stats().mapped, alloc.stats().live), (0, 0));
 }

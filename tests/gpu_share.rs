@@ -1,6 +1,8 @@
 //! Blocks of the stream-ordered allocator shared as exported pages, on a GPU: what the importer
 //! maps is the exporter's memory, it stays valid after the exporter frees the block, and a block
-//! above the export threshold is one allocation, imported whatever its size.
+//! above the export threshold is one allocation, imported whatever its size. A block freed while
+//! imported keeps its memory from later blocks until let go, and exports of the same pages after
+//! the first are the kept ones.
 
 mod common;
 
@@ -74,4 +76,55 @@ fn above_the_export_threshold_a_block_exports_as_one_descriptor() {
     unsafe { alloc.free_raw(p, s.raw()) }.unwrap();
     s.synchronize().unwrap();
     assert_eq!(alloc.empty_cache().unwrap(), 100 << 20);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_block_freed_while_imported_keeps_its_memory_and_a_kept_export_imports_the_same_pages() {
+    let ctx = Context::for_ordinal(0).expect("a CUDA device");
+    let k = Kernels::load(&ctx).unwrap();
+    let s = Stream::non_blocking(&ctx).unwrap();
+    let alloc = StreamAllocator::new(&ctx).unwrap();
+    // SAFETY: a live stream of the context, alive past every free below.
+    let p = unsafe { alloc.allocate_raw(N * 4, s.raw(), GraphMemory::Keep) }.unwrap();
+    k.fill_u32(&s, &mut words_mut(p, N), 0x1111_1111).unwrap();
+    s.synchronize().unwrap();
+    // Shared twice: the second export hands out the descriptors the first one kept.
+    let (e1, e2) = (alloc.export(p).unwrap(), alloc.export(p).unwrap());
+    let fds1: Vec<_> = e1.fds.iter().map(|f| f.as_fd()).collect();
+    let fds2: Vec<_> = e2.fds.iter().map(|f| f.as_fd()).collect();
+    let one = BlockImport::import(&ctx, &fds1, e1.page, &[]).unwrap();
+    let two = BlockImport::import(&ctx, &fds2, e2.page, &[]).unwrap();
+    let (at1, at2) = (one.ptr() + (p - e1.first_page), two.ptr() + (p - e2.first_page));
+    drop((e1, e2));
+    k.fill_u32(&s, &mut words_mut(at2, 1024), 0x5eed).unwrap();
+    s.synchronize().unwrap();
+    assert!(read(&ctx, at1, 1024).iter().all(|&v| v == 0x5eed), "both imports map the block's pages");
+    // Freed while imported: the next blocks of its size, on its stream, lie elsewhere.
+    // SAFETY: from this allocator, freed once on its stream.
+    unsafe { alloc.free_raw(p, s.raw()) }.unwrap();
+    assert_eq!(alloc.stats().freed_shared, (N * 4) as u64);
+    let mut later = Vec::new();
+    for _ in 0..4 {
+        // SAFETY: as above.
+        let b = unsafe { alloc.allocate_raw(N * 4, s.raw(), GraphMemory::Keep) }.unwrap();
+        assert!(b + (N * 4) as u64 <= p || b >= p + (N * 4) as u64, "{b:#x} lies on the freed shared block");
+        k.fill_u32(&s, &mut words_mut(b, N), 0x2222_2222).unwrap();
+        later.push(b);
+    }
+    s.synchronize().unwrap();
+    let got = read(&ctx, at1, N);
+    assert!(got[..1024].iter().all(|&v| v == 0x5eed) && got[1024..].iter().all(|&v| v == 0x1111_1111));
+    drop((one, two));
+    alloc.unexport(p).unwrap();
+    assert_eq!(alloc.stats().freed_shared, (N * 4) as u64, "one sharing left");
+    alloc.unexport(p).unwrap();
+    assert_eq!(alloc.stats().freed_shared, 0);
+    for b in later {
+        // SAFETY: as above.
+        unsafe { alloc.free_raw(b, s.raw()) }.unwrap();
+    }
+    s.synchronize().unwrap();
+    alloc.empty_cache().unwrap();
+    assert_eq!(alloc.stats().live, 0);
 }

@@ -70,6 +70,7 @@ typedef struct cuvmm_stats {
     uint64_t oom_retries;   /* out-of-memory answers retried after releasing idle memory */
     uint64_t graph_held;    /* bytes kept for captured CUDA graphs */
     uint64_t exported;      /* bytes of live blocks shared with other processes (see cuvmm_export) */
+    uint64_t freed_shared;  /* bytes of blocks freed while shared, held until their importers let go */
 } cuvmm_stats_t;
 
 /* Fills *out for `device`. Returns 0, or -1 (see cuvmm_last_error). */
@@ -160,13 +161,14 @@ int cuvmm_get_tag_stats(const char *tag, cuvmm_tag_stats_t *out);
  *   in a process that never allocated through cuvmm); -1 on failure.
  * cuvmm_export: shares that block: one POSIX file descriptor per physical page under it in fds
  *   (the caller owns and closes them; pages also hold the block's neighbours, as legacy CUDA IPC
- *   shares a whole segment) and the layout in *out. Returns the page count; when it is larger than
- *   `cap` nothing is shared and the call may be repeated. -1 on failure (a tag asleep, a device
- *   without POSIX-fd export). The importer's pages stay valid after this process frees the block
- *   or exits; keep the block allocated until its importers have released it, then call
- *   cuvmm_unexport. Until then its bytes count in cuvmm_stats_t.exported and its tag refuses to
- *   sleep. Freeing a shared block drops its marks: its addresses may then be handed out again
- *   while an importer still reads the old pages through its own mapping.
+ *   shares a whole segment) and the layout in *out. Each page's first export is kept with the page
+ *   until the allocator gives it back, so sharing the same block again costs no driver export.
+ *   Returns the page count; when it is larger than `cap` nothing is shared and the call may be
+ *   repeated. -1 on failure (a tag asleep, a device without POSIX-fd export). Once its importers have released it, call cuvmm_unexport (once per
+ *   export). Until then its bytes count in cuvmm_stats_t.exported and its tag refuses to sleep.
+ *   A shared block may be freed before then: its memory (addresses and pages) stays out of every
+ *   later allocation, its bytes move to cuvmm_stats_t.freed_shared, and the last cuvmm_unexport
+ *   frees it, so that no new block lands on memory an importer still reads and writes.
  * cuvmm_import: maps `count` exported pages of `page` bytes (fds, in address order) side by side
  *   on `device`, the device they were made on, with read-write access for it and for the `npeers`
  *   devices in `peers` (each must reach it; a peer's primary context is retained, so name only
@@ -182,6 +184,11 @@ typedef struct cuvmm_export {
 } cuvmm_export_t;
 int cuvmm_owner(int device, const void *ptr, uint64_t *block, uint64_t *len);
 ssize_t cuvmm_export(int device, const void *ptr, cuvmm_export_t *out, int *fds, size_t cap);
+/* cuvmm_export, also writing each page's serial into pages (room for cap): the same serial names
+ * the same physical memory of this process, and a serial never comes back, so an importer that
+ * kept a mapping of pages with these serials from this process may use it again. */
+ssize_t cuvmm_export_pages(int device, const void *ptr, cuvmm_export_t *out, int *fds, uint64_t *pages,
+                           size_t cap);
 int cuvmm_unexport(int device, uint64_t block);
 void *cuvmm_import(int device, const int *fds, size_t count, uint64_t page, const int *peers, size_t npeers,
                    uint64_t *base);

@@ -361,10 +361,10 @@ fn stats_json() -> String {
         .map(|(d, a)| {
             let s = a.stats();
             format!(
-                "\"{d}\":{{\"live\":{},\"live_peak\":{},\"requested\":{},\"mapped\":{},\"mapped_peak\":{},\"reserved\":{},\"allocations\":{},\"frees\":{},\"cache_hits\":{},\"pages_created\":{},\"pages_released\":{},\"pages_remapped\":{},\"events_recorded\":{},\"oom_retries\":{},\"graph_held\":{},\"exported\":{}}}",
+                "\"{d}\":{{\"live\":{},\"live_peak\":{},\"requested\":{},\"mapped\":{},\"mapped_peak\":{},\"reserved\":{},\"allocations\":{},\"frees\":{},\"cache_hits\":{},\"pages_created\":{},\"pages_released\":{},\"pages_remapped\":{},\"events_recorded\":{},\"oom_retries\":{},\"graph_held\":{},\"exported\":{},\"freed_shared\":{}}}",
                 s.live, s.live_peak, s.requested, s.mapped, s.mapped_peak, s.reserved, s.allocations, s.frees,
                 s.cache_hits, s.pages_created, s.pages_released, s.pages_remapped, s.events_recorded,
-                s.oom_retries, s.graph_held, s.exported
+                s.oom_retries, s.graph_held, s.exported, s.freed_shared
             )
         })
         .collect();
@@ -719,8 +719,47 @@ pub unsafe extern "C" fn cuvmm_export(
     fds: *mut c_int,
     cap: usize,
 ) -> isize {
+    // SAFETY: the caller's contract, with no serials asked for.
+    unsafe { export_with("cuvmm_export", device, ptr, out, fds, std::ptr::null_mut(), cap) }
+}
+
+/// [`cuvmm_export`], also writing each page's serial into `pages` (valid for `cap` u64s): the
+/// same serial names the same physical memory of this process, and a serial never comes back, so
+/// an importer that kept a mapping of pages with these serials from this process may use it again.
+///
+/// # Safety
+/// As [`cuvmm_export`]; `pages` must be valid for writing `cap` u64s.
+#[no_mangle]
+pub unsafe extern "C" fn cuvmm_export_pages(
+    device: c_int,
+    ptr: *const c_void,
+    out: *mut CuvmmExport,
+    fds: *mut c_int,
+    pages: *mut u64,
+    cap: usize,
+) -> isize {
+    if pages.is_null() && cap > 0 {
+        return guard("cuvmm_export_pages", -1, || Err(plain("null output pointer".into())));
+    }
+    // SAFETY: the caller's contract.
+    unsafe { export_with("cuvmm_export_pages", device, ptr, out, fds, pages, cap) }
+}
+
+/// The two exports; `pages` null: no serials.
+///
+/// # Safety
+/// As [`cuvmm_export_pages`], `pages` possibly null.
+unsafe fn export_with(
+    function: &str,
+    device: c_int,
+    ptr: *const c_void,
+    out: *mut CuvmmExport,
+    fds: *mut c_int,
+    pages: *mut u64,
+    cap: usize,
+) -> isize {
     use std::os::fd::IntoRawFd;
-    guard("cuvmm_export", -1, || {
+    guard(function, -1, || {
         if out.is_null() || (fds.is_null() && cap > 0) {
             return Err(plain("null output pointer".into()));
         }
@@ -741,9 +780,14 @@ pub unsafe extern "C" fn cuvmm_export(
             a.unexport(e.block).map_err(reported)?;
             return Ok(n as isize);
         }
-        for (i, fd) in e.fds.into_iter().enumerate() {
-            // SAFETY: i < n <= cap, inside the caller's array.
-            unsafe { fds.add(i).write(fd.into_raw_fd()) };
+        for (i, (fd, serial)) in e.fds.into_iter().zip(e.pages).enumerate() {
+            // SAFETY: i < n <= cap, inside the caller's arrays (`pages` when not null).
+            unsafe {
+                fds.add(i).write(fd.into_raw_fd());
+                if !pages.is_null() {
+                    pages.add(i).write(serial);
+                }
+            }
         }
         Ok(n as isize)
     })

@@ -1,7 +1,8 @@
-//! A C program that destroys streams between rounds of `cuvmm_malloc`/`cuvmm_free`
-//! (fixtures/streams_destroyed.c), built with the system C compiler and run against libcuvmm.so
-//! and the fake driver (host functions on their own thread, destroyed handles handed to new
-//! streams).
+//! C programs built with the system C compiler and run against libcuvmm.so and the fake driver: one
+//! that destroys streams between rounds of `cuvmm_malloc`/`cuvmm_free`
+//! (fixtures/streams_destroyed.c; host functions on their own thread, destroyed handles handed to
+//! new streams), and one that frees a block it shared before unexporting it
+//! (fixtures/shared_free.c).
 
 // The shared test helpers name the library `cuvmm`, which here is this package's own name.
 extern crate cuvmm_lib as cuvmm;
@@ -37,15 +38,23 @@ fn libcuvmm() -> PathBuf {
     lib
 }
 
-#[test]
-fn threads_that_destroy_their_streams_between_rounds_get_no_block_still_in_use() {
+/// Builds the C program `source` (a fixture, with cuvmm.h beside it: a copied test executable
+/// needs no source tree) and runs it against libcuvmm.so and the fake driver; fails the test with
+/// its output unless it succeeds.
+fn run_fixture(name: &str, source: &str) {
     let fake = common::fake_driver("FAKE_VMM");
-    let dir = fake.parent().unwrap().to_owned();
-    let exe = dir.join("streams_destroyed");
+    // Removed with the scratch folder when the tests end (the fake driver's folder is shared).
+    let dir = common::scratch().join(format!("fixture-{name}"));
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("cuvmm.h"), include_str!("../include/cuvmm.h")).unwrap();
+    std::fs::write(dir.join(format!("{name}.c")), source).unwrap();
+    let exe = dir.join(name);
     let status = Command::new("cc")
         .args(["-O1", "-Wall", "-o"])
         .arg(&exe)
-        .arg(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/streams_destroyed.c"))
+        .arg(dir.join(format!("{name}.c")))
+        .arg("-I")
+        .arg(&dir)
         .args(["-ldl", "-lpthread"])
         .status()
         .expect("the test needs a C compiler (cc)");
@@ -57,7 +66,6 @@ fn threads_that_destroy_their_streams_between_rounds_get_no_block_still_in_use()
         .env("CUVMM_ALLOC_CONF", "log=0")
         .output()
         .unwrap();
-    let _ = std::fs::remove_dir_all(&dir);
     assert!(
         out.status.success(),
         "{:?}\n{}{}",
@@ -65,4 +73,14 @@ fn threads_that_destroy_their_streams_between_rounds_get_no_block_still_in_use()
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
     );
+}
+
+#[test]
+fn threads_that_destroy_their_streams_between_rounds_get_no_block_still_in_use() {
+    run_fixture("streams_destroyed", include_str!("fixtures/streams_destroyed.c"));
+}
+
+#[test]
+fn a_block_a_c_caller_frees_while_shared_stays_out_of_later_blocks_until_unexported() {
+    run_fixture("shared_free", include_str!("fixtures/shared_free.c"));
 }

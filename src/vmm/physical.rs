@@ -294,6 +294,16 @@ struct PhysInner {
     /// first time [`PhysicalMemory::location`] needs it, not on the import path.
     location: OnceLock<Location>,
     handles: HandleTypes,
+    /// The POSIX descriptor of its first [`PhysicalMemory::export_fd_kept`], closed with it.
+    kept_fd: OnceLock<std::os::fd::OwnedFd>,
+    serial: u64,
+}
+
+/// The next [`PhysicalMemory::serial`].
+static NEXT_SERIAL: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+
+fn next_serial() -> u64 {
+    NEXT_SERIAL.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
 }
 
 /// What the driver says of an allocation (`cuMemGetAllocationPropertiesFromHandle`).
@@ -332,12 +342,29 @@ impl PhysicalMemory {
         handles: HandleTypes,
     ) -> PhysicalMemory {
         let location = OnceLock::from(location);
-        PhysicalMemory { inner: Arc::new(PhysInner { ctx, handle, size, location, handles }) }
+        PhysicalMemory {
+            inner: Arc::new(PhysInner {
+                ctx,
+                handle,
+                size,
+                location,
+                handles,
+                kept_fd: OnceLock::new(),
+                serial: next_serial(),
+            }),
+        }
     }
 
     /// Size in bytes.
     pub fn size(&self) -> usize {
         self.inner.size
+    }
+
+    /// A number that no other physical memory of this process had or will have (its clones share
+    /// it): the same number names the same memory, unlike a driver handle, which the driver gives
+    /// again once released.
+    pub fn serial(&self) -> u64 {
+        self.inner.serial
     }
 
     /// The driver's handle. It stays valid while `self` (or any clone) lives.
@@ -394,6 +421,25 @@ impl PhysicalMemory {
         result::mem::export_fd(driver()?.api(), self.inner.handle)
     }
 
+    /// [`export_fd`](Self::export_fd), the first one kept for as long as this memory lives here:
+    /// later calls hand out duplicates of it without asking the driver (an allocator that shares
+    /// the same pages again and again pays the export once). A kept descriptor counts against the
+    /// process's descriptor limit: past a quarter of it, exports are not kept.
+    pub fn export_fd_kept(&self) -> Result<std::os::fd::OwnedFd> {
+        if let Some(fd) = self.inner.kept_fd.get() {
+            return fd.try_clone().map_err(|e| Error::invalid(format!("duplicating a kept descriptor: {e}")));
+        }
+        let fd = self.export_fd()?;
+        if kept_fds::take() {
+            let kept = fd.try_clone().ok().is_some_and(|copy| self.inner.kept_fd.set(copy).is_ok());
+            if !kept {
+                // Another thread kept one first, or no descriptor was left: nothing kept here.
+                kept_fds::give_back();
+            }
+        }
+        Ok(fd)
+    }
+
     /// Exports the allocation as a 64-byte fabric handle (created with [`HandleTypes::FABRIC`]).
     pub fn export_fabric(&self) -> Result<[u8; 64]> {
         if !self.inner.handles.contains(HandleTypes::FABRIC) {
@@ -427,7 +473,15 @@ impl PhysicalMemory {
         size: usize,
         handles: HandleTypes,
     ) -> PhysicalMemory {
-        let inner = PhysInner { ctx: ctx.clone(), handle, size, location: OnceLock::new(), handles };
+        let inner = PhysInner {
+            ctx: ctx.clone(),
+            handle,
+            size,
+            location: OnceLock::new(),
+            handles,
+            kept_fd: OnceLock::new(),
+            serial: next_serial(),
+        };
         PhysicalMemory { inner: Arc::new(inner) }
     }
 
@@ -461,10 +515,41 @@ impl std::fmt::Debug for PhysicalMemory {
 
 impl Drop for PhysInner {
     fn drop(&mut self) {
+        if self.kept_fd.take().is_some() {
+            kept_fds::give_back();
+        }
         crate::driver::callback::release_in(&self.ctx, self.handle, |api, handle| {
             // SAFETY: the handle is ours and released once. Mappings hold a clone, so none is left.
             // A failure cannot be reported from drop and leaves nothing to retry.
             let _ = unsafe { result::mem::release(api, handle) };
         });
+    }
+}
+
+/// How many exported descriptors [`PhysicalMemory::export_fd_kept`] keeps in this process, held
+/// under a quarter of the descriptor limit so that keeping them never makes an export fail.
+mod kept_fds {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    static KEPT: AtomicUsize = AtomicUsize::new(0);
+
+    /// Counts one more kept descriptor, unless that would pass the budget.
+    pub(super) fn take() -> bool {
+        let budget = budget();
+        KEPT.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| (n < budget).then_some(n + 1)).is_ok()
+    }
+
+    pub(super) fn give_back() {
+        KEPT.fetch_sub(1, Ordering::Relaxed);
+    }
+
+    /// A quarter of the soft descriptor limit as it is now (a process may raise it at any time).
+    fn budget() -> usize {
+        let mut lim = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+        // SAFETY: getrlimit writes one rlimit into the struct it is given, which lives here.
+        if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } != 0 {
+            return 0;
+        }
+        usize::try_from(lim.rlim_cur / 4).unwrap_or(usize::MAX)
     }
 }

@@ -29,8 +29,9 @@ CAPI = Path(__file__).resolve().parents[2]      # cuvmm-capi/
 ROOT = CAPI.parent                              # the cargo workspace
 PYTHON = CAPI / "python"
 SHIM_SOURCE = PYTHON / "csrc" / "torch_oom.cpp"
-MODULES = ("cuvmm/__init__.py", "cuvmm/_share.py", "cuvmm/_torch_share.py", "cuvmm/_torch_stats.py",
-           "cuvmm/torch.py", "cuvmm/torch_memory_saver.py", "cuvmm/vllm.py", "cuvmm_torch.py")
+MODULES = ("cuvmm/__init__.py", "cuvmm/_share.py", "cuvmm/_share_keep.py", "cuvmm/_torch_share.py",
+           "cuvmm/_torch_stats.py", "cuvmm/torch.py", "cuvmm/torch_memory_saver.py", "cuvmm/vllm.py",
+           "cuvmm_torch.py")
 
 
 class BuildError(RuntimeError):

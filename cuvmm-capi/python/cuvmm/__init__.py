@@ -77,7 +77,7 @@ def torch_version_problem(version: str):
 STAT_FIELDS = (
     "live", "live_peak", "requested", "mapped", "mapped_peak", "reserved", "allocations", "frees",
     "cache_hits", "pages_created", "pages_released", "pages_remapped", "events_recorded",
-    "oom_retries", "graph_held", "exported",
+    "oom_retries", "graph_held", "exported", "freed_shared",
 )
 
 

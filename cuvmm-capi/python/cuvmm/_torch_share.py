@@ -12,17 +12,21 @@ import torch as _torch
 
 import cuvmm as _core
 from cuvmm import _share
+from cuvmm._share_keep import Kept, budget_from_env
 
 _releases = _share.Releases()
 _handoff = _share.Handoff()
+_kept = Kept(budget_from_env(os.environ.get("CUVMM_SHARE_KEEP")))
 
 
 def _after_fork_in_child():
     # The parent's exports are the parent's to release and its offers the parent's to hand out;
     # the child starts with none (and without the parent's threads), and opens connections of its
     # own.
-    global _releases, _handoff
+    # The parent's kept mappings are the parent's (a child cannot use CUDA after a fork anyway).
+    global _releases, _handoff, _kept
     _releases = _share.Releases()
+    _kept = Kept(_kept.budget)
     _handoff.close()
     _handoff = _share.Handoff()
     _share.forget_connections()
@@ -48,16 +52,21 @@ def _owner(device: int, ptr: int):
 
 
 def _export(device: int, ptr: int):
-    """(cuvmm_export_t, [page descriptors]) for the block holding ``ptr``."""
+    """(cuvmm_export_t, [page descriptors], [page serials, or none from an older library]) for
+    the block holding ``ptr``."""
     lib = _core.load()
     out = _core.Export()
+    serials = hasattr(lib, "cuvmm_export_pages")
     cap = 64
     while True:
-        fds = (ctypes.c_int * cap)()
-        n = _core._check(lib.cuvmm_export(device, ptr, ctypes.byref(out), fds, cap), "cuvmm_export",
-                         ok=lambda rc: rc >= 0)
+        fds, pages = (ctypes.c_int * cap)(), (ctypes.c_uint64 * cap)()
+        if serials:
+            rc, name = lib.cuvmm_export_pages(device, ptr, ctypes.byref(out), fds, pages, cap), "cuvmm_export_pages"
+        else:
+            rc, name = lib.cuvmm_export(device, ptr, ctypes.byref(out), fds, cap), "cuvmm_export"
+        n = _core._check(rc, name, ok=lambda rc: rc >= 0)
         if n <= cap:
-            return out, list(fds[:n])
+            return out, list(fds[:n]), list(pages[:n]) if serials else []
         cap = n
 
 
@@ -84,7 +93,7 @@ def reduce_tensor(t):
         raise RuntimeError("Cowardly refusing to send a non-leaf tensor that requires grad across "
                            "processes (detach it first, as PyTorch asks)")
     _raise_fd_limit()
-    layout, fds = _export(device, ptr)
+    layout, fds, pages = _export(device, ptr)
     try:
         desc = _share.encode(
             device=device, block=layout.block, block_len=layout.len, first_page=layout.first_page,
@@ -114,7 +123,7 @@ def reduce_tensor(t):
     # passing would leave the parent a copy for the Process object's lifetime, and the block with
     # it.)
     address, token = _handoff.offer(give)
-    return (_rebuild, (desc, address, token))
+    return (_rebuild, (desc, address, token, pages))
 
 
 def _peers(device: int) -> list[int]:
@@ -149,6 +158,7 @@ class _Mapped:
             for fd in fds:
                 os.close(fd)
         self._handle = handle
+        self.base = base.value
         self.ptr = base.value + f["offset"]
         self.__cuda_array_interface__ = {
             "shape": (f["nbytes"],), "typestr": "|u1", "data": (self.ptr, False), "version": 2,
@@ -169,7 +179,61 @@ class _Mapped:
             pass
 
 
-def _rebuild(desc, address, token):
+class _Lease:
+    """One storage over a kept mapping, seen by PyTorch through ``__cuda_array_interface__``:
+    when PyTorch lets go of it, the device's work on it is waited for, the sender told (its
+    socket closed) and the mapping kept for the next hand-off of the same pages."""
+
+    def __init__(self, key, mapping, f, sock):
+        self._key, self._sock, self._device = key, sock, f["device"]
+        self.ptr = mapping.base + f["offset"]
+        self.__cuda_array_interface__ = {
+            "shape": (f["nbytes"],), "typestr": "|u1", "data": (self.ptr, False), "version": 2,
+        }
+
+    def release(self):
+        sock, self._sock = self._sock, None
+        if sock is None:
+            return
+        try:
+            # As an unmap would: the sender may reuse the block once told.
+            _torch.cuda.synchronize(self._device)
+        finally:
+            sock.close()
+            _kept.put_back(self._key)
+
+    def __del__(self):
+        try:
+            self.release()
+        except Exception:  # at interpreter exit the library may be gone; the process ends anyway
+            pass
+
+
+def _map_kept(f, sock, key):
+    """What PyTorch's storage wraps for the pages that came over ``sock``: a lease on the mapping
+    kept under ``key`` (made and kept now if there is none), or a mapping of their own when
+    ``key`` is None."""
+    if key is None:
+        return _Mapped(f, sock)
+    mapping = _kept.take(key)
+    if mapping is not None:
+        try:
+            # The same pages, mapped here already: their descriptors are not needed.
+            for fd in _share.recv_pages(sock, f["count"]):
+                os.close(fd)
+        except BaseException:
+            _kept.put_back(key)
+            raise
+        return _Lease(key, mapping, f, sock)
+    mapping = _Mapped(f, sock)
+    mapping._sock = None
+    if not _kept.add(key, mapping, f["page"] * f["count"]):
+        mapping._sock = sock  # another thread kept the same pages first: this one is not kept
+        return mapping
+    return _Lease(key, mapping, f, sock)
+
+
+def _rebuild(desc, address, token, pages=None):
     # Taken first, whatever follows: closing it is what lets the sender free the block.
     sock = _share.fetch(address, token)
     try:
@@ -189,7 +253,11 @@ def _rebuild(desc, address, token):
         storage = _torch.UntypedStorage(0, device=device)
     else:
         try:
-            m = _Mapped(f, sock)
+            _kept.trim()
+            # The devices granted access are part of what a kept mapping is (asked only when kept).
+            peers = _peers(f["device"]) if _kept.budget > 0 and pages else []
+            key = _kept.key(address, f["device"], f["page"], f["count"], pages, peers)
+            m = _map_kept(f, sock, key)
         except BaseException:
             sock.close()
             raise
@@ -211,9 +279,12 @@ def share_tensors(enable: bool = True) -> None:
     The receiver gets a tensor over the same device memory (zero copy) with the same dtype, size,
     strides and storage offset (``requires_grad`` and ``nn.Parameter`` kept). The sender keeps the
     block allocated until every receiver has let go of it (its last tensor over it collected, or
-    its process gone); ``cuvmm.stats()["exported"]`` counts those bytes. No ``pidfd_getfd``, no
-    ``CAP_SYS_PTRACE``: descriptors travel over Unix sockets. Tensors PyTorch's own allocator made
-    keep PyTorch's path."""
+    its process gone), even when the sender frees the storage's memory meanwhile
+    (``storage.resize_(0)``): ``cuvmm.stats()["exported"]`` counts those bytes, and
+    ``["freed_shared"]`` those already freed. A receiver with ``CUVMM_SHARE_KEEP`` (bytes) keeps
+    its mappings between hand-offs of the same pages (see ``cuvmm._share_keep``). No
+    ``pidfd_getfd``, no ``CAP_SYS_PTRACE``: descriptors travel over Unix sockets. Tensors
+    PyTorch's own allocator made keep PyTorch's path."""
     global _installed, _torch_reductions
     with _lock:
         from torch.multiprocessing import reductions

@@ -113,6 +113,8 @@ run pool_expandable $PY pool_expandable.py --json "$OUT_DIR/pool_expandable.json
 run mp_share $PY mp_share.py --json "$OUT_DIR/mp_share.json" ${MP_ARGS:-}
 run weight_sync $PY weight_sync.py --json "$OUT_DIR/weight_sync.json"
 run share_safety $PY share_safety.py --json "$OUT_DIR/share_safety.json"
+# A sender freeing tensors a receiver still maps (resize_(0), resize_, out=): nothing aliased.
+run share_free $PY share_free.py --json "$OUT_DIR/share_free.json"
 
 # e. all-reduce, where there are GPUs for it
 gpus=$($PY -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)

@@ -175,6 +175,10 @@ pub struct AllocatorStats {
     /// Bytes of live blocks shared with other processes (exported, not yet let go by their
     /// importers): counted in `live` too, since the exporter keeps them allocated meanwhile.
     pub exported: u64,
+    /// Bytes of blocks freed while still shared: neither live nor exported, and kept (their
+    /// addresses and pages) out of every later allocation until their importers let go, so that
+    /// no new block lands on memory another process still reads and writes.
+    pub freed_shared: u64,
 }
 
 struct Stream<E> {
@@ -298,6 +302,9 @@ pub(crate) struct Core<B: Backend> {
     wants_settle: bool,
     /// Blocks shared with other processes, by address: (sharings not yet over, size).
     exported: HashMap<u64, (u32, u64)>,
+    /// Those of them already freed (see [`AllocatorStats::freed_shared`]): still live in their
+    /// heap, as (stream, epoch) of their free, until the last sharing is over.
+    freed_shared: HashMap<u64, (u64, u64)>,
     /// Blocks of at least this many bytes (untagged) are one physical allocation each; 0: off.
     whole_above: u64,
 }
@@ -326,6 +333,7 @@ impl<B: Backend> Core<B> {
             may_settle: false,
             wants_settle: false,
             exported: HashMap::new(),
+            freed_shared: HashMap::new(),
             whole_above: 0,
         }
     }
@@ -1193,7 +1201,12 @@ impl<B: Backend> Core<B> {
             return Err(Error::invalid(format!("{addr:#x} was not allocated here")));
         };
         let twice = || Error::invalid(format!("{addr:#x} is not a live allocation (freed twice?)"));
+        if self.freed_shared.contains_key(&addr) {
+            return Err(twice());
+        }
         let (i, id, alloc_raw) = self.slots[slot].heap.live_block(addr).ok_or_else(twice)?;
+        // Importers still map it: it stays live in its heap until they let go (see `unexport`).
+        let shared = self.exported.contains_key(&addr);
         let stream = if raw == alloc_raw {
             Caller { id, raw }
         } else {
@@ -1235,14 +1248,18 @@ impl<B: Backend> Core<B> {
         f.last_free = epoch;
         let freed = match entry {
             // Its own front's block, freed there: cached in the front, as a fast free would.
-            Some(e) if stream.id == id && f.cache_free(addr, epoch) => {
+            Some(e) if stream.id == id && !shared && f.cache_free(addr, epoch) => {
                 Freed { size: e.n, requested: e.requested, pool: 0 }
             }
             _ => {
                 if stream.id == id && entry.is_some() {
                     f.blocks.remove(&addr);
                 }
-                let freed = self.slots[slot].heap.free_cached(i, stream.id, epoch);
+                let freed = if shared {
+                    self.slots[slot].heap.live_freed(i)
+                } else {
+                    self.slots[slot].heap.free_cached(i, stream.id, epoch)
+                };
                 Freed { requested: entry.map_or(freed.requested, |e| e.requested), ..freed }
             }
         };
@@ -1268,8 +1285,8 @@ impl<B: Backend> Core<B> {
                 self.backend.restore(old);
             }
         }
-        if !self.exported.is_empty() {
-            self.drop_export_mark(addr);
+        if shared {
+            self.hold_freed(addr, stream.id, epoch);
         }
         Ok(self.count_free(freed))
     }

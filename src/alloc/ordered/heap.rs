@@ -443,6 +443,15 @@ impl Heap {
         }
     }
 
+    /// What freeing live block `i` would give back, the block left live.
+    pub(crate) fn live_freed(&self, i: BlockId) -> Freed {
+        let b = self.blocks[i];
+        let State::Live { requested, .. } = b.state else {
+            unreachable!("live_freed of a block that is not live")
+        };
+        Freed { size: b.size, requested, pool: b.pool }
+    }
+
     /// Frees live block `i` (from [`live_block`](Self::live_block)) on `stream` at `epoch`,
     /// keeping it whole for the stream's next request of its size when there is room; else as
     /// [`free`](Self::free) does.

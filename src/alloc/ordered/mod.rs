@@ -429,18 +429,23 @@ impl StreamAllocator {
 
     /// Shares the live block holding `ptr` with another process: a POSIX descriptor for each page
     /// under it (the pages hold the block's neighbours too, as legacy CUDA IPC shares a whole
-    /// segment). [`BlockImport::import`] maps them elsewhere.
+    /// segment). [`BlockImport::import`] maps them elsewhere. Each page's first export is kept with
+    /// the page (see [`PhysicalMemory::export_fd_kept`](crate::vmm::PhysicalMemory::export_fd_kept)):
+    /// sharing the same block again duplicates those descriptors instead of asking the driver, and
+    /// a kept descriptor closes when the allocator gives its page back.
     ///
-    /// The importer's pages stay valid after this process frees the block or exits; what must not
-    /// happen is the block's addresses being handed out again while an importer reads them, so keep
-    /// it allocated until the importers have let go, then call [`unexport`](Self::unexport). Until
+    /// Once the importers have let go, call [`unexport`](Self::unexport) (once per export). Until
     /// then the block's bytes count in [`AllocatorStats::exported`] and its tag refuses to sleep.
+    /// The block may be freed before: its memory (addresses and pages) stays out of every later
+    /// allocation, its bytes move to [`AllocatorStats::freed_shared`], and the last `unexport`
+    /// frees it, so that no new block lands on memory an importer still reads and writes.
     /// Refused for a block whose tag is asleep, and where the device cannot export POSIX
     /// descriptors.
     pub fn export(&self, ptr: u64) -> Result<BlockExport> {
-        let mut fds = Vec::new();
+        let (mut fds, mut pages) = (Vec::new(), Vec::new());
         let at = self.inner.alloc.core().export(ptr, |page| {
-            fds.push(page.export_fd()?);
+            fds.push(page.export_fd_kept()?);
+            pages.push(page.serial());
             Ok(())
         })?;
         Ok(BlockExport {
@@ -449,6 +454,7 @@ impl StreamAllocator {
             first_page: at.first_page,
             page: at.page as usize,
             fds,
+            pages,
         })
     }
 
@@ -551,6 +557,9 @@ pub struct BlockExport {
     pub page: usize,
     /// One descriptor per page, in address order.
     pub fds: Vec<std::os::fd::OwnedFd>,
+    /// Each page's [`serial`](crate::vmm::PhysicalMemory::serial), in address order: an importer
+    /// that kept a mapping of pages with these numbers from this process may use it again.
+    pub pages: Vec<u64>,
 }
 
 /// Pages another process exported ([`StreamAllocator::export`]), mapped here side by side as they

@@ -2,11 +2,12 @@
 //! keep a tag with shared blocks from sleeping.
 //!
 //! An importer maps the pages themselves (their physical memory stays alive as long as it holds
-//! them), so sharing moves nothing here. What must not happen is the block's address range being
-//! handed out again while an importer still reads it: the exporter keeps the block allocated until
-//! its importers have let go (then [`Core::unexport`]), as a block lent to legacy CUDA IPC is kept.
+//! them), so sharing moves nothing here. What must not happen is the block's memory being handed
+//! out again while an importer still reads and writes it: a shared block freed before its
+//! importers let go stays live in its heap, out of every later allocation, until the last
+//! [`Core::unexport`], as PyTorch defers the free of a block lent through CUDA IPC.
 
-use super::{Backend, Core, SMALL};
+use super::{Backend, Core, Owner, SMALL};
 use crate::error::{Error, Result};
 
 /// The heap kind (in place of a tag) of blocks that are one physical allocation each (see
@@ -85,7 +86,7 @@ impl<B: Backend> Core<B> {
         self.slots[slot]
             .heap
             .live_blocks()
-            .find(|&(a, n)| addr >= a && addr - a < n)
+            .find(|&(a, n)| addr >= a && addr - a < n && !self.freed_shared.contains_key(&a))
             .map(|(a, n)| (slot, a, n))
     }
 
@@ -134,26 +135,39 @@ impl<B: Backend> Core<B> {
     }
 
     /// One sharing of the block at `block` (its address, as [`export`](Self::export) returned it)
-    /// is over: its importers unmapped it.
+    /// is over: its importers unmapped it. The last one of a block already freed frees it now.
     pub(crate) fn unexport(&mut self, block: u64) -> Result<()> {
         let Some(mark) = self.exported.get_mut(&block) else {
             return Err(Error::invalid(format!("{block:#x} is not shared")));
         };
         mark.0 -= 1;
-        if mark.0 == 0 {
-            let len = mark.1;
-            self.exported.remove(&block);
-            self.stats.exported -= len;
+        if mark.0 > 0 {
+            return Ok(());
         }
+        let len = mark.1;
+        self.exported.remove(&block);
+        let Some((stream, epoch)) = self.freed_shared.remove(&block) else {
+            self.stats.exported -= len;
+            return Ok(());
+        };
+        self.stats.freed_shared -= len;
+        // Its free's event was recorded (or its stream caught up) when it was freed; a stream
+        // forgotten since had run all its work.
+        let idle = !matches!(self.streams.get(&stream), Some(st) if st.done < epoch);
+        let owner = if idle { Owner::Idle } else { Owner::Stream { stream, epoch } };
+        let slot = self.slots.iter().position(|s| s.heap.contains(block));
+        let freed = slot.and_then(|slot| self.slots[slot].heap.free(block, owner));
+        debug_assert!(freed.is_some(), "a block freed while shared stays live in its heap");
         Ok(())
     }
 
-    /// Forgets the marks of a block being freed (a C caller that did not wait for its importers):
-    /// its memory stays valid for them, since they hold the pages, but the addresses may be
-    /// handed out again.
-    pub(crate) fn drop_export_mark(&mut self, block: u64) {
-        if let Some((_, len)) = self.exported.remove(&block) {
+    /// Keeps the shared block at `block`, which its owner has just freed on `stream` at `epoch`,
+    /// live in its heap until its last sharing is over.
+    pub(super) fn hold_freed(&mut self, block: u64, stream: u64, epoch: u64) {
+        if let Some(&(_, len)) = self.exported.get(&block) {
+            self.freed_shared.insert(block, (stream, epoch));
             self.stats.exported -= len;
+            self.stats.freed_shared += len;
         }
     }
 
@@ -165,8 +179,8 @@ impl<B: Backend> Core<B> {
 
 #[cfg(test)]
 mod tests {
-    use super::super::tests::{core, PAGE, TAG, TPAGE};
-    use super::super::{Capture, SleepMode};
+    use super::super::tests::{core, Gpu, PAGE, TAG, TPAGE};
+    use super::super::{Capture, Core, SleepMode};
     use crate::error::Error;
 
     #[test]
@@ -222,14 +236,83 @@ mod tests {
         assert_eq!(c.owner_of(b), None);
     }
 
+    /// Page ids under the block at `addr`, shared once and let go.
+    fn page_ids(c: &mut Core<Gpu>, addr: u64) -> Vec<u32> {
+        let mut ids = Vec::new();
+        c.export(addr, |p| {
+            ids.push(p.id);
+            Ok(())
+        })
+        .unwrap();
+        c.unexport(addr).unwrap();
+        ids
+    }
+
     #[test]
-    fn freeing_a_shared_block_drops_its_mark() {
+    fn a_block_freed_while_shared_stays_out_of_every_allocation_until_its_importers_let_go() {
+        for stream in [1, 2] {
+            let mut c = core(1000);
+            let b = c.allocate(4 * PAGE, 1, Capture::None, 0).unwrap();
+            let mut shared = Vec::new();
+            c.export(b, |p| {
+                shared.push(p.id);
+                Ok(())
+            })
+            .unwrap();
+            c.export(b, |_| Ok(())).unwrap();
+            let live = c.stats().live;
+            c.free(b, stream).unwrap();
+            let s = c.stats();
+            assert_eq!((s.live, s.exported, s.freed_shared), (live - 4 * PAGE, 0, 4 * PAGE));
+            assert!(c.free(b, stream).is_err(), "freed twice");
+            assert_eq!(c.owner_of(b), None, "no longer the owner's block");
+            assert!(c.export(b, |_| Ok(())).is_err(), "a freed block cannot be shared again");
+            // Neither its addresses nor its pages serve anything, on any stream, nor are they
+            // given back: the importers' pages are these very ones.
+            c.empty_cache().unwrap();
+            let mut held = Vec::new();
+            for n in [4 * PAGE, 4 * PAGE, PAGE, 2 * PAGE + 512, 4 * PAGE] {
+                for s in [1, 2] {
+                    let a = c.allocate(n, s, Capture::None, 0).unwrap();
+                    assert!(a + n <= b || a >= b + 4 * PAGE, "{a:#x} lies on the freed shared block");
+                    if n % PAGE == 0 && a % PAGE == 0 {
+                        assert!(page_ids(&mut c, a).iter().all(|id| !shared.contains(id)));
+                    }
+                    held.push(a);
+                }
+            }
+            for a in held.drain(..) {
+                c.free(a, 1).unwrap();
+            }
+            c.unexport(b).unwrap();
+            assert_eq!(c.stats().freed_shared, 4 * PAGE, "one importer left");
+            c.unexport(b).unwrap();
+            assert_eq!((c.stats().freed_shared, c.stats().exported), (0, 0));
+            assert!(c.unexport(b).is_err(), "nothing shared any more");
+            // Given back: its memory serves the next request of its size again.
+            c.empty_cache().unwrap();
+            let again = c.allocate(4 * PAGE, 1, Capture::None, 0).unwrap();
+            assert_eq!(again, b);
+            c.free(again, 1).unwrap();
+            assert_eq!(c.stats().live, 0);
+        }
+    }
+
+    #[test]
+    fn a_block_freed_before_its_sharing_ends_goes_back_to_its_stream_once_let_go() {
         let mut c = core(1000);
-        let b = c.allocate(PAGE, 1, Capture::None, 0).unwrap();
+        let b = c.allocate(2 * PAGE, 1, Capture::None, 0).unwrap();
         c.export(b, |_| Ok(())).unwrap();
         c.free(b, 1).unwrap();
-        assert_eq!(c.stats().exported, 0);
-        assert!(c.unexport(b).is_err());
+        c.unexport(b).unwrap();
+        // Its stream's next block of that size is this one, as after any free on the stream.
+        assert_eq!(c.allocate(2 * PAGE, 1, Capture::None, 0).unwrap(), b);
+        // A block let go before its free is freed as any other.
+        c.export(b, |_| Ok(())).unwrap();
+        c.unexport(b).unwrap();
+        c.free(b, 1).unwrap();
+        assert_eq!(c.stats().freed_shared, 0);
+        assert_eq!(c.allocate(2 * PAGE, 1, Capture::None, 0).unwrap(), b);
     }
 
     #[test]

@@ -1,0 +1,133 @@
+"""Mappings a receiver keeps after its tensors over them are gone, so that the same pages sent
+again (weight sync sends the same storages every step) are neither imported nor mapped again.
+
+A mapping is kept under its sender's hand-off address (one per sending process, never given
+again) and the serials of the pages it maps, in order (see ``cuvmm_export_pages``): a serial
+names one physical allocation of the sender and never comes back, so the same key is the same
+memory, whatever the sender freed and allocated meanwhile. A kept mapping holds nothing of the
+sender's allocator (the sender frees and reuses the block as usual once the tensors are gone), but
+pages the sender gave back to the driver stay allocated while a receiver keeps them mapped: idle
+mappings are therefore bounded by ``CUVMM_SHARE_KEEP`` bytes (0, the default: none kept), the
+least recently used released first, and those of senders that exited are released at the next
+hand-off or release.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+from collections import OrderedDict
+
+
+def budget_from_env(value: str | None) -> int:
+    """Bytes of ``CUVMM_SHARE_KEEP``: a count with an optional KiB/MiB/GiB suffix; 0 when unset."""
+    if not value:
+        return 0
+    m = re.fullmatch(r"\s*(\d+)\s*(|KiB|MiB|GiB)\s*", value)
+    if m is None:
+        raise ValueError(f"CUVMM_SHARE_KEEP={value!r}: expected bytes, e.g. 16GiB")
+    return int(m.group(1)) << {"": 0, "KiB": 10, "MiB": 20, "GiB": 30}[m.group(2)]
+
+
+def sender_pid(address: bytes) -> int | None:
+    """The process named in a hand-off address, when it names one."""
+    m = re.match(rb"\0cuvmm-share-(\d+)-", address)
+    return int(m.group(1)) if m else None
+
+
+def _alive(pid: int | None) -> bool:
+    if pid is None:
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
+class _Entry:
+    __slots__ = ("mapping", "nbytes", "users", "pid")
+
+    def __init__(self, mapping, nbytes, pid):
+        self.mapping, self.nbytes, self.users, self.pid = mapping, nbytes, 0, pid
+
+
+class Kept:
+    """The kept mappings of this process. ``mapping`` objects only need ``release()``; they are
+    released outside the lock (a release waits for the device)."""
+
+    def __init__(self, budget: int):
+        self.budget = budget
+        self._lock = threading.Lock()
+        self._entries: OrderedDict = OrderedDict()
+        self._idle = 0
+
+    def key(self, address: bytes, device: int, page: int, count: int, pages, peers) -> tuple | None:
+        """The key of a hand-off's ``count`` pages (their serials ``pages``, mapped with access
+        for ``peers`` too), or None when nothing is kept: no budget, or a sender that did not
+        name its pages. Serials that are not ``count`` integers are refused."""
+        if self.budget <= 0 or not pages:
+            return None
+        if (not isinstance(pages, (list, tuple)) or len(pages) != count
+                or not all(type(p) is int and p > 0 for p in pages)):
+            raise ValueError(f"descriptor field pages: not {count} page serials")
+        return (address, device, page, tuple(pages), tuple(peers))
+
+    def take(self, key):
+        """The kept mapping under ``key``, now in use once more, or None."""
+        with self._lock:
+            e = self._entries.get(key)
+            if e is None:
+                return None
+            if e.users == 0:
+                self._idle -= e.nbytes
+            e.users += 1
+            self._entries.move_to_end(key)
+            return e.mapping
+
+    def add(self, key, mapping, nbytes: int) -> bool:
+        """Keeps ``mapping`` (in use once) under ``key``; False when another one got there first
+        (then the caller's is not kept)."""
+        with self._lock:
+            if key in self._entries:
+                return False
+            e = _Entry(mapping, nbytes, sender_pid(key[0]))
+            e.users = 1
+            self._entries[key] = e
+            return True
+
+    def put_back(self, key) -> None:
+        """One use of the mapping under ``key`` is over; releases what is past the budget."""
+        with self._lock:
+            e = self._entries.get(key)
+            if e is not None:
+                e.users -= 1
+                if e.users == 0:
+                    self._idle += e.nbytes
+            gone = self._evict()
+        for mapping in gone:
+            mapping.release()
+
+    def trim(self) -> None:
+        """Releases the idle mappings of senders that exited, and what is past the budget."""
+        with self._lock:
+            gone = self._evict()
+        for mapping in gone:
+            mapping.release()
+
+    def idle_bytes(self) -> int:
+        with self._lock:
+            return self._idle
+
+    def _evict(self) -> list:
+        gone = []
+        for key in list(self._entries):
+            e = self._entries[key]
+            if e.users == 0 and (self._idle > self.budget or not _alive(e.pid)):
+                del self._entries[key]
+                self._idle -= e.nbytes
+                gone.append(e.mapping)
+        return gone
