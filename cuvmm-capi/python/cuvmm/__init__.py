@@ -171,6 +171,8 @@ def _declare(lib: ctypes.CDLL) -> None:
                                 ctypes.POINTER(ctypes.c_uint64)]),
         "cuvmm_export": (c_ssize_t, [c_int, ctypes.c_void_p, ctypes.POINTER(Export), ctypes.POINTER(c_int),
                                      c_size_t]),
+        "cuvmm_export_pages": (c_ssize_t, [c_int, ctypes.c_void_p, ctypes.POINTER(Export), ctypes.POINTER(c_int),
+                                           ctypes.POINTER(ctypes.c_uint64), c_size_t]),
         "cuvmm_unexport": (c_int, [c_int, ctypes.c_uint64]),
         "cuvmm_import": (ctypes.c_void_p, [c_int, ctypes.POINTER(c_int), c_size_t, ctypes.c_uint64,
                                            ctypes.POINTER(c_int), c_size_t, ctypes.POINTER(ctypes.c_uint64)]),

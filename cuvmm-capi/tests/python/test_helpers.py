@@ -495,6 +495,18 @@ class TorchStats(unittest.TestCase):
         _torch_stats.restore(torch)  # not answering: nothing to do
         self.assertIs(torch._C._cuda_memoryStats, raising)
 
+    def test_every_library_function_the_package_calls_is_declared(self):
+        # ctypes passes an undeclared argument as a C int: a 64-bit device address would reach the
+        # library cut to its low 32 bits.
+        package = Path(cuvmm.__file__).resolve().parent
+        called = set()
+        for f in package.glob("*.py"):
+            called |= set(re.findall(r"\bcuvmm_[a-z0-9_]+\b(?=\()", f.read_text()))
+        called = {n for n in called if not n.startswith("cuvmm_torch")}
+        source = (package / "__init__.py").read_text()
+        declared = set(re.findall(r'"(cuvmm_[a-z0-9_]+)": \(', source))
+        self.assertEqual(sorted(called - declared), [])
+
     def test_hook_entry_points_are_declared_with_the_hooks_signatures(self):
         header = (Path(__file__).resolve().parents[2] / "include" / "cuvmm.h").read_text()
         for decl in ("void cuvmm_empty_cache_all(void);", "void cuvmm_record_stream(void *ptr, cuvmm_stream_t stream);",
