@@ -1,10 +1,13 @@
 #!/usr/bin/env python3
 """The `cuvmm` Python package without a GPU or PyTorch: the wheel (built through pip from the
-in-tree backend, installed into a fresh virtual environment, found there with no PYTHONPATH), the
+package's setuptools-rust build, installed into a fresh virtual environment, found there with no PYTHONPATH), the
 PyTorch version check, the entry points that raise instead of returning NULL, and the
 torch_memory_saver facade's bookkeeping and option mapping.
 
     python3 cuvmm-capi/tests/python/test_package.py       (needs cc and g++)
+
+The wheel is built as `pip install --no-build-isolation` builds it offline: with the setuptools and
+setuptools-rust of the Python that runs this (skipped without them).
 """
 
 import ctypes
@@ -13,9 +16,11 @@ import base64
 import csv
 import io
 import os
+import re
 import shutil
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import unittest
 import warnings
@@ -25,15 +30,18 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 CAPI = HERE.parents[1]
 sys.path.insert(0, str(CAPI / "python"))
-sys.path.insert(0, str(CAPI / "python" / "build_backend"))
 sys.path.insert(0, str(HERE))
 
 import cuvmm  # noqa: E402
-import cuvmm_build  # noqa: E402
 import tms_compare  # noqa: E402
 from cuvmm import torch_memory_saver as tms  # noqa: E402
 
 HAVE_TOOLS = bool(shutil.which("cc") and shutil.which(os.environ.get("CXX", "g++")))
+try:
+    import setuptools_rust  # noqa: F401
+    HAVE_BUILD = True
+except ImportError:
+    HAVE_BUILD = False
 
 # A libcuvmm.so stand-in: allocations above 1 MiB fail as the driver's out of memory does, a
 # size of 7 fails for another reason, 0 is NULL without error; frees and set_backup are recorded.
@@ -172,6 +180,15 @@ def build_c(tmp: Path, name: str, src: str, cxx: bool = False) -> Path:
     return so
 
 
+def build_shim(tmp: Path) -> Path:
+    """libcuvmm_torch.so with the package's flags (cuvmm-capi/setup.py), its warnings errors."""
+    so = tmp / "libcuvmm_torch.so"
+    subprocess.run([os.environ.get("CXX", "g++"), "-std=c++17", "-O2", "-fPIC", "-shared", "-fvisibility=hidden",
+                    "-Wall", "-Wextra", "-Werror", "-Wl,--no-undefined", "-o", str(so),
+                    str(CAPI / "python" / "csrc" / "torch_oom.cpp")], check=True)
+    return so
+
+
 class TorchVersion(unittest.TestCase):
     def test_supported_tested_and_newer(self):
         self.assertIsNone(cuvmm.torch_version_problem("2.11.0+cu130"))
@@ -186,23 +203,12 @@ class TorchVersion(unittest.TestCase):
         self.assertEqual(cuvmm.torch_version_problem("3.0.0")[0], "warning")
         self.assertEqual(cuvmm.torch_version_problem("unknown")[0], "error")
 
-    def test_build_backend_reads_the_toml_as_tomllib_does(self):
-        # The backend's own reader lets Python 3.9 and 3.10 (no tomllib) build the package.
-        try:
-            import tomllib
-        except ImportError:
-            self.skipTest("tomllib is Python 3.11+")
-        for path in (CAPI / "pyproject.toml", CAPI.parent / "Cargo.toml", CAPI / "Cargo.toml"):
-            with open(path, "rb") as f:
-                self.assertEqual(cuvmm_build.read_toml(path), tomllib.load(f), path)
-        with tempfile.TemporaryDirectory() as d:
-            bad = Path(d) / "bad.toml"
-            bad.write_text("[a]\nb = 1979-05-27\n")
-            with self.assertRaisesRegex(cuvmm_build.BuildError, "unsupported TOML value"):
-                cuvmm_build.read_toml(bad)
-
     def test_version_is_the_workspaces(self):
-        self.assertEqual(cuvmm_build.version(), cuvmm.__version__)
+        # The wheel takes its version from cuvmm.__version__; the library's is the workspace's.
+        cargo = (CAPI.parent / "Cargo.toml").read_text()
+        m = re.search(r'^\[workspace\.package\]\n(?:[^\[].*\n)*?version = "([^"]+)"', cargo, re.M)
+        self.assertIsNotNone(m)
+        self.assertEqual(m.group(1), cuvmm.__version__)
 
 
 @unittest.skipUnless(HAVE_TOOLS, "needs cc and g++")
@@ -214,7 +220,7 @@ class RaisingEntryPoints(unittest.TestCase):
         cls.dir = tempfile.TemporaryDirectory()
         tmp = Path(cls.dir.name)
         cls.fake = ctypes.CDLL(str(build_c(tmp, "fakecuvmm", FAKE_LIB)))
-        cls.shim = ctypes.CDLL(str(cuvmm_build.build_shim(tmp)))
+        cls.shim = ctypes.CDLL(str(build_shim(tmp)))
         cls.catcher = ctypes.CDLL(str(build_c(tmp, "catcher", CATCHER, cxx=True)))
         cls.catcher.call.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.POINTER(ctypes.c_void_p),
                                      ctypes.POINTER(ctypes.c_void_p), ctypes.c_char_p, ctypes.c_size_t]
@@ -291,7 +297,7 @@ class NativeOutOfMemoryError(unittest.TestCase):
         tmp = Path(cls.dir.name)
         cls.fake = ctypes.CDLL(str(build_c(tmp, "fakecuvmm", FAKE_LIB)))
         cls.c10 = ctypes.CDLL(str(build_c(tmp, "c10", FAKE_C10, cxx=True)))
-        cls.shim = ctypes.CDLL(str(cuvmm_build.build_shim(tmp)))
+        cls.shim = ctypes.CDLL(str(build_shim(tmp)))
         cls.catcher = ctypes.CDLL(str(build_c(tmp, "c10catcher", C10_CATCHER, cxx=True)))
         cls.catcher.call.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_char_p, ctypes.c_size_t]
         cls.shim.cuvmm_torch_bind.argtypes = [ctypes.c_void_p] * 3 + [ctypes.py_object] * 2
@@ -344,9 +350,10 @@ class NativeOutOfMemoryError(unittest.TestCase):
 
 
 @unittest.skipUnless(HAVE_TOOLS, "needs cc and g++")
+@unittest.skipUnless(HAVE_BUILD, "needs setuptools>=77 and setuptools-rust (pip install setuptools setuptools-rust)")
 class InstalledWheel(unittest.TestCase):
-    """`pip wheel ./cuvmm-capi` (the PEP 517 path, offline) with a stand-in library, installed with
-    `pip install --no-deps --no-index` into a fresh virtual environment."""
+    """`pip wheel --no-build-isolation ./cuvmm-capi` (the PEP 517 path, offline) with a stand-in
+    library, installed with `pip install --no-deps --no-index` into a fresh virtual environment."""
 
     @classmethod
     def setUpClass(cls):
@@ -354,8 +361,9 @@ class InstalledWheel(unittest.TestCase):
         tmp = Path(cls.dir.name)
         lib = build_c(tmp, "cuvmm", FAKE_LIB)
         env = dict(os.environ, CUVMM_WHEEL_LIB=str(lib), PIP_NO_CACHE_DIR="1")
-        subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-index",
-                        "-w", str(tmp / "dist"), str(CAPI)], check=True, env=env, cwd=tmp)
+        subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--disable-pip-version-check", "--no-deps",
+                        "--no-index", "--no-build-isolation", "-w", str(tmp / "dist"), str(CAPI)],
+                       check=True, env=env, cwd=tmp)
         wheels = list((tmp / "dist").glob("*.whl"))
         assert len(wheels) == 1, wheels
         cls.wheel = wheels[0]
@@ -391,12 +399,13 @@ class InstalledWheel(unittest.TestCase):
             shutil.rmtree(torch_dir, ignore_errors=True)
 
     def test_wheel_is_tagged_for_any_python3_on_this_platform(self):
-        self.assertEqual(self.wheel.name, f"cuvmm-{cuvmm.__version__}-py3-none-{cuvmm_build.platform_tag()}.whl")
+        platform = re.sub(r"[-.]", "_", sysconfig.get_platform())
+        self.assertEqual(self.wheel.name, f"cuvmm-{cuvmm.__version__}-py3-none-{platform}.whl")
         with zipfile.ZipFile(self.wheel) as z:
             info = f"cuvmm-{cuvmm.__version__}.dist-info/"
             wheel = z.read(info + "WHEEL").decode()
             self.assertIn("Root-Is-Purelib: false", wheel)
-            self.assertIn(f"Tag: py3-none-{cuvmm_build.platform_tag()}", wheel)
+            self.assertIn(f"Tag: py3-none-{platform}", wheel)
             self.assertIn('Requires-Dist: torch>=2.8; extra == "torch"', z.read(info + "METADATA").decode())
             rows = list(csv.reader(io.StringIO(z.read(info + "RECORD").decode())))
             names = {r[0] for r in rows}
@@ -407,11 +416,17 @@ class InstalledWheel(unittest.TestCase):
                 data = z.read(name)
                 h = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
                 self.assertEqual((digest, int(size)), ("sha256=" + h, len(data)), name)
-            self.assertIn("cuvmm/libcuvmm.so", names)
-            self.assertIn("cuvmm/libcuvmm_torch.so", names)
+            self.assertEqual({n for n in names if not n.startswith(info)},
+                             {"cuvmm/__init__.py", "cuvmm/_share.py", "cuvmm/_torch_share.py", "cuvmm/torch.py",
+                              "cuvmm/torch_memory_saver.py", "cuvmm_torch.py", "cuvmm/libcuvmm.so",
+                              "cuvmm/libcuvmm_torch.so"})
+            self.assertIn(info + "licenses/LICENSE-MIT", names)
+            self.assertIn(info + "licenses/LICENSE-APACHE", names)
             metadata = z.read(info + "METADATA").decode()
-            self.assertIn("Project-URL: Repository, https://", metadata)
+            # No address the project cannot stand behind: no project URLs at all.
+            self.assertEqual([line for line in metadata.splitlines() if line.startswith(("Project-URL", "Home-page"))], [])
             self.assertIn("Requires-Python: >=3.9", metadata)
+            self.assertIn("License-Expression: MIT OR Apache-2.0", metadata)
             # Stripped: no static symbol table left (its section name goes with it).
             self.assertNotIn(b".symtab", z.read("cuvmm/libcuvmm.so"))
 
@@ -421,6 +436,10 @@ class InstalledWheel(unittest.TestCase):
                         "print(ep.value); ep.load()(); print('loaded')")
         self.assertEqual(r.returncode, 0, r.stderr)
         self.assertEqual(r.stdout.split(), ["cuvmm.vllm:plugin", "loaded"])
+
+    def test_build_leaves_the_source_tree_alone(self):
+        self.assertEqual([p.name for p in CAPI.iterdir() if p.name == "build" or p.name.endswith(".egg-info")], [])
+        self.assertEqual([p.name for p in (CAPI / "python").iterdir() if p.name.endswith(".egg-info")], [])
 
     def test_library_found_in_the_installed_package(self):
         r = self.run_py("import cuvmm, cuvmm_torch; print(cuvmm.library_path()); print(cuvmm_torch.stats(0)['live'])")
