@@ -417,9 +417,9 @@ class InstalledWheel(unittest.TestCase):
                 h = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
                 self.assertEqual((digest, int(size)), ("sha256=" + h, len(data)), name)
             self.assertEqual({n for n in names if not n.startswith(info)},
-                             {"cuvmm/__init__.py", "cuvmm/_share.py", "cuvmm/_torch_share.py", "cuvmm/torch.py",
-                              "cuvmm/torch_memory_saver.py", "cuvmm_torch.py", "cuvmm/libcuvmm.so",
-                              "cuvmm/libcuvmm_torch.so"})
+                             {"cuvmm/__init__.py", "cuvmm/_share.py", "cuvmm/_share_keep.py", "cuvmm/_torch_share.py",
+                              "cuvmm/_torch_stats.py", "cuvmm/torch.py", "cuvmm/torch_memory_saver.py",
+                              "cuvmm/vllm.py", "cuvmm_torch.py", "cuvmm/libcuvmm.so", "cuvmm/libcuvmm_torch.so"})
             self.assertIn(info + "licenses/LICENSE-MIT", names)
             self.assertIn(info + "licenses/LICENSE-APACHE", names)
             metadata = z.read(info + "METADATA").decode()
@@ -466,10 +466,12 @@ class InstalledWheel(unittest.TestCase):
         # Without libcuvmm_torch.so PyTorch gets cuvmm_malloc's NULL and no text: stderr has it.
         code = ("import ctypes, types, warnings, cuvmm, cuvmm.torch as t\n"
                 "t._shim_path = lambda: None\n"
-                "t._torch.cuda = types.SimpleNamespace(memory=types.SimpleNamespace(\n"
-                "    CUDAPluggableAllocator=lambda path, m, f: (m, f)))\n"
+                "class Pluggable:\n"
+                "    def __init__(self, path, m, f): self.names = (m, f)\n"
+                "    def allocator(self): return types.SimpleNamespace()\n"
+                "t._torch.cuda = types.SimpleNamespace(memory=types.SimpleNamespace(CUDAPluggableAllocator=Pluggable))\n"
                 "warnings.simplefilter('ignore')\n"
-                "print(*t.allocator(), ctypes.c_int.in_dll(cuvmm.load(), 'error_log_mode').value)")
+                "print(*t.allocator().names, ctypes.c_int.in_dll(cuvmm.load(), 'error_log_mode').value)")
         r = self.run_py(code, fake_torch="2.11.0")
         self.assertEqual((r.returncode, r.stdout.split()), (0, ["cuvmm_malloc", "cuvmm_free", "0"]), r.stderr)
 
