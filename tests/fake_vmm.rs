@@ -360,3 +360,52 @@ fn a_query_that_is_not_ready_answers_no_and_other_codes_name_the_call() {
     );
     assert_eq!(faults::clear(), 0);
 }
+
+/// A failing call costs its code until the error is read: a polling query's NOT_READY asks the
+/// driver for no name or text, and a displayed error asks once for each.
+#[cfg(feature = "fault-injection")]
+#[test]
+fn a_driver_error_asks_for_its_name_and_text_only_when_displayed() {
+    use cuvmm::driver::sys::CUresult;
+    use cuvmm::{faults, Stream};
+    let (_turn, lib, ctx) = fake_device();
+    let stream = Stream::new(&ctx).unwrap();
+    let asked = || thread_count(&lib, "cuGetErrorName") + thread_count(&lib, "cuGetErrorString");
+    let before = asked();
+    for _ in 0..100 {
+        faults::inject("cuStreamQuery", 0, CUresult::ERROR_NOT_READY);
+        assert!(!stream.is_idle().unwrap());
+    }
+    faults::inject("cuStreamQuery", 0, CUresult::ERROR_NO_DEVICE);
+    let err = stream.is_idle().unwrap_err();
+    let moved = err.clone();
+    assert_eq!(asked(), before, "neither the polls nor making and moving an error asked the driver");
+    assert_eq!(moved.driver_name().as_deref(), Some("CUDA_ERROR_NO_DEVICE"));
+    assert_eq!(
+        err.to_string(),
+        "cuStreamQuery failed: CUDA_ERROR_NO_DEVICE (100): no CUDA-capable device is detected"
+    );
+    assert_eq!(asked(), before + 3, "the name (twice) and the text, when read");
+    assert_eq!(faults::clear(), 0);
+}
+
+/// A destructor cannot return its driver call's failure: it is kept for the caller to read.
+#[cfg(feature = "fault-injection")]
+#[test]
+fn a_destructors_failure_is_kept_for_the_caller() {
+    use cuvmm::driver::sys::CUresult;
+    use cuvmm::vmm::PhysicalMemory;
+    use cuvmm::{faults, take_drop_error};
+    let (_turn, _lib, ctx) = fake_device();
+    let phys = PhysicalMemory::builder(&ctx).create(2 << 20).unwrap();
+    let _ = take_drop_error();
+    let count = cuvmm::drop_error_count();
+    faults::inject("cuMemRelease", 0, CUresult::ERROR_INVALID_VALUE);
+    drop(phys);
+    cuvmm::driver::callback::flush_deferred_releases().unwrap();
+    let err = take_drop_error().expect("the failed release was recorded");
+    assert!(matches!(err, cuvmm::Error::Driver { call: "cuMemRelease", .. }), "{err}");
+    assert_eq!(cuvmm::drop_error_count(), count + 1);
+    assert!(take_drop_error().is_none(), "taking it clears it");
+    assert_eq!(faults::clear(), 0);
+}

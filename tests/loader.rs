@@ -89,11 +89,11 @@ fn a_failing_cu_init_carries_the_drivers_name_and_text() {
     // SAFETY: the fake driver implements each entry point it exports with cuda.h's signature.
     let err = unsafe { Driver::load_from(&lib) }.err().expect("must fail");
     match &err {
-        Error::Driver { call, code, name, description } => {
+        Error::Driver { call, code, .. } => {
             assert_eq!(*call, "cuInit");
             assert_eq!(*code, CUresult::ERROR_NO_DEVICE);
-            assert_eq!(name, "CUDA_ERROR_NO_DEVICE");
-            assert_eq!(description, "no CUDA-capable device is detected");
+            assert_eq!(err.driver_name().as_deref(), Some("CUDA_ERROR_NO_DEVICE"));
+            assert_eq!(err.driver_description().as_deref(), Some("no CUDA-capable device is detected"));
         }
         other => panic!("wrong error: {other:?}"),
     }

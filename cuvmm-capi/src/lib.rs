@@ -175,7 +175,7 @@ fn guard<T>(function: &str, on_error: T, f: impl FnOnce() -> Result<T, (String, 
 /// or the message (its numbers do not count: see [`shape`]).
 fn reported(e: cuvmm_lib::Error) -> (String, String) {
     let kind = match &e {
-        cuvmm_lib::Error::Driver { call, name, .. } => format!("{call} {name}"),
+        cuvmm_lib::Error::Driver { call, .. } => format!("{call} {}", e.driver_name().unwrap_or_default()),
         other => other.to_string(),
     };
     (kind, e.to_string())

@@ -4,7 +4,8 @@
 //! [`LIBRARY_ENV`]); `cuGetProcAddress` is found with `dlsym` and resolves every other entry point at
 //! a pinned ABI version, so `cuMemcpyHtoDAsync` means `cuMemcpyHtoDAsync_v2` whatever driver is
 //! installed. Each entry point becomes an `unsafe` method of [`Api`] that returns a [`Result`]
-//! carrying the call's name and the driver's own error name and text. Inside the crate, `result`
+//! carrying the call's name and code; the driver's own name and text for the code are
+//! asked for when the error is displayed. Inside the crate, `result`
 //! wraps each entry point in one function that returns its out-values, and the safe types call
 //! those.
 //!
