@@ -986,23 +986,35 @@ mod tests {
 
     const CHILD: &str = "CUVMM_CAPI_TEST_CHILD";
 
-    /// Runs the test `name` of this executable in a child process, where it does its work.
-    fn in_child(name: &str) {
-        in_child_with(name, None);
+    /// Runs `child`, the work of the test `test`, in a child process: this executable again, told
+    /// to run only `test`, which in the child (where `CHILD` names it) runs `child` instead.
+    /// No helper shows as a test of its own.
+    fn in_child(test: &str, child: fn()) {
+        in_child_with(test, None, child);
     }
 
-    /// The same with `CUVMM_LIBCUDA` set to `driver`. The child's stderr comes back, not to the
-    /// terminal: it is shown only when the child fails (an abort, a failed assertion).
-    fn in_child_with(name: &str, driver: Option<&std::path::Path>) {
-        let exe = std::env::current_exe().unwrap();
-        let mut child = std::process::Command::new(exe);
-        child
-            .args(["--exact", &format!("tests::{name}"), "--nocapture", "--test-threads=1"])
-            .env(CHILD, name);
-        if let Some(driver) = driver {
-            child.env(cuvmm_lib::driver::LIBRARY_ENV, driver);
+    /// The same with `CUVMM_LIBCUDA` set to what `driver` returns. The child's stderr comes back,
+    /// not to the terminal: it is shown only when the child fails (an abort, a failed assertion).
+    fn in_child_with(test: &str, driver: Option<fn() -> std::path::PathBuf>, child: fn()) {
+        if is_child(test) {
+            child();
+            println!("child done");
+            return;
         }
-        let out = child.output().unwrap();
+        let exe = std::env::current_exe().unwrap();
+        let mut run = std::process::Command::new(exe);
+        run.args([
+            "--exact",
+            &format!("tests::{test}"),
+            "--nocapture",
+            "--test-threads=1",
+            "--include-ignored",
+        ])
+        .env(CHILD, test);
+        if let Some(driver) = driver {
+            run.env(cuvmm_lib::driver::LIBRARY_ENV, driver());
+        }
+        let out = run.output().unwrap();
         let stdout = String::from_utf8_lossy(&out.stdout);
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert!(
@@ -1018,16 +1030,12 @@ mod tests {
 
     #[test]
     fn an_error_written_to_a_closed_stderr_does_not_unwind_into_c() {
-        in_child("child_closed_stderr");
+        in_child("an_error_written_to_a_closed_stderr_does_not_unwind_into_c", closed_stderr);
     }
 
-    /// The child of the test above (does nothing in the parent's run): stderr is a pipe nobody
-    /// reads and SIGPIPE is ignored, as under `python train.py 2>&1 | head` once head has exited.
-    #[test]
-    fn child_closed_stderr() {
-        if !is_child("child_closed_stderr") {
-            return;
-        }
+    /// The child of the test above: stderr is a pipe nobody reads and SIGPIPE is ignored, as under
+    /// `python train.py 2>&1 | head` once head has exited.
+    fn closed_stderr() {
         let mut fds = [0; 2];
         // SAFETY: plain descriptor calls on descriptors this process owns.
         unsafe {
@@ -1037,12 +1045,11 @@ mod tests {
             libc::signal(libc::SIGPIPE, libc::SIG_IGN);
         }
         assert!(cuvmm_malloc(-3, 0, std::ptr::null_mut()).is_null());
-        println!("child done");
     }
 
     #[test]
     fn an_error_while_a_thread_exits_does_not_unwind_into_c() {
-        in_child("child_thread_exit");
+        in_child("an_error_while_a_thread_exits_does_not_unwind_into_c", thread_exit);
     }
 
     extern "C" fn free_at_thread_exit(_: *mut c_void) {
@@ -1052,11 +1059,7 @@ mod tests {
     }
 
     /// The child of the test above: a thread whose pthread key destructor calls the library.
-    #[test]
-    fn child_thread_exit() {
-        if !is_child("child_thread_exit") {
-            return;
-        }
+    fn thread_exit() {
         std::thread::spawn(|| {
             assert!(cuvmm_malloc(-1, 0, std::ptr::null_mut()).is_null());
             let mut key: libc::pthread_key_t = 0;
@@ -1072,7 +1075,6 @@ mod tests {
         })
         .join()
         .unwrap();
-        println!("child done");
     }
 
     #[test]
@@ -1144,15 +1146,15 @@ mod tests {
 
     #[test]
     fn the_same_sleep_and_wake_with_a_device_used_before_and_after() {
-        in_child_with("child_sleep_wake", Some(&fake_vmm()));
+        in_child_with(
+            "the_same_sleep_and_wake_with_a_device_used_before_and_after",
+            Some(fake_vmm),
+            sleep_wake,
+        );
     }
 
     /// The child of the test above, on the fake driver's device.
-    #[test]
-    fn child_sleep_wake() {
-        if !is_child("child_sleep_wake") {
-            return;
-        }
+    fn sleep_wake() {
         let (before, after) = (c"slept-before-first-use", c"slept-after-first-use");
         let mut stats = CuvmmStats::default();
         // SAFETY: NUL-terminated names, writable structs.
@@ -1175,21 +1177,20 @@ mod tests {
             assert_eq!(cuvmm_wake(after.as_ptr()), -1);
             assert_eq!(tag_stats(after).asleep, 0);
         }
-        println!("child done");
     }
 
     #[test]
     fn sizes_larger_than_the_device_return_null_and_an_error_not_an_abort() {
-        in_child_with("child_huge_sizes", Some(&fake_vmm()));
+        in_child_with(
+            "sizes_larger_than_the_device_return_null_and_an_error_not_an_abort",
+            Some(fake_vmm),
+            huge_sizes,
+        );
     }
 
     /// The child of the test above: `cuvmm_malloc(PTRDIFF_MAX)` aborted the process ("memory
     /// allocation of 17592186044416 bytes failed") before the size was checked.
-    #[test]
-    fn child_huge_sizes() {
-        if !is_child("child_huge_sizes") {
-            return;
-        }
+    fn huge_sizes() {
         let memory = 80isize << 30; // the fake device's
         for size in [isize::MAX, isize::MAX - 4095, 1 << 62, 1 << 50, memory + 1] {
             for f in [cuvmm_malloc, cuvmm_pool_malloc] {
@@ -1209,6 +1210,5 @@ mod tests {
         // SAFETY: as above.
         assert_eq!(unsafe { cuvmm_get_stats(0, &mut stats) }, 0);
         assert_eq!((stats.allocations, stats.frees), (1, 1));
-        println!("child done");
     }
 }
