@@ -205,7 +205,7 @@ fn an_import_survives_a_non_blocking_socket_and_a_stalled_importer_is_let_go() {
 fn imports_reserve_aligned_to_the_announced_granularity() {
     let (_turn, _, ctx) = fake_device();
     use cuvmm::ipc::wire::{HandleType, Header, Message, Region, WireHandle};
-    use cuvmm::ipc::{recv, send, send_message, GrowableImport, PeerPolicy, SharedMemory};
+    use cuvmm::ipc::{send_message, GrowableImport, PeerPolicy, SharedMemory};
     use cuvmm::vmm::Reservation;
     use std::os::fd::AsFd;
     const GIB: u64 = 1 << 30;
@@ -221,9 +221,35 @@ fn imports_reserve_aligned_to_the_announced_granularity() {
     let (a, b) = UnixStream::pair().unwrap();
     let fd = std::fs::File::open("/dev/null").unwrap();
     let h = Header::new(WireHandle::PosixFd, GIB, GIB, 0, GIB, uuid, 1).unwrap();
-    send(a.as_fd(), &h, Some(fd.as_fd())).unwrap();
-    let shared = SharedMemory::import(&ctx, recv(b.as_fd(), PeerPolicy::SameUid).unwrap(), &[]).unwrap();
+    send_message(a.as_fd(), &Message::Share(h), Some(fd.as_fd())).unwrap();
+    let shared =
+        SharedMemory::import(&ctx, common::recv(b.as_fd(), PeerPolicy::SameUid).unwrap(), &[]).unwrap();
     assert_eq!(shared.ptr() % GIB, 0, "{:#x}", shared.ptr());
+}
+
+/// `SharedMemory::import` takes any received message and refuses all but a share, naming its
+/// kind and closing its fd, before anything reaches the driver.
+#[test]
+fn an_import_of_a_message_other_than_a_share_is_refused_and_closes_its_fd() {
+    let (_turn, lib, ctx) = fake_device();
+    use cuvmm::ipc::wire::{Grow, Message, WireHandle};
+    use cuvmm::ipc::{send_message, PeerPolicy, SharedMemory};
+    use std::os::fd::AsFd;
+    let uuid = ctx.device().uuid().unwrap().0;
+    let (a, b) = UnixStream::pair().unwrap();
+    let fd = std::fs::File::open("/dev/null").unwrap();
+    let grow = Grow::new(WireHandle::PosixFd, 2 * MIB as u64, 2 * MIB as u64, 0, uuid, 1).unwrap();
+    send_message(a.as_fd(), &Message::Grow(grow), Some(fd.as_fd())).unwrap();
+    let open_fds = || std::fs::read_dir("/proc/self/fd").unwrap().count();
+    let msg = common::recv(b.as_fd(), PeerPolicy::SameUid).unwrap();
+    let (before, imports) = (open_fds(), count(&lib, "cuMemImportFromShareableHandle"));
+    match SharedMemory::import(&ctx, msg, &[]) {
+        Err(cuvmm::Error::Protocol(m)) => assert!(m.contains("a grow message"), "{m}"),
+        Err(e) => panic!("a grow was refused for another reason: {e}"),
+        Ok(_) => panic!("a grow was imported as a share"),
+    }
+    assert_eq!(open_fds(), before - 1, "the grow's fd was closed");
+    assert_eq!(count(&lib, "cuMemImportFromShareableHandle"), imports, "nothing reached the driver");
 }
 
 #[test]

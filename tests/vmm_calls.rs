@@ -13,7 +13,7 @@ mod common;
 
 use cuvmm::alloc::{ExportMode, PeerAllocator};
 use cuvmm::driver::driver;
-use cuvmm::ipc::{recv, PeerPolicy, SharedMemory};
+use cuvmm::ipc::{PeerPolicy, SharedMemory};
 use cuvmm::vmm::{Access, Location, PhysicalMemory, Reservation};
 use cuvmm::Context;
 use std::ffi::{c_char, CString};
@@ -169,15 +169,15 @@ fn each_vmm_and_sharing_step_makes_only_the_calls_it_needs() {
     let a = alloc.allocate(4 * MIB).unwrap();
     let (x, y) = UnixStream::pair().unwrap();
     a.share(x.as_fd(), 0, a.len(), 7).unwrap(); // warm-up: the UUID is asked once
-    drop(recv(y.as_fd(), PeerPolicy::SameUid).unwrap());
+    drop(common::recv(y.as_fd(), PeerPolicy::SameUid).unwrap());
     counts.take();
     a.share(x.as_fd(), 0, a.len(), 7).unwrap();
     expect(&counts, "share", &[("cuCtxSetCurrent", 1), ("cuMemExportToShareableHandle", 1)]);
 
     // The importer, step by step as `cuvmm bench ipc` times it.
-    let msg = recv(y.as_fd(), PeerPolicy::SameUid).unwrap();
-    let (header, fd, _) = msg.into_parts();
-    let size = header.size() as usize;
+    let msg = common::recv(y.as_fd(), PeerPolicy::SameUid).unwrap();
+    let size = msg.share().expect("a share").size() as usize;
+    let (_, fd, _) = msg.into_parts();
     let imported = PhysicalMemory::import_fd(&ctx, fd.unwrap().as_fd(), size).unwrap();
     expect(&counts, "import", &[("cuCtxSetCurrent", 1), ("cuMemImportFromShareableHandle", 1)]);
     let va3 = Reservation::new(&ctx, size).unwrap();
@@ -201,7 +201,7 @@ fn each_vmm_and_sharing_step_makes_only_the_calls_it_needs() {
 
     // SharedMemory::import: the same four driver steps.
     a.share(x.as_fd(), 0, a.len(), 8).unwrap();
-    let msg = recv(y.as_fd(), PeerPolicy::SameUid).unwrap();
+    let msg = common::recv(y.as_fd(), PeerPolicy::SameUid).unwrap();
     counts.take();
     let shared = SharedMemory::import(&ctx, msg, &[]).unwrap();
     expect(

@@ -28,7 +28,8 @@ use cuvmm::alloc::{ExportMode, PeerAllocator};
 use cuvmm::context::Context;
 use cuvmm::driver::{driver, sys::*};
 use cuvmm::error::{Error, Result};
-use cuvmm::ipc::{recv, PeerPolicy, SharedMemory};
+use cuvmm::ipc::wire::Message;
+use cuvmm::ipc::{recv_message, Incoming, PeerPolicy, SharedMemory};
 use cuvmm::memory::DeviceBuffer;
 use cuvmm::stream::Event;
 use cuvmm::stream::Stream;
@@ -457,11 +458,19 @@ pub fn export_side(
     Ok(out)
 }
 
+/// The exporter's next message, which must come.
+fn recv_next(sock: &UnixStream) -> Result<Incoming> {
+    recv_message(sock.as_fd(), PeerPolicy::SameUid)?
+        .ok_or_else(|| Error::Protocol("the exporter closed the socket".into()))
+}
+
 /// One exchange through cuvmm, on the importer's side; the memory is let go (untimed) after.
 fn import_cuvmm(ctx: &Context, sock: &UnixStream) -> Result<Imported> {
-    let msg = recv(sock.as_fd(), PeerPolicy::SameUid)?;
+    let msg = recv_next(sock)?;
     let received = now_ns()?;
-    let (header, fd, _) = msg.into_parts();
+    let (Message::Share(header), fd, _) = msg.into_parts() else {
+        return Err(Error::Protocol("the exporter sent something other than a share".into()));
+    };
     let size = usize::try_from(header.size())
         .map_err(|_| Error::Protocol("the allocation size does not fit this machine".into()))?;
     let fd = fd.ok_or_else(|| Error::Protocol("no fd".into()))?;
@@ -542,8 +551,7 @@ pub fn import_side(ctx: &Context, sock: &mut UnixStream) -> Result<ImporterRepor
         sock.write_all(&[1]).map_err(&io)?;
     }
     // Bandwidth on imported memory, against a local allocation.
-    let msg = recv(sock.as_fd(), PeerPolicy::SameUid)?;
-    let shared = SharedMemory::import(ctx, msg, &[])?;
+    let shared = SharedMemory::import(ctx, recv_next(sock)?, &[])?;
     let size = shared.len();
     let imported_gbs = d2d_gbs(ctx, shared.ptr(), size)?;
     let local = DeviceBuffer::<u8>::new(ctx, size)?;
