@@ -8,6 +8,7 @@
 pub mod alloc;
 pub mod bandwidth;
 pub mod events;
+pub mod first_map;
 pub mod grow;
 pub mod ipc;
 pub mod model_trace;
