@@ -151,7 +151,8 @@ fn each_vmm_and_sharing_step_makes_only_the_calls_it_needs() {
             // Code outside cuvmm leaves no context current: the fake refuses the map, as a driver
             // may, and cuvmm binds and maps again.
             // SAFETY: a null context is allowed: it unbinds.
-            unsafe { driver().unwrap().api().cuCtxSetCurrent(std::ptr::null_mut()) }.unwrap();
+            unsafe { cuvmm::driver::result::ctx::set_current(driver().unwrap().api(), std::ptr::null_mut()) }
+                .unwrap();
             let m = va.map(2 * MIB, &phys, 0, 2 * MIB).unwrap();
             expect(
                 &counts,
@@ -232,7 +233,16 @@ fn each_vmm_and_sharing_step_makes_only_the_calls_it_needs() {
         let t = Instant::now();
         for i in 0..slots {
             // SAFETY: the fake's cuMemMap only counts; nothing is mapped.
-            unsafe { api.cuMemMap(big.base() + (i * 2 * MIB) as u64, 2 * MIB, 0, phys.handle(), 0) }.unwrap();
+            unsafe {
+                cuvmm::driver::result::mem::map(
+                    api,
+                    big.base() + (i * 2 * MIB) as u64,
+                    2 * MIB,
+                    0,
+                    phys.handle(),
+                )
+            }
+            .unwrap();
         }
         let raw = t.elapsed().as_secs_f64() * 1e9 / slots as f64;
         best = (best.0.min(ours), best.1.min(raw));
@@ -253,7 +263,7 @@ fn each_vmm_and_sharing_step_makes_only_the_calls_it_needs() {
         drop(m);
         let t = Instant::now();
         // SAFETY: the fake's cuMemMap only counts; nothing is mapped.
-        unsafe { api.cuMemMap(one.base(), 2 * MIB, 0, phys.handle(), 0) }.unwrap();
+        unsafe { cuvmm::driver::result::mem::map(api, one.base(), 2 * MIB, 0, phys.handle()) }.unwrap();
         raw.push(t.elapsed().as_nanos() as f64);
     }
     ours.sort_by(f64::total_cmp);
