@@ -26,7 +26,7 @@ use crate::cli::size::{parse_size, show};
 use crate::cli::CliResult;
 use cuvmm::alloc::{ExportMode, PeerAllocator};
 use cuvmm::context::Context;
-use cuvmm::driver::{driver, sys::*};
+use cuvmm::driver::{driver, result, sys::*};
 use cuvmm::error::{Error, Result};
 use cuvmm::ipc::wire::Message;
 use cuvmm::ipc::{recv_message, Incoming, PeerPolicy, SharedMemory};
@@ -294,7 +294,7 @@ fn d2d_gbs(ctx: &Context, base: CUdeviceptr, bytes: usize) -> Result<f64> {
     for rep in 0..8 {
         a.record(&s)?;
         // SAFETY: both halves lie inside a mapped, accessible range of `bytes` bytes.
-        unsafe { api.cuMemcpyDtoDAsync(base + half as u64, base, half, s.raw()) }?;
+        unsafe { result::mem::memcpy_dtod_async(api, base + half as u64, base, half, s.raw()) }?;
         b.record(&s)?;
         b.synchronize()?;
         if rep > 0 {
@@ -492,36 +492,25 @@ fn import_raw(ctx: &Context, sock: &UnixStream) -> Result<Imported> {
     let api = driver()?.api();
     let (size, fd) = raw_recv(sock)?;
     let received = now_ns()?;
-    let mut h: CUmemGenericAllocationHandle = 0;
-    // SAFETY: for the POSIX-fd type the driver takes the fd's value as the pointer.
-    unsafe {
-        api.cuMemImportFromShareableHandle(
-            &mut h,
-            fd.as_raw_fd() as isize as *mut std::ffi::c_void,
-            CUmemAllocationHandleType::POSIX_FILE_DESCRIPTOR,
-        )
-    }?;
+    let h = result::mem::import_fd(api, fd.as_fd())?;
     let imported = now_ns()?;
     let desc = CUmemAccessDesc {
         location: CUmemLocation { type_: CUmemLocationType::DEVICE, id: ctx.device().raw() },
         flags: CUmemAccess_flags::PROT_READWRITE,
     };
-    let mut va: CUdeviceptr = 0;
-    // SAFETY: out-pointers are valid locals; the range is reserved, mapped, made accessible and
-    // undone below, in order, with nothing queued on the device that uses it.
-    unsafe {
-        api.cuMemAddressReserve(&mut va, size, 0, 0, 0)?;
-        api.cuMemMap(va, size, 0, h, 0)?;
-    }
+    let va = result::mem::address_reserve(api, size, 0, 0)?;
+    // SAFETY: the range is reserved, mapped, made accessible and undone below, in order, with
+    // nothing queued on the device that uses it; the handle is released once.
+    unsafe { result::mem::map(api, va, size, 0, h) }?;
     let mapped = now_ns()?;
     // SAFETY: as above.
-    unsafe { api.cuMemSetAccess(va, size, &desc, 1) }?;
+    unsafe { result::mem::set_access(api, va, size, &[desc]) }?;
     let accessible = now_ns()?;
     // SAFETY: as above.
     unsafe {
-        api.cuMemUnmap(va, size)?;
-        api.cuMemRelease(h)?;
-        api.cuMemAddressFree(va, size)?;
+        result::mem::unmap(api, va, size)?;
+        result::mem::release(api, h)?;
+        result::mem::address_free(api, va, size)?;
     }
     drop(fd);
     Ok(Imported { path: Path::Raw, received, imported, mapped, accessible })
