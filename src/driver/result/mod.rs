@@ -20,6 +20,7 @@ pub mod event;
 pub mod host;
 pub mod mem;
 pub mod module;
+pub mod pool;
 pub mod stream;
 
 use super::Api;
