@@ -187,7 +187,7 @@ fn run_copy(ctx: &Context, cfg: &GrowConfig, target: usize) -> Result<GrowRun> {
                     // SAFETY: both buffers hold at least `len` bytes; the old one is freed after the copy.
                     unsafe {
                         if len > 0 {
-                            api.cuMemcpyDtoD(new_ptr, ptr, len)?;
+                            result::mem::memcpy_dtod(api, new_ptr, ptr, len)?;
                         }
                         if ptr != 0 {
                             result::mem::free(api, ptr)?;

@@ -416,18 +416,7 @@ pub fn export_side(
                 a.share(sock.as_fd(), 0, a.len(), round as u64)?;
             }
             Path::Raw => {
-                let mut fd: i32 = -1;
-                // SAFETY: for the POSIX-fd type the driver writes an int; the handle is live.
-                unsafe {
-                    api.cuMemExportToShareableHandle(
-                        (&mut fd as *mut i32).cast(),
-                        a.physical().handle(),
-                        CUmemAllocationHandleType::POSIX_FILE_DESCRIPTOR,
-                        0,
-                    )
-                }?;
-                // SAFETY: the driver created this descriptor for us; nothing else owns it.
-                let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+                let fd = result::mem::export_fd(api, a.physical().handle())?;
                 let mut frame = [0u8; RAW_FRAME_LEN];
                 frame[..8].copy_from_slice(&(a.len() as u64).to_le_bytes());
                 raw_send(sock, &frame, fd.as_raw_fd())?;
@@ -450,9 +439,8 @@ pub fn export_side(
     // the length the importer copies in both.
     ctx.bind()?;
     let legacy = DeviceBuffer::<u8>::new(ctx, a.len())?;
-    let mut h = CUipcMemHandle::default();
-    // SAFETY: out-pointer valid; the buffer is a live cuMemAlloc allocation.
-    unsafe { api.cuIpcGetMemHandle(&mut h, legacy.ptr()) }?;
+    // SAFETY: the buffer is a live cuMemAlloc allocation.
+    let h = unsafe { result::ipc::get_mem_handle(api, legacy.ptr()) }?;
     sock.write_all(&legacy_frame(&h, a.len())).map_err(protocol("send legacy handle"))?;
     sock.read_exact(&mut ack).map_err(protocol("wait for the importer"))?;
     Ok(out)
@@ -554,11 +542,10 @@ pub fn import_side(ctx: &Context, sock: &mut UnixStream) -> Result<ImporterRepor
     drop(shared);
     let api = driver()?.api();
     ctx.bind()?;
-    let mut p = 0;
     let t = now_ns()?;
     // SAFETY: a handle from cuIpcGetMemHandle in the exporter, which keeps the memory alive until
-    // we acknowledge below.
-    unsafe { api.cuIpcOpenMemHandle(&mut p, handle, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS) }?;
+    // we acknowledge below; closed once below.
+    let p = unsafe { result::ipc::open_mem_handle(api, handle, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS) }?;
     let legacy_open_us = now_ns()?.saturating_sub(t) as f64 / 1e3;
     let legacy_gbs = match opened_size(p, legacy_len) {
         Ok(()) => d2d_gbs(ctx, p, legacy_len),
@@ -566,11 +553,11 @@ pub fn import_side(ctx: &Context, sock: &mut UnixStream) -> Result<ImporterRepor
     };
     if legacy_gbs.is_err() {
         // SAFETY: opened above, closed once.
-        let _ = unsafe { api.cuIpcCloseMemHandle(p) };
+        let _ = unsafe { result::ipc::close_mem_handle(api, p) };
     }
     let legacy_gbs = legacy_gbs?;
     // SAFETY: opened above, closed once.
-    unsafe { api.cuIpcCloseMemHandle(p) }?;
+    unsafe { result::ipc::close_mem_handle(api, p) }?;
     sock.write_all(&[2]).map_err(&io)?;
     Ok(ImporterReport { rounds, imported_gbs, local_gbs, legacy_open_us, legacy_gbs })
 }
@@ -612,9 +599,7 @@ pub(crate) fn legacy_handle(
 /// Refuses memory opened at `p` unless the driver reports at least `len` bytes from `p` on: the
 /// peer's announced length is never trusted alone.
 fn opened_size(p: CUdeviceptr, len: usize) -> Result<()> {
-    let (mut base, mut size) = (0, 0usize);
-    // SAFETY: out-pointers are valid locals; `p` was just opened in the current context.
-    unsafe { driver()?.api().cuMemGetAddressRange(&mut base, &mut size, p) }?;
+    let (base, size) = result::mem::get_address_range(driver()?.api(), p)?;
     let available = (base + size as u64).saturating_sub(p);
     if available < len as u64 {
         return Err(Error::Protocol(format!(

@@ -221,9 +221,7 @@ pub fn call_costs(ctx: &Context) -> Result<Vec<CallCost>> {
         "cuCtxSetCurrent, same context",
         per_call(&mut || unsafe { result::ctx::set_current(api, ctx.raw()) })?,
     );
-    let mut cur = std::ptr::null_mut();
-    // SAFETY: the out-pointer is a valid local.
-    add("cuCtxGetCurrent", per_call(&mut || unsafe { api.cuCtxGetCurrent(&mut cur) })?);
+    add("cuCtxGetCurrent", per_call(&mut || result::ctx::get_current(api).map(drop))?);
     add(
         "cuMemGetAllocationGranularity",
         per_call(&mut || {

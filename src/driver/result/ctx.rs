@@ -50,3 +50,12 @@ pub fn stream_priority_range(api: &Api) -> Result<(c_int, c_int)> {
     unsafe { api.cuCtxGetStreamPriorityRange(&mut least, &mut greatest) }?;
     Ok((least, greatest))
 }
+
+/// `cuCtxGetCurrent`: the calling thread's current context (null when none is).
+#[inline]
+pub fn get_current(api: &Api) -> Result<CUcontext> {
+    let mut ctx: CUcontext = std::ptr::null_mut();
+    // SAFETY: the out-pointer is a valid local.
+    unsafe { api.cuCtxGetCurrent(&mut ctx) }?;
+    Ok(ctx)
+}

@@ -319,3 +319,43 @@ pub fn import_fabric(api: &Api, fabric: &CUmemFabricHandle) -> Result<CUmemGener
     }?;
     Ok(handle)
 }
+
+/// `cuMemcpyDtoD`: a copy between device allocations, synchronous with the host.
+///
+/// # Safety
+/// `src` is readable and `dst` writable device memory for `bytes` bytes, in the current context.
+#[inline]
+pub unsafe fn memcpy_dtod(api: &Api, dst: CUdeviceptr, src: CUdeviceptr, bytes: usize) -> Result<()> {
+    // SAFETY: the caller's contract (see # Safety).
+    unsafe { api.cuMemcpyDtoD(dst, src, bytes) }
+}
+
+/// `cuMemcpyPeerAsync`: a copy from `src` in `src_ctx` to `dst` in `dst_ctx`, ordered on
+/// `stream`.
+///
+/// # Safety
+/// Both contexts are live; `src` is readable and `dst` writable for `bytes` bytes in their
+/// contexts until the copy has run; `stream` is live or a default-stream value.
+#[inline]
+pub unsafe fn memcpy_peer_async(
+    api: &Api,
+    dst: CUdeviceptr,
+    dst_ctx: CUcontext,
+    src: CUdeviceptr,
+    src_ctx: CUcontext,
+    bytes: usize,
+    stream: CUstream,
+) -> Result<()> {
+    // SAFETY: the caller's contract (see # Safety).
+    unsafe { api.cuMemcpyPeerAsync(dst, dst_ctx, src, src_ctx, bytes, stream) }
+}
+
+/// `cuMemGetAddressRange`: the base and size of the allocation that holds `ptr`, which the
+/// driver looks up (and refuses when it knows none).
+#[inline]
+pub fn get_address_range(api: &Api, ptr: CUdeviceptr) -> Result<(CUdeviceptr, usize)> {
+    let (mut base, mut size) = (0, 0);
+    // SAFETY: the out-pointers are valid locals; `ptr` is only looked up.
+    unsafe { api.cuMemGetAddressRange(&mut base, &mut size, ptr) }?;
+    Ok((base, size))
+}

@@ -18,6 +18,7 @@ pub mod ctx;
 pub mod device;
 pub mod event;
 pub mod host;
+pub mod ipc;
 pub mod mem;
 pub mod module;
 pub mod pool;
