@@ -8,7 +8,7 @@
 mod common;
 
 use cuvmm::alloc::{ExportMode, PeerAllocator};
-use cuvmm::ipc::{recv, PeerPolicy, SharedMemory};
+use cuvmm::ipc::{recv_message, PeerPolicy, SharedMemory};
 use cuvmm::kernels::Kernels;
 use cuvmm::{Context, Stream};
 use std::io::{Read, Write};
@@ -55,9 +55,10 @@ fn import(path: &str) -> R {
     let k = Kernels::load(&ctx)?;
     let st = Stream::new(&ctx)?;
     let mut s = UnixStream::connect(path)?;
-    let msg = recv(s.as_fd(), PeerPolicy::SameUid)?;
-    let seed = msg.header().tag() as u32;
-    println!("importer: got {} bytes from pid {}", msg.header().length(), msg.peer().pid);
+    let msg = recv_message(s.as_fd(), PeerPolicy::SameUid)?.ok_or("the exporter closed the socket")?;
+    let share = *msg.share().ok_or("the exporter sent something other than a share")?;
+    let seed = share.tag() as u32;
+    println!("importer: got {} bytes from pid {}", share.length(), msg.peer().pid);
     let mut shm = SharedMemory::import(&ctx, msg, &[])?;
     let bad = k.count_pattern_mismatches(&st, &shm.as_slice::<u32>(), 0, seed)?;
     println!("importer: the exporter's pattern has {bad} wrong elements");

@@ -115,8 +115,8 @@ impl Drop for Inner {
         crate::driver::callback::release(move || {
             if let Ok(d) = driver() {
                 // SAFETY: releases the one retain `Context::new` took. An error here (the driver
-                // being torn down at exit) leaves nothing this process can act on.
-                let _ = unsafe { result::ctx::primary_release(d.api(), device.raw()) };
+                // being torn down at exit) leaves nothing to retry: it is recorded.
+                crate::error::record_drop(unsafe { result::ctx::primary_release(d.api(), device.raw()) });
             }
         });
     }

@@ -1,7 +1,9 @@
 //! The crate's one error type.
 
 use crate::driver::sys::CUresult;
+use std::ffi::{c_char, CStr};
 use std::fmt;
+use std::sync::Mutex;
 
 /// What `dlopen` said about one library path it tried.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -40,16 +42,20 @@ pub enum Error {
         reason: &'static str,
     },
     /// A driver call returned an error code.
-    #[error("{call} failed: {name} ({code}): {description}")]
+    ///
+    /// Making one costs nothing beyond the code: the driver's name and text for it
+    /// ([`Error::driver_name`], [`Error::driver_description`]) are asked for only when the error is
+    /// displayed, so a polling query's `CUDA_ERROR_NOT_READY` builds no string and makes no
+    /// further driver call.
+    #[error("{call} failed: {} ({code}): {}", texts.name(*code), texts.description(*code))]
+    #[non_exhaustive]
     Driver {
         /// The entry point that failed.
         call: &'static str,
         /// The code it returned.
         code: CUresult,
-        /// `cuGetErrorName` of the code.
-        name: String,
-        /// `cuGetErrorString` of the code.
-        description: String,
+        /// Where the code's name and text come from when asked.
+        texts: DriverTexts,
     },
     /// The driver, device or machine lacks a feature.
     #[error("unsupported: {what}: {why}")]
@@ -167,6 +173,28 @@ impl Error {
         self.kind() == ErrorKind::Timeout
     }
 
+    /// A driver error for `call` returning `code`, whose name and text are cuvmm's own (no driver
+    /// is asked): for fakes and models of the driver.
+    pub fn driver(call: &'static str, code: CUresult) -> Error {
+        Error::Driver { call, code, texts: DriverTexts::NONE }
+    }
+
+    /// For a driver error, the code's name (`CUDA_ERROR_OUT_OF_MEMORY`), asked of the driver now.
+    pub fn driver_name(&self) -> Option<String> {
+        match self {
+            Error::Driver { code, texts, .. } => Some(texts.name(*code)),
+            _ => None,
+        }
+    }
+
+    /// For a driver error, the driver's description of the code, asked of it now.
+    pub fn driver_description(&self) -> Option<String> {
+        match self {
+            Error::Driver { code, texts, .. } => Some(texts.description(*code)),
+            _ => None,
+        }
+    }
+
     /// Whether the driver reported that it ran out of memory.
     pub fn is_out_of_memory(&self) -> bool {
         self.is_code(CUresult::ERROR_OUT_OF_MEMORY)
@@ -181,6 +209,104 @@ impl Error {
     }
 }
 
+/// `cuGetErrorName` or `cuGetErrorString`.
+pub(crate) type ErrorTextFn = unsafe extern "C" fn(CUresult, *mut *const c_char) -> CUresult;
+
+/// Where a driver error's name and text come from: the two entry points of the driver that
+/// returned it, called only when the error is displayed. Copying it copies two pointers.
+///
+/// The pointers stay valid for the life of the process: a driver library, once opened, is never
+/// closed.
+#[derive(Clone, Copy)]
+pub struct DriverTexts {
+    name: Option<ErrorTextFn>,
+    description: Option<ErrorTextFn>,
+}
+
+impl fmt::Debug for DriverTexts {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(if self.name.is_some() { "DriverTexts(driver)" } else { "DriverTexts(none)" })
+    }
+}
+
+impl DriverTexts {
+    /// No driver to ask: names are cuvmm's own.
+    pub(crate) const NONE: DriverTexts = DriverTexts { name: None, description: None };
+
+    pub(crate) fn new(name: Option<ErrorTextFn>, description: Option<ErrorTextFn>) -> DriverTexts {
+        DriverTexts { name, description }
+    }
+
+    fn name(&self, code: CUresult) -> String {
+        ask(self.name, code)
+            .or_else(|| code.known_name().map(str::to_owned))
+            .unwrap_or_else(|| format!("CUresult {}", code.0))
+    }
+
+    fn description(&self, code: CUresult) -> String {
+        if self.description.is_some() && crate::driver::callback::in_host_function() {
+            return "(not asked of the driver inside a host function)".to_owned();
+        }
+        ask(self.description, code).unwrap_or_else(|| "no description from the driver".to_owned())
+    }
+}
+
+/// What `f` says about `code`; `None` without `f`, inside a stream host function (where no driver
+/// call may be made), or for a code the driver does not know.
+fn ask(f: Option<ErrorTextFn>, code: CUresult) -> Option<String> {
+    let f = f?;
+    if crate::driver::callback::in_host_function() {
+        return None;
+    }
+    let mut p: *const c_char = std::ptr::null();
+    // SAFETY: `f` is cuGetErrorName or cuGetErrorString of a driver that stays loaded (see
+    // DriverTexts); they write a pointer to a static NUL-terminated string, or return an error for
+    // a code they do not know.
+    let rc = unsafe { f(code, &mut p) };
+    if !rc.is_success() || p.is_null() {
+        return None;
+    }
+    // SAFETY: the driver returned a pointer to a static, NUL-terminated string.
+    Some(unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned())
+}
+
+/// A destructor's failure, kept where a caller can read it: `Drop` cannot return one.
+struct DropErrors {
+    last: Option<Error>,
+    count: u64,
+}
+
+static DROP_ERRORS: Mutex<DropErrors> = Mutex::new(DropErrors { last: None, count: 0 });
+
+fn drop_errors() -> std::sync::MutexGuard<'static, DropErrors> {
+    // Only plain assignments happen under the lock: a panic cannot leave it half-written.
+    DROP_ERRORS.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Records what a destructor's driver call returned: an error becomes the process's last drop
+/// error ([`last_drop_error`]) and counts in [`drop_error_count`].
+pub(crate) fn record_drop<T>(r: Result<T>) {
+    if let Err(e) = r {
+        let mut d = drop_errors();
+        d.last = Some(e);
+        d.count += 1;
+    }
+}
+
+/// The latest error a destructor met (a failed `cuMemRelease`, `cuStreamDestroy` and the like)
+/// in this process, and clears it. Destructors cannot return errors and have nothing to retry,
+/// so they record them here instead of dropping them: a program that wants to know whether its
+/// teardown was clean reads this after dropping what it held (drops of device objects may run
+/// on cuvmm's release thread a moment later, see [`crate::driver::callback`]).
+pub fn take_drop_error() -> Option<Error> {
+    drop_errors().last.take()
+}
+
+/// How many destructor errors this process has met, cleared or not.
+pub fn drop_error_count() -> u64 {
+    drop_errors().count
+}
+
 /// `Result` with [`Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
@@ -191,8 +317,7 @@ mod tests {
 
     #[test]
     fn each_error_has_its_kind_and_the_helpers_agree() {
-        let driver =
-            |code| Error::Driver { call: "cuTest", code, name: String::new(), description: String::new() };
+        let driver = |code| Error::driver("cuTest", code);
         let cases = [
             (Error::DriverNotFound { tried: Vec::new() }, ErrorKind::DriverNotFound),
             (
@@ -224,5 +349,28 @@ mod tests {
         }
         assert!(!driver(CUresult::ERROR_INVALID_VALUE).is_out_of_memory());
         assert!(!Error::Os { call: "recvmsg", errno: Errno::EINTR }.is_would_block());
+    }
+
+    #[test]
+    fn a_driver_error_without_a_driver_names_its_code_itself() {
+        let e = Error::driver("cuMemCreate", CUresult::ERROR_OUT_OF_MEMORY);
+        assert_eq!(e.driver_name().as_deref(), Some("CUDA_ERROR_OUT_OF_MEMORY"));
+        assert_eq!(
+            e.to_string(),
+            "cuMemCreate failed: CUDA_ERROR_OUT_OF_MEMORY (2): no description from the driver"
+        );
+        assert_eq!(Error::driver("cuX", CUresult(12345)).driver_name().as_deref(), Some("CUresult 12345"));
+        assert_eq!(Error::invalid("x").driver_name(), None);
+    }
+
+    #[test]
+    fn a_destructors_error_is_kept_until_taken() {
+        let before = drop_error_count();
+        record_drop::<()>(Ok(()));
+        record_drop::<()>(Err(Error::driver("cuMemRelease", CUresult::ERROR_INVALID_VALUE)));
+        // Other tests of this process may record theirs meanwhile: only this one's count is sure.
+        assert!(drop_error_count() > before);
+        let taken = take_drop_error().expect("recorded");
+        assert!(taken.code().is_some(), "{taken}");
     }
 }

@@ -77,7 +77,7 @@
 //! ```no_run
 //! # fn main() -> cuvmm::Result<()> {
 //! use cuvmm::alloc::{ExportMode, PeerAllocator};
-//! use cuvmm::ipc::{recv, PeerPolicy, SharedMemory};
+//! use cuvmm::ipc::{recv_message, PeerPolicy, SharedMemory};
 //! use std::os::fd::AsFd;
 //! use std::os::unix::net::UnixStream;
 //! let ctx = cuvmm::Context::for_ordinal(0)?;
@@ -87,7 +87,9 @@
 //! let block = alloc.allocate(4 << 20)?;
 //! block.share(exporter.as_fd(), 0, 4 << 20, 7)?;
 //! // Importing process (the other end of the socket):
-//! let shared = SharedMemory::import(&ctx, recv(importer.as_fd(), PeerPolicy::SameUid)?, &[])?;
+//! // `None`: the exporter closed the socket without sending anything.
+//! let Some(msg) = recv_message(importer.as_fd(), PeerPolicy::SameUid)? else { return Ok(()) };
+//! let shared = SharedMemory::import(&ctx, msg, &[])?;
 //! let mut first = [0u32; 4];
 //! shared.copy_to_host(0, &mut first)?;
 //! # Ok(()) }
@@ -133,7 +135,7 @@ pub mod vmm;
 
 pub use context::{Context, MemoryInfo};
 pub use device::{Device, Uuid};
-pub use error::{Error, ErrorKind, LoadAttempt, Result};
+pub use error::{drop_error_count, take_drop_error, Error, ErrorKind, LoadAttempt, Result};
 pub use host::{PinnedBuffer, Registered};
 pub use memory::{DeviceBuffer, DeviceCopy, DeviceSlice, DeviceSliceMut};
 pub use stream::{scope, Event, Landing, Scope, Stream};

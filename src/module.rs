@@ -70,7 +70,7 @@ impl Drop for Module {
             // Kernels of this module may still be queued: wait for the (current) context.
             let _ = result::ctx::synchronize(api);
             // SAFETY: unloaded once; nothing of it runs any more.
-            let _ = unsafe { result::module::unload(api, raw) };
+            crate::error::record_drop(unsafe { result::module::unload(api, raw) });
         });
     }
 }

@@ -205,7 +205,7 @@ fn an_import_survives_a_non_blocking_socket_and_a_stalled_importer_is_let_go() {
 fn imports_reserve_aligned_to_the_announced_granularity() {
     let (_turn, _, ctx) = fake_device();
     use cuvmm::ipc::wire::{HandleType, Header, Message, Region, WireHandle};
-    use cuvmm::ipc::{recv, send, send_message, GrowableImport, PeerPolicy, SharedMemory};
+    use cuvmm::ipc::{send_message, GrowableImport, PeerPolicy, SharedMemory};
     use cuvmm::vmm::Reservation;
     use std::os::fd::AsFd;
     const GIB: u64 = 1 << 30;
@@ -221,9 +221,35 @@ fn imports_reserve_aligned_to_the_announced_granularity() {
     let (a, b) = UnixStream::pair().unwrap();
     let fd = std::fs::File::open("/dev/null").unwrap();
     let h = Header::new(WireHandle::PosixFd, GIB, GIB, 0, GIB, uuid, 1).unwrap();
-    send(a.as_fd(), &h, Some(fd.as_fd())).unwrap();
-    let shared = SharedMemory::import(&ctx, recv(b.as_fd(), PeerPolicy::SameUid).unwrap(), &[]).unwrap();
+    send_message(a.as_fd(), &Message::Share(h), Some(fd.as_fd())).unwrap();
+    let shared =
+        SharedMemory::import(&ctx, common::recv(b.as_fd(), PeerPolicy::SameUid).unwrap(), &[]).unwrap();
     assert_eq!(shared.ptr() % GIB, 0, "{:#x}", shared.ptr());
+}
+
+/// `SharedMemory::import` takes any received message and refuses all but a share, naming its
+/// kind and closing its fd, before anything reaches the driver.
+#[test]
+fn an_import_of_a_message_other_than_a_share_is_refused_and_closes_its_fd() {
+    let (_turn, lib, ctx) = fake_device();
+    use cuvmm::ipc::wire::{Grow, Message, WireHandle};
+    use cuvmm::ipc::{send_message, PeerPolicy, SharedMemory};
+    use std::os::fd::AsFd;
+    let uuid = ctx.device().uuid().unwrap().0;
+    let (a, b) = UnixStream::pair().unwrap();
+    let fd = std::fs::File::open("/dev/null").unwrap();
+    let grow = Grow::new(WireHandle::PosixFd, 2 * MIB as u64, 2 * MIB as u64, 0, uuid, 1).unwrap();
+    send_message(a.as_fd(), &Message::Grow(grow), Some(fd.as_fd())).unwrap();
+    let open_fds = || std::fs::read_dir("/proc/self/fd").unwrap().count();
+    let msg = common::recv(b.as_fd(), PeerPolicy::SameUid).unwrap();
+    let (before, imports) = (open_fds(), count(&lib, "cuMemImportFromShareableHandle"));
+    match SharedMemory::import(&ctx, msg, &[]) {
+        Err(cuvmm::Error::Protocol(m)) => assert!(m.contains("a grow message"), "{m}"),
+        Err(e) => panic!("a grow was refused for another reason: {e}"),
+        Ok(_) => panic!("a grow was imported as a share"),
+    }
+    assert_eq!(open_fds(), before - 1, "the grow's fd was closed");
+    assert_eq!(count(&lib, "cuMemImportFromShareableHandle"), imports, "nothing reached the driver");
 }
 
 #[test]
@@ -358,5 +384,54 @@ fn a_query_that_is_not_ready_answers_no_and_other_codes_name_the_call() {
         err.is_code(CUresult::ERROR_ILLEGAL_ADDRESS) && err.to_string().starts_with("cuEventQuery failed"),
         "{err}"
     );
+    assert_eq!(faults::clear(), 0);
+}
+
+/// A failing call costs its code until the error is read: a polling query's NOT_READY asks the
+/// driver for no name or text, and a displayed error asks once for each.
+#[cfg(feature = "fault-injection")]
+#[test]
+fn a_driver_error_asks_for_its_name_and_text_only_when_displayed() {
+    use cuvmm::driver::sys::CUresult;
+    use cuvmm::{faults, Stream};
+    let (_turn, lib, ctx) = fake_device();
+    let stream = Stream::new(&ctx).unwrap();
+    let asked = || thread_count(&lib, "cuGetErrorName") + thread_count(&lib, "cuGetErrorString");
+    let before = asked();
+    for _ in 0..100 {
+        faults::inject("cuStreamQuery", 0, CUresult::ERROR_NOT_READY);
+        assert!(!stream.is_idle().unwrap());
+    }
+    faults::inject("cuStreamQuery", 0, CUresult::ERROR_NO_DEVICE);
+    let err = stream.is_idle().unwrap_err();
+    let moved = err.clone();
+    assert_eq!(asked(), before, "neither the polls nor making and moving an error asked the driver");
+    assert_eq!(moved.driver_name().as_deref(), Some("CUDA_ERROR_NO_DEVICE"));
+    assert_eq!(
+        err.to_string(),
+        "cuStreamQuery failed: CUDA_ERROR_NO_DEVICE (100): no CUDA-capable device is detected"
+    );
+    assert_eq!(asked(), before + 3, "the name (twice) and the text, when read");
+    assert_eq!(faults::clear(), 0);
+}
+
+/// A destructor cannot return its driver call's failure: it is kept for the caller to read.
+#[cfg(feature = "fault-injection")]
+#[test]
+fn a_destructors_failure_is_kept_for_the_caller() {
+    use cuvmm::driver::sys::CUresult;
+    use cuvmm::vmm::PhysicalMemory;
+    use cuvmm::{faults, take_drop_error};
+    let (_turn, _lib, ctx) = fake_device();
+    let phys = PhysicalMemory::builder(&ctx).create(2 << 20).unwrap();
+    let _ = take_drop_error();
+    let count = cuvmm::drop_error_count();
+    faults::inject("cuMemRelease", 0, CUresult::ERROR_INVALID_VALUE);
+    drop(phys);
+    cuvmm::driver::callback::flush_deferred_releases().unwrap();
+    let err = take_drop_error().expect("the failed release was recorded");
+    assert!(matches!(err, cuvmm::Error::Driver { call: "cuMemRelease", .. }), "{err}");
+    assert_eq!(cuvmm::drop_error_count(), count + 1);
+    assert!(take_drop_error().is_none(), "taking it clears it");
     assert_eq!(faults::clear(), 0);
 }

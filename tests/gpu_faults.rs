@@ -1,6 +1,8 @@
 //! A driver call failing part-way through a VmmVec growth leaves the vector as it was and leaks
 //! nothing. Needs `--features fault-injection` and a GPU.
 
+mod common;
+
 use cuvmm::driver::sys::CUresult;
 use cuvmm::faults;
 use cuvmm::vmm::ChunkPolicy;
@@ -56,7 +58,7 @@ fn every_failing_driver_call_in_a_growth_leaves_the_vector_intact() {
 use cuvmm::alloc::{CachingAllocator, ExportMode, PeerAllocator};
 use cuvmm::host::Staging;
 use cuvmm::host::{RegisterFlags, Registered};
-use cuvmm::ipc::{recv, GrowableImport, PeerPolicy, SharedMemory, Update};
+use cuvmm::ipc::{GrowableImport, PeerPolicy, SharedMemory, Update};
 use cuvmm::vmm::{Access, HandleTypes, PhysicalMemory, Reservation, Striped};
 use cuvmm::{DeviceBuffer, PinnedBuffer, Stream};
 use std::os::fd::AsFd;
@@ -209,7 +211,7 @@ fn every_vmm_type_stays_consistent_and_leaks_nothing_when_a_driver_call_fails() 
     ] {
         let (x, y) = UnixStream::pair().unwrap();
         src.share(x.as_fd(), 0, src.len(), 1).unwrap();
-        let msg = recv(y.as_fd(), PeerPolicy::SameUid).unwrap();
+        let msg = common::recv(y.as_fd(), PeerPolicy::SameUid).unwrap();
         failing(call, skip, || SharedMemory::import(&ctx, msg, &[]));
     }
     drop(src);

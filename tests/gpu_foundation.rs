@@ -2,7 +2,7 @@
 //! bundle from `tools/gpu-bundle`).
 
 use cuvmm::caps::{DeviceCaps, Report};
-use cuvmm::driver::{driver, sys::CUresult};
+use cuvmm::driver::{driver, result, sys::CUresult};
 use cuvmm::{Context, Device, Error};
 use std::process::Command;
 
@@ -104,17 +104,15 @@ fn contexts_work_from_several_threads() {
             std::thread::spawn(move || {
                 let api = driver().unwrap().api();
                 ctx.bind().unwrap();
-                let mut p = 0u64;
                 let bytes = (i + 1) << 20;
-                // SAFETY: out-pointer valid; context current on this thread.
-                unsafe { api.cuMemAlloc(&mut p, bytes) }.unwrap();
+                let p = result::mem::alloc(api, bytes).unwrap();
                 let data: Vec<u8> = (0..bytes).map(|k| (k * 7 + i) as u8).collect();
                 let mut back = vec![0u8; bytes];
                 // SAFETY: both buffers are `bytes` long; p is a live allocation of that size.
                 unsafe {
-                    api.cuMemcpyHtoD(p, data.as_ptr().cast(), bytes).unwrap();
-                    api.cuMemcpyDtoH(back.as_mut_ptr().cast(), p, bytes).unwrap();
-                    api.cuMemFree(p).unwrap();
+                    result::mem::memcpy_htod(api, p, data.as_ptr().cast(), bytes).unwrap();
+                    result::mem::memcpy_dtoh(api, back.as_mut_ptr().cast(), p, bytes).unwrap();
+                    result::mem::free(api, p).unwrap();
                 }
                 assert_eq!(back, data);
                 assert_eq!(ctx.memory_info().unwrap().total, total);
@@ -139,10 +137,9 @@ fn bad_device_ordinals_are_typed_errors() {
     assert!(matches!(Context::for_ordinal(n + 7), Err(Error::InvalidArgument(_))));
     // And a driver-side rejection keeps the driver's own name.
     let api = driver().unwrap().api();
-    let mut v = 0;
-    // SAFETY: out-pointer valid; the attribute id is deliberately unknown.
-    let err = unsafe { api.cuDeviceGetAttribute(&mut v, cuvmm::driver::sys::CUdevice_attribute(100_000), 0) }
-        .unwrap_err();
+    // The attribute id is deliberately unknown.
+    let err =
+        result::device::get_attribute(api, cuvmm::driver::sys::CUdevice_attribute(100_000), 0).unwrap_err();
     assert_eq!(err.code(), Some(CUresult::ERROR_INVALID_VALUE));
     assert!(err.to_string().contains("CUDA_ERROR_INVALID_VALUE"), "{err}");
 }

@@ -5,7 +5,7 @@ mod common;
 
 use cuvmm::alloc::{CachingAllocator, ExportMode, PeerAllocator};
 use cuvmm::ipc::wire::{Header, WireHandle};
-use cuvmm::ipc::{recv, send, PeerPolicy, Received, SharedMemory};
+use cuvmm::ipc::{PeerPolicy, SharedMemory};
 use cuvmm::kernels::Kernels;
 use cuvmm::vmm::{Access, HandleTypes, PhysicalMemory};
 use cuvmm::{Context, Device, Error, Stream};
@@ -79,8 +79,8 @@ fn ipc_child_helper() {
     let st = Stream::new(&ctx).unwrap();
     match role.to_str().unwrap() {
         "importer" | "crasher" => {
-            let msg = recv(s.as_fd(), PeerPolicy::SameUid).unwrap();
-            let seed = msg.header().tag() as u32;
+            let msg = common::recv(s.as_fd(), PeerPolicy::SameUid).unwrap();
+            let seed = msg.message().tag() as u32;
             let mut shm = SharedMemory::import(&ctx, msg, &[]).unwrap();
             let n = shm.len() / 4;
             assert_eq!(
@@ -130,7 +130,7 @@ fn ipc_child_helper() {
         r if r.starts_with("importer-dies-at-") => {
             let step: u32 = r["importer-dies-at-".len()..].parse().unwrap();
             if step >= 1 {
-                let msg = recv(s.as_fd(), PeerPolicy::SameUid).unwrap();
+                let msg = common::recv(s.as_fd(), PeerPolicy::SameUid).unwrap();
                 if step >= 2 {
                     let _shm = SharedMemory::import(&ctx, msg, &[]).unwrap();
                     std::process::abort();
@@ -174,7 +174,7 @@ fn the_importer_keeps_the_data_after_the_exporter_is_killed() {
     let k = Kernels::load(&ctx).unwrap();
     let st = Stream::new(&ctx).unwrap();
     let (mut child, mut s) = child_on_socket("exporter");
-    let shm = SharedMemory::import(&ctx, recv(s.as_fd(), PeerPolicy::SameUid).unwrap(), &[]).unwrap();
+    let shm = SharedMemory::import(&ctx, common::recv(s.as_fd(), PeerPolicy::SameUid).unwrap(), &[]).unwrap();
     s.write_all(&[1]).unwrap();
     assert_eq!(byte(&mut s), 1);
     child.kill().unwrap(); // SIGKILL
@@ -223,17 +223,19 @@ fn an_exporter_killed_at_each_protocol_step_leaves_the_importer_working() {
     let fds = open_fds();
     for step in 0..3 {
         let (mut child, s) = child_on_socket(&format!("exporter-dies-at-{step}"));
-        let r = recv(s.as_fd(), PeerPolicy::SameUid);
+        let r = cuvmm::ipc::recv_message(s.as_fd(), PeerPolicy::SameUid);
         assert!(!child.wait().unwrap().success());
         match (step, r) {
-            // Nothing or half a header arrived: a typed error.
-            (0 | 1, Err(Error::Protocol(m))) => assert!(m.contains("closed"), "step {step}: {m}"),
+            // Nothing arrived: the end of the stream.
+            (0, Ok(None)) => {}
+            // Half a header arrived: a typed error.
+            (1, Err(Error::Protocol(m))) => assert!(m.contains("closed"), "step {step}: {m}"),
             // The whole message arrived before the exporter died: the memory is still there.
-            (2, Ok(msg)) => {
+            (2, Ok(Some(msg))) => {
                 let shm = SharedMemory::import(&ctx, msg, &[]).unwrap();
                 assert_eq!(k.count_pattern_mismatches(&st, &shm.as_slice::<u32>(), 0, 606).unwrap(), 0);
             }
-            (_, other) => panic!("step {step}: unexpected {:?}", other.map(|m| *m.header())),
+            (_, other) => panic!("step {step}: unexpected {:?}", other.map(|m| m.map(|m| *m.message()))),
         }
         drop(s);
         // This side still works.
@@ -279,12 +281,13 @@ fn posix_header(size: usize) -> Header {
     Header::new(WireHandle::PosixFd, size as u64, 2 * MIB as u64, 0, size as u64, [0; 16], 1).unwrap()
 }
 
-/// `header` and `fd` as `recv` hands them over, through a socket pair: `recv` is the only maker
-/// of a `Received`. The caller keeps (and closes) its `fd`; the message carries a duplicate.
-fn delivered(header: &Header, fd: Option<BorrowedFd<'_>>) -> Received {
+/// `header` and `fd` as `recv_message` hands them over, through a socket pair: receiving is the
+/// only way to an `Incoming`. The caller keeps (and closes) its `fd`; the message carries a
+/// duplicate.
+fn delivered(header: &Header, fd: Option<BorrowedFd<'_>>) -> cuvmm::ipc::Incoming {
     let (a, b) = UnixStream::pair().unwrap();
-    send(a.as_fd(), header, fd).unwrap();
-    recv(b.as_fd(), PeerPolicy::SameUid).unwrap()
+    cuvmm::ipc::send_message(a.as_fd(), &cuvmm::ipc::Message::Share(*header), fd).unwrap();
+    common::recv(b.as_fd(), PeerPolicy::SameUid).unwrap()
 }
 
 #[test]
@@ -354,8 +357,8 @@ fn foreign_fds_oversized_headers_and_garbage_handles_are_typed_errors_without_le
             Err(Error::Driver { .. }) | Err(Error::Unsupported { .. })
         ));
     }
-    // A message whose fds do not match its handle type cannot reach `import`: `recv` refuses it
-    // (tests/ipc_socket.rs) and no other code can make a `Received`.
+    // A message whose fds do not match its handle type cannot reach `import`: `recv_message`
+    // refuses it (tests/ipc_socket.rs) and no other code can make an `Incoming`.
     assert_eq!(open_fds(), before, "an fd leaked");
 }
 
@@ -374,7 +377,8 @@ fn an_allocation_imported_by_its_own_exporter_is_one_memory_under_two_writable_v
     let mut a = alloc.allocate(4 * MIB).unwrap();
     let (x, y) = UnixStream::pair().unwrap();
     a.share(x.as_fd(), MIB, 2 * MIB, 5).unwrap();
-    let mut shm = SharedMemory::import(&ctx, recv(y.as_fd(), PeerPolicy::SameUid).unwrap(), &[]).unwrap();
+    let mut shm =
+        SharedMemory::import(&ctx, common::recv(y.as_fd(), PeerPolicy::SameUid).unwrap(), &[]).unwrap();
     drop((x, y));
     assert_eq!(shm.len(), 2 * MIB);
     assert_ne!(shm.ptr(), a.ptr() + MIB as u64, "a second mapping, not the exporter's");
@@ -509,9 +513,12 @@ fn threads_allocate_free_and_export_from_one_cache() {
                             unsafe { cuvmm::DeviceSliceMut::<u32>::from_raw_parts(d.ptr(), size / 4) };
                         k.pattern_u32(&st, &mut dv, 0, t * 1000 + i).unwrap();
                         d.share(x.as_fd(), (t * 100 + i) as u64).unwrap();
-                        let shm =
-                            SharedMemory::import(&ctx, recv(y.as_fd(), PeerPolicy::SameUid).unwrap(), &[])
-                                .unwrap();
+                        let shm = SharedMemory::import(
+                            &ctx,
+                            common::recv(y.as_fd(), PeerPolicy::SameUid).unwrap(),
+                            &[],
+                        )
+                        .unwrap();
                         assert_eq!(shm.len(), d.len());
                         assert_eq!(
                             k.count_pattern_mismatches(
@@ -577,7 +584,7 @@ fn a_shared_cache_block_exposes_exactly_the_block() {
         let mut want = [0u8; 8];
         s.read_exact(&mut want).unwrap();
         let want = u64::from_le_bytes(want) as usize;
-        let msg = recv(s.as_fd(), PeerPolicy::SameUid).unwrap();
+        let msg = common::recv(s.as_fd(), PeerPolicy::SameUid).unwrap();
         let mut shm = SharedMemory::import(&ctx, msg, &[]).unwrap();
         assert_eq!(shm.len(), want, "the shared range is the block");
         assert_eq!(shm.mapping().len(), want, "the whole imported allocation is the block");
@@ -618,7 +625,7 @@ fn a_shared_cache_block_exposes_exactly_the_block() {
             other => panic!("a carved block was exported: {other:?}"),
         }
         drop(x);
-        assert!(recv(y.as_fd(), PeerPolicy::SameUid).is_err(), "nothing was sent");
+        assert!(common::recv(y.as_fd(), PeerPolicy::SameUid).is_err(), "nothing was sent");
     }
     // Blocks that own their physical allocation can be shared: large requests, requests that fill
     // a chunk, and dedicated ones however small.

@@ -4,10 +4,12 @@
 //! devices sleeps and wakes on both at once; a pageable backup released lazily at wake is
 //! written again by the next sleep without new memory.
 
+mod common;
+
 use cuvmm::alloc::{BackupKind, BackupOptions, SleepMode, StreamAllocator, StreamBlock, Tag};
 use cuvmm::host::pinned_bytes;
 use cuvmm::kernels::Kernels;
-use cuvmm::{Context, Device, DeviceSlice, DeviceSliceMut, Stream};
+use cuvmm::{Context, DeviceSlice, DeviceSliceMut, Stream};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
@@ -227,10 +229,7 @@ fn a_disk_backup_that_cannot_be_made_fails_the_sleep_with_the_tag_awake_and_whol
 #[test]
 #[ignore = "needs two CUDA GPUs"]
 fn a_tag_on_two_devices_sleeps_and_wakes_on_both_at_once() {
-    if Device::count().unwrap_or(0) < 2 {
-        eprintln!("one device only: nothing to check");
-        return;
-    }
+    let Some(_) = common::two_gpus() else { return };
     let tag = Tag::new("two-devices").unwrap();
     let devs: Vec<Tagged> = (0..2).map(|d| Tagged::new(&Context::for_ordinal(d).unwrap(), tag, 4)).collect();
     for cycle in 0..2u32 {

@@ -354,13 +354,13 @@ fn bad_input_gives_typed_errors() {
     let api = cuvmm::driver::driver().unwrap().api();
     ctx.bind().unwrap();
     // SAFETY: `v` outlives the registration, which is undone below.
-    unsafe { api.cuMemHostRegister(v.as_mut_ptr().cast(), v.len(), 0) }.unwrap();
+    unsafe { cuvmm::driver::result::host::register(api, v.as_mut_ptr().cast(), v.len(), 0) }.unwrap();
     match Registered::with(&ctx, &mut v, RegisterFlags::default(), |_| unreachable!()) {
         Err(Error::InvalidArgument(m)) => assert!(m.contains("already registered"), "{m}"),
         other => panic!("expected a typed error, got {:?}", other.map(|_: ()| ())),
     }
     // SAFETY: registered above.
-    unsafe { api.cuMemHostUnregister(v.as_mut_ptr().cast()) }.unwrap();
+    unsafe { cuvmm::driver::result::host::unregister(api, v.as_mut_ptr().cast()) }.unwrap();
     Registered::with(&ctx, &mut v, RegisterFlags::default(), |_| ()).unwrap();
     // Invalid flags.
     assert!(matches!(RegisterFlags::from_bits(0x40), Err(Error::InvalidArgument(_))));
@@ -435,9 +435,11 @@ fn registrable_again(ctx: &Context, v: &mut [u8]) -> bool {
     let api = cuvmm::driver::driver().unwrap().api();
     ctx.bind().unwrap();
     // SAFETY: `v` is live for the whole call, and the registration is undone before it returns.
-    match unsafe { api.cuMemHostRegister(v.as_mut_ptr().cast(), v.len(), 0) } {
+    match unsafe { cuvmm::driver::result::host::register(api, v.as_mut_ptr().cast(), v.len(), 0) } {
         // SAFETY: registered just above.
-        Ok(()) => unsafe { api.cuMemHostUnregister(v.as_mut_ptr().cast()) }.map(|()| true).unwrap(),
+        Ok(()) => unsafe { cuvmm::driver::result::host::unregister(api, v.as_mut_ptr().cast()) }
+            .map(|()| true)
+            .unwrap(),
         Err(e) if e.is_code(cuvmm::driver::sys::CUresult::ERROR_HOST_MEMORY_ALREADY_REGISTERED) => false,
         Err(e) => panic!("unexpected registration error: {e}"),
     }

@@ -1,8 +1,10 @@
 //! Several threads growing their own VmmVecs while allocating, freeing and exporting from one
 //! shared caching allocator; every result checked.
 
+mod common;
+
 use cuvmm::alloc::{CachingAllocator, ExportMode, PeerAllocator};
-use cuvmm::ipc::{recv, PeerPolicy, SharedMemory};
+use cuvmm::ipc::{PeerPolicy, SharedMemory};
 use cuvmm::{Context, VmmVec};
 use std::os::fd::AsFd;
 use std::os::unix::net::UnixStream;
@@ -48,7 +50,7 @@ fn threads_grow_vectors_and_share_one_allocator() {
                             a.share(x.as_fd(), i as u64).unwrap();
                             let shm = SharedMemory::import(
                                 &ctx,
-                                recv(y.as_fd(), PeerPolicy::SameUid).unwrap(),
+                                common::recv(y.as_fd(), PeerPolicy::SameUid).unwrap(),
                                 &[],
                             )
                             .unwrap();

@@ -148,14 +148,12 @@ fn aliases_see_each_others_writes_across_a_stream_boundary() {
 
 fn copy_to_host(ctx: &Context, src: &DeviceSlice<'_, u32>, out: &mut [u32]) {
     ctx.bind().unwrap();
+    let api = cuvmm::driver::driver().unwrap().api();
     // SAFETY: `out` holds src.len() u32s; the source is mapped and readable.
     unsafe {
-        cuvmm::driver::driver()
-            .unwrap()
-            .api()
-            .cuMemcpyDtoH(out.as_mut_ptr().cast(), src.ptr(), src.byte_len())
-            .unwrap()
-    };
+        cuvmm::driver::result::mem::memcpy_dtoh(api, out.as_mut_ptr().cast(), src.ptr(), src.byte_len())
+    }
+    .unwrap();
 }
 
 #[test]

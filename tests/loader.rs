@@ -89,11 +89,11 @@ fn a_failing_cu_init_carries_the_drivers_name_and_text() {
     // SAFETY: the fake driver implements each entry point it exports with cuda.h's signature.
     let err = unsafe { Driver::load_from(&lib) }.err().expect("must fail");
     match &err {
-        Error::Driver { call, code, name, description } => {
+        Error::Driver { call, code, .. } => {
             assert_eq!(*call, "cuInit");
             assert_eq!(*code, CUresult::ERROR_NO_DEVICE);
-            assert_eq!(name, "CUDA_ERROR_NO_DEVICE");
-            assert_eq!(description, "no CUDA-capable device is detected");
+            assert_eq!(err.driver_name().as_deref(), Some("CUDA_ERROR_NO_DEVICE"));
+            assert_eq!(err.driver_description().as_deref(), Some("no CUDA-capable device is detected"));
         }
         other => panic!("wrong error: {other:?}"),
     }
@@ -110,10 +110,7 @@ fn the_cuda_11_resolver_is_used_when_v2_is_absent() {
     // SAFETY: the fake driver implements each entry point it exports with cuda.h's signature.
     let d = unsafe { Driver::load_from(&lib) }.expect("loads through cuGetProcAddress");
     assert_eq!(d.version(), 12040);
-    let mut n = -1;
-    // SAFETY: the out-pointer is a valid local.
-    unsafe { d.api().cuDeviceGetCount(&mut n) }.unwrap();
-    assert_eq!(n, 0);
+    assert_eq!(cuvmm::driver::result::device::get_count(d.api()).unwrap(), 0);
 }
 
 #[test]
@@ -147,8 +144,7 @@ fn driver_errors_with_unknown_codes_keep_the_number() {
     let err = d.api().check("cuMemMap", CUresult::ERROR_ALREADY_MAPPED).unwrap_err();
     assert!(err.to_string().starts_with("cuMemMap failed: CUDA_ERROR_ALREADY_MAPPED (208)"), "{err}");
     // And a stubbed entry point's error comes back through the driver's own text.
-    // SAFETY: the fake's stub ignores its arguments.
-    let err = unsafe { d.api().cuCtxSynchronize() }.unwrap_err();
+    let err = cuvmm::driver::result::ctx::synchronize(d.api()).unwrap_err();
     assert_eq!(
         err.to_string(),
         "cuCtxSynchronize failed: CUDA_ERROR_NOT_SUPPORTED (801): operation not supported"

@@ -13,7 +13,7 @@ mod common;
 
 use cuvmm::alloc::{ExportMode, PeerAllocator};
 use cuvmm::driver::driver;
-use cuvmm::ipc::{recv, PeerPolicy, SharedMemory};
+use cuvmm::ipc::{PeerPolicy, SharedMemory};
 use cuvmm::vmm::{Access, Location, PhysicalMemory, Reservation};
 use cuvmm::Context;
 use std::ffi::{c_char, CString};
@@ -151,7 +151,8 @@ fn each_vmm_and_sharing_step_makes_only_the_calls_it_needs() {
             // Code outside cuvmm leaves no context current: the fake refuses the map, as a driver
             // may, and cuvmm binds and maps again.
             // SAFETY: a null context is allowed: it unbinds.
-            unsafe { driver().unwrap().api().cuCtxSetCurrent(std::ptr::null_mut()) }.unwrap();
+            unsafe { cuvmm::driver::result::ctx::set_current(driver().unwrap().api(), std::ptr::null_mut()) }
+                .unwrap();
             let m = va.map(2 * MIB, &phys, 0, 2 * MIB).unwrap();
             expect(
                 &counts,
@@ -169,15 +170,15 @@ fn each_vmm_and_sharing_step_makes_only_the_calls_it_needs() {
     let a = alloc.allocate(4 * MIB).unwrap();
     let (x, y) = UnixStream::pair().unwrap();
     a.share(x.as_fd(), 0, a.len(), 7).unwrap(); // warm-up: the UUID is asked once
-    drop(recv(y.as_fd(), PeerPolicy::SameUid).unwrap());
+    drop(common::recv(y.as_fd(), PeerPolicy::SameUid).unwrap());
     counts.take();
     a.share(x.as_fd(), 0, a.len(), 7).unwrap();
     expect(&counts, "share", &[("cuCtxSetCurrent", 1), ("cuMemExportToShareableHandle", 1)]);
 
     // The importer, step by step as `cuvmm bench ipc` times it.
-    let msg = recv(y.as_fd(), PeerPolicy::SameUid).unwrap();
-    let (header, fd, _) = msg.into_parts();
-    let size = header.size() as usize;
+    let msg = common::recv(y.as_fd(), PeerPolicy::SameUid).unwrap();
+    let size = msg.share().expect("a share").size() as usize;
+    let (_, fd, _) = msg.into_parts();
     let imported = PhysicalMemory::import_fd(&ctx, fd.unwrap().as_fd(), size).unwrap();
     expect(&counts, "import", &[("cuCtxSetCurrent", 1), ("cuMemImportFromShareableHandle", 1)]);
     let va3 = Reservation::new(&ctx, size).unwrap();
@@ -201,7 +202,7 @@ fn each_vmm_and_sharing_step_makes_only_the_calls_it_needs() {
 
     // SharedMemory::import: the same four driver steps.
     a.share(x.as_fd(), 0, a.len(), 8).unwrap();
-    let msg = recv(y.as_fd(), PeerPolicy::SameUid).unwrap();
+    let msg = common::recv(y.as_fd(), PeerPolicy::SameUid).unwrap();
     counts.take();
     let shared = SharedMemory::import(&ctx, msg, &[]).unwrap();
     expect(
@@ -232,7 +233,16 @@ fn each_vmm_and_sharing_step_makes_only_the_calls_it_needs() {
         let t = Instant::now();
         for i in 0..slots {
             // SAFETY: the fake's cuMemMap only counts; nothing is mapped.
-            unsafe { api.cuMemMap(big.base() + (i * 2 * MIB) as u64, 2 * MIB, 0, phys.handle(), 0) }.unwrap();
+            unsafe {
+                cuvmm::driver::result::mem::map(
+                    api,
+                    big.base() + (i * 2 * MIB) as u64,
+                    2 * MIB,
+                    0,
+                    phys.handle(),
+                )
+            }
+            .unwrap();
         }
         let raw = t.elapsed().as_secs_f64() * 1e9 / slots as f64;
         best = (best.0.min(ours), best.1.min(raw));
@@ -253,7 +263,7 @@ fn each_vmm_and_sharing_step_makes_only_the_calls_it_needs() {
         drop(m);
         let t = Instant::now();
         // SAFETY: the fake's cuMemMap only counts; nothing is mapped.
-        unsafe { api.cuMemMap(one.base(), 2 * MIB, 0, phys.handle(), 0) }.unwrap();
+        unsafe { cuvmm::driver::result::mem::map(api, one.base(), 2 * MIB, 0, phys.handle()) }.unwrap();
         raw.push(t.elapsed().as_nanos() as f64);
     }
     ours.sort_by(f64::total_cmp);

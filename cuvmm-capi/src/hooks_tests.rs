@@ -3,7 +3,7 @@
 //! thread of their own so that work queued on a stream is really pending until they return.
 
 use super::*;
-use crate::tests::{fake_vmm, in_child_with, is_child, last_error};
+use crate::tests::{fake_vmm, in_child_with, last_error};
 use crate::{cuvmm_free, cuvmm_get_stats, cuvmm_malloc, CuvmmStats};
 use cuvmm_lib::{Context, Stream};
 use std::sync::mpsc;
@@ -63,17 +63,17 @@ fn freed_while_side_stream_reads() -> (Stream, *mut c_void, mpsc::Sender<()>) {
 
 #[test]
 fn a_block_recorded_on_a_busy_stream_is_not_handed_out_again_until_that_work_ran() {
-    in_child_with("hooks::tests::child_record_stream", Some(&fake_vmm()));
+    in_child_with(
+        "hooks::tests::a_block_recorded_on_a_busy_stream_is_not_handed_out_again_until_that_work_ran",
+        Some(fake_vmm),
+        record_stream_child,
+    );
 }
 
 /// The child of the test above: PyTorch's record_stream pattern, a tensor of the legacy stream
 /// read by work on a side stream, recorded there and freed, and a request of the same size on
 /// the legacy stream at once.
-#[test]
-fn child_record_stream() {
-    if !is_child("hooks::tests::child_record_stream") {
-        return;
-    }
+fn record_stream_child() {
     let (side, p, go) = freed_while_side_stream_reads();
     let null = std::ptr::null_mut();
     let q = cuvmm_malloc(SIZE, 0, null);
@@ -97,21 +97,20 @@ fn child_record_stream() {
     cuvmm_free(s, SIZE, 0, null);
     assert!(!uses::pending(0));
     assert!(uses::recorded(s as u64).is_empty());
-    println!("child done");
 }
 
 #[test]
 fn an_empty_cache_waits_for_the_recorded_work_and_gives_the_block_back() {
-    in_child_with("hooks::tests::child_record_stream_empty_cache", Some(&fake_vmm()));
+    in_child_with(
+        "hooks::tests::an_empty_cache_waits_for_the_recorded_work_and_gives_the_block_back",
+        Some(fake_vmm),
+        record_stream_empty_cache_child,
+    );
 }
 
 /// The child of the test above: `torch.cuda.empty_cache()` with a free still waiting for a side
 /// stream frees it once that work ran and releases its pages.
-#[test]
-fn child_record_stream_empty_cache() {
-    if !is_child("hooks::tests::child_record_stream_empty_cache") {
-        return;
-    }
+fn record_stream_empty_cache_child() {
     let (_side, _, go) = freed_while_side_stream_reads();
     let later = std::thread::spawn(move || {
         std::thread::sleep(Duration::from_millis(50));
@@ -123,20 +122,19 @@ fn child_record_stream_empty_cache() {
     let s = stats();
     assert_eq!((s.live, s.frees), (0, 1));
     assert_eq!(s.mapped, 0, "the block's pages went back to the driver");
-    println!("child done");
 }
 
 #[test]
 fn the_memory_fraction_refuses_requests_past_it_as_out_of_memory() {
-    in_child_with("hooks::tests::child_memory_fraction", Some(&fake_vmm()));
+    in_child_with(
+        "hooks::tests::the_memory_fraction_refuses_requests_past_it_as_out_of_memory",
+        Some(fake_vmm),
+        memory_fraction_child,
+    );
 }
 
 /// The child of the test above, on the fake's 80 GiB device.
-#[test]
-fn child_memory_fraction() {
-    if !is_child("hooks::tests::child_memory_fraction") {
-        return;
-    }
+fn memory_fraction_child() {
     let _ctx = fake_device();
     let null = std::ptr::null_mut();
     cuvmm_set_memory_fraction(0.5, 0);
@@ -158,5 +156,4 @@ fn child_memory_fraction() {
     }
     cuvmm_set_memory_fraction(0.5, 9);
     assert!(last_error().contains("no device 9"), "{}", last_error());
-    println!("child done");
 }

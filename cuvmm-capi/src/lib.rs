@@ -189,7 +189,7 @@ fn guard<T>(function: &str, on_error: T, f: impl FnOnce() -> Result<T, (String, 
 /// or the message (its numbers do not count: see [`shape`]).
 fn reported(e: cuvmm_lib::Error) -> (String, String) {
     let kind = match &e {
-        cuvmm_lib::Error::Driver { call, name, .. } => format!("{call} {name}"),
+        cuvmm_lib::Error::Driver { call, .. } => format!("{call} {}", e.driver_name().unwrap_or_default()),
         other => other.to_string(),
     };
     (kind, e.to_string())
@@ -1126,21 +1126,29 @@ pub(crate) mod tests {
 
     const CHILD: &str = "CUVMM_CAPI_TEST_CHILD";
 
-    /// Runs the test `name` of this executable in a child process, where it does its work.
-    fn in_child(name: &str) {
-        in_child_with(name, None);
+    /// Runs `child`, the work of the test `test`, in a child process: this executable again, told
+    /// to run only `test`, which in the child (where `CHILD` names it) runs `child` instead.
+    /// No helper shows as a test of its own.
+    fn in_child(test: &str, child: fn()) {
+        in_child_with(test, None, child);
     }
 
-    /// The same with `CUVMM_LIBCUDA` set to `driver`. The child's stderr comes back, not to the
-    /// terminal: it is shown only when the child fails (an abort, a failed assertion).
-    pub(crate) fn in_child_with(name: &str, driver: Option<&std::path::Path>) {
-        let exe = std::env::current_exe().unwrap();
-        let mut child = std::process::Command::new(exe);
-        child.args(["--exact", &test_path(name), "--nocapture", "--test-threads=1"]).env(CHILD, name);
-        if let Some(driver) = driver {
-            child.env(cuvmm_lib::driver::LIBRARY_ENV, driver);
+    /// The same with `CUVMM_LIBCUDA` set to what `driver` returns. The child's stderr comes back,
+    /// not to the terminal: it is shown only when the child fails (an abort, a failed assertion).
+    pub(crate) fn in_child_with(test: &str, driver: Option<fn() -> std::path::PathBuf>, child: fn()) {
+        if is_child(test) {
+            child();
+            println!("child done");
+            return;
         }
-        let out = child.output().unwrap();
+        let exe = std::env::current_exe().unwrap();
+        let mut run = std::process::Command::new(exe);
+        run.args(["--exact", &test_path(test), "--nocapture", "--test-threads=1", "--include-ignored"])
+            .env(CHILD, test);
+        if let Some(driver) = driver {
+            run.env(cuvmm_lib::driver::LIBRARY_ENV, driver());
+        }
+        let out = run.output().unwrap();
         let stdout = String::from_utf8_lossy(&out.stdout);
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert!(
@@ -1170,14 +1178,11 @@ pub(crate) mod tests {
         assert!(last_error().contains("unknown error log mode 2"), "{}", last_error());
         assert_eq!(lines.len(), 1, "{lines:?}");
         // The process-wide switch is flipped in a child, not under the other tests' feet.
-        in_child("child_returned_errors_unwritten");
+        in_child("errors_a_return_value_reports_can_go_unwritten", returned_errors_unwritten);
     }
 
-    #[test]
-    fn child_returned_errors_unwritten() {
-        if !is_child("child_returned_errors_unwritten") {
-            return;
-        }
+    /// The child of the test above.
+    fn returned_errors_unwritten() {
         assert_eq!(cuvmm_set_error_log(1), 0);
         let c = |s: &str| std::ffi::CString::new(s).unwrap();
         let (rc, lines) = stderr_of(|| {
@@ -1194,21 +1199,16 @@ pub(crate) mod tests {
         assert_eq!(cuvmm_set_error_log(0), 0);
         let ((), lines) = stderr_of(|| fail("cuvmm_sleep", "k".into(), "written".into()));
         assert_eq!(lines, ["cuvmm: cuvmm_sleep: written"]);
-        println!("child done");
     }
 
     #[test]
     fn an_error_written_to_a_closed_stderr_does_not_unwind_into_c() {
-        in_child("child_closed_stderr");
+        in_child("an_error_written_to_a_closed_stderr_does_not_unwind_into_c", closed_stderr);
     }
 
-    /// The child of the test above (does nothing in the parent's run): stderr is a pipe nobody
-    /// reads and SIGPIPE is ignored, as under `python train.py 2>&1 | head` once head has exited.
-    #[test]
-    fn child_closed_stderr() {
-        if !is_child("child_closed_stderr") {
-            return;
-        }
+    /// The child of the test above: stderr is a pipe nobody reads and SIGPIPE is ignored, as under
+    /// `python train.py 2>&1 | head` once head has exited.
+    fn closed_stderr() {
         let mut fds = [0; 2];
         // SAFETY: plain descriptor calls on descriptors this process owns.
         unsafe {
@@ -1218,12 +1218,11 @@ pub(crate) mod tests {
             libc::signal(libc::SIGPIPE, libc::SIG_IGN);
         }
         assert!(cuvmm_malloc(-3, 0, std::ptr::null_mut()).is_null());
-        println!("child done");
     }
 
     #[test]
     fn an_error_while_a_thread_exits_does_not_unwind_into_c() {
-        in_child("child_thread_exit");
+        in_child("an_error_while_a_thread_exits_does_not_unwind_into_c", thread_exit);
     }
 
     extern "C" fn free_at_thread_exit(_: *mut c_void) {
@@ -1233,11 +1232,7 @@ pub(crate) mod tests {
     }
 
     /// The child of the test above: a thread whose pthread key destructor calls the library.
-    #[test]
-    fn child_thread_exit() {
-        if !is_child("child_thread_exit") {
-            return;
-        }
+    fn thread_exit() {
         std::thread::spawn(|| {
             assert!(cuvmm_malloc(-1, 0, std::ptr::null_mut()).is_null());
             let mut key: libc::pthread_key_t = 0;
@@ -1253,7 +1248,6 @@ pub(crate) mod tests {
         })
         .join()
         .unwrap();
-        println!("child done");
     }
 
     #[test]
@@ -1325,15 +1319,15 @@ pub(crate) mod tests {
 
     #[test]
     fn the_same_sleep_and_wake_with_a_device_used_before_and_after() {
-        in_child_with("child_sleep_wake", Some(&fake_vmm()));
+        in_child_with(
+            "the_same_sleep_and_wake_with_a_device_used_before_and_after",
+            Some(fake_vmm),
+            sleep_wake,
+        );
     }
 
     /// The child of the test above, on the fake driver's device.
-    #[test]
-    fn child_sleep_wake() {
-        if !is_child("child_sleep_wake") {
-            return;
-        }
+    fn sleep_wake() {
         let (before, after) = (c"slept-before-first-use", c"slept-after-first-use");
         let mut stats = CuvmmStats::default();
         // SAFETY: NUL-terminated names, writable structs.
@@ -1356,23 +1350,22 @@ pub(crate) mod tests {
             assert_eq!(cuvmm_wake(after.as_ptr()), -1);
             assert_eq!(tag_stats(after).asleep, 0);
         }
-        println!("child done");
     }
 
     #[test]
     fn sleeps_wakes_and_tagged_allocations_from_several_threads_end_in_a_state_the_header_describes() {
-        in_child_with("child_sleep_wake_threads", Some(&fake_vmm()));
+        in_child_with(
+            "sleeps_wakes_and_tagged_allocations_from_several_threads_end_in_a_state_the_header_describes",
+            Some(fake_vmm),
+            sleep_wake_threads,
+        );
     }
 
     /// The child of the test above: threads sleep, wake, allocate under and free one tag at
     /// random through the C ABI on the fake driver's device. Every call succeeds or refuses with
     /// -1 or NULL; afterwards the tag's reported state is the devices' and one wake (if asleep)
     /// brings it back, and it sleeps and wakes again.
-    #[test]
-    fn child_sleep_wake_threads() {
-        if !is_child("child_sleep_wake_threads") {
-            return;
-        }
+    fn sleep_wake_threads() {
         // Each sleep's wait for the device takes a while, as on a busy GPU: wakes and sleeps of
         // the other threads come meanwhile. (Set before any thread or driver call.)
         std::env::set_var("FAKE_SYNC_SLEEP_US", "2000");
@@ -1430,21 +1423,20 @@ pub(crate) mod tests {
             assert_eq!(cuvmm_sleep(t.as_ptr(), 0), 0, "{}", last_error());
             assert_eq!(cuvmm_wake(t.as_ptr()), 0, "{}", last_error());
         }
-        println!("child done");
     }
 
     #[test]
     fn sizes_larger_than_the_device_return_null_and_an_error_not_an_abort() {
-        in_child_with("child_huge_sizes", Some(&fake_vmm()));
+        in_child_with(
+            "sizes_larger_than_the_device_return_null_and_an_error_not_an_abort",
+            Some(fake_vmm),
+            huge_sizes,
+        );
     }
 
     /// The child of the test above: `cuvmm_malloc(PTRDIFF_MAX)` aborted the process ("memory
     /// allocation of 17592186044416 bytes failed") before the size was checked.
-    #[test]
-    fn child_huge_sizes() {
-        if !is_child("child_huge_sizes") {
-            return;
-        }
+    fn huge_sizes() {
         let memory = 80isize << 30; // the fake device's
         for size in [isize::MAX, isize::MAX - 4095, 1 << 62, 1 << 50, memory + 1] {
             for f in [cuvmm_malloc, cuvmm_pool_malloc] {
@@ -1464,6 +1456,5 @@ pub(crate) mod tests {
         // SAFETY: as above.
         assert_eq!(unsafe { cuvmm_get_stats(0, &mut stats) }, 0);
         assert_eq!((stats.allocations, stats.frees), (1, 1));
-        println!("child done");
     }
 }

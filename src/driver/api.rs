@@ -2,8 +2,8 @@
 
 use super::loader::Resolver;
 use super::sys::*;
-use crate::error::{Error, Result};
-use std::ffi::{c_char, c_int, c_uchar, c_uint, c_ulonglong, c_void, CStr};
+use crate::error::{DriverTexts, Error, Result};
+use std::ffi::{c_char, c_int, c_uchar, c_uint, c_ulonglong, c_void};
 
 macro_rules! entry_points {
     ($($req:ident fn $name:ident @ $ver:literal ($($arg:ident : $ty:ty),* $(,)?);)*) => {
@@ -180,47 +180,19 @@ impl Api {
         &self.library
     }
 
-    /// Turns a status into a `Result`, naming the call and the driver's name and text for the code.
-    /// Inside a stream host function, where no driver call may be made, the name is cuvmm's own
-    /// for the codes it knows, and the driver is not asked for its text.
+    /// Turns a status into a `Result`, naming the call. The driver's name and text for a failing
+    /// code are asked for only when the error is displayed (see [`Error::Driver`]): a polling
+    /// query's `CUDA_ERROR_NOT_READY` costs no string and no further driver call.
+    #[inline]
     pub fn check(&self, call: &'static str, rc: CUresult) -> Result<()> {
         if rc.is_success() {
             return Ok(());
         }
-        let fallback = || rc.known_name().map_or_else(|| format!("CUresult {}", rc.0), str::to_owned);
-        if super::callback::in_host_function() {
-            return Err(Error::Driver {
-                call,
-                code: rc,
-                name: fallback(),
-                description: "(not asked of the driver inside a host function)".to_owned(),
-            });
-        }
         Err(Error::Driver {
             call,
             code: rc,
-            name: self.error_text(self.cuGetErrorName, rc).unwrap_or_else(fallback),
-            description: self
-                .error_text(self.cuGetErrorString, rc)
-                .unwrap_or_else(|| "no description from the driver".to_owned()),
+            texts: DriverTexts::new(self.cuGetErrorName, self.cuGetErrorString),
         })
-    }
-
-    fn error_text(
-        &self,
-        f: Option<unsafe extern "C" fn(CUresult, *mut *const c_char) -> CUresult>,
-        rc: CUresult,
-    ) -> Option<String> {
-        let f = f?;
-        let mut p: *const c_char = std::ptr::null();
-        // SAFETY: cuGetErrorName/String write a pointer to a static NUL-terminated string, or
-        // return CUDA_ERROR_INVALID_VALUE for a code they do not know.
-        let rc = unsafe { f(rc, &mut p) };
-        if !rc.is_success() || p.is_null() {
-            return None;
-        }
-        // SAFETY: the driver returned a pointer to a static, NUL-terminated string.
-        Some(unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned())
     }
 
     fn unavailable(&self, name: &str, version: i32) -> Error {

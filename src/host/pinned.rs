@@ -216,7 +216,7 @@ impl<T: DeviceCopy> Drop for PinnedBuffer<T> {
                 |api, (ptr, base, map_len)| {
                     // SAFETY: registered by `map_and_register`; nothing uses the buffer any more (as
                     // below). The mapping is the buffer's own, referenced by nothing once it drops.
-                    let _ = unsafe { result::host::unregister(api, ptr as *mut _) };
+                    crate::error::record_drop(unsafe { result::host::unregister(api, ptr as *mut _) });
                     // SAFETY: as above.
                     unsafe { libc::munmap(base as *mut libc::c_void, map_len) };
                 },
@@ -227,7 +227,7 @@ impl<T: DeviceCopy> Drop for PinnedBuffer<T> {
             // SAFETY: allocated by cuMemHostAlloc; asynchronous copies borrow the buffer only
             // inside a `scope`, which synchronises before the borrow ends, so nothing uses it any
             // more.
-            let _ = unsafe { result::host::free(api, ptr.as_ptr().cast()) };
+            crate::error::record_drop(unsafe { result::host::free(api, ptr.as_ptr().cast()) });
         });
     }
 }
@@ -344,7 +344,7 @@ impl Drop for Unregister {
             // SAFETY: `ptr` was registered by `with`, whose borrow of the memory outlives this
             // guard; asynchronous copies borrow the memory only inside a `scope`, which has
             // synchronised before the closure could return.
-            let _ = unsafe { result::host::unregister(d.api(), self.ptr) };
+            crate::error::record_drop(unsafe { result::host::unregister(d.api(), self.ptr) });
         }
     }
 }

@@ -2,7 +2,7 @@
 //! import side.
 //!
 //! Reach for it to hand device memory to another process on the same machine (or, with fabric
-//! handles and IMEX, another node): [`share`] on one side, [`recv`] and [`SharedMemory::import`]
+//! handles and IMEX, another node): [`share`] on one side, [`recv_message`] and [`SharedMemory::import`]
 //! on the other. A vector that keeps growing is shared with
 //! [`VmmVec::share_growth`](crate::VmmVec::share_growth) and followed with [`GrowableImport`].
 //! Peers in other languages follow `docs/WIRE.md`. Everything received is validated; see
@@ -18,7 +18,7 @@ pub use growth::{GrowableImport, Update};
 pub use region::{RegionLayout, Step};
 pub use shared::{share, SharedMemory};
 pub use socket::{
-    check_peer, recv, recv_deadline, recv_message, recv_message_deadline, send, send_message, Credentials,
-    FrameReader, Incoming, PeerPolicy, Received,
+    check_peer, recv_message, recv_message_deadline, send_message, Credentials, FrameReader, Incoming,
+    PeerPolicy,
 };
 pub use wire::{Header, Message, WireHandle};

@@ -1,8 +1,8 @@
 //! Both ends of sharing one allocation: [`share`] exports and sends, [`SharedMemory::import`]
 //! imports, reserves, maps and grants access.
 
-use super::socket::Received;
-use super::wire::{Header, WireHandle};
+use super::socket::{send_message, Incoming};
+use super::wire::{Header, Message, WireHandle};
 use crate::caps::device_granularity;
 use crate::context::Context;
 use crate::device::Device;
@@ -42,11 +42,11 @@ pub fn share(
     let posix = header(WireHandle::PosixFd)?;
     if phys.handle_types().contains(HandleTypes::FABRIC) {
         let fabric = header(WireHandle::Fabric(phys.export_fabric()?))?;
-        super::socket::send(sock, &fabric, None)?;
+        send_message(sock, &Message::Share(fabric), None)?;
         Ok(fabric.handle())
     } else {
         let fd = phys.export_fd()?;
-        super::socket::send(sock, &posix, Some(fd.as_fd()))?;
+        send_message(sock, &Message::Share(posix), Some(fd.as_fd()))?;
         Ok(posix.handle())
     }
 }
@@ -135,11 +135,19 @@ impl SharedMemory {
     /// message's granularity) and grants `grants` (read-write for `ctx`'s device if empty). The
     /// message's fd is closed once imported.
     ///
-    /// Refuses, with [`Error::Protocol`], a message whose range does not lie inside what could be
-    /// mapped, and one whose size is larger than the allocation that arrived.
-    pub fn import(ctx: &Context, msg: Received, grants: &[(Device, Access)]) -> Result<SharedMemory> {
-        let (h, fd, _peer) = msg.into_parts();
-        // `recv` validated the header and no safe code can change it since; checked again so that
+    /// Refuses, with [`Error::Protocol`], a message that is not a share (its fd is closed), one
+    /// whose range does not lie inside what could be mapped, and one whose size is larger than
+    /// the allocation that arrived.
+    pub fn import(ctx: &Context, msg: Incoming, grants: &[(Device, Access)]) -> Result<SharedMemory> {
+        let (m, fd, _peer) = msg.into_parts();
+        let Message::Share(h) = m else {
+            return Err(Error::Protocol(format!(
+                "a {} message where a share message was expected (a growing vector is followed \
+                 with GrowableImport)",
+                m.kind()
+            )));
+        };
+        // `recv_message` validated the header and no safe code can change it since; checked again so that
         // the bounds below never rest on one distant check alone.
         h.validate()?;
         let size = usize::try_from(h.size())

@@ -30,46 +30,6 @@ pub struct Credentials {
     pub gid: u32,
 }
 
-/// A received share message: the validated header and the fd it carried, if any.
-///
-/// Only [`recv`] makes one, so a `Received` always holds a header that passed validation and
-/// exactly the descriptors that header announces; its parts can be read or taken, not replaced:
-///
-/// ```compile_fail,E0451
-/// use cuvmm::ipc::{Credentials, Header, Received};
-/// fn forge(header: Header, peer: Credentials) -> Received {
-///     Received { header, fd: None, peer } // error: private fields
-/// }
-/// ```
-#[derive(Debug)]
-pub struct Received {
-    header: Header,
-    fd: Option<OwnedFd>,
-    peer: Credentials,
-}
-
-impl Received {
-    /// The header.
-    pub fn header(&self) -> &Header {
-        &self.header
-    }
-
-    /// Who sent it.
-    pub fn peer(&self) -> Credentials {
-        self.peer
-    }
-
-    /// The allocation's fd (POSIX-fd messages), close-on-exec.
-    pub fn fd(&self) -> Option<BorrowedFd<'_>> {
-        self.fd.as_ref().map(|f| f.as_fd())
-    }
-
-    /// The header, the fd and the sender, for callers that import the allocation themselves.
-    pub fn into_parts(self) -> (Header, Option<OwnedFd>, Credentials) {
-        (self.header, self.fd, self.peer)
-    }
-}
-
 /// The peer's credentials, checked against `policy`.
 pub fn check_peer(sock: BorrowedFd<'_>, policy: PeerPolicy) -> Result<Credentials> {
     let c = getsockopt(&sock, PeerCredentials)
@@ -89,11 +49,6 @@ pub fn check_peer(sock: BorrowedFd<'_>, policy: PeerPolicy) -> Result<Credential
         )));
     }
     Ok(creds)
-}
-
-/// Sends the share message `header`, with `fd` as SCM_RIGHTS when the header says one travels.
-pub fn send(sock: BorrowedFd<'_>, header: &Header, fd: Option<BorrowedFd<'_>>) -> Result<()> {
-    send_message(sock, &Message::Share(*header), fd)
 }
 
 /// Sends any message, with `fd` as SCM_RIGHTS when the message says one travels. Refuses, before
@@ -261,44 +216,18 @@ fn recv_chunk(
     Ok(Chunk { bytes: n as usize, control_truncated: msg.msg_flags & libc::MSG_CTRUNC != 0 })
 }
 
-/// Receives one share message: checks the peer against `policy`, reads exactly one frame, takes
-/// ownership of every fd that arrived (close-on-exec), and refuses the message (closing them all)
-/// unless it is a well-formed share (version 1 or 2) that carries exactly the fds it announces.
-/// A peer that closes the connection first is an [`Error::Protocol`] too.
-///
-/// Honours the socket's mode and receive timeout as [`recv_message`] does; [`recv_deadline`]
-/// bounds the wait explicitly.
-///
-/// Works with `SO_PASSCRED` or `SO_PASSPIDFD` set on `sock`: the credentials are ignored (the
-/// peer is checked with `SO_PEERCRED`) and a pidfd that arrives is closed.
-pub fn recv(sock: BorrowedFd<'_>, policy: PeerPolicy) -> Result<Received> {
-    share_of(recv_message(sock, policy)?)
-}
-
-/// [`recv`], giving up at `deadline` with [`Error::Timeout`] (see [`recv_message_deadline`]).
-pub fn recv_deadline(sock: BorrowedFd<'_>, policy: PeerPolicy, deadline: Instant) -> Result<Received> {
-    share_of(recv_message_deadline(sock, policy, deadline)?)
-}
-
-fn share_of(incoming: Option<Incoming>) -> Result<Received> {
-    match incoming {
-        Some(Incoming { message: Message::Share(header), fd, peer }) => Ok(Received { header, fd, peer }),
-        // The fd of any other message is closed here, with it.
-        Some(other) => Err(Error::Protocol(format!(
-            "a {} message where a share message was expected (a growing vector is followed with \
-             GrowableImport)",
-            other.message.kind()
-        ))),
-        None => {
-            Err(Error::Protocol(format!("the peer closed the socket after 0 of {HEADER_LEN} header bytes")))
-        }
-    }
-}
-
 /// Any received message, validated on its own, with the fd it carried if any and its sender.
 ///
 /// Only [`recv_message`] and [`FrameReader`] make one, so its message passed validation and it
-/// holds exactly the descriptors the message announces.
+/// holds exactly the descriptors the message announces; its parts can be read or taken, not
+/// replaced:
+///
+/// ```compile_fail,E0451
+/// use cuvmm::ipc::{Credentials, Incoming, Message};
+/// fn forge(message: Message, peer: Credentials) -> Incoming {
+///     Incoming { message, fd: None, peer } // error: private fields
+/// }
+/// ```
 #[derive(Debug)]
 pub struct Incoming {
     message: Message,
@@ -310,6 +239,14 @@ impl Incoming {
     /// The message.
     pub fn message(&self) -> &Message {
         &self.message
+    }
+
+    /// The share's header, if the message is a share.
+    pub fn share(&self) -> Option<&Header> {
+        match &self.message {
+            Message::Share(h) => Some(h),
+            _ => None,
+        }
     }
 
     /// Who sent it.
@@ -328,8 +265,7 @@ impl Incoming {
     }
 }
 
-/// Receives one message of any kind, as [`recv`] does a share: the peer checked against `policy`,
-/// exactly one frame read, every fd that arrived owned, and the message refused (its fds closed)
+/// Receives one message of any kind: the peer checked against `policy`, exactly one frame read, every fd that arrived owned, and the message refused (its fds closed)
 /// unless it is well formed and carries exactly the fds it announces. `Ok(None)` when the peer
 /// closed the connection before the first byte of a frame: between messages, the end of the
 /// stream. A frame cut short is an [`Error::Protocol`].
@@ -350,7 +286,11 @@ impl Incoming {
 ///
 /// Checks each frame on its own (see [`Message::decode`]); whether it fits what came before on
 /// the connection is for the receiver to check, as [`GrowableImport`](super::GrowableImport)
-/// does with a [`RegionLayout`](super::RegionLayout).
+/// does with a [`RegionLayout`](super::RegionLayout); a share goes to
+/// [`SharedMemory::import`](super::SharedMemory::import), which refuses any other kind.
+///
+/// Works with `SO_PASSCRED` or `SO_PASSPIDFD` set on `sock`: the credentials are ignored (the
+/// peer is checked with `SO_PEERCRED`) and a pidfd that arrives is closed.
 pub fn recv_message(sock: BorrowedFd<'_>, policy: PeerPolicy) -> Result<Option<Incoming>> {
     recv_once(sock, policy, None)
 }

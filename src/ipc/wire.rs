@@ -192,36 +192,84 @@ fn check_size(what: &str, size: u64, granularity: u64, max: u64) -> Result<()> {
     Ok(())
 }
 
-/// A share message: one range of one allocation.
-///
-/// Every `Header` that exists is valid: its fields are private and the only ways to make one,
-/// [`Header::new`] and [`Header::decode`], check every bound a receiver enforces. So a header
-/// returned by [`recv`](super::recv) cannot be widened afterwards to point an import past the
-/// allocation:
-///
-/// ```compile_fail,E0616
-/// fn widen(h: &mut cuvmm::ipc::Header) {
-///     h.length = u64::MAX; // error: private field
-/// }
-/// ```
-///
-/// ```
-/// use cuvmm::ipc::{Header, WireHandle};
-/// let h = Header::new(WireHandle::PosixFd, 4 << 20, 2 << 20, 2 << 20, 2 << 20, [0; 16], 7)?;
-/// assert_eq!((h.offset(), h.length()), (2 << 20, 2 << 20));
-/// // A range past the end of the allocation is refused.
-/// assert!(Header::new(WireHandle::PosixFd, 4 << 20, 2 << 20, 2 << 20, 4 << 20, [0; 16], 7).is_err());
-/// # Ok::<(), cuvmm::Error>(())
-/// ```
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Header {
-    handle: WireHandle,
-    size: u64,
-    granularity: u64,
-    offset: u64,
-    length: u64,
-    device_uuid: [u8; 16],
-    tag: u64,
+/// A message type: the struct, with private fields, and a read-only accessor for each field
+/// that returns a copy of it; `fd_count` for a type whose handle may travel as a descriptor.
+/// [`Header`], [`Region`] and [`Grow`] share most fields, and their accessors are written once.
+macro_rules! message_type {
+    (
+        $(#[$m:meta])*
+        pub struct $ty:ident { $($(#[$doc:meta])* $field:ident: $t:ty,)* }
+        $(fd_count: $handle:ident)?
+    ) => {
+        $(#[$m])*
+        pub struct $ty {
+            $($field: $t,)*
+        }
+
+        impl $ty {
+            $(
+                $(#[$doc])*
+                pub fn $field(&self) -> $t {
+                    self.$field
+                }
+            )*
+            $(
+                /// How many file descriptors travel with this message.
+                pub fn fd_count(&self) -> usize {
+                    self.$handle.fd_count()
+                }
+            )?
+        }
+    };
+}
+
+/// `offset + len` neither overflows nor passes `limit`; else `refusal` says what lies outside.
+fn check_end(offset: u64, len: u64, limit: u64, refusal: impl FnOnce() -> String) -> Result<()> {
+    match offset.checked_add(len) {
+        Some(end) if end <= limit => Ok(()),
+        _ => protocol(refusal()),
+    }
+}
+
+message_type! {
+    /// A share message: one range of one allocation.
+    ///
+    /// Every `Header` that exists is valid: its fields are private and the only ways to make one,
+    /// [`Header::new`] and [`Header::decode`], check every bound a receiver enforces. So a header
+    /// received by [`recv_message`](super::recv_message) cannot be widened afterwards to point an
+    /// import past the allocation:
+    ///
+    /// ```compile_fail,E0616
+    /// fn widen(h: &mut cuvmm::ipc::Header) {
+    ///     h.length = u64::MAX; // error: private field
+    /// }
+    /// ```
+    ///
+    /// ```
+    /// use cuvmm::ipc::{Header, WireHandle};
+    /// let h = Header::new(WireHandle::PosixFd, 4 << 20, 2 << 20, 2 << 20, 2 << 20, [0; 16], 7)?;
+    /// assert_eq!((h.offset(), h.length()), (2 << 20, 2 << 20));
+    /// // A range past the end of the allocation is refused.
+    /// assert!(Header::new(WireHandle::PosixFd, 4 << 20, 2 << 20, 2 << 20, 4 << 20, [0; 16], 7).is_err());
+    /// # Ok::<(), cuvmm::Error>(())
+    /// ```
+    #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+    pub struct Header {
+        /// How the allocation travels.
+        handle: WireHandle,
+        /// Size of the physical allocation, bytes.
+        size: u64,
+        /// Its allocation granularity, bytes.
+        granularity: u64,
+        /// Start of the shared range within the allocation.
+        offset: u64,
+        /// Length of the shared range, bytes (never zero).
+        length: u64,
+        /// UUID of the device the allocation lives on.
+        device_uuid: [u8; 16],
+        /// The sender's tag, passed through untouched.
+        tag: u64,
+    } fd_count: handle
 }
 
 impl Header {
@@ -242,46 +290,6 @@ impl Header {
         Ok(h)
     }
 
-    /// How the allocation travels.
-    pub fn handle(&self) -> WireHandle {
-        self.handle
-    }
-
-    /// Size of the physical allocation, bytes.
-    pub fn size(&self) -> u64 {
-        self.size
-    }
-
-    /// Its allocation granularity, bytes.
-    pub fn granularity(&self) -> u64 {
-        self.granularity
-    }
-
-    /// Start of the shared range within the allocation.
-    pub fn offset(&self) -> u64 {
-        self.offset
-    }
-
-    /// Length of the shared range, bytes (never zero).
-    pub fn length(&self) -> u64 {
-        self.length
-    }
-
-    /// UUID of the device the allocation lives on.
-    pub fn device_uuid(&self) -> [u8; 16] {
-        self.device_uuid
-    }
-
-    /// The sender's tag, passed through untouched.
-    pub fn tag(&self) -> u64 {
-        self.tag
-    }
-
-    /// How many file descriptors travel with this header.
-    pub fn fd_count(&self) -> usize {
-        self.handle.fd_count()
-    }
-
     /// Checks every bound a receiver enforces: the granularity is a power of two up to
     /// [`MAX_GRANULARITY`], the size is non-zero, at most [`MAX_SIZE`] and a multiple of the
     /// granularity, the length is non-zero and `offset + length` neither overflows nor exceeds
@@ -292,13 +300,9 @@ impl Header {
         if self.length == 0 {
             return protocol("length is zero");
         }
-        match self.offset.checked_add(self.length) {
-            Some(end) if end <= self.size => Ok(()),
-            _ => protocol(format!(
-                "range {}+{} lies outside the {}-byte allocation",
-                self.offset, self.length, self.size
-            )),
-        }
+        check_end(self.offset, self.length, self.size, || {
+            format!("range {}+{} lies outside the {}-byte allocation", self.offset, self.length, self.size)
+        })
     }
 
     /// Encodes a valid header as a version-2 share message.
@@ -316,29 +320,36 @@ impl Header {
     }
 }
 
-/// A region message: the first message on a connection that follows a growing vector. It names
-/// the address space the importer reserves once, and how the chunks will travel; the chunks
-/// follow as [`Grow`] messages.
-///
-/// Like [`Header`], every `Region` is valid: its fields are private, and [`Region::new`] and
-/// [`Message::decode`] check them.
-///
-/// ```
-/// use cuvmm::ipc::wire::{HandleType, Region};
-/// let r = Region::new(HandleType::PosixFd, 1 << 30, 2 << 20, [0; 16], 7)?;
-/// assert_eq!(r.capacity(), 1 << 30);
-/// // A capacity off the granularity, or above MAX_CAPACITY, is refused.
-/// assert!(Region::new(HandleType::PosixFd, (1 << 30) + 4096, 2 << 20, [0; 16], 7).is_err());
-/// assert!(Region::new(HandleType::PosixFd, 1 << 43, 2 << 20, [0; 16], 7).is_err());
-/// # Ok::<(), cuvmm::Error>(())
-/// ```
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Region {
-    handle: HandleType,
-    capacity: u64,
-    granularity: u64,
-    device_uuid: [u8; 16],
-    tag: u64,
+message_type! {
+    /// A region message: the first message on a connection that follows a growing vector. It names
+    /// the address space the importer reserves once, and how the chunks will travel; the chunks
+    /// follow as [`Grow`] messages.
+    ///
+    /// Like [`Header`], every `Region` is valid: its fields are private, and [`Region::new`] and
+    /// [`Message::decode`] check them.
+    ///
+    /// ```
+    /// use cuvmm::ipc::wire::{HandleType, Region};
+    /// let r = Region::new(HandleType::PosixFd, 1 << 30, 2 << 20, [0; 16], 7)?;
+    /// assert_eq!(r.capacity(), 1 << 30);
+    /// // A capacity off the granularity, or above MAX_CAPACITY, is refused.
+    /// assert!(Region::new(HandleType::PosixFd, (1 << 30) + 4096, 2 << 20, [0; 16], 7).is_err());
+    /// assert!(Region::new(HandleType::PosixFd, 1 << 43, 2 << 20, [0; 16], 7).is_err());
+    /// # Ok::<(), cuvmm::Error>(())
+    /// ```
+    #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+    pub struct Region {
+        /// How every chunk travels.
+        handle_type: HandleType,
+        /// Bytes of address space the importer reserves: the most the region can ever map.
+        capacity: u64,
+        /// The chunks' allocation granularity, bytes.
+        granularity: u64,
+        /// UUID of the device the chunks live on.
+        device_uuid: [u8; 16],
+        /// The sender's tag, passed through untouched.
+        tag: u64,
+    }
 }
 
 impl Region {
@@ -352,34 +363,9 @@ impl Region {
         device_uuid: [u8; 16],
         tag: u64,
     ) -> Result<Region> {
-        let r = Region { handle, capacity, granularity, device_uuid, tag };
+        let r = Region { handle_type: handle, capacity, granularity, device_uuid, tag };
         r.validate()?;
         Ok(r)
-    }
-
-    /// How every chunk travels.
-    pub fn handle_type(&self) -> HandleType {
-        self.handle
-    }
-
-    /// Bytes of address space the importer reserves: the most the region can ever map.
-    pub fn capacity(&self) -> u64 {
-        self.capacity
-    }
-
-    /// The chunks' allocation granularity, bytes.
-    pub fn granularity(&self) -> u64 {
-        self.granularity
-    }
-
-    /// UUID of the device the chunks live on.
-    pub fn device_uuid(&self) -> [u8; 16] {
-        self.device_uuid
-    }
-
-    /// The sender's tag, passed through untouched.
-    pub fn tag(&self) -> u64 {
-        self.tag
     }
 
     /// Checks every bound a receiver enforces: the granularity is a power of two up to
@@ -391,29 +377,37 @@ impl Region {
     }
 }
 
-/// A grow message: one more chunk of a region, a whole physical allocation, to be mapped at
-/// `offset` in the region.
-///
-/// Every `Grow` is valid on its own (private fields, checked by [`Grow::new`] and
-/// [`Message::decode`]); whether it fits the region so far is for the receiver's
-/// [`RegionLayout`](super::RegionLayout) to say.
-///
-/// ```
-/// use cuvmm::ipc::wire::{Grow, WireHandle};
-/// let g = Grow::new(WireHandle::PosixFd, 4 << 20, 2 << 20, 2 << 20, [0; 16], 0)?;
-/// assert_eq!(g.end(), 6 << 20);
-/// // An offset off the granularity is refused.
-/// assert!(Grow::new(WireHandle::PosixFd, 4 << 20, 2 << 20, 4096, [0; 16], 0).is_err());
-/// # Ok::<(), cuvmm::Error>(())
-/// ```
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Grow {
-    handle: WireHandle,
-    size: u64,
-    granularity: u64,
-    offset: u64,
-    device_uuid: [u8; 16],
-    tag: u64,
+message_type! {
+    /// A grow message: one more chunk of a region, a whole physical allocation, to be mapped at
+    /// `offset` in the region.
+    ///
+    /// Every `Grow` is valid on its own (private fields, checked by [`Grow::new`] and
+    /// [`Message::decode`]); whether it fits the region so far is for the receiver's
+    /// [`RegionLayout`](super::RegionLayout) to say.
+    ///
+    /// ```
+    /// use cuvmm::ipc::wire::{Grow, WireHandle};
+    /// let g = Grow::new(WireHandle::PosixFd, 4 << 20, 2 << 20, 2 << 20, [0; 16], 0)?;
+    /// assert_eq!(g.end(), 6 << 20);
+    /// // An offset off the granularity is refused.
+    /// assert!(Grow::new(WireHandle::PosixFd, 4 << 20, 2 << 20, 4096, [0; 16], 0).is_err());
+    /// # Ok::<(), cuvmm::Error>(())
+    /// ```
+    #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+    pub struct Grow {
+        /// How the chunk travels.
+        handle: WireHandle,
+        /// Size of the chunk's physical allocation, all of which is mapped, bytes.
+        size: u64,
+        /// Its allocation granularity, bytes.
+        granularity: u64,
+        /// Where the chunk starts in the region.
+        offset: u64,
+        /// UUID of the device the chunk lives on.
+        device_uuid: [u8; 16],
+        /// The sender's tag, passed through untouched.
+        tag: u64,
+    } fd_count: handle
 }
 
 impl Grow {
@@ -432,44 +426,9 @@ impl Grow {
         Ok(g)
     }
 
-    /// How the chunk travels.
-    pub fn handle(&self) -> WireHandle {
-        self.handle
-    }
-
-    /// Size of the chunk's physical allocation, all of which is mapped, bytes.
-    pub fn size(&self) -> u64 {
-        self.size
-    }
-
-    /// Its allocation granularity, bytes.
-    pub fn granularity(&self) -> u64 {
-        self.granularity
-    }
-
-    /// Where the chunk starts in the region.
-    pub fn offset(&self) -> u64 {
-        self.offset
-    }
-
     /// Where it ends: `offset + size`, never more than [`MAX_CAPACITY`].
     pub fn end(&self) -> u64 {
         self.offset + self.size
-    }
-
-    /// UUID of the device the chunk lives on.
-    pub fn device_uuid(&self) -> [u8; 16] {
-        self.device_uuid
-    }
-
-    /// The sender's tag, passed through untouched.
-    pub fn tag(&self) -> u64 {
-        self.tag
-    }
-
-    /// How many file descriptors travel with this message.
-    pub fn fd_count(&self) -> usize {
-        self.handle.fd_count()
     }
 
     /// Checks every bound a receiver enforces without knowing the region: the granularity is a
@@ -482,13 +441,9 @@ impl Grow {
         if self.offset % self.granularity != 0 {
             return protocol(format!("chunk offset {} is not a multiple of the granularity", self.offset));
         }
-        match self.offset.checked_add(self.size) {
-            Some(end) if end <= MAX_CAPACITY => Ok(()),
-            _ => protocol(format!(
-                "chunk {}+{} ends past the largest region ({MAX_CAPACITY} bytes)",
-                self.offset, self.size
-            )),
-        }
+        check_end(self.offset, self.size, MAX_CAPACITY, || {
+            format!("chunk {}+{} ends past the largest region ({MAX_CAPACITY} bytes)", self.offset, self.size)
+        })
     }
 }
 
@@ -667,7 +622,7 @@ impl Message {
             }
             .with_handle(h.handle),
             Message::Region(r) => Fields {
-                handle_type: r.handle.code(),
+                handle_type: r.handle_type.code(),
                 size: r.capacity,
                 granularity: r.granularity,
                 device_uuid: r.device_uuid,
@@ -802,7 +757,7 @@ mod tests {
             Message::Share(sample()),
             Message::Share(Header { handle: WireHandle::Fabric([9; 64]), ..sample() }),
             Message::Region(region()),
-            Message::Region(Region { handle: HandleType::Fabric, ..region() }),
+            Message::Region(Region { handle_type: HandleType::Fabric, ..region() }),
             Message::Grow(grow()),
             Message::Grow(Grow { handle: WireHandle::Fabric([4; 64]), ..grow() }),
             Message::Shrink { length: 6 * MIB, tag: 11 },

@@ -98,7 +98,7 @@ impl<T: DeviceCopy> Drop for DeviceBuffer<T> {
             let _ = result::ctx::synchronize(api);
             // SAFETY: the allocation from cuMemAlloc in `new` is freed once, with no work queued
             // on it any more.
-            let _ = unsafe { result::mem::free(api, ptr) };
+            crate::error::record_drop(unsafe { result::mem::free(api, ptr) });
         });
     }
 }

@@ -143,7 +143,7 @@ impl Drop for Event {
     fn drop(&mut self) {
         crate::driver::callback::release_in(&self.ctx, self.raw, |api, raw| {
             // SAFETY: destroyed once; the driver lets a pending record complete first.
-            let _ = unsafe { result::event::destroy(api, raw) };
+            crate::error::record_drop(unsafe { result::event::destroy(api, raw) });
         });
     }
 }

@@ -212,7 +212,7 @@ impl Drop for StreamInner {
         crate::driver::callback::release_in(&self.ctx, self.raw, |api, raw| {
             // SAFETY: destroyed once, by the last owner (the `Stream` or a record of memory it
             // used); the driver defers the release until queued work completes.
-            let _ = unsafe { result::stream::destroy(api, raw) };
+            crate::error::record_drop(unsafe { result::stream::destroy(api, raw) });
         });
     }
 }

@@ -520,8 +520,8 @@ impl Drop for PhysInner {
         }
         crate::driver::callback::release_in(&self.ctx, self.handle, |api, handle| {
             // SAFETY: the handle is ours and released once. Mappings hold a clone, so none is left.
-            // A failure cannot be reported from drop and leaves nothing to retry.
-            let _ = unsafe { result::mem::release(api, handle) };
+            // A failure leaves nothing to retry: it is recorded for `take_drop_error`.
+            crate::error::record_drop(unsafe { result::mem::release(api, handle) });
         });
     }
 }

@@ -300,7 +300,7 @@ impl Drop for ResInner {
         crate::driver::callback::release_in(&self.ctx, (self.base, self.size), |api, (base, size)| {
             // SAFETY: every mapping holds a clone of the reservation, so none is left; the range is
             // ours.
-            let _ = unsafe { result::mem::address_free(api, base, size) };
+            crate::error::record_drop(unsafe { result::mem::address_free(api, base, size) });
         });
     }
 }
@@ -378,7 +378,9 @@ impl Drop for Mapping {
                 // Bound by the synchronisation just above: no cuCtxSetCurrent of its own.
                 let _ = res.inner.ctx.bind_unless_last();
                 // SAFETY: this range was mapped by `Reservation::map` and is unmapped once, here.
-                let _ = unsafe { result::mem::unmap(d.api(), res.base() + offset as u64, len) };
+                crate::error::record_drop(unsafe {
+                    result::mem::unmap(d.api(), res.base() + offset as u64, len)
+                });
             }
             {
                 let mut mapped = lock(&res.inner.mapped);

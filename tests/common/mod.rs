@@ -6,6 +6,15 @@ mod fake;
 #[allow(unused_imports)]
 pub use fake::{fake_driver, scratch};
 
+/// One message from `sock` (a share, for `SharedMemory::import`): the peer closing the socket
+/// first fails the test.
+pub fn recv(
+    sock: std::os::fd::BorrowedFd<'_>,
+    policy: cuvmm::ipc::PeerPolicy,
+) -> cuvmm::Result<cuvmm::ipc::Incoming> {
+    cuvmm::ipc::recv_message(sock, policy).map(|m| m.expect("a message before the end of the stream"))
+}
+
 /// The first two GPUs, or `None` on a machine with one (where `CUVMM_REQUIRE_GPUS` set makes
 /// that a failure: the two-GPU machine must not skip the checks).
 pub fn two_gpus() -> Option<(cuvmm::Device, cuvmm::Device)> {

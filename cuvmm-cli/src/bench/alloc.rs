@@ -8,6 +8,7 @@ use crate::cli::size::{parse_counts, parse_sizes, show};
 use crate::cli::CliResult;
 use cuvmm::alloc::{CachingAllocator, ExportMode, GraphMemory, PeerAllocator, StreamAllocator};
 use cuvmm::context::Context;
+use cuvmm::driver::result::{self, pool};
 use cuvmm::driver::{driver, sys::*};
 use cuvmm::error::Result;
 use cuvmm::stream::Stream;
@@ -47,19 +48,11 @@ fn per_pair(iters: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
 /// freed memory cached like the allocators it is measured beside.
 fn caching_default_pool(ctx: &Context) -> Result<CUmemoryPool> {
     let api = driver()?.api();
-    let mut pool: CUmemoryPool = std::ptr::null_mut();
-    // SAFETY: out-pointer valid; the device handle is live.
-    unsafe { api.cuDeviceGetDefaultMemPool(&mut pool, ctx.device().raw()) }?;
-    let mut threshold = u64::MAX;
-    // SAFETY: the release threshold attribute takes a cuuint64_t.
-    unsafe {
-        api.cuMemPoolSetAttribute(
-            pool,
-            CUmemPool_attribute::RELEASE_THRESHOLD,
-            (&mut threshold as *mut u64).cast(),
-        )
-    }?;
-    Ok(pool)
+    let p = pool::default_mem_pool(api, ctx.device().raw())?;
+    // SAFETY: the default pool lives as long as the driver; the release threshold attribute
+    // takes a cuuint64_t.
+    unsafe { pool::set_attribute_u64(api, p, CUmemPool_attribute::RELEASE_THRESHOLD, u64::MAX) }?;
+    Ok(p)
 }
 
 /// Measures each size.
@@ -79,19 +72,15 @@ pub fn run(ctx: &Context, sizes: &[usize]) -> Result<Vec<AllocRow>> {
             Ok(())
         })?;
         let driver_us = per_pair(50, || {
-            let mut p = 0;
-            // SAFETY: out-pointer valid; the allocation is freed at once.
-            unsafe {
-                api.cuMemAlloc(&mut p, size)?;
-                api.cuMemFree(p)
-            }
+            let p = result::mem::alloc(api, size)?;
+            // SAFETY: the allocation is freed at once.
+            unsafe { result::mem::free(api, p) }
         })?;
         let pool_us = per_pair(2_000, || {
-            let mut p = 0;
             // SAFETY: stream-ordered alloc and free of the same pointer on one stream.
             unsafe {
-                api.cuMemAllocAsync(&mut p, size, stream.raw())?;
-                api.cuMemFreeAsync(p, stream.raw())
+                let p = pool::alloc_async(api, size, stream.raw())?;
+                pool::free_async(api, p, stream.raw())
             }
         })?;
         stream.synchronize()?;
@@ -99,7 +88,7 @@ pub fn run(ctx: &Context, sizes: &[usize]) -> Result<Vec<AllocRow>> {
     }
     cache.trim();
     // SAFETY: returns the pool's cached memory to the driver.
-    unsafe { api.cuMemPoolTrimTo(pool, 0) }?;
+    unsafe { pool::trim_to(api, pool, 0) }?;
     Ok(rows)
 }
 
@@ -262,20 +251,17 @@ pub fn run_threads(
                 }
             })?;
             let stream_calls_mpairs = aggregate(ctx, n, pairs, |s| {
-                let (mut status, mut id) = (0, 0);
-                // SAFETY: the stream is this thread's, alive for the calls; the out-pointers are
-                // locals.
+                // SAFETY: the stream is this thread's, alive for the calls.
                 unsafe {
-                    api.cuStreamIsCapturing(s.raw(), &mut status)?;
-                    api.cuStreamGetId(s.raw(), &mut id)
+                    result::stream::is_capturing(api, s.raw())?;
+                    result::stream::get_id(api, s.raw()).map(drop)
                 }
             })?;
             let pool_mpairs = aggregate(ctx, n, pairs / 8, |s| {
-                let mut p = 0;
                 // SAFETY: stream-ordered alloc and free of the same pointer on one stream.
                 unsafe {
-                    api.cuMemAllocAsync(&mut p, size, s.raw())?;
-                    api.cuMemFreeAsync(p, s.raw())
+                    let p = pool::alloc_async(api, size, s.raw())?;
+                    pool::free_async(api, p, s.raw())
                 }
             })?;
             rows.push(ThreadRow { size, threads: n, cuvmm_mpairs, pool_mpairs, stream_calls_mpairs });
@@ -283,7 +269,7 @@ pub fn run_threads(
     }
     alloc.empty_cache()?;
     // SAFETY: returns the pool's cached memory to the driver.
-    unsafe { api.cuMemPoolTrimTo(pool, 0) }?;
+    unsafe { pool::trim_to(api, pool, 0) }?;
     Ok(rows)
 }
 

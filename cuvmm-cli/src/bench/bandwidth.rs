@@ -8,7 +8,7 @@ use super::{median, timed};
 use crate::cli::size::{parse_counts, parse_sizes, show};
 use crate::cli::CliResult;
 use cuvmm::context::Context;
-use cuvmm::driver::driver;
+use cuvmm::driver::{driver, result};
 use cuvmm::error::Result;
 use cuvmm::host::{PinnedBuffer, RegisterFlags, Registered};
 use cuvmm::host::{Staging, StagingConfig, StagingTrace};
@@ -227,14 +227,16 @@ impl<'c> Paths<'c> {
         let dptr = dev.ptr();
         let (r, t) = timed(|| -> Result<()> {
             // SAFETY: page_src holds `size` bytes; dev holds `max` >= size; the stream is synced.
-            unsafe { api.cuMemcpyHtoDAsync(dptr, page_src.as_ptr().cast(), size, s1.raw()) }?;
+            unsafe { result::mem::memcpy_htod_async(api, dptr, page_src.as_ptr().cast(), size, s1.raw()) }?;
             s1.synchronize()
         });
         r?;
         let h2d = gbs(size, t.as_secs_f64());
         let (r, t) = timed(|| -> Result<()> {
             // SAFETY: page_dst holds `size` bytes; synced before page_dst is touched again.
-            unsafe { api.cuMemcpyDtoHAsync(page_dst.as_mut_ptr().cast(), dptr, size, s1.raw()) }?;
+            unsafe {
+                result::mem::memcpy_dtoh_async(api, page_dst.as_mut_ptr().cast(), dptr, size, s1.raw())
+            }?;
             s1.synchronize()
         });
         r?;
@@ -247,13 +249,14 @@ impl<'c> Paths<'c> {
         let (s1, dptr, pin_src) = (&self.s1, self.dev.ptr(), &self.pin_src);
         // SAFETY: pinned buffers of `max` bytes; each timing synchronises before the next use.
         let t = self.timed_on(s1, &|| unsafe {
-            api.cuMemcpyHtoDAsync(dptr, pin_src.as_ptr().cast(), size, s1.raw())
+            result::mem::memcpy_htod_async(api, dptr, pin_src.as_ptr().cast(), size, s1.raw())
         })?;
         let h2d = gbs(size, t);
         let pd = self.pin_dst.as_mut_ptr() as usize;
         // SAFETY: as above.
-        let t =
-            self.timed_on(s1, &|| unsafe { api.cuMemcpyDtoHAsync(pd as *mut _, dptr, size, s1.raw()) })?;
+        let t = self.timed_on(s1, &|| unsafe {
+            result::mem::memcpy_dtoh_async(api, pd as *mut _, dptr, size, s1.raw())
+        })?;
         Ok([h2d, gbs(size, t)])
     }
 
@@ -651,9 +654,9 @@ pub fn sweep(
                 // stream is synchronised (through e1) before they are touched again.
                 unsafe {
                     if dir == 0 {
-                        api.cuMemcpyHtoDAsync(dptr, pin_src.as_ptr().cast(), size, s1.raw())
+                        result::mem::memcpy_htod_async(api, dptr, pin_src.as_ptr().cast(), size, s1.raw())
                     } else {
-                        api.cuMemcpyDtoHAsync(pin_dst.as_mut_ptr().cast(), dptr, size, s1.raw())
+                        result::mem::memcpy_dtoh_async(api, pin_dst.as_mut_ptr().cast(), dptr, size, s1.raw())
                     }
                 }?;
                 e1.record(&s1)?;

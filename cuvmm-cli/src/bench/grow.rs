@@ -6,7 +6,7 @@ use super::timed;
 use crate::cli::size::{parse_size, show};
 use crate::cli::CliResult;
 use cuvmm::context::Context;
-use cuvmm::driver::{driver, sys::CUdeviceptr};
+use cuvmm::driver::{driver, result, sys::CUdeviceptr};
 use cuvmm::error::Result;
 use cuvmm::vmm::ChunkPolicy;
 use cuvmm::vmm::VmmVec;
@@ -117,8 +117,8 @@ fn write(dst: CUdeviceptr, bytes: usize, value: u8) -> Result<()> {
     let api = driver()?.api();
     // SAFETY: callers pass a mapped/allocated range of `bytes` bytes; the legacy stream is waited on.
     unsafe {
-        api.cuMemsetD8Async(dst, value, bytes, std::ptr::null_mut())?;
-        api.cuStreamSynchronize(std::ptr::null_mut())
+        result::mem::memset_d8_async(api, dst, value, bytes, std::ptr::null_mut())?;
+        result::stream::synchronize(api, std::ptr::null_mut())
     }
 }
 
@@ -178,10 +178,8 @@ fn run_copy(ctx: &Context, cfg: &GrowConfig, target: usize) -> Result<GrowRun> {
             let mut step_peak = 0;
             if len + n > cap {
                 let new_cap = (len + n).max(cap * 2);
-                let mut new_ptr = 0;
-                // SAFETY: out-pointer valid.
-                let (r, dt_alloc) = timed(|| unsafe { api.cuMemAlloc(&mut new_ptr, new_cap) });
-                r?;
+                let (r, dt_alloc) = timed(|| result::mem::alloc(api, new_cap));
+                let new_ptr = r?;
                 // Sampled while both buffers exist: the true peak of a doubling. Not timed.
                 step_peak = used(ctx)?.saturating_sub(base);
                 peak = peak.max(step_peak);
@@ -189,17 +187,17 @@ fn run_copy(ctx: &Context, cfg: &GrowConfig, target: usize) -> Result<GrowRun> {
                     // SAFETY: both buffers hold at least `len` bytes; the old one is freed after the copy.
                     unsafe {
                         if len > 0 {
-                            api.cuMemcpyDtoD(new_ptr, ptr, len)?;
+                            result::mem::memcpy_dtod(api, new_ptr, ptr, len)?;
                         }
                         if ptr != 0 {
-                            api.cuMemFree(ptr)?;
+                            result::mem::free(api, ptr)?;
                         }
                     }
                     Ok(())
                 });
                 if let Err(e) = r {
                     // SAFETY: the new buffer is ours and unused.
-                    let _ = unsafe { api.cuMemFree(new_ptr) };
+                    let _ = unsafe { result::mem::free(api, new_ptr) };
                     return Err(e);
                 }
                 step += dt_alloc;
@@ -221,7 +219,7 @@ fn run_copy(ctx: &Context, cfg: &GrowConfig, target: usize) -> Result<GrowRun> {
     })();
     if ptr != 0 {
         // SAFETY: the last buffer is ours; all work on it was synchronised.
-        let _ = unsafe { api.cuMemFree(ptr) };
+        let _ = unsafe { result::mem::free(api, ptr) };
     }
     result?;
     Ok(finish(&steps, &mem, total, peak))

@@ -26,9 +26,10 @@ use crate::cli::size::{parse_size, show};
 use crate::cli::CliResult;
 use cuvmm::alloc::{ExportMode, PeerAllocator};
 use cuvmm::context::Context;
-use cuvmm::driver::{driver, sys::*};
+use cuvmm::driver::{driver, result, sys::*};
 use cuvmm::error::{Error, Result};
-use cuvmm::ipc::{recv, PeerPolicy, SharedMemory};
+use cuvmm::ipc::wire::Message;
+use cuvmm::ipc::{recv_message, Incoming, PeerPolicy, SharedMemory};
 use cuvmm::memory::DeviceBuffer;
 use cuvmm::stream::Event;
 use cuvmm::stream::Stream;
@@ -293,7 +294,7 @@ fn d2d_gbs(ctx: &Context, base: CUdeviceptr, bytes: usize) -> Result<f64> {
     for rep in 0..8 {
         a.record(&s)?;
         // SAFETY: both halves lie inside a mapped, accessible range of `bytes` bytes.
-        unsafe { api.cuMemcpyDtoDAsync(base + half as u64, base, half, s.raw()) }?;
+        unsafe { result::mem::memcpy_dtod_async(api, base + half as u64, base, half, s.raw()) }?;
         b.record(&s)?;
         b.synchronize()?;
         if rep > 0 {
@@ -415,18 +416,7 @@ pub fn export_side(
                 a.share(sock.as_fd(), 0, a.len(), round as u64)?;
             }
             Path::Raw => {
-                let mut fd: i32 = -1;
-                // SAFETY: for the POSIX-fd type the driver writes an int; the handle is live.
-                unsafe {
-                    api.cuMemExportToShareableHandle(
-                        (&mut fd as *mut i32).cast(),
-                        a.physical().handle(),
-                        CUmemAllocationHandleType::POSIX_FILE_DESCRIPTOR,
-                        0,
-                    )
-                }?;
-                // SAFETY: the driver created this descriptor for us; nothing else owns it.
-                let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+                let fd = result::mem::export_fd(api, a.physical().handle())?;
                 let mut frame = [0u8; RAW_FRAME_LEN];
                 frame[..8].copy_from_slice(&(a.len() as u64).to_le_bytes());
                 raw_send(sock, &frame, fd.as_raw_fd())?;
@@ -449,19 +439,26 @@ pub fn export_side(
     // the length the importer copies in both.
     ctx.bind()?;
     let legacy = DeviceBuffer::<u8>::new(ctx, a.len())?;
-    let mut h = CUipcMemHandle::default();
-    // SAFETY: out-pointer valid; the buffer is a live cuMemAlloc allocation.
-    unsafe { api.cuIpcGetMemHandle(&mut h, legacy.ptr()) }?;
+    // SAFETY: the buffer is a live cuMemAlloc allocation.
+    let h = unsafe { result::ipc::get_mem_handle(api, legacy.ptr()) }?;
     sock.write_all(&legacy_frame(&h, a.len())).map_err(protocol("send legacy handle"))?;
     sock.read_exact(&mut ack).map_err(protocol("wait for the importer"))?;
     Ok(out)
 }
 
+/// The exporter's next message, which must come.
+fn recv_next(sock: &UnixStream) -> Result<Incoming> {
+    recv_message(sock.as_fd(), PeerPolicy::SameUid)?
+        .ok_or_else(|| Error::Protocol("the exporter closed the socket".into()))
+}
+
 /// One exchange through cuvmm, on the importer's side; the memory is let go (untimed) after.
 fn import_cuvmm(ctx: &Context, sock: &UnixStream) -> Result<Imported> {
-    let msg = recv(sock.as_fd(), PeerPolicy::SameUid)?;
+    let msg = recv_next(sock)?;
     let received = now_ns()?;
-    let (header, fd, _) = msg.into_parts();
+    let (Message::Share(header), fd, _) = msg.into_parts() else {
+        return Err(Error::Protocol("the exporter sent something other than a share".into()));
+    };
     let size = usize::try_from(header.size())
         .map_err(|_| Error::Protocol("the allocation size does not fit this machine".into()))?;
     let fd = fd.ok_or_else(|| Error::Protocol("no fd".into()))?;
@@ -483,36 +480,25 @@ fn import_raw(ctx: &Context, sock: &UnixStream) -> Result<Imported> {
     let api = driver()?.api();
     let (size, fd) = raw_recv(sock)?;
     let received = now_ns()?;
-    let mut h: CUmemGenericAllocationHandle = 0;
-    // SAFETY: for the POSIX-fd type the driver takes the fd's value as the pointer.
-    unsafe {
-        api.cuMemImportFromShareableHandle(
-            &mut h,
-            fd.as_raw_fd() as isize as *mut std::ffi::c_void,
-            CUmemAllocationHandleType::POSIX_FILE_DESCRIPTOR,
-        )
-    }?;
+    let h = result::mem::import_fd(api, fd.as_fd())?;
     let imported = now_ns()?;
     let desc = CUmemAccessDesc {
         location: CUmemLocation { type_: CUmemLocationType::DEVICE, id: ctx.device().raw() },
         flags: CUmemAccess_flags::PROT_READWRITE,
     };
-    let mut va: CUdeviceptr = 0;
-    // SAFETY: out-pointers are valid locals; the range is reserved, mapped, made accessible and
-    // undone below, in order, with nothing queued on the device that uses it.
-    unsafe {
-        api.cuMemAddressReserve(&mut va, size, 0, 0, 0)?;
-        api.cuMemMap(va, size, 0, h, 0)?;
-    }
+    let va = result::mem::address_reserve(api, size, 0, 0)?;
+    // SAFETY: the range is reserved, mapped, made accessible and undone below, in order, with
+    // nothing queued on the device that uses it; the handle is released once.
+    unsafe { result::mem::map(api, va, size, 0, h) }?;
     let mapped = now_ns()?;
     // SAFETY: as above.
-    unsafe { api.cuMemSetAccess(va, size, &desc, 1) }?;
+    unsafe { result::mem::set_access(api, va, size, &[desc]) }?;
     let accessible = now_ns()?;
     // SAFETY: as above.
     unsafe {
-        api.cuMemUnmap(va, size)?;
-        api.cuMemRelease(h)?;
-        api.cuMemAddressFree(va, size)?;
+        result::mem::unmap(api, va, size)?;
+        result::mem::release(api, h)?;
+        result::mem::address_free(api, va, size)?;
     }
     drop(fd);
     Ok(Imported { path: Path::Raw, received, imported, mapped, accessible })
@@ -542,8 +528,7 @@ pub fn import_side(ctx: &Context, sock: &mut UnixStream) -> Result<ImporterRepor
         sock.write_all(&[1]).map_err(&io)?;
     }
     // Bandwidth on imported memory, against a local allocation.
-    let msg = recv(sock.as_fd(), PeerPolicy::SameUid)?;
-    let shared = SharedMemory::import(ctx, msg, &[])?;
+    let shared = SharedMemory::import(ctx, recv_next(sock)?, &[])?;
     let size = shared.len();
     let imported_gbs = d2d_gbs(ctx, shared.ptr(), size)?;
     let local = DeviceBuffer::<u8>::new(ctx, size)?;
@@ -557,11 +542,10 @@ pub fn import_side(ctx: &Context, sock: &mut UnixStream) -> Result<ImporterRepor
     drop(shared);
     let api = driver()?.api();
     ctx.bind()?;
-    let mut p = 0;
     let t = now_ns()?;
     // SAFETY: a handle from cuIpcGetMemHandle in the exporter, which keeps the memory alive until
-    // we acknowledge below.
-    unsafe { api.cuIpcOpenMemHandle(&mut p, handle, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS) }?;
+    // we acknowledge below; closed once below.
+    let p = unsafe { result::ipc::open_mem_handle(api, handle, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS) }?;
     let legacy_open_us = now_ns()?.saturating_sub(t) as f64 / 1e3;
     let legacy_gbs = match opened_size(p, legacy_len) {
         Ok(()) => d2d_gbs(ctx, p, legacy_len),
@@ -569,11 +553,11 @@ pub fn import_side(ctx: &Context, sock: &mut UnixStream) -> Result<ImporterRepor
     };
     if legacy_gbs.is_err() {
         // SAFETY: opened above, closed once.
-        let _ = unsafe { api.cuIpcCloseMemHandle(p) };
+        let _ = unsafe { result::ipc::close_mem_handle(api, p) };
     }
     let legacy_gbs = legacy_gbs?;
     // SAFETY: opened above, closed once.
-    unsafe { api.cuIpcCloseMemHandle(p) }?;
+    unsafe { result::ipc::close_mem_handle(api, p) }?;
     sock.write_all(&[2]).map_err(&io)?;
     Ok(ImporterReport { rounds, imported_gbs, local_gbs, legacy_open_us, legacy_gbs })
 }
@@ -615,9 +599,7 @@ pub(crate) fn legacy_handle(
 /// Refuses memory opened at `p` unless the driver reports at least `len` bytes from `p` on: the
 /// peer's announced length is never trusted alone.
 fn opened_size(p: CUdeviceptr, len: usize) -> Result<()> {
-    let (mut base, mut size) = (0, 0usize);
-    // SAFETY: out-pointers are valid locals; `p` was just opened in the current context.
-    unsafe { driver()?.api().cuMemGetAddressRange(&mut base, &mut size, p) }?;
+    let (base, size) = result::mem::get_address_range(driver()?.api(), p)?;
     let available = (base + size as u64).saturating_sub(p);
     if available < len as u64 {
         return Err(Error::Protocol(format!(

@@ -8,6 +8,7 @@
 pub mod alloc;
 pub mod bandwidth;
 pub mod events;
+pub mod first_map;
 pub mod grow;
 pub mod ipc;
 pub mod model_trace;
@@ -42,14 +43,21 @@ pub fn timed<T>(f: impl FnOnce() -> T) -> (T, Duration) {
 }
 
 /// Compares a report printer's output with `src/bench/testdata/<name>`, the layout it must keep;
-/// `CUVMM_BLESS=1 cargo test -p cuvmm-cli` rewrites the file from the output instead.
+/// `CUVMM_BLESS=1 cargo test -p cuvmm-cli` rewrites the file from the output instead. The expected
+/// reports are compiled in, so a test executable copied away from the source tree checks them too.
 #[cfg(test)]
 pub(crate) fn assert_report(name: &str, got: &[u8]) {
-    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src/bench/testdata").join(name);
     if std::env::var_os("CUVMM_BLESS").is_some() {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src/bench/testdata").join(name);
         std::fs::write(&path, got).expect("writing the expected report");
         return;
     }
-    let want = std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    assert_eq!(String::from_utf8_lossy(got), String::from_utf8_lossy(&want), "{name} changed");
+    let want: &[u8] = match name {
+        "sleep.txt" => include_bytes!("testdata/sleep.txt"),
+        "sleep.jsonl" => include_bytes!("testdata/sleep.jsonl"),
+        "sweep.txt" => include_bytes!("testdata/sweep.txt"),
+        "sweep.jsonl" => include_bytes!("testdata/sweep.jsonl"),
+        other => panic!("no expected report {other} in src/bench/testdata (add it to assert_report)"),
+    };
+    assert_eq!(String::from_utf8_lossy(got), String::from_utf8_lossy(want), "{name} changed");
 }

@@ -13,7 +13,7 @@
 use crate::cli::size::{parse_counts, show};
 use crate::cli::CliResult;
 use cuvmm::context::Context;
-use cuvmm::driver::{driver, sys::CUfunction};
+use cuvmm::driver::{driver, result, sys::CUfunction};
 use cuvmm::error::Result;
 use cuvmm::host::PinnedBuffer;
 use cuvmm::kernels::{busy_value, Kernels};
@@ -250,7 +250,8 @@ impl Rig<'_> {
         // `output` or touches `input` again. The kernel's parameters are its (ptr, n, iters).
         unsafe {
             match kind {
-                "H2D" => api.cuMemcpyHtoDAsync(
+                "H2D" => result::mem::memcpy_htod_async(
+                    api,
                     d,
                     self.input.base_ptr().add(r.start).cast(),
                     r.len() * f,
@@ -265,21 +266,18 @@ impl Rig<'_> {
                     ];
                     let c =
                         LaunchConfig::grid_stride(r.len() as u64, self.launch.block.0, self.launch.grid.0);
-                    api.cuLaunchKernel(
+                    result::module::launch_kernel(
+                        api,
                         self.busy,
-                        c.grid.0,
-                        c.grid.1,
-                        c.grid.2,
-                        c.block.0,
-                        c.block.1,
-                        c.block.2,
+                        c.grid,
+                        c.block,
                         c.shared_bytes,
                         stream.raw(),
-                        params.as_mut_ptr(),
-                        std::ptr::null_mut(),
+                        &mut params,
                     )
                 }
-                _ => api.cuMemcpyDtoHAsync(
+                _ => result::mem::memcpy_dtoh_async(
+                    api,
                     self.output.base_ptr().add(r.start).cast(),
                     d,
                     r.len() * f,

@@ -6,7 +6,7 @@ use crate::cli::size::{parse_size, show};
 use crate::cli::CliResult;
 use cuvmm::alloc::{ExportMode, PeerAllocator};
 use cuvmm::context::Context;
-use cuvmm::driver::driver;
+use cuvmm::driver::{driver, result};
 use cuvmm::error::Result;
 use cuvmm::kernels::Kernels;
 use cuvmm::memory::DeviceBuffer;
@@ -66,7 +66,9 @@ pub fn run(ctxs: &[Context], bytes: usize) -> Result<PeerReport> {
         e0.record(&s1)?;
         c1.bind()?;
         // SAFETY: both ranges are `bytes` long and live; the copy is ordered on s1.
-        unsafe { api.cuMemcpyPeerAsync(dst.ptr(), c1.raw(), a.ptr(), c0.raw(), bytes, s1.raw()) }?;
+        unsafe {
+            result::mem::memcpy_peer_async(api, dst.ptr(), c1.raw(), a.ptr(), c0.raw(), bytes, s1.raw())
+        }?;
         e1.record(&s1)?;
         e1.synchronize()?;
         if rep > 0 {

@@ -35,6 +35,7 @@ use cuvmm::alloc::{
     AllocatorConfig, BackupKind, BackupOptions, SleepMode, StreamAllocator, StreamBlock, Tag,
 };
 use cuvmm::context::Context;
+use cuvmm::driver::result;
 use cuvmm::error::Result;
 use cuvmm::host::PinnedBuffer;
 use cuvmm::kernels::Kernels;
@@ -301,7 +302,7 @@ fn release_like_a_sleep(ctx: &Context, s: &Stream, bytes: usize, page: usize) ->
         m.set_access(&[(ctx.device(), Access::ReadWrite)])?;
         // SAFETY: the range is mapped read-write for this device and nothing else uses it; the
         // stream is synchronised before the mapping is dropped.
-        unsafe { api.cuMemsetD32Async(m.ptr(), 0x5eed_5eed, page / 4, s.raw()) }?;
+        unsafe { result::mem::memset_d32_async(api, m.ptr(), 0x5eed_5eed, page / 4, s.raw()) }?;
         held.push(m);
     }
     s.synchronize()?;
@@ -392,9 +393,21 @@ impl Dev {
             // copy (synchronised below) and nothing else touches it.
             unsafe {
                 if to_host {
-                    api.cuMemcpyDtoHAsync(self.host.base_ptr().cast(), b.ptr(), self.block, self.s.raw())
+                    result::mem::memcpy_dtoh_async(
+                        api,
+                        self.host.base_ptr().cast(),
+                        b.ptr(),
+                        self.block,
+                        self.s.raw(),
+                    )
                 } else {
-                    api.cuMemcpyHtoDAsync(b.ptr(), self.host.base_ptr().cast(), self.block, self.s.raw())
+                    result::mem::memcpy_htod_async(
+                        api,
+                        b.ptr(),
+                        self.host.base_ptr().cast(),
+                        self.block,
+                        self.s.raw(),
+                    )
                 }
             }?;
         }

@@ -4,7 +4,7 @@
 use cuvmm::alloc::{ExportMode, PeerAllocator};
 use cuvmm::context::Context;
 use cuvmm::error::Result;
-use cuvmm::ipc::{recv, PeerPolicy, SharedMemory};
+use cuvmm::ipc::{recv_message, PeerPolicy, SharedMemory};
 use cuvmm::vmm::VmmVec;
 use std::os::fd::AsFd;
 use std::os::unix::net::UnixStream;
@@ -56,7 +56,9 @@ pub fn run(
         cuvmm::stream::copy::to_device(ctx, &mut a.as_mut_slice::<u32>().slice_mut(0..64)?, &data)?;
         let (x, y) = UnixStream::pair().map_err(|_| crate::bench::invalid("socketpair failed"))?;
         a.share(x.as_fd(), 0, a.len(), i as u64)?;
-        let shm = SharedMemory::import(ctx, recv(y.as_fd(), PeerPolicy::SameUid)?, &[])?;
+        let msg = recv_message(y.as_fd(), PeerPolicy::SameUid)?
+            .ok_or_else(|| cuvmm::Error::Protocol("the socket closed before the share".into()))?;
+        let shm = SharedMemory::import(ctx, msg, &[])?;
         let mut back = [0u32; 64];
         shm.copy_to_host(0, &mut back)?;
         if back != data {

@@ -27,12 +27,12 @@ use crate::cli::size::{parse_sizes, show};
 use crate::cli::CliResult;
 use cuvmm::alloc::{GraphMemory, StreamAllocator};
 use cuvmm::context::Context;
+use cuvmm::driver::result::{self, pool};
 use cuvmm::driver::{driver, sys::*, Api};
 use cuvmm::error::{Error, Result};
 use cuvmm::stream::Stream;
 use serde_json::json;
 use std::collections::HashMap;
-use std::ffi::c_void;
 use std::fmt;
 use std::io::BufRead;
 use std::io::Write;
@@ -813,78 +813,49 @@ impl PoolSide {
         }
         let api = driver()?.api();
         ctx.bind()?;
-        let mut pool: CUmemoryPool = std::ptr::null_mut();
-        // SAFETY: out-pointer valid; the device handle is live.
-        unsafe { api.cuDeviceGetDefaultMemPool(&mut pool, device.raw()) }?;
-        let mut old_threshold = 0u64;
-        // SAFETY: the release threshold attribute is a cuuint64_t, written to a valid local.
-        unsafe {
-            api.cuMemPoolGetAttribute(
-                pool,
-                CUmemPool_attribute::RELEASE_THRESHOLD,
-                (&mut old_threshold as *mut u64).cast::<c_void>(),
-            )
-        }?;
+        let pool = pool::default_mem_pool(api, device.raw())?;
+        // SAFETY: the default pool lives as long as the driver; the release threshold is a
+        // cuuint64_t.
+        let old_threshold =
+            unsafe { pool::get_attribute_u64(api, pool, CUmemPool_attribute::RELEASE_THRESHOLD) }?;
         let mut side = PoolSide { ctx: ctx.clone(), api, pool, old_threshold, restored: true };
         side.set_threshold(u64::MAX)?;
         side.restored = false;
         Ok(side)
     }
 
-    fn set_threshold(&mut self, mut value: u64) -> Result<()> {
+    fn set_threshold(&mut self, value: u64) -> Result<()> {
         // SAFETY: the release threshold attribute takes a cuuint64_t; the pool is the device's
         // default pool, which lives as long as the context.
-        unsafe {
-            self.api.cuMemPoolSetAttribute(
-                self.pool,
-                CUmemPool_attribute::RELEASE_THRESHOLD,
-                (&mut value as *mut u64).cast::<c_void>(),
-            )
-        }
+        unsafe { pool::set_attribute_u64(self.api, self.pool, CUmemPool_attribute::RELEASE_THRESHOLD, value) }
     }
 }
 
 impl Side for PoolSide {
     fn alloc(&mut self, size: usize, stream: CUstream) -> Result<u64> {
-        let mut p = 0;
-        // SAFETY: out-pointer valid; `stream` is a live stream of the context, which is current
-        // (bound before each pass).
-        unsafe { self.api.cuMemAllocAsync(&mut p, size, stream) }?;
-        Ok(p)
+        // SAFETY: `stream` is a live stream of the context, which is current (bound before each
+        // pass).
+        unsafe { pool::alloc_async(self.api, size, stream) }
     }
     fn free(&mut self, ptr: u64, stream: CUstream) -> Result<()> {
         // SAFETY: `ptr` came from `alloc` and is freed once; no kernel uses it.
-        unsafe { self.api.cuMemFreeAsync(ptr, stream) }
+        unsafe { pool::free_async(self.api, ptr, stream) }
     }
     fn reset_peak(&mut self) -> Result<()> {
-        let mut zero = 0u64;
         // SAFETY: the high-water attribute takes a cuuint64_t, and 0 (resetting it) is the only
         // value it accepts.
-        unsafe {
-            self.api.cuMemPoolSetAttribute(
-                self.pool,
-                CUmemPool_attribute::RESERVED_MEM_HIGH,
-                (&mut zero as *mut u64).cast::<c_void>(),
-            )
-        }
+        unsafe { pool::set_attribute_u64(self.api, self.pool, CUmemPool_attribute::RESERVED_MEM_HIGH, 0) }
     }
     fn peak(&mut self) -> Result<Option<u64>> {
-        let mut v = 0u64;
-        // SAFETY: the high-water attribute is a cuuint64_t, written to a valid local.
-        unsafe {
-            self.api.cuMemPoolGetAttribute(
-                self.pool,
-                CUmemPool_attribute::RESERVED_MEM_HIGH,
-                (&mut v as *mut u64).cast::<c_void>(),
-            )
-        }?;
-        Ok(Some(v))
+        // SAFETY: the high-water attribute is a cuuint64_t.
+        unsafe { pool::get_attribute_u64(self.api, self.pool, CUmemPool_attribute::RESERVED_MEM_HIGH) }
+            .map(Some)
     }
     fn release(&mut self) -> Result<()> {
         // Frees are stream-ordered: the pool trims only what their streams have passed.
         self.ctx.synchronize()?;
         // SAFETY: returns the pool's unused memory to the driver; nothing of it is live.
-        unsafe { self.api.cuMemPoolTrimTo(self.pool, 0) }
+        unsafe { pool::trim_to(self.api, self.pool, 0) }
     }
     fn finish(&mut self) -> Result<()> {
         self.release()?;
@@ -900,7 +871,7 @@ impl Drop for PoolSide {
             // After an error: the pool goes back to what the process had, as far as it can.
             let _ = self.ctx.synchronize();
             // SAFETY: as in `release`.
-            let _ = unsafe { self.api.cuMemPoolTrimTo(self.pool, 0) };
+            let _ = unsafe { pool::trim_to(self.api, self.pool, 0) };
             let _ = self.set_threshold(self.old_threshold);
         }
     }
@@ -912,14 +883,12 @@ struct DriverSide {
 
 impl Side for DriverSide {
     fn alloc(&mut self, size: usize, _stream: CUstream) -> Result<u64> {
-        let mut p = 0;
-        // SAFETY: out-pointer valid; the context is current (bound before each pass).
-        unsafe { self.api.cuMemAlloc(&mut p, size) }?;
-        Ok(p)
+        // The context is current (bound before each pass).
+        result::mem::alloc(self.api, size)
     }
     fn free(&mut self, ptr: u64, _stream: CUstream) -> Result<()> {
         // SAFETY: `ptr` came from `alloc` and is freed once; no kernel uses it.
-        unsafe { self.api.cuMemFree(ptr) }
+        unsafe { result::mem::free(self.api, ptr) }
     }
     fn reset_peak(&mut self) -> Result<()> {
         Ok(())
@@ -1213,10 +1182,8 @@ fn capture_queries(stream: &Stream, n: usize) -> Result<f64> {
     let api = driver()?.api();
     stream.context().bind()?;
     let query = || {
-        let mut status = 0;
-        // SAFETY: a live stream; the out-pointer is a valid local.
-        unsafe { api.cuStreamIsCapturing(stream.raw(), &mut status)? };
-        std::hint::black_box(status);
+        // SAFETY: a live stream.
+        std::hint::black_box(unsafe { result::stream::is_capturing(api, stream.raw()) }?);
         Ok(())
     };
     per_call_ns(n, query, || Ok(()))

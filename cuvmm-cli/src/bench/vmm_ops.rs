@@ -5,7 +5,7 @@ use super::{median, timed};
 use crate::cli::size::{parse_sizes, show};
 use crate::cli::CliResult;
 use cuvmm::context::Context;
-use cuvmm::driver::{driver, sys::*};
+use cuvmm::driver::{driver, result, sys::*};
 use cuvmm::error::Result;
 use cuvmm::vmm::{Access, PhysicalMemory, Reservation};
 use serde_json::json;
@@ -71,21 +71,19 @@ fn raw_cycle(
         location: CUmemLocation { type_: CUmemLocationType::DEVICE, id: ctx.device().raw() },
         flags: CUmemAccess_flags::PROT_READWRITE,
     };
-    let mut h = 0;
-    // For all five calls: out-pointers are valid; `va` is a reserved range of at least `size`
-    // bytes, unmapped at entry and at exit; the handle is created and released here.
-    // SAFETY: see above.
-    let (r, t0) = timed(|| unsafe { api.cuMemCreate(&mut h, size, prop, 0) });
-    r?;
+    // For the calls below: `va` is a reserved range of at least `size` bytes, unmapped at entry
+    // and at exit; the handle is created and released here.
+    let (r, t0) = timed(|| result::mem::create(api, size, prop));
+    let h = r?;
     let (r, t1) = timed(|| {
         let Some(f) = floor else {
             // SAFETY: see above.
-            return unsafe { api.cuMemMap(va, size, 0, h, 0) }.map(|()| None);
+            return unsafe { result::mem::map(api, va, size, 0, h) }.map(|()| None);
         };
         let mut ranges = f.ranges.lock().unwrap_or_else(|e| e.into_inner());
         let at = ranges.partition_point(|&(o, _)| o < size);
         // SAFETY: see above.
-        unsafe { api.cuMemMap(va, size, 0, h, 0) }?;
+        unsafe { result::mem::map(api, va, size, 0, h) }?;
         ranges.insert(at, (0, size));
         Ok(Some((Arc::clone(&f.reservation), Arc::clone(&f.physical))))
     });
@@ -95,13 +93,14 @@ fn raw_cycle(
     }
     drop(owners);
     // SAFETY: see above.
-    let (r, t2) = timed(|| unsafe { api.cuMemSetAccess(va, size, &desc, 1) });
+    let (r, t2) = timed(|| unsafe { result::mem::set_access(api, va, size, &[desc]) });
     r?;
     // SAFETY: see above.
-    let (r, t3) = timed(|| unsafe { api.cuCtxSynchronize().and_then(|()| api.cuMemUnmap(va, size)) });
+    let (r, t3) =
+        timed(|| result::ctx::synchronize(api).and_then(|()| unsafe { result::mem::unmap(api, va, size) }));
     r?;
     // SAFETY: see above.
-    let (r, t4) = timed(|| unsafe { api.cuMemRelease(h) });
+    let (r, t4) = timed(|| unsafe { result::mem::release(api, h) });
     r?;
     Ok([us(t0), us(t1), us(t2), us(t3), us(t4)])
 }
@@ -218,47 +217,41 @@ pub fn call_costs(ctx: &Context) -> Result<Vec<CallCost>> {
         })?,
     );
     // SAFETY: the context is retained by `ctx`; making it current again changes nothing.
-    add("cuCtxSetCurrent, same context", per_call(&mut || unsafe { api.cuCtxSetCurrent(ctx.raw()) })?);
-    let mut cur = std::ptr::null_mut();
-    // SAFETY: the out-pointer is a valid local.
-    add("cuCtxGetCurrent", per_call(&mut || unsafe { api.cuCtxGetCurrent(&mut cur) })?);
-    let mut g = 0usize;
+    add(
+        "cuCtxSetCurrent, same context",
+        per_call(&mut || unsafe { result::ctx::set_current(api, ctx.raw()) })?,
+    );
+    add("cuCtxGetCurrent", per_call(&mut || result::ctx::get_current(api).map(drop))?);
     add(
         "cuMemGetAllocationGranularity",
-        // SAFETY: both pointers are valid; `prop` is fully initialised.
-        per_call(&mut || unsafe {
-            api.cuMemGetAllocationGranularity(&mut g, &prop, CUmemAllocationGranularity_flags::MINIMUM)
+        per_call(&mut || {
+            result::mem::get_allocation_granularity(api, &prop, CUmemAllocationGranularity_flags::MINIMUM)
+                .map(drop)
         })?,
     );
-    let mut v = 0;
     add(
         "cuDeviceGetAttribute",
-        // SAFETY: the out-pointer is a valid local.
-        per_call(&mut || unsafe {
-            api.cuDeviceGetAttribute(
-                &mut v,
+        per_call(&mut || {
+            result::device::get_attribute(
+                api,
                 CUdevice_attribute::VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED,
                 dev.raw(),
             )
+            .map(drop)
         })?,
     );
-    let mut u = CUuuid::default();
-    // SAFETY: the out-pointer is a valid local.
-    match per_call(&mut || unsafe { api.cuDeviceGetUuid(&mut u, dev.raw()) }) {
+    match per_call(&mut || result::device::get_uuid(api, dev.raw()).map(drop)) {
         Ok(ns) => add("cuDeviceGetUuid", ns),
         Err(cuvmm::Error::Unsupported { .. }) => {}
         Err(e) => return Err(e),
     }
-    let mut n = 0;
-    // SAFETY: the out-pointer is a valid local.
-    add("cuDeviceGetCount", per_call(&mut || unsafe { api.cuDeviceGetCount(&mut n) })?);
+    add("cuDeviceGetCount", per_call(&mut || result::device::get_count(api).map(drop))?);
     // An allocation's properties: what importing used to ask right after every import.
     let phys = PhysicalMemory::builder(ctx).create(PhysicalMemory::builder(ctx).round_up(1)?)?;
-    let mut p = CUmemAllocationProp::default();
     add(
         "cuMemGetAllocationPropertiesFromHandle",
-        // SAFETY: the out-pointer is a valid local; the handle is live while `phys` is.
-        per_call(&mut || unsafe { api.cuMemGetAllocationPropertiesFromHandle(&mut p, phys.handle()) })?,
+        // The handle is live while `phys` is.
+        per_call(&mut || result::mem::get_allocation_properties(api, phys.handle()).map(drop))?,
     );
     Ok(out)
 }

@@ -1,7 +1,9 @@
 //! `cuvmm bench …`.
 
 use super::CliResult;
-use crate::bench::{alloc, bandwidth, events, grow, ipc, order, overlap, peer, sleep, trace, vmm_ops};
+use crate::bench::{
+    alloc, bandwidth, events, first_map, grow, ipc, order, overlap, peer, sleep, trace, vmm_ops,
+};
 use clap::Subcommand;
 
 #[derive(Subcommand, Debug)]
@@ -35,6 +37,9 @@ pub enum Bench {
     Peer(peer::Args),
     /// Latency of create / map / set-access / unmap / release per chunk size, raw and through cuvmm.
     VmmOps(vmm_ops::Args),
+    /// Where the time goes when the first chunk is mapped into a fresh reservation: create, map,
+    /// set-access and two writes, after work, idling, freeing 16 GiB or a small memset.
+    FirstMap(first_map::Args),
 }
 
 pub fn run(b: Bench) -> CliResult {
@@ -51,5 +56,6 @@ pub fn run(b: Bench) -> CliResult {
         Bench::Ipc(args) => ipc::cli(args, &mut out),
         Bench::Peer(args) => peer::cli(args, &mut out),
         Bench::VmmOps(args) => vmm_ops::cli(args, &mut out),
+        Bench::FirstMap(args) => first_map::cli(args, &mut out),
     }
 }

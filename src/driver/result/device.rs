@@ -8,7 +8,7 @@ use std::ffi::{c_char, c_int};
 
 /// `cuDeviceGetCount`.
 #[inline]
-pub(crate) fn get_count(api: &Api) -> Result<c_int> {
+pub fn get_count(api: &Api) -> Result<c_int> {
     let mut n = 0;
     // SAFETY: the out-pointer is a valid local.
     unsafe { api.cuDeviceGetCount(&mut n) }?;
@@ -17,7 +17,7 @@ pub(crate) fn get_count(api: &Api) -> Result<c_int> {
 
 /// `cuDeviceGet`: the device of an ordinal.
 #[inline]
-pub(crate) fn get(api: &Api, ordinal: c_int) -> Result<CUdevice> {
+pub fn get(api: &Api, ordinal: c_int) -> Result<CUdevice> {
     let mut raw: CUdevice = 0;
     // SAFETY: the out-pointer is a valid local; the driver checks the ordinal.
     unsafe { api.cuDeviceGet(&mut raw, ordinal) }?;
@@ -26,7 +26,7 @@ pub(crate) fn get(api: &Api, ordinal: c_int) -> Result<CUdevice> {
 
 /// `cuDeviceGetName` into `buf` (NUL-terminated by the driver).
 #[inline]
-pub(crate) fn get_name(api: &Api, buf: &mut [c_char], dev: CUdevice) -> Result<()> {
+pub fn get_name(api: &Api, buf: &mut [c_char], dev: CUdevice) -> Result<()> {
     let len = c_int::try_from(buf.len()).unwrap_or(c_int::MAX);
     // SAFETY: the driver writes at most `len` bytes, which `buf` holds.
     unsafe { api.cuDeviceGetName(buf.as_mut_ptr(), len, dev) }
@@ -34,7 +34,7 @@ pub(crate) fn get_name(api: &Api, buf: &mut [c_char], dev: CUdevice) -> Result<(
 
 /// `cuDeviceGetUuid`.
 #[inline]
-pub(crate) fn get_uuid(api: &Api, dev: CUdevice) -> Result<CUuuid> {
+pub fn get_uuid(api: &Api, dev: CUdevice) -> Result<CUuuid> {
     let mut u = CUuuid::default();
     // SAFETY: the out-pointer is a valid local.
     unsafe { api.cuDeviceGetUuid(&mut u, dev) }?;
@@ -43,7 +43,7 @@ pub(crate) fn get_uuid(api: &Api, dev: CUdevice) -> Result<CUuuid> {
 
 /// `cuDeviceTotalMem`.
 #[inline]
-pub(crate) fn total_mem(api: &Api, dev: CUdevice) -> Result<usize> {
+pub fn total_mem(api: &Api, dev: CUdevice) -> Result<usize> {
     let mut bytes = 0;
     // SAFETY: the out-pointer is a valid local.
     unsafe { api.cuDeviceTotalMem(&mut bytes, dev) }?;
@@ -52,7 +52,7 @@ pub(crate) fn total_mem(api: &Api, dev: CUdevice) -> Result<usize> {
 
 /// `cuDeviceGetAttribute`.
 #[inline]
-pub(crate) fn get_attribute(api: &Api, attr: CUdevice_attribute, dev: CUdevice) -> Result<c_int> {
+pub fn get_attribute(api: &Api, attr: CUdevice_attribute, dev: CUdevice) -> Result<c_int> {
     let mut v = 0;
     // SAFETY: the out-pointer is a valid local; the driver checks the attribute.
     unsafe { api.cuDeviceGetAttribute(&mut v, attr, dev) }?;
@@ -61,7 +61,7 @@ pub(crate) fn get_attribute(api: &Api, attr: CUdevice_attribute, dev: CUdevice) 
 
 /// `cuDeviceGetPCIBusId` into `buf` (NUL-terminated by the driver).
 #[inline]
-pub(crate) fn get_pci_bus_id(api: &Api, buf: &mut [c_char], dev: CUdevice) -> Result<()> {
+pub fn get_pci_bus_id(api: &Api, buf: &mut [c_char], dev: CUdevice) -> Result<()> {
     let len = c_int::try_from(buf.len()).unwrap_or(c_int::MAX);
     // SAFETY: the driver writes at most `len` bytes, which `buf` holds.
     unsafe { api.cuDeviceGetPCIBusId(buf.as_mut_ptr(), len, dev) }
@@ -69,7 +69,7 @@ pub(crate) fn get_pci_bus_id(api: &Api, buf: &mut [c_char], dev: CUdevice) -> Re
 
 /// `cuDeviceCanAccessPeer`.
 #[inline]
-pub(crate) fn can_access_peer(api: &Api, dev: CUdevice, peer: CUdevice) -> Result<bool> {
+pub fn can_access_peer(api: &Api, dev: CUdevice, peer: CUdevice) -> Result<bool> {
     let mut can = 0;
     // SAFETY: the out-pointer is a valid local.
     unsafe { api.cuDeviceCanAccessPeer(&mut can, dev, peer) }?;

@@ -7,7 +7,7 @@ use std::ffi::c_uint;
 
 /// `cuEventCreate`.
 #[inline]
-pub(crate) fn create(api: &Api, flags: c_uint) -> Result<CUevent> {
+pub fn create(api: &Api, flags: c_uint) -> Result<CUevent> {
     let mut raw: CUevent = std::ptr::null_mut();
     // SAFETY: the out-pointer is a valid local; the driver checks the flags.
     unsafe { api.cuEventCreate(&mut raw, flags) }?;
@@ -19,7 +19,7 @@ pub(crate) fn create(api: &Api, flags: c_uint) -> Result<CUevent> {
 /// # Safety
 /// `event` is live; `stream` is live or one of the special default-stream values.
 #[inline]
-pub(crate) unsafe fn record(api: &Api, event: CUevent, stream: CUstream) -> Result<()> {
+pub unsafe fn record(api: &Api, event: CUevent, stream: CUstream) -> Result<()> {
     // SAFETY: the caller's contract (see # Safety).
     unsafe { api.cuEventRecord(event, stream) }
 }
@@ -29,7 +29,7 @@ pub(crate) unsafe fn record(api: &Api, event: CUevent, stream: CUstream) -> Resu
 /// # Safety
 /// `event` is live.
 #[inline]
-pub(crate) unsafe fn synchronize(api: &Api, event: CUevent) -> Result<()> {
+pub unsafe fn synchronize(api: &Api, event: CUevent) -> Result<()> {
     // SAFETY: the caller's contract (see # Safety).
     unsafe { api.cuEventSynchronize(event) }
 }
@@ -40,7 +40,7 @@ pub(crate) unsafe fn synchronize(api: &Api, event: CUevent) -> Result<()> {
 /// # Safety
 /// `event` is live.
 #[inline]
-pub(crate) unsafe fn query(api: &Api, event: CUevent) -> Result<bool> {
+pub unsafe fn query(api: &Api, event: CUevent) -> Result<bool> {
     // SAFETY: the caller's contract (see # Safety).
     match unsafe { api.cuEventQuery(event) } {
         Ok(()) => Ok(true),
@@ -54,7 +54,7 @@ pub(crate) unsafe fn query(api: &Api, event: CUevent) -> Result<bool> {
 /// # Safety
 /// Both events are live.
 #[inline]
-pub(crate) unsafe fn elapsed_time(api: &Api, start: CUevent, end: CUevent) -> Result<f32> {
+pub unsafe fn elapsed_time(api: &Api, start: CUevent, end: CUevent) -> Result<f32> {
     let mut ms = 0f32;
     // SAFETY: the out-pointer is a valid local; the events per the caller's contract.
     unsafe { api.cuEventElapsedTime(&mut ms, start, end) }?;
@@ -66,7 +66,7 @@ pub(crate) unsafe fn elapsed_time(api: &Api, start: CUevent, end: CUevent) -> Re
 /// # Safety
 /// The caller owns `event` and destroys it once; nothing uses it afterwards.
 #[inline]
-pub(crate) unsafe fn destroy(api: &Api, event: CUevent) -> Result<()> {
+pub unsafe fn destroy(api: &Api, event: CUevent) -> Result<()> {
     // SAFETY: the caller's contract (see # Safety).
     unsafe { api.cuEventDestroy(event) }
 }

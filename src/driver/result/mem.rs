@@ -9,7 +9,7 @@ use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 
 /// `cuMemGetInfo` of the current context: `(free, total)` bytes.
 #[inline]
-pub(crate) fn get_info(api: &Api) -> Result<(usize, usize)> {
+pub fn get_info(api: &Api) -> Result<(usize, usize)> {
     let (mut free, mut total) = (0usize, 0usize);
     // SAFETY: both out-pointers are valid locals.
     unsafe { api.cuMemGetInfo(&mut free, &mut total) }?;
@@ -18,7 +18,7 @@ pub(crate) fn get_info(api: &Api) -> Result<(usize, usize)> {
 
 /// `cuMemAlloc` in the current context.
 #[inline]
-pub(crate) fn alloc(api: &Api, bytes: usize) -> Result<CUdeviceptr> {
+pub fn alloc(api: &Api, bytes: usize) -> Result<CUdeviceptr> {
     let mut ptr = 0;
     // SAFETY: the out-pointer is a valid local; the driver checks the size.
     unsafe { api.cuMemAlloc(&mut ptr, bytes) }?;
@@ -30,7 +30,7 @@ pub(crate) fn alloc(api: &Api, bytes: usize) -> Result<CUdeviceptr> {
 /// # Safety
 /// `ptr` came from [`alloc`], is freed once, and nothing uses it afterwards.
 #[inline]
-pub(crate) unsafe fn free(api: &Api, ptr: CUdeviceptr) -> Result<()> {
+pub unsafe fn free(api: &Api, ptr: CUdeviceptr) -> Result<()> {
     // SAFETY: the caller's contract (see # Safety).
     unsafe { api.cuMemFree(ptr) }
 }
@@ -40,12 +40,7 @@ pub(crate) unsafe fn free(api: &Api, ptr: CUdeviceptr) -> Result<()> {
 /// # Safety
 /// `src` is readable and `dst` device memory writable for `bytes` bytes.
 #[inline]
-pub(crate) unsafe fn memcpy_htod(
-    api: &Api,
-    dst: CUdeviceptr,
-    src: *const c_void,
-    bytes: usize,
-) -> Result<()> {
+pub unsafe fn memcpy_htod(api: &Api, dst: CUdeviceptr, src: *const c_void, bytes: usize) -> Result<()> {
     // SAFETY: the caller's contract (see # Safety).
     unsafe { api.cuMemcpyHtoD(dst, src, bytes) }
 }
@@ -56,7 +51,7 @@ pub(crate) unsafe fn memcpy_htod(
 /// `dst` is writable and `src` device memory readable for `bytes` bytes; whatever bytes land make
 /// valid values of `dst`'s type.
 #[inline]
-pub(crate) unsafe fn memcpy_dtoh(api: &Api, dst: *mut c_void, src: CUdeviceptr, bytes: usize) -> Result<()> {
+pub unsafe fn memcpy_dtoh(api: &Api, dst: *mut c_void, src: CUdeviceptr, bytes: usize) -> Result<()> {
     // SAFETY: the caller's contract (see # Safety).
     unsafe { api.cuMemcpyDtoH(dst, src, bytes) }
 }
@@ -66,7 +61,7 @@ pub(crate) unsafe fn memcpy_dtoh(api: &Api, dst: *mut c_void, src: CUdeviceptr, 
 /// # Safety
 /// As [`memcpy_htod`], until the copy has run on `stream` (live, or a default-stream value).
 #[inline]
-pub(crate) unsafe fn memcpy_htod_async(
+pub unsafe fn memcpy_htod_async(
     api: &Api,
     dst: CUdeviceptr,
     src: *const c_void,
@@ -82,7 +77,7 @@ pub(crate) unsafe fn memcpy_htod_async(
 /// # Safety
 /// As [`memcpy_dtoh`], until the copy has run on `stream` (live, or a default-stream value).
 #[inline]
-pub(crate) unsafe fn memcpy_dtoh_async(
+pub unsafe fn memcpy_dtoh_async(
     api: &Api,
     dst: *mut c_void,
     src: CUdeviceptr,
@@ -99,7 +94,7 @@ pub(crate) unsafe fn memcpy_dtoh_async(
 /// `src` readable and `dst` writable device memory for `bytes` bytes until the copy has run on
 /// `stream` (live, or a default-stream value).
 #[inline]
-pub(crate) unsafe fn memcpy_dtod_async(
+pub unsafe fn memcpy_dtod_async(
     api: &Api,
     dst: CUdeviceptr,
     src: CUdeviceptr,
@@ -116,7 +111,7 @@ pub(crate) unsafe fn memcpy_dtod_async(
 /// `dst` is writable device memory for `count` bytes until the fill has run on `stream` (live, or
 /// a default-stream value).
 #[inline]
-pub(crate) unsafe fn memset_d8_async(
+pub unsafe fn memset_d8_async(
     api: &Api,
     dst: CUdeviceptr,
     value: c_uchar,
@@ -132,7 +127,7 @@ pub(crate) unsafe fn memset_d8_async(
 /// # Safety
 /// As [`memset_d8_async`], for `4 * count` bytes.
 #[inline]
-pub(crate) unsafe fn memset_d32_async(
+pub unsafe fn memset_d32_async(
     api: &Api,
     dst: CUdeviceptr,
     value: c_uint,
@@ -145,11 +140,7 @@ pub(crate) unsafe fn memset_d32_async(
 
 /// `cuMemCreate`: `size` bytes of new physical memory as `prop` describes.
 #[inline]
-pub(crate) fn create(
-    api: &Api,
-    size: usize,
-    prop: &CUmemAllocationProp,
-) -> Result<CUmemGenericAllocationHandle> {
+pub fn create(api: &Api, size: usize, prop: &CUmemAllocationProp) -> Result<CUmemGenericAllocationHandle> {
     let mut handle: CUmemGenericAllocationHandle = 0;
     // SAFETY: the out-pointer is a valid local; `prop` is a whole CUmemAllocationProp (its Windows
     // metadata pointer is not read on Linux); flags must be 0.
@@ -162,19 +153,14 @@ pub(crate) fn create(
 /// # Safety
 /// The caller owns this reference to `handle` (from [`create`] or an import) and releases it once.
 #[inline]
-pub(crate) unsafe fn release(api: &Api, handle: CUmemGenericAllocationHandle) -> Result<()> {
+pub unsafe fn release(api: &Api, handle: CUmemGenericAllocationHandle) -> Result<()> {
     // SAFETY: the caller's contract (see # Safety).
     unsafe { api.cuMemRelease(handle) }
 }
 
 /// `cuMemAddressReserve`: `size` bytes of new virtual address space. `addr` is only a hint.
 #[inline]
-pub(crate) fn address_reserve(
-    api: &Api,
-    size: usize,
-    alignment: usize,
-    addr: CUdeviceptr,
-) -> Result<CUdeviceptr> {
+pub fn address_reserve(api: &Api, size: usize, alignment: usize, addr: CUdeviceptr) -> Result<CUdeviceptr> {
     let mut base: CUdeviceptr = 0;
     // SAFETY: the out-pointer is a valid local; the driver checks size and alignment; flags 0.
     unsafe { api.cuMemAddressReserve(&mut base, size, alignment, addr, 0) }?;
@@ -186,7 +172,7 @@ pub(crate) fn address_reserve(
 /// # Safety
 /// The caller reserved `[ptr, ptr + size)`, nothing is mapped in it, and it is freed once.
 #[inline]
-pub(crate) unsafe fn address_free(api: &Api, ptr: CUdeviceptr, size: usize) -> Result<()> {
+pub unsafe fn address_free(api: &Api, ptr: CUdeviceptr, size: usize) -> Result<()> {
     // SAFETY: the caller's contract (see # Safety).
     unsafe { api.cuMemAddressFree(ptr, size) }
 }
@@ -197,7 +183,7 @@ pub(crate) unsafe fn address_free(api: &Api, ptr: CUdeviceptr, size: usize) -> R
 /// `[ptr, ptr + size)` lies in a reservation of the caller's with nothing mapped there; `handle`
 /// is live and holds `offset + size` bytes.
 #[inline]
-pub(crate) unsafe fn map(
+pub unsafe fn map(
     api: &Api,
     ptr: CUdeviceptr,
     size: usize,
@@ -213,7 +199,7 @@ pub(crate) unsafe fn map(
 /// # Safety
 /// The caller mapped `[ptr, ptr + size)`, unmaps it once, and no work that uses it is queued.
 #[inline]
-pub(crate) unsafe fn unmap(api: &Api, ptr: CUdeviceptr, size: usize) -> Result<()> {
+pub unsafe fn unmap(api: &Api, ptr: CUdeviceptr, size: usize) -> Result<()> {
     // SAFETY: the caller's contract (see # Safety).
     unsafe { api.cuMemUnmap(ptr, size) }
 }
@@ -223,19 +209,14 @@ pub(crate) unsafe fn unmap(api: &Api, ptr: CUdeviceptr, size: usize) -> Result<(
 /// # Safety
 /// `[ptr, ptr + size)` is mapped by the caller, who decides who may access it.
 #[inline]
-pub(crate) unsafe fn set_access(
-    api: &Api,
-    ptr: CUdeviceptr,
-    size: usize,
-    descs: &[CUmemAccessDesc],
-) -> Result<()> {
+pub unsafe fn set_access(api: &Api, ptr: CUdeviceptr, size: usize, descs: &[CUmemAccessDesc]) -> Result<()> {
     // SAFETY: `descs` is valid for its length; the range per the caller's contract.
     unsafe { api.cuMemSetAccess(ptr, size, descs.as_ptr(), descs.len()) }
 }
 
 /// `cuMemGetAccess`: the `CU_MEM_ACCESS_FLAGS_*` `location` has at `ptr`.
 #[inline]
-pub(crate) fn get_access(api: &Api, location: &CUmemLocation, ptr: CUdeviceptr) -> Result<u64> {
+pub fn get_access(api: &Api, location: &CUmemLocation, ptr: CUdeviceptr) -> Result<u64> {
     let mut flags = 0;
     // SAFETY: the out-pointer is a valid local, `location` a whole CUmemLocation; the driver only
     // looks `ptr` up.
@@ -245,7 +226,7 @@ pub(crate) fn get_access(api: &Api, location: &CUmemLocation, ptr: CUdeviceptr) 
 
 /// `cuMemGetAllocationGranularity`.
 #[inline]
-pub(crate) fn get_allocation_granularity(
+pub fn get_allocation_granularity(
     api: &Api,
     prop: &CUmemAllocationProp,
     option: CUmemAllocationGranularity_flags,
@@ -259,7 +240,7 @@ pub(crate) fn get_allocation_granularity(
 /// `cuMemGetAllocationPropertiesFromHandle`. The driver looks the handle up and refuses one it
 /// does not know.
 #[inline]
-pub(crate) fn get_allocation_properties(
+pub fn get_allocation_properties(
     api: &Api,
     handle: CUmemGenericAllocationHandle,
 ) -> Result<CUmemAllocationProp> {
@@ -272,7 +253,7 @@ pub(crate) fn get_allocation_properties(
 /// `cuMemExportToShareableHandle` as a POSIX file descriptor (the allocation must have been
 /// created with that handle type).
 #[inline]
-pub(crate) fn export_fd(api: &Api, handle: CUmemGenericAllocationHandle) -> Result<OwnedFd> {
+pub fn export_fd(api: &Api, handle: CUmemGenericAllocationHandle) -> Result<OwnedFd> {
     let mut fd: c_int = -1;
     // SAFETY: for the POSIX-fd type the driver writes an int through the pointer.
     unsafe {
@@ -290,7 +271,7 @@ pub(crate) fn export_fd(api: &Api, handle: CUmemGenericAllocationHandle) -> Resu
 /// `cuMemExportToShareableHandle` as a fabric handle (the allocation must have been created with
 /// that handle type).
 #[inline]
-pub(crate) fn export_fabric(api: &Api, handle: CUmemGenericAllocationHandle) -> Result<CUmemFabricHandle> {
+pub fn export_fabric(api: &Api, handle: CUmemGenericAllocationHandle) -> Result<CUmemFabricHandle> {
     let mut h = CUmemFabricHandle::default();
     // SAFETY: for the fabric type the driver writes a CUmemFabricHandle through the pointer.
     unsafe {
@@ -307,7 +288,7 @@ pub(crate) fn export_fabric(api: &Api, handle: CUmemGenericAllocationHandle) -> 
 /// `cuMemImportFromShareableHandle` of a POSIX file descriptor (the driver dups it: the caller
 /// keeps `fd`). The returned handle is the caller's to [`release`].
 #[inline]
-pub(crate) fn import_fd(api: &Api, fd: BorrowedFd<'_>) -> Result<CUmemGenericAllocationHandle> {
+pub fn import_fd(api: &Api, fd: BorrowedFd<'_>) -> Result<CUmemGenericAllocationHandle> {
     let mut handle: CUmemGenericAllocationHandle = 0;
     // SAFETY: for the POSIX-fd type the driver takes the fd's value cast to a pointer and dups it;
     // the out-pointer is a valid local.
@@ -324,7 +305,7 @@ pub(crate) fn import_fd(api: &Api, fd: BorrowedFd<'_>) -> Result<CUmemGenericAll
 /// `cuMemImportFromShareableHandle` of a fabric handle. The returned handle is the caller's to
 /// [`release`].
 #[inline]
-pub(crate) fn import_fabric(api: &Api, fabric: &CUmemFabricHandle) -> Result<CUmemGenericAllocationHandle> {
+pub fn import_fabric(api: &Api, fabric: &CUmemFabricHandle) -> Result<CUmemGenericAllocationHandle> {
     let mut h = *fabric;
     let mut handle: CUmemGenericAllocationHandle = 0;
     // SAFETY: for the fabric type the driver reads a CUmemFabricHandle through the pointer; the
@@ -337,4 +318,44 @@ pub(crate) fn import_fabric(api: &Api, fabric: &CUmemFabricHandle) -> Result<CUm
         )
     }?;
     Ok(handle)
+}
+
+/// `cuMemcpyDtoD`: a copy between device allocations, synchronous with the host.
+///
+/// # Safety
+/// `src` is readable and `dst` writable device memory for `bytes` bytes, in the current context.
+#[inline]
+pub unsafe fn memcpy_dtod(api: &Api, dst: CUdeviceptr, src: CUdeviceptr, bytes: usize) -> Result<()> {
+    // SAFETY: the caller's contract (see # Safety).
+    unsafe { api.cuMemcpyDtoD(dst, src, bytes) }
+}
+
+/// `cuMemcpyPeerAsync`: a copy from `src` in `src_ctx` to `dst` in `dst_ctx`, ordered on
+/// `stream`.
+///
+/// # Safety
+/// Both contexts are live; `src` is readable and `dst` writable for `bytes` bytes in their
+/// contexts until the copy has run; `stream` is live or a default-stream value.
+#[inline]
+pub unsafe fn memcpy_peer_async(
+    api: &Api,
+    dst: CUdeviceptr,
+    dst_ctx: CUcontext,
+    src: CUdeviceptr,
+    src_ctx: CUcontext,
+    bytes: usize,
+    stream: CUstream,
+) -> Result<()> {
+    // SAFETY: the caller's contract (see # Safety).
+    unsafe { api.cuMemcpyPeerAsync(dst, dst_ctx, src, src_ctx, bytes, stream) }
+}
+
+/// `cuMemGetAddressRange`: the base and size of the allocation that holds `ptr`, which the
+/// driver looks up (and refuses when it knows none).
+#[inline]
+pub fn get_address_range(api: &Api, ptr: CUdeviceptr) -> Result<(CUdeviceptr, usize)> {
+    let (mut base, mut size) = (0, 0);
+    // SAFETY: the out-pointers are valid locals; `ptr` is only looked up.
+    unsafe { api.cuMemGetAddressRange(&mut base, &mut size, ptr) }?;
+    Ok((base, size))
 }

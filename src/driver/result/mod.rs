@@ -14,27 +14,29 @@
 
 // Each function is a call and its conversions: inlined, it costs what the raw call did.
 
-pub(crate) mod ctx;
-pub(crate) mod device;
-pub(crate) mod event;
-pub(crate) mod host;
-pub(crate) mod mem;
-pub(crate) mod module;
-pub(crate) mod stream;
+pub mod ctx;
+pub mod device;
+pub mod event;
+pub mod host;
+pub mod ipc;
+pub mod mem;
+pub mod module;
+pub mod pool;
+pub mod stream;
 
 use super::Api;
 use crate::error::Result;
 
 /// `cuInit(0)`.
 #[inline]
-pub(crate) fn init(api: &Api) -> Result<()> {
+pub fn init(api: &Api) -> Result<()> {
     // SAFETY: cuInit takes a flags word that must be 0.
     unsafe { api.cuInit(0) }
 }
 
 /// `cuDriverGetVersion`: the driver's CUDA version (13000 for CUDA 13.0).
 #[inline]
-pub(crate) fn driver_version(api: &Api) -> Result<i32> {
+pub fn driver_version(api: &Api) -> Result<i32> {
     let mut version = 0;
     // SAFETY: the out-pointer is a valid local.
     unsafe { api.cuDriverGetVersion(&mut version) }?;

@@ -11,7 +11,7 @@ use std::ffi::{c_uint, c_void, CStr};
 /// `image` points to a module image the driver can parse without reading past its end: a cubin or
 /// fatbin, or NUL-terminated PTX text followed by as many bytes as the driver reads ahead.
 #[inline]
-pub(crate) unsafe fn load_data(api: &Api, image: *const c_void) -> Result<CUmodule> {
+pub unsafe fn load_data(api: &Api, image: *const c_void) -> Result<CUmodule> {
     let mut raw: CUmodule = std::ptr::null_mut();
     // SAFETY: the out-pointer is a valid local; the image per the caller's contract.
     unsafe { api.cuModuleLoadData(&mut raw, image) }?;
@@ -23,7 +23,7 @@ pub(crate) unsafe fn load_data(api: &Api, image: *const c_void) -> Result<CUmodu
 /// # Safety
 /// `module` is live.
 #[inline]
-pub(crate) unsafe fn get_function(api: &Api, module: CUmodule, name: &CStr) -> Result<CUfunction> {
+pub unsafe fn get_function(api: &Api, module: CUmodule, name: &CStr) -> Result<CUfunction> {
     let mut raw: CUfunction = std::ptr::null_mut();
     // SAFETY: the out-pointer is a valid local; the name is NUL-terminated; the module per the
     // caller's contract.
@@ -36,7 +36,7 @@ pub(crate) unsafe fn get_function(api: &Api, module: CUmodule, name: &CStr) -> R
 /// # Safety
 /// The caller owns `module`, unloads it once, and none of its kernels runs or is queued.
 #[inline]
-pub(crate) unsafe fn unload(api: &Api, module: CUmodule) -> Result<()> {
+pub unsafe fn unload(api: &Api, module: CUmodule) -> Result<()> {
     // SAFETY: the caller's contract (see # Safety).
     unsafe { api.cuModuleUnload(module) }
 }
@@ -49,7 +49,7 @@ pub(crate) unsafe fn unload(api: &Api, module: CUmodule) -> Result<()> {
 /// memory the kernel touches stays valid until it has run.
 #[allow(clippy::too_many_arguments)]
 #[inline]
-pub(crate) unsafe fn launch_kernel(
+pub unsafe fn launch_kernel(
     api: &Api,
     f: CUfunction,
     grid: (c_uint, c_uint, c_uint),

@@ -7,7 +7,7 @@ use std::ffi::{c_int, c_uint, c_void};
 
 /// `cuStreamCreate`.
 #[inline]
-pub(crate) fn create(api: &Api, flags: c_uint) -> Result<CUstream> {
+pub fn create(api: &Api, flags: c_uint) -> Result<CUstream> {
     let mut raw: CUstream = std::ptr::null_mut();
     // SAFETY: the out-pointer is a valid local; the driver checks the flags.
     unsafe { api.cuStreamCreate(&mut raw, flags) }?;
@@ -16,7 +16,7 @@ pub(crate) fn create(api: &Api, flags: c_uint) -> Result<CUstream> {
 
 /// `cuStreamCreateWithPriority`.
 #[inline]
-pub(crate) fn create_with_priority(api: &Api, flags: c_uint, priority: c_int) -> Result<CUstream> {
+pub fn create_with_priority(api: &Api, flags: c_uint, priority: c_int) -> Result<CUstream> {
     let mut raw: CUstream = std::ptr::null_mut();
     // SAFETY: the out-pointer is a valid local; the driver checks the flags and clamps the priority.
     unsafe { api.cuStreamCreateWithPriority(&mut raw, flags, priority) }?;
@@ -28,7 +28,7 @@ pub(crate) fn create_with_priority(api: &Api, flags: c_uint, priority: c_int) ->
 /// # Safety
 /// The caller owns `stream` and destroys it once; nothing queues on it afterwards.
 #[inline]
-pub(crate) unsafe fn destroy(api: &Api, stream: CUstream) -> Result<()> {
+pub unsafe fn destroy(api: &Api, stream: CUstream) -> Result<()> {
     // SAFETY: the caller's contract (see # Safety).
     unsafe { api.cuStreamDestroy(stream) }
 }
@@ -38,7 +38,7 @@ pub(crate) unsafe fn destroy(api: &Api, stream: CUstream) -> Result<()> {
 /// # Safety
 /// `stream` is live or one of the special default-stream values (null among them).
 #[inline]
-pub(crate) unsafe fn synchronize(api: &Api, stream: CUstream) -> Result<()> {
+pub unsafe fn synchronize(api: &Api, stream: CUstream) -> Result<()> {
     // SAFETY: the caller's contract (see # Safety).
     unsafe { api.cuStreamSynchronize(stream) }
 }
@@ -48,7 +48,7 @@ pub(crate) unsafe fn synchronize(api: &Api, stream: CUstream) -> Result<()> {
 /// # Safety
 /// As [`synchronize`].
 #[inline]
-pub(crate) unsafe fn query(api: &Api, stream: CUstream) -> Result<bool> {
+pub unsafe fn query(api: &Api, stream: CUstream) -> Result<bool> {
     // SAFETY: the caller's contract (see # Safety).
     match unsafe { api.cuStreamQuery(stream) } {
         Ok(()) => Ok(true),
@@ -62,7 +62,7 @@ pub(crate) unsafe fn query(api: &Api, stream: CUstream) -> Result<bool> {
 /// # Safety
 /// `event` is live; `stream` as in [`synchronize`].
 #[inline]
-pub(crate) unsafe fn wait_event(api: &Api, stream: CUstream, event: CUevent) -> Result<()> {
+pub unsafe fn wait_event(api: &Api, stream: CUstream, event: CUevent) -> Result<()> {
     // SAFETY: the caller's contract (see # Safety); flags must be 0.
     unsafe { api.cuStreamWaitEvent(stream, event, 0) }
 }
@@ -73,12 +73,7 @@ pub(crate) unsafe fn wait_event(api: &Api, stream: CUstream, event: CUevent) -> 
 /// `stream` as in [`synchronize`]; `f` may be called once with `data` on a driver thread, after
 /// everything queued before it, and must be sound to call so then.
 #[inline]
-pub(crate) unsafe fn launch_host_func(
-    api: &Api,
-    stream: CUstream,
-    f: CUhostFn,
-    data: *mut c_void,
-) -> Result<()> {
+pub unsafe fn launch_host_func(api: &Api, stream: CUstream, f: CUhostFn, data: *mut c_void) -> Result<()> {
     // SAFETY: the caller's contract (see # Safety).
     unsafe { api.cuLaunchHostFunc(stream, f, data) }
 }
@@ -88,7 +83,7 @@ pub(crate) unsafe fn launch_host_func(
 /// # Safety
 /// As [`synchronize`].
 #[inline]
-pub(crate) unsafe fn is_capturing(api: &Api, stream: CUstream) -> Result<c_int> {
+pub unsafe fn is_capturing(api: &Api, stream: CUstream) -> Result<c_int> {
     let mut status = 0;
     // SAFETY: the out-pointer is a valid local; the stream per the caller's contract.
     unsafe { api.cuStreamIsCapturing(stream, &mut status) }?;
@@ -100,7 +95,7 @@ pub(crate) unsafe fn is_capturing(api: &Api, stream: CUstream) -> Result<c_int> 
 /// # Safety
 /// `stream` is live (not a special default-stream value).
 #[inline]
-pub(crate) unsafe fn get_id(api: &Api, stream: CUstream) -> Result<u64> {
+pub unsafe fn get_id(api: &Api, stream: CUstream) -> Result<u64> {
     let mut id = 0;
     // SAFETY: the out-pointer is a valid local; the stream per the caller's contract.
     unsafe { api.cuStreamGetId(stream, &mut id) }?;
@@ -112,7 +107,7 @@ pub(crate) unsafe fn get_id(api: &Api, stream: CUstream) -> Result<u64> {
 /// # Safety
 /// As [`synchronize`].
 #[inline]
-pub(crate) unsafe fn capture_info(api: &Api, stream: CUstream) -> Result<(c_int, u64)> {
+pub unsafe fn capture_info(api: &Api, stream: CUstream) -> Result<(c_int, u64)> {
     let (mut status, mut id) = (0, 0u64);
     // SAFETY: the out-pointers are valid locals, the optional ones null; the stream per the
     // caller's contract.
@@ -132,7 +127,7 @@ pub(crate) unsafe fn capture_info(api: &Api, stream: CUstream) -> Result<(c_int,
 /// `cuThreadExchangeStreamCaptureMode`: sets the calling thread's capture mode to `mode` and
 /// returns the one it replaces.
 #[inline]
-pub(crate) fn exchange_capture_mode(api: &Api, mode: c_int) -> Result<c_int> {
+pub fn exchange_capture_mode(api: &Api, mode: c_int) -> Result<c_int> {
     let mut mode = mode;
     // SAFETY: the in/out pointer is a valid local; the driver checks the mode.
     unsafe { api.cuThreadExchangeStreamCaptureMode(&mut mode) }?;

@@ -135,12 +135,7 @@ impl Drop for Page {
 pub(super) struct Ev(u32);
 
 fn oom() -> Error {
-    Error::Driver {
-        call: "cuMemCreate",
-        code: CUresult::ERROR_OUT_OF_MEMORY,
-        name: "OOM".into(),
-        description: String::new(),
-    }
+    Error::driver("cuMemCreate", CUresult::ERROR_OUT_OF_MEMORY)
 }
 
 impl Gpu {
@@ -396,12 +391,7 @@ impl Backend for Gpu {
     fn synchronize(&mut self) -> Result<()> {
         // As the driver: a device-wide wait is refused while a stream is being captured.
         if !self.captures.is_empty() {
-            return Err(Error::Driver {
-                call: "cuCtxSynchronize",
-                code: CUresult::ERROR_STREAM_CAPTURE_UNSUPPORTED,
-                name: "CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED".into(),
-                description: String::new(),
-            });
+            return Err(Error::driver("cuCtxSynchronize", CUresult::ERROR_STREAM_CAPTURE_UNSUPPORTED));
         }
         self.synchronized += 1;
         self.run_all();
