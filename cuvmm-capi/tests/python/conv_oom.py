@@ -29,7 +29,7 @@ import sys
 from _common import MiB, env_info, finish
 
 MODES = ("native", "cuvmm", "cuvmm-lookalike")
-MARGINS_MIB = (32, 64, 128, 256, 512, 1024, 2048, 4096)
+MARGINS_MIB = (0, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 
 
 def child(args) -> dict:
