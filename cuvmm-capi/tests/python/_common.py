@@ -123,6 +123,20 @@ def rss_bytes(missing: int = 0) -> int:
     return missing
 
 
+def lazyfree_bytes() -> int:
+    """Bytes of this process's memory given back lazily (MADV_FREE) that the kernel has not taken
+    yet: counted in VmRSS, though the kernel takes them whenever it needs memory (0 where /proc
+    says nothing)."""
+    try:
+        with open("/proc/self/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("LazyFree:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
 def timed_copy(fn) -> float:
     """Seconds between CUDA events recorded on the current stream around fn, the device idle
     before: how long the copies fn queues take on the device."""

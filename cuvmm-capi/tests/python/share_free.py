@@ -52,6 +52,7 @@ def receiver(q_in, q_out):
             intact = [bool((t == v).all().item()) for t, v in zip(held, payload)]
             for t, v in zip(held, payload):
                 t.fill_(v + 1000)
+            t = None  # the loop's last tensor would stay mapped after a "drop"
             torch.cuda.synchronize()
             q_out.put(("checked", intact))
         elif cmd == "drop":
@@ -100,6 +101,7 @@ def sender(args):
             deadline = time.time() + 60
             while cuvmm.torch.pending_shares() and time.time() < deadline:
                 time.sleep(0.01)
+            assert not cuvmm.torch.pending_shares(), "a receiver kept a tensor it was told to drop"
         torch.cuda.synchronize()
 
     def stats():
@@ -117,7 +119,9 @@ def sender(args):
             values.append(v)
             ranges.append((t.data_ptr(), t.data_ptr() + n))
     assert ask("hold", [t for t, _ in sent]) == len(sent)
-    freed_bytes = sum((t.untyped_storage().nbytes() + 511) // 512 * 512 for t, _ in sent)
+    # A dropped tensor's storage is held by its hand-off until the receiver lets go (as PyTorch's
+    # CUDA IPC holds it): only the other ways free an allocation the receiver still maps.
+    freed_bytes = sum((t.untyped_storage().nbytes() + 511) // 512 * 512 for t, way in sent if way != "drop")
     refused = {}
     for t, way in sent:
         try:

@@ -3,9 +3,8 @@
 
     python3 torch_stats.py [--json PATH]
 
-First PyTorch's own allocator is set through change_current_allocator (allowed before CUDA starts):
-its statistics functions stay PyTorch's. Then cuvmm becomes the current allocator: with 1 GiB
-held, memory_allocated, max_memory_allocated, memory_reserved, max_memory_reserved and
+PyTorch's statistics functions are its own until cuvmm becomes the current allocator. Then, with
+1 GiB held, memory_allocated, max_memory_allocated, memory_reserved, max_memory_reserved and
 memory_stats must answer cuvmm's live, live_peak, mapped and mapped_peak; after del, the peak
 stays and reset_peak_memory_stats brings it down; memory_summary must run.
 """
@@ -26,12 +25,6 @@ def main():
     import torch
 
     own = torch._C._cuda_memoryStats
-    try:
-        torch.cuda.memory.change_current_allocator(torch.cuda.memory._get_current_allocator())
-        swap_err = None
-    except Exception as e:  # noqa: BLE001 - PyTorch refusing the swap changes nothing either
-        swap_err = f"{type(e).__name__}: {e}"
-    kept_own = torch._C._cuda_memoryStats is own and not ct.is_current_allocator()
     ct.use_as_current_allocator()
     answered = torch._C._cuda_memoryStats is not own and ct.is_current_allocator()
 
@@ -56,13 +49,12 @@ def main():
     peak_after_reset = torch.cuda.max_memory_allocated()
     summary, summary_err = errs(torch.cuda.memory_summary)
     print(f"held 1 GiB: {held}; after del: peak {peak_after_del}, after reset {peak_after_reset}", file=sys.stderr)
-    result = {"env": env_info(), "own_allocator_swap_error": swap_err, "held": held, "cuvmm": s, "stats_error": stats_err,
+    result = {"env": env_info(), "held": held, "cuvmm": s, "stats_error": stats_err,
               "peak_after_del": peak_after_del, "peak_after_reset": peak_after_reset,
               "reset_error": reset_err, "summary_error": summary_err,
               "accelerator_memory_allocated": accel_allocated}
     v = {k: r[0] for k, r in held.items()}
     checks = {
-        "PyTorch's own allocator keeps PyTorch's statistics": kept_own,
         "under cuvmm they answer from cuvmm": answered,
         "no statistics function raises": all(r[1] is None for r in held.values())
         and None is stats_err is reset_err is summary_err,
