@@ -25,6 +25,8 @@ import os
 import warnings
 from dataclasses import dataclass
 
+from cuvmm._tag_pools import TagPools
+
 __all__ = ["TorchMemorySaver", "torch_memory_saver", "configure_subprocess"]
 
 _TAG_DEFAULT = "default"
@@ -78,7 +80,7 @@ class TorchMemorySaver:
         self._paused: set[str] = set()
         self._retain = os.environ.get("TMS_RETAIN_CPU_BACKUP", "") not in ("", "0")
         self._disk_dir = os.environ.get("TMS_DISK_BACKUP_DIR") or None
-        self._pools = {}
+        self._pools = TagPools()
         self._warned: set[str] = set()
         self._hook_mode = None
 
@@ -225,35 +227,13 @@ class TorchMemorySaver:
     # -- the parts that allocate ---------------------------------------------------------------
 
     @contextlib.contextmanager
-    def _scope(self, tag: str):
-        """Allocations of this thread carry ``tag``; outside cuvmm-as-allocator they come from the
-        (tag, device) MemPool on cuvmm. Those pools live as long as this object: a pool dropped
-        while its tensors live would free their memory."""
-        import torch
-        import cuvmm.torch as ct
-        with self.api.tag(tag):
-            if ct.is_current_allocator():
-                yield
-            else:
-                with torch.cuda.use_mem_pool(self._pool(tag)):
-                    yield
-
-    def _pool(self, tag: str):
-        import torch
-        import cuvmm.torch as ct
-        key = (tag, torch.cuda.current_device())
-        if key not in self._pools:
-            self._pools[key] = ct.mem_pool()
-        return self._pools[key]
-
-    @contextlib.contextmanager
     def region(self, tag: str = _TAG_DEFAULT, enable_cpu_backup: bool = False,
                enable_disk_backup: bool = False, cpu_backup_backend: str | None = None):
         """Tensors allocated inside are released by pause(tag) and restored by resume(tag); with
         ``enable_cpu_backup`` or ``enable_disk_backup`` their contents survive, else they are
         undefined after resume."""
         self._register(tag, backup_mode(enable_cpu_backup, enable_disk_backup, cpu_backup_backend))
-        with self._scope(tag):
+        with self._pools.scope(self.api, tag):
             yield
 
     @contextlib.contextmanager
@@ -269,7 +249,7 @@ class TorchMemorySaver:
         self._register(tag, backup_mode(enable_cpu_backup, False, cpu_backup_backend))
         with self.api.tag(tag):
             if pool is None and not ct.is_current_allocator():
-                pool = self._pool(tag).id
+                pool = self._pools.pool(tag).id
             with torch.cuda.graph(cuda_graph, pool=pool, stream=stream, capture_error_mode=capture_error_mode):
                 yield
 

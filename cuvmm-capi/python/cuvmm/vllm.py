@@ -36,6 +36,8 @@ import gc
 import os
 import sys
 
+from cuvmm._tag_pools import TagPools
+
 __all__ = ["CuMemAllocator", "install", "plugin"]
 
 
@@ -58,7 +60,7 @@ class CuMemAllocator:
         # Tags in the order first used: the tags a sleep covers.
         self._tags: dict[str, None] = {}
         self._asleep: set[str] = set()
-        self._pools = {}
+        self._pools = TagPools()
 
     @property
     def api(self):
@@ -122,28 +124,9 @@ class CuMemAllocator:
         allocations whether mapped or not)."""
         return sum(int(self.api.tag_stats(t)["live"]) for t in self._tags)
 
-    # -- the part that allocates ---------------------------------------------------------------
-
-    @contextlib.contextmanager
     def _scope(self, tag: str):
-        import torch
-        import cuvmm.torch as ct
-        with self.api.tag(tag):
-            if ct.is_current_allocator():
-                yield
-            else:
-                with torch.cuda.use_mem_pool(self._pool(tag)):
-                    yield
-
-    def _pool(self, tag: str):
-        """The MemPool of (tag, device), kept as long as this object: a pool dropped while its
-        tensors live would free their memory."""
-        import torch
-        import cuvmm.torch as ct
-        key = (tag, torch.cuda.current_device())
-        if key not in self._pools:
-            self._pools[key] = ct.mem_pool()
-        return self._pools[key]
+        """Where this thread's allocations under ``tag`` come from (a seam for the tests)."""
+        return self._pools.scope(self.api, tag)
 
 
 def plugin() -> None:

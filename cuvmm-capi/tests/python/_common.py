@@ -13,6 +13,7 @@ import os
 import statistics
 import struct
 import sys
+import time
 from pathlib import Path
 
 # The installed package (pip install ./cuvmm-capi, or the wheel) when there is one, else the
@@ -135,6 +136,17 @@ def lazyfree_bytes() -> int:
     except OSError:
         pass
     return 0
+
+
+def wall_time(fn) -> float:
+    """Seconds fn takes on the host, the device synchronized before and after (a call that may
+    wait on the host too: a sleep, a pause)."""
+    import torch
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0
 
 
 def timed_copy(fn) -> float:

@@ -36,10 +36,9 @@ import json  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
-import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from _common import GiB, MiB, WeightsAndCache, median, rss_bytes, timed_copy  # noqa: E402
+from _common import GiB, MiB, WeightsAndCache, median, rss_bytes, timed_copy, wall_time  # noqa: E402
 
 IMPLS = ("cuvmm", "torch_memory_saver")
 
@@ -118,13 +117,6 @@ def child(args) -> dict:
     ref_y = static_y.clone()
     wl.pin_host()
 
-    def timed(fn):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        return time.perf_counter() - t0
-
     wl.d2h()  # warm-up of the bound copies
     wl.h2d()
     torch.cuda.synchronize()
@@ -132,13 +124,13 @@ def child(args) -> dict:
     for rep in range(args.reps):
         rss_before = rss_bytes(missing=-1)
         d2h_s = timed_copy(wl.d2h)
-        pw = timed(lambda: saver.pause("weights"))
-        pc = timed(lambda: saver.pause("kv_cache"))
-        pg = timed(lambda: saver.pause("graph"))
+        pw = wall_time(lambda: saver.pause("weights"))
+        pc = wall_time(lambda: saver.pause("kv_cache"))
+        pg = wall_time(lambda: saver.pause("graph"))
         rss_paused = rss_bytes(missing=-1)
-        rw = timed(lambda: saver.resume("weights"))
-        rc = timed(lambda: saver.resume("kv_cache"))
-        rg = timed(lambda: saver.resume("graph"))
+        rw = wall_time(lambda: saver.resume("weights"))
+        rc = wall_time(lambda: saver.resume("kv_cache"))
+        rg = wall_time(lambda: saver.resume("graph"))
         intact = wl.weights_equal_host()
         wl.fill_cache()
         g.replay()

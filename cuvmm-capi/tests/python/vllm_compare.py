@@ -35,10 +35,9 @@ import json  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
-import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from _common import GiB, MiB, WeightsAndCache, median, rss_bytes, timed_copy  # noqa: E402
+from _common import GiB, MiB, WeightsAndCache, median, rss_bytes, timed_copy, wall_time  # noqa: E402
 
 IMPLS = ("cuvmm", "vllm-style")
 # Host-wide kernel counters taken around each sleep: huge pages faulted in, huge-page faults that
@@ -168,13 +167,6 @@ def child(args) -> dict:
     wl.pin_host()
     usage = alloc.get_current_usage()
 
-    def timed(fn):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        return time.perf_counter() - t0
-
     wl.d2h()  # warm-up of the bound copies
     wl.h2d()
     torch.cuda.synchronize()
@@ -183,10 +175,10 @@ def child(args) -> dict:
         rss_before = rss_bytes(missing=-1)
         d2h_s = timed_copy(wl.d2h)
         kernel = vmstat()
-        s = timed(lambda: alloc.sleep(offload_tags=("weights",)))
+        s = wall_time(lambda: alloc.sleep(offload_tags=("weights",)))
         kernel = {k: v - kernel[k] for k, v in vmstat().items()}
         rss_asleep = rss_bytes(missing=-1)
-        w = timed(alloc.wake_up)
+        w = wall_time(alloc.wake_up)
         intact = wl.weights_equal_host()
         wl.fill_cache()
         g.replay()
