@@ -431,8 +431,11 @@ class InstalledWheel(unittest.TestCase):
             self.assertNotIn(b".symtab", z.read("cuvmm/libcuvmm.so"))
 
     def test_vllm_finds_the_plugin_and_it_does_nothing_unless_asked(self):
-        r = self.run_py("from importlib.metadata import entry_points; "
-                        "[ep] = [e for e in entry_points(group='vllm.general_plugins') if e.name == 'cuvmm']; "
+        # Python 3.9's entry_points() takes no group: it returns a dict of groups.
+        r = self.run_py("from importlib.metadata import entry_points; eps = entry_points(); "
+                        "eps = eps.select(group='vllm.general_plugins') if hasattr(eps, 'select') "
+                        "else eps.get('vllm.general_plugins', ()); "
+                        "[ep] = [e for e in eps if e.name == 'cuvmm']; "
                         "print(ep.value); ep.load()(); print('loaded')")
         self.assertEqual(r.returncode, 0, r.stderr)
         self.assertEqual(r.stdout.split(), ["cuvmm.vllm:plugin", "loaded"])
