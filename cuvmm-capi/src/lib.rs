@@ -720,7 +720,7 @@ pub unsafe extern "C" fn cuvmm_export(
     cap: usize,
 ) -> isize {
     // SAFETY: the caller's contract, with no serials asked for.
-    unsafe { export_with("cuvmm_export", device, ptr, out, fds, std::ptr::null_mut(), cap) }
+    unsafe { export_with("cuvmm_export", device, ptr, out, fds, None, cap) }
 }
 
 /// [`cuvmm_export`], also writing each page's serial into `pages` (valid for `cap` u64s): the
@@ -738,29 +738,26 @@ pub unsafe extern "C" fn cuvmm_export_pages(
     pages: *mut u64,
     cap: usize,
 ) -> isize {
-    if pages.is_null() && cap > 0 {
-        return guard("cuvmm_export_pages", -1, || Err(plain("null output pointer".into())));
-    }
     // SAFETY: the caller's contract.
-    unsafe { export_with("cuvmm_export_pages", device, ptr, out, fds, pages, cap) }
+    unsafe { export_with("cuvmm_export_pages", device, ptr, out, fds, Some(pages), cap) }
 }
 
-/// The two exports; `pages` null: no serials.
+/// The two exports; `pages` None: no serials asked for.
 ///
 /// # Safety
-/// As [`cuvmm_export_pages`], `pages` possibly null.
+/// As [`cuvmm_export_pages`] (as [`cuvmm_export`] with `pages` None).
 unsafe fn export_with(
     function: &str,
     device: c_int,
     ptr: *const c_void,
     out: *mut CuvmmExport,
     fds: *mut c_int,
-    pages: *mut u64,
+    pages: Option<*mut u64>,
     cap: usize,
 ) -> isize {
     use std::os::fd::IntoRawFd;
     guard(function, -1, || {
-        if out.is_null() || (fds.is_null() && cap > 0) {
+        if out.is_null() || (cap > 0 && (fds.is_null() || pages.is_some_and(|p| p.is_null()))) {
             return Err(plain("null output pointer".into()));
         }
         let a = existing_allocator(device)
@@ -781,10 +778,10 @@ unsafe fn export_with(
             return Ok(n as isize);
         }
         for (i, (fd, serial)) in e.fds.into_iter().zip(e.pages).enumerate() {
-            // SAFETY: i < n <= cap, inside the caller's arrays (`pages` when not null).
+            // SAFETY: i < n <= cap, inside the caller's arrays (checked non-null).
             unsafe {
                 fds.add(i).write(fd.into_raw_fd());
-                if !pages.is_null() {
+                if let Some(pages) = pages {
                     pages.add(i).write(serial);
                 }
             }

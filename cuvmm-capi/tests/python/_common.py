@@ -138,6 +138,41 @@ def lazyfree_bytes() -> int:
     return 0
 
 
+def run_each_in_a_child(script: str, argv: list, impls, prefix: str, context_of=None):
+    """Runs ``script argv --impl IMPL --child-out FILE`` for each implementation, each in a fresh
+    process (inside ``context_of(impl)`` where that gives a context manager), and returns
+    (results by implementation, failures) from the JSON each child wrote."""
+    import subprocess
+    import tempfile
+    results, failed = {}, []
+    with tempfile.TemporaryDirectory(prefix=prefix) as d:
+        for impl in impls:
+            out = Path(d, impl + ".json")
+            cmd = [sys.executable, str(Path(script).resolve()), *argv, "--impl", impl, "--child-out", str(out)]
+            with (context_of(impl) if context_of else None) or contextlib.nullcontext():
+                rc = subprocess.run(cmd).returncode
+            if rc != 0 or not out.exists():
+                failed.append(f"{impl}: the run failed (exit {rc})")
+                continue
+            results[impl] = json.loads(out.read_text())
+    return results, failed
+
+
+def report_comparison(script: str, args, results: dict, failed: list) -> int:
+    """The closing lines of a comparison of implementations run by run_each_in_a_child: the JSON
+    file of --json (every child's results), a FAILED line per failure and the RESULT line (each
+    implementation's summary); the exit status."""
+    line = {"script": script, "config": {k: v for k, v in vars(args).items() if k not in ("impl", "child_out")},
+            "results": results, "failed": failed, "pass": not failed}
+    if args.json:
+        Path(args.json).write_text(json.dumps(line) + "\n")
+    for f in failed:
+        print(f"FAILED: {f}", file=sys.stderr)
+    print("RESULT " + json.dumps({k: v for k, v in line.items() if k != "results"} |
+                                 {"summary": {k: v["summary"] for k, v in results.items()}}), flush=True)
+    return 0 if not failed else 1
+
+
 def wall_time(fn) -> float:
     """Seconds fn takes on the host, the device synchronized before and after (a call that may
     wait on the host too: a sleep, a pause)."""

@@ -33,12 +33,11 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 import argparse  # noqa: E402
 import importlib.util  # noqa: E402
 import json  # noqa: E402
-import subprocess  # noqa: E402
 import sys  # noqa: E402
-import tempfile  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from _common import GiB, MiB, WeightsAndCache, median, rss_bytes, timed_copy, wall_time  # noqa: E402
+from _common import (GiB, MiB, WeightsAndCache, median, report_comparison, rss_bytes,  # noqa: E402
+                     run_each_in_a_child, timed_copy, wall_time)
 
 IMPLS = ("cuvmm", "torch_memory_saver")
 
@@ -200,21 +199,13 @@ def main(argv=None) -> int:
         if any(a.startswith(s + "=") for s in strip):
             continue
         kept.append(a)
-    results, failed = {}, []
-    with tempfile.TemporaryDirectory(prefix="tms-compare-") as d:
-        for impl in impls:
-            out = Path(d, impl + ".json")
-            cmd = [sys.executable, str(Path(__file__).resolve()), *kept, "--impl", impl, "--child-out", str(out)]
-            if impl == "torch_memory_saver":
-                from torch_memory_saver import configure_subprocess
-                with configure_subprocess():
-                    rc = subprocess.run(cmd).returncode
-            else:
-                rc = subprocess.run(cmd).returncode
-            if rc != 0 or not out.exists():
-                failed.append(f"{impl}: the run failed (exit {rc})")
-                continue
-            results[impl] = json.loads(out.read_text())
+    def context_of(impl):
+        if impl == "torch_memory_saver":
+            from torch_memory_saver import configure_subprocess
+            return configure_subprocess()
+        return None
+
+    results, failed = run_each_in_a_child(__file__, kept, impls, "tms-compare-", context_of)
     for impl, r in results.items():
         s = r["summary"]
         if not s["all_weights_intact"]:
@@ -227,15 +218,7 @@ def main(argv=None) -> int:
               f"(CPU backup, backend {args.cpu_backup_backend}), {first['cache_bytes'] / GiB:.2f} GiB cache, "
               f"{args.reps} cycles; cuvmm mode {args.cuvmm_mode}\n")
         print("\n".join(table(results)))
-    line = {"script": "tms_compare", "config": {k: v for k, v in vars(args).items() if k not in ("impl", "child_out")},
-            "results": results, "failed": failed, "pass": not failed}
-    if args.json:
-        Path(args.json).write_text(json.dumps(line) + "\n")
-    for f in failed:
-        print(f"FAILED: {f}", file=sys.stderr)
-    print("RESULT " + json.dumps({k: v for k, v in line.items() if k != "results"} |
-                                 {"summary": {k: v["summary"] for k, v in results.items()}}), flush=True)
-    return 0 if not failed else 1
+    return report_comparison("tms_compare", args, results, failed)
 
 
 if __name__ == "__main__":

@@ -32,12 +32,11 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 import argparse  # noqa: E402
 import gc  # noqa: E402
 import json  # noqa: E402
-import subprocess  # noqa: E402
 import sys  # noqa: E402
-import tempfile  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from _common import GiB, MiB, WeightsAndCache, median, rss_bytes, timed_copy, wall_time  # noqa: E402
+from _common import (GiB, MiB, WeightsAndCache, median, report_comparison, rss_bytes,  # noqa: E402
+                     run_each_in_a_child, timed_copy, wall_time)
 
 IMPLS = ("cuvmm", "vllm-style")
 # Host-wide kernel counters taken around each sleep: huge pages faulted in, huge-page faults that
@@ -222,16 +221,7 @@ def main(argv=None) -> int:
     keep = ["--gib", str(args.gib), "--cache-gib", str(args.cache_gib), "--dim", str(args.dim),
             "--cache-chunk-mib", str(args.cache_chunk_mib), "--batch", str(args.batch),
             "--reps", str(args.reps), "--seed", str(args.seed)]
-    results, failed = {}, []
-    with tempfile.TemporaryDirectory(prefix="vllm-compare-") as d:
-        for impl in [args.only] if args.only else IMPLS:
-            out = Path(d, impl + ".json")
-            cmd = [sys.executable, str(Path(__file__).resolve()), *keep, "--impl", impl, "--child-out", str(out)]
-            rc = subprocess.run(cmd).returncode
-            if rc != 0 or not out.exists():
-                failed.append(f"{impl}: the run failed (exit {rc})")
-                continue
-            results[impl] = json.loads(out.read_text())
+    results, failed = run_each_in_a_child(__file__, keep, [args.only] if args.only else IMPLS, "vllm-compare-")
     for impl, r in results.items():
         s = r["summary"]
         if not s["all_weights_intact"]:
@@ -246,15 +236,7 @@ def main(argv=None) -> int:
               f"offloaded, {first['cache_bytes'] / GiB:.2f} GiB cache discarded, {args.reps} cycles, "
               "each implementation in a fresh process\n")
         print("\n".join(table(results)))
-    line = {"script": "vllm_compare", "config": {k: v for k, v in vars(args).items() if k not in ("impl", "child_out")},
-            "results": results, "failed": failed, "pass": not failed}
-    if args.json:
-        Path(args.json).write_text(json.dumps(line) + "\n")
-    for f in failed:
-        print(f"FAILED: {f}", file=sys.stderr)
-    print("RESULT " + json.dumps({k: v for k, v in line.items() if k != "results"} |
-                                 {"summary": {k: v["summary"] for k, v in results.items()}}), flush=True)
-    return 0 if not failed else 1
+    return report_comparison("vllm_compare", args, results, failed)
 
 
 if __name__ == "__main__":
