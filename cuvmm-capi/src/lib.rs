@@ -230,9 +230,7 @@ fn malloc_with(function: &str, size: isize, device: c_int, stream: CUstream, cal
             };
         let a = allocator(device).map_err(plain)?;
         settle_uses(device, false);
-        if limit::of(device).is_some() {
-            limit::check(device, size as u64, a.stats().live).map_err(plain)?;
-        }
+        limit::check(device, size as u64, || a.stats().live).map_err(plain)?;
         // SAFETY: the C contract (cuvmm.h) makes `stream` a live stream of the device's primary
         // context that outlives the blocks freed on it.
         let mut got = unsafe { a.allocate_raw_tagged(size as usize, stream, graphs, tag) };

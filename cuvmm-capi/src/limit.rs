@@ -40,15 +40,20 @@ pub(crate) fn of(device: c_int) -> Option<u64> {
     usize::try_from(device).ok().and_then(|d| limits.get(d).copied()).filter(|&l| l > 0)
 }
 
-/// Refuses `size` more bytes on `device` past its limit, `live` bytes being handed out now.
-pub(crate) fn check(device: c_int, size: u64, live: u64) -> Result<(), String> {
-    match of(device) {
-        Some(limit) if live.saturating_add(size) > limit => Err(format!(
+/// Refuses `size` more bytes on `device` past its limit, `live()` bytes being handed out now
+/// (asked only where a limit is set: it takes the allocator's lock).
+pub(crate) fn check(device: c_int, size: u64, live: impl FnOnce() -> u64) -> Result<(), String> {
+    let Some(limit) = of(device) else {
+        return Ok(());
+    };
+    let live = live();
+    if live.saturating_add(size) > limit {
+        return Err(format!(
             "out of memory: {size} bytes more than the memory fraction allows on device {device} \
              ({live} bytes live, limit {limit} bytes)"
-        )),
-        _ => Ok(()),
+        ));
     }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -60,10 +65,10 @@ mod tests {
         // Device 7 only: the limits belong to the whole process, and other tests use device 0.
         set(7, 0.5, 1000).unwrap();
         assert_eq!(of(7), Some(500));
-        assert!(check(7, 500, 0).is_ok());
-        let e = check(7, 101, 400).unwrap_err();
+        assert!(check(7, 500, || 0).is_ok());
+        let e = check(7, 101, || 400).unwrap_err();
         assert!(e.contains("out of memory") && e.contains("limit 500"), "{e}");
-        assert!(check(6, 1 << 40, 0).is_ok(), "other devices have no limit");
+        assert!(check(6, 1 << 40, || 0).is_ok(), "other devices have no limit");
         for bad in [-0.1, 1.5, f64::NAN] {
             assert!(set(7, bad, 1000).unwrap_err().contains("not between 0 and 1"));
             assert_eq!(of(7), Some(500), "a refused fraction changes nothing");
@@ -71,6 +76,6 @@ mod tests {
         assert!(set(-1, 0.5, 1000).is_err());
         set(7, 1.0, 1000).unwrap();
         assert_eq!(of(7), None);
-        assert!(check(7, 1 << 40, 0).is_ok());
+        assert!(check(7, 1 << 40, || 0).is_ok());
     }
 }
