@@ -263,7 +263,7 @@ impl GrowableImport {
         // A region carries no fd (`recv_message` checked), so nothing is dropped unseen here.
         let (message, _, peer) = first.into_parts();
         let Step::Open(region) = layout.apply(&message)? else {
-            return Err(Error::Protocol(format!("a {} message where a region was expected", message.kind())));
+            return Err(Error::UnexpectedMessage { got: message.kind(), expected: "a region was expected" });
         };
         // Aligned to the chunks' granularity, which may be coarser than ours: every chunk is
         // mapped at a multiple of it.
