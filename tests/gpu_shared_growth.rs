@@ -1,6 +1,8 @@
 //! A growing vector shared with other processes (`VmmVec::share_growth`, `GrowableImport`) on a
-//! GPU. Multi-process tests re-execute this test binary for the other side
-//! (`growth_child_helper`, which does nothing unless the environment names a role).
+//! GPU. A multi-process test re-executes itself for the other side (`common::rerun_this_test`),
+//! which `growth_child` plays when the environment names its role.
+
+mod common;
 
 use cuvmm::ipc::wire::{Grow, HandleType, Message, Region, WireHandle};
 use cuvmm::ipc::{send_message, GrowableImport, PeerPolicy, Update};
@@ -11,7 +13,7 @@ use std::io::{Read, Write};
 use std::net::Shutdown;
 use std::os::fd::AsFd;
 use std::os::unix::net::{UnixListener, UnixStream};
-use std::process::{Child, Command};
+use std::process::Child;
 use std::sync::Mutex;
 use std::time::Duration;
 
@@ -79,12 +81,7 @@ fn child_on_socket(role: &str) -> (Child, UnixStream) {
     let path = std::env::temp_dir().join(format!("cuvmm-growth-{}-{role}.sock", std::process::id()));
     let _ = std::fs::remove_file(&path);
     let l = UnixListener::bind(&path).unwrap();
-    let child = Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", "growth_child_helper", "--include-ignored", "--nocapture", "--test-threads=1"])
-        .env(ROLE, role)
-        .env(SOCK, &path)
-        .spawn()
-        .unwrap();
+    let child = common::rerun_this_test().env(ROLE, role).env(SOCK, &path).spawn().unwrap();
     let (s, _) = l.accept().unwrap();
     let _ = std::fs::remove_file(path);
     (child, timed(s))
@@ -110,11 +107,11 @@ fn read_report(s: &mut UnixStream) -> [u64; REPORT] {
     r
 }
 
-/// The other side of the multi-process tests.
-#[test]
-#[ignore = "helper process of the multi-process tests (needs a CUDA GPU); does nothing when run alone"]
-fn growth_child_helper() {
-    let Some(role) = std::env::var_os(ROLE) else { return };
+/// The other side of a multi-process test, in the copy of it that `child_on_socket` started:
+/// plays the role the environment names and returns true, or returns false at once in the test
+/// itself.
+fn growth_child() -> bool {
+    let Some(role) = std::env::var_os(ROLE) else { return false };
     let s = timed(UnixStream::connect(std::env::var_os(SOCK).unwrap()).unwrap());
     let ctx = ctx();
     let k = Kernels::load(&ctx).unwrap();
@@ -183,11 +180,15 @@ fn growth_child_helper() {
         }
         other => panic!("unknown role {other}"),
     }
+    true
 }
 
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn an_importer_reads_what_was_written_after_each_growth_and_follows_shrinks() {
+    if growth_child() {
+        return;
+    }
     let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let ctx = ctx();
     let k = Kernels::load(&ctx).unwrap();
@@ -256,6 +257,9 @@ fn an_importer_reads_what_was_written_after_each_growth_and_follows_shrinks() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn an_exporter_killed_mid_growth_leaves_the_importers_mapped_part_intact() {
+    if growth_child() {
+        return;
+    }
     let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let ctx = ctx();
     let k = Kernels::load(&ctx).unwrap();
