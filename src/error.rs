@@ -109,6 +109,11 @@ pub enum Error {
         /// What was expected, as the rest of the sentence (`a share message was expected`).
         expected: &'static str,
     },
+    /// A well-formed message that breaks the layout of a growing region
+    /// ([`RegionLayout`](crate::ipc::RegionLayout)): which rule, with its numbers. Nothing of it
+    /// was mapped or unmapped.
+    #[error("protocol error: {0}")]
+    RegionRefused(crate::ipc::RegionRefusal),
     /// A peer's message did not arrive in time: the caller's deadline, or the socket's receive
     /// timeout with a message begun, passed (or, on a non-blocking socket, the rest of a begun
     /// message was not there yet). `received` of the frame's `expected` bytes had arrived: 0 means
@@ -167,6 +172,8 @@ pub enum ErrorKind {
     PeerRefused,
     /// [`Error::UnexpectedMessage`], with the kind that arrived.
     UnexpectedMessage(crate::ipc::wire::Kind),
+    /// [`Error::RegionRefused`], with the rule broken.
+    RegionRefused(crate::ipc::RegionRefusal),
 }
 
 impl Error {
@@ -185,6 +192,7 @@ impl Error {
             Error::PeerClosed { .. } => ErrorKind::PeerClosed,
             Error::PeerRefused { .. } => ErrorKind::PeerRefused,
             Error::UnexpectedMessage { got, .. } => ErrorKind::UnexpectedMessage(*got),
+            Error::RegionRefused(why) => ErrorKind::RegionRefused(*why),
         }
     }
 
@@ -209,7 +217,7 @@ impl Error {
 
     /// Whether a peer's message or connection was refused: an [`Error::Protocol`] or one of the
     /// kinds that name the reason ([`Error::PeerClosed`], [`Error::PeerRefused`],
-    /// [`Error::UnexpectedMessage`]).
+    /// [`Error::UnexpectedMessage`], [`Error::RegionRefused`]).
     pub fn is_protocol(&self) -> bool {
         matches!(
             self.kind(),
@@ -217,6 +225,7 @@ impl Error {
                 | ErrorKind::PeerClosed
                 | ErrorKind::PeerRefused
                 | ErrorKind::UnexpectedMessage(_)
+                | ErrorKind::RegionRefused(_)
         )
     }
 
@@ -397,6 +406,10 @@ mod tests {
             (
                 Error::UnexpectedMessage { got: Grow, expected: "a share message was expected" },
                 ErrorKind::UnexpectedMessage(Grow),
+            ),
+            (
+                Error::RegionRefused(crate::ipc::RegionRefusal::SecondRegion),
+                ErrorKind::RegionRefused(crate::ipc::RegionRefusal::SecondRegion),
             ),
         ];
         for (e, kind) in &cases {

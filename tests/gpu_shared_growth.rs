@@ -4,8 +4,8 @@
 
 mod common;
 
-use cuvmm::ipc::wire::{Grow, HandleType, Message, Region, WireHandle};
-use cuvmm::ipc::{send_message, GrowableImport, PeerPolicy, Update};
+use cuvmm::ipc::wire::{Grow, HandleType, Kind, Message, Region, WireHandle};
+use cuvmm::ipc::{send_message, GrowableImport, PeerPolicy, RegionRefusal, Update};
 use cuvmm::kernels::{pattern_value, Kernels};
 use cuvmm::vmm::{ChunkPolicy, HandleTypes, PhysicalMemory};
 use cuvmm::{Context, Error, Stream, VmmVec};
@@ -459,32 +459,49 @@ fn forged_growth_messages_are_refused_and_leave_the_mapped_part_intact() {
         )
     };
     // Before anything is reserved: a region over the importer's limit, or no region first.
-    for (what, first) in [("a region over the limit", region(128 * MIB)), ("a grow first", grow(2 * MIB, 0))]
+    let over = RegionRefusal::OverLimit { capacity: 128 * MIB as u64, limit: 64 * MIB as u64 };
+    for (first, why) in
+        [(region(128 * MIB), over), (grow(2 * MIB, 0), RegionRefusal::BeforeRegion(Kind::Grow))]
     {
         match forged(&ctx, &[first]).0 {
-            Err(Error::Protocol(_)) => {}
-            other => panic!("{what}: {other:?}"),
+            Err(Error::RegionRefused(w)) if w == why => {}
+            other => panic!("{why:?}: {other:?}"),
         }
     }
     // After one good chunk: each forged message is refused, and the first chunk stays.
-    let cases: [(&str, Message, &str); 5] = [
-        ("a chunk over the first", grow(2 * MIB, 0), "no gap or overlap"),
-        ("a gap", grow(2 * MIB, 4 * MIB), "no gap or overlap"),
-        ("a chunk past the region", grow(8 * MIB, 2 * MIB), "past the"),
-        ("a chunk larger than the allocation sent", grow(4 * MIB, 2 * MIB), "larger than what was exported"),
-        ("a shrink inside a chunk", Message::Shrink { length: MIB as u64, tag: 0 }, "inside a chunk"),
+    let (m2, m8) = (2 * MIB as u64, 8 * MIB as u64);
+    // `None`: the layout allows it, and mapping 4 MiB of a 2 MiB allocation fails, a protocol error.
+    let cases: [(&str, Message, Option<RegionRefusal>); 5] = [
+        ("a chunk over the first", grow(2 * MIB, 0), Some(RegionRefusal::NotAtTheEnd { offset: 0, end: m2 })),
+        ("a gap", grow(2 * MIB, 4 * MIB), Some(RegionRefusal::NotAtTheEnd { offset: 2 * m2, end: m2 })),
+        (
+            "a chunk past the region",
+            grow(8 * MIB, 2 * MIB),
+            Some(RegionRefusal::PastTheRegion { offset: m2, size: m8, capacity: m8 }),
+        ),
+        ("a chunk larger than the allocation sent", grow(4 * MIB, 2 * MIB), None),
+        (
+            "a shrink inside a chunk",
+            Message::Shrink { length: MIB as u64, tag: 0 },
+            Some(RegionRefusal::ShrinkInsideAChunk { length: MIB as u64 }),
+        ),
     ];
-    for (what, bad, says) in cases {
+    let refused = |e: &Error, why: Option<RegionRefusal>| match (e, why) {
+        (Error::RegionRefused(w), Some(why)) => *w == why,
+        (Error::Protocol(_), None) => true,
+        _ => false,
+    };
+    for (what, bad, why) in cases {
         let (imp, _x) = forged(&ctx, &[region(8 * MIB), grow(2 * MIB, 0), bad, grow(2 * MIB, 2 * MIB)]);
         let mut imp = imp.unwrap();
         assert!(matches!(imp.next_update().unwrap(), Update::Grew { offset: 0, .. }));
         imp.copy_from_host(0, &[1u32, 2, 3]).unwrap();
         match imp.next_update() {
-            Err(Error::Protocol(m)) => assert!(m.contains(says), "{what}: {m}"),
+            Err(e) => assert!(refused(&e, why), "{what}: {e:?}"),
             other => panic!("{what} was accepted: {other:?}"),
         }
         // The error stays: the valid chunk after the forged message is not mapped.
-        assert!(matches!(imp.next_update(), Err(Error::Protocol(_))), "{what}");
+        assert!(imp.next_update().is_err_and(|e| refused(&e, why)), "{what}");
         assert_eq!((imp.mapped(), imp.chunks().len()), (2 * MIB, 1), "{what}");
         let mut back = [0u32; 3];
         imp.copy_to_host(0, &mut back).unwrap();
