@@ -191,8 +191,8 @@ struct GranularityKey {
 
 /// The granularities the driver has reported so far in this process. They depend only on the
 /// properties asked about and on the device, which do not change while the process runs, so each
-/// is asked once: `Reservation::new`, `ipc::share`, `SharedMemory::import` and every fresh
-/// `PhysicalBuilder` used to make two `cuMemGetAllocationGranularity` calls each time.
+/// is asked once, where `Reservation::new`, `ipc::share`, `SharedMemory::import` and every fresh
+/// `PhysicalBuilder` would otherwise make two `cuMemGetAllocationGranularity` calls each.
 static GRANULARITIES: std::sync::Mutex<Vec<(GranularityKey, Granularity)>> =
     std::sync::Mutex::new(Vec::new());
 

@@ -79,6 +79,41 @@ pub enum Error {
     /// A message received from a peer was malformed or refused.
     #[error("protocol error: {0}")]
     Protocol(String),
+    /// The peer closed the connection partway through a frame: `received` of the frame's
+    /// `expected` bytes had arrived (a connection closed between frames is the end of the stream,
+    /// no error). Its descriptors are closed; the connection is out of step.
+    #[error("protocol error: the peer closed the socket after {received} of {expected} header bytes")]
+    PeerClosed {
+        /// Bytes of the frame received before the close.
+        received: usize,
+        /// Bytes in a whole frame.
+        expected: usize,
+    },
+    /// The peer's credentials (`SO_PEERCRED`) are not those the receiver's policy accepts; nothing
+    /// of its message was read.
+    #[error("protocol error: peer pid {pid} runs as uid {uid}, which the policy {policy:?} refuses")]
+    PeerRefused {
+        /// The peer's process.
+        pid: i32,
+        /// The peer's effective uid.
+        uid: u32,
+        /// The policy that refused it.
+        policy: crate::ipc::PeerPolicy,
+    },
+    /// A well-formed message of another kind than the step expected (a grow where a share was
+    /// expected, a share where a region was); its descriptor is closed.
+    #[error("protocol error: a {got} message where {expected}")]
+    UnexpectedMessage {
+        /// The kind that arrived.
+        got: crate::ipc::wire::Kind,
+        /// What was expected, as the rest of the sentence (`a share message was expected`).
+        expected: &'static str,
+    },
+    /// A well-formed message that breaks the layout of a growing region
+    /// ([`RegionLayout`](crate::ipc::RegionLayout)): which rule, with its numbers. Nothing of it
+    /// was mapped or unmapped.
+    #[error("protocol error: {0}")]
+    RegionRefused(crate::ipc::RegionRefusal),
     /// A peer's message did not arrive in time: the caller's deadline, or the socket's receive
     /// timeout with a message begun, passed (or, on a non-blocking socket, the rest of a begun
     /// message was not there yet). `received` of the frame's `expected` bytes had arrived: 0 means
@@ -131,6 +166,14 @@ pub enum ErrorKind {
     Timeout,
     /// [`Error::InHostFunction`].
     InHostFunction,
+    /// [`Error::PeerClosed`].
+    PeerClosed,
+    /// [`Error::PeerRefused`].
+    PeerRefused,
+    /// [`Error::UnexpectedMessage`], with the kind that arrived.
+    UnexpectedMessage(crate::ipc::wire::Kind),
+    /// [`Error::RegionRefused`], with the rule broken.
+    RegionRefused(crate::ipc::RegionRefusal),
 }
 
 impl Error {
@@ -146,6 +189,10 @@ impl Error {
             Error::Protocol(_) => ErrorKind::Protocol,
             Error::Timeout { .. } => ErrorKind::Timeout,
             Error::InHostFunction { .. } => ErrorKind::InHostFunction,
+            Error::PeerClosed { .. } => ErrorKind::PeerClosed,
+            Error::PeerRefused { .. } => ErrorKind::PeerRefused,
+            Error::UnexpectedMessage { got, .. } => ErrorKind::UnexpectedMessage(*got),
+            Error::RegionRefused(why) => ErrorKind::RegionRefused(*why),
         }
     }
 
@@ -166,6 +213,20 @@ impl Error {
     /// with a timeout (`EAGAIN`): try again once it is ready.
     pub fn is_would_block(&self) -> bool {
         self.kind() == ErrorKind::Os(nix::errno::Errno::EAGAIN)
+    }
+
+    /// Whether a peer's message or connection was refused: an [`Error::Protocol`] or one of the
+    /// kinds that name the reason ([`Error::PeerClosed`], [`Error::PeerRefused`],
+    /// [`Error::UnexpectedMessage`], [`Error::RegionRefused`]).
+    pub fn is_protocol(&self) -> bool {
+        matches!(
+            self.kind(),
+            ErrorKind::Protocol
+                | ErrorKind::PeerClosed
+                | ErrorKind::PeerRefused
+                | ErrorKind::UnexpectedMessage(_)
+                | ErrorKind::RegionRefused(_)
+        )
     }
 
     /// Whether a peer's message did not arrive in time ([`Error::Timeout`]).
@@ -317,6 +378,7 @@ mod tests {
 
     #[test]
     fn each_error_has_its_kind_and_the_helpers_agree() {
+        use crate::ipc::wire::Kind::Grow;
         let driver = |code| Error::driver("cuTest", code);
         let cases = [
             (Error::DriverNotFound { tried: Vec::new() }, ErrorKind::DriverNotFound),
@@ -336,6 +398,19 @@ mod tests {
             (Error::Protocol("x".into()), ErrorKind::Protocol),
             (Error::Timeout { received: 1, expected: 2 }, ErrorKind::Timeout),
             (Error::InHostFunction { call: "cuX" }, ErrorKind::InHostFunction),
+            (Error::PeerClosed { received: 70, expected: 144 }, ErrorKind::PeerClosed),
+            (
+                Error::PeerRefused { pid: 1, uid: 2, policy: crate::ipc::PeerPolicy::Uid(3) },
+                ErrorKind::PeerRefused,
+            ),
+            (
+                Error::UnexpectedMessage { got: Grow, expected: "a share message was expected" },
+                ErrorKind::UnexpectedMessage(Grow),
+            ),
+            (
+                Error::RegionRefused(crate::ipc::RegionRefusal::SecondRegion),
+                ErrorKind::RegionRefused(crate::ipc::RegionRefusal::SecondRegion),
+            ),
         ];
         for (e, kind) in &cases {
             assert_eq!(e.kind(), *kind, "{e}");
@@ -346,6 +421,7 @@ mod tests {
             );
             assert_eq!(e.is_would_block(), *kind == ErrorKind::Os(Errno::EAGAIN), "{e}");
             assert_eq!(e.is_timeout(), *kind == ErrorKind::Timeout, "{e}");
+            assert_eq!(e.is_protocol(), e.to_string().starts_with("protocol error: "), "{e}");
         }
         assert!(!driver(CUresult::ERROR_INVALID_VALUE).is_out_of_memory());
         assert!(!Error::Os { call: "recvmsg", errno: Errno::EINTR }.is_would_block());
@@ -361,6 +437,23 @@ mod tests {
         );
         assert_eq!(Error::driver("cuX", CUresult(12345)).driver_name().as_deref(), Some("CUresult 12345"));
         assert_eq!(Error::invalid("x").driver_name(), None);
+    }
+
+    #[test]
+    fn the_protocol_sub_kinds_read_as_protocol_errors_did() {
+        assert_eq!(
+            Error::PeerClosed { received: 70, expected: 144 }.to_string(),
+            "protocol error: the peer closed the socket after 70 of 144 header bytes"
+        );
+        assert_eq!(
+            Error::PeerRefused { pid: 7, uid: 65534, policy: crate::ipc::PeerPolicy::SameUid }.to_string(),
+            "protocol error: peer pid 7 runs as uid 65534, which the policy SameUid refuses"
+        );
+        let got = crate::ipc::wire::Kind::Region;
+        assert_eq!(
+            Error::UnexpectedMessage { got, expected: "a share message was expected" }.to_string(),
+            "protocol error: a region message where a share message was expected"
+        );
     }
 
     #[test]

@@ -266,13 +266,9 @@ fn every_vmm_type_stays_consistent_and_leaks_nothing_when_a_driver_call_fails() 
 
 const CHILD: &str = "CUVMM_FAULTS_CHILD";
 
-/// The child of the scope test: a scope whose final synchronisation fails. Must not return.
-#[test]
-#[ignore = "helper process of scope_aborts_when_completion_cannot_be_confirmed; does nothing alone"]
-fn scope_child_helper() {
-    if std::env::var_os(CHILD).is_none() {
-        return;
-    }
+/// The child of the scope test, in the copy of it the test started: a scope whose final
+/// synchronisation fails. Must not return.
+fn scope_child() -> ! {
     let ctx = Context::for_ordinal(0).unwrap();
     let st = cuvmm::Stream::non_blocking(&ctx).unwrap();
     let dev = cuvmm::DeviceBuffer::<u32>::from_slice(&ctx, &vec![7u32; 1 << 20]).unwrap();
@@ -291,11 +287,10 @@ fn scope_child_helper() {
 #[ignore = "needs a CUDA GPU"]
 fn scope_aborts_when_completion_cannot_be_confirmed() {
     use std::os::unix::process::ExitStatusExt;
-    let out = std::process::Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", "scope_child_helper", "--include-ignored", "--nocapture", "--test-threads=1"])
-        .env(CHILD, "1")
-        .output()
-        .unwrap();
+    if std::env::var_os(CHILD).is_some() {
+        scope_child();
+    }
+    let out = common::rerun_this_test().env(CHILD, "1").output().unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.signal(), Some(SIGABRT), "status {:?}, stderr: {stderr}", out.status);
     assert!(stderr.contains("cuvmm: cannot confirm that asynchronous copies"), "{stderr}");

@@ -1,5 +1,5 @@
-//! Sharing across processes on a GPU. Multi-process tests re-execute this test binary for the
-//! other side (`ipc_child_helper`, which does nothing unless the environment names a role).
+//! Sharing across processes on a GPU. A multi-process test re-executes itself for the other side
+//! (`common::rerun_this_test`), which `ipc_child` plays when the environment names its role.
 
 mod common;
 
@@ -12,7 +12,7 @@ use cuvmm::{Context, Device, Error, Stream};
 use std::io::{Read, Write};
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::os::unix::net::{UnixListener, UnixStream};
-use std::process::{Child, Command};
+use std::process::Child;
 use std::sync::Mutex;
 
 const MIB: usize = 1 << 20;
@@ -44,12 +44,7 @@ fn listener() -> (UnixListener, std::path::PathBuf) {
 }
 
 fn spawn(role: &str, path: &std::path::Path) -> Child {
-    Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", "ipc_child_helper", "--include-ignored", "--nocapture", "--test-threads=1"])
-        .env(ROLE, role)
-        .env(SOCK, path)
-        .spawn()
-        .unwrap()
+    common::rerun_this_test().env(ROLE, role).env(SOCK, path).spawn().unwrap()
 }
 
 /// Starts this binary as the other side in `role` and returns it with its connection; the socket
@@ -68,11 +63,10 @@ fn byte(s: &mut UnixStream) -> u8 {
     b[0]
 }
 
-/// The other side of the multi-process tests.
-#[test]
-#[ignore = "helper process of the multi-process tests (needs a CUDA GPU); does nothing when run alone"]
-fn ipc_child_helper() {
-    let Some(role) = std::env::var_os(ROLE) else { return };
+/// The other side of a multi-process test, in the copy of it that `spawn` started: plays the role
+/// the environment names and returns true, or returns false at once in the test itself.
+fn ipc_child() -> bool {
+    let Some(role) = std::env::var_os(ROLE) else { return false };
     let mut s = UnixStream::connect(std::env::var_os(SOCK).unwrap()).unwrap();
     let ctx = ctx();
     let k = Kernels::load(&ctx).unwrap();
@@ -140,11 +134,15 @@ fn ipc_child_helper() {
         }
         other => panic!("unknown role {other}"),
     }
+    true
 }
 
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn a_pattern_crosses_processes_both_ways() {
+    if ipc_child() {
+        return;
+    }
     let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let ctx = ctx();
     let k = Kernels::load(&ctx).unwrap();
@@ -169,6 +167,9 @@ fn a_pattern_crosses_processes_both_ways() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn the_importer_keeps_the_data_after_the_exporter_is_killed() {
+    if ipc_child() {
+        return;
+    }
     let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let ctx = ctx();
     let k = Kernels::load(&ctx).unwrap();
@@ -191,6 +192,9 @@ fn the_importer_keeps_the_data_after_the_exporter_is_killed() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn a_crashing_importer_leaves_the_exporter_unharmed_and_memory_comes_back() {
+    if ipc_child() {
+        return;
+    }
     let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let ctx = ctx();
     let k = Kernels::load(&ctx).unwrap();
@@ -216,6 +220,9 @@ fn a_crashing_importer_leaves_the_exporter_unharmed_and_memory_comes_back() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn an_exporter_killed_at_each_protocol_step_leaves_the_importer_working() {
+    if ipc_child() {
+        return;
+    }
     let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let ctx = ctx();
     let k = Kernels::load(&ctx).unwrap();
@@ -229,7 +236,9 @@ fn an_exporter_killed_at_each_protocol_step_leaves_the_importer_working() {
             // Nothing arrived: the end of the stream.
             (0, Ok(None)) => {}
             // Half a header arrived: a typed error.
-            (1, Err(Error::Protocol(m))) => assert!(m.contains("closed"), "step {step}: {m}"),
+            (1, Err(Error::PeerClosed { received, expected })) => {
+                assert!(received > 0 && received < expected, "step {step}: {received} of {expected}")
+            }
             // The whole message arrived before the exporter died: the memory is still there.
             (2, Ok(Some(msg))) => {
                 let shm = SharedMemory::import(&ctx, msg, &[]).unwrap();
@@ -249,6 +258,9 @@ fn an_exporter_killed_at_each_protocol_step_leaves_the_importer_working() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn an_importer_killed_at_each_protocol_step_leaves_the_exporter_working() {
+    if ipc_child() {
+        return;
+    }
     let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let ctx = ctx();
     let k = Kernels::load(&ctx).unwrap();
@@ -640,17 +652,7 @@ fn a_shared_cache_block_exposes_exactly_the_block() {
     let before = cache.stats();
 
     let (l, path) = listener();
-    let mut child = Command::new(std::env::current_exe().unwrap())
-        .args([
-            "--exact",
-            "a_shared_cache_block_exposes_exactly_the_block",
-            "--include-ignored",
-            "--nocapture",
-            "--test-threads=1",
-        ])
-        .env(BLOCK_IMPORTER, &path)
-        .spawn()
-        .unwrap();
+    let mut child = common::rerun_this_test().env(BLOCK_IMPORTER, &path).spawn().unwrap();
     let (mut s, _) = l.accept().unwrap();
     let _ = std::fs::remove_file(path);
     s.write_all(&(block.len() as u64).to_le_bytes()).unwrap();

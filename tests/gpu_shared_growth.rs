@@ -1,9 +1,11 @@
 //! A growing vector shared with other processes (`VmmVec::share_growth`, `GrowableImport`) on a
-//! GPU. Multi-process tests re-execute this test binary for the other side
-//! (`growth_child_helper`, which does nothing unless the environment names a role).
+//! GPU. A multi-process test re-executes itself for the other side (`common::rerun_this_test`),
+//! which `growth_child` plays when the environment names its role.
 
-use cuvmm::ipc::wire::{Grow, HandleType, Message, Region, WireHandle};
-use cuvmm::ipc::{send_message, GrowableImport, PeerPolicy, Update};
+mod common;
+
+use cuvmm::ipc::wire::{Grow, HandleType, Kind, Message, Region, WireHandle};
+use cuvmm::ipc::{send_message, GrowableImport, PeerPolicy, RegionRefusal, Update};
 use cuvmm::kernels::{pattern_value, Kernels};
 use cuvmm::vmm::{ChunkPolicy, HandleTypes, PhysicalMemory};
 use cuvmm::{Context, Error, Stream, VmmVec};
@@ -11,7 +13,7 @@ use std::io::{Read, Write};
 use std::net::Shutdown;
 use std::os::fd::AsFd;
 use std::os::unix::net::{UnixListener, UnixStream};
-use std::process::{Child, Command};
+use std::process::Child;
 use std::sync::Mutex;
 use std::time::Duration;
 
@@ -79,12 +81,7 @@ fn child_on_socket(role: &str) -> (Child, UnixStream) {
     let path = std::env::temp_dir().join(format!("cuvmm-growth-{}-{role}.sock", std::process::id()));
     let _ = std::fs::remove_file(&path);
     let l = UnixListener::bind(&path).unwrap();
-    let child = Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", "growth_child_helper", "--include-ignored", "--nocapture", "--test-threads=1"])
-        .env(ROLE, role)
-        .env(SOCK, &path)
-        .spawn()
-        .unwrap();
+    let child = common::rerun_this_test().env(ROLE, role).env(SOCK, &path).spawn().unwrap();
     let (s, _) = l.accept().unwrap();
     let _ = std::fs::remove_file(path);
     (child, timed(s))
@@ -110,11 +107,11 @@ fn read_report(s: &mut UnixStream) -> [u64; REPORT] {
     r
 }
 
-/// The other side of the multi-process tests.
-#[test]
-#[ignore = "helper process of the multi-process tests (needs a CUDA GPU); does nothing when run alone"]
-fn growth_child_helper() {
-    let Some(role) = std::env::var_os(ROLE) else { return };
+/// The other side of a multi-process test, in the copy of it that `child_on_socket` started:
+/// plays the role the environment names and returns true, or returns false at once in the test
+/// itself.
+fn growth_child() -> bool {
+    let Some(role) = std::env::var_os(ROLE) else { return false };
     let s = timed(UnixStream::connect(std::env::var_os(SOCK).unwrap()).unwrap());
     let ctx = ctx();
     let k = Kernels::load(&ctx).unwrap();
@@ -183,11 +180,15 @@ fn growth_child_helper() {
         }
         other => panic!("unknown role {other}"),
     }
+    true
 }
 
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn an_importer_reads_what_was_written_after_each_growth_and_follows_shrinks() {
+    if growth_child() {
+        return;
+    }
     let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let ctx = ctx();
     let k = Kernels::load(&ctx).unwrap();
@@ -256,6 +257,9 @@ fn an_importer_reads_what_was_written_after_each_growth_and_follows_shrinks() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn an_exporter_killed_mid_growth_leaves_the_importers_mapped_part_intact() {
+    if growth_child() {
+        return;
+    }
     let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let ctx = ctx();
     let k = Kernels::load(&ctx).unwrap();
@@ -299,17 +303,16 @@ fn an_exporter_killed_mid_growth_leaves_the_importers_mapped_part_intact() {
         };
         match (role, end) {
             ("exporter-grows-until-killed", Ok(Update::Closed)) => {}
-            ("exporter-grows-until-killed", Err(Error::Protocol(m))) => {
-                assert!(m.contains("closed"), "{role}: {m}")
-            }
-            ("exporter-stops-inside-a-grow", Err(Error::Protocol(m))) => {
-                assert!(m.contains("70 of 144"), "{role}: {m}")
-            }
+            ("exporter-grows-until-killed", Err(Error::PeerClosed { .. })) => {}
+            ("exporter-stops-inside-a-grow", Err(Error::PeerClosed { received: 70, expected: 144 })) => {}
             (_, other) => panic!("{role}: the stream ended with {other:?}"),
         }
         // The error or the end stays; nothing more is mapped or unmapped.
         let again = imp.next_update();
-        assert!(matches!(again, Ok(Update::Closed) | Err(Error::Protocol(_))), "{role}: {again:?}");
+        assert!(
+            matches!(&again, Ok(Update::Closed)) || again.as_ref().is_err_and(Error::is_protocol),
+            "{role}: {again:?}"
+        );
         assert!(imp.mapped() >= mapped_at_kill, "{role}: chunks were unmapped");
         assert_eq!(imp.ptr(), base);
         // The mapped part is intact and readable, now and a while after the exporter's death.
@@ -456,32 +459,49 @@ fn forged_growth_messages_are_refused_and_leave_the_mapped_part_intact() {
         )
     };
     // Before anything is reserved: a region over the importer's limit, or no region first.
-    for (what, first) in [("a region over the limit", region(128 * MIB)), ("a grow first", grow(2 * MIB, 0))]
+    let over = RegionRefusal::OverLimit { capacity: 128 * MIB as u64, limit: 64 * MIB as u64 };
+    for (first, why) in
+        [(region(128 * MIB), over), (grow(2 * MIB, 0), RegionRefusal::BeforeRegion(Kind::Grow))]
     {
         match forged(&ctx, &[first]).0 {
-            Err(Error::Protocol(_)) => {}
-            other => panic!("{what}: {other:?}"),
+            Err(Error::RegionRefused(w)) if w == why => {}
+            other => panic!("{why:?}: {other:?}"),
         }
     }
     // After one good chunk: each forged message is refused, and the first chunk stays.
-    let cases: [(&str, Message, &str); 5] = [
-        ("a chunk over the first", grow(2 * MIB, 0), "no gap or overlap"),
-        ("a gap", grow(2 * MIB, 4 * MIB), "no gap or overlap"),
-        ("a chunk past the region", grow(8 * MIB, 2 * MIB), "past the"),
-        ("a chunk larger than the allocation sent", grow(4 * MIB, 2 * MIB), "larger than what was exported"),
-        ("a shrink inside a chunk", Message::Shrink { length: MIB as u64, tag: 0 }, "inside a chunk"),
+    let (m2, m8) = (2 * MIB as u64, 8 * MIB as u64);
+    // `None`: the layout allows it, and mapping 4 MiB of a 2 MiB allocation fails, a protocol error.
+    let cases: [(&str, Message, Option<RegionRefusal>); 5] = [
+        ("a chunk over the first", grow(2 * MIB, 0), Some(RegionRefusal::NotAtTheEnd { offset: 0, end: m2 })),
+        ("a gap", grow(2 * MIB, 4 * MIB), Some(RegionRefusal::NotAtTheEnd { offset: 2 * m2, end: m2 })),
+        (
+            "a chunk past the region",
+            grow(8 * MIB, 2 * MIB),
+            Some(RegionRefusal::PastTheRegion { offset: m2, size: m8, capacity: m8 }),
+        ),
+        ("a chunk larger than the allocation sent", grow(4 * MIB, 2 * MIB), None),
+        (
+            "a shrink inside a chunk",
+            Message::Shrink { length: MIB as u64, tag: 0 },
+            Some(RegionRefusal::ShrinkInsideAChunk { length: MIB as u64 }),
+        ),
     ];
-    for (what, bad, says) in cases {
+    let refused = |e: &Error, why: Option<RegionRefusal>| match (e, why) {
+        (Error::RegionRefused(w), Some(why)) => *w == why,
+        (Error::Protocol(_), None) => true,
+        _ => false,
+    };
+    for (what, bad, why) in cases {
         let (imp, _x) = forged(&ctx, &[region(8 * MIB), grow(2 * MIB, 0), bad, grow(2 * MIB, 2 * MIB)]);
         let mut imp = imp.unwrap();
         assert!(matches!(imp.next_update().unwrap(), Update::Grew { offset: 0, .. }));
         imp.copy_from_host(0, &[1u32, 2, 3]).unwrap();
         match imp.next_update() {
-            Err(Error::Protocol(m)) => assert!(m.contains(says), "{what}: {m}"),
+            Err(e) => assert!(refused(&e, why), "{what}: {e:?}"),
             other => panic!("{what} was accepted: {other:?}"),
         }
         // The error stays: the valid chunk after the forged message is not mapped.
-        assert!(matches!(imp.next_update(), Err(Error::Protocol(_))), "{what}");
+        assert!(imp.next_update().is_err_and(|e| refused(&e, why)), "{what}");
         assert_eq!((imp.mapped(), imp.chunks().len()), (2 * MIB, 1), "{what}");
         let mut back = [0u32; 3];
         imp.copy_to_host(0, &mut back).unwrap();

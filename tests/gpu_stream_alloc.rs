@@ -241,14 +241,9 @@ fn a_wake_on_a_full_device_takes_back_the_cache_other_work_left() {
 
 const ASLEEP_CHILD: &str = "CUVMM_TEST_EXIT_ASLEEP";
 
-/// The child of `a_process_that_exits_asleep_exits_cleanly`: puts a tag to sleep and exits. Does
-/// nothing unless started by that test.
-#[test]
-#[ignore = "helper process of a_process_that_exits_asleep_exits_cleanly; does nothing alone"]
-fn exit_asleep_child() {
-    if std::env::var_os(ASLEEP_CHILD).is_none() {
-        return;
-    }
+/// The child of `a_process_that_exits_asleep_exits_cleanly`, in the copy of it the test started:
+/// puts a tag to sleep and exits.
+fn exit_asleep_child() -> ! {
     let ctx = ctx();
     let alloc = StreamAllocator::new(&ctx).unwrap();
     let s = Stream::non_blocking(&ctx).unwrap();
@@ -262,11 +257,10 @@ fn exit_asleep_child() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn a_process_that_exits_asleep_exits_cleanly() {
-    let out = std::process::Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", "exit_asleep_child", "--include-ignored", "--nocapture", "--test-threads=1"])
-        .env(ASLEEP_CHILD, "1")
-        .output()
-        .unwrap();
+    if std::env::var_os(ASLEEP_CHILD).is_some() {
+        exit_asleep_child();
+    }
+    let out = common::rerun_this_test().env(ASLEEP_CHILD, "1").output().unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{:?}: {}", out.status, String::from_utf8_lossy(&out.stderr));
     assert!(stdout.contains("child asleep"), "{stdout}");

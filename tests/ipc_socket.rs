@@ -1,6 +1,8 @@
 //! The socket transport on the CPU: fds over socketpairs, malformed messages, fd leaks, peers of
 //! another uid.
 
+mod common;
+
 use cuvmm::ipc::wire::{Grow, HandleType, Header, Message, Region, WireHandle, HEADER_LEN};
 use cuvmm::ipc::{recv_message, recv_message_deadline, send_message, FrameReader, Incoming, PeerPolicy};
 use cuvmm::Error;
@@ -118,7 +120,11 @@ fn extra_missing_and_malformed_messages_are_refused_without_leaking_fds() {
     // A header cut short by the peer closing.
     raw_send(&a, &good[..HEADER_LEN / 2], &[]);
     drop(a);
-    assert!(matches!(recv(b.as_fd(), PeerPolicy::SameUid), Err(Error::Protocol(_))));
+    let r = recv(b.as_fd(), PeerPolicy::SameUid);
+    assert!(
+        matches!(r, Err(Error::PeerClosed { received, expected: HEADER_LEN }) if received == HEADER_LEN / 2),
+        "{r:?}"
+    );
 }
 
 fn grow(handle: WireHandle, offset: u64) -> Message {
@@ -208,7 +214,7 @@ fn growth_messages_with_the_wrong_fds_and_shares_expected_elsewhere_are_refused_
     raw_send(&a, &note[..70], &[]);
     drop(a);
     match recv_message(b.as_fd(), PeerPolicy::SameUid) {
-        Err(Error::Protocol(m)) => assert!(m.contains("70 of 144"), "{m}"),
+        Err(Error::PeerClosed { received: 70, expected: 144 }) => {}
         other => panic!("a cut frame: {other:?}"),
     }
 }
@@ -529,19 +535,14 @@ fn a_frame_completed_after_a_pause_still_decodes_with_a_timeout_or_deadline_long
 
 const CHILD_ENV: &str = "CUVMM_TEST_UID_CHILD_SOCKET";
 
-/// Helper for `a_peer_of_another_uid_is_refused`: connects and sends one message when the
-/// environment names a socket; otherwise it has nothing to do.
-#[test]
-#[ignore = "helper process of a_peer_of_another_uid_is_refused; does nothing when run alone"]
-fn uid_child_helper() {
-    if let Some(path) = std::env::var_os(CHILD_ENV) {
-        let s = UnixStream::connect(path).unwrap();
-        send(s.as_fd(), &header(WireHandle::Fabric([2; 64])), None).unwrap();
-    }
-}
-
 #[test]
 fn a_peer_of_another_uid_is_refused() {
+    if let Some(path) = std::env::var_os(CHILD_ENV) {
+        // The copy of this test that it started as another uid: connects and sends one message.
+        let s = UnixStream::connect(path).unwrap();
+        send(s.as_fd(), &header(WireHandle::Fabric([2; 64])), None).unwrap();
+        return;
+    }
     let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let me = nix::unistd::getuid().as_raw();
     if me != 0 {
@@ -549,7 +550,8 @@ fn a_peer_of_another_uid_is_refused() {
         // uid seen as a stranger's.
         let (a, b) = UnixStream::pair().unwrap();
         send(a.as_fd(), &header(WireHandle::Fabric([2; 64])), None).unwrap();
-        assert!(matches!(recv(b.as_fd(), PeerPolicy::Uid(me + 1)), Err(Error::Protocol(_))));
+        let r = recv(b.as_fd(), PeerPolicy::Uid(me + 1));
+        assert!(matches!(r, Err(Error::PeerRefused { uid, .. }) if uid == me), "{r:?}");
         return;
     }
     let dir = std::env::temp_dir().join(format!("cuvmm-uid-{}", std::process::id()));
@@ -562,8 +564,7 @@ fn a_peer_of_another_uid_is_refused() {
     for (policy, accept) in
         [(PeerPolicy::SameUid, false), (PeerPolicy::Uid(65534), true), (PeerPolicy::AnyUid, true)]
     {
-        let mut child = std::process::Command::new(std::env::current_exe().unwrap())
-            .args(["--exact", "uid_child_helper", "--include-ignored", "--nocapture", "--test-threads=1"])
+        let mut child = common::rerun_this_test()
             .env(CHILD_ENV, &path)
             .uid(65534)
             .gid(65534)
@@ -576,7 +577,9 @@ fn a_peer_of_another_uid_is_refused() {
         assert!(child.wait().unwrap().success());
         match (r, accept) {
             (Ok(m), true) => assert_eq!(m.peer().uid, 65534),
-            (Err(Error::Protocol(msg)), false) => assert!(msg.contains("uid 65534"), "{msg}"),
+            (Err(Error::PeerRefused { uid: 65534, policy: refused, .. }), false) => {
+                assert_eq!(refused, policy)
+            }
             (other, _) => panic!("policy {policy:?}: unexpected {other:?}"),
         }
     }
@@ -585,14 +588,10 @@ fn a_peer_of_another_uid_is_refused() {
 
 const SETUID_CHILD_ENV: &str = "CUVMM_TEST_SETUID_CHILD";
 
-/// Helper for `same_uid_means_the_effective_uid_of_both_sides`: as a set-uid-root program runs
-/// (real uid 65534, effective 0), receives a message from a peer whose effective uid is 0.
-#[test]
-#[ignore = "helper process of same_uid_means_the_effective_uid_of_both_sides; does nothing when run alone"]
-fn setuid_child_helper() {
-    if std::env::var_os(SETUID_CHILD_ENV).is_none() {
-        return;
-    }
+/// The child of `same_uid_means_the_effective_uid_of_both_sides`, in the copy of it the test
+/// started: as a set-uid-root program runs (real uid 65534, effective 0), receives a message from
+/// a peer whose effective uid is 0.
+fn setuid_child() {
     let (a, b) = UnixStream::pair().unwrap();
     nix::unistd::setresuid(65534.into(), 0.into(), 0.into()).unwrap();
     assert_eq!((nix::unistd::getuid().as_raw(), nix::unistd::geteuid().as_raw()), (65534, 0));
@@ -606,14 +605,13 @@ fn setuid_child_helper() {
 #[test]
 #[ignore = "needs root, to set real and effective uids apart"]
 fn same_uid_means_the_effective_uid_of_both_sides() {
+    if std::env::var_os(SETUID_CHILD_ENV).is_some() {
+        return setuid_child();
+    }
     // The child's pipes are descriptors of this process too.
     let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     assert!(nix::unistd::geteuid().is_root(), "needs root, to set real and effective uids apart");
-    let out = std::process::Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", "setuid_child_helper", "--include-ignored", "--nocapture", "--test-threads=1"])
-        .env(SETUID_CHILD_ENV, "1")
-        .output()
-        .unwrap();
+    let out = common::rerun_this_test().env(SETUID_CHILD_ENV, "1").output().unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(
         out.status.success() && stdout.contains("setuid child: accepted"),

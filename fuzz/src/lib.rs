@@ -165,7 +165,7 @@ impl Outcome {
         match r {
             Ok(Some(n)) => Outcome::Accepted(*n),
             Ok(None) => Outcome::Closed,
-            Err(cuvmm::Error::Protocol(_)) => Outcome::Refused,
+            Err(e) if e.is_protocol() => Outcome::Refused,
             Err(e) => Outcome::Failed(e.to_string()),
         }
     }
@@ -925,7 +925,7 @@ pub mod seeds {
                         )
                     }
                     Ok(None) => assert_eq!(expect, Expect::Closed, "{name} ended the stream"),
-                    Err(Error::Protocol(_)) => assert_eq!(expect, Expect::Refused, "{name} was refused"),
+                    Err(e) if e.is_protocol() => assert_eq!(expect, Expect::Refused, "{name} was refused"),
                     Err(e) => panic!("{name}: not a protocol error: {e}"),
                 }
                 if name.starts_with("bad-") {

@@ -11,7 +11,7 @@
 //!
 //! [`VmmVec::share_growth`]: crate::VmmVec::share_growth
 
-use super::region::{RegionLayout, Step};
+use super::region::{RegionLayout, RegionRefusal, Step};
 use super::shared::{host_read, host_write, import_and_map, local_granularity, range_at};
 use super::socket::{recv_message, send_message, Credentials, FrameReader, PeerPolicy};
 use super::wire::{Grow, HandleType, Message, Region, WireHandle};
@@ -245,8 +245,8 @@ impl GrowableImport {
     /// [`next_update`](Self::next_update); each is granted `grants` (read-write for `ctx`'s device
     /// if empty).
     ///
-    /// A connection that closes first, or whose first message is anything but a region, is an
-    /// [`Error::Protocol`]. The wait for the region honours the socket's mode and receive timeout
+    /// A connection that closes first is an [`Error::Protocol`]; a first message that is anything
+    /// but a region an [`Error::RegionRefused`]. The wait for the region honours the socket's mode and receive timeout
     /// as [`recv_message`] does: give the socket a receive timeout (`SO_RCVTIMEO`) to bound it.
     pub fn accept(
         ctx: &Context,
@@ -263,7 +263,7 @@ impl GrowableImport {
         // A region carries no fd (`recv_message` checked), so nothing is dropped unseen here.
         let (message, _, peer) = first.into_parts();
         let Step::Open(region) = layout.apply(&message)? else {
-            return Err(Error::Protocol(format!("a {} message where a region was expected", message.kind())));
+            return Err(Error::UnexpectedMessage { got: message.kind(), expected: "a region was expected" });
         };
         // Aligned to the chunks' granularity, which may be coarser than ours: every chunk is
         // mapped at a multiple of it.
@@ -368,7 +368,7 @@ impl GrowableImport {
             }
             Step::Note(tag) => Ok(Update::Note { tag }),
             // `check` opens a region only before the first one.
-            Step::Open(_) => Err(Error::Protocol("a second region message on one connection".into())),
+            Step::Open(_) => Err(Error::RegionRefused(RegionRefusal::SecondRegion)),
         }
     }
 

@@ -15,7 +15,7 @@ pub mod socket;
 pub mod wire;
 
 pub use growth::{GrowableImport, Update};
-pub use region::{RegionLayout, Step};
+pub use region::{RegionLayout, RegionRefusal, Step};
 pub use shared::{share, SharedMemory};
 pub use socket::{
     check_peer, recv_message, recv_message_deadline, send_message, Credentials, FrameReader, Incoming,

@@ -2,8 +2,9 @@
 //! messages so far describe it. Pure code, no driver: [`GrowableImport`](super::GrowableImport)
 //! applies what it allows, and the fuzz targets and a peer's own importer can use it alone.
 
-use super::wire::{Grow, Message, Region};
+use super::wire::{Grow, HandleType, Kind, Message, Region};
 use crate::error::{Error, Result};
+use std::fmt;
 
 /// What a message asks of the importer, once [`RegionLayout::check`] has allowed it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -67,8 +68,123 @@ pub struct RegionLayout {
     chunks: Vec<(u64, u64)>,
 }
 
-fn refuse<T>(m: String) -> Result<T> {
-    Err(Error::Protocol(m))
+/// Which rule of the layout a message broke ([`Error::RegionRefused`]): what an importer, or a
+/// test, tells apart without reading the message.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum RegionRefusal {
+    /// A message of this kind came before the region message.
+    BeforeRegion(Kind),
+    /// A second region message on the connection.
+    SecondRegion,
+    /// A share message on a connection that follows a region.
+    ShareInRegion,
+    /// The region asks for more address space than the importer allows.
+    OverLimit {
+        /// Bytes the region asks for.
+        capacity: u64,
+        /// Bytes this importer allows.
+        limit: u64,
+    },
+    /// The region's capacity is not a multiple of the importer's granularity.
+    CapacityOffGranularity {
+        /// Bytes the region asks for.
+        capacity: u64,
+        /// The importer's granularity.
+        granularity: u64,
+    },
+    /// A chunk travels as another handle type than its region's.
+    HandleType {
+        /// The chunk's.
+        chunk: HandleType,
+        /// The region's.
+        region: HandleType,
+    },
+    /// A chunk's granularity or device differs from its region's.
+    ChunkOfAnotherRegion,
+    /// A chunk does not start where the mapped part ends (a gap or an overlap).
+    NotAtTheEnd {
+        /// Where the chunk starts.
+        offset: u64,
+        /// Where the mapped part ends.
+        end: u64,
+    },
+    /// A chunk ends past the region's capacity.
+    PastTheRegion {
+        /// Where the chunk starts.
+        offset: u64,
+        /// Its size.
+        size: u64,
+        /// The region's capacity.
+        capacity: u64,
+    },
+    /// A chunk's size is not a multiple of the importer's granularity.
+    SizeOffGranularity {
+        /// The chunk's size.
+        size: u64,
+        /// The importer's granularity.
+        granularity: u64,
+    },
+    /// A shrink to more than is mapped.
+    ShrinkPastTheEnd {
+        /// The length asked for.
+        length: u64,
+        /// Bytes mapped.
+        end: u64,
+    },
+    /// A shrink whose length falls inside a chunk.
+    ShrinkInsideAChunk {
+        /// The length asked for.
+        length: u64,
+    },
+}
+
+impl fmt::Display for RegionRefusal {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match *self {
+            RegionRefusal::BeforeRegion(kind) => write!(f, "a {kind} message before the region message"),
+            RegionRefusal::SecondRegion => f.write_str("a second region message on one connection"),
+            RegionRefusal::ShareInRegion => {
+                f.write_str("a share message on a connection that follows a region")
+            }
+            RegionRefusal::OverLimit { capacity, limit } => {
+                write!(
+                    f,
+                    "the region asks for {capacity} bytes of address space; this importer allows {limit}"
+                )
+            }
+            RegionRefusal::CapacityOffGranularity { capacity, granularity } => {
+                write!(f, "capacity {capacity} is not a multiple of this device's granularity {granularity}")
+            }
+            RegionRefusal::HandleType { chunk, region } => {
+                write!(f, "a chunk travels as {chunk:?} in a region of {region:?} chunks")
+            }
+            RegionRefusal::ChunkOfAnotherRegion => {
+                f.write_str("a chunk's granularity or device differs from its region's")
+            }
+            RegionRefusal::NotAtTheEnd { offset, end } => write!(
+                f,
+                "a chunk at {offset} where the mapped part ends at {end} (chunks follow each other, with no \
+                 gap or overlap)"
+            ),
+            RegionRefusal::PastTheRegion { offset, size, capacity } => {
+                write!(f, "chunk {offset}+{size} ends past the {capacity}-byte region")
+            }
+            RegionRefusal::SizeOffGranularity { size, granularity } => {
+                write!(f, "chunk size {size} is not a multiple of this device's granularity {granularity}")
+            }
+            RegionRefusal::ShrinkPastTheEnd { length, end } => {
+                write!(f, "a shrink to {length} bytes where {end} are mapped")
+            }
+            RegionRefusal::ShrinkInsideAChunk { length } => {
+                write!(f, "a shrink to {length} bytes, inside a chunk")
+            }
+        }
+    }
+}
+
+fn refuse<T>(why: RegionRefusal) -> Result<T> {
+    Err(Error::RegionRefused(why))
 }
 
 impl RegionLayout {
@@ -96,17 +212,18 @@ impl RegionLayout {
         &self.chunks
     }
 
-    /// Whether `message` fits the layout, and what it asks for. Changes nothing.
+    /// Whether `message` fits the layout, and what it asks for: an [`Error::RegionRefused`] names
+    /// the rule it breaks. Changes nothing.
     pub fn check(&self, message: &Message) -> Result<Step> {
         let Some(region) = &self.region else {
             return match message {
                 Message::Region(r) => self.check_region(r),
-                m => refuse(format!("a {} message before the region message", m.kind())),
+                m => refuse(RegionRefusal::BeforeRegion(m.kind())),
             };
         };
         match *message {
-            Message::Region(_) => refuse("a second region message on one connection".into()),
-            Message::Share(_) => refuse("a share message on a connection that follows a region".into()),
+            Message::Region(_) => refuse(RegionRefusal::SecondRegion),
+            Message::Share(_) => refuse(RegionRefusal::ShareInRegion),
             Message::Grow(g) => self.check_grow(region, g),
             Message::Shrink { length, .. } => self.check_shrink(length),
             Message::Note { tag } => Ok(Step::Note(tag)),
@@ -115,56 +232,44 @@ impl RegionLayout {
 
     fn check_region(&self, r: &Region) -> Result<Step> {
         if r.capacity() > self.max_capacity {
-            return refuse(format!(
-                "the region asks for {} bytes of address space; this importer allows {}",
-                r.capacity(),
-                self.max_capacity
-            ));
+            return refuse(RegionRefusal::OverLimit { capacity: r.capacity(), limit: self.max_capacity });
         }
         if r.capacity() % self.granularity != 0 {
-            return refuse(format!(
-                "capacity {} is not a multiple of this device's granularity {}",
-                r.capacity(),
-                self.granularity
-            ));
+            return refuse(RegionRefusal::CapacityOffGranularity {
+                capacity: r.capacity(),
+                granularity: self.granularity,
+            });
         }
         Ok(Step::Open(*r))
     }
 
     fn check_grow(&self, region: &Region, g: Grow) -> Result<Step> {
         if g.handle().handle_type() != region.handle_type() {
-            return refuse(format!(
-                "a chunk travels as {:?} in a region of {:?} chunks",
-                g.handle().handle_type(),
-                region.handle_type()
-            ));
+            return refuse(RegionRefusal::HandleType {
+                chunk: g.handle().handle_type(),
+                region: region.handle_type(),
+            });
         }
         if g.granularity() != region.granularity() || g.device_uuid() != region.device_uuid() {
-            return refuse("a chunk's granularity or device differs from its region's".into());
+            return refuse(RegionRefusal::ChunkOfAnotherRegion);
         }
         let end = self.mapped();
         if g.offset() != end {
-            return refuse(format!(
-                "a chunk at {} where the mapped part ends at {end} (chunks follow each other, with no \
-                 gap or overlap)",
-                g.offset()
-            ));
+            return refuse(RegionRefusal::NotAtTheEnd { offset: g.offset(), end });
         }
         // `end()` cannot overflow: `Grow` bounds it by MAX_CAPACITY.
         if g.end() > region.capacity() {
-            return refuse(format!(
-                "chunk {}+{} ends past the {}-byte region",
-                g.offset(),
-                g.size(),
-                region.capacity()
-            ));
+            return refuse(RegionRefusal::PastTheRegion {
+                offset: g.offset(),
+                size: g.size(),
+                capacity: region.capacity(),
+            });
         }
         if g.size() % self.granularity != 0 {
-            return refuse(format!(
-                "chunk size {} is not a multiple of this device's granularity {}",
-                g.size(),
-                self.granularity
-            ));
+            return refuse(RegionRefusal::SizeOffGranularity {
+                size: g.size(),
+                granularity: self.granularity,
+            });
         }
         Ok(Step::Map(g))
     }
@@ -175,11 +280,11 @@ impl RegionLayout {
             return Ok(Step::Unmap { keep: self.chunks.len(), length });
         }
         if length > end {
-            return refuse(format!("a shrink to {length} bytes where {end} are mapped"));
+            return refuse(RegionRefusal::ShrinkPastTheEnd { length, end });
         }
         match self.chunks.binary_search_by_key(&length, |&(offset, _)| offset) {
             Ok(keep) => Ok(Step::Unmap { keep, length }),
-            Err(_) => refuse(format!("a shrink to {length} bytes, inside a chunk")),
+            Err(_) => refuse(RegionRefusal::ShrinkInsideAChunk { length }),
         }
     }
 
@@ -199,7 +304,8 @@ impl RegionLayout {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ipc::wire::{HandleType, WireHandle};
+    use crate::ipc::wire::WireHandle;
+    use RegionRefusal as R;
 
     const MIB: u64 = 1 << 20;
     const UUID: [u8; 16] = [3; 16];
@@ -218,11 +324,12 @@ mod tests {
         l
     }
 
-    fn refused(l: &mut RegionLayout, m: &Message, what: &str) {
+    /// `m` is refused for `why`, by `check` and `apply` alike, and changes nothing.
+    fn refused(l: &mut RegionLayout, m: &Message, why: RegionRefusal) {
         let before = l.clone();
-        assert!(matches!(l.check(m), Err(Error::Protocol(_))), "{what} was allowed");
-        assert!(matches!(l.apply(m), Err(Error::Protocol(_))), "{what} was applied");
-        assert_eq!(*l, before, "{what} changed the layout");
+        assert!(matches!(l.check(m), Err(Error::RegionRefused(w)) if w == why), "{m:?}: {:?}", l.check(m));
+        assert!(matches!(l.apply(m), Err(Error::RegionRefused(w)) if w == why), "{m:?} was applied");
+        assert_eq!(*l, before, "{m:?} changed the layout");
     }
 
     #[test]
@@ -253,53 +360,88 @@ mod tests {
         let mut l = opened();
         l.apply(&chunk(0, 4 * MIB)).unwrap();
         l.apply(&chunk(4 * MIB, 4 * MIB)).unwrap();
-        refused(&mut l, &chunk(0, 2 * MIB), "a chunk over the first");
-        refused(&mut l, &chunk(6 * MIB, 4 * MIB), "a chunk over the second's end");
-        refused(&mut l, &chunk(10 * MIB, 2 * MIB), "a gap");
-        refused(&mut l, &chunk(8 * MIB, 58 * MIB), "a chunk past the capacity");
-        refused(&mut l, &chunk(8 * MIB, (1 << 40) - 2 * MIB), "a huge chunk");
+        refused(&mut l, &chunk(0, 2 * MIB), R::NotAtTheEnd { offset: 0, end: 8 * MIB });
+        refused(&mut l, &chunk(6 * MIB, 4 * MIB), R::NotAtTheEnd { offset: 6 * MIB, end: 8 * MIB });
+        refused(&mut l, &chunk(10 * MIB, 2 * MIB), R::NotAtTheEnd { offset: 10 * MIB, end: 8 * MIB });
+        refused(
+            &mut l,
+            &chunk(8 * MIB, 58 * MIB),
+            R::PastTheRegion { offset: 8 * MIB, size: 58 * MIB, capacity: 64 * MIB },
+        );
+        refused(
+            &mut l,
+            &chunk(8 * MIB, (1 << 40) - 2 * MIB),
+            R::PastTheRegion { offset: 8 * MIB, size: (1 << 40) - 2 * MIB, capacity: 64 * MIB },
+        );
         let other = |g: Grow| Message::Grow(g);
         let base = Grow::new(WireHandle::PosixFd, 2 * MIB, 2 * MIB, 8 * MIB, UUID, 0).unwrap();
         refused(
             &mut l,
             &other(Grow::new(WireHandle::Fabric([1; 64]), 2 * MIB, 2 * MIB, 8 * MIB, UUID, 0).unwrap()),
-            "a fabric chunk in a POSIX region",
+            R::HandleType { chunk: HandleType::Fabric, region: HandleType::PosixFd },
         );
         refused(
             &mut l,
             &other(Grow::new(WireHandle::PosixFd, 4 * MIB, 4 * MIB, 8 * MIB, UUID, 0).unwrap()),
-            "another granularity",
+            R::ChunkOfAnotherRegion,
         );
         refused(
             &mut l,
             &other(Grow::new(WireHandle::PosixFd, 2 * MIB, 2 * MIB, 8 * MIB, [4; 16], 0).unwrap()),
-            "another device",
+            R::ChunkOfAnotherRegion,
         );
-        refused(&mut l, &region(64 * MIB), "a second region");
+        refused(&mut l, &region(64 * MIB), R::SecondRegion);
         let share =
             crate::ipc::Header::new(WireHandle::PosixFd, 2 * MIB, 2 * MIB, 0, 2 * MIB, UUID, 0).unwrap();
-        refused(&mut l, &Message::Share(share), "a share");
-        refused(&mut l, &Message::Shrink { length: 10 * MIB, tag: 0 }, "a shrink past the end");
-        refused(&mut l, &Message::Shrink { length: 2 * MIB, tag: 0 }, "a shrink inside a chunk");
-        refused(&mut l, &Message::Shrink { length: 1, tag: 0 }, "a shrink to an odd length");
+        refused(&mut l, &Message::Share(share), R::ShareInRegion);
+        refused(
+            &mut l,
+            &Message::Shrink { length: 10 * MIB, tag: 0 },
+            R::ShrinkPastTheEnd { length: 10 * MIB, end: 8 * MIB },
+        );
+        refused(
+            &mut l,
+            &Message::Shrink { length: 2 * MIB, tag: 0 },
+            R::ShrinkInsideAChunk { length: 2 * MIB },
+        );
+        refused(&mut l, &Message::Shrink { length: 1, tag: 0 }, R::ShrinkInsideAChunk { length: 1 });
         assert!(l.apply(&other(base)).is_ok(), "the right chunk still fits");
     }
 
     #[test]
     fn the_region_comes_first_within_the_importers_limits() {
         let mut l = RegionLayout::new(64 * MIB, 2 * MIB).unwrap();
-        refused(&mut l, &chunk(0, 2 * MIB), "a chunk before the region");
-        refused(&mut l, &Message::Note { tag: 0 }, "a note before the region");
-        refused(&mut l, &Message::Shrink { length: 0, tag: 0 }, "a shrink before the region");
-        refused(&mut l, &region(66 * MIB), "a region over the importer's limit");
+        refused(&mut l, &chunk(0, 2 * MIB), R::BeforeRegion(Kind::Grow));
+        refused(&mut l, &Message::Note { tag: 0 }, R::BeforeRegion(Kind::Note));
+        refused(&mut l, &Message::Shrink { length: 0, tag: 0 }, R::BeforeRegion(Kind::Shrink));
+        refused(&mut l, &region(66 * MIB), R::OverLimit { capacity: 66 * MIB, limit: 64 * MIB });
         // The exporter's granularity is 2 MiB; an importer whose own is 4 MiB cannot map its
         // 2 MiB pieces.
         let mut coarse = RegionLayout::new(1 << 30, 4 * MIB).unwrap();
-        refused(&mut coarse, &region(6 * MIB), "a capacity off the importer's granularity");
+        refused(
+            &mut coarse,
+            &region(6 * MIB),
+            R::CapacityOffGranularity { capacity: 6 * MIB, granularity: 4 * MIB },
+        );
         coarse.apply(&region(8 * MIB)).unwrap();
-        refused(&mut coarse, &chunk(0, 2 * MIB), "a chunk off the importer's granularity");
+        refused(
+            &mut coarse,
+            &chunk(0, 2 * MIB),
+            R::SizeOffGranularity { size: 2 * MIB, granularity: 4 * MIB },
+        );
         assert!(l.apply(&region(64 * MIB)).is_ok());
         assert!(RegionLayout::new(1 << 30, 3).is_err());
         assert!(RegionLayout::new(1 << 30, 0).is_err());
+    }
+
+    #[test]
+    fn a_refusal_reads_as_the_protocol_error_it_is() {
+        let e = Error::RegionRefused(R::NotAtTheEnd { offset: 0, end: 8 * MIB });
+        assert!(e.is_protocol());
+        assert_eq!(
+            e.to_string(),
+            "protocol error: a chunk at 0 where the mapped part ends at 8388608 (chunks follow each other, \
+             with no gap or overlap)"
+        );
     }
 }

@@ -135,17 +135,16 @@ impl SharedMemory {
     /// message's granularity) and grants `grants` (read-write for `ctx`'s device if empty). The
     /// message's fd is closed once imported.
     ///
-    /// Refuses, with [`Error::Protocol`], a message that is not a share (its fd is closed), one
-    /// whose range does not lie inside what could be mapped, and one whose size is larger than
+    /// Refuses a message that is not a share ([`Error::UnexpectedMessage`]; its fd is closed) and,
+    /// with [`Error::Protocol`], one whose range does not lie inside what could be mapped, and one whose size is larger than
     /// the allocation that arrived.
     pub fn import(ctx: &Context, msg: Incoming, grants: &[(Device, Access)]) -> Result<SharedMemory> {
         let (m, fd, _peer) = msg.into_parts();
         let Message::Share(h) = m else {
-            return Err(Error::Protocol(format!(
-                "a {} message where a share message was expected (a growing vector is followed \
-                 with GrowableImport)",
-                m.kind()
-            )));
+            return Err(Error::UnexpectedMessage {
+                got: m.kind(),
+                expected: "a share message was expected (a growing vector is followed with GrowableImport)",
+            });
         };
         // `recv_message` validated the header and no safe code can change it since; checked again so that
         // the bounds below never rest on one distant check alone.

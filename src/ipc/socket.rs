@@ -30,7 +30,7 @@ pub struct Credentials {
     pub gid: u32,
 }
 
-/// The peer's credentials, checked against `policy`.
+/// The peer's credentials, checked against `policy`: [`Error::PeerRefused`] when it refuses them.
 pub fn check_peer(sock: BorrowedFd<'_>, policy: PeerPolicy) -> Result<Credentials> {
     let c = getsockopt(&sock, PeerCredentials)
         .map_err(|errno| Error::Os { call: "getsockopt(SO_PEERCRED)", errno })?;
@@ -43,10 +43,7 @@ pub fn check_peer(sock: BorrowedFd<'_>, policy: PeerPolicy) -> Result<Credential
         PeerPolicy::AnyUid => true,
     };
     if !allowed {
-        return Err(Error::Protocol(format!(
-            "peer pid {} runs as uid {}, which the policy {policy:?} refuses",
-            creds.pid, creds.uid
-        )));
+        return Err(Error::PeerRefused { pid: creds.pid, uid: creds.uid, policy });
     }
     Ok(creds)
 }
@@ -268,7 +265,8 @@ impl Incoming {
 /// Receives one message of any kind: the peer checked against `policy`, exactly one frame read, every fd that arrived owned, and the message refused (its fds closed)
 /// unless it is well formed and carries exactly the fds it announces. `Ok(None)` when the peer
 /// closed the connection before the first byte of a frame: between messages, the end of the
-/// stream. A frame cut short is an [`Error::Protocol`].
+/// stream. A frame cut short is an [`Error::PeerClosed`]; a peer the policy refuses, an
+/// [`Error::PeerRefused`].
 ///
 /// Waits as the socket's mode says, before a frame and inside one alike:
 ///
@@ -427,10 +425,7 @@ impl FrameReader {
                 return Ok(None);
             }
             if chunk.bytes == 0 {
-                return Err(Error::Protocol(format!(
-                    "the peer closed the socket after {} of {HEADER_LEN} header bytes",
-                    self.got
-                )));
+                return Err(Error::PeerClosed { received: self.got, expected: HEADER_LEN });
             }
             self.got += chunk.bytes;
         }

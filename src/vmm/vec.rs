@@ -45,8 +45,8 @@ pub struct RawVmm {
 }
 
 /// Chunks made ahead at once: while the appends use one, the next are on their way, so that a
-/// chunk whose creation takes longer than usual (the driver stalls now and then, measured up to
-/// half a millisecond) is not waited for. With 64 MiB appends that is 1 GiB, sixteen appends, ahead.
+/// chunk whose creation takes longer than usual (the driver stalls now and then, for up to half a
+/// millisecond) is not waited for. With 64 MiB appends that is 1 GiB, sixteen appends, ahead.
 const AHEAD_DEPTH: usize = 4;
 
 /// The smallest chunk made ahead (see [`RawVmm::start_ahead`]).

@@ -96,3 +96,14 @@ fn counter(lib: &std::path::Path, which: &str, name: &str) -> i64 {
         )
     }
 }
+
+/// This test executable again, running only the calling test, its output shown: the copy, told
+/// by an environment variable the caller sets, does the other side's part of that same test, so
+/// no helper process shows as a test that passes doing nothing. Call it on the test's own thread,
+/// which the harness names after the test.
+pub fn rerun_this_test() -> std::process::Command {
+    let test = std::thread::current().name().expect("called on the test's thread").to_owned();
+    let mut c = std::process::Command::new(std::env::current_exe().unwrap());
+    c.args(["--exact", &test, "--include-ignored", "--nocapture", "--test-threads=1"]);
+    c
+}

@@ -100,8 +100,8 @@ fn a_wake_racing_a_sleep_waits_for_it_and_wakes_every_device() {
         // The first device is asleep, the second falling asleep.
         pause.wait();
         let waker = s.spawn(|| wake(&states, t, &devs));
-        // Gives the wake time to run ahead if nothing stops it (before the fix it returned 0 here,
-        // having skipped the second device, which then fell asleep for good).
+        // Gives the wake time to run ahead if nothing stops it (a wake that passed over a device
+        // still falling asleep would return 0 here, and that device would stay asleep for good).
         std::thread::sleep(Duration::from_millis(50));
         *devs[1].pause.lock().unwrap() = None;
         pause.wait();

@@ -37,9 +37,9 @@ tenth from one pass to the next: bounds taken once, apart, would make the ratios
 
 The wake follows the other user's frees at once, as it would in a server. After freeing large
 allocations the driver works on its own for some tens of milliseconds, and any copy started then
-runs slower (copy_after_free.py measures it without cuvmm: on an H100, 16 GiB host-to-device
-took 1.150x as long right after PyTorch freed 18 GiB of 1 GiB tensors, 0.986x after 0.3 s). So the wake's bound is
-the same copy taken in the same conditions: right after the other user has come and gone again.
+runs slower (copy_after_free.py measures it without cuvmm; docs/PERFORMANCE.md, "Sleep and wake",
+has its figures). So the wake's bound is the same copy taken in the same conditions: right after
+the other user has come and gone again.
 The copy back taken just after the wake, with nothing freed before it, is reported beside it.
 
 Under cuvmm-pool each tag has its own MemPool, entered with the tag set: PyTorch asks the pool's

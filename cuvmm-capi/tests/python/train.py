@@ -11,10 +11,10 @@ allocator change from step to step the way they do in real training. Per step it
 loss (float and its float32 bits), the step time (synchronize, perf_counter, synchronize: the
 allocator's host time counts) and the driver-level memory in use (total - free) above a baseline
 taken before the first tensor. The defaults (d_model 2048, 10 layers, 571 M parameters, up to
-16384 tokens a step, bf16 autocast over fp32 weights, AdamW, 40 steps) measured on an H100 80GB
-with PyTorch 2.11 and its native allocator: max_memory_allocated 22.8 GiB, max_memory_reserved
-30.7 GiB, peak driver-level use 30.9 GiB, median step 110-112 ms; the loss goes from 10.9 to
-about 9.5.
+16384 tokens a step, bf16 autocast over fp32 weights, AdamW, 40 steps): under
+PyTorch's native allocator they peak near 23 GiB allocated and 31 GiB reserved, and the loss
+falls from about 10.9 to 9.5 (docs/PERFORMANCE.md, "The stream-ordered allocator under PyTorch",
+has the measured runs).
 
 cuvmm-pool runs the whole training inside the pool, on every thread: torch.cuda.use_mem_pool
 routes only the calling thread, and autograd allocates backward's tensors on its own threads.

@@ -457,6 +457,68 @@ impl Gen {
         let size = (1 << e) + self.rand() % (1 << e);
         self.a(size, COMPUTE)
     }
+
+    /// Frees the small blocks of `small` and makes `lo..=hi` new ones in their place.
+    fn churn_small(&mut self, small: &mut Vec<Blk>, lo: u64, hi: u64) {
+        for b in std::mem::take(small) {
+            self.f(b, COMPUTE);
+        }
+        for _ in 0..self.range(lo, hi) {
+            let b = self.small();
+            small.push(b);
+        }
+    }
+
+    /// One layer's forward over sequences of `s` tokens from input `x`: its output, and what its
+    /// backward reads (`x` among them).
+    fn forward_layer(&mut self, x: Blk, s: u64) -> (Blk, Vec<Blk>) {
+        let (h, t) = (HIDDEN, BATCH * s);
+        let mut keep = vec![x];
+        keep.push(self.a(t * h * 2, COMPUTE));
+        keep.push(self.a(t * 4, COMPUTE));
+        keep.push(self.a(t * 4, COMPUTE));
+        keep.push(self.a(t * 3 * h * 2, COMPUTE));
+        let mib = self.range(1, 8);
+        let workspace = self.a(mib << 20, COMPUTE);
+        keep.push(self.a(t * h * 2, COMPUTE));
+        keep.push(self.a(BATCH * HEADS * s * 4, COMPUTE));
+        self.f(workspace, COMPUTE);
+        let proj = self.a(t * h * 2, COMPUTE);
+        keep.push(self.a(t * h * 2, COMPUTE));
+        self.f(proj, COMPUTE);
+        keep.push(self.a(t * h * 2, COMPUTE));
+        keep.push(self.a(t * 4, COMPUTE));
+        keep.push(self.a(t * 4, COMPUTE));
+        keep.push(self.a(t * 4 * h * 2, COMPUTE));
+        keep.push(self.a(t * 4 * h * 2, COMPUTE));
+        let down = self.a(t * h * 2, COMPUTE);
+        let out = self.a(t * h * 2, COMPUTE);
+        self.f(down, COMPUTE);
+        (out, keep)
+    }
+
+    /// One layer's backward over `t` tokens from the gradient `dx`, which it frees with what the
+    /// forward kept: the gradient for the layer below.
+    fn backward_layer(&mut self, dx: Blk, t: u64, kept: Vec<Blk>) -> Blk {
+        let h = HIDDEN;
+        let dact = self.a(t * 4 * h * 2, COMPUTE);
+        let dup = self.a(t * 4 * h * 2, COMPUTE);
+        self.f(dact, COMPUTE);
+        let dmid = self.a(t * h * 2, COMPUTE);
+        self.f(dup, COMPUTE);
+        let dqkv = self.a(t * 3 * h * 2, COMPUTE);
+        let mib = self.range(1, 8);
+        let workspace = self.a(mib << 20, COMPUTE);
+        self.f(workspace, COMPUTE);
+        let dnext = self.a(t * h * 2, COMPUTE);
+        self.f(dqkv, COMPUTE);
+        self.f(dmid, COMPUTE);
+        self.f(dx, COMPUTE);
+        for b in kept {
+            self.f(b, COMPUTE);
+        }
+        dnext
+    }
 }
 
 /// Element counts of one layer's parameters: attention in and out, MLP up and down, two norms.
@@ -496,34 +558,9 @@ pub fn synthetic_text() -> String {
         let mut x = g.a(t * h * 2, COMPUTE);
         let mut saved: Vec<Vec<Blk>> = Vec::new();
         for _ in 0..LAYERS {
-            let mut keep = vec![x];
-            keep.push(g.a(t * h * 2, COMPUTE));
-            keep.push(g.a(t * 4, COMPUTE));
-            keep.push(g.a(t * 4, COMPUTE));
-            keep.push(g.a(t * 3 * h * 2, COMPUTE));
-            let mib = g.range(1, 8);
-            let workspace = g.a(mib << 20, COMPUTE);
-            keep.push(g.a(t * h * 2, COMPUTE));
-            keep.push(g.a(BATCH * HEADS * s * 4, COMPUTE));
-            g.f(workspace, COMPUTE);
-            let proj = g.a(t * h * 2, COMPUTE);
-            keep.push(g.a(t * h * 2, COMPUTE));
-            g.f(proj, COMPUTE);
-            keep.push(g.a(t * h * 2, COMPUTE));
-            keep.push(g.a(t * 4, COMPUTE));
-            keep.push(g.a(t * 4, COMPUTE));
-            keep.push(g.a(t * 4 * h * 2, COMPUTE));
-            keep.push(g.a(t * 4 * h * 2, COMPUTE));
-            let down = g.a(t * h * 2, COMPUTE);
-            x = g.a(t * h * 2, COMPUTE);
-            g.f(down, COMPUTE);
-            for b in std::mem::take(&mut small) {
-                g.f(b, COMPUTE);
-            }
-            for _ in 0..g.range(2, 6) {
-                let b = g.small();
-                small.push(b);
-            }
+            let keep;
+            (x, keep) = g.forward_layer(x, s);
+            g.churn_small(&mut small, 2, 6);
             saved.push(keep);
         }
         let norm = g.a(t * h * 2, COMPUTE);
@@ -545,23 +582,7 @@ pub fn synthetic_text() -> String {
                 let b = g.a(n * 2, COMPUTE);
                 grads.push(b);
             }
-            let dact = g.a(t * 4 * h * 2, COMPUTE);
-            let dup = g.a(t * 4 * h * 2, COMPUTE);
-            g.f(dact, COMPUTE);
-            let dmid = g.a(t * h * 2, COMPUTE);
-            g.f(dup, COMPUTE);
-            let dqkv = g.a(t * 3 * h * 2, COMPUTE);
-            let mib = g.range(1, 8);
-            let workspace = g.a(mib << 20, COMPUTE);
-            g.f(workspace, COMPUTE);
-            let dnext = g.a(t * h * 2, COMPUTE);
-            g.f(dqkv, COMPUTE);
-            g.f(dmid, COMPUTE);
-            g.f(dx, COMPUTE);
-            dx = dnext;
-            for b in saved.pop().unwrap_or_default() {
-                g.f(b, COMPUTE);
-            }
+            dx = g.backward_layer(dx, t, saved.pop().unwrap_or_default());
             if layer % 2 == 0 {
                 let b = g.a(25 << 20, BUCKETS);
                 buckets.push(b);
@@ -570,13 +591,7 @@ pub fn synthetic_text() -> String {
                     g.f(old, BUCKETS);
                 }
             }
-            for b in std::mem::take(&mut small) {
-                g.f(b, COMPUTE);
-            }
-            for _ in 0..g.range(1, 4) {
-                let b = g.small();
-                small.push(b);
-            }
+            g.churn_small(&mut small, 1, 4);
         }
         let demb = g.a(VOCAB * h * 2, COMPUTE);
         grads.push(demb);
@@ -1189,6 +1204,37 @@ fn capture_queries(stream: &Stream, n: usize) -> Result<f64> {
     per_call_ns(n, query, || Ok(()))
 }
 
+/// Warms each allocator and replays `reps` measured passes on each: taking turns pass by pass
+/// when the device holds all three at once (`interleaved`), so that drift in the machine falls
+/// on all alike, else one after the other, each released before the next.
+fn replay_all(
+    (cu, pool, drv): (&mut Slot<CuvmmSide>, &mut Slot<PoolSide>, &mut Slot<DriverSide>),
+    r: &mut Replay<'_>,
+    reps: usize,
+    interleaved: bool,
+) -> Result<()> {
+    if interleaved {
+        cu.warm(r);
+        pool.warm(r);
+        drv.warm(r);
+        for _ in 0..reps {
+            cu.measure(r);
+            pool.measure(r);
+            drv.measure(r);
+        }
+    } else {
+        cu.warm(r);
+        (0..reps).for_each(|_| cu.measure(r));
+        cu.release()?;
+        pool.warm(r);
+        (0..reps).for_each(|_| pool.measure(r));
+        pool.release()?;
+        drv.warm(r);
+        (0..reps).for_each(|_| drv.measure(r));
+    }
+    Ok(())
+}
+
 /// Replays `trace` on `ctx`'s device against the three allocators, then measures cached pairs.
 pub fn run(ctx: &Context, trace: &Trace, cfg: &TraceConfig) -> Result<TraceReport> {
     if cfg.reps == 0 {
@@ -1251,25 +1297,7 @@ pub fn run(ctx: &Context, trace: &Trace, cfg: &TraceConfig) -> Result<TraceRepor
         ptrs: vec![0; trace.allocations],
         peak_op,
     };
-    if interleaved {
-        cu.warm(&mut r);
-        pool.warm(&mut r);
-        drv.warm(&mut r);
-        for _ in 0..cfg.reps {
-            cu.measure(&mut r);
-            pool.measure(&mut r);
-            drv.measure(&mut r);
-        }
-    } else {
-        cu.warm(&mut r);
-        (0..cfg.reps).for_each(|_| cu.measure(&mut r));
-        cu.release()?;
-        pool.warm(&mut r);
-        (0..cfg.reps).for_each(|_| pool.measure(&mut r));
-        pool.release()?;
-        drv.warm(&mut r);
-        (0..cfg.reps).for_each(|_| drv.measure(&mut r));
-    }
+    replay_all((&mut cu, &mut pool, &mut drv), &mut r, cfg.reps, interleaved)?;
 
     let mut pair_rows = Vec::new();
     if cfg.pairs > 0 {

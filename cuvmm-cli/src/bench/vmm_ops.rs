@@ -246,7 +246,8 @@ pub fn call_costs(ctx: &Context) -> Result<Vec<CallCost>> {
         Err(e) => return Err(e),
     }
     add("cuDeviceGetCount", per_call(&mut || result::device::get_count(api).map(drop))?);
-    // An allocation's properties: what importing used to ask right after every import.
+    // An allocation's properties: a query an import could make after each import, which
+    // cuvmm's import does without.
     let phys = PhysicalMemory::builder(ctx).create(PhysicalMemory::builder(ctx).round_up(1)?)?;
     add(
         "cuMemGetAllocationPropertiesFromHandle",

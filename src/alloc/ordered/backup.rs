@@ -82,9 +82,8 @@ const MADV_POPULATE_WRITE: libc::c_int = 23;
 
 /// Threads that fault a fresh pageable backup in ahead of the copies into it: three quarters of
 /// the cores (at most 12), unless `CUVMM_BACKUP_TOUCH_THREADS` says otherwise (0 leaves the faults
-/// to the copies). The kernel's zeroing of fresh pages bounds a first sleep, not the copies: on a
-/// 16-core H100 host 12 touching threads beside 8 copying took 1.58-1.84x the pinned copy, 4
-/// beside 12 (the former default) 2.57-2.92x (docs/PERFORMANCE.md, "Sleep and wake").
+/// to the copies). The kernel's zeroing of fresh pages bounds a first sleep, not the copies, so
+/// most cores go to the faults (docs/DECISIONS.md, "The sleep's thread split").
 fn touchers() -> usize {
     env_threads("CUVMM_BACKUP_TOUCH_THREADS").unwrap_or_else(|| (cores() * 3 / 4).clamp(1, 12))
 }

@@ -86,8 +86,8 @@ pub(crate) struct State {
 }
 
 /// One stream's front. Aligned to two cache lines, so that the fronts of threads running side by
-/// side share none: with two threads each incrementing a mutex of its own, mutexes side by side
-/// cost 64 ns a lock where each alone costs 5 ns (two cores of an AMD EPYC).
+/// side share none: two threads locking mutexes of their own in one cache line slow each other's
+/// locks several times over (docs/DECISIONS.md, "A front per stream").
 #[repr(align(128))]
 pub(crate) struct Front {
     /// The driver's stream id (or the allocator's own identity, see `Caller`).

@@ -288,8 +288,8 @@ fn memory_one_threads_stream_freed_serves_another_threads_stream_after_its_work(
 /// A request that finds no cached block in its stream's front leaves the other streams' fronts
 /// their cached blocks when the index serves it: emptying every front sent each other stream's
 /// next request to the device-wide lock, and with eight threads or more, each on its own stream,
-/// those requests kept emptying one another's fronts (in a benchmark on an H100, 35,000 of every
-/// 1.6 million pairs took the lock, and eight threads did 0.6x the pairs of one).
+/// those requests kept emptying one another's fronts, so that more threads did fewer pairs than
+/// one (docs/DECISIONS.md, "A front per stream").
 #[test]
 fn a_request_served_by_the_index_leaves_the_other_streams_fronts_their_blocks() {
     let w = World::new(1000);
