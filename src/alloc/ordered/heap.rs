@@ -171,6 +171,7 @@ impl<K, T> Default for KeyedLists<K, T> {
 
 impl<K: Copy + Eq + std::hash::Hash, T> KeyedLists<K, T> {
     /// The list of `key`, made if `make`.
+    #[inline]
     pub(crate) fn list(&mut self, key: K, make: bool) -> Option<&mut Vec<T>> {
         let l = match self.last {
             Some((k, l)) if k == key => l,
@@ -193,6 +194,7 @@ impl<K: Copy + Eq + std::hash::Hash, T> KeyedLists<K, T> {
     }
 
     /// Adds `item` to the list of `key` unless that holds [`CACHED_PER_SIZE`].
+    #[inline]
     pub(crate) fn push(&mut self, key: K, item: T) -> bool {
         let list = self.list(key, true).expect("made");
         if list.len() >= CACHED_PER_SIZE {

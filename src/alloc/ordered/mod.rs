@@ -342,9 +342,7 @@ impl StreamAllocator {
         tag: Option<Tag>,
     ) -> Result<u64> {
         self.check_size(size)?;
-        let capture = capture(stream, graphs)?;
-        // Not asked during a capture, where the driver may forbid it: see `Core::caller`.
-        let id = if capture == Capture::None { backend::stream_id(stream) } else { None };
+        let (capture, id) = caller_of(stream, graphs)?;
         // Every driver call the allocator may make binds the context itself: the cached path makes
         // none.
         let tag = tag.map_or(0, |t| t.0);
@@ -522,6 +520,20 @@ fn check_stream(stream: CUstream) -> Result<()> {
         ));
     }
     Ok(())
+}
+
+/// The capture mode of a request on `stream` and the stream's id (`None`: not asked, or the
+/// driver could not name it). The legacy default stream is never captured and its id is the
+/// allocator's own: the cached pair on it asks the driver nothing.
+#[inline]
+fn caller_of(stream: CUstream, graphs: GraphMemory) -> Result<(Capture, Option<u64>)> {
+    if stream.is_null() || stream as usize == CU_STREAM_LEGACY {
+        return Ok((Capture::None, Some(self::core::LEGACY)));
+    }
+    let capture = capture(stream, graphs)?;
+    // Not asked during a capture, where the driver may forbid it: see `Core::caller`.
+    let id = if capture == Capture::None { backend::stream_id(stream) } else { None };
+    Ok((capture, id))
 }
 
 /// The capture mode of a call on `stream`.
