@@ -71,6 +71,19 @@ thread_local! {
     static TAG: std::cell::Cell<Option<Tag>> = const { std::cell::Cell::new(None) };
 }
 
+/// Whether any thread has set a tag: until then a request reads no thread-local for it (a call
+/// into the dynamic loader in a shared library, on every request).
+static TAGGED: AtomicBool = AtomicBool::new(false);
+
+/// The calling thread's tag (`cuvmm_set_tag`), if any.
+#[inline]
+fn tag() -> Option<Tag> {
+    if !TAGGED.load(Ordering::Relaxed) {
+        return None;
+    }
+    TAG.try_with(|t| t.get()).ok().flatten()
+}
+
 extern "C" fn flush_trace_at_exit() {
     if let Some(Ok(g)) = GLOBAL.get() {
         if let Some(t) = &g.trace {
@@ -231,7 +244,7 @@ fn malloc_with(function: &str, size: isize, device: c_int, stream: CUstream, cal
         if size <= 0 {
             return if size == 0 { Ok(0) } else { Err(plain(format!("negative size {size}"))) };
         }
-        match TAG.try_with(|t| t.get()).ok().flatten() {
+        match tag() {
             None => request(function, size, device, stream, caller, None),
             Some(t) => {
                 // Counted until the allocation returns: a sleep of the tag waits for it.
@@ -503,6 +516,10 @@ pub unsafe extern "C" fn cuvmm_set_tag(tag: *const c_char) -> c_int {
             Some(n) => Some(tag_of(Some(n))?),
             None => None,
         };
+        if t.is_some() {
+            // Before the thread's own tag: its next request, which reads the flag first, sees it.
+            TAGGED.store(true, Ordering::Relaxed);
+        }
         TAG.try_with(|c| c.set(t)).map_err(|_| plain("the thread is exiting".into()))?;
         Ok(0)
     })
