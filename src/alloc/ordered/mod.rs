@@ -530,20 +530,12 @@ fn caller_of(stream: CUstream, graphs: GraphMemory) -> Result<(Capture, Option<u
     if stream.is_null() || stream as usize == CU_STREAM_LEGACY {
         return Ok((Capture::None, Some(self::core::LEGACY)));
     }
-    let capture = capture(stream, graphs)?;
-    // Not asked during a capture, where the driver may forbid it: see `Core::caller`.
-    let id = if capture == Capture::None { backend::stream_id(stream) } else { None };
-    Ok((capture, id))
-}
-
-/// The capture mode of a call on `stream`.
-fn capture(stream: CUstream, graphs: GraphMemory) -> Result<Capture> {
     check_stream(stream)?;
-    driver()?;
     Ok(match (backend::capture_of(stream)?, graphs) {
-        (None, _) => Capture::None,
-        (Some(id), GraphMemory::Keep) => Capture::Private(id),
-        (Some(id), GraphMemory::Share) => Capture::Shared(id),
+        // Not asked during a capture, where the driver may forbid it: see `Core::caller`.
+        (None, _) => (Capture::None, backend::stream_id(stream)),
+        (Some(id), GraphMemory::Keep) => (Capture::Private(id), None),
+        (Some(id), GraphMemory::Share) => (Capture::Shared(id), None),
     })
 }
 
