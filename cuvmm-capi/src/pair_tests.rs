@@ -91,6 +91,10 @@ fn cached_pair() {
         let want: Vec<_> = per_pair.iter().map(|&(name, n)| (name, n * PAIRS)).collect();
         assert_eq!(made(&before, &calls()), want);
     }
+    // The per-thread default stream names another stream on each thread: refused, not keyed.
+    let per_thread = cuvmm_lib::driver::sys::CU_STREAM_PER_THREAD as CUstream;
+    assert!(cuvmm_malloc(4096, 0, per_thread).is_null());
+    assert!(last_error().contains("per-thread default stream"), "{}", last_error());
     // Found without the set-up's checks once made, and only for devices that have one.
     let a = allocator(0).unwrap();
     assert!(ready::get(0).is_some_and(|r| std::ptr::eq(r, a)));
