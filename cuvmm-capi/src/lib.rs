@@ -14,6 +14,10 @@ mod config;
 mod fake;
 mod hooks;
 mod limit;
+#[cfg(test)]
+#[path = "pair_tests.rs"]
+mod pair_tests;
+mod ready;
 mod tag_states;
 mod trace;
 mod uses;
@@ -67,6 +71,19 @@ thread_local! {
     static TAG: std::cell::Cell<Option<Tag>> = const { std::cell::Cell::new(None) };
 }
 
+/// Whether any thread has set a tag: until then a request reads no thread-local for it (a call
+/// into the dynamic loader in a shared library, on every request).
+static TAGGED: AtomicBool = AtomicBool::new(false);
+
+/// The calling thread's tag (`cuvmm_set_tag`), if any.
+#[inline]
+fn tag() -> Option<Tag> {
+    if !TAGGED.load(Ordering::Relaxed) {
+        return None;
+    }
+    TAG.try_with(|t| t.get()).ok().flatten()
+}
+
 extern "C" fn flush_trace_at_exit() {
     if let Some(Ok(g)) = GLOBAL.get() {
         if let Some(t) = &g.trace {
@@ -100,7 +117,18 @@ fn global() -> Result<&'static Global, String> {
         .map_err(Clone::clone)
 }
 
+/// `device`'s allocator, made at its first use. Once made it is found without the set-up's checks
+/// (see [`ready`]): every request and free asks.
+#[inline]
 fn allocator(device: c_int) -> Result<&'static StreamAllocator, String> {
+    match ready::get(device) {
+        Some(a) => Ok(a),
+        None => allocator_slow(device),
+    }
+}
+
+#[cold]
+fn allocator_slow(device: c_int) -> Result<&'static StreamAllocator, String> {
     let g = global()?;
     let slot = usize::try_from(device)
         .ok()
@@ -118,6 +146,7 @@ fn allocator(device: c_int) -> Result<&'static StreamAllocator, String> {
         StreamAllocator::with_config(&ctx, cfg).map_err(|e| e.to_string())
     })
     .as_ref()
+    .inspect(|a| ready::set(device, a))
     .map_err(Clone::clone)
 }
 
@@ -211,54 +240,68 @@ enum Caller {
 }
 
 fn malloc_with(function: &str, size: isize, device: c_int, stream: CUstream, caller: Caller) -> *mut c_void {
-    let graphs = match caller {
-        Caller::Tensors => GraphMemory::Keep,
-        Caller::Pool => GraphMemory::Share,
-    };
     let ptr = guard(function, 0u64, || {
         if size <= 0 {
             return if size == 0 { Ok(0) } else { Err(plain(format!("negative size {size}"))) };
         }
-        let tag = TAG.try_with(|t| t.get()).ok().flatten();
-        // Counted until the allocation returns: a sleep of the tag waits for it.
-        let _allocating =
-            match tag {
-                Some(t) => Some(TAGS.begin_allocation(t).ok_or_else(|| {
+        match tag() {
+            None => request(function, size, device, stream, caller, None),
+            Some(t) => {
+                // Counted until the allocation returns: a sleep of the tag waits for it.
+                let _allocating = TAGS.begin_allocation(t).ok_or_else(|| {
                     plain("cannot allocate with a tag that is asleep: wake it first".into())
-                })?),
-                None => None,
-            };
-        let a = allocator(device).map_err(plain)?;
-        settle_uses(device, false);
-        limit::check(device, size as u64, || a.stats().live).map_err(plain)?;
-        // SAFETY: the C contract (cuvmm.h) makes `stream` a live stream of the device's primary
-        // context that outlives the blocks freed on it.
-        let mut got = unsafe { a.allocate_raw_tagged(size as usize, stream, graphs, tag) };
-        if got.as_ref().is_err_and(|e| e.is_out_of_memory()) && uses::pending(device) {
-            // Blocks whose frees wait for other streams' work: wait for it, as PyTorch does.
-            settle_uses(device, true);
-            // SAFETY: as above.
-            got = unsafe { a.allocate_raw_tagged(size as usize, stream, graphs, tag) };
-        }
-        got.map_err(|e| {
-            if caller == Caller::Tensors
-                && e.is_out_of_memory()
-                && matches!(GLOBAL.get(), Some(Ok(g)) if g.config.abort_on_oom)
-            {
-                use std::io::Write;
-                let _ = writeln!(
-                    std::io::stderr(),
-                    "cuvmm: {function}: out of memory for {size} bytes on device {device}: {e} (oom=abort)"
-                );
-                std::process::abort();
+                })?;
+                request(function, size, device, stream, caller, Some(t))
             }
-            reported(e)
-        })
+        }
     });
     if let Some(Ok(Global { trace: Some(t), .. })) = GLOBAL.get() {
         t.record('a', device, stream as usize, size, ptr);
     }
     ptr as usize as *mut c_void
+}
+
+/// The request of [`malloc_with`], `size` positive (inlined in both its places: a call of its own
+/// costs the cached pair a tenth more instructions).
+#[inline(always)]
+fn request(
+    function: &str,
+    size: isize,
+    device: c_int,
+    stream: CUstream,
+    caller: Caller,
+    tag: Option<Tag>,
+) -> Result<u64, (String, String)> {
+    let graphs = match caller {
+        Caller::Tensors => GraphMemory::Keep,
+        Caller::Pool => GraphMemory::Share,
+    };
+    let a = allocator(device).map_err(plain)?;
+    settle_uses(device, false);
+    limit::check(device, size as u64, || a.stats().live).map_err(plain)?;
+    // SAFETY: the C contract (cuvmm.h) makes `stream` a live stream of the device's primary
+    // context that outlives the blocks freed on it.
+    let mut got = unsafe { a.allocate_raw_tagged(size as usize, stream, graphs, tag) };
+    if got.as_ref().is_err_and(|e| e.is_out_of_memory()) && uses::pending(device) {
+        // Blocks whose frees wait for other streams' work: wait for it, as PyTorch does.
+        settle_uses(device, true);
+        // SAFETY: as above.
+        got = unsafe { a.allocate_raw_tagged(size as usize, stream, graphs, tag) };
+    }
+    got.map_err(|e| {
+        if caller == Caller::Tensors
+            && e.is_out_of_memory()
+            && matches!(GLOBAL.get(), Some(Ok(g)) if g.config.abort_on_oom)
+        {
+            use std::io::Write;
+            let _ = writeln!(
+                std::io::stderr(),
+                "cuvmm: {function}: out of memory for {size} bytes on device {device}: {e} (oom=abort)"
+            );
+            std::process::abort();
+        }
+        reported(e)
+    })
 }
 
 fn free_with(function: &str, ptr: *mut c_void, size: isize, device: c_int, stream: CUstream) {
@@ -285,7 +328,17 @@ fn free_with(function: &str, ptr: *mut c_void, size: isize, device: c_int, strea
 /// Frees the blocks of `device` (-1: all) whose frees waited for other streams' work, once it has
 /// run (with `wait`, waiting for it). A failure is recorded, not returned: the request or empty
 /// cache that settles goes on.
+#[inline]
 fn settle_uses(device: c_int, wait: bool) {
+    // Every request asks: nothing waits, mostly, and the answer is one atomic load.
+    if uses::none_pending() {
+        return;
+    }
+    settle_uses_now(device, wait);
+}
+
+#[cold]
+fn settle_uses_now(device: c_int, wait: bool) {
     let settled = uses::settle(device, wait, |d, ptr, stream| {
         let a = allocator(d)?;
         // SAFETY: `ptr` came from this allocator and its free was deferred, not made; the work of
@@ -463,6 +516,10 @@ pub unsafe extern "C" fn cuvmm_set_tag(tag: *const c_char) -> c_int {
             Some(n) => Some(tag_of(Some(n))?),
             None => None,
         };
+        if t.is_some() {
+            // Before the thread's own tag: its next request, which reads the flag first, sees it.
+            TAGGED.store(true, Ordering::Relaxed);
+        }
         TAG.try_with(|c| c.set(t)).map_err(|_| plain("the thread is exiting".into()))?;
         Ok(0)
     })

@@ -42,7 +42,17 @@ pub(crate) fn of(device: c_int) -> Option<u64> {
 
 /// Refuses `size` more bytes on `device` past its limit, `live()` bytes being handed out now
 /// (asked only where a limit is set: it takes the allocator's lock).
+#[inline]
 pub(crate) fn check(device: c_int, size: u64, live: impl FnOnce() -> u64) -> Result<(), String> {
+    // Every request asks: mostly no device has a limit, and the answer is one atomic load.
+    if !ANY.load(Ordering::Acquire) {
+        return Ok(());
+    }
+    check_limit(device, size, live)
+}
+
+#[cold]
+fn check_limit(device: c_int, size: u64, live: impl FnOnce() -> u64) -> Result<(), String> {
     let Some(limit) = of(device) else {
         return Ok(());
     };

@@ -66,15 +66,32 @@ pub(crate) fn record(ptr: u64, stream: CUstream) {
 /// # Safety
 /// `stream` and every stream recorded for `ptr` must be live streams of `a`'s context (or the
 /// legacy one) for the call, as PyTorch requires of the streams a tensor was recorded on.
+#[inline]
 pub(crate) unsafe fn free(
     a: &StreamAllocator,
     device: c_int,
     ptr: u64,
     stream: CUstream,
 ) -> Result<bool, String> {
+    // Every free asks: mostly no block has recorded uses, and the answer is one atomic load.
     if BLOCKS.load(Ordering::Acquire) == 0 {
         return Ok(false);
     }
+    // SAFETY: this function's contract, the same.
+    unsafe { free_recorded(a, device, ptr, stream) }
+}
+
+/// [`free`] where some block has recorded uses.
+///
+/// # Safety
+/// As for [`free`].
+#[cold]
+unsafe fn free_recorded(
+    a: &StreamAllocator,
+    device: c_int,
+    ptr: u64,
+    stream: CUstream,
+) -> Result<bool, String> {
     let taken = {
         let mut recorded = lock(&RECORDED);
         let map = recorded.get_or_insert_with(HashMap::new);
@@ -164,6 +181,12 @@ pub(crate) fn settle(
         }
     }
     first_error.map_or(Ok(n), Err)
+}
+
+/// Whether no free waits for other streams' work (without the lock).
+#[inline]
+pub(crate) fn none_pending() -> bool {
+    PENDING.load(Ordering::Acquire) == 0
 }
 
 /// Whether frees of `device` (-1: any) wait for other streams' work.

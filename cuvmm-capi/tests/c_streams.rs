@@ -1,8 +1,8 @@
 //! C programs built with the system C compiler and run against libcuvmm.so and the fake driver: one
 //! that destroys streams between rounds of `cuvmm_malloc`/`cuvmm_free`
 //! (fixtures/streams_destroyed.c; host functions on their own thread, destroyed handles handed to
-//! new streams), and one that frees a block it shared before unexporting it
-//! (fixtures/shared_free.c).
+//! new streams), one that frees a block it shared before unexporting it (fixtures/shared_free.c),
+//! and the shipped benchmark of the cached pair (bench/capi_pair.c).
 
 // The shared test helpers name the library `cuvmm`, which here is this package's own name.
 extern crate cuvmm_lib as cuvmm;
@@ -25,12 +25,9 @@ fn libcuvmm() -> PathBuf {
         .unwrap_or_else(|| panic!("no libcuvmm.so in {0} or {0}/lib: build it first", dir.display()))
 }
 
-/// Builds the C program `source` (a fixture, with cuvmm.h beside it: a copied test executable
-/// needs no source tree) and runs it against libcuvmm.so and the fake driver; fails the test with
-/// its output unless it succeeds.
-fn run_fixture(name: &str, source: &str) {
-    let fake = common::fake_driver("FAKE_VMM");
-    // Removed with the scratch folder when the tests end (the fake driver's folder is shared).
+/// Builds the C program `source` (with cuvmm.h beside it: a copied test executable needs no
+/// source tree) in a folder of its own, removed with the scratch folder when the tests end.
+fn build(name: &str, source: &str) -> PathBuf {
     let dir = common::scratch().join(format!("fixture-{name}"));
     std::fs::create_dir_all(&dir).unwrap();
     std::fs::write(dir.join("cuvmm.h"), include_str!("../include/cuvmm.h")).unwrap();
@@ -46,9 +43,15 @@ fn run_fixture(name: &str, source: &str) {
         .status()
         .expect("the test needs a C compiler (cc)");
     assert!(status.success(), "cc failed");
-    let out = Command::new(&exe)
-        .arg(libcuvmm())
-        .arg(&fake)
+    exe
+}
+
+/// Runs the C program `exe` with `args` against the fake driver; fails the test with its output
+/// unless it succeeds. Returns its standard output.
+fn run_on_fake(exe: &std::path::Path, args: &[&std::ffi::OsStr]) -> String {
+    let fake = common::fake_driver("FAKE_VMM");
+    let out = Command::new(exe)
+        .args(args)
         .env("CUVMM_LIBCUDA", &fake)
         .env("CUVMM_ALLOC_CONF", "log=0")
         .output()
@@ -60,6 +63,13 @@ fn run_fixture(name: &str, source: &str) {
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
     );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// Builds the fixture `source` and runs it against libcuvmm.so and the fake driver.
+fn run_fixture(name: &str, source: &str) {
+    let fake = common::fake_driver("FAKE_VMM");
+    run_on_fake(&build(name, source), &[libcuvmm().as_os_str(), fake.as_os_str()]);
 }
 
 #[test]
@@ -72,4 +82,22 @@ fn threads_that_destroy_their_streams_between_rounds_get_no_block_still_in_use()
 #[ignore = "needs libcuvmm.so: `cargo build -p cuvmm-capi` first (.ci/run does; a GPU bundle carries it)"]
 fn a_block_a_c_caller_frees_while_shared_stays_out_of_later_blocks_until_unexported() {
     run_fixture("shared_free", include_str!("fixtures/shared_free.c"));
+}
+
+#[test]
+#[ignore = "needs libcuvmm.so: `cargo build -p cuvmm-capi` first (.ci/run does; a GPU bundle carries it)"]
+fn the_shipped_pair_benchmark_reports_every_figure() {
+    let exe = build("capi_pair", include_str!("../bench/capi_pair.c"));
+    let out = run_on_fake(&exe, &[libcuvmm().as_os_str(), "1000".as_ref()]);
+    let results: Vec<&str> = out.lines().filter(|l| l.starts_with("RESULT ")).collect();
+    for what in ["legacy-stream", "created-stream"] {
+        for size in ["4KiB", "64KiB", "1MiB", "16MiB"] {
+            let line = format!("RESULT cuvmm_malloc+cuvmm_free {what} {size}: ");
+            assert!(results.iter().any(|r| r.starts_with(&line) && r.contains(" ns/pair ")), "{line}\n{out}");
+        }
+    }
+    for calls in ["cuStreamIsCapturing+cuStreamGetId -: ", "cuCtxGetCurrent -: "] {
+        assert!(results.iter().any(|r| r.starts_with(&format!("RESULT {calls}"))), "{calls}\n{out}");
+    }
+    assert_eq!(results.len(), 10, "{out}");
 }

@@ -171,28 +171,35 @@ impl<K, T> Default for KeyedLists<K, T> {
 
 impl<K: Copy + Eq + std::hash::Hash, T> KeyedLists<K, T> {
     /// The list of `key`, made if `make`.
+    #[inline]
     pub(crate) fn list(&mut self, key: K, make: bool) -> Option<&mut Vec<T>> {
         let l = match self.last {
             Some((k, l)) if k == key => l,
-            _ => {
-                let l = match self.index.get(&key) {
-                    Some(&l) => l,
-                    None if make => {
-                        self.lists.push(Vec::new());
-                        let l = (self.lists.len() - 1) as u32;
-                        self.index.insert(key, l);
-                        l
-                    }
-                    None => return None,
-                };
-                self.last = Some((key, l));
-                l
-            }
+            _ => self.find(key, make)?,
         };
         Some(&mut self.lists[l as usize])
     }
 
+    /// The index of `key`'s list through the map, made if `make`; it becomes the one used last.
+    /// Out of line: a cached pair of one size never comes here, and [`list`](Self::list) inlines.
+    #[inline(never)]
+    fn find(&mut self, key: K, make: bool) -> Option<u32> {
+        let l = match self.index.get(&key) {
+            Some(&l) => l,
+            None if make => {
+                self.lists.push(Vec::new());
+                let l = (self.lists.len() - 1) as u32;
+                self.index.insert(key, l);
+                l
+            }
+            None => return None,
+        };
+        self.last = Some((key, l));
+        Some(l)
+    }
+
     /// Adds `item` to the list of `key` unless that holds [`CACHED_PER_SIZE`].
+    #[inline]
     pub(crate) fn push(&mut self, key: K, item: T) -> bool {
         let list = self.list(key, true).expect("made");
         if list.len() >= CACHED_PER_SIZE {

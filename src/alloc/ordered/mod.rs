@@ -342,9 +342,7 @@ impl StreamAllocator {
         tag: Option<Tag>,
     ) -> Result<u64> {
         self.check_size(size)?;
-        let capture = capture(stream, graphs)?;
-        // Not asked during a capture, where the driver may forbid it: see `Core::caller`.
-        let id = if capture == Capture::None { backend::stream_id(stream) } else { None };
+        let (capture, id) = caller_of(stream, graphs)?;
         // Every driver call the allocator may make binds the context itself: the cached path makes
         // none.
         let tag = tag.map_or(0, |t| t.0);
@@ -524,14 +522,20 @@ fn check_stream(stream: CUstream) -> Result<()> {
     Ok(())
 }
 
-/// The capture mode of a call on `stream`.
-fn capture(stream: CUstream, graphs: GraphMemory) -> Result<Capture> {
+/// The capture mode of a request on `stream` and the stream's id (`None`: not asked, or the
+/// driver could not name it). The legacy default stream is never captured and its id is the
+/// allocator's own: the cached pair on it asks the driver nothing.
+#[inline]
+fn caller_of(stream: CUstream, graphs: GraphMemory) -> Result<(Capture, Option<u64>)> {
+    if stream.is_null() || stream as usize == CU_STREAM_LEGACY {
+        return Ok((Capture::None, Some(self::core::LEGACY)));
+    }
     check_stream(stream)?;
-    driver()?;
     Ok(match (backend::capture_of(stream)?, graphs) {
-        (None, _) => Capture::None,
-        (Some(id), GraphMemory::Keep) => Capture::Private(id),
-        (Some(id), GraphMemory::Share) => Capture::Shared(id),
+        // Not asked during a capture, where the driver may forbid it: see `Core::caller`.
+        (None, _) => (Capture::None, backend::stream_id(stream)),
+        (Some(id), GraphMemory::Keep) => (Capture::Private(id), None),
+        (Some(id), GraphMemory::Share) => (Capture::Shared(id), None),
     })
 }
 
