@@ -8,8 +8,8 @@ use crate::error::{Error, Result};
 ///
 /// An ordinary store first reads the line it writes; into a destination larger than the caches
 /// that costs a memory pass per byte the copy does not need. Non-temporal stores skip it
-/// (docs/PERFORMANCE.md, "Figures behind the defaults"). On processors without them (anything but
-/// x86-64) both are the ordinary copy.
+/// (docs/PERFORMANCE.md, "Figures behind the defaults"). Elsewhere than on x86-64 both are the
+/// ordinary copy.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub enum HostCopy {
     /// Ordinary stores everywhere.
