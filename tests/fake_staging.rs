@@ -9,7 +9,7 @@
 
 mod common;
 
-use cuvmm::host::{Staging, StagingConfig};
+use cuvmm::host::{HostCopy, Staging, StagingConfig};
 use cuvmm::{Context, DeviceBuffer, Stream};
 
 const KIB: usize = 1 << 10;
@@ -33,22 +33,46 @@ fn staged_transfers_round_trip_for_every_shape() {
         (256 * KIB, 64 * KIB, 4, 8),
         (1024 * KIB, 256 * KIB, 16, 2),
     ];
-    for (chunk, piece, slots, threads) in shapes {
-        let config = StagingConfig { chunk, piece, slots, threads };
+    // Each shape with either kind of store; sources and destinations at every 4-byte offset
+    // within a line, so that the streaming copy's unaligned heads and tails are crossed.
+    for ((chunk, piece, slots, threads), host_copy) in
+        shapes.into_iter().flat_map(|s| HostCopy::ALL.map(|c| (s, c)))
+    {
+        let config = StagingConfig { chunk, piece, slots, threads, host_copy };
         let mut staging = Staging::with_config(&ctx, config).unwrap();
         assert_eq!(staging.config(), config);
-        for n in [1usize, 1000, 16 * KIB, (300 * KIB) + 3, 2 * 1024 * KIB + 5] {
+        for (k, n) in [1usize, 1000, 16 * KIB, (300 * KIB) + 3, 2 * 1024 * KIB + 5].into_iter().enumerate() {
+            let skew = k * 3 % 16;
+            let padded = fresh(n + skew, n as u32);
+            let data = &padded[skew..];
+            let mut dev = DeviceBuffer::<u32>::new(&ctx, n).unwrap();
+            staging.to_device(&st, data, dev.as_mut_slice()).unwrap();
+            assert!(dev.to_vec().unwrap() == data, "to device, {config:?}, n = {n}");
+            let mut back = vec![0u32; n + 16];
+            staging.to_host(&st, dev.as_slice(), &mut back[skew..skew + n]).unwrap();
+            assert!(&back[skew..skew + n] == data, "to host, {config:?}, n = {n}");
+            assert!(back[..skew].iter().chain(&back[skew + n..]).all(|&w| w == 0), "wrote outside");
+        }
+    }
+    // The stores change between transfers of one ring, and the next transfer uses them.
+    let mut staging =
+        Staging::with_config(&ctx, StagingConfig { threads: 3, ..StagingConfig::default() }).unwrap();
+    for host_copy in [HostCopy::Plain, HostCopy::Streaming, HostCopy::Plain] {
+        staging.set_host_copy(host_copy);
+        assert_eq!(staging.config().host_copy, host_copy);
+        for n in [1usize, 5 * 1024 * KIB + 7] {
             let data = fresh(n, n as u32);
             let mut dev = DeviceBuffer::<u32>::new(&ctx, n).unwrap();
             staging.to_device(&st, &data, dev.as_mut_slice()).unwrap();
-            assert!(dev.to_vec().unwrap() == data, "to device, {config:?}, n = {n}");
+            assert!(dev.to_vec().unwrap() == data, "to device, {host_copy}, n = {n}");
             let mut back = vec![0u32; n];
             staging.to_host(&st, dev.as_slice(), &mut back).unwrap();
-            assert!(back == data, "to host, {config:?}, n = {n}");
+            assert!(back == data, "to host, {host_copy}, n = {n}");
         }
     }
     // Fewer threads draining than filling: every byte still arrives, whatever the limit asked.
-    let config = StagingConfig { chunk: 64 * KIB, piece: 16 * KIB, slots: 3, threads: 4 };
+    let config =
+        StagingConfig { chunk: 64 * KIB, piece: 16 * KIB, slots: 3, threads: 4, ..StagingConfig::default() };
     let mut staging = Staging::with_config(&ctx, config).unwrap();
     for (limit, got) in [(1, 1), (3, 3), (0, 1), (9, 4)] {
         staging.set_to_host_threads(limit);
@@ -61,11 +85,13 @@ fn staged_transfers_round_trip_for_every_shape() {
         staging.to_host(&st, dev.as_slice(), &mut back).unwrap();
         assert!(back == data, "to host on {got} of 4 threads");
     }
-    let bad = StagingConfig { chunk: 64 * KIB, piece: 128 * KIB, slots: 2, threads: 1 };
+    let bad =
+        StagingConfig { chunk: 64 * KIB, piece: 128 * KIB, slots: 2, threads: 1, ..StagingConfig::default() };
     assert!(Staging::with_config(&ctx, bad).is_err());
 
     // Traces: none unless asked for; then each transfer's, every chunk's steps in order.
-    let config = StagingConfig { chunk: 64 * KIB, piece: 16 * KIB, slots: 3, threads: 4 };
+    let config =
+        StagingConfig { chunk: 64 * KIB, piece: 16 * KIB, slots: 3, threads: 4, ..StagingConfig::default() };
     let mut staging = Staging::with_config(&ctx, config).unwrap();
     let data = fresh(320 * KIB / 4 + 5, 7); // five chunks and a short sixth
     let bytes = data.len() * 4;
@@ -118,7 +144,13 @@ fn staged_transfers_round_trip_for_every_shape() {
     {
         use cuvmm::driver::sys::CUresult;
         use cuvmm::faults;
-        let config = StagingConfig { chunk: 64 * KIB, piece: 16 * KIB, slots: 3, threads: 4 };
+        let config = StagingConfig {
+            chunk: 64 * KIB,
+            piece: 16 * KIB,
+            slots: 3,
+            threads: 4,
+            ..StagingConfig::default()
+        };
         let mut staging = Staging::with_config(&ctx, config).unwrap();
         let data = fresh(320 * KIB / 4, 9); // five chunks
         let mut dev = DeviceBuffer::<u32>::new(&ctx, data.len()).unwrap();

@@ -136,6 +136,28 @@ fn every_backup_kind_restores_the_contents_and_is_released_at_wake_unless_retain
     assert!(soon(|| pinned_bytes() <= 6 * RING), "{} pinned while awake", pinned_bytes());
 }
 
+/// A pageable backup's ring writes with either kind of store, switched between cycles of one
+/// allocator, and every cycle restores the contents.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_pageable_backup_restores_the_contents_with_either_host_copy() {
+    use cuvmm::alloc::{backup_host_copy, set_backup_host_copy};
+    use cuvmm::host::HostCopy;
+    let ctx = Context::for_ordinal(0).expect("a CUDA device");
+    let tag = Tag::new("backup-host-copy").unwrap();
+    let t = Tagged::new(&ctx, tag, 3);
+    let was = backup_host_copy();
+    for (cycle, copy) in [HostCopy::Plain, HostCopy::Streaming, HostCopy::Plain].into_iter().enumerate() {
+        set_backup_host_copy(copy);
+        let seed = 31 + cycle as u32;
+        t.fill(seed);
+        t.alloc.sleep(tag, SleepMode::Offload).unwrap();
+        t.alloc.wake(tag).unwrap();
+        assert_eq!(t.mismatches(seed), 0, "{copy}: cycle {cycle} changed the contents");
+    }
+    set_backup_host_copy(was);
+}
+
 /// Resident memory of this process (VmRSS), bytes.
 fn rss() -> u64 {
     let status = std::fs::read_to_string("/proc/self/status").unwrap();

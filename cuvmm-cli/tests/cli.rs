@@ -217,8 +217,22 @@ fn bench_bandwidth_and_its_sweep_run_on_the_fake_device() {
         "3",
         "--chunk",
         "256KiB",
+        "--host-copy",
+        "both",
     ]);
     assert!(text.contains("staged: 3 threads, 256 KiB chunks"), "{text}");
+    assert!(text.contains("slots, streaming host copies"), "{text}");
+    for size in ["1 MiB", "3 MiB"] {
+        let line = text.lines().find(|l| l.starts_with(&format!("staged at {size} by host copy"))).unwrap();
+        assert!(line.contains("(over streaming): streaming ") && line.contains(", plain "), "{line}");
+    }
+    let refused = Command::new(cuvmm_bin())
+        .args(["bench", "bandwidth", "--sweep", "--sizes", "1MiB", "--host-copy", "both"])
+        .env("CUVMM_LIBCUDA", &lib)
+        .output()
+        .unwrap();
+    assert!(!refused.status.success());
+    assert!(String::from_utf8_lossy(&refused.stderr).contains("one --host-copy"));
     // Without --trace, no timeline; with it, one per size and direction, every chunk's steps.
     assert!(!text.contains("slowest staged"), "{text}");
     let args = "bench bandwidth --sizes 1MiB,3MiB --reps 2 --threads 3 --chunk 256KiB --trace";

@@ -11,4 +11,4 @@ mod staging;
 mod stream_copy;
 
 pub use pinned::{pinned_bytes, PinnedBuffer, PinnedFlags, RegisterFlags, Registered};
-pub use staging::{ChunkTrace, KernelLane, Staging, StagingConfig, StagingTrace};
+pub use staging::{ChunkTrace, HostCopy, KernelLane, Staging, StagingConfig, StagingTrace};

@@ -10,8 +10,8 @@ use crate::cli::CliResult;
 use cuvmm::context::Context;
 use cuvmm::driver::{driver, result};
 use cuvmm::error::Result;
+use cuvmm::host::{HostCopy, Staging, StagingConfig, StagingTrace};
 use cuvmm::host::{PinnedBuffer, RegisterFlags, Registered};
-use cuvmm::host::{Staging, StagingConfig, StagingTrace};
 use cuvmm::memory::DeviceBuffer;
 use cuvmm::stream::scope;
 use cuvmm::stream::Event;
@@ -37,8 +37,12 @@ pub struct BandwidthRow {
     pub registered: [f64; 2],
     /// Both directions at once on pinned memory, total bytes moved per second (device events).
     pub bidirectional: f64,
-    /// cuvmm's staged pageable path (host clock, to completion).
+    /// cuvmm's staged pageable path (host clock, to completion), with the first of the host
+    /// copies measured.
     pub staged: [f64; 2],
+    /// The staged path with each host copy measured, taking turns in the same rounds (the first
+    /// is `staged`).
+    pub staged_by_copy: Vec<(HostCopy, [f64; 2])>,
     /// The slowest timed staged transfer each way, when the ring traces
     /// ([`Staging::set_tracing`]).
     pub slowest: [Option<StagingTrace>; 2],
@@ -103,13 +107,22 @@ fn fresh(v: &mut [u8], seed: u8) {
     }
 }
 
-/// Measures every size in `sizes` (bytes), each `reps` times after one warm-up. The largest size
-/// bounds the buffers allocated: two pinned, two pageable, one device buffer of that size.
-pub fn run(ctx: &Context, sizes: &[usize], reps: usize, staging: &mut Staging) -> Result<Vec<BandwidthRow>> {
+/// Measures every size in `sizes` (bytes), each `reps` times after one warm-up; the staged path
+/// with each of `copies` (the ring's own when empty), taking turns. The largest size bounds the
+/// buffers allocated: two pinned, two pageable, one device buffer of that size.
+pub fn run(
+    ctx: &Context,
+    sizes: &[usize],
+    reps: usize,
+    staging: &mut Staging,
+    copies: &[HostCopy],
+) -> Result<Vec<BandwidthRow>> {
     let max = *sizes.iter().max().ok_or_else(|| crate::bench::invalid("no sizes"))?;
     if reps == 0 || sizes.contains(&0) {
         return Err(crate::bench::invalid("sizes and reps must be positive"));
     }
+    let own = [staging.config().host_copy];
+    let copies = if copies.is_empty() { &own[..] } else { copies };
     let mut paths = Paths::new(ctx, max)?;
     let evictor = Evictor::new();
     let mut rows = Vec::new();
@@ -153,7 +166,9 @@ pub fn run(ctx: &Context, sizes: &[usize], reps: usize, staging: &mut Staging) -
                 }
             }
         }
-        (row.staged, row.slowest) = paths.staged(staging, size, reps, &evictor)?;
+        let staged = paths.staged(staging, size, reps, &evictor, copies)?;
+        (row.staged, row.slowest) = staged[0].1.clone();
+        row.staged_by_copy = staged.iter().map(|(c, (gbs, _))| (*c, *gbs)).collect();
         let m = |i: usize| median(&samples[i]);
         row.pageable = [m(0), m(1)];
         row.pinned_raw = [m(2), m(3)];
@@ -333,8 +348,8 @@ impl<'c> Paths<'c> {
         Ok(([h2d, gbs(size, t as f64 / 1e3)], (t_reg + t_unreg).as_secs_f64() * 1e6))
     }
 
-    /// The staged path's rounds, each way, and its slowest transfers; the last round trip must
-    /// bring back exactly what went in.
+    /// The staged path's rounds, each way, and its slowest transfers, per host copy (taking
+    /// turns); each host copy's last round trip must bring back exactly what went in.
     ///
     /// The rounds follow one another (after a warm-up), as a program streaming data through the
     /// ring runs them. Timed in turn with the driver's copies, each staged transfer followed
@@ -346,15 +361,11 @@ impl<'c> Paths<'c> {
         size: usize,
         reps: usize,
         evictor: &Evictor,
-    ) -> Result<([f64; 2], [Option<StagingTrace>; 2])> {
+        copies: &[HostCopy],
+    ) -> Result<Vec<(HostCopy, Staged)>> {
         let Paths { s1, dev, page_src, page_dst, .. } = self;
         let mut turns = Turns { s1, dev, evictor, idle: NO_IDLE };
-        let staged = turns.rounds(staging, &page_src[..size], &mut page_dst[..size], reps)?;
-        if page_dst[..size] != page_src[..size] {
-            return Err(crate::bench::invalid(format!(
-                "staged round trip of {size} bytes corrupted the data"
-            )));
-        }
+        let staged = turns.rounds(staging, &page_src[..size], &mut page_dst[..size], reps, copies)?;
         fresh(page_dst, 0);
         Ok(staged)
     }
@@ -369,51 +380,92 @@ struct Turns<'a> {
     idle: Duration,
 }
 
+/// A staged path's median GB/s each way, and its slowest transfer each way when the ring traces.
+type Staged = ([f64; 2], [Option<StagingTrace>; 2]);
+
 impl Turns<'_> {
-    /// Median GB/s host to device and back of `src` through `staging` into `dst`, `reps` round
-    /// trips after a warm-up, each transfer timed on the host clock to completion, from and to
-    /// memory out of cache, after the pause; and, if `staging` traces, the slowest timed
-    /// transfer's trace each way.
+    /// Median GB/s host to device and back of `src` through `staging` into `dst` with each of
+    /// `copies`, `reps` round trips each after a warm-up, the host copies taking turns in every
+    /// round, each transfer timed on the host clock to completion, from and to memory out of
+    /// cache, after the pause; and, if `staging` traces, the slowest timed transfer's trace each
+    /// way. Each host copy's last round trip must bring back exactly what went in. Leaves the
+    /// ring with its own host copy.
     fn rounds(
         &mut self,
         staging: &mut Staging,
         src: &[u8],
         dst: &mut [u8],
         reps: usize,
-    ) -> Result<([f64; 2], [Option<StagingTrace>; 2])> {
+        copies: &[HostCopy],
+    ) -> Result<Vec<(HostCopy, Staged)>> {
+        let own = staging.config().host_copy;
+        let mut out = Vec::with_capacity(copies.len());
+        let mut turns: Vec<_> = copies.iter().map(|&c| (c, Round::default())).collect();
+        for rep in 0..=reps {
+            for (copy, round) in &mut turns {
+                staging.set_host_copy(*copy);
+                let r = self.round(staging, src, dst, rep, round);
+                staging.set_host_copy(own);
+                r?;
+                if rep == reps && dst != src {
+                    return Err(crate::bench::invalid(format!(
+                        "staged round trip of {} bytes with {copy} host copies corrupted the data",
+                        src.len()
+                    )));
+                }
+            }
+        }
+        for (copy, r) in turns {
+            out.push((copy, ([median(&r.samples[0]), median(&r.samples[1])], r.slowest)));
+        }
+        Ok(out)
+    }
+
+    /// One round trip of [`Turns::rounds`] (`rep` 0 warms up), its figures added to `round`.
+    fn round(
+        &mut self,
+        staging: &mut Staging,
+        src: &[u8],
+        dst: &mut [u8],
+        rep: usize,
+        round: &mut Round,
+    ) -> Result<()> {
         let size = src.len();
-        let mut samples = [Vec::new(), Vec::new()];
-        let mut slowest: [Option<StagingTrace>; 2] = [None, None];
-        let mut keep = |dir: usize, staging: &Staging, rep: usize| {
+        let Round { samples, slowest } = round;
+        let mut keep = |dir: usize, staging: &Staging| {
             if let (true, Some(t)) = (rep > 0, staging.last_trace()) {
                 if slowest[dir].as_ref().is_none_or(|s| s.total < t.total) {
                     slowest[dir] = Some(t.clone());
                 }
             }
         };
-        for rep in 0..=reps {
-            self.evictor.evict();
-            pause(self.idle);
-            let (r, t) =
-                timed(|| staging.to_device(self.s1, src, self.dev.as_mut_slice().slice_mut(0..size)?));
-            r?;
-            let h2d = gbs(size, t.as_secs_f64());
-            keep(0, staging, rep);
-            // Zeroes (the sources never hold one), so that the check of the last round trip sees
-            // what this transfer wrote and not what an earlier copy left there.
-            dst.fill(0);
-            self.evictor.evict();
-            pause(self.idle);
-            let (r, t) = timed(|| staging.to_host(self.s1, self.dev.as_slice().slice(0..size)?, dst));
-            r?;
-            keep(1, staging, rep);
-            if rep > 0 {
-                samples[0].push(h2d);
-                samples[1].push(gbs(size, t.as_secs_f64()));
-            }
+        self.evictor.evict();
+        pause(self.idle);
+        let (r, t) = timed(|| staging.to_device(self.s1, src, self.dev.as_mut_slice().slice_mut(0..size)?));
+        r?;
+        let h2d = gbs(size, t.as_secs_f64());
+        keep(0, staging);
+        // Zeroes (the sources never hold one), so that the check of the last round trip sees
+        // what this transfer wrote and not what an earlier copy left there.
+        dst.fill(0);
+        self.evictor.evict();
+        pause(self.idle);
+        let (r, t) = timed(|| staging.to_host(self.s1, self.dev.as_slice().slice(0..size)?, dst));
+        r?;
+        keep(1, staging);
+        if rep > 0 {
+            samples[0].push(h2d);
+            samples[1].push(gbs(size, t.as_secs_f64()));
         }
-        Ok(([median(&samples[0]), median(&samples[1])], slowest))
+        Ok(())
     }
+}
+
+/// One host copy's timed round trips so far: GB/s each way, and the slowest transfers' traces.
+#[derive(Default)]
+struct Round {
+    samples: [Vec<f64>; 2],
+    slowest: [Option<StagingTrace>; 2],
 }
 
 /// How the host-side references are timed: on `threads` threads in pieces of `piece` bytes, each
@@ -548,7 +600,7 @@ pub fn ring_shapes(
             for &slots in slots {
                 for &threads in threads {
                     if piece > 0 && piece <= chunk && slots >= 2 && threads > 0 {
-                        out.push(StagingConfig { chunk, piece, slots, threads });
+                        out.push(StagingConfig { chunk, piece, slots, threads, ..StagingConfig::default() });
                     }
                 }
             }
@@ -620,13 +672,14 @@ pub fn sweep(
         staging.set_tracing(trace);
         for &size in sizes {
             let mut turns = Turns { s1: &s1, dev: &mut dev, evictor: &evictor, idle };
-            let (staged, slowest) =
-                turns.rounds(&mut staging, &page_src[..size], &mut page_dst[..size], reps)?;
-            if page_dst[..size] != page_src[..size] {
-                return Err(crate::bench::invalid(format!(
-                    "staged round trip of {size} bytes with {config:?} corrupted the data"
-                )));
-            }
+            let mut staged = turns.rounds(
+                &mut staging,
+                &page_src[..size],
+                &mut page_dst[..size],
+                reps,
+                &[config.host_copy],
+            )?;
+            let (_, (staged, slowest)) = staged.remove(0);
             fresh(&mut page_dst[..size], 0);
             rows.push(SweepRow { config, size, staged, slowest });
         }
@@ -723,6 +776,10 @@ pub struct Args {
     /// references alike (a program that copies now and then rather than back to back).
     #[arg(long, default_value_t = 0, requires = "sweep")]
     idle_ms: u64,
+    /// How the staged path's threads write: plain (ordinary stores), streaming (non-temporal
+    /// stores, the default) or both (taking turns in every round, each reported).
+    #[arg(long, default_value = "streaming", value_parser = crate::bench::parse_host_copies)]
+    host_copy: std::vec::Vec<HostCopy>,
     /// Print, for each size (and shape) and direction, the slowest timed staged transfer's
     /// timeline: when each chunk was filled, its DMA queued, landed, drained.
     #[arg(long)]
@@ -737,16 +794,23 @@ pub struct Args {
 
 /// `cuvmm bench bandwidth`: runs the benchmark with `args` and writes its report to `out`.
 pub fn cli(args: Args, out: &mut impl Write) -> CliResult {
-    let Args { sizes, reps, threads, chunk, piece, slots, sweep, idle_ms, trace, device, json } = args;
+    let Args { sizes, reps, threads, chunk, piece, slots, sweep, idle_ms, host_copy, trace, device, json } =
+        args;
     let ctx = Context::for_ordinal(device)?;
     let d = StagingConfig::default();
-    let shapes = ring_shapes(
+    let mut shapes = ring_shapes(
         &chunk.unwrap_or_else(|| vec![d.chunk]),
         piece.as_deref(),
         &slots.unwrap_or_else(|| vec![d.slots]),
         &threads.unwrap_or_else(|| vec![d.threads]),
     );
     if sweep {
+        let [copy] = host_copy[..] else {
+            return Err("--sweep takes one --host-copy (plain or streaming)".into());
+        };
+        for s in &mut shapes {
+            s.host_copy = copy;
+        }
         let idle = std::time::Duration::from_millis(idle_ms);
         let (rows, refs) = self::sweep(&ctx, &sizes, reps, &shapes, idle, trace)?;
         print_sweep(out, &ctx.device().name()?, &rows, &refs, reps, idle_ms, json)?;
@@ -764,7 +828,7 @@ pub fn cli(args: Args, out: &mut impl Write) -> CliResult {
     };
     let mut staging = Staging::with_config(&ctx, shape)?;
     staging.set_tracing(trace);
-    let rows = run(&ctx, &sizes, reps, &mut staging)?;
+    let rows = run(&ctx, &sizes, reps, &mut staging, &host_copy)?;
     print_bandwidth(out, &ctx, &rows, &staging, json)?;
     for r in &rows {
         print_slowest(out, r.size, None, &r.slowest, json)?;
@@ -886,16 +950,20 @@ pub fn print_bandwidth(
         )?;
     }
     let c = staging.config();
+    let copies =
+        rows.first().map_or(Vec::new(), |r| r.staged_by_copy.iter().map(|(c, _)| c.name()).collect());
     writeln!(
         out,
-        "staged: {} threads, {} chunks in {} pieces, {} slots; memcpy: host memcpy on the same threads in \
-         the same pieces, taken in turn, pageable → pinned / pinned → pageable (the staged path's \
-         copying side alone, without its DMA)",
+        "staged: {} threads, {} chunks in {} pieces, {} slots, {} host copies; memcpy: host memcpy on the \
+         same threads in the same pieces, taken in turn, pageable → pinned / pinned → pageable (the \
+         staged path's copying side alone, without its DMA)",
         c.threads,
         show(c.chunk),
         show(c.piece),
-        c.slots
+        c.slots,
+        copies.first().copied().unwrap_or(c.host_copy.name())
     )?;
+    print_by_host_copy(out, rows)?;
     let big: Vec<_> = rows.iter().filter(|r| r.size >= 64 << 20).collect();
     if !big.is_empty() {
         let worst = |i: usize| big.iter().map(|r| r.staged[i]).fold(f64::INFINITY, f64::min);
@@ -917,6 +985,27 @@ pub fn print_bandwidth(
     Ok(())
 }
 
+/// With more than one host copy measured, each one's staged GB/s per size, and each over the
+/// first's.
+fn print_by_host_copy(out: &mut impl Write, rows: &[BandwidthRow]) -> CliResult {
+    for r in rows.iter().filter(|r| r.staged_by_copy.len() > 1) {
+        let [h0, d0] = r.staged_by_copy[0].1;
+        let each: Vec<String> = r
+            .staged_by_copy
+            .iter()
+            .map(|(c, [h, d])| format!("{c} {h:.1} / {d:.1} ({:.3}x / {:.3}x)", h / h0, d / d0))
+            .collect();
+        writeln!(
+            out,
+            "staged at {} by host copy, taking turns, GB/s H2D / D2H (over {}): {}",
+            show(r.size),
+            r.staged_by_copy[0].0,
+            each.join(", ")
+        )?;
+    }
+    Ok(())
+}
+
 /// [`print_bandwidth`] as JSON lines, one per size.
 fn print_bandwidth_json(
     out: &mut impl Write,
@@ -925,10 +1014,13 @@ fn print_bandwidth_json(
     staging: &Staging,
 ) -> CliResult {
     for r in rows {
+        let by_copy: serde_json::Map<String, serde_json::Value> =
+            r.staged_by_copy.iter().map(|(c, g)| (c.name().to_string(), json!(g))).collect();
         writeln!(
             out,
             "{}",
             json!({"bench": "bandwidth", "device": name, "size": r.size, "reps": r.reps,
+            "staged_by_host_copy": by_copy,
             "pageable_h2d": r.pageable[0], "pageable_d2h": r.pageable[1],
             "pinned_raw_h2d": r.pinned_raw[0], "pinned_raw_d2h": r.pinned_raw[1],
             "pinned_h2d": r.pinned[0], "pinned_d2h": r.pinned[1],
@@ -1137,8 +1229,33 @@ mod tests {
     use super::*;
     use crate::bench::assert_report;
 
+    #[test]
+    fn each_host_copy_is_reported_over_the_first_and_one_alone_is_not() {
+        let row = |by: Vec<(HostCopy, [f64; 2])>| BandwidthRow {
+            size: 1 << 30,
+            staged_by_copy: by,
+            ..Default::default()
+        };
+        let mut out = Vec::new();
+        print_by_host_copy(&mut out, &[row(vec![(HostCopy::Streaming, [40.0, 50.0])])]).unwrap();
+        assert!(out.is_empty(), "one host copy has nothing to compare");
+        let both = row(vec![(HostCopy::Streaming, [40.0, 50.0]), (HostCopy::Plain, [44.0, 25.0])]);
+        print_by_host_copy(&mut out, &[both]).unwrap();
+        assert_eq!(
+            String::from_utf8(out).unwrap(),
+            "staged at 1 GiB by host copy, taking turns, GB/s H2D / D2H (over streaming): streaming 40.0 / 50.0 \
+             (1.000x / 1.000x), plain 44.0 / 25.0 (1.100x / 0.500x)\n"
+        );
+    }
+
     fn sweep_input() -> (Vec<SweepRow>, Vec<SweepReference>) {
-        let shape = |chunk: usize, slots| StagingConfig { chunk, piece: 256 << 10, slots, threads: 12 };
+        let shape = |chunk: usize, slots| StagingConfig {
+            chunk,
+            piece: 256 << 10,
+            slots,
+            threads: 12,
+            ..StagingConfig::default()
+        };
         let row =
             |config, size, h2d, d2h| SweepRow { config, size, staged: [h2d, d2h], slowest: [None, None] };
         let rows = vec![

@@ -35,6 +35,15 @@ pub fn unsupported(what: impl std::fmt::Display, why: impl std::fmt::Display) ->
     cuvmm::Error::Unsupported { what: what.to_string(), why: why.to_string() }
 }
 
+/// `--host-copy` of `bench bandwidth` and `bench sleep`: `plain`, `streaming` or `both` (the
+/// default first, then the other; the benchmark takes them in turns).
+pub fn parse_host_copies(s: &str) -> std::result::Result<Vec<cuvmm::host::HostCopy>, String> {
+    if s.trim().eq_ignore_ascii_case("both") {
+        return Ok(cuvmm::host::HostCopy::ALL.to_vec());
+    }
+    s.parse().map(|c| vec![c]).map_err(|_| format!("{s:?}: plain, streaming or both"))
+}
+
 /// Runs `f` and returns its result with the elapsed time.
 pub fn timed<T>(f: impl FnOnce() -> T) -> (T, Duration) {
     let t = Instant::now();
@@ -60,4 +69,17 @@ pub(crate) fn assert_report(name: &str, got: &[u8]) {
         other => panic!("no expected report {other} in src/bench/testdata (add it to assert_report)"),
     };
     assert_eq!(String::from_utf8_lossy(got), String::from_utf8_lossy(want), "{name} changed");
+}
+
+#[cfg(test)]
+mod tests {
+    use cuvmm::host::HostCopy;
+
+    #[test]
+    fn host_copies_are_one_or_both_the_default_first() {
+        assert_eq!(super::parse_host_copies("plain").unwrap(), [HostCopy::Plain]);
+        assert_eq!(super::parse_host_copies("streaming").unwrap(), [HostCopy::Streaming]);
+        assert_eq!(super::parse_host_copies("Both").unwrap(), [HostCopy::default(), HostCopy::Plain]);
+        assert!(super::parse_host_copies("neither").is_err());
+    }
 }

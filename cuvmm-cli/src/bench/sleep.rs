@@ -37,7 +37,7 @@ use cuvmm::alloc::{
 use cuvmm::context::Context;
 use cuvmm::driver::result;
 use cuvmm::error::Result;
-use cuvmm::host::PinnedBuffer;
+use cuvmm::host::{HostCopy, PinnedBuffer};
 use cuvmm::kernels::Kernels;
 use cuvmm::memory::{DeviceSlice, DeviceSliceMut};
 use cuvmm::stream::{Event, Stream};
@@ -66,6 +66,17 @@ pub struct SleepConfig {
     pub floor: bool,
     /// Waits for the parent of `--processes` before each cycle and before the floor.
     pub barrier: bool,
+    /// How the staging ring writes ([`cuvmm::alloc::set_backup_host_copy`]), taking turns: cycle
+    /// `i` (from 1) with the `(i - 1) % len`-th. Empty: whatever the process has.
+    pub host_copies: Vec<HostCopy>,
+}
+
+impl SleepConfig {
+    /// The host copy of cycle `index` (from 1), if the run sets one.
+    fn host_copy(&self, index: usize) -> Option<HostCopy> {
+        let n = self.host_copies.len();
+        (n > 0).then(|| self.host_copies[(index.max(1) - 1) % n])
+    }
 }
 
 /// One sleep and wake cycle (milliseconds unless named otherwise; bytes of memory).
@@ -77,6 +88,8 @@ pub struct Cycle {
     pub first_in_process: bool,
     /// Ran in a child process (`--fresh-process`).
     pub in_child: bool,
+    /// How the staging ring wrote in its sleep and wake, when the run set it.
+    pub host_copy: Option<HostCopy>,
     /// What the cycle timed.
     pub steps: Steps,
     /// Elements that differed from what was written, after the wake.
@@ -164,6 +177,7 @@ impl Cycle {
             "pinned": {"before": self.pinned[0], "asleep": self.pinned[1], "after_wake": self.pinned[2], "settled": self.pinned[3]},
             "plain_write_ms": self.plain_write_ms,
             "sleep_vmstat": VMSTAT.iter().zip(self.sleep_vmstat).map(|(k, v)| ((*k).to_string(), v.into())).collect::<serde_json::Map<_, _>>(),
+            "host_copy": self.host_copy.map(HostCopy::name),
         })
     }
 
@@ -179,6 +193,7 @@ impl Cycle {
             index: v.get("cycle")?.as_u64()? as usize,
             first_in_process: v.get("first_in_process")?.as_bool()?,
             in_child: true,
+            host_copy: v.get("host_copy").and_then(|c| c.as_str()).and_then(|c| c.parse().ok()),
             steps: Steps {
                 d2h_bound_ms: f("d2h_bound_ms")?,
                 offload_ms: f("offload_ms")?,
@@ -221,6 +236,9 @@ pub struct SleepReport {
     pub mismatches: u64,
     /// Fastest and slowest of each timed series: offload, D2H bound, wake, H2D bound.
     pub spread: Spread,
+    /// With more than one host copy in the cycles: each one's medians over its cycles after the
+    /// first of each process, and how many those are.
+    pub by_host_copy: Vec<(HostCopy, Steps, usize)>,
     /// The tagged bytes of fresh host memory at best ([`cuvmm::alloc::fresh_backup_memory`],
     /// each device's at once), a few times after the cycles: the floor of a sleep into fresh
     /// memory (a process's first, or one after the kernel took a released backup back).
@@ -259,16 +277,30 @@ impl SleepReport {
         let get = |f: fn(&Steps) -> f64| later.iter().map(|t| f(t)).collect::<Vec<f64>>();
         let (off, d2h, wake, h2d) =
             (get(|t| t.offload_ms), get(|t| t.d2h_bound_ms), get(|t| t.wake_ms), get(|t| t.h2d_bound_ms));
-        self.median = Steps {
-            d2h_bound_ms: median(&d2h),
-            offload_ms: median(&off),
-            wake_ms: median(&wake),
-            h2d_bound_ms: median(&h2d),
-            h2d_after_frees_ms: median(&get(|t| t.h2d_after_frees_ms)),
-            discard_ms: median(&get(|t| t.discard_ms)),
-            discard_wake_ms: median(&get(|t| t.discard_wake_ms)),
-        };
+        self.median = medians(&later);
         self.spread = Spread::of([&off, &d2h, &wake, &h2d]);
+        let mut copies: Vec<HostCopy> = Vec::new();
+        for c in self.cycles.iter().filter_map(|c| c.host_copy) {
+            if !copies.contains(&c) {
+                copies.push(c);
+            }
+        }
+        self.by_host_copy = if copies.len() < 2 {
+            Vec::new()
+        } else {
+            copies
+                .into_iter()
+                .map(|copy| {
+                    let mine: Vec<&Steps> = self
+                        .cycles
+                        .iter()
+                        .filter(|c| !c.first_in_process && c.host_copy == Some(copy))
+                        .map(|c| &c.steps)
+                        .collect();
+                    (copy, medians(&mine), mine.len())
+                })
+                .collect()
+        };
         self.first_offload_ms = self
             .cycles
             .iter()
@@ -276,6 +308,20 @@ impl SleepReport {
             .map_or(0.0, |c| c.steps.offload_ms);
         self.mismatches = self.cycles.iter().map(|c| c.mismatches).sum();
         self.freed_ratio = self.cycles.iter().map(|c| c.freed_ratio).fold(f64::INFINITY, f64::min);
+    }
+}
+
+/// Each step's median over `steps`.
+fn medians(steps: &[&Steps]) -> Steps {
+    let get = |f: fn(&Steps) -> f64| median(&steps.iter().map(|t| f(t)).collect::<Vec<f64>>());
+    Steps {
+        d2h_bound_ms: get(|t| t.d2h_bound_ms),
+        offload_ms: get(|t| t.offload_ms),
+        wake_ms: get(|t| t.wake_ms),
+        h2d_bound_ms: get(|t| t.h2d_bound_ms),
+        h2d_after_frees_ms: get(|t| t.h2d_after_frees_ms),
+        discard_ms: get(|t| t.discard_ms),
+        discard_wake_ms: get(|t| t.discard_wake_ms),
     }
 }
 
@@ -444,7 +490,8 @@ pub fn run(
     first_index: usize,
     mut each: impl FnMut(&Cycle),
 ) -> Result<SleepReport> {
-    let SleepConfig { bytes, block, reps, ref backup, gap, first_only, floor, barrier } = *cfg;
+    let SleepConfig { bytes, block, reps, ref backup, gap, first_only, floor, barrier, host_copies: _ } =
+        *cfg;
     if block == 0 || block % 4 != 0 || bytes < block || ctxs.is_empty() {
         return Err(invalid("need 0 < block <= size, block a multiple of 4, and a device"));
     }
@@ -468,6 +515,10 @@ pub fn run(
         }
         let seed = 1000 + (first_index + rep) as u32;
         let mut c = Cycle { index: first_index + rep, first_in_process: rep == 0, ..Cycle::default() };
+        c.host_copy = cfg.host_copy(c.index);
+        if let Some(copy) = c.host_copy {
+            cuvmm::alloc::set_backup_host_copy(copy);
+        }
         for d in &devs {
             d.fill(seed)?;
         }
@@ -610,6 +661,11 @@ pub struct Args {
     /// Milliseconds waited between each sleep and its wake.
     #[arg(long, default_value_t = 0)]
     gap_ms: u64,
+    /// How the staging ring's threads write the backup (and read it back): plain (ordinary
+    /// stores), streaming (non-temporal stores, the library's default) or both (cycles take
+    /// turns, each one's medians reported). Default: the library's (or CUVMM_HOST_COPY).
+    #[arg(long, value_parser = crate::bench::parse_host_copies)]
+    pub(super) host_copy: Option<std::vec::Vec<HostCopy>>,
     /// Run only the first cycle, as JSON lines (what --fresh-process runs in the child).
     #[arg(long, hide = true)]
     first_only: bool,
@@ -651,6 +707,7 @@ pub fn cli(args: Args, out: &mut impl Write) -> CliResult {
         first_only: args.first_only,
         floor: false,
         barrier: args.barrier,
+        host_copies: args.host_copy.clone().unwrap_or_default(),
     };
     let released = cfg.backup.kind == BackupKind::Pageable && !cfg.backup.retain;
     let cfg = SleepConfig { floor: released, ..cfg };
@@ -715,13 +772,21 @@ fn print_sleep_header(
     let (backup, retain, gap_ms) = (&args.backup, args.retain, args.gap_ms);
     writeln!(
         out,
-        "{}: sleep and wake of {} tagged on each of {} device(s) in {} blocks, backup {backup}{}{}; bounds taken in each cycle",
+        "{}: sleep and wake of {} tagged on each of {} device(s) in {} blocks, backup {backup}{}{}{}; bounds taken in each cycle",
         names.join(", "),
         show(args.size),
         devices,
         show(args.block),
         if retain { ", retained" } else { "" },
         if gap_ms > 0 { format!(", {gap_ms} ms between sleep and wake") } else { String::new() },
+        match args.host_copy.as_deref() {
+            Some([one]) => format!(", {one} host copies"),
+            Some(more) => format!(
+                ", host copies taking turns ({})",
+                more.iter().map(|c| c.name()).collect::<Vec<_>>().join(", ")
+            ),
+            None => String::new(),
+        },
     )?;
     print_cycle_header(out)
 }
@@ -753,6 +818,10 @@ fn print_sleep_cycle(out: &mut impl Write, c: &Cycle, bytes: usize) -> std::io::
         (true, _) => " (fresh child)",
         (false, true) => " (first of the run)",
         _ => "",
+    };
+    let place = match c.host_copy {
+        Some(copy) => format!("{place} {copy}"),
+        None => place.to_string(),
     };
     writeln!(
         out,
@@ -798,6 +867,11 @@ pub(super) fn child_command(args: &Args, devices: &[usize]) -> std::io::Result<s
     }
     if args.no_retained {
         cmd.arg("--no-retained");
+    }
+    match args.host_copy.as_deref() {
+        Some([one]) => drop(cmd.args(["--host-copy", one.name()])),
+        Some([_, _, ..]) => drop(cmd.args(["--host-copy", "both"])),
+        _ => {}
     }
     Ok(cmd)
 }
@@ -895,6 +969,19 @@ fn print_summary_json(out: &mut impl Write, r: &SleepReport) -> std::io::Result<
             "goals": sleep_goals(r).into_iter().collect::<serde_json::Map<String, serde_json::Value>>(),
             "fastest_slowest_ms": {"offload": r.spread.0[0], "d2h_bound": r.spread.0[1],
                 "wake": r.spread.0[2], "h2d_bound": r.spread.0[3]}});
+    let mut line = line;
+    if !r.by_host_copy.is_empty() {
+        let by: serde_json::Map<String, serde_json::Value> = r
+            .by_host_copy
+            .iter()
+            .map(|(copy, m, n)| {
+                let v = json!({"cycles": n, "offload_ms": m.offload_ms, "offload_ratio": m.offload_ratio(),
+                    "wake_ms": m.wake_ms, "wake_ratio": m.wake_ratio(), "wake_ratio_after_frees": m.wake_ratio_after_frees()});
+                (copy.name().to_string(), v)
+            })
+            .collect();
+        line["by_host_copy"] = by.into();
+    }
     writeln!(out, "{line}")
 }
 
@@ -983,6 +1070,18 @@ fn print_summary_notes(out: &mut impl Write, r: &SleepReport) -> std::io::Result
     if let Some(x) = r.first_over_floor() {
         writeln!(out, "first sleep of a process over that floor: {x:.3}x")?;
     }
+    for (copy, m, n) in &r.by_host_copy {
+        writeln!(
+            out,
+            "{copy} host copies (the cycles took turns; medians of {n} after each process's first): sleep {:.1} ms, \
+             {:.3}x its D2H bound; wake {:.1} ms, {:.3}x its H2D bound, {:.3}x after the same frees",
+            m.offload_ms,
+            m.offload_ratio(),
+            m.wake_ms,
+            m.wake_ratio(),
+            m.wake_ratio_after_frees()
+        )?;
+    }
     writeln!(out, "elements changed across sleep and wake: {}", r.mismatches)?;
     for (goal, met) in sleep_goals(r) {
         writeln!(out, "goal: {goal}: {}", if met == true { "met" } else { "NOT met" })?;
@@ -1000,6 +1099,7 @@ mod tests {
             index,
             first_in_process,
             in_child,
+            host_copy: None,
             steps: Steps {
                 d2h_bound_ms: 330.25 * scale,
                 offload_ms: 343.6 * scale,
@@ -1044,6 +1144,57 @@ mod tests {
         let mut out = Vec::new();
         print_sleep_summary(&mut out, &r, &["NVIDIA H100".to_string()], 1 << 30, 3, true).unwrap();
         assert_report("sleep.jsonl", &out);
+    }
+
+    #[test]
+    fn cycles_taking_turns_with_host_copies_are_summed_up_per_host_copy() {
+        let cfg = SleepConfig {
+            bytes: 1,
+            block: 1,
+            reps: 4,
+            backup: BackupOptions::default(),
+            gap: Duration::ZERO,
+            first_only: false,
+            floor: false,
+            barrier: false,
+            host_copies: HostCopy::ALL.to_vec(),
+        };
+        let got: Vec<_> = (1..=5).map(|i| cfg.host_copy(i)).collect();
+        let (s, p) = (Some(HostCopy::Streaming), Some(HostCopy::Plain));
+        assert_eq!(got, [s, p, s, p, s]);
+        assert_eq!(SleepConfig { host_copies: Vec::new(), ..cfg.clone() }.host_copy(3), None);
+
+        // One host copy alone: nothing apart.
+        let mut r = report();
+        assert!(r.by_host_copy.is_empty());
+        for c in &mut r.cycles {
+            c.host_copy = s;
+        }
+        r.summarise();
+        assert!(r.by_host_copy.is_empty());
+        // Cycles 2 and 4 plain (scales 1.4 and 1.02; cycle 2 a process's first), 1 and 3
+        // streaming (cycle 1 a process's first).
+        for c in &mut r.cycles {
+            c.host_copy = cfg.host_copy(c.index);
+        }
+        r.summarise();
+        let [(c0, m0, n0), (c1, m1, n1)] = &r.by_host_copy[..] else { panic!("{:?}", r.by_host_copy) };
+        assert_eq!((*c0, *n0, *c1, *n1), (HostCopy::Streaming, 1, HostCopy::Plain, 1));
+        assert_eq!((m0.offload_ms, m1.offload_ms), (343.6, 343.6 * 1.02));
+        let mut out = Vec::new();
+        print_summary_notes(&mut out, &r).unwrap();
+        let text = String::from_utf8(out).unwrap();
+        assert!(text.contains("plain host copies (the cycles took turns; medians of 1 after each process's first): sleep 350.5 ms"), "{text}");
+        let mut out = Vec::new();
+        print_summary_json(&mut out, &r).unwrap();
+        let v: serde_json::Value = serde_json::from_slice(&out).unwrap();
+        assert_eq!(v["by_host_copy"]["streaming"]["cycles"], 1);
+        assert_eq!(v["by_host_copy"]["plain"]["offload_ms"], 343.6 * 1.02);
+        // A child's cycle keeps its host copy.
+        let mut line = Vec::new();
+        print_cycle(&mut line, &r.cycles[1], 16 << 30, true).unwrap();
+        let v: serde_json::Value = serde_json::from_slice(&line).unwrap();
+        assert_eq!(Cycle::from_json(&v["cycle"]).unwrap().host_copy, p);
     }
 
     #[test]

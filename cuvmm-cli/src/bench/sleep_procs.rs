@@ -186,6 +186,20 @@ mod tests {
     }
 
     #[test]
+    fn a_child_takes_the_host_copies_of_its_parent() {
+        for (argv, want) in [
+            (&["bench"][..], None),
+            (&["bench", "--host-copy", "plain"][..], Some("plain")),
+            (&["bench", "--host-copy", "both"][..], Some("both")),
+        ] {
+            let cmd = child_command(&Cli::parse_from(argv).args, &[0]).unwrap();
+            let got: Vec<String> = cmd.get_args().map(|a| a.to_string_lossy().into_owned()).collect();
+            let at = got.iter().position(|a| a == "--host-copy");
+            assert_eq!(at.map(|i| got[i + 1].as_str()), want, "{argv:?}: {got:?}");
+        }
+    }
+
+    #[test]
     fn each_process_reports_a_row_per_run_and_its_barriers_are_not_rows() {
         let args = Cli::parse_from(["bench"]).args;
         let summary = |run: &str, first: f64| {

@@ -86,7 +86,7 @@ pub fn run(out_dir: &Path, device: usize) -> CliResult {
     writeln!(out, "\n== 4. Host-device bandwidth\n")?;
     let mut staging = Staging::with_defaults(&ctx)?;
     let sizes: Vec<usize> = (0..5).map(|i| (1usize << 20) << (2 * i)).collect();
-    let rows = bandwidth::run(&ctx, &sizes, 3, &mut staging)?;
+    let rows = bandwidth::run(&ctx, &sizes, 3, &mut staging, &[])?;
     print_bandwidth(&mut out, &ctx, &rows, &staging, false)?;
     write_bandwidth(out_dir, &rows, &name)?;
 

@@ -88,6 +88,7 @@ impl Copier for StagedCopier {
         // SAFETY: `src` is a mapped range of a tag's pages, which stay mapped until the copy has
         // returned (the allocator waits for the mover before unmapping).
         let from = unsafe { DeviceSlice::<u8>::from_raw_parts(src, dst.len()) };
+        self.staging.set_host_copy(backup::backup_host_copy());
         self.staging.to_host(&self.stream, from, dst)
     }
 
@@ -95,6 +96,7 @@ impl Copier for StagedCopier {
         // SAFETY: as in `to_host`; nothing else writes the range during a wake.
         let to = unsafe { DeviceSliceMut::<u8>::from_raw_parts(dst, src.len()) };
         self.take_lane()?;
+        self.staging.set_host_copy(backup::backup_host_copy());
         self.staging.to_device(&self.stream, src, to)
     }
 }

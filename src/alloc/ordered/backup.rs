@@ -20,7 +20,7 @@ use std::collections::HashMap;
 use std::fs::File;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -128,13 +128,39 @@ pub(crate) fn env_threads(name: &str) -> Option<usize> {
 }
 
 /// The staging ring that moves staged backups: the default ring, with
-/// `CUVMM_BACKUP_COPY_THREADS` copying threads if set.
+/// `CUVMM_BACKUP_COPY_THREADS` copying threads if set, writing as [`backup_host_copy`] says.
 pub(crate) fn ring_config() -> crate::host::StagingConfig {
     let mut config = crate::host::StagingConfig::default();
     if let Some(n) = copy_threads_set() {
         config.threads = n;
     }
+    config.host_copy = backup_host_copy();
     config
+}
+
+/// [`backup_host_copy`]'s value, [`HOST_COPY_UNSET`] until the first call or a
+/// [`set_backup_host_copy`].
+static HOST_COPY: AtomicU8 = AtomicU8::new(HOST_COPY_UNSET);
+const HOST_COPY_UNSET: u8 = u8::MAX;
+
+/// Sets how the staging rings that move pageable and disk backups write
+/// ([`HostCopy`](crate::host::HostCopy)), for every sleep and wake of this process from now on,
+/// on every allocator: `cuvmm bench sleep --host-copy both` compares the two, taking turns.
+pub fn set_backup_host_copy(copy: crate::host::HostCopy) {
+    HOST_COPY.store(copy as u8, Ordering::Relaxed);
+}
+
+/// How the staging rings that move backups write: what [`set_backup_host_copy`] set last, else
+/// what `CUVMM_HOST_COPY` says (`plain` or `streaming`), else the ring's default.
+pub fn backup_host_copy() -> crate::host::HostCopy {
+    use crate::host::HostCopy;
+    let known = HostCopy::ALL.into_iter().find(|&c| c as u8 == HOST_COPY.load(Ordering::Relaxed));
+    known.unwrap_or_else(|| {
+        let copy = std::env::var("CUVMM_HOST_COPY").ok().and_then(|v| v.parse().ok()).unwrap_or_default();
+        // A set that raced this read wins: it is the caller's word.
+        let _ = HOST_COPY.compare_exchange(HOST_COPY_UNSET, copy as u8, Ordering::Relaxed, Ordering::Relaxed);
+        copy
+    })
 }
 
 /// An anonymous private mapping of host memory, unmapped when dropped.
@@ -808,6 +834,18 @@ mod tests {
         let r = unsafe { libc::mincore(map.ptr().cast(), map.len(), v.as_mut_ptr()) };
         assert_eq!(r, 0);
         v.iter().filter(|&&b| b & 1 == 1).count()
+    }
+
+    #[test]
+    fn the_backups_host_copy_is_what_was_set_last_and_the_ring_takes_it() {
+        use crate::host::HostCopy;
+        // Other tests of this process may sleep meanwhile: either kind of store is correct for
+        // them, and this test ends on the default.
+        for copy in [HostCopy::Plain, HostCopy::Streaming, HostCopy::Plain, HostCopy::default()] {
+            set_backup_host_copy(copy);
+            assert_eq!(backup_host_copy(), copy);
+            assert_eq!(ring_config().host_copy, copy);
+        }
     }
 
     #[test]

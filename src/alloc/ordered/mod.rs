@@ -99,7 +99,9 @@ mod heap;
 mod host_memory;
 mod lazy;
 
-pub use self::backup::{fresh_backup_memory, BackupKind, BackupOptions};
+pub use self::backup::{
+    backup_host_copy, fresh_backup_memory, set_backup_host_copy, BackupKind, BackupOptions,
+};
 pub use self::core::{AllocatorStats, SleepMode, TagStats};
 
 use self::backend::DriverBackend;

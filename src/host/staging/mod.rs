@@ -16,6 +16,7 @@
 //! With slots used in turn, one late piece stopped the DMA engine until it was copied.
 
 mod clock;
+mod host_copy;
 mod lane;
 mod plan;
 mod pool;
@@ -24,6 +25,7 @@ mod to_device;
 mod to_host;
 mod trace;
 
+pub use host_copy::HostCopy;
 pub use lane::KernelLane;
 pub use trace::{ChunkTrace, StagingTrace};
 
@@ -50,17 +52,25 @@ pub struct StagingConfig {
     pub slots: usize,
     /// Host threads copying.
     pub threads: usize,
+    /// How they write: [`HostCopy`]. [`Staging::set_host_copy`] changes it between transfers.
+    pub host_copy: HostCopy,
 }
 
 impl Default for StagingConfig {
     /// 4 MiB chunks in 256 KiB pieces, 8 slots (32 MiB pinned), three quarters of the cores
-    /// copying (at most 12 threads): the fastest shape of the sweeps in docs/PERFORMANCE.md
-    /// ("Figures behind the defaults"). Small pieces shorten the end of a transfer (the threads
-    /// finish within a small piece of one another, and the last DMA follows sooner); smaller
-    /// rings starve the threads.
+    /// copying (at most 12 threads), streaming stores: the fastest shape of the sweeps in
+    /// docs/PERFORMANCE.md ("Figures behind the defaults"). Small pieces shorten the end of a
+    /// transfer (the threads finish within a small piece of one another, and the last DMA
+    /// follows sooner); smaller rings starve the threads.
     fn default() -> Self {
         let cores = std::thread::available_parallelism().map_or(4, |n| n.get());
-        StagingConfig { chunk: 4 << 20, piece: 256 << 10, slots: 8, threads: default_threads(cores) }
+        StagingConfig {
+            chunk: 4 << 20,
+            piece: 256 << 10,
+            slots: 8,
+            threads: default_threads(cores),
+            host_copy: HostCopy::default(),
+        }
     }
 }
 
@@ -98,6 +108,7 @@ struct Addr(usize);
 /// One transfer in either direction: how it is cut, its progress, its trace, the slots' addresses.
 struct Transfer {
     plan: Plan,
+    host_copy: HostCopy,
     shared: Shared,
     marks: Marks,
     slots: Vec<Addr>,
@@ -134,15 +145,19 @@ impl Transfer {
 
 impl Staging {
     /// `slots` pinned buffers of `chunk` bytes each, filled or drained by `threads` threads, in
-    /// pieces of a sixteenth of a chunk (at least 64 KiB, at most the chunk), the default's ratio.
+    /// pieces of a sixteenth of a chunk (at least 64 KiB, at most the chunk), the default's ratio,
+    /// with the default's stores.
     pub fn new(ctx: &Context, chunk: usize, slots: usize, threads: usize) -> Result<Staging> {
         let piece = (chunk / 16).max(64 << 10).min(chunk);
-        Staging::with_config(ctx, StagingConfig { chunk, piece, slots, threads })
+        Staging::with_config(
+            ctx,
+            StagingConfig { chunk, piece, slots, threads, host_copy: HostCopy::default() },
+        )
     }
 
     /// A ring of the given shape.
     pub fn with_config(ctx: &Context, config: StagingConfig) -> Result<Staging> {
-        let StagingConfig { chunk, piece, slots, threads } = config;
+        let StagingConfig { chunk, piece, slots, threads, host_copy: _ } = config;
         if chunk == 0 || piece == 0 || piece > chunk || slots < 2 || threads == 0 {
             return Err(Error::invalid(format!(
                 "staging needs chunk > 0, 0 < piece <= chunk, at least 2 slots and 1 thread ({config:?})"
@@ -211,6 +226,11 @@ impl Staging {
         self.to_host_threads
     }
 
+    /// How the threads write from the next transfer on: a benchmark compares both on one ring.
+    pub fn set_host_copy(&mut self, copy: HostCopy) {
+        self.config.host_copy = copy;
+    }
+
     /// Starts a transfer of `bytes`: forgets the last trace, refuses sides of different lengths
     /// (named, with their lengths in elements, in the order the data moves) and cuts the bytes
     /// into chunks and pieces (`None`: nothing to move).
@@ -231,6 +251,7 @@ impl Staging {
             shared: Shared::new(self.slots.len(), plan.chunks, slot_of),
             marks: Marks::new(self.tracing, plan.chunks),
             slots: self.slots.iter_mut().map(|s| Addr(s.as_mut_ptr() as usize)).collect(),
+            host_copy: self.config.host_copy,
             plan,
         }
     }

@@ -5,7 +5,7 @@ use super::clock::DmaClock;
 use super::lane::Lane;
 use super::progress::{OnUnwind, NO_SLOT};
 use super::trace::Step;
-use super::{Addr, Staging, Transfer};
+use super::{Addr, HostCopy, Staging, Transfer};
 use crate::driver::{driver, result, Api};
 use crate::error::Result;
 use crate::host::stream_copy::copy_streaming;
@@ -177,7 +177,7 @@ impl Staging {
 /// A copying thread's part of a transfer to the device: claims pieces in order and copies each
 /// from `src` into its chunk's slot, once the chunk has one.
 fn fill(t: &Transfer, src: Addr) {
-    let Transfer { plan, shared, marks, slots } = t;
+    let Transfer { plan, shared, marks, slots, host_copy } = t;
     loop {
         let Some(p) = shared.claim(plan.pieces) else { return };
         marks.piece_taken();
@@ -200,7 +200,7 @@ fn fill(t: &Transfer, src: Addr) {
                 std::slice::from_raw_parts_mut((slots[s].0 + at) as *mut u8, len),
             )
         };
-        if plan.streamed(j * plan.chunk + at) {
+        if *host_copy == HostCopy::Streaming && plan.streamed(j * plan.chunk + at) {
             copy_streaming(to, from);
         } else {
             to.copy_from_slice(from);

@@ -4,7 +4,7 @@
 use super::clock::DmaClock;
 use super::progress::NO_SLOT;
 use super::trace::Step;
-use super::{Addr, Staging, Transfer};
+use super::{Addr, HostCopy, Staging, Transfer};
 use crate::driver::{driver, result, Api};
 use crate::error::Result;
 use crate::host::stream_copy::copy_streaming;
@@ -18,7 +18,7 @@ impl Staging {
     /// This thread queues each chunk's DMA into any slot already drained, and records
     /// the slot's event after it; the threads wait for that event and drain the chunk's pieces
     /// in order, writing `dst` with non-temporal stores (they skip reading each line before
-    /// writing it).
+    /// writing it) unless the ring's [`HostCopy`](super::HostCopy) is plain.
     pub fn to_host<T: DeviceCopy>(
         &mut self,
         stream: &Stream,
@@ -47,7 +47,7 @@ impl Staging {
 /// A copying thread's part of a transfer to the host: claims pieces in order and, once the
 /// piece's chunk has landed in its slot, copies it out into `dst`.
 fn drain(t: &Transfer, dst: Addr, events: &[Event], clock: &DmaClock) {
-    let Transfer { plan, shared, marks, slots } = t;
+    let Transfer { plan, shared, marks, slots, host_copy } = t;
     loop {
         let Some(p) = shared.claim(plan.pieces) else { return };
         marks.piece_taken();
@@ -77,7 +77,10 @@ fn drain(t: &Transfer, dst: Addr, events: &[Event], clock: &DmaClock) {
                 std::slice::from_raw_parts_mut((dst.0 + j * plan.chunk + at) as *mut u8, len),
             )
         };
-        copy_streaming(to, from);
+        match host_copy {
+            HostCopy::Streaming => copy_streaming(to, from),
+            HostCopy::Plain => to.copy_from_slice(from),
+        }
         if shared.piece_done(j, plan.pieces_in(j)) {
             marks.mark(j, Step::Drained);
             // Every piece's read of the slot happened before the count that found it drained.
@@ -97,7 +100,7 @@ fn issue(
     stream: &Stream,
     api: &Api,
 ) -> Result<()> {
-    let Transfer { plan, shared, marks, slots } = t;
+    let Transfer { plan, shared, marks, slots, .. } = t;
     stream.context().bind()?;
     for i in 0..plan.chunks {
         // Any slot already drained: a thread descheduled in the middle of a piece holds back its
