@@ -2,7 +2,8 @@
 //! that destroys streams between rounds of `cuvmm_malloc`/`cuvmm_free`
 //! (fixtures/streams_destroyed.c; host functions on their own thread, destroyed handles handed to
 //! new streams), and one that frees a block it shared before unexporting it
-//! (fixtures/shared_free.c).
+//! (fixtures/shared_free.c), and one that marks a block shared and asks for its descriptors later
+//! (fixtures/export_mark.c).
 
 // The shared test helpers name the library `cuvmm`, which here is this package's own name.
 extern crate cuvmm_lib as cuvmm;
@@ -72,4 +73,10 @@ fn threads_that_destroy_their_streams_between_rounds_get_no_block_still_in_use()
 #[ignore = "needs libcuvmm.so: `cargo build -p cuvmm-capi` first (.ci/run does; a GPU bundle carries it)"]
 fn a_block_a_c_caller_frees_while_shared_stays_out_of_later_blocks_until_unexported() {
     run_fixture("shared_free", include_str!("fixtures/shared_free.c"));
+}
+
+#[test]
+#[ignore = "needs libcuvmm.so: `cargo build -p cuvmm-capi` first (.ci/run does; a GPU bundle carries it)"]
+fn a_block_marked_shared_costs_no_descriptor_and_gives_them_on_request_until_unexported() {
+    run_fixture("export_mark", include_str!("fixtures/export_mark.c"));
 }

@@ -18,6 +18,6 @@ mod peer;
 pub use cache::{CacheStats, CachingAllocator, SubAllocation, MIN_CLASS};
 pub use ordered::{
     fresh_backup_memory, AllocatorConfig, AllocatorStats, BackupKind, BackupOptions, BlockExport,
-    BlockImport, GraphMemory, SleepMode, StreamAllocator, StreamBlock, Tag, TagStats,
+    BlockImport, BlockShare, GraphMemory, SleepMode, StreamAllocator, StreamBlock, Tag, TagStats,
 };
 pub use peer::{ExportMode, PeerAllocation, PeerAllocator};
