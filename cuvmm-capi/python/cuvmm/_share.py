@@ -6,10 +6,12 @@
   and the tensor's dtype, size, strides and storage offset, every field checked on arrival;
 * one file descriptor, the receiving end of a ``SOCK_SEQPACKET`` socket pair over which the pages'
   own descriptors follow, up to ``MAX_FDS_PER_MESSAGE`` a message (:func:`send_pages` /
-  :func:`recv_pages`). The sender offers it (:class:`Handoff`) under a random token that travels
-  in the pickle with the sender's address; the receiver fetches it (:func:`fetch`) over one
-  connection per sending process, kept for the next tensor: a tensor costs one request on an open
-  connection, not a connection and a handshake of its own.
+  :func:`recv_pages`), when the receiver needs them. The sender offers it (:class:`Handoff`) under
+  a random token that travels in the pickle with the sender's address; the receiver fetches it
+  (:func:`fetch`) over one connection per sending process, kept for the next tensor: a tensor
+  costs one request on an open connection, not a connection and a handshake of its own. The
+  request says whether the receiver needs the pages' descriptors: one that maps those pages
+  already (the same serials from the same sender) asks for none, and the sender makes none.
 
 Both ends check the other with ``SO_PEERCRED`` before anything travels: the sender answers only
 processes of its effective uid, and the receiver talks only to the process its address names (the
@@ -137,17 +139,29 @@ def raise_fd_limit() -> int:
     return soft
 
 
+def pair() -> tuple[socket.socket, socket.socket]:
+    """A new socket pair: (the end this process keeps, the end to send)."""
+    return socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+
+
+def queue_pages(keep: socket.socket, fds) -> None:
+    """Queues ``fds`` on ``keep`` (an end of :func:`pair`) for :func:`recv_pages` at the other end,
+    and shuts ``keep`` for writing. The descriptors are duplicated into the messages: close yours
+    afterwards."""
+    fds = list(fds)
+    for i in range(0, len(fds), MAX_FDS_PER_MESSAGE):
+        part = fds[i:i + MAX_FDS_PER_MESSAGE]
+        socket.send_fds(keep, [_HEADER.pack(i, len(part))], part)
+    keep.shutdown(socket.SHUT_WR)
+
+
 def send_pages(fds) -> tuple[socket.socket, socket.socket]:
     """Queues ``fds`` on a new socket pair; returns (the end this process keeps, the end to send).
 
     The descriptors are duplicated into the messages: close yours afterwards."""
-    keep, give = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    keep, give = pair()
     try:
-        fds = list(fds)
-        for i in range(0, len(fds), MAX_FDS_PER_MESSAGE):
-            part = fds[i:i + MAX_FDS_PER_MESSAGE]
-            socket.send_fds(keep, [_HEADER.pack(i, len(part))], part)
-        keep.shutdown(socket.SHUT_WR)
+        queue_pages(keep, fds)
     except BaseException:
         keep.close()
         give.close()
@@ -245,7 +259,9 @@ def _report(what: str, e: BaseException) -> None:
 
 
 _TOKEN = 16
-_OFFERED, _UNKNOWN = b"\x01", b"\x00"
+_OFFERED, _UNKNOWN, _FAILED = b"\x01", b"\x00", b"\x02"
+# After the token: whether the receiver needs the pages' descriptors (a bare token: it does).
+_WANT_PAGES, _HAVE_PAGES = b"p", b"k"
 _UCRED = struct.Struct("3i")  # pid, uid, gid
 _ADDRESS = re.compile(rb"\0cuvmm-share-([1-9][0-9]{0,9})-[0-9a-f]{16}\Z")
 
@@ -270,18 +286,23 @@ class Handoff:
 
     def __init__(self):
         self._lock = threading.Lock()
-        self._offers: dict[bytes, socket.socket] = {}
+        self._offers: dict[bytes, tuple[socket.socket, object]] = {}
         self._listener = None
         self._pid = os.getpid()
         self.address = None
 
-    def offer(self, sock: socket.socket) -> tuple[bytes, bytes]:
-        """Takes ``sock`` (closed here once fetched); returns (address, token) for the receiver."""
+    def offer(self, sock: socket.socket, pages=None) -> tuple[bytes, bytes]:
+        """Takes ``sock`` (closed here once fetched); returns (address, token) for the receiver.
+
+        ``pages()``, when given, is called (once, on this object's thread) before ``sock`` goes to
+        a receiver that asks for the pages, to queue them at the other end of ``sock``; a
+        receiver that maps them already gets ``sock`` alone. Should it fail, the receiver gets a
+        refusal and ``sock`` is closed."""
         token = secrets.token_bytes(_TOKEN)
         with self._lock:
             if self._listener is None:
                 self._listen()
-            self._offers[token] = sock
+            self._offers[token] = (sock, pages)
         return self.address, token
 
     def pending(self) -> int:
@@ -300,7 +321,7 @@ class Handoff:
             if self._listener is not None:
                 self._listener.close()
                 self._listener = None
-            for sock in self._offers.values():
+            for sock, _ in self._offers.values():
                 sock.close()
             self._offers.clear()
 
@@ -341,16 +362,22 @@ class Handoff:
         with conn:
             while True:
                 try:
-                    token = conn.recv(_TOKEN + 1)
+                    msg = conn.recv(_TOKEN + 2)
                 except OSError:
                     return
-                if not token:  # the receiving process is done (or gone)
+                if not msg:  # the receiving process is done (or gone)
                     return
-                with self._lock:
-                    sock = self._offers.pop(token, None) if len(token) == _TOKEN else None
+                token, want = msg[:_TOKEN], msg[_TOKEN:]
+                offer = None
+                if len(token) == _TOKEN and want in (b"", _WANT_PAGES, _HAVE_PAGES):
+                    with self._lock:
+                        offer = self._offers.pop(token, None)
+                sock, pages = offer if offer is not None else (None, None)
                 try:
                     if sock is None:
                         conn.send(_UNKNOWN)
+                    elif not self._fill(pages if want != _HAVE_PAGES else None):
+                        conn.send(_FAILED)
                     else:
                         socket.send_fds(conn, [_OFFERED], [sock.fileno()])
                 except OSError:
@@ -358,6 +385,18 @@ class Handoff:
                 finally:
                     if sock is not None:
                         sock.close()
+
+    @staticmethod
+    def _fill(pages) -> bool:
+        """Queues an offer's pages for a receiver that asked for them; False when that failed."""
+        if pages is None:
+            return True
+        try:
+            pages()
+            return True
+        except Exception as e:
+            _report("producing a tensor's page descriptors", e)
+            return False
 
 
 class _Connection:
@@ -432,9 +471,11 @@ def _drop(address: bytes, c: _Connection) -> None:
     c.sock.close()
 
 
-def fetch(address: bytes, token: bytes, timeout: float = FETCH_TIMEOUT) -> socket.socket:
-    """The socket a :class:`Handoff` at ``address`` offered under ``token``. The connection to
-    that process is kept for later fetches. ValueError when it has no such offer (fetched already);
+def fetch(address: bytes, token: bytes, timeout: float = FETCH_TIMEOUT, pages: bool = True) -> socket.socket:
+    """The socket a :class:`Handoff` at ``address`` offered under ``token``, with the offer's page
+    descriptors queued on it when ``pages`` (a receiver that maps them already asks for none). The
+    connection to that process is kept for later fetches. ValueError when it has no such offer
+    (fetched already) or could not produce its pages;
     PermissionError when the process answering is not the one the address names or runs as
     another user; TimeoutError when it has not answered within ``timeout`` seconds; another
     OSError when it cannot be reached."""
@@ -454,7 +495,7 @@ def fetch(address: bytes, token: bytes, timeout: float = FETCH_TIMEOUT) -> socke
             if c.sock.fileno() == -1:
                 continue  # dropped by the fetch before us: connect again
             c.sock.settimeout(max(deadline - time.monotonic(), 0.001))
-            c.sock.send(token)
+            c.sock.send(token + (_WANT_PAGES if pages else _HAVE_PAGES))
             msg, fds, flags, _ = socket.recv_fds(c.sock, 2, 1)
             if not msg:
                 _drop(address, c)
@@ -475,6 +516,8 @@ def fetch(address: bytes, token: bytes, timeout: float = FETCH_TIMEOUT) -> socke
         os.close(fd)
     if not msg:
         raise ValueError("the sending process hung up (it exited?)")
+    if msg == _FAILED:
+        raise ValueError("the sending process could not produce the tensor's pages (see its stderr)")
     raise ValueError("the sending process has no such tensor (fetched already?)")
 
 

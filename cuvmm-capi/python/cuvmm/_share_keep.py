@@ -7,9 +7,9 @@ names one physical allocation of the sender and never comes back, so the same ke
 memory, whatever the sender freed and allocated meanwhile. A kept mapping holds nothing of the
 sender's allocator (the sender frees and reuses the block as usual once the tensors are gone), but
 pages the sender gave back to the driver stay allocated while a receiver keeps them mapped: idle
-mappings are therefore bounded by ``CUVMM_SHARE_KEEP`` bytes (0, the default: none kept), the
-least recently used released first, and those of senders that exited are released at the next
-hand-off or release.
+mappings are therefore bounded by ``CUVMM_SHARE_KEEP`` bytes (0: none kept; unset: a quarter of
+the device's memory), the least recently used released first, and those of senders that exited
+are released at the next hand-off or release.
 """
 
 from __future__ import annotations
@@ -20,10 +20,15 @@ import threading
 from collections import OrderedDict
 
 
-def budget_from_env(value: str | None) -> int:
-    """Bytes of ``CUVMM_SHARE_KEEP``: a count with an optional KiB/MiB/GiB suffix; 0 when unset."""
-    if not value:
-        return 0
+#: The share of a device's memory idle kept mappings may hold when ``CUVMM_SHARE_KEEP`` is unset.
+DEFAULT_SHARE = 4
+
+
+def budget_from_env(value: str | None) -> int | None:
+    """Bytes of ``CUVMM_SHARE_KEEP``: a count with an optional KiB/MiB/GiB suffix; None when unset
+    (the default applies)."""
+    if value is None or not value.strip():
+        return None
     m = re.fullmatch(r"\s*(\d+)\s*(|KiB|MiB|GiB)\s*", value)
     if m is None:
         raise ValueError(f"CUVMM_SHARE_KEEP={value!r}: expected bytes, e.g. 16GiB")
@@ -57,13 +62,22 @@ class _Entry:
 
 class Kept:
     """The kept mappings of this process. ``mapping`` objects only need ``release()``; they are
-    released outside the lock (a release waits for the device)."""
+    released outside the lock (a release waits for the device).
 
-    def __init__(self, budget: int):
-        self.budget = budget
+    ``budget`` None: ``default()`` bytes, asked once, when first needed (a quarter of the device's
+    memory: the device need not be looked at before a tensor arrives)."""
+
+    def __init__(self, budget: int | None, default=lambda: 0):
+        self._budget, self._default = budget, default
         self._lock = threading.Lock()
         self._entries: OrderedDict = OrderedDict()
         self._idle = 0
+
+    @property
+    def budget(self) -> int:
+        if self._budget is None:
+            self._budget = int(self._default())
+        return self._budget
 
     def key(self, address: bytes, device: int, page: int, count: int, pages, peers) -> tuple | None:
         """The key of a hand-off's ``count`` pages (their serials ``pages``, mapped with access
@@ -117,6 +131,17 @@ class Kept:
             gone = self._evict()
         for mapping in gone:
             mapping.release()
+
+    def release_idle(self) -> int:
+        """Releases every idle mapping now (those in use stay); returns their bytes."""
+        with self._lock:
+            gone = [(k, e) for k, e in self._entries.items() if e.users == 0]
+            for k, e in gone:
+                del self._entries[k]
+                self._idle -= e.nbytes
+        for _, e in gone:
+            e.mapping.release()
+        return sum(e.nbytes for _, e in gone)
 
     def idle_bytes(self) -> int:
         with self._lock:

@@ -36,7 +36,9 @@ def exited_pid():
 
 class KeptMappings(unittest.TestCase):
     def test_budget_and_address(self):
-        self.assertEqual(budget_from_env(None), 0)
+        self.assertIsNone(budget_from_env(None), "unset: the default")
+        self.assertIsNone(budget_from_env(" "))
+        self.assertEqual(budget_from_env("0"), 0)
         self.assertEqual(budget_from_env("4096"), 4096)
         self.assertEqual(budget_from_env("16GiB"), 16 << 30)
         self.assertEqual(budget_from_env(" 3 MiB "), 3 << 20)
@@ -45,6 +47,18 @@ class KeptMappings(unittest.TestCase):
                 budget_from_env(bad)
         self.assertEqual(sender_pid(ME), os.getpid())
         self.assertIsNone(sender_pid(b"\0elsewhere"))
+
+    def test_an_unset_budget_is_the_default_asked_once_when_first_needed(self):
+        asked = []
+
+        def default():
+            asked.append(1)
+            return 5 * PAGE
+        k = Kept(None, default)
+        self.assertEqual(asked, [], "not at import")
+        self.assertIsNotNone(k.key(ME, 0, PAGE, 1, [7], []), "kept by default")
+        self.assertEqual((k.budget, len(asked)), (5 * PAGE, 1))
+        self.assertIsNone(Kept(0, default).key(ME, 0, PAGE, 1, [7], []), "0: none kept")
 
     def test_keys_name_the_sender_pages_and_peers_and_refuse_bad_serials(self):
         k = Kept(1 << 30)
@@ -79,6 +93,18 @@ class KeptMappings(unittest.TestCase):
         self.assertEqual([m.released for m in maps], [0, 1, 1], "taken last before the first one")
         self.assertIs(k.take(keys[0]), maps[0], "reused, busy again")
         self.assertEqual(k.idle_bytes(), 0)
+
+    def test_releasing_the_idle_mappings_leaves_those_in_use(self):
+        k = Kept(1 << 40)
+        busy, idle = Mapping(), Mapping()
+        kb, ki = k.key(ME, 0, PAGE, 1, [1], []), k.key(ME, 0, PAGE, 2, [2, 3], [])
+        k.add(kb, busy, PAGE)
+        k.add(ki, idle, 2 * PAGE)
+        k.put_back(ki)
+        self.assertEqual(k.release_idle(), 2 * PAGE)
+        self.assertEqual((busy.released, idle.released, k.idle_bytes()), (0, 1, 0))
+        self.assertIsNone(k.take(ki), "gone")
+        self.assertIs(k.take(kb), busy, "still kept")
 
     def test_the_idle_mappings_of_a_sender_that_exited_are_released(self):
         k = Kept(1 << 40)
