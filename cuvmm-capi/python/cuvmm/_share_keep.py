@@ -149,9 +149,14 @@ class Kept:
 
     def _evict(self) -> list:
         gone = []
+        # Each sender looked at once: every hand-off and release comes here, and a weight sync
+        # keeps hundreds of mappings from one sender.
+        alive: dict = {}
         for key in list(self._entries):
             e = self._entries[key]
-            if e.users == 0 and (self._idle > self.budget or not _alive(e.pid)):
+            if e.users == 0 and e.pid not in alive:
+                alive[e.pid] = _alive(e.pid)
+            if e.users == 0 and (self._idle > self.budget or not alive[e.pid]):
                 del self._entries[key]
                 self._idle -= e.nbytes
                 gone.append(e.mapping)

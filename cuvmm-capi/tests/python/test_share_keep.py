@@ -106,6 +106,21 @@ class KeptMappings(unittest.TestCase):
         self.assertIsNone(k.take(ki), "gone")
         self.assertIs(k.take(kb), busy, "still kept")
 
+    def test_a_sender_is_looked_at_once_however_many_of_its_mappings_are_idle(self):
+        k = Kept(1 << 40)
+        for i in range(50):
+            key = k.key(ME, 0, PAGE, 1, [i + 1], [])
+            k.add(key, Mapping(), PAGE)
+            k.put_back(key)
+        looked = []
+        real = os.kill
+        os.kill = lambda pid, sig: looked.append(pid) or real(pid, sig)
+        try:
+            k.trim()
+        finally:
+            os.kill = real
+        self.assertEqual(looked, [os.getpid()])
+
     def test_the_idle_mappings_of_a_sender_that_exited_are_released(self):
         k = Kept(1 << 40)
         gone = b"\0cuvmm-share-%d-00ff" % exited_pid()
