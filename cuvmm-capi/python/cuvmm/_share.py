@@ -10,8 +10,10 @@
   a random token that travels in the pickle with the sender's address; the receiver fetches it
   (:func:`fetch`) over one connection per sending process, kept for the next tensor: a tensor
   costs one request on an open connection, not a connection and a handshake of its own. The
-  request says whether the receiver needs the pages' descriptors: one that maps those pages
-  already (the same serials from the same sender) asks for none, and the sender makes none.
+  request says whether the receiver needs the pages' descriptors; one that maps those pages
+  already (the same serials from the same sender) does not fetch at all: it claims the offer
+  (:func:`hold`) with one end of a socket pair of its own, waits for no answer, and the sender
+  makes no descriptor.
 
 Both ends check the other with ``SO_PEERCRED`` before anything travels: the sender answers only
 processes of its effective uid, and the receiver talks only to the process its address names (the
@@ -260,8 +262,9 @@ def _report(what: str, e: BaseException) -> None:
 
 _TOKEN = 16
 _OFFERED, _UNKNOWN, _FAILED = b"\x01", b"\x00", b"\x02"
-# After the token: whether the receiver needs the pages' descriptors (a bare token: it does).
-_WANT_PAGES, _HAVE_PAGES = b"p", b"k"
+# After the token: whether the receiver needs the pages' descriptors (a bare token: it does), or
+# claims the offer with a socket of its own and waits for no answer (it maps the pages already).
+_WANT_PAGES, _HAVE_PAGES, _HOLD = b"p", b"k", b"h"
 _UCRED = struct.Struct("3i")  # pid, uid, gid
 _ADDRESS = re.compile(rb"\0cuvmm-share-([1-9][0-9]{0,9})-[0-9a-f]{16}\Z")
 
@@ -284,9 +287,11 @@ class Handoff:
     random bytes, in the pickle) gets the socket, once. A socket nobody fetches stays offered until
     the process exits, as with ``multiprocessing``'s resource sharer."""
 
-    def __init__(self):
+    def __init__(self, releases: "Releases | None" = None):
         self._lock = threading.Lock()
         self._offers: dict[bytes, tuple[socket.socket, object]] = {}
+        # Watches the sockets receivers claim offers with (:func:`hold`): without it, none is taken.
+        self._releases = releases
         self._listener = None
         self._pid = os.getpid()
         self.address = None
@@ -362,12 +367,19 @@ class Handoff:
         with conn:
             while True:
                 try:
-                    msg = conn.recv(_TOKEN + 2)
+                    msg, fds, _, _ = socket.recv_fds(conn, _TOKEN + 2, 1)
                 except OSError:
                     return
                 if not msg:  # the receiving process is done (or gone)
+                    for fd in fds:
+                        os.close(fd)
                     return
                 token, want = msg[:_TOKEN], msg[_TOKEN:]
+                if want == _HOLD:
+                    self._hold(token, fds)
+                    continue
+                for fd in fds:
+                    os.close(fd)
                 offer = None
                 if len(token) == _TOKEN and want in (b"", _WANT_PAGES, _HAVE_PAGES):
                     with self._lock:
@@ -385,6 +397,29 @@ class Handoff:
                 finally:
                     if sock is not None:
                         sock.close()
+
+    def _hold(self, token: bytes, fds: list[int]) -> None:
+        """A receiver claims the offer under ``token`` with the socket ``fds`` holds: the offered
+        socket stays here until that one hangs up, then closes (which releases the offer as a
+        fetched socket's hang-up does). Nothing is answered."""
+        claim = socket.socket(fileno=fds[0]) if len(fds) == 1 else None
+        for fd in fds[1:] if claim is not None else fds:
+            os.close(fd)
+        offer = None
+        if claim is not None and len(token) == _TOKEN and self._releases is not None:
+            with self._lock:
+                offer = self._offers.pop(token, None)
+        if offer is None:
+            if claim is not None:
+                claim.close()
+            _report("a receiver's claim of a tensor", ValueError("no such offer (claimed already?)"))
+            return
+        try:
+            self._releases.register(claim, offer[0].close)
+        except BaseException:
+            claim.close()
+            offer[0].close()
+            raise
 
     @staticmethod
     def _fill(pages) -> bool:
@@ -471,14 +506,10 @@ def _drop(address: bytes, c: _Connection) -> None:
     c.sock.close()
 
 
-def fetch(address: bytes, token: bytes, timeout: float = FETCH_TIMEOUT, pages: bool = True) -> socket.socket:
-    """The socket a :class:`Handoff` at ``address`` offered under ``token``, with the offer's page
-    descriptors queued on it when ``pages`` (a receiver that maps them already asks for none). The
-    connection to that process is kept for later fetches. ValueError when it has no such offer
-    (fetched already) or could not produce its pages;
-    PermissionError when the process answering is not the one the address names or runs as
-    another user; TimeoutError when it has not answered within ``timeout`` seconds; another
-    OSError when it cannot be reached."""
+def _exchange(address: bytes, token: bytes, timeout: float, what):
+    """``what(connection, deadline)`` on the kept connection to the sender at ``address``, in
+    turn with the other round trips on it; a connection that failed or timed out is dropped (out
+    of step: nobody uses it again)."""
     m = _ADDRESS.match(address) if isinstance(address, bytes) else None
     if m is None:
         raise ValueError(f"not a cuvmm hand-off address: {address!r}")
@@ -495,11 +526,10 @@ def fetch(address: bytes, token: bytes, timeout: float = FETCH_TIMEOUT, pages: b
             if c.sock.fileno() == -1:
                 continue  # dropped by the fetch before us: connect again
             c.sock.settimeout(max(deadline - time.monotonic(), 0.001))
-            c.sock.send(token + (_WANT_PAGES if pages else _HAVE_PAGES))
-            msg, fds, flags, _ = socket.recv_fds(c.sock, 2, 1)
-            if not msg:
-                _drop(address, c)
-            break
+            got = what(c.sock)
+            if got is None:
+                _drop(address, c)  # the sender hung up
+            return got
         except TimeoutError:
             # The answer may still come: the connection is out of step, so nobody uses it again.
             _drop(address, c)
@@ -510,6 +540,24 @@ def fetch(address: bytes, token: bytes, timeout: float = FETCH_TIMEOUT, pages: b
             raise
         finally:
             c.lock.release()
+
+
+def fetch(address: bytes, token: bytes, timeout: float = FETCH_TIMEOUT, pages: bool = True) -> socket.socket:
+    """The socket a :class:`Handoff` at ``address`` offered under ``token``, with the offer's page
+    descriptors queued on it when ``pages`` (see :func:`hold` for a receiver that maps them
+    already). The connection to that process is kept for later fetches. ValueError when it has no
+    such offer (fetched already) or could not produce its pages;
+    PermissionError when the process answering is not the one the address names or runs as
+    another user; TimeoutError when it has not answered within ``timeout`` seconds; another
+    OSError when it cannot be reached."""
+
+    def ask(sock):
+        sock.send(token + (_WANT_PAGES if pages else _HAVE_PAGES))
+        msg, fds, flags, _ = socket.recv_fds(sock, 2, 1)
+        return (msg, fds, flags) if msg else None
+
+    got = _exchange(address, token, timeout, ask)
+    msg, fds, flags = got if got is not None else (b"", [], 0)
     if msg == _OFFERED and len(fds) == 1 and not flags & (socket.MSG_CTRUNC | socket.MSG_TRUNC):
         return socket.socket(fileno=fds[0])
     for fd in fds:
@@ -519,6 +567,29 @@ def fetch(address: bytes, token: bytes, timeout: float = FETCH_TIMEOUT, pages: b
     if msg == _FAILED:
         raise ValueError("the sending process could not produce the tensor's pages (see its stderr)")
     raise ValueError("the sending process has no such tensor (fetched already?)")
+
+
+def hold(address: bytes, token: bytes, timeout: float = FETCH_TIMEOUT) -> socket.socket:
+    """Claims the offer under ``token`` for a receiver that maps its pages already, without waiting
+    for the sender: one end of a new socket pair goes to the sender with the token, and the other
+    is returned. The sender keeps the block shared until that end hangs up (closed, or this
+    process gone), as for a fetched socket. Nothing comes back, so a token the sender does not
+    know (claimed already) is only reported on the sender's stderr, and the returned end hangs up
+    at once. Raises as :func:`fetch` when the sender cannot be reached or is not the one the
+    address names."""
+    mine, theirs = pair()
+    try:
+        def send(sock):
+            socket.send_fds(sock, [token + _HOLD], [theirs.fileno()])
+            return True
+
+        _exchange(address, token, timeout, send)
+        return mine
+    except BaseException:
+        mine.close()
+        raise
+    finally:
+        theirs.close()
 
 
 def forget_connections() -> None:

@@ -24,7 +24,7 @@ def _default_keep() -> int:
 
 
 _releases = _share.Releases()
-_handoff = _share.Handoff()
+_handoff = _share.Handoff(_releases)
 _kept = Kept(budget_from_env(os.environ.get("CUVMM_SHARE_KEEP")), _default_keep)
 
 
@@ -37,7 +37,7 @@ def _after_fork_in_child():
     _releases = _share.Releases()
     _kept = Kept(budget_from_env(os.environ.get("CUVMM_SHARE_KEEP")), _default_keep)
     _handoff.close()
-    _handoff = _share.Handoff()
+    _handoff = _share.Handoff(_releases)
     _share.forget_connections()
 
 
@@ -283,8 +283,11 @@ def _rebuild(desc, address, token, pages=None):
         raise
     try:
         # Closing it is what lets the sender free the block. The same pages mapped here already:
-        # their descriptors are neither asked for nor made.
-        sock = _share.fetch(address, token, pages=mapping is None)
+        # their descriptors are neither asked for nor made, and the sender's answer not awaited.
+        if mapping is not None:
+            sock = _share.hold(address, token)
+        else:
+            sock = _share.fetch(address, token, pages=f["nbytes"] > 0)
     except BaseException:
         if mapping is not None:
             _kept.put_back(key)

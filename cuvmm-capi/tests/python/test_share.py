@@ -15,6 +15,7 @@ import io
 import multiprocessing
 import os
 import secrets
+import select
 import socket
 import subprocess
 import sys
@@ -263,6 +264,38 @@ class Transport(unittest.TestCase):
         for fd in page_fds:
             os.close(fd)
 
+    def test_a_receiver_that_maps_the_pages_claims_the_offer_without_waiting_and_holds_it(self):
+        releases = _share.Releases()
+        handoff = _share.Handoff(releases)
+        keep, give = _share.pair()
+        released, made = threading.Event(), []
+        releases.register(keep, released.set)
+        offer = handoff.offer(give, lambda: made.append(1))
+        mine = _share.hold(*offer, timeout=30)
+        deadline = time.monotonic() + 10
+        while handoff.pending() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        self.assertEqual(handoff.pending(), 0, "claimed")
+        self.assertEqual(made, [], "no page made")
+        self.assertFalse(released.wait(0.3), "held while the receiver holds its end")
+        self.assertEqual(releases.pending(), 2, "the offer's socket, and the claim")
+        mine.close()
+        self.assertTrue(released.wait(10), "let go once the claim hangs up")
+        deadline = time.monotonic() + 10
+        while releases.pending() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        self.assertEqual(releases.pending(), 0)
+        # A token claimed already: reported at the sender, and the claim hung up on.
+        stderr = io.StringIO()
+        with contextlib.redirect_stderr(stderr):
+            again = _share.hold(*offer, timeout=30)
+            self.assertTrue(select.select([again], [], [], 10)[0], "hung up on")
+        self.assertEqual(again.recv(1), b"")
+        self.assertIn("no such offer", stderr.getvalue())
+        again.close()
+        handoff.close()
+        _share.forget_connections()
+
     def test_pages_the_sender_fails_to_make_are_refused_and_the_offer_let_go(self):
         handoff, releases = _share.Handoff(), _share.Releases()
         keep, give = _share.pair()
@@ -447,6 +480,18 @@ class Liveness(unittest.TestCase):
         stalled.close()
         a.close()
         handoff.close()
+
+    def test_a_claim_waits_for_no_answer(self):
+        silent = FakeSender(an_address(), answer=False)
+        t0 = time.monotonic()
+        mine = _share.hold(silent.address, bytes(16), timeout=5)
+        self.assertLess(time.monotonic() - t0, 2, "sent, not answered")
+        self.assertTrue(silent.got_token.wait(10))
+        with self.assertRaises(TimeoutError):
+            _share.fetch(silent.address, bytes(16), timeout=1)  # where a fetch waits for one
+        mine.close()
+        silent.close()
+        _share.forget_connections()
 
     def test_a_fetch_waiting_its_turn_on_a_connection_dropped_meanwhile_connects_again(self):
         stalled = FakeSender(an_address(), answer=False)
