@@ -235,13 +235,7 @@ class Releases:
 
     def _watch(self):
         while True:
-            for fd, ev in self._poll.poll():
-                if fd == self._wake_r:
-                    try:
-                        os.read(self._wake_r, 4096)
-                    except BlockingIOError:
-                        pass
-                    continue
+            for fd, ev in poll_events(self._poll, self._wake_r):
                 if ev & (select.POLLHUP | select.POLLERR | select.POLLNVAL):
                     with self._lock:
                         entry = self._waiting.pop(fd, None)
@@ -254,6 +248,18 @@ class Releases:
                         except Exception as e:  # a release must not stop the others
                             import sys
                             print(f"cuvmm: releasing a shared block failed: {e}", file=sys.stderr)
+
+
+def poll_events(poll, wake_r: int):
+    """The events of ``poll``, less those of the pipe ``wake_r`` that only wakes it (drained)."""
+    for fd, ev in poll.poll():
+        if fd == wake_r:
+            try:
+                os.read(wake_r, 4096)
+            except BlockingIOError:
+                pass
+            continue
+        yield fd, ev
 
 
 def _report(what: str, e: BaseException) -> None:

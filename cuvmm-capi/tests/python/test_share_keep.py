@@ -7,6 +7,7 @@ a GPU or PyTorch: keys, reuse, the budget on idle mappings, and senders that exi
 
 import os
 import sys
+import time
 import unittest
 from pathlib import Path
 
@@ -120,6 +121,28 @@ class KeptMappings(unittest.TestCase):
         finally:
             os.kill = real
         self.assertEqual(looked, [os.getpid()])
+
+    def test_a_sender_that_exits_has_its_idle_mappings_released_with_nothing_else_happening(self):
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.close(w)
+            os.read(r, 1)  # until told
+            os._exit(0)
+        os.close(r)
+        k = Kept(1 << 40)
+        key = k.key(b"\0cuvmm-share-%d-00ff" % pid, 0, PAGE, 1, [4], [])
+        m = Mapping()
+        k.add(key, m, PAGE)
+        k.put_back(key)
+        self.assertEqual(m.released, 0, "its sender lives")
+        os.close(w)
+        os.waitpid(pid, 0)
+        deadline = time.monotonic() + 10
+        while not m.released and time.monotonic() < deadline:
+            time.sleep(0.01)
+        self.assertEqual(m.released, 1, "released once the sender exited, no hand-off needed")
+        self.assertEqual(k._watch.watched(), 0, "no longer watched")
 
     def test_the_idle_mappings_of_a_sender_that_exited_are_released(self):
         k = Kept(1 << 40)
