@@ -408,24 +408,30 @@ class Handoff:
         """A receiver claims the offer under ``token`` with the socket ``fds`` holds: the offered
         socket stays here until that one hangs up, then closes (which releases the offer as a
         fetched socket's hang-up does). Nothing is answered."""
-        claim = socket.socket(fileno=fds[0]) if len(fds) == 1 else None
-        for fd in fds[1:] if claim is not None else fds:
+        claim = None
+        if len(fds) == 1:
+            try:
+                claim = socket.socket(fileno=fds[0])
+            except OSError:  # not a socket
+                pass
+        for fd in fds if claim is None else fds[1:]:
             os.close(fd)
         offer = None
         if claim is not None and len(token) == _TOKEN and self._releases is not None:
             with self._lock:
                 offer = self._offers.pop(token, None)
         if offer is None:
+            # Told before the claim hangs up, which is all the receiver sees of it.
+            _report("a receiver's claim of a tensor", ValueError("no such offer (claimed already?)"))
             if claim is not None:
                 claim.close()
-            _report("a receiver's claim of a tensor", ValueError("no such offer (claimed already?)"))
             return
         try:
             self._releases.register(claim, offer[0].close)
-        except BaseException:
+        except Exception as e:  # this thread answers every later fetch of that receiver: it goes on
             claim.close()
             offer[0].close()
-            raise
+            _report("holding a tensor for a receiver", e)
 
     @staticmethod
     def _fill(pages) -> bool:
