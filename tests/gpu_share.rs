@@ -2,7 +2,8 @@
 //! maps is the exporter's memory, it stays valid after the exporter frees the block, and a block
 //! above the export threshold is one allocation, imported whatever its size. A block freed while
 //! imported keeps its memory from later blocks until let go, and exports of the same pages after
-//! the first are the kept ones.
+//! the first are the kept ones. A block marked shared without descriptors gives them on request,
+//! freed meanwhile or not.
 
 mod common;
 
@@ -127,4 +128,39 @@ fn a_block_freed_while_imported_keeps_its_memory_and_a_kept_export_imports_the_s
     s.synchronize().unwrap();
     alloc.empty_cache().unwrap();
     assert_eq!(alloc.stats().live, 0);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_block_marked_shared_gives_its_descriptors_on_request_after_its_free() {
+    let ctx = Context::for_ordinal(0).expect("a CUDA device");
+    let k = Kernels::load(&ctx).unwrap();
+    let s = Stream::non_blocking(&ctx).unwrap();
+    let alloc = StreamAllocator::new(&ctx).unwrap();
+    let big = alloc.allocate(N * 4, &s).unwrap();
+    k.fill_u32(&s, &mut words_mut(big.ptr(), N), 0x3a5e_0003).unwrap();
+    s.synchronize().unwrap();
+    let full = alloc.export(big.ptr()).unwrap();
+    alloc.unexport(big.ptr()).unwrap();
+    let m = alloc.export_mark(big.ptr() + 512).unwrap();
+    assert_eq!(
+        (m.block, m.first_page, m.page, &m.pages),
+        (full.block, full.first_page, full.page, &full.pages)
+    );
+    assert_eq!(alloc.stats().exported, (N * 4) as u64);
+    // Freed before any importer asked: the mark keeps the pages whose descriptors come later.
+    let block = big.ptr();
+    drop(big);
+    s.synchronize().unwrap();
+    let fds = alloc.exported_fds(block).unwrap();
+    assert_eq!(fds.len(), m.pages.len());
+    let borrowed: Vec<_> = fds.iter().map(|f| f.as_fd()).collect();
+    let imported = BlockImport::import(&ctx, &borrowed, m.page, &[]).unwrap();
+    drop(fds);
+    let at = imported.ptr() + (block - m.first_page);
+    assert!(read(&ctx, at, N).iter().all(|&v| v == 0x3a5e_0003), "the block's own bytes");
+    drop(imported);
+    alloc.unexport(block).unwrap();
+    assert!(alloc.exported_fds(block).is_err(), "let go: no descriptor any more");
+    assert_eq!((alloc.stats().exported, alloc.stats().freed_shared), (0, 0));
 }

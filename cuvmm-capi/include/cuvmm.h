@@ -8,8 +8,9 @@
  *
  * Configuration comes from one environment variable, read at the first call:
  *   CUVMM_ALLOC_CONF="page=4MiB,reserve=160GiB,tag_page=128MiB,log=1,lend=1,trace=/tmp/cuvmm.trace,oom=null"
- * (export_threshold=256MiB: untagged blocks of that size or more are one physical allocation each,
- * exportable as a POSIX descriptor and, with an IMEX channel, a fabric handle; 0, the default: off)
+ * (export_threshold=256MiB, the default: untagged blocks of that size or more are one physical
+ * allocation each, exportable as one POSIX descriptor and, with an IMEX channel, a fabric handle;
+ * 0: off, every block on the allocator's pages)
  * (see the README for every key).
  */
 #ifndef CUVMM_H
@@ -189,6 +190,14 @@ ssize_t cuvmm_export(int device, const void *ptr, cuvmm_export_t *out, int *fds,
  * kept a mapping of pages with these serials from this process may use it again. */
 ssize_t cuvmm_export_pages(int device, const void *ptr, cuvmm_export_t *out, int *fds, uint64_t *pages,
                            size_t cap);
+/* cuvmm_export_mark: marks the block holding ptr shared as cuvmm_export_pages does (one
+ * cuvmm_unexport each), but writes no descriptor: the layout in *out and each page's serial in
+ * pages. An importer that already maps pages of these serials from this process needs nothing
+ * more; for one that does not, cuvmm_export_fds gives the descriptors (one per page, in address
+ * order; the caller closes them) of a block still marked, freed meanwhile or not. Each returns
+ * the page count; more than cap: nothing done, call again with room enough. -1 on failure. */
+ssize_t cuvmm_export_mark(int device, const void *ptr, cuvmm_export_t *out, uint64_t *pages, size_t cap);
+ssize_t cuvmm_export_fds(int device, uint64_t block, int *fds, size_t cap);
 int cuvmm_unexport(int device, uint64_t block);
 void *cuvmm_import(int device, const int *fds, size_t count, uint64_t page, const int *peers, size_t npeers,
                    uint64_t *base);

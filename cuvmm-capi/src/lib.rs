@@ -845,6 +845,80 @@ unsafe fn export_with(
     })
 }
 
+/// Marks the live block of `device` holding `ptr` shared, as [`cuvmm_export_pages`] does, but
+/// writes no descriptor: the layout into `*out` and each page's serial into `pages`. An importer
+/// that already maps pages with these serials from this process needs nothing more; one that does
+/// not gets the descriptors from [`cuvmm_export_fds`]. Returns the page count; when it exceeds
+/// `cap`, nothing is marked and the call can be repeated with room enough. -1 on failure.
+///
+/// # Safety
+/// `out` must be valid for writing a `cuvmm_export_t`; `pages` for writing `cap` u64s.
+#[no_mangle]
+pub unsafe extern "C" fn cuvmm_export_mark(
+    device: c_int,
+    ptr: *const c_void,
+    out: *mut CuvmmExport,
+    pages: *mut u64,
+    cap: usize,
+) -> isize {
+    guard("cuvmm_export_mark", -1, || {
+        if out.is_null() || (cap > 0 && pages.is_null()) {
+            return Err(plain("null output pointer".into()));
+        }
+        let a = existing_allocator(device)
+            .ok_or_else(|| plain(format!("no cuvmm allocation on device {device}")))?;
+        let m = a.export_mark(ptr as usize as u64).map_err(reported)?;
+        let n = m.pages.len();
+        let layout = CuvmmExport {
+            block: m.block,
+            len: m.len,
+            first_page: m.first_page,
+            page: m.page as u64,
+            count: n as u64,
+        };
+        // SAFETY: checked non-null; the caller gives a writable struct.
+        unsafe { out.write(layout) };
+        if n > cap {
+            a.unexport(m.block).map_err(reported)?;
+            return Ok(n as isize);
+        }
+        // SAFETY: n <= cap u64s, inside the caller's array (checked non-null when cap > 0).
+        unsafe { std::ptr::copy_nonoverlapping(m.pages.as_ptr(), pages, n) };
+        Ok(n as isize)
+    })
+}
+
+/// One POSIX descriptor per page under the block at `block` on `device` that
+/// [`cuvmm_export_mark`] (or [`cuvmm_export`]) shared and no [`cuvmm_unexport`] has let go yet,
+/// in address order, into `fds` (the caller closes them); the block may have been freed since.
+/// Returns the page count; when it exceeds `cap`, no descriptor is written (repeat with room
+/// enough). -1 on failure (not shared).
+///
+/// # Safety
+/// `fds` must be valid for writing `cap` ints.
+#[no_mangle]
+pub unsafe extern "C" fn cuvmm_export_fds(device: c_int, block: u64, fds: *mut c_int, cap: usize) -> isize {
+    use std::os::fd::IntoRawFd;
+    guard("cuvmm_export_fds", -1, || {
+        if cap > 0 && fds.is_null() {
+            return Err(plain("null output pointer".into()));
+        }
+        let a =
+            existing_allocator(device).ok_or_else(|| plain(format!("nothing shared on device {device}")))?;
+        let got = a.exported_fds(block).map_err(reported)?;
+        let n = got.len();
+        if n > cap {
+            // Dropped: closed here.
+            return Ok(n as isize);
+        }
+        for (i, fd) in got.into_iter().enumerate() {
+            // SAFETY: i < n <= cap, inside the caller's array (checked non-null).
+            unsafe { fds.add(i).write(fd.into_raw_fd()) };
+        }
+        Ok(n as isize)
+    })
+}
+
 /// One sharing of the block at `block` on `device` (`cuvmm_export_t.block`) is over: its
 /// importers released it. 0, or -1 (not shared).
 #[no_mangle]

@@ -2,7 +2,8 @@
 //! that destroys streams between rounds of `cuvmm_malloc`/`cuvmm_free`
 //! (fixtures/streams_destroyed.c; host functions on their own thread, destroyed handles handed to
 //! new streams), one that frees a block it shared before unexporting it (fixtures/shared_free.c),
-//! and the shipped benchmark of the cached pair (bench/capi_pair.c).
+//! one that marks a block shared and asks for its descriptors later (fixtures/export_mark.c), and
+//! the shipped benchmark of the cached pair (bench/capi_pair.c).
 
 // The shared test helpers name the library `cuvmm`, which here is this package's own name.
 extern crate cuvmm_lib as cuvmm;
@@ -100,4 +101,10 @@ fn the_shipped_pair_benchmark_reports_every_figure() {
         assert!(results.iter().any(|r| r.starts_with(&format!("RESULT {calls}"))), "{calls}\n{out}");
     }
     assert_eq!(results.len(), 10, "{out}");
+}
+
+#[test]
+#[ignore = "needs libcuvmm.so: `cargo build -p cuvmm-capi` first (.ci/run does; a GPU bundle carries it)"]
+fn a_block_marked_shared_costs_no_descriptor_and_gives_them_on_request_until_unexported() {
+    run_fixture("export_mark", include_str!("fixtures/export_mark.c"));
 }

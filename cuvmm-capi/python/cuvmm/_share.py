@@ -6,10 +6,14 @@
   and the tensor's dtype, size, strides and storage offset, every field checked on arrival;
 * one file descriptor, the receiving end of a ``SOCK_SEQPACKET`` socket pair over which the pages'
   own descriptors follow, up to ``MAX_FDS_PER_MESSAGE`` a message (:func:`send_pages` /
-  :func:`recv_pages`). The sender offers it (:class:`Handoff`) under a random token that travels
-  in the pickle with the sender's address; the receiver fetches it (:func:`fetch`) over one
-  connection per sending process, kept for the next tensor: a tensor costs one request on an open
-  connection, not a connection and a handshake of its own.
+  :func:`recv_pages`), when the receiver needs them. The sender offers it (:class:`Handoff`) under
+  a random token that travels in the pickle with the sender's address; the receiver fetches it
+  (:func:`fetch`) over one connection per sending process, kept for the next tensor: a tensor
+  costs one request on an open connection, not a connection and a handshake of its own. The
+  request says whether the receiver needs the pages' descriptors; one that maps those pages
+  already (the same serials from the same sender) does not fetch at all: it claims the offer
+  (:func:`hold`) with one end of a socket pair of its own, waits for no answer, and the sender
+  makes no descriptor.
 
 Both ends check the other with ``SO_PEERCRED`` before anything travels: the sender answers only
 processes of its effective uid, and the receiver talks only to the process its address names (the
@@ -137,17 +141,29 @@ def raise_fd_limit() -> int:
     return soft
 
 
+def pair() -> tuple[socket.socket, socket.socket]:
+    """A new socket pair: (the end this process keeps, the end to send)."""
+    return socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+
+
+def queue_pages(keep: socket.socket, fds) -> None:
+    """Queues ``fds`` on ``keep`` (an end of :func:`pair`) for :func:`recv_pages` at the other end,
+    and shuts ``keep`` for writing. The descriptors are duplicated into the messages: close yours
+    afterwards."""
+    fds = list(fds)
+    for i in range(0, len(fds), MAX_FDS_PER_MESSAGE):
+        part = fds[i:i + MAX_FDS_PER_MESSAGE]
+        socket.send_fds(keep, [_HEADER.pack(i, len(part))], part)
+    keep.shutdown(socket.SHUT_WR)
+
+
 def send_pages(fds) -> tuple[socket.socket, socket.socket]:
     """Queues ``fds`` on a new socket pair; returns (the end this process keeps, the end to send).
 
     The descriptors are duplicated into the messages: close yours afterwards."""
-    keep, give = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    keep, give = pair()
     try:
-        fds = list(fds)
-        for i in range(0, len(fds), MAX_FDS_PER_MESSAGE):
-            part = fds[i:i + MAX_FDS_PER_MESSAGE]
-            socket.send_fds(keep, [_HEADER.pack(i, len(part))], part)
-        keep.shutdown(socket.SHUT_WR)
+        queue_pages(keep, fds)
     except BaseException:
         keep.close()
         give.close()
@@ -219,13 +235,7 @@ class Releases:
 
     def _watch(self):
         while True:
-            for fd, ev in self._poll.poll():
-                if fd == self._wake_r:
-                    try:
-                        os.read(self._wake_r, 4096)
-                    except BlockingIOError:
-                        pass
-                    continue
+            for fd, ev in poll_events(self._poll, self._wake_r):
                 if ev & (select.POLLHUP | select.POLLERR | select.POLLNVAL):
                     with self._lock:
                         entry = self._waiting.pop(fd, None)
@@ -240,12 +250,27 @@ class Releases:
                             print(f"cuvmm: releasing a shared block failed: {e}", file=sys.stderr)
 
 
+def poll_events(poll, wake_r: int):
+    """The events of ``poll``, less those of the pipe ``wake_r`` that only wakes it (drained)."""
+    for fd, ev in poll.poll():
+        if fd == wake_r:
+            try:
+                os.read(wake_r, 4096)
+            except BlockingIOError:
+                pass
+            continue
+        yield fd, ev
+
+
 def _report(what: str, e: BaseException) -> None:
     print(f"cuvmm: {what} failed: {type(e).__name__}: {e}", file=sys.stderr)
 
 
 _TOKEN = 16
-_OFFERED, _UNKNOWN = b"\x01", b"\x00"
+_OFFERED, _UNKNOWN, _FAILED = b"\x01", b"\x00", b"\x02"
+# After the token: whether the receiver needs the pages' descriptors (a bare token: it does), or
+# claims the offer with a socket of its own and waits for no answer (it maps the pages already).
+_WANT_PAGES, _HAVE_PAGES, _HOLD = b"p", b"k", b"h"
 _UCRED = struct.Struct("3i")  # pid, uid, gid
 _ADDRESS = re.compile(rb"\0cuvmm-share-([1-9][0-9]{0,9})-[0-9a-f]{16}\Z")
 
@@ -268,20 +293,27 @@ class Handoff:
     random bytes, in the pickle) gets the socket, once. A socket nobody fetches stays offered until
     the process exits, as with ``multiprocessing``'s resource sharer."""
 
-    def __init__(self):
+    def __init__(self, releases: "Releases | None" = None):
         self._lock = threading.Lock()
-        self._offers: dict[bytes, socket.socket] = {}
+        self._offers: dict[bytes, tuple[socket.socket, object]] = {}
+        # Watches the sockets receivers claim offers with (:func:`hold`): without it, none is taken.
+        self._releases = releases
         self._listener = None
         self._pid = os.getpid()
         self.address = None
 
-    def offer(self, sock: socket.socket) -> tuple[bytes, bytes]:
-        """Takes ``sock`` (closed here once fetched); returns (address, token) for the receiver."""
+    def offer(self, sock: socket.socket, pages=None) -> tuple[bytes, bytes]:
+        """Takes ``sock`` (closed here once fetched); returns (address, token) for the receiver.
+
+        ``pages()``, when given, is called (once, on this object's thread) before ``sock`` goes to
+        a receiver that asks for the pages, to queue them at the other end of ``sock``; a
+        receiver that maps them already gets ``sock`` alone. Should it fail, the receiver gets a
+        refusal and ``sock`` is closed."""
         token = secrets.token_bytes(_TOKEN)
         with self._lock:
             if self._listener is None:
                 self._listen()
-            self._offers[token] = sock
+            self._offers[token] = (sock, pages)
         return self.address, token
 
     def pending(self) -> int:
@@ -300,7 +332,7 @@ class Handoff:
             if self._listener is not None:
                 self._listener.close()
                 self._listener = None
-            for sock in self._offers.values():
+            for sock, _ in self._offers.values():
                 sock.close()
             self._offers.clear()
 
@@ -341,16 +373,29 @@ class Handoff:
         with conn:
             while True:
                 try:
-                    token = conn.recv(_TOKEN + 1)
+                    msg, fds, _, _ = socket.recv_fds(conn, _TOKEN + 2, 1)
                 except OSError:
                     return
-                if not token:  # the receiving process is done (or gone)
+                if not msg:  # the receiving process is done (or gone)
+                    for fd in fds:
+                        os.close(fd)
                     return
-                with self._lock:
-                    sock = self._offers.pop(token, None) if len(token) == _TOKEN else None
+                token, want = msg[:_TOKEN], msg[_TOKEN:]
+                if want == _HOLD:
+                    self._hold(token, fds)
+                    continue
+                for fd in fds:
+                    os.close(fd)
+                offer = None
+                if len(token) == _TOKEN and want in (b"", _WANT_PAGES, _HAVE_PAGES):
+                    with self._lock:
+                        offer = self._offers.pop(token, None)
+                sock, pages = offer if offer is not None else (None, None)
                 try:
                     if sock is None:
                         conn.send(_UNKNOWN)
+                    elif not self._fill(pages if want != _HAVE_PAGES else None):
+                        conn.send(_FAILED)
                     else:
                         socket.send_fds(conn, [_OFFERED], [sock.fileno()])
                 except OSError:
@@ -358,6 +403,47 @@ class Handoff:
                 finally:
                     if sock is not None:
                         sock.close()
+
+    def _hold(self, token: bytes, fds: list[int]) -> None:
+        """A receiver claims the offer under ``token`` with the socket ``fds`` holds: the offered
+        socket stays here until that one hangs up, then closes (which releases the offer as a
+        fetched socket's hang-up does). Nothing is answered."""
+        claim = None
+        if len(fds) == 1:
+            try:
+                claim = socket.socket(fileno=fds[0])
+            except OSError:  # not a socket
+                pass
+        for fd in fds if claim is None else fds[1:]:
+            os.close(fd)
+        offer = None
+        if claim is not None and len(token) == _TOKEN and self._releases is not None:
+            with self._lock:
+                offer = self._offers.pop(token, None)
+        if offer is None:
+            # Told before the claim hangs up, which is all the receiver sees of it.
+            _report("a receiver's claim of a tensor", ValueError("no such offer (claimed already?)"))
+            if claim is not None:
+                claim.close()
+            return
+        try:
+            self._releases.register(claim, offer[0].close)
+        except Exception as e:  # this thread answers every later fetch of that receiver: it goes on
+            claim.close()
+            offer[0].close()
+            _report("holding a tensor for a receiver", e)
+
+    @staticmethod
+    def _fill(pages) -> bool:
+        """Queues an offer's pages for a receiver that asked for them; False when that failed."""
+        if pages is None:
+            return True
+        try:
+            pages()
+            return True
+        except Exception as e:
+            _report("producing a tensor's page descriptors", e)
+            return False
 
 
 class _Connection:
@@ -432,12 +518,10 @@ def _drop(address: bytes, c: _Connection) -> None:
     c.sock.close()
 
 
-def fetch(address: bytes, token: bytes, timeout: float = FETCH_TIMEOUT) -> socket.socket:
-    """The socket a :class:`Handoff` at ``address`` offered under ``token``. The connection to
-    that process is kept for later fetches. ValueError when it has no such offer (fetched already);
-    PermissionError when the process answering is not the one the address names or runs as
-    another user; TimeoutError when it has not answered within ``timeout`` seconds; another
-    OSError when it cannot be reached."""
+def _exchange(address: bytes, token: bytes, timeout: float, what):
+    """``what(connection, deadline)`` on the kept connection to the sender at ``address``, in
+    turn with the other round trips on it; a connection that failed or timed out is dropped (out
+    of step: nobody uses it again)."""
     m = _ADDRESS.match(address) if isinstance(address, bytes) else None
     if m is None:
         raise ValueError(f"not a cuvmm hand-off address: {address!r}")
@@ -454,11 +538,10 @@ def fetch(address: bytes, token: bytes, timeout: float = FETCH_TIMEOUT) -> socke
             if c.sock.fileno() == -1:
                 continue  # dropped by the fetch before us: connect again
             c.sock.settimeout(max(deadline - time.monotonic(), 0.001))
-            c.sock.send(token)
-            msg, fds, flags, _ = socket.recv_fds(c.sock, 2, 1)
-            if not msg:
-                _drop(address, c)
-            break
+            got = what(c.sock)
+            if got is None:
+                _drop(address, c)  # the sender hung up
+            return got
         except TimeoutError:
             # The answer may still come: the connection is out of step, so nobody uses it again.
             _drop(address, c)
@@ -469,13 +552,56 @@ def fetch(address: bytes, token: bytes, timeout: float = FETCH_TIMEOUT) -> socke
             raise
         finally:
             c.lock.release()
+
+
+def fetch(address: bytes, token: bytes, timeout: float = FETCH_TIMEOUT, pages: bool = True) -> socket.socket:
+    """The socket a :class:`Handoff` at ``address`` offered under ``token``, with the offer's page
+    descriptors queued on it when ``pages`` (see :func:`hold` for a receiver that maps them
+    already). The connection to that process is kept for later fetches. ValueError when it has no
+    such offer (fetched already) or could not produce its pages;
+    PermissionError when the process answering is not the one the address names or runs as
+    another user; TimeoutError when it has not answered within ``timeout`` seconds; another
+    OSError when it cannot be reached."""
+
+    def ask(sock):
+        sock.send(token + (_WANT_PAGES if pages else _HAVE_PAGES))
+        msg, fds, flags, _ = socket.recv_fds(sock, 2, 1)
+        return (msg, fds, flags) if msg else None
+
+    got = _exchange(address, token, timeout, ask)
+    msg, fds, flags = got if got is not None else (b"", [], 0)
     if msg == _OFFERED and len(fds) == 1 and not flags & (socket.MSG_CTRUNC | socket.MSG_TRUNC):
         return socket.socket(fileno=fds[0])
     for fd in fds:
         os.close(fd)
     if not msg:
         raise ValueError("the sending process hung up (it exited?)")
+    if msg == _FAILED:
+        raise ValueError("the sending process could not produce the tensor's pages (see its stderr)")
     raise ValueError("the sending process has no such tensor (fetched already?)")
+
+
+def hold(address: bytes, token: bytes, timeout: float = FETCH_TIMEOUT) -> socket.socket:
+    """Claims the offer under ``token`` for a receiver that maps its pages already, without waiting
+    for the sender: one end of a new socket pair goes to the sender with the token, and the other
+    is returned. The sender keeps the block shared until that end hangs up (closed, or this
+    process gone), as for a fetched socket. Nothing comes back, so a token the sender does not
+    know (claimed already) is only reported on the sender's stderr, and the returned end hangs up
+    at once. Raises as :func:`fetch` when the sender cannot be reached or is not the one the
+    address names."""
+    mine, theirs = pair()
+    try:
+        def send(sock):
+            socket.send_fds(sock, [token + _HOLD], [theirs.fileno()])
+            return True
+
+        _exchange(address, token, timeout, send)
+        return mine
+    except BaseException:
+        mine.close()
+        raise
+    finally:
+        theirs.close()
 
 
 def forget_connections() -> None:

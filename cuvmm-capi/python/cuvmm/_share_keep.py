@@ -7,23 +7,33 @@ names one physical allocation of the sender and never comes back, so the same ke
 memory, whatever the sender freed and allocated meanwhile. A kept mapping holds nothing of the
 sender's allocator (the sender frees and reuses the block as usual once the tensors are gone), but
 pages the sender gave back to the driver stay allocated while a receiver keeps them mapped: idle
-mappings are therefore bounded by ``CUVMM_SHARE_KEEP`` bytes (0, the default: none kept), the
-least recently used released first, and those of senders that exited are released at the next
-hand-off or release.
+mappings are therefore bounded by ``CUVMM_SHARE_KEEP`` bytes (0: none kept; unset: a quarter of
+the device's memory), the least recently used released first, and those of senders that exited
+are released as soon as they exit (a thread watches each sender's process), or at the next
+hand-off or release where that cannot be watched.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import select
+import sys
 import threading
 from collections import OrderedDict
 
+from cuvmm._share import poll_events
 
-def budget_from_env(value: str | None) -> int:
-    """Bytes of ``CUVMM_SHARE_KEEP``: a count with an optional KiB/MiB/GiB suffix; 0 when unset."""
-    if not value:
-        return 0
+
+#: The share of a device's memory idle kept mappings may hold when ``CUVMM_SHARE_KEEP`` is unset.
+DEFAULT_SHARE = 4
+
+
+def budget_from_env(value: str | None) -> int | None:
+    """Bytes of ``CUVMM_SHARE_KEEP``: a count with an optional KiB/MiB/GiB suffix; None when unset
+    (the default applies)."""
+    if value is None or not value.strip():
+        return None
     m = re.fullmatch(r"\s*(\d+)\s*(|KiB|MiB|GiB)\s*", value)
     if m is None:
         raise ValueError(f"CUVMM_SHARE_KEEP={value!r}: expected bytes, e.g. 16GiB")
@@ -57,13 +67,25 @@ class _Entry:
 
 class Kept:
     """The kept mappings of this process. ``mapping`` objects only need ``release()``; they are
-    released outside the lock (a release waits for the device)."""
+    released outside the lock (a release waits for the device).
 
-    def __init__(self, budget: int):
-        self.budget = budget
+    ``budget`` None: ``default()`` bytes, asked once, when first needed (a quarter of the device's
+    memory: the device need not be looked at before a tensor arrives)."""
+
+    def __init__(self, budget: int | None, default=lambda: 0, watch_exits: bool = True):
+        self._budget, self._default = budget, default
         self._lock = threading.Lock()
         self._entries: OrderedDict = OrderedDict()
         self._idle = 0
+        # Senders seen exit by their pidfd: gone, though os.kill finds them until reaped.
+        self._exited: set = set()
+        self._watch = _Exits(self._sender_exited) if watch_exits and hasattr(os, "pidfd_open") else None
+
+    @property
+    def budget(self) -> int:
+        if self._budget is None:
+            self._budget = int(self._default())
+        return self._budget
 
     def key(self, address: bytes, device: int, page: int, count: int, pages, peers) -> tuple | None:
         """The key of a hand-off's ``count`` pages (their serials ``pages``, mapped with access
@@ -97,7 +119,11 @@ class Kept:
             e = _Entry(mapping, nbytes, sender_pid(key[0]))
             e.users = 1
             self._entries[key] = e
-            return True
+            # A process that sends now is alive, whatever had that pid before.
+            self._exited.discard(e.pid)
+        if self._watch is not None and e.pid is not None:
+            self._watch.add(e.pid)
+        return True
 
     def put_back(self, key) -> None:
         """One use of the mapping under ``key`` is over; releases what is past the budget."""
@@ -118,16 +144,84 @@ class Kept:
         for mapping in gone:
             mapping.release()
 
+    def _sender_exited(self, pid: int) -> None:
+        with self._lock:
+            self._exited.add(pid)
+        self.trim()
+
+    def release_idle(self) -> int:
+        """Releases every idle mapping now (those in use stay); returns their bytes."""
+        with self._lock:
+            gone = [(k, e) for k, e in self._entries.items() if e.users == 0]
+            for k, e in gone:
+                del self._entries[k]
+                self._idle -= e.nbytes
+        for _, e in gone:
+            e.mapping.release()
+        return sum(e.nbytes for _, e in gone)
+
     def idle_bytes(self) -> int:
         with self._lock:
             return self._idle
 
     def _evict(self) -> list:
         gone = []
+        # Each sender looked at once: every hand-off and release comes here, and a weight sync
+        # keeps hundreds of mappings from one sender.
+        alive: dict = {}
         for key in list(self._entries):
             e = self._entries[key]
-            if e.users == 0 and (self._idle > self.budget or not _alive(e.pid)):
+            if e.users == 0 and e.pid not in alive:
+                alive[e.pid] = e.pid not in self._exited and _alive(e.pid)
+            if e.users == 0 and (self._idle > self.budget or not alive[e.pid]):
                 del self._entries[key]
                 self._idle -= e.nbytes
                 gone.append(e.mapping)
         return gone
+
+
+class _Exits:
+    """Calls ``on_exit(pid)`` on a daemon thread of its own once a watched process has exited (its
+    pidfd readable), so that a receiver that receives nothing more still lets go of the memory of
+    a sender that is gone."""
+
+    def __init__(self, on_exit):
+        self._on_exit = on_exit
+        self._lock = threading.Lock()
+        self._pids: dict[int, int] = {}  # pidfd: pid
+        self._poll = select.poll()
+        self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+        self._poll.register(self._wake_r, select.POLLIN)
+        self._thread = None
+
+    def add(self, pid: int) -> None:
+        with self._lock:
+            if pid in self._pids.values():
+                return
+            try:
+                fd = os.pidfd_open(pid)
+            except OSError:  # gone already (the next trim sees it), or not ours to watch
+                return
+            self._pids[fd] = pid
+            self._poll.register(fd, select.POLLIN)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="cuvmm-share-kept", daemon=True)
+                self._thread.start()
+        os.write(self._wake_w, b"x")
+
+    def watched(self) -> int:
+        with self._lock:
+            return len(self._pids)
+
+    def _run(self):
+        while True:
+            for fd, _ in poll_events(self._poll, self._wake_r):
+                with self._lock:
+                    pid = self._pids.pop(fd, None)
+                    self._poll.unregister(fd)
+                os.close(fd)
+                try:
+                    self._on_exit(pid)
+                except Exception as e:  # the thread goes on: it alone watches the others
+                    print(f"cuvmm: releasing the kept mappings of an exited sender failed: {e}",
+                          file=sys.stderr)

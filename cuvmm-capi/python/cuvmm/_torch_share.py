@@ -12,11 +12,20 @@ import torch as _torch
 
 import cuvmm as _core
 from cuvmm import _share
-from cuvmm._share_keep import Kept, budget_from_env
+from cuvmm._share_keep import DEFAULT_SHARE, Kept, budget_from_env
+
+
+def _default_keep() -> int:
+    """Idle kept mappings' bound where ``CUVMM_SHARE_KEEP`` is unset: a quarter of the current
+    device's memory. Idle kept pages cost memory only once their sender has given them back to
+    the driver (an ``empty_cache``, a sleep, its exit before the next hand-off): while it caches
+    them, as it does between the steps of a weight sync, they are its memory anyway."""
+    return _torch.cuda.get_device_properties(_torch.cuda.current_device()).total_memory // DEFAULT_SHARE
+
 
 _releases = _share.Releases()
-_handoff = _share.Handoff()
-_kept = Kept(budget_from_env(os.environ.get("CUVMM_SHARE_KEEP")))
+_handoff = _share.Handoff(_releases)
+_kept = Kept(budget_from_env(os.environ.get("CUVMM_SHARE_KEEP")), _default_keep)
 
 
 def _after_fork_in_child():
@@ -26,9 +35,9 @@ def _after_fork_in_child():
     # The parent's kept mappings are the parent's (a child cannot use CUDA after a fork anyway).
     global _releases, _handoff, _kept
     _releases = _share.Releases()
-    _kept = Kept(_kept.budget)
+    _kept = Kept(budget_from_env(os.environ.get("CUVMM_SHARE_KEEP")), _default_keep)
     _handoff.close()
-    _handoff = _share.Handoff()
+    _handoff = _share.Handoff(_releases)
     _share.forget_connections()
 
 
@@ -51,23 +60,34 @@ def _owner(device: int, ptr: int):
     return (block.value, n.value) if rc == 1 else None
 
 
-def _export(device: int, ptr: int):
-    """(cuvmm_export_t, [page descriptors], [page serials, or none from an older library]) for
-    the block holding ``ptr``."""
+def _mark(device: int, ptr: int):
+    """(cuvmm_export_t, [page serials]) of the block holding ``ptr``, marked shared (one
+    ``cuvmm_unexport`` each): no descriptor yet, a receiver that maps those pages needs none."""
     lib = _core.load()
     out = _core.Export()
-    serials = hasattr(lib, "cuvmm_export_pages")
     cap = 64
     while True:
-        fds, pages = (ctypes.c_int * cap)(), (ctypes.c_uint64 * cap)()
-        if serials:
-            rc, name = lib.cuvmm_export_pages(device, ptr, ctypes.byref(out), fds, pages, cap), "cuvmm_export_pages"
-        else:
-            rc, name = lib.cuvmm_export(device, ptr, ctypes.byref(out), fds, cap), "cuvmm_export"
-        n = _core._check(rc, name, ok=lambda rc: rc >= 0)
+        pages = (ctypes.c_uint64 * cap)()
+        rc = lib.cuvmm_export_mark(device, ptr, ctypes.byref(out), pages, cap)
+        n = _core._check(rc, "cuvmm_export_mark", ok=lambda rc: rc >= 0)
         if n <= cap:
-            return out, list(fds[:n]), list(pages[:n]) if serials else []
+            return out, list(pages[:n])
         cap = n
+
+
+def _queue_pages(keep, device: int, block: int, count: int) -> None:
+    """Queues the page descriptors of the marked block at ``block`` on ``keep``: asked for (on the
+    hand-off's thread) by a receiver that does not map them yet."""
+    fds = (ctypes.c_int * count)()
+    rc = _core.load().cuvmm_export_fds(device, block, fds, count)
+    n = _core._check(rc, "cuvmm_export_fds", ok=lambda rc: rc >= 0)
+    if n > count:
+        raise RuntimeError(f"cuvmm_export_fds: {n} pages where the mark counted {count}")
+    try:
+        _share.queue_pages(keep, fds[:n])
+    finally:
+        for fd in fds[:n]:
+            os.close(fd)
 
 
 def _raise_fd_limit():
@@ -93,22 +113,19 @@ def reduce_tensor(t):
         raise RuntimeError("Cowardly refusing to send a non-leaf tensor that requires grad across "
                            "processes (detach it first, as PyTorch asks)")
     _raise_fd_limit()
-    layout, fds, pages = _export(device, ptr)
+    layout, pages = _mark(device, ptr)
+    block, count = layout.block, layout.count
     try:
         desc = _share.encode(
-            device=device, block=layout.block, block_len=layout.len, first_page=layout.first_page,
-            page=layout.page, count=layout.count, ptr=ptr, nbytes=nbytes,
+            device=device, block=block, block_len=layout.len, first_page=layout.first_page,
+            page=layout.page, count=count, ptr=ptr, nbytes=nbytes,
             dtype=str(t.dtype).removeprefix("torch."), size=tuple(t.shape), stride=tuple(t.stride()),
             storage_offset=t.storage_offset(), requires_grad=t.requires_grad,
             parameter=isinstance(t, _torch.nn.Parameter))
-        keep, give = _share.send_pages(fds)
+        keep, give = _share.pair()
     except BaseException:
-        _core.load().cuvmm_unexport(device, layout.block)
+        _core.load().cuvmm_unexport(device, block)
         raise
-    finally:
-        for fd in fds:
-            os.close(fd)
-    block = layout.block
 
     def release():
         # The importer has unmapped (or died): the block may be freed and its addresses reused.
@@ -121,8 +138,9 @@ def reduce_tensor(t):
     # Offered in every case (a queue message or a Process argument) and closed here once fetched,
     # so the receiver's end is held only by the receiver. (The spawning Popen's own descriptor
     # passing would leave the parent a copy for the Process object's lifetime, and the block with
-    # it.)
-    address, token = _handoff.offer(give)
+    # it.) The pages' descriptors are made only for a receiver that asks for them: the block's
+    # mark keeps them, whatever this process frees meanwhile, until that receiver lets go.
+    address, token = _handoff.offer(give, lambda: _queue_pages(keep, device, block, count))
     return (_rebuild, (desc, address, token, pages))
 
 
@@ -134,7 +152,19 @@ def _peers(device: int) -> list[int]:
     if has_context is None:
         return []
     return [d for d in range(_torch.cuda.device_count())
-            if d != device and has_context(d) and _torch.cuda.can_device_access_peer(d, device)]
+            if d != device and has_context(d) and _can_access(d, device)]
+
+
+_access: dict[tuple[int, int], bool] = {}
+
+
+def _can_access(d: int, device: int) -> bool:
+    """Whether ``d`` can reach ``device``'s memory: a property of the machine, asked once (every
+    hand-off asks, and PyTorch's answer costs a driver call)."""
+    got = _access.get((d, device))
+    if got is None:
+        got = _access[(d, device)] = bool(_torch.cuda.can_device_access_peer(d, device))
+    return got
 
 
 class _Mapped:
@@ -209,22 +239,11 @@ class _Lease:
             pass
 
 
-def _map_kept(f, sock, key):
-    """What PyTorch's storage wraps for the pages that came over ``sock``: a lease on the mapping
-    kept under ``key`` (made and kept now if there is none), or a mapping of their own when
-    ``key`` is None."""
+def _map_new(f, sock, key):
+    """What PyTorch's storage wraps for the pages that came over ``sock``: a mapping of their own
+    when ``key`` is None, else a lease on the mapping made now and kept under ``key``."""
     if key is None:
         return _Mapped(f, sock)
-    mapping = _kept.take(key)
-    if mapping is not None:
-        try:
-            # The same pages, mapped here already: their descriptors are not needed.
-            for fd in _share.recv_pages(sock, f["count"]):
-                os.close(fd)
-        except BaseException:
-            _kept.put_back(key)
-            raise
-        return _Lease(key, mapping, f, sock)
     mapping = _Mapped(f, sock)
     mapping._sock = None
     if not _kept.add(key, mapping, f["page"] * f["count"]):
@@ -233,9 +252,16 @@ def _map_kept(f, sock, key):
     return _Lease(key, mapping, f, sock)
 
 
+def _let_go(address, token):
+    """Fetches a hand-off this process will not use, without its pages, and hangs up at once: the
+    sender may free the block. Failures are the caller's error's business, not this one's."""
+    try:
+        _share.fetch(address, token, pages=False).close()
+    except Exception:
+        pass
+
+
 def _rebuild(desc, address, token, pages=None):
-    # Taken first, whatever follows: closing it is what lets the sender free the block.
-    sock = _share.fetch(address, token)
     try:
         f = _share.decode(desc)
         dtype = getattr(_torch, f["dtype"], None)
@@ -243,8 +269,28 @@ def _rebuild(desc, address, token, pages=None):
             raise ValueError(f"descriptor field dtype: {f['dtype']!r} is not a torch dtype")
         if _share.extent(f["size"], f["stride"], f["storage_offset"]) * dtype.itemsize > f["nbytes"]:
             raise ValueError("the tensor reaches past its storage")
+        key = mapping = None
+        if f["nbytes"]:
+            _kept.trim()
+            # The devices granted access are part of what a kept mapping is (asked only when kept).
+            peers = _peers(f["device"]) if pages and _kept.budget > 0 else []
+            key = _kept.key(address, f["device"], f["page"], f["count"], pages, peers)
+            # In use from now on: no trim releases it under the fetch.
+            mapping = _kept.take(key) if key is not None else None
     except BaseException:
-        sock.close()
+        # Whatever went wrong, the hand-off is fetched and let go: the sender frees the block.
+        _let_go(address, token)
+        raise
+    try:
+        # Closing it is what lets the sender free the block. The same pages mapped here already:
+        # their descriptors are neither asked for nor made, and the sender's answer not awaited.
+        if mapping is not None:
+            sock = _share.hold(address, token)
+        else:
+            sock = _share.fetch(address, token, pages=f["nbytes"] > 0)
+    except BaseException:
+        if mapping is not None:
+            _kept.put_back(key)
         raise
     _raise_fd_limit()
     device = _torch.device("cuda", f["device"])
@@ -253,12 +299,10 @@ def _rebuild(desc, address, token, pages=None):
         storage = _torch.UntypedStorage(0, device=device)
     else:
         try:
-            _kept.trim()
-            # The devices granted access are part of what a kept mapping is (asked only when kept).
-            peers = _peers(f["device"]) if _kept.budget > 0 and pages else []
-            key = _kept.key(address, f["device"], f["page"], f["count"], pages, peers)
-            m = _map_kept(f, sock, key)
+            m = _Lease(key, mapping, f, sock) if mapping is not None else _map_new(f, sock, key)
         except BaseException:
+            if mapping is not None:
+                _kept.put_back(key)
             sock.close()
             raise
         with _torch.cuda.device(device):
@@ -281,8 +325,10 @@ def share_tensors(enable: bool = True) -> None:
     block allocated until every receiver has let go of it (its last tensor over it collected, or
     its process gone), even when the sender frees the storage's memory meanwhile
     (``storage.resize_(0)``): ``cuvmm.stats()["exported"]`` counts those bytes, and
-    ``["freed_shared"]`` those already freed. A receiver with ``CUVMM_SHARE_KEEP`` (bytes) keeps
-    its mappings between hand-offs of the same pages (see ``cuvmm._share_keep``). No
+    ``["freed_shared"]`` those already freed. A receiver keeps its mappings between hand-offs of
+    the same pages (see ``cuvmm._share_keep``), up to ``CUVMM_SHARE_KEEP`` bytes idle (a quarter
+    of the device's memory when unset; 0: none), and the same pages sent again cost no
+    descriptor, no import and no mapping. No
     ``pidfd_getfd``, no ``CAP_SYS_PTRACE``: descriptors travel over Unix sockets. Tensors
     PyTorch's own allocator made keep PyTorch's path."""
     global _installed, _torch_reductions
@@ -294,6 +340,14 @@ def share_tensors(enable: bool = True) -> None:
         for cls in (_torch.Tensor, _torch.nn.Parameter):
             _mpr.ForkingPickler.register(cls, reducer)
         _installed = enable
+
+
+def release_kept_mappings() -> int:
+    """Unmaps, in this receiving process, every kept mapping no tensor uses now; returns its bytes.
+    An idle kept mapping holds its sender's pages even after the sender gave them back to the
+    driver (``empty_cache``, a sleep): call this where a sender needs that memory back at once,
+    or set ``CUVMM_SHARE_KEEP=0`` to keep none."""
+    return _kept.release_idle()
 
 
 def pending_shares() -> int:

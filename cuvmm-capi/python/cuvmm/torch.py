@@ -51,7 +51,7 @@ if _problem is not None:
 __all__ = list(_core.__all__) + [
     "allocator", "use_as_current_allocator", "is_current_allocator", "mem_pool",
     "use_mem_pool_all_threads", "raises_on_oom", "native_oom_error", "share_tensors", "pending_shares",
-    "SharedEvent", "wire_hooks", "HOOKS",
+    "release_kept_mappings", "SharedEvent", "wire_hooks", "HOOKS",
 ]
 
 # The pluggable allocator's hooks cuvmm wires: (setter on CUDAPluggableAllocator(...).allocator(),
@@ -334,7 +334,7 @@ def use_mem_pool_all_threads(pool, device=None):
         _torch._C._cuda_releasePool(dev, pool.id)
 
 
-from cuvmm._torch_share import SharedEvent, pending_shares, share_tensors  # noqa: E402
+from cuvmm._torch_share import SharedEvent, pending_shares, release_kept_mappings, share_tensors  # noqa: E402
 
 if importlib.util.find_spec("torch.multiprocessing") is not None:
     share_tensors()

@@ -3,12 +3,13 @@
 PyTorch's own allocator, in one run.
 
     python3 mp_share.py [--tensors 64] [--gib 16] [--rounds 3] [--trips 1000] [--no-nixl]
-                        [--export-threshold 64MiB] [--share-keep 32GiB]
+                        [--export-threshold 0] [--share-keep 0]
 
-For each allocator (a sender process each: native, cuvmm under change_current_allocator, cuvmm
-again with --export-threshold, where each tensor is one physical allocation, and cuvmm again with
-a receiver that keeps its mappings between hand-offs, CUVMM_SHARE_KEEP=--share-keep) a spawned
-receiver gets:
+For each allocator (a sender process each: native, cuvmm under change_current_allocator with its
+defaults, where a 256 MiB tensor is one physical allocation and the receiver keeps its mappings
+between hand-offs; cuvmm again with --export-threshold, 0 by default: every tensor on 4 MiB
+pages; and cuvmm again with a receiver keeping at most --share-keep bytes of idle mappings,
+CUVMM_SHARE_KEEP, 0 by default: none) a spawned receiver gets:
 
 * views of several dtypes, strides and offsets, and an nn.Parameter: it checks each against the
   sender's description (dtype, size, strides, storage offset, sum) and writes one element, which
@@ -24,8 +25,8 @@ receiver gets:
 * --trips round trips of a small view, after which descriptors (/proc/self/fd of both processes)
   and device memory (cuMemGetInfo) must be back where they were.
 
-Prints, for cuvmm (default configuration, and with --export-threshold) over the native run, the
-ratios of the first hand-off, the repeated one and the small round trip. Checks: every view
+Prints, for cuvmm (default configuration, with --export-threshold, with --share-keep) over the
+native run, the ratios of the first hand-off, the repeated one and the small round trip. Checks: every view
 arrives intact and aliased; nothing leaks (cuvmm); goals: on cuvmm's default configuration the
 first hand-off <= 2.0x the native one, a repeated one <= 1.0x, a small round trip <= 1.5x; GPU 1
 reads cuvmm tensors at >= 0.95x the copy engine's bandwidth. Exit status 1 when a check or goal
@@ -289,7 +290,7 @@ def nixl_send(tensors, ask):
 def run_sender(alloc, argv, conf=None, keep=None):
     cmd = [sys.executable, os.path.abspath(__file__), "--role", "sender", "--alloc", alloc] + argv
     env = dict(os.environ)
-    if keep:
+    if keep is not None:
         env["CUVMM_SHARE_KEEP"] = keep  # the spawned receiver inherits it
     if conf:
         env["CUVMM_ALLOC_CONF"] = ",".join(c for c in (env.get("CUVMM_ALLOC_CONF"), conf) if c)
@@ -319,12 +320,14 @@ def main():
     p.add_argument("--trips", type=int, default=1000)
     p.add_argument("--trip-mib", type=int, default=4)
     p.add_argument("--no-nixl", action="store_true")
-    p.add_argument("--export-threshold", default="64MiB",
-                   help="a third run on cuvmm with this export_threshold (each tensor one physical "
-                        "allocation, what UCX's descriptor and fabric paths take); 0: none")
-    p.add_argument("--share-keep", default="32GiB",
-                   help="a run on cuvmm whose receiver keeps up to this many bytes of mappings between "
-                        "hand-offs (CUVMM_SHARE_KEEP); 0: none")
+    p.add_argument("--export-threshold", default="0",
+                   help="a third run on cuvmm with this export_threshold (0, the default: every block "
+                        "on the allocator's 4 MiB pages, against the default's whole 256 MiB blocks); "
+                        "none: no such run")
+    p.add_argument("--share-keep", default="0",
+                   help="a run on cuvmm whose receiver keeps up to this many bytes of idle mappings "
+                        "between hand-offs (CUVMM_SHARE_KEEP; 0, the default: none, against the "
+                        "default's quarter of the device); none: no such run")
     p.add_argument("--json", metavar="PATH")
     args = p.parse_args()
     if args.role == "sender":
@@ -333,10 +336,10 @@ def main():
             f"--trips={args.trips}", f"--trip-mib={args.trip_mib}"] + (["--no-nixl"] if args.no_nixl else [])
     native, cuvmm_run = run_sender("native", argv), run_sender("cuvmm", argv)
     whole = None
-    if args.export_threshold not in ("0", ""):
+    if args.export_threshold not in ("none", ""):
         whole = run_sender("cuvmm", argv, f"export_threshold={args.export_threshold}")
     kept = None
-    if args.share_keep not in ("0", ""):
+    if args.share_keep not in ("none", ""):
         kept = run_sender("cuvmm", argv, keep=args.share_keep)
     checks = {f"cuvmm: {k}": v for k, v in cuvmm_run.get("checks", {}).items()}
     if whole is not None:
@@ -350,7 +353,7 @@ def main():
     goals, result = {}, {"native": native, "cuvmm": cuvmm_run, "cuvmm_export_threshold": whole,
                          "cuvmm_share_keep": kept}
     result["ratios"] = {}
-    for name, run in (("cuvmm", cuvmm_run), ("cuvmm export_threshold", whole or {}),
+    for name, run in (("cuvmm", cuvmm_run), (f"cuvmm export_threshold={args.export_threshold}", whole or {}),
                       (f"cuvmm CUVMM_SHARE_KEEP={args.share_keep}", kept or {})):
         r = ratios(native, run)
         if r is None:

@@ -2,7 +2,8 @@
 """How cuvmm.torch sends a tensor to another process, without a GPU or PyTorch: the descriptor's
 encoding and the checks on arrival, the page descriptors' transport over a socket pair handed to
 a spawned process fetching them by token over one connection (Handoff), the sender learning that
-the receiver let go, and whom a fetch trusts and how long it waits: another user or another process
+the receiver let go, page descriptors made only for a receiver that asks for them (none for one
+that maps those pages already), and whom a fetch trusts and how long it waits: another user or another process
 answering on the sender's address, a stalled sender, a fork during a fetch, a failing accept.
 
     python3 cuvmm-capi/tests/python/test_share.py
@@ -14,6 +15,7 @@ import io
 import multiprocessing
 import os
 import secrets
+import select
 import socket
 import subprocess
 import sys
@@ -217,6 +219,102 @@ class Transport(unittest.TestCase):
         handoff.close()
         _share.forget_connections()
 
+    def test_pages_are_made_only_for_a_receiver_that_asks_and_a_hit_gets_no_descriptor(self):
+        handoff, releases = _share.Handoff(), _share.Releases()
+        made, released = [], []
+        page_fds = memfds(3)
+
+        def offer(k):
+            keep, give = _share.pair()
+            released.append(threading.Event())
+            releases.register(keep, released[k].set)
+
+            def pages():
+                made.append(k)
+                _share.queue_pages(keep, page_fds)
+            return handoff.offer(give, pages)
+
+        hit, miss = offer(0), offer(1)
+        self.assertEqual(made, [], "nothing made at the offer")
+        with self.assertRaises(ValueError):
+            _share.fetch(hit[0], bytes(16))  # the connection (both of its ends here), made first
+        before = open_fds()
+        sock = _share.fetch(*hit, pages=False)
+        self.assertEqual(made, [], "a receiver that maps the pages already makes the sender make none")
+        with self.assertRaises(BlockingIOError):
+            sock.recv(64, socket.MSG_DONTWAIT)  # nothing travels, nothing to close
+        # Both ends in this process: the offered socket moved from the sender to the receiver, and
+        # no page's descriptor was opened on either side.
+        self.assertEqual(open_fds(), before, "the socket alone came")
+        self.assertFalse(released[0].wait(0.2), "held while the receiver holds its socket")
+        sock.close()
+        self.assertTrue(released[0].wait(10), "let go as before")
+        sock = _share.fetch(*miss)
+        self.assertEqual(made, [1])
+        got = _share.recv_pages(sock, 3)
+        self.assertEqual([os.pread(fd, 1, 0) for fd in got], [b"0", b"1", b"2"])
+        for fd in got:
+            os.close(fd)
+        sock.close()
+        self.assertTrue(released[1].wait(10))
+        with self.assertRaises(ValueError):
+            _share.fetch(*hit, pages=False)  # a token serves once, asking for pages or not
+        handoff.close()
+        _share.forget_connections()
+        for fd in page_fds:
+            os.close(fd)
+
+    def test_a_receiver_that_maps_the_pages_claims_the_offer_without_waiting_and_holds_it(self):
+        releases = _share.Releases()
+        handoff = _share.Handoff(releases)
+        keep, give = _share.pair()
+        released, made = threading.Event(), []
+        releases.register(keep, released.set)
+        offer = handoff.offer(give, lambda: made.append(1))
+        mine = _share.hold(*offer, timeout=30)
+        deadline = time.monotonic() + 10
+        while (handoff.pending() or releases.pending() < 2) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        self.assertEqual(handoff.pending(), 0, "claimed")
+        self.assertEqual(made, [], "no page made")
+        self.assertFalse(released.wait(0.3), "held while the receiver holds its end")
+        self.assertEqual(releases.pending(), 2, "the offer's socket, and the claim")
+        mine.close()
+        self.assertTrue(released.wait(10), "let go once the claim hangs up")
+        deadline = time.monotonic() + 10
+        while releases.pending() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        self.assertEqual(releases.pending(), 0)
+        # A token claimed already: reported at the sender, and the claim hung up on.
+        stderr = io.StringIO()
+        with contextlib.redirect_stderr(stderr):
+            again = _share.hold(*offer, timeout=30)
+            self.assertTrue(select.select([again], [], [], 10)[0], "hung up on")
+        self.assertEqual(again.recv(1), b"")
+        self.assertIn("no such offer", stderr.getvalue())
+        again.close()
+        handoff.close()
+        _share.forget_connections()
+
+    def test_pages_the_sender_fails_to_make_are_refused_and_the_offer_let_go(self):
+        handoff, releases = _share.Handoff(), _share.Releases()
+        keep, give = _share.pair()
+        released = threading.Event()
+        releases.register(keep, released.set)
+
+        def pages():
+            raise OSError("no descriptor left")
+        offer = handoff.offer(give, pages)
+        stderr = io.StringIO()
+        with contextlib.redirect_stderr(stderr):
+            with self.assertRaisesRegex(ValueError, "could not produce"):
+                _share.fetch(*offer)
+        self.assertIn("no descriptor left", stderr.getvalue())
+        self.assertTrue(released.wait(10), "the sender frees the block")
+        self.assertEqual(handoff.pending(), 0)
+        handoff.close()
+        _share.forget_connections()
+
     def test_the_sender_is_not_told_while_the_receiver_holds_on(self):
         fds = memfds(1)
         keep, give = _share.send_pages(fds)
@@ -382,6 +480,18 @@ class Liveness(unittest.TestCase):
         stalled.close()
         a.close()
         handoff.close()
+
+    def test_a_claim_waits_for_no_answer(self):
+        silent = FakeSender(an_address(), answer=False)
+        t0 = time.monotonic()
+        mine = _share.hold(silent.address, bytes(16), timeout=5)
+        self.assertLess(time.monotonic() - t0, 2, "sent, not answered")
+        self.assertTrue(silent.got_token.wait(10))
+        with self.assertRaises(TimeoutError):
+            _share.fetch(silent.address, bytes(16), timeout=1)  # where a fetch waits for one
+        mine.close()
+        silent.close()
+        _share.forget_connections()
 
     def test_a_fetch_waiting_its_turn_on_a_connection_dropped_meanwhile_connects_again(self):
         stalled = FakeSender(an_address(), answer=False)

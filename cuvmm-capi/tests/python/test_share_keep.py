@@ -7,6 +7,7 @@ a GPU or PyTorch: keys, reuse, the budget on idle mappings, and senders that exi
 
 import os
 import sys
+import time
 import unittest
 from pathlib import Path
 
@@ -36,7 +37,9 @@ def exited_pid():
 
 class KeptMappings(unittest.TestCase):
     def test_budget_and_address(self):
-        self.assertEqual(budget_from_env(None), 0)
+        self.assertIsNone(budget_from_env(None), "unset: the default")
+        self.assertIsNone(budget_from_env(" "))
+        self.assertEqual(budget_from_env("0"), 0)
         self.assertEqual(budget_from_env("4096"), 4096)
         self.assertEqual(budget_from_env("16GiB"), 16 << 30)
         self.assertEqual(budget_from_env(" 3 MiB "), 3 << 20)
@@ -45,6 +48,18 @@ class KeptMappings(unittest.TestCase):
                 budget_from_env(bad)
         self.assertEqual(sender_pid(ME), os.getpid())
         self.assertIsNone(sender_pid(b"\0elsewhere"))
+
+    def test_an_unset_budget_is_the_default_asked_once_when_first_needed(self):
+        asked = []
+
+        def default():
+            asked.append(1)
+            return 5 * PAGE
+        k = Kept(None, default)
+        self.assertEqual(asked, [], "not at import")
+        self.assertIsNotNone(k.key(ME, 0, PAGE, 1, [7], []), "kept by default")
+        self.assertEqual((k.budget, len(asked)), (5 * PAGE, 1))
+        self.assertIsNone(Kept(0, default).key(ME, 0, PAGE, 1, [7], []), "0: none kept")
 
     def test_keys_name_the_sender_pages_and_peers_and_refuse_bad_serials(self):
         k = Kept(1 << 30)
@@ -79,6 +94,55 @@ class KeptMappings(unittest.TestCase):
         self.assertEqual([m.released for m in maps], [0, 1, 1], "taken last before the first one")
         self.assertIs(k.take(keys[0]), maps[0], "reused, busy again")
         self.assertEqual(k.idle_bytes(), 0)
+
+    def test_releasing_the_idle_mappings_leaves_those_in_use(self):
+        k = Kept(1 << 40)
+        busy, idle = Mapping(), Mapping()
+        kb, ki = k.key(ME, 0, PAGE, 1, [1], []), k.key(ME, 0, PAGE, 2, [2, 3], [])
+        k.add(kb, busy, PAGE)
+        k.add(ki, idle, 2 * PAGE)
+        k.put_back(ki)
+        self.assertEqual(k.release_idle(), 2 * PAGE)
+        self.assertEqual((busy.released, idle.released, k.idle_bytes()), (0, 1, 0))
+        self.assertIsNone(k.take(ki), "gone")
+        self.assertIs(k.take(kb), busy, "still kept")
+
+    def test_a_sender_is_looked_at_once_however_many_of_its_mappings_are_idle(self):
+        k = Kept(1 << 40)
+        for i in range(50):
+            key = k.key(ME, 0, PAGE, 1, [i + 1], [])
+            k.add(key, Mapping(), PAGE)
+            k.put_back(key)
+        looked = []
+        real = os.kill
+        os.kill = lambda pid, sig: looked.append(pid) or real(pid, sig)
+        try:
+            k.trim()
+        finally:
+            os.kill = real
+        self.assertEqual(looked, [os.getpid()])
+
+    def test_a_sender_that_exits_has_its_idle_mappings_released_with_nothing_else_happening(self):
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.close(w)
+            os.read(r, 1)  # until told
+            os._exit(0)
+        os.close(r)
+        k = Kept(1 << 40)
+        key = k.key(b"\0cuvmm-share-%d-00ff" % pid, 0, PAGE, 1, [4], [])
+        m = Mapping()
+        k.add(key, m, PAGE)
+        k.put_back(key)
+        self.assertEqual(m.released, 0, "its sender lives")
+        os.close(w)
+        os.waitpid(pid, 0)
+        deadline = time.monotonic() + 10
+        while not m.released and time.monotonic() < deadline:
+            time.sleep(0.01)
+        self.assertEqual(m.released, 1, "released once the sender exited, no hand-off needed")
+        self.assertEqual(k._watch.watched(), 0, "no longer watched")
 
     def test_the_idle_mappings_of_a_sender_that_exited_are_released(self):
         k = Kept(1 << 40)

@@ -458,6 +458,39 @@ impl StreamAllocator {
         })
     }
 
+    /// [`export`](Self::export) without the descriptors: marks the block shared (as `export`
+    /// does, until as many [`unexport`](Self::unexport) calls) and says where it lies and which
+    /// pages are under it, costing no descriptor and no driver call. An importer that already
+    /// maps pages with these serials from this process needs nothing more; one that does not
+    /// gets their descriptors from [`exported_fds`](Self::exported_fds).
+    pub fn export_mark(&self, ptr: u64) -> Result<BlockShare> {
+        let mut pages = Vec::new();
+        let at = self.inner.alloc.core().export(ptr, |page| {
+            pages.push(page.serial());
+            Ok(())
+        })?;
+        Ok(BlockShare {
+            block: at.block,
+            len: at.len,
+            first_page: at.first_page,
+            page: at.page as usize,
+            pages,
+        })
+    }
+
+    /// One POSIX descriptor for each page under the shared block at `block` (as
+    /// [`export_mark`](Self::export_mark) or [`export`](Self::export) returned it), in address
+    /// order, as `export` gives them; the block may have been freed since (its mark keeps its
+    /// pages). Refused for a block not shared (any more).
+    pub fn exported_fds(&self, block: u64) -> Result<Vec<std::os::fd::OwnedFd>> {
+        let mut fds = Vec::new();
+        self.inner.alloc.core().exported_pages(block, |page| {
+            fds.push(page.export_fd_kept()?);
+            Ok(())
+        })?;
+        Ok(fds)
+    }
+
     /// One sharing of the block at `block` (as [`export`](Self::export) returned it) is over.
     /// Refused for a block not shared.
     pub fn unexport(&self, block: u64) -> Result<()> {
@@ -565,6 +598,22 @@ pub struct BlockExport {
     pub fds: Vec<std::os::fd::OwnedFd>,
     /// Each page's [`serial`](crate::vmm::PhysicalMemory::serial), in address order: an importer
     /// that kept a mapping of pages with these numbers from this process may use it again.
+    pub pages: Vec<u64>,
+}
+
+/// A live block of a [`StreamAllocator`] marked shared without its descriptors
+/// ([`StreamAllocator::export_mark`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BlockShare {
+    /// The block's address.
+    pub block: u64,
+    /// The block's size.
+    pub len: u64,
+    /// The address of the first page under the block; the pages follow it without gaps.
+    pub first_page: u64,
+    /// Bytes per page.
+    pub page: usize,
+    /// Each page's [`serial`](crate::vmm::PhysicalMemory::serial), in address order.
     pub pages: Vec<u64>,
 }
 

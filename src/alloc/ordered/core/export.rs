@@ -110,12 +110,50 @@ impl<B: Backend> Core<B> {
         let (slot, block, len) = self
             .live_block_at(addr)
             .ok_or_else(|| Error::invalid(format!("{addr:#x} is not a live allocation")))?;
-        let s = &self.slots[slot];
-        if !self.is_awake(s.tag) {
+        if !self.is_awake(self.slots[slot].tag) {
             return Err(Error::invalid(
                 "the block's tag is asleep or going to sleep: wake it before sharing",
             ));
         }
+        let at = self.pages_under(slot, block, len, &mut each)?;
+        // Its free must drop the mark: the front's fast path leaves it to the core.
+        self.free_via_core(slot, block);
+        let mark = self.exported.entry(block).or_insert((0, len));
+        mark.0 += 1;
+        if mark.0 == 1 {
+            self.stats.exported += len;
+        }
+        Ok(at)
+    }
+
+    /// The pages under the shared block at `block` (its address, as [`export`](Self::export)
+    /// returned it), each given to `each` in address order: what an importer maps, asked for
+    /// after the mark, when it turns out to need them. The block may have been freed meanwhile
+    /// (its mark keeps it, and its pages, live). Refused for a block not shared.
+    pub(crate) fn exported_pages(
+        &self,
+        block: u64,
+        mut each: impl FnMut(&B::Page) -> Result<()>,
+    ) -> Result<BlockPages> {
+        let &(_, len) =
+            self.exported.get(&block).ok_or_else(|| Error::invalid(format!("{block:#x} is not shared")))?;
+        let slot = self
+            .slots
+            .iter()
+            .position(|s| s.heap.contains(block))
+            .ok_or_else(|| Error::invalid("a shared block lies in no heap"))?;
+        self.pages_under(slot, block, len, &mut each)
+    }
+
+    /// The pages of `slot` under the `len` bytes at `block`, each given to `each` in order.
+    fn pages_under(
+        &self,
+        slot: usize,
+        block: u64,
+        len: u64,
+        each: &mut impl FnMut(&B::Page) -> Result<()>,
+    ) -> Result<BlockPages> {
+        let s = &self.slots[slot];
         let (base, page) = (s.heap.base(), s.page);
         let (first, end) = ((block - base) / page, (block + len - base).div_ceil(page));
         for p in first..end {
@@ -123,13 +161,6 @@ impl<B: Backend> Core<B> {
                 .as_ref()
                 .ok_or_else(|| Error::invalid("a page of a live block is not mapped"))?;
             each(handle)?;
-        }
-        // Its free must drop the mark: the front's fast path leaves it to the core.
-        self.free_via_core(slot, block);
-        let mark = self.exported.entry(block).or_insert((0, len));
-        mark.0 += 1;
-        if mark.0 == 1 {
-            self.stats.exported += len;
         }
         Ok(BlockPages { block, len, first_page: base + first * page, page, count: end - first })
     }
@@ -313,6 +344,35 @@ mod tests {
         c.free(b, 1).unwrap();
         assert_eq!(c.stats().freed_shared, 0);
         assert_eq!(c.allocate(2 * PAGE, 1, Capture::None, 0).unwrap(), b);
+    }
+
+    #[test]
+    fn a_marked_block_gives_its_pages_later_even_freed_and_not_once_let_go() {
+        let mut c = core(1000);
+        let b = c.allocate(3 * PAGE, 1, Capture::None, 0).unwrap();
+        let mut marked = Vec::new();
+        // Marked without asking for anything of its pages but their ids.
+        let at = c
+            .export(b + 512, |p| {
+                marked.push(p.id);
+                Ok(())
+            })
+            .unwrap();
+        c.free(b, 1).unwrap();
+        // Asked for by the block's address once an importer turns out to need them.
+        let mut later = Vec::new();
+        let again = c
+            .exported_pages(b, |p| {
+                later.push(p.id);
+                Ok(())
+            })
+            .unwrap();
+        assert_eq!((again, later), (at, marked), "the same pages, freed or not");
+        assert!(c.exported_pages(b + 512, |_| Ok(())).is_err(), "by the block's address only");
+        c.unexport(b).unwrap();
+        assert!(c.exported_pages(b, |_| Ok(())).is_err(), "no longer shared");
+        let never = c.allocate(PAGE, 1, Capture::None, 0).unwrap();
+        assert!(c.exported_pages(never, |_| Ok(())).is_err(), "never shared");
     }
 
     #[test]

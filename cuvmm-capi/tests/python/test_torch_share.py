@@ -1,0 +1,217 @@
+#!/usr/bin/env python3
+"""cuvmm.torch's reduction and rebuild of a CUDA tensor, without a GPU or PyTorch: a stand-in
+``torch`` and a stand-in library (counting marks, descriptors made, imports and unexports), the
+sender and the receiver in this one process. A first hand-off makes the pages' descriptors and
+imports them; the same pages again make, send and import nothing; the block is let go each time
+the receiver's tensor goes; a descriptor the receiver refuses leaves nothing held.
+
+    python3 cuvmm-capi/tests/python/test_torch_share.py
+"""
+
+import contextlib
+import gc
+import os
+import sys
+import time
+import types
+import unittest
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parents[1] / "python"))
+
+PAGE = 2 << 20
+BLOCK = 64 * PAGE
+
+
+class Dtype:
+    def __init__(self, name, itemsize):
+        self.name, self.itemsize = name, itemsize
+
+    def __str__(self):
+        return f"torch.{self.name}"
+
+
+class Device:
+    def __init__(self, type_, index=None):
+        self.type, self.index = type_, index
+
+
+class Storage:
+    def __init__(self, ptr, nbytes, owner=None):
+        self._ptr, self._nbytes, self.owner = ptr, nbytes, owner
+
+    def data_ptr(self):
+        return self._ptr
+
+    def nbytes(self):
+        return self._nbytes
+
+
+class Tensor:
+    layout = "strided"
+    is_nested = False
+    is_leaf = True
+
+    def __init__(self, storage=None, dtype=None, size=(), stride=(), offset=0, device=0):
+        self.storage, self.dtype, self.shape, self._stride = storage, dtype, tuple(size), tuple(stride)
+        self._offset, self.device, self.requires_grad = offset, Device("cuda", device), False
+
+    def untyped_storage(self):
+        return self.storage
+
+    def stride(self):
+        return self._stride
+
+    def storage_offset(self):
+        return self._offset
+
+    def set_(self, storage, offset, size, stride):
+        self.storage, self._offset, self.shape, self._stride = storage, offset, tuple(size), tuple(stride)
+        return self
+
+    def requires_grad_(self, flag):
+        self.requires_grad = flag
+        return self
+
+
+class Parameter(Tensor):
+    def __init__(self, t, requires_grad=True):
+        super().__init__(t.storage, t.dtype, t.shape, t._stride, t._offset, t.device.index)
+        self.requires_grad = requires_grad
+
+
+def fake_torch():
+    torch = types.ModuleType("torch")
+    torch.dtype, torch.Tensor, torch.strided = Dtype, Tensor, "strided"
+    torch.float32, torch.bfloat16 = Dtype("float32", 4), Dtype("bfloat16", 2)
+    torch.nn = types.SimpleNamespace(Parameter=Parameter)
+    torch.device = Device
+    torch._C = types.SimpleNamespace(_cuda_hasPrimaryContext=lambda d: d == 0)
+    torch.cuda = types.SimpleNamespace(
+        device_count=lambda: 2, current_device=lambda: 0, synchronize=lambda d=None: None,
+        can_device_access_peer=lambda a, b: True, device=lambda d: contextlib.nullcontext(),
+        get_device_properties=lambda d: types.SimpleNamespace(total_memory=80 << 30))
+    torch.UntypedStorage = lambda n, device=None: Storage(0, n)
+    torch.as_tensor = lambda m, device=None: types.SimpleNamespace(
+        untyped_storage=lambda: Storage(m.__cuda_array_interface__["data"][0],
+                                        m.__cuda_array_interface__["shape"][0], m))
+    torch.empty = lambda shape, dtype=None, device=None: Tensor(None, dtype, shape, (1,), 0, device.index)
+    return torch
+
+
+class FakeLib:
+    """The library calls the reduction and the rebuild make, counted."""
+
+    def __init__(self):
+        self.marks = self.unexports = self.fds_made = self.imports = self.import_releases = 0
+        self.pages = [11, 12, 13]
+
+    def cuvmm_owner(self, device, ptr, block, n):
+        block._obj.value, n._obj.value = BLOCK, len(self.pages) * PAGE
+        return 1
+
+    def cuvmm_export_mark(self, device, ptr, out, pages, cap):
+        n = len(self.pages)
+        o = out._obj
+        o.block, o.len, o.first_page, o.page, o.count = BLOCK, n * PAGE, BLOCK, PAGE, n
+        if n <= cap:
+            self.marks += 1
+            for i, s in enumerate(self.pages):
+                pages[i] = s
+        return n
+
+    def cuvmm_export_fds(self, device, block, fds, cap):
+        assert block == BLOCK and self.marks > self.unexports, "descriptors of a marked block only"
+        for i in range(len(self.pages)):
+            fds[i] = os.memfd_create(f"page{i}")
+        self.fds_made += len(self.pages)
+        return len(self.pages)
+
+    def cuvmm_unexport(self, device, block):
+        self.unexports += 1
+        return 0
+
+    def cuvmm_import(self, device, fds, n, page, peers, npeers, base):
+        self.imports += 1
+        base._obj.value = (1 << 40) + self.imports * BLOCK
+        return self.imports
+
+    def cuvmm_import_release(self, handle):
+        self.import_releases += 1
+        return 0
+
+
+sys.modules["torch"] = fake_torch()
+import cuvmm  # noqa: E402
+from cuvmm import _share, _torch_share as ts  # noqa: E402
+
+
+def wait_for(cond, what):
+    deadline = time.monotonic() + 10
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.01)
+
+
+class HandOff(unittest.TestCase):
+    def setUp(self):
+        self.lib = cuvmm._lib = FakeLib()
+        ts._kept.release_idle()
+
+    def tensor(self):
+        t = Tensor(Storage(BLOCK + 4096, 3 * PAGE - 8192), Dtype("float32", 4), (4, 8), (1, 4), 3)
+        t.requires_grad = True
+        return Parameter(t, requires_grad=True)
+
+    def send_and_receive(self):
+        fn, args = ts.reduce_tensor(self.tensor())
+        return fn(*args)
+
+    def test_the_same_pages_again_make_send_and_import_nothing(self):
+        lib = self.lib
+        got = self.send_and_receive()
+        self.assertEqual((lib.marks, lib.fds_made, lib.imports), (1, 3, 1), "a first hand-off imports")
+        self.assertIsInstance(got, Parameter)
+        self.assertEqual((got.shape, got.stride(), got.storage_offset(), got.requires_grad),
+                         ((4, 8), (1, 4), 3, True))
+        first_ptr = got.storage.data_ptr()
+        del got
+        wait_for(lambda: lib.unexports == 1, "the block let go")
+        self.assertEqual(lib.import_releases, 0, "the mapping kept")
+        for k in range(3):
+            got = self.send_and_receive()
+            self.assertEqual((lib.marks, lib.fds_made, lib.imports), (2 + k, 3, 1),
+                             "nothing made, sent or imported for pages mapped already")
+            self.assertEqual(got.storage.data_ptr(), first_ptr, "over the kept mapping")
+            self.assertEqual(lib.unexports, 1 + k, "held while the tensor lives")
+            del got
+            wait_for(lambda: lib.unexports == 2 + k, "the block let go")
+        wait_for(lambda: ts.pending_shares() == 0, "nothing pending")
+        # Other pages (the block freed and allocated again elsewhere): imported afresh.
+        lib.pages = [21, 22, 23]
+        got = self.send_and_receive()
+        self.assertEqual((lib.fds_made, lib.imports), (6, 2))
+        del got
+        wait_for(lambda: lib.unexports == lib.marks, "the block let go")
+        self.assertEqual(ts.release_kept_mappings(), 2 * 3 * PAGE)
+        self.assertEqual(lib.import_releases, 2, "idle kept mappings unmapped on request")
+
+    def test_a_refused_descriptor_leaves_nothing_held(self):
+        fn, (desc, address, token, pages) = ts.reduce_tensor(self.tensor())
+        bad = list(desc)
+        bad[_share._FIELDS.index("dtype")] = "no_such_dtype"
+        with self.assertRaises(ValueError):
+            fn(tuple(bad), address, token, pages)
+        wait_for(lambda: self.lib.unexports == 1, "the block let go")
+        self.assertEqual((self.lib.fds_made, self.lib.imports), (0, 0))
+        self.assertEqual(ts._handoff.pending(), 0, "the offer fetched")
+
+    def tearDown(self):
+        gc.collect()
+        wait_for(lambda: ts.pending_shares() == 0, "nothing pending")
+
+
+if __name__ == "__main__":
+    unittest.main()
