@@ -6,7 +6,8 @@
 //! the change.
 
 use super::front::{lock, Entry, Front, Fronts};
-use super::heap::{AddrMap, Freed, Heap, Owner, PendingFree, ALIGN, IDLE};
+use super::heap::{Freed, Heap, KeyMap, Owner, PendingFree, ALIGN, IDLE};
+use super::ids::{Caller, Handle, StreamId, LEGACY, SYNTHETIC};
 use crate::error::{Error, Result};
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -29,16 +30,16 @@ pub(crate) trait Backend {
     fn new_event(&mut self) -> Result<Self::Event>;
     /// Records `event` on the stream whose handle is `raw`. Called only with the handle of the
     /// call under way (see [`Caller`]).
-    fn record(&mut self, event: &Self::Event, raw: u64) -> Result<()>;
+    fn record(&mut self, event: &Self::Event, raw: Handle) -> Result<()>;
     fn query(&mut self, event: &Self::Event) -> Result<bool>;
     /// Whether all work queued so far on the stream whose handle is `raw` (that of the call under
     /// way) has run; it is not being captured.
-    fn stream_idle(&mut self, raw: u64) -> Result<bool>;
+    fn stream_idle(&mut self, raw: Handle) -> Result<bool>;
     /// The capture under way on the stream whose handle is `raw` (that of the call under way).
-    fn capture_of(&mut self, raw: u64) -> Result<Option<u64>>;
+    fn capture_of(&mut self, raw: Handle) -> Result<Option<u64>>;
     /// The identity of the stream whose handle is `raw` (that of the call under way), never that
     /// of another stream, before or after; `None` when the driver cannot say.
-    fn stream_id(&mut self, raw: u64) -> Option<u64>;
+    fn stream_id(&mut self, raw: Handle) -> Option<StreamId>;
     /// Lets this thread make calls a capture in global mode elsewhere would forbid; returns what
     /// to restore.
     fn relax(&mut self) -> Result<u32>;
@@ -99,35 +100,9 @@ impl Capture {
     }
 }
 
-/// Stream identities from this number up are the allocator's own, never the driver's: the legacy
-/// default stream's, and those made up for a stream the driver could not name.
-pub(crate) const SYNTHETIC: u64 = 1 << 62;
-
 /// The most (capture, handle) identities kept (see [`Core::caller`]): far more streams than one
 /// capture uses, and a bound on a process that captures for ever.
 pub(crate) const CAPTURE_IDS: usize = 4096;
-
-/// The identity of the legacy default stream (the null handle and `CU_STREAM_LEGACY`), which is
-/// never destroyed.
-pub(crate) const LEGACY: u64 = SYNTHETIC;
-
-/// The stream a call passes: an identity no other stream ever has (the driver's stream id), which
-/// keys everything the allocator remembers about the stream, and the handle, which the allocator
-/// passes to the driver during this call only. A handle remembered past its call could name a
-/// destroyed stream, or a new stream the driver handed the same handle.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct Caller {
-    pub id: u64,
-    pub raw: u64,
-}
-
-/// In the model tests a stream numbered `s` has handle `s` unless a test says otherwise.
-#[cfg(test)]
-impl From<u64> for Caller {
-    fn from(s: u64) -> Caller {
-        Caller { id: s, raw: s }
-    }
-}
 
 /// Counters, in bytes unless named a count. Laid out as `cuvmm_stats_t` of the C header.
 #[repr(C)]
@@ -199,13 +174,13 @@ struct Stream<E> {
 
 /// Whether the fast paths may find the stream `id`: the driver's ids and the legacy default
 /// stream's, not the identities made up for one call or one capture.
-fn published(id: u64) -> bool {
+fn published(id: StreamId) -> bool {
     id < SYNTHETIC || id == LEGACY
 }
 
 /// A request served by a block its stream's front cached with that size, without the core:
 /// untagged, outside captures, on a stream the driver named.
-fn take_fast(fronts: &Fronts, id: u64, size: u64, capture: Capture, tag: u32) -> Option<u64> {
+fn take_fast(fronts: &Fronts, id: StreamId, size: u64, capture: Capture, tag: u32) -> Option<u64> {
     if capture != Capture::None || tag != 0 || !published(id) {
         return None;
     }
@@ -217,7 +192,7 @@ fn take_fast(fronts: &Fronts, id: u64, size: u64, capture: Capture, tag: u32) ->
 /// well as where they now serve) until the work queued on `stream` before the block's free has run.
 struct Lent {
     slot: usize,
-    stream: u64,
+    stream: StreamId,
     epoch: u64,
     /// Page indexes in the slot.
     pages: Vec<u64>,
@@ -251,7 +226,7 @@ struct Request {
 /// What a device-wide wait covers: each stream's number that the work queued before the wait
 /// began reaches.
 pub(crate) struct Settle {
-    upto: Vec<(u64, u64)>,
+    upto: Vec<(StreamId, u64)>,
 }
 
 /// Sizes chosen at creation.
@@ -272,15 +247,15 @@ pub(crate) struct Core<B: Backend> {
     slots: Vec<Slot<B::Page>>,
     spare: Vec<B::Page>,
     /// By stream identity (see [`Caller`]).
-    streams: AddrMap<Stream<B::Event>>,
+    streams: KeyMap<StreamId, Stream<B::Event>>,
     idle_events: Vec<B::Event>,
     pools: HashMap<u64, u32>,
     next_pool: u32,
     /// Identities made up for streams the driver could not name during a capture, by (capture,
     /// handle): within one capture a handle names one stream. At most [`CAPTURE_IDS`].
-    capture_ids: HashMap<(u64, u64), u64>,
+    capture_ids: HashMap<(u64, Handle), StreamId>,
     /// The next made-up identity.
-    next_synthetic: u64,
+    next_synthetic: StreamId,
     /// Every stream's front, and the demand counter the fast paths read (see [`Core::free`]).
     fronts: Arc<Fronts>,
     /// Bytes of pages mapped (spare ones apart).
@@ -304,7 +279,7 @@ pub(crate) struct Core<B: Backend> {
     exported: HashMap<u64, (u32, u64)>,
     /// Those of them already freed (see [`AllocatorStats::freed_shared`]): still live in their
     /// heap, as (stream, epoch) of their free, until the last sharing is over.
-    freed_shared: HashMap<u64, (u64, u64)>,
+    freed_shared: HashMap<u64, (StreamId, u64)>,
     /// Blocks of at least this many bytes (untagged) are one physical allocation each; 0: off.
     whole_above: u64,
 }
@@ -316,12 +291,12 @@ impl<B: Backend> Core<B> {
             sizes,
             slots: Vec::new(),
             spare: Vec::new(),
-            streams: AddrMap::default(),
+            streams: KeyMap::default(),
             idle_events: Vec::new(),
             pools: HashMap::new(),
             next_pool: 1,
             capture_ids: HashMap::new(),
-            next_synthetic: LEGACY + 1,
+            next_synthetic: StreamId(LEGACY.0 + 1),
             fronts: Arc::new(Fronts::default()),
             mapped_bytes: 0,
             stats: AllocatorStats::default(),
@@ -410,7 +385,7 @@ impl<B: Backend> Core<B> {
     /// not, or was not asked, as during a capture). A stream without a name gets one never used
     /// before, or, during a capture, the one it got earlier in that capture: within one capture a
     /// handle names one stream.
-    pub(crate) fn caller(&mut self, raw: u64, id: Option<u64>, capture: Capture) -> Caller {
+    pub(crate) fn caller(&mut self, raw: Handle, id: Option<StreamId>, capture: Capture) -> Caller {
         if let Some(id) = id.filter(|&i| published(i)) {
             return Caller { id, raw };
         }
@@ -437,9 +412,10 @@ impl<B: Backend> Core<B> {
         Caller { id, raw }
     }
 
-    fn fresh_id(&mut self) -> u64 {
-        self.next_synthetic += 1;
-        self.next_synthetic - 1
+    fn fresh_id(&mut self) -> StreamId {
+        let id = self.next_synthetic;
+        self.next_synthetic = StreamId(id.0 + 1);
+        id
     }
 
     /// `size` bytes for use on `stream`, waiting for the whole device when out of memory (the
@@ -500,10 +476,12 @@ impl<B: Backend> Core<B> {
         };
         let req = Request { n, size, stream, kind: self.kind_of(n, tag), pool, capture };
         if capture == Capture::None {
-            let found =
-                self.slots.iter_mut().enumerate().filter(|(_, s)| (s.small, s.tag) == req.kind).find_map(
-                    |(i, slot)| slot.heap.take_cached((stream.id, stream.raw), n, size).map(|a| (i, a)),
-                );
+            let found = self
+                .slots
+                .iter_mut()
+                .enumerate()
+                .filter(|(_, s)| (s.small, s.tag) == req.kind)
+                .find_map(|(i, slot)| slot.heap.take_cached(stream, n, size).map(|a| (i, a)));
             if let Some((slot, addr)) = found {
                 // A block of its own stream's cache: the peak stays where the last search left it.
                 self.stats.allocations += 1;
@@ -615,7 +593,7 @@ impl<B: Backend> Core<B> {
 
     /// Takes a free block of pool `pool` that `reuse` (a stream, or [`IDLE`]) may use, for `req`
     /// (and its pool).
-    fn reuse(&mut self, req: &Request, reuse: u64, pool: u32) -> Result<Option<(usize, u64)>> {
+    fn reuse(&mut self, req: &Request, reuse: StreamId, pool: u32) -> Result<Option<(usize, u64)>> {
         // Heaps of one kind are few (more only when one's address space ran out): the first that
         // fits wins.
         let found = self
@@ -625,7 +603,7 @@ impl<B: Backend> Core<B> {
             .filter(|(_, s)| (s.small, s.tag) == req.kind)
             .find_map(|(i, s)| s.heap.find(pool, reuse, req.n).map(|(_, id)| (i, id)));
         let Some((slot, id)) = found else { return Ok(None) };
-        let addr = self.slots[slot].heap.take(id, req.n, (req.stream.id, req.stream.raw), req.size, req.pool);
+        let addr = self.slots[slot].heap.take(id, req.n, req.stream, req.size, req.pool);
         let mapped_before = self.mapped_bytes;
         if let Err(e) = self.ensure_pages(slot, addr, req.n, req.capture, req.stream.id) {
             self.give_back_block(slot, addr, req.stream);
@@ -649,10 +627,9 @@ impl<B: Backend> Core<B> {
         let Request { n, size, stream, pool, capture, .. } = *req;
         // As in `allocate`: a capture shared with other streams takes only idle blocks.
         let reuse = if matches!(capture, Capture::Shared(_)) { IDLE } else { stream.id };
-        let owner = (stream.id, stream.raw);
         for (i, s) in self.slots.iter_mut().enumerate() {
             if (s.small, s.tag) == req.kind {
-                if let Some(a) = s.heap.carve(n, owner, size, pool, reuse) {
+                if let Some(a) = s.heap.carve(n, stream, size, pool, reuse) {
                     return Ok((i, a));
                 }
             }
@@ -679,12 +656,19 @@ impl<B: Backend> Core<B> {
         self.slots.push(Slot { heap: Heap::new(base, reserve), small, tag, page, pages: table });
         let i = self.slots.len() - 1;
         let a =
-            self.slots[i].heap.carve(n, owner, size, pool, reuse).expect("a new heap holds its first block");
+            self.slots[i].heap.carve(n, stream, size, pool, reuse).expect("a new heap holds its first block");
         Ok((i, a))
     }
 
     /// Maps every page under `[addr, addr + n)` of `slot` that is not mapped yet.
-    fn ensure_pages(&mut self, slot: usize, addr: u64, n: u64, capture: Capture, stream: u64) -> Result<()> {
+    fn ensure_pages(
+        &mut self,
+        slot: usize,
+        addr: u64,
+        n: u64,
+        capture: Capture,
+        stream: StreamId,
+    ) -> Result<()> {
         let page = self.slots[slot].page;
         let base = self.slots[slot].heap.base();
         let first = (addr - base) / page;
@@ -729,7 +713,7 @@ impl<B: Backend> Core<B> {
         (addr, n): (u64, u64),
         missing: &[u64],
         capture: Capture,
-        stream: u64,
+        stream: StreamId,
     ) -> Result<()> {
         let page = self.slots[slot].page;
         let base = self.slots[slot].heap.base();
@@ -842,7 +826,7 @@ impl<B: Backend> Core<B> {
     /// Moves up to `want` mapped pages out of blocks `stream` freed (oldest frees first) into
     /// `borrowed`, leaving them mapped where they are; each block they came from is out of use
     /// until its stream's work has caught up with its free (see [`Core::poll`]).
-    fn lend(&mut self, want: usize, stream: u64) {
+    fn lend(&mut self, want: usize, stream: StreamId) {
         let page = self.sizes.page;
         let mut got = 0;
         for slot in 0..self.slots.len() {
@@ -879,7 +863,7 @@ impl<B: Backend> Core<B> {
 
     /// Unmaps the lent pages of `stream`'s blocks freed up to `epoch` from where they came from,
     /// and frees those blocks, idle.
-    fn return_lent(&mut self, stream: u64, epoch: u64) -> Result<()> {
+    fn return_lent(&mut self, stream: StreamId, epoch: u64) -> Result<()> {
         let mut r = Ok(());
         let mut slots = Vec::new();
         let backend = &mut self.backend;
@@ -978,7 +962,7 @@ impl<B: Backend> Core<B> {
     /// run, or records an event after them: the caller's stream is the only one this call may
     /// pass to the driver.
     fn poll_all(&mut self, caller: Caller) -> Result<()> {
-        let streams: Vec<u64> = self.streams.keys().copied().collect();
+        let streams: Vec<StreamId> = self.streams.keys().copied().collect();
         for s in streams {
             self.poll(s)?;
             let st = &self.streams[&s];
@@ -1042,7 +1026,7 @@ impl<B: Backend> Core<B> {
         Ok(true)
     }
 
-    fn poll(&mut self, s: u64) -> Result<()> {
+    fn poll(&mut self, s: StreamId) -> Result<()> {
         let mut done = None;
         loop {
             let st = self.streams.get_mut(&s).expect("known stream");
@@ -1067,7 +1051,7 @@ impl<B: Backend> Core<B> {
 
     /// The work `s` queued before its event number `n` has run: blocks freed there until then
     /// are idle, and pages they lent come home.
-    fn work_ran(&mut self, s: u64, n: u64) -> Result<()> {
+    fn work_ran(&mut self, s: StreamId, n: u64) -> Result<()> {
         for slot in &mut self.slots {
             slot.heap.promote(s, n);
         }
@@ -1196,7 +1180,7 @@ impl<B: Backend> Core<B> {
     /// block waits for a device-wide wait) and no other stream found memory short since this
     /// stream's last event; otherwise it asks the stream's identity, and records an event after
     /// the free for the others.
-    pub(crate) fn free(&mut self, addr: u64, raw: u64) -> Result<Freed> {
+    pub(crate) fn free(&mut self, addr: u64, raw: Handle) -> Result<Freed> {
         let Some(slot) = self.slots.iter().position(|s| s.heap.contains(addr)) else {
             return Err(Error::invalid(format!("{addr:#x} was not allocated here")));
         };
@@ -1204,7 +1188,7 @@ impl<B: Backend> Core<B> {
         if self.freed_shared.contains_key(&addr) {
             return Err(twice());
         }
-        let (i, id, alloc_raw) = self.slots[slot].heap.live_block(addr).ok_or_else(twice)?;
+        let (i, Caller { id, raw: alloc_raw }) = self.slots[slot].heap.live_block(addr).ok_or_else(twice)?;
         // Importers still map it: it stays live in its heap until they let go (see `unexport`).
         let shared = self.exported.contains_key(&addr);
         let stream = if raw == alloc_raw {
@@ -1293,7 +1277,7 @@ impl<B: Backend> Core<B> {
 
     /// Makes the free of the live block at `addr` in `slot` go through the core.
     pub(super) fn free_via_core(&mut self, slot: usize, addr: u64) {
-        let Some((_, id, _)) = self.slots[slot].heap.live_block(addr) else { return };
+        let Some((_, Caller { id, .. })) = self.slots[slot].heap.live_block(addr) else { return };
         if let Some(st) = self.streams.get(&id) {
             if let Some(e) = st.front.lock().blocks.get_mut(&addr) {
                 e.via_core = true;
@@ -1331,7 +1315,7 @@ impl<B: Backend> Core<B> {
     /// [`flush_cached`](Self::flush_cached), except that with `Some(s)` the fronts of streams
     /// other than `s` give up only their idle blocks (which any stream may take): their blocks
     /// still waiting for their stream's work stay cached, for that stream's next request.
-    fn flush_fronts(&mut self, only: Option<u64>) {
+    fn flush_fronts(&mut self, only: Option<StreamId>) {
         self.take_counts();
         let mut due = Vec::new();
         for (&t, st) in &self.streams {
@@ -1350,7 +1334,7 @@ impl<B: Backend> Core<B> {
             debug_assert!(freed.is_some(), "a block cached in a front is live in its heap");
         }
         let streams = &self.streams;
-        let done = |s: u64, epoch: u64| streams.get(&s).is_some_and(|st| st.done >= epoch);
+        let done = |s: StreamId, epoch: u64| streams.get(&s).is_some_and(|st| st.done >= epoch);
         for s in &mut self.slots {
             s.heap.flush_cached(done);
         }
@@ -1429,8 +1413,8 @@ impl<B: Backend> Ordered<B> {
     pub(crate) fn allocate(
         &self,
         size: u64,
-        raw: u64,
-        id: Option<u64>,
+        raw: Handle,
+        id: Option<StreamId>,
         capture: Capture,
         tag: u32,
         wait: impl FnOnce() -> bool,
@@ -1457,7 +1441,7 @@ impl<B: Backend> Ordered<B> {
 
     /// Frees the block at `addr` on the stream whose handle is `raw`: through that stream's front
     /// when it is the front's block, else through the core.
-    pub(crate) fn free(&self, addr: u64, raw: u64) -> Result<()> {
+    pub(crate) fn free(&self, addr: u64, raw: Handle) -> Result<()> {
         if self.fronts.give(addr, raw) {
             return Ok(());
         }

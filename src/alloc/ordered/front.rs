@@ -35,6 +35,7 @@
 //! [`Core::flush_cached`]: super::core::Core::flush_cached
 
 use super::heap::{AddrMap, KeyedLists};
+use super::ids::{Handle, StreamId};
 use std::cell::RefCell;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
@@ -91,9 +92,9 @@ pub(crate) struct State {
 #[repr(align(128))]
 pub(crate) struct Front {
     /// The driver's stream id (or the allocator's own identity, see `Caller`).
-    pub id: u64,
+    pub id: StreamId,
     /// The handle the stream's calls pass (one per stream while it lives).
-    pub raw: u64,
+    pub raw: Handle,
     /// Set with `State::retired`, read without the lock: a thread's memo then looks in the
     /// registry again (the locked flag is what keeps a retired front unused).
     gone: AtomicBool,
@@ -101,7 +102,7 @@ pub(crate) struct Front {
 }
 
 impl Front {
-    pub(crate) fn new(id: u64, raw: u64) -> Front {
+    pub(crate) fn new(id: StreamId, raw: Handle) -> Front {
         Front {
             id,
             raw,
@@ -274,14 +275,14 @@ impl Fronts {
 
     /// Makes `front` what the fast paths find for its id and handle.
     pub(crate) fn publish(&self, front: &Arc<Front>) {
-        self.by_id.0.write().unwrap_or_else(|e| e.into_inner()).insert(front.id, front.clone());
-        self.by_raw.0.write().unwrap_or_else(|e| e.into_inner()).insert(front.raw, front.clone());
+        self.by_id.0.write().unwrap_or_else(|e| e.into_inner()).insert(front.id.0, front.clone());
+        self.by_raw.0.write().unwrap_or_else(|e| e.into_inner()).insert(front.raw.0, front.clone());
     }
 
     /// Takes `front` (already marked retired) out of the registry.
     pub(crate) fn withdraw(&self, front: &Arc<Front>) {
         front.gone.store(true, Ordering::Relaxed);
-        for (map, k) in [(&self.by_id.0, front.id), (&self.by_raw.0, front.raw)] {
+        for (map, k) in [(&self.by_id.0, front.id.0), (&self.by_raw.0, front.raw.0)] {
             let mut m = map.write().unwrap_or_else(|e| e.into_inner());
             if m.get(&k).is_some_and(|f| Arc::ptr_eq(f, front)) {
                 m.remove(&k);
@@ -291,16 +292,16 @@ impl Fronts {
 
     /// A block of `n` bytes that stream `id` freed with that size, handed out again to it for
     /// `requested` bytes; `None` when it has none (the core serves the request).
-    pub(crate) fn take(&self, id: u64, n: u64, requested: u64) -> Option<u64> {
-        self.with(id, true, |f| f.take(n, requested))
+    pub(crate) fn take(&self, id: StreamId, n: u64, requested: u64) -> Option<u64> {
+        self.with(id.0, true, |f| f.take(n, requested))
     }
 
     /// Frees the block at `addr` on the stream whose handle is `raw` without the core, when it is
     /// a live block of the front of that handle and that front's stream has nothing to do for the
     /// others (no request found memory short since its last event). False: the core must free it.
-    pub(crate) fn give(&self, addr: u64, raw: u64) -> bool {
+    pub(crate) fn give(&self, addr: u64, raw: Handle) -> bool {
         let demand = self.demand();
-        self.with(raw, false, |f| f.give(addr, demand))
+        self.with(raw.0, false, |f| f.give(addr, demand))
     }
 
     /// Runs `op` on the front of `key` (a stream id when `by_id`, else a handle): the one this
