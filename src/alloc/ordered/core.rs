@@ -7,7 +7,7 @@
 
 use super::front::{lock, Entry, Front, Fronts};
 use super::heap::{Freed, Heap, KeyMap, Owner, PendingFree, ALIGN, IDLE};
-use super::ids::{Caller, Handle, StreamId, LEGACY, SYNTHETIC};
+use super::ids::{Caller, Epoch, Handle, StreamId, LEGACY, SYNTHETIC};
 use crate::error::{Error, Result};
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -162,10 +162,10 @@ struct Stream<E> {
     /// as the event (or the idle query) that number stands for.
     front: Arc<Front>,
     /// Largest event number known complete.
-    done: u64,
+    done: Epoch,
     /// Events recorded here, by number; `None` stands for one known complete when recorded (the
     /// stream had run all its work), whose blocks become idle at the next poll.
-    fences: VecDeque<(u64, Option<E>)>,
+    fences: VecDeque<(Epoch, Option<E>)>,
     /// Whether the fast paths may find the front: since an allocation, whose call asked the driver
     /// that the handle names this stream (a free through a destroyed stream's handle must not make
     /// the fast paths of the stream now holding that handle find the destroyed one's front).
@@ -193,7 +193,7 @@ fn take_fast(fronts: &Fronts, id: StreamId, size: u64, capture: Capture, tag: u3
 struct Lent {
     slot: usize,
     stream: StreamId,
-    epoch: u64,
+    epoch: Epoch,
     /// Page indexes in the slot.
     pages: Vec<u64>,
 }
@@ -226,7 +226,7 @@ struct Request {
 /// What a device-wide wait covers: each stream's number that the work queued before the wait
 /// began reaches.
 pub(crate) struct Settle {
-    upto: Vec<(StreamId, u64)>,
+    upto: Vec<(StreamId, Epoch)>,
 }
 
 /// Sizes chosen at creation.
@@ -268,7 +268,7 @@ pub(crate) struct Core<B: Backend> {
     /// from), never kept beyond it.
     borrowed: Vec<B::Page>,
     /// The latest free among the blocks that lent `borrowed`.
-    borrowed_epoch: u64,
+    borrowed_epoch: Epoch,
     /// Device-wide waits under way (see [`Core::settle_begin`]).
     settling: usize,
     /// Whether the allocation under way may fail for its caller to wait for the whole device,
@@ -279,7 +279,7 @@ pub(crate) struct Core<B: Backend> {
     exported: HashMap<u64, (u32, u64)>,
     /// Those of them already freed (see [`AllocatorStats::freed_shared`]): still live in their
     /// heap, as (stream, epoch) of their free, until the last sharing is over.
-    freed_shared: HashMap<u64, (StreamId, u64)>,
+    freed_shared: HashMap<u64, (StreamId, Epoch)>,
     /// Blocks of at least this many bytes (untagged) are one physical allocation each; 0: off.
     whole_above: u64,
 }
@@ -303,7 +303,7 @@ impl<B: Backend> Core<B> {
             sleepers: HashMap::new(),
             lent: Vec::new(),
             borrowed: Vec::new(),
-            borrowed_epoch: 0,
+            borrowed_epoch: Epoch::NONE,
             settling: 0,
             may_settle: false,
             wants_settle: false,
@@ -341,7 +341,7 @@ impl<B: Backend> Core<B> {
     fn stream(&mut self, c: Caller) -> &mut Stream<B::Event> {
         self.streams.entry(c.id).or_insert_with(|| Stream {
             front: Arc::new(Front::new(c.id, c.raw)),
-            done: 0,
+            done: Epoch::NONE,
             fences: VecDeque::new(),
             published: false,
         })
@@ -684,7 +684,7 @@ impl<B: Backend> Core<B> {
         // it came from until that mapping is undone.
         self.stats.pages_released += self.borrowed.len() as u64;
         self.borrowed.clear();
-        self.borrowed_epoch = 0;
+        self.borrowed_epoch = Epoch::NONE;
         if matches!(&r, Err(e) if e.is_out_of_memory()) {
             // The pages made or moved for a block that could not have them all would hold the
             // device's memory for nothing: even a kernel's first launch needs some.
@@ -863,7 +863,7 @@ impl<B: Backend> Core<B> {
 
     /// Unmaps the lent pages of `stream`'s blocks freed up to `epoch` from where they came from,
     /// and frees those blocks, idle.
-    fn return_lent(&mut self, stream: StreamId, epoch: u64) -> Result<()> {
+    fn return_lent(&mut self, stream: StreamId, epoch: Epoch) -> Result<()> {
         let mut r = Ok(());
         let mut slots = Vec::new();
         let backend = &mut self.backend;
@@ -1011,8 +1011,7 @@ impl<B: Backend> Core<B> {
         {
             return Ok(false);
         }
-        let n = f.next;
-        f.next += 1;
+        let n = f.next.take();
         drop(f);
         let st = self.streams.get_mut(&c.id).expect("known stream");
         // Every event recorded there has completed too.
@@ -1051,7 +1050,7 @@ impl<B: Backend> Core<B> {
 
     /// The work `s` queued before its event number `n` has run: blocks freed there until then
     /// are idle, and pages they lent come home.
-    fn work_ran(&mut self, s: StreamId, n: u64) -> Result<()> {
+    fn work_ran(&mut self, s: StreamId, n: Epoch) -> Result<()> {
         for slot in &mut self.slots {
             slot.heap.promote(s, n);
         }
@@ -1080,8 +1079,7 @@ impl<B: Backend> Core<B> {
             return Err(e);
         }
         self.stats.events_recorded += 1;
-        let n = f.next;
-        f.next += 1;
+        let n = f.next.take();
         drop(f);
         self.streams.get_mut(&c.id).expect("known stream").fences.push_back((n, Some(ev)));
         Ok(())
@@ -1097,8 +1095,7 @@ impl<B: Backend> Core<B> {
             .iter()
             .map(|(&s, st)| {
                 let mut f = st.front.lock();
-                f.next += 1;
-                (s, f.next - 1)
+                (s, f.next.take())
             })
             .collect();
         Settle { upto }
@@ -1334,7 +1331,7 @@ impl<B: Backend> Core<B> {
             debug_assert!(freed.is_some(), "a block cached in a front is live in its heap");
         }
         let streams = &self.streams;
-        let done = |s: StreamId, epoch: u64| streams.get(&s).is_some_and(|st| st.done >= epoch);
+        let done = |s: StreamId, epoch: Epoch| streams.get(&s).is_some_and(|st| st.done >= epoch);
         for s in &mut self.slots {
             s.heap.flush_cached(done);
         }

@@ -35,7 +35,7 @@
 //! [`Core::flush_cached`]: super::core::Core::flush_cached
 
 use super::heap::{AddrMap, KeyedLists};
-use super::ids::{Handle, StreamId};
+use super::ids::{Epoch, Handle, StreamId};
 use std::cell::RefCell;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
@@ -73,16 +73,16 @@ pub(crate) struct State {
     /// Taken out of the registry by the core: fast paths that still hold it go to the core.
     pub retired: bool,
     /// Number of the next event recorded on the stream; a free stamped with it is covered by it.
-    pub next: u64,
-    /// Stamp of the latest free, 0 for none.
-    pub last_free: u64,
+    pub next: Epoch,
+    /// Stamp of the latest free, `NONE` for none.
+    pub last_free: Epoch,
     /// The demand (see [`Fronts::demand`]) when the core last recorded an event here for others,
     /// or found the stream idle: when demand has moved since, a free goes to the core.
     pub seen_demand: u64,
     /// Blocks handed out on the stream and not yet back in the core, by address.
     pub blocks: AddrMap<Entry>,
     /// The cached blocks, (address, stamp) per size.
-    cache: KeyedLists<u64, (u64, u64)>,
+    cache: KeyedLists<u64, (u64, Epoch)>,
     pub counts: Counts,
 }
 
@@ -109,8 +109,8 @@ impl Front {
             gone: AtomicBool::new(false),
             state: Mutex::new(State {
                 retired: false,
-                next: 1,
-                last_free: 0,
+                next: Epoch::FIRST,
+                last_free: Epoch::NONE,
                 seen_demand: 0,
                 blocks: AddrMap::default(),
                 cache: KeyedLists::default(),
@@ -168,7 +168,7 @@ impl Front {
 impl State {
     /// Caches the live block at `addr` stamped `epoch` (the core's path of [`Front::give`]); false
     /// when the cache of its size is full.
-    pub(crate) fn cache_free(&mut self, addr: u64, epoch: u64) -> bool {
+    pub(crate) fn cache_free(&mut self, addr: u64, epoch: Epoch) -> bool {
         let Some(e) = self.blocks.get_mut(&addr) else { return false };
         if !self.cache.push(e.n, (addr, epoch)) {
             return false;
@@ -179,7 +179,7 @@ impl State {
     }
 
     /// Every cached block, taken out: (address, stamp, entry).
-    pub(crate) fn drain(&mut self) -> Vec<(u64, u64, Entry)> {
+    pub(crate) fn drain(&mut self) -> Vec<(u64, Epoch, Entry)> {
         let mut out = Vec::new();
         for (addr, epoch) in self.cache.drain() {
             let e = self.blocks.remove(&addr).expect("a cached block is in the front's map");
@@ -190,7 +190,7 @@ impl State {
 
     /// The cached blocks stamped `done` or earlier (an event after their free has completed),
     /// taken out: (address, stamp, entry).
-    pub(crate) fn drain_done(&mut self, done: u64) -> Vec<(u64, u64, Entry)> {
+    pub(crate) fn drain_done(&mut self, done: Epoch) -> Vec<(u64, Epoch, Entry)> {
         let mut due = Vec::new();
         for list in self.cache.lists_mut() {
             list.retain(|&(addr, epoch)| {

@@ -3,7 +3,7 @@
 //!
 //! Nothing here calls the driver; [`super::core`] adds pages and events.
 
-use super::ids::{Caller, StreamId};
+use super::ids::{Caller, Epoch, StreamId};
 use std::collections::{BTreeSet, HashMap};
 use std::hash::{BuildHasherDefault, Hasher};
 use std::ops::{Index, IndexMut, RangeInclusive};
@@ -20,7 +20,7 @@ pub(crate) const IDLE: StreamId = StreamId(u64::MAX);
 pub(crate) enum Owner {
     /// Freed on `stream`: reusable on that stream at once, on others once an event recorded on
     /// `stream` after the free (its number at least `epoch`) has completed.
-    Stream { stream: StreamId, epoch: u64 },
+    Stream { stream: StreamId, epoch: Epoch },
     /// No queued work uses it.
     Idle,
 }
@@ -49,14 +49,14 @@ pub(crate) enum State {
     /// split and a merge. Flushed into the index before anything else looks for free space.
     Cached {
         stream: StreamId,
-        epoch: u64,
+        epoch: Epoch,
     },
     /// Freed on `stream`, whose whole pages were lent to a later block of the same stream (mapped
     /// there too) before the work queued ahead of the free had run: out of use, and still mapped
     /// here, until an event recorded on `stream` after the free (number `epoch`) has completed.
     Lent {
         stream: StreamId,
-        epoch: u64,
+        epoch: Epoch,
     },
 }
 
@@ -131,7 +131,7 @@ pub(crate) struct PendingFree {
     pub addr: u64,
     pub size: u64,
     /// The number of the first event recorded on the stream after the free.
-    pub epoch: u64,
+    pub epoch: Epoch,
 }
 
 /// A fast hash for addresses, which are distinct multiples of 512.
@@ -447,7 +447,7 @@ impl Heap {
     /// Frees live block `i` (from [`live_block`](Self::live_block)) on `stream` at `epoch`,
     /// keeping it whole for the stream's next request of its size when there is room; else as
     /// [`free`](Self::free) does.
-    pub(crate) fn free_cached(&mut self, i: BlockId, stream: StreamId, epoch: u64) -> Freed {
+    pub(crate) fn free_cached(&mut self, i: BlockId, stream: StreamId, epoch: Epoch) -> Freed {
         let b = self.blocks[i];
         let State::Live { requested, .. } = b.state else {
             unreachable!("free_cached of a block that is not live")
@@ -464,7 +464,7 @@ impl Heap {
     /// Moves every cached block into the index, merging as a free would have.
     /// `done(stream, epoch)` says whether an event covering that free has completed: such a
     /// block is idle at once.
-    pub(crate) fn flush_cached(&mut self, done: impl Fn(StreamId, u64) -> bool) {
+    pub(crate) fn flush_cached(&mut self, done: impl Fn(StreamId, Epoch) -> bool) {
         if self.cached_count == 0 {
             return;
         }
@@ -583,7 +583,7 @@ impl Heap {
     }
 
     /// Makes every block freed on `stream` up to `epoch` idle. Returns how many moved.
-    pub(crate) fn promote(&mut self, stream: StreamId, epoch: u64) -> usize {
+    pub(crate) fn promote(&mut self, stream: StreamId, epoch: Epoch) -> usize {
         let due: Vec<BlockId> = self
             .free
             .range(FreeKey::range(stream, 0..=u32::MAX, 0))
@@ -673,7 +673,7 @@ impl Heap {
     /// [`edges_claimable`](Self::edges_claimable)) `stream`'s until an event numbered `epoch` or
     /// later has completed, extending the used part up to `hi` if it ends before: the page under
     /// them was lent, so it may still be in use where it came from by that stream's queued work.
-    pub(crate) fn claim_edges(&mut self, addr: u64, lo: u64, hi: u64, stream: StreamId, epoch: u64) {
+    pub(crate) fn claim_edges(&mut self, addr: u64, lo: u64, hi: u64, stream: StreamId, epoch: Epoch) {
         let i = self.live[&addr];
         if hi > self.top {
             let owner = Owner::Stream { stream, epoch };
@@ -730,7 +730,7 @@ impl Heap {
 
     /// Frees, idle, the lent blocks of `stream` up to `epoch`. Returns their addresses, whose
     /// lent pages the caller unmaps first.
-    pub(crate) fn return_lent(&mut self, stream: StreamId, epoch: u64) -> Vec<u64> {
+    pub(crate) fn return_lent(&mut self, stream: StreamId, epoch: Epoch) -> Vec<u64> {
         let mut due = Vec::new();
         self.lent.retain(|&i| {
             let State::Lent { stream: s, epoch: e } = self.blocks[i].state else { unreachable!() };
@@ -885,11 +885,11 @@ mod tests {
     fn a_block_freed_on_a_stream_is_reused_there_and_not_elsewhere_until_idle() {
         let mut h = Heap::new(1 << 20, 1 << 20);
         let a = alloc(&mut h, 4096, S);
-        h.free(a, Owner::Stream { stream: S, epoch: 1 });
+        h.free(a, Owner::Stream { stream: S, epoch: Epoch(1) });
         assert_eq!(h.find(0, T, 4096), None, "another stream must not see it");
         assert_eq!(h.find(0, S, 4096).map(|(a, _)| a), Some(a));
-        assert_eq!(h.promote(S, 0), 0, "epoch 0 does not cover a free at epoch 1");
-        assert_eq!(h.promote(S, 1), 1);
+        assert_eq!(h.promote(S, Epoch(0)), 0, "epoch 0 does not cover a free at epoch 1");
+        assert_eq!(h.promote(S, Epoch(1)), 1);
         assert_eq!(h.find(0, T, 4096).map(|(a, _)| a), Some(a));
         h.check();
     }
@@ -900,17 +900,17 @@ mod tests {
         let a = alloc(&mut h, 512, S);
         let b = alloc(&mut h, 512, S);
         let c = alloc(&mut h, 512, S);
-        h.free(a, Owner::Stream { stream: S, epoch: 1 });
-        h.free(c, Owner::Stream { stream: T, epoch: 1 });
+        h.free(a, Owner::Stream { stream: S, epoch: Epoch(1) });
+        h.free(c, Owner::Stream { stream: T, epoch: Epoch(1) });
         h.check();
         // b between a (S) and c (T): freed on S it merges with a only.
-        h.free(b, Owner::Stream { stream: S, epoch: 2 });
+        h.free(b, Owner::Stream { stream: S, epoch: Epoch(2) });
         h.check();
         assert_eq!(h.find(0, S, 1024).map(|(x, _)| x), Some(a));
         assert_eq!(h.find(0, S, 1536), None);
         // Once both are idle everything is one block.
-        h.promote(S, 2);
-        h.promote(T, 1);
+        h.promote(S, Epoch(2));
+        h.promote(T, Epoch(1));
         h.check();
         assert_eq!(h.find(0, StreamId(99), 1536).map(|(x, _)| x), Some(a));
     }
@@ -929,7 +929,7 @@ mod tests {
         // Both idle blocks fit 1 KiB exactly as well; the lower one wins, and S's own block,
         // lower still, wins over both once it is free.
         assert_eq!(h.find(0, S, 1024).map(|(x, _)| x), Some(small));
-        h.free(big, Owner::Stream { stream: S, epoch: 1 });
+        h.free(big, Owner::Stream { stream: S, epoch: Epoch(1) });
         assert_eq!(h.find(0, S, 1024).map(|(x, _)| x), Some(big));
         assert_eq!(h.find(0, T, 1024).map(|(x, _)| x), Some(small), "S's block is not T's to take");
         let (_, id) = h.find(0, S, 4096).unwrap();
@@ -964,9 +964,9 @@ mod tests {
         h.free(a, Owner::Idle);
         assert_eq!(h.idle_pages(page), vec![0]);
         // b freed on S merges with idle a: the whole is S's until an event covers it.
-        h.free(b, Owner::Stream { stream: S, epoch: 1 });
+        h.free(b, Owner::Stream { stream: S, epoch: Epoch(1) });
         assert_eq!(h.idle_pages(page), Vec::<u64>::new());
-        h.promote(S, 1);
+        h.promote(S, Epoch(1));
         assert_eq!(h.idle_pages(page), vec![0, 1, 2]);
         h.check();
     }

@@ -1,6 +1,7 @@
 //! The numbers the stream-ordered allocator must never mix up, each a type of its own: a
-//! stream's identity, the handle a call passes for it, and the pair of them a call carries. An
-//! identity passed where a handle is wanted, or the two swapped, does not compile. Each is a
+//! stream's identity, the handle a call passes for it, the pair of them a call carries, and the
+//! numbers of a stream's events that stamp its frees. An identity passed where a handle is
+//! wanted, the two swapped, or a stamp passed for either, does not compile. Each is a
 //! `u64` underneath (`#[repr(transparent)]`), hashed and compared as that `u64` is.
 
 use std::fmt;
@@ -63,6 +64,38 @@ impl From<u64> for Caller {
     }
 }
 
+/// A number in one stream's sequence of events (a front's `next`, from [`Epoch::FIRST`] up). A
+/// free stamped `e` happened before the event numbered `e` was recorded on its stream (or before
+/// the stream was found idle, or a wait for the whole device began, under that number): once
+/// that event has completed, the work queued on the stream before the free has run, and so have
+/// the frees of every lower number. [`Epoch::NONE`] stands for no free, or no event completed.
+#[repr(transparent)]
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub(crate) struct Epoch(pub(crate) u64);
+
+impl Epoch {
+    pub(crate) const NONE: Epoch = Epoch(0);
+    /// A stream's first event number.
+    pub(crate) const FIRST: Epoch = Epoch(1);
+
+    /// Takes this number for an event (or a wait) and moves on to the next one; returns the one
+    /// taken.
+    pub(crate) fn take(&mut self) -> Epoch {
+        let n = *self;
+        self.0 += 1;
+        n
+    }
+}
+
+impl fmt::Debug for Epoch {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match *self {
+            Epoch::NONE => write!(f, "Epoch(none)"),
+            Epoch(n) => write!(f, "Epoch({n})"),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -74,6 +107,9 @@ mod tests {
         assert_eq!(format!("{:?}", StreamId(LEGACY.0 + 3)), "StreamId(made up #3)");
         assert_eq!(format!("{:?}", super::super::heap::IDLE), "StreamId(idle)");
         assert_eq!(format!("{:?}", Handle(0x7f00)), "Handle(0x7f00)");
+        assert_eq!(format!("{:?}", (Epoch::NONE, Epoch(4))), "(Epoch(none), Epoch(4))");
+        let mut next = Epoch::FIRST;
+        assert_eq!((next.take(), next), (Epoch(1), Epoch(2)));
         assert_eq!(format!("{:?}", Caller::from(2)), "Caller { id: StreamId(2), raw: Handle(0x2) }");
     }
 }

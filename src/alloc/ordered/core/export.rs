@@ -7,7 +7,7 @@
 //! importers let go stays live in its heap, out of every later allocation, until the last
 //! [`Core::unexport`], as PyTorch defers the free of a block lent through CUDA IPC.
 
-use super::{Backend, Core, Owner, StreamId, SMALL};
+use super::{Backend, Core, Epoch, Owner, StreamId, SMALL};
 use crate::error::{Error, Result};
 
 /// The heap kind (in place of a tag) of blocks that are one physical allocation each (see
@@ -163,7 +163,7 @@ impl<B: Backend> Core<B> {
 
     /// Keeps the shared block at `block`, which its owner has just freed on `stream` at `epoch`,
     /// live in its heap until its last sharing is over.
-    pub(super) fn hold_freed(&mut self, block: u64, stream: StreamId, epoch: u64) {
+    pub(super) fn hold_freed(&mut self, block: u64, stream: StreamId, epoch: Epoch) {
         if let Some(&(_, len)) = self.exported.get(&block) {
             self.freed_shared.insert(block, (stream, epoch));
             self.stats.exported -= len;

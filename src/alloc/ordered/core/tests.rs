@@ -824,7 +824,7 @@ fn a_second_free_is_refused_whether_the_block_is_cached_or_indexed() {
     c.free(a, Handle(7)).unwrap();
     c.flush_cached(); // into the index
     assert!(c.free(a, Handle(7)).is_err(), "freed twice after the flush");
-    let owner = Owner::Stream { stream: StreamId(7), epoch: 1 };
+    let owner = Owner::Stream { stream: StreamId(7), epoch: Epoch(1) };
     assert!(c.slots[0].heap.free(a, owner).is_none(), "freed twice through the uncached path");
     for slot in &c.slots {
         slot.heap.check();
