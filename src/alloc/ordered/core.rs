@@ -7,9 +7,10 @@
 
 use super::front::{lock, Entry, Front, Fronts};
 use super::heap::{Freed, Heap, KeyMap, Owner, PendingFree, ALIGN, IDLE};
-use super::ids::{Caller, Epoch, Handle, StreamId, LEGACY, SYNTHETIC};
+use super::ids::{Caller, Epoch, Handle, SlotId, StreamId, LEGACY, SYNTHETIC};
 use crate::error::{Error, Result};
 use std::collections::{HashMap, VecDeque};
+use std::ops::{Index, IndexMut};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 /// What the allocator needs from the device.
@@ -191,7 +192,7 @@ fn take_fast(fronts: &Fronts, id: StreamId, size: u64, capture: Capture, tag: u3
 /// Pages of a lent block (see [`super::heap::State::Lent`]): still mapped at its address (as
 /// well as where they now serve) until the work queued on `stream` before the block's free has run.
 struct Lent {
-    slot: usize,
+    slot: SlotId,
     stream: StreamId,
     epoch: Epoch,
     /// Page indexes in the slot.
@@ -206,6 +207,19 @@ struct Slot<P> {
     /// Bytes per page of this heap.
     page: u64,
     pages: Vec<Option<P>>,
+}
+
+impl<P> Index<SlotId> for Vec<Slot<P>> {
+    type Output = Slot<P>;
+    fn index(&self, i: SlotId) -> &Slot<P> {
+        &self[i.index()]
+    }
+}
+
+impl<P> IndexMut<SlotId> for Vec<Slot<P>> {
+    fn index_mut(&mut self, i: SlotId) -> &mut Slot<P> {
+        &mut self[i.index()]
+    }
 }
 
 /// One allocation under way.
@@ -481,7 +495,7 @@ impl<B: Backend> Core<B> {
                 .iter_mut()
                 .enumerate()
                 .filter(|(_, s)| (s.small, s.tag) == req.kind)
-                .find_map(|(i, slot)| slot.heap.take_cached(stream, n, size).map(|a| (i, a)));
+                .find_map(|(i, slot)| slot.heap.take_cached(stream, n, size).map(|a| (SlotId::of(i), a)));
             if let Some((slot, addr)) = found {
                 // A block of its own stream's cache: the peak stays where the last search left it.
                 self.stats.allocations += 1;
@@ -520,7 +534,7 @@ impl<B: Backend> Core<B> {
     /// A free block for `req` in the index: its stream's or an idle one, of its pool, else an idle
     /// one of the shared pool. During a capture nothing may be queried, so only blocks known idle
     /// (or this capture's own, reused in capture order) qualify.
-    fn find_free(&mut self, req: &Request) -> Result<Option<(usize, u64)>> {
+    fn find_free(&mut self, req: &Request) -> Result<Option<(SlotId, u64)>> {
         let reuse = if matches!(req.capture, Capture::Shared(_)) { IDLE } else { req.stream.id };
         let found = self.reuse(req, reuse, req.pool)?;
         if found.is_none() && req.pool != 0 {
@@ -533,12 +547,11 @@ impl<B: Backend> Core<B> {
     /// through the same handle, and the stream's later requests of its size, need not come here:
     /// untagged blocks of the shared pool (not one-allocation blocks) outside captures, on
     /// streams the driver named.
-    fn register(&mut self, req: &Request, slot: usize, addr: u64) {
+    fn register(&mut self, req: &Request, slot: SlotId, addr: u64) {
         if req.capture != Capture::None || req.kind.1 != 0 || req.pool != 0 || !published(req.stream.id) {
             return;
         }
-        let entry =
-            Entry { n: req.n, requested: req.size, slot: slot as u32, cached: false, via_core: false };
+        let entry = Entry { n: req.n, requested: req.size, slot, cached: false, via_core: false };
         self.stream(req.stream);
         let st = self.streams.get_mut(&req.stream.id).expect("just made");
         if st.front.raw != req.stream.raw {
@@ -558,7 +571,7 @@ impl<B: Backend> Core<B> {
         self.note_mapped();
     }
 
-    fn allocate_slow(&mut self, req: &Request) -> Result<(usize, u64)> {
+    fn allocate_slow(&mut self, req: &Request) -> Result<(SlotId, u64)> {
         self.fronts.add_demand();
         if req.capture == Capture::None {
             self.poll_all(req.stream)?;
@@ -582,7 +595,7 @@ impl<B: Backend> Core<B> {
 
     /// Returns a block whose pages could not be mapped. It may hold memory `stream`'s queued work
     /// still uses (a hole it freed, grown or merged), so it goes back as freed on `stream` now.
-    fn give_back_block(&mut self, slot: usize, addr: u64, stream: Caller) {
+    fn give_back_block(&mut self, slot: SlotId, addr: u64, stream: Caller) {
         let epoch = {
             let mut f = self.stream(stream).front.lock();
             f.last_free = f.next;
@@ -593,7 +606,7 @@ impl<B: Backend> Core<B> {
 
     /// Takes a free block of pool `pool` that `reuse` (a stream, or [`IDLE`]) may use, for `req`
     /// (and its pool).
-    fn reuse(&mut self, req: &Request, reuse: StreamId, pool: u32) -> Result<Option<(usize, u64)>> {
+    fn reuse(&mut self, req: &Request, reuse: StreamId, pool: u32) -> Result<Option<(SlotId, u64)>> {
         // Heaps of one kind are few (more only when one's address space ran out): the first that
         // fits wins.
         let found = self
@@ -601,7 +614,7 @@ impl<B: Backend> Core<B> {
             .iter()
             .enumerate()
             .filter(|(_, s)| (s.small, s.tag) == req.kind)
-            .find_map(|(i, s)| s.heap.find(pool, reuse, req.n).map(|(_, id)| (i, id)));
+            .find_map(|(i, s)| s.heap.find(pool, reuse, req.n).map(|(_, id)| (SlotId::of(i), id)));
         let Some((slot, id)) = found else { return Ok(None) };
         let addr = self.slots[slot].heap.take(id, req.n, req.stream, req.size, req.pool);
         let mapped_before = self.mapped_bytes;
@@ -622,7 +635,7 @@ impl<B: Backend> Core<B> {
         s.live_peak = s.live_peak.max(s.live);
     }
 
-    fn carve(&mut self, req: &Request) -> Result<(usize, u64)> {
+    fn carve(&mut self, req: &Request) -> Result<(SlotId, u64)> {
         let (small, tag) = req.kind;
         let Request { n, size, stream, pool, capture, .. } = *req;
         // As in `allocate`: a capture shared with other streams takes only idle blocks.
@@ -630,7 +643,7 @@ impl<B: Backend> Core<B> {
         for (i, s) in self.slots.iter_mut().enumerate() {
             if (s.small, s.tag) == req.kind {
                 if let Some(a) = s.heap.carve(n, stream, size, pool, reuse) {
-                    return Ok((i, a));
+                    return Ok((SlotId::of(i), a));
                 }
             }
         }
@@ -644,6 +657,11 @@ impl<B: Backend> Core<B> {
             .checked_mul(page)
             .ok_or_else(|| Error::invalid(format!("{size} bytes cannot be allocated")))?;
         let reserve = want.max(pages);
+        if self.slots.len() >= SlotId::MAX {
+            return Err(Error::invalid(format!(
+                "{size} bytes cannot be allocated: no room for another heap"
+            )));
+        }
         // The table is sized by the reservation (a configured size, or the request): one that
         // cannot be allocated is an error, not an abort.
         let mut table = Vec::new();
@@ -654,7 +672,7 @@ impl<B: Backend> Core<B> {
         let base = self.backend.reserve(reserve)?;
         self.stats.reserved += reserve;
         self.slots.push(Slot { heap: Heap::new(base, reserve), small, tag, page, pages: table });
-        let i = self.slots.len() - 1;
+        let i = SlotId::of(self.slots.len() - 1);
         let a =
             self.slots[i].heap.carve(n, stream, size, pool, reuse).expect("a new heap holds its first block");
         Ok((i, a))
@@ -663,7 +681,7 @@ impl<B: Backend> Core<B> {
     /// Maps every page under `[addr, addr + n)` of `slot` that is not mapped yet.
     fn ensure_pages(
         &mut self,
-        slot: usize,
+        slot: SlotId,
         addr: u64,
         n: u64,
         capture: Capture,
@@ -709,7 +727,7 @@ impl<B: Backend> Core<B> {
     /// page for its last one, and those added up over repeated steps.
     fn map_pages(
         &mut self,
-        slot: usize,
+        slot: SlotId,
         (addr, n): (u64, u64),
         missing: &[u64],
         capture: Capture,
@@ -856,7 +874,7 @@ impl<B: Backend> Core<B> {
                 got += pages.len();
                 self.borrowed_epoch = self.borrowed_epoch.max(epoch);
                 self.stats.pages_remapped += pages.len() as u64;
-                self.lent.push(Lent { slot, stream, epoch, pages });
+                self.lent.push(Lent { slot: SlotId::of(slot), stream, epoch, pages });
             }
         }
     }
@@ -1178,7 +1196,7 @@ impl<B: Backend> Core<B> {
     /// stream's last event; otherwise it asks the stream's identity, and records an event after
     /// the free for the others.
     pub(crate) fn free(&mut self, addr: u64, raw: Handle) -> Result<Freed> {
-        let Some(slot) = self.slots.iter().position(|s| s.heap.contains(addr)) else {
+        let Some(slot) = self.slots.iter().position(|s| s.heap.contains(addr)).map(SlotId::of) else {
             return Err(Error::invalid(format!("{addr:#x} was not allocated here")));
         };
         let twice = || Error::invalid(format!("{addr:#x} is not a live allocation (freed twice?)"));
@@ -1273,7 +1291,7 @@ impl<B: Backend> Core<B> {
     }
 
     /// Makes the free of the live block at `addr` in `slot` go through the core.
-    pub(super) fn free_via_core(&mut self, slot: usize, addr: u64) {
+    pub(super) fn free_via_core(&mut self, slot: SlotId, addr: u64) {
         let Some((_, Caller { id, .. })) = self.slots[slot].heap.live_block(addr) else { return };
         if let Some(st) = self.streams.get(&id) {
             if let Some(e) = st.front.lock().blocks.get_mut(&addr) {
@@ -1327,7 +1345,7 @@ impl<B: Backend> Core<B> {
             }));
         }
         for (addr, owner, slot) in due {
-            let freed = self.slots[slot as usize].heap.free(addr, owner);
+            let freed = self.slots[slot].heap.free(addr, owner);
             debug_assert!(freed.is_some(), "a block cached in a front is live in its heap");
         }
         let streams = &self.streams;

@@ -35,7 +35,7 @@
 //! [`Core::flush_cached`]: super::core::Core::flush_cached
 
 use super::heap::{AddrMap, KeyedLists};
-use super::ids::{Epoch, Handle, StreamId};
+use super::ids::{Epoch, Handle, SlotId, StreamId};
 use std::cell::RefCell;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
@@ -52,7 +52,7 @@ pub(crate) struct Entry {
     /// Bytes asked for by the allocation holding it.
     pub requested: u64,
     /// The core's heap slot it lies in.
-    pub slot: u32,
+    pub slot: SlotId,
     /// Freed and cached (else live).
     pub cached: bool,
     /// Its frees go through the core (the block is shared with another process).

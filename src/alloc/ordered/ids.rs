@@ -1,8 +1,9 @@
 //! The numbers the stream-ordered allocator must never mix up, each a type of its own: a
-//! stream's identity, the handle a call passes for it, the pair of them a call carries, and the
-//! numbers of a stream's events that stamp its frees. An identity passed where a handle is
-//! wanted, the two swapped, or a stamp passed for either, does not compile. Each is a
-//! `u64` underneath (`#[repr(transparent)]`), hashed and compared as that `u64` is.
+//! stream's identity, the handle a call passes for it, the pair of them a call carries, the
+//! numbers of a stream's events that stamp its frees, and a heap's place among the core's
+//! heaps. An identity passed where a handle is wanted, the two swapped, or a stamp or a heap
+//! passed for either, does not compile. Each is an integer underneath (`#[repr(transparent)]`),
+//! hashed and compared as that integer is.
 
 use std::fmt;
 
@@ -96,6 +97,34 @@ impl fmt::Debug for Epoch {
     }
 }
 
+/// A heap's place in the core's table of heaps, which only grows: the same heap for as long as
+/// the allocator lives. A `u32`, so that a stream front's entry for each block stays small; the
+/// core refuses a heap past `u32::MAX` of them (see [`SlotId::of`]).
+#[repr(transparent)]
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub(crate) struct SlotId(u32);
+
+impl SlotId {
+    /// The most heaps a core holds.
+    pub(crate) const MAX: usize = u32::MAX as usize;
+
+    /// The slot at `i` in the core's table, which holds at most [`SlotId::MAX`] heaps.
+    pub(crate) fn of(i: usize) -> SlotId {
+        debug_assert!(i < Self::MAX, "the core holds at most SlotId::MAX heaps");
+        SlotId(i as u32)
+    }
+
+    pub(crate) fn index(self) -> usize {
+        self.0 as usize
+    }
+}
+
+impl fmt::Debug for SlotId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "SlotId({})", self.0)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -110,6 +139,8 @@ mod tests {
         assert_eq!(format!("{:?}", (Epoch::NONE, Epoch(4))), "(Epoch(none), Epoch(4))");
         let mut next = Epoch::FIRST;
         assert_eq!((next.take(), next), (Epoch(1), Epoch(2)));
+        assert_eq!(format!("{:?}", SlotId::of(3)), "SlotId(3)");
+        assert_eq!(SlotId::of(3).index(), 3);
         assert_eq!(format!("{:?}", Caller::from(2)), "Caller { id: StreamId(2), raw: Handle(0x2) }");
     }
 }

@@ -7,7 +7,7 @@
 //! importers let go stays live in its heap, out of every later allocation, until the last
 //! [`Core::unexport`], as PyTorch defers the free of a block lent through CUDA IPC.
 
-use super::{Backend, Core, Epoch, Owner, StreamId, SMALL};
+use super::{Backend, Core, Epoch, Owner, SlotId, StreamId, SMALL};
 use crate::error::{Error, Result};
 
 /// The heap kind (in place of a tag) of blocks that are one physical allocation each (see
@@ -81,8 +81,8 @@ impl<B: Backend> Core<B> {
     }
 
     /// The live block holding `addr` (anywhere inside it), as (slot, address, size).
-    fn live_block_at(&self, addr: u64) -> Option<(usize, u64, u64)> {
-        let slot = self.slots.iter().position(|s| s.heap.contains(addr))?;
+    fn live_block_at(&self, addr: u64) -> Option<(SlotId, u64, u64)> {
+        let slot = SlotId::of(self.slots.iter().position(|s| s.heap.contains(addr))?);
         self.slots[slot]
             .heap
             .live_blocks()
