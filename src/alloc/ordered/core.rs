@@ -296,6 +296,10 @@ pub(crate) struct Core<B: Backend> {
     freed_shared: HashMap<u64, (StreamId, Epoch)>,
     /// Blocks of at least this many bytes (untagged) are one physical allocation each; 0: off.
     whole_above: u64,
+    /// Whether the tests' allocations and every free end with [`Core::check`] (tests that
+    /// replay long recordings check between steps instead).
+    #[cfg(test)]
+    pub(super) check_calls: bool,
 }
 
 impl<B: Backend> Core<B> {
@@ -324,6 +328,8 @@ impl<B: Backend> Core<B> {
             exported: HashMap::new(),
             freed_shared: HashMap::new(),
             whole_above: 0,
+            #[cfg(test)]
+            check_calls: true,
         }
     }
 
@@ -443,15 +449,18 @@ impl<B: Backend> Core<B> {
         tag: u32,
     ) -> Result<u64> {
         let stream = stream.into();
-        if let Some(addr) = take_fast(&self.fronts, stream.id, size, capture, tag) {
-            return Ok(addr);
-        }
-        let r = self.try_allocate(size, stream, capture, tag, true);
+        let mut r = match take_fast(&self.fronts, stream.id, size, capture, tag) {
+            Some(addr) => Ok(addr),
+            None => self.try_allocate(size, stream, capture, tag, true),
+        };
         if r.is_err() && self.wants_settle() {
             let settle = self.settle_begin();
             let waited = self.backend.synchronize();
             self.settled(settle, waited.is_ok())?;
-            return self.try_allocate(size, stream, capture, tag, false);
+            r = self.try_allocate(size, stream, capture, tag, false);
+        }
+        if self.check_calls {
+            self.check();
         }
         r
     }
@@ -1287,7 +1296,12 @@ impl<B: Backend> Core<B> {
         if shared {
             self.hold_freed(addr, stream.id, epoch);
         }
-        Ok(self.count_free(freed))
+        let freed = self.count_free(freed);
+        #[cfg(test)]
+        if self.check_calls {
+            self.check();
+        }
+        Ok(freed)
     }
 
     /// Makes the free of the live block at `addr` in `slot` go through the core.
@@ -1374,7 +1388,11 @@ impl<B: Backend> Core<B> {
     pub(crate) fn empty_cache(&mut self) -> Result<u64> {
         self.flush_cached();
         self.settle_all()?;
-        self.release_idle()
+        let r = self.release_idle();
+        if self.check_calls {
+            self.check();
+        }
+        r
     }
 
     /// Releases every idle page and every spare page. Returns the bytes given back.
@@ -1466,6 +1484,8 @@ impl<B: Backend> Ordered<B> {
 
 mod export;
 use export::WHOLE;
+#[cfg(test)]
+mod invariants;
 mod sleep;
 pub use sleep::{SleepMode, TagStats};
 

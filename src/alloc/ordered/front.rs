@@ -212,6 +212,29 @@ impl State {
     pub(crate) fn is_empty(&self) -> bool {
         self.blocks.is_empty()
     }
+
+    /// Checks that the cache and the map of blocks agree, and that every stamp is one the stream
+    /// has given out (tests only call this).
+    #[cfg(test)]
+    pub(crate) fn check(&self) {
+        assert!(self.last_free <= self.next, "latest free {:?} past next {:?}", self.last_free, self.next);
+        let mut cached = 0;
+        for (n, &(addr, stamp)) in self.cache.entries() {
+            let e = self.blocks.get(&addr).expect("a cached block is in the front's map");
+            assert!(e.cached && e.n == n, "{addr:#x} cached for {n} bytes is {e:?}");
+            assert!(
+                stamp != Epoch::NONE && stamp <= self.last_free,
+                "{addr:#x} stamped {stamp:?}, the latest free {:?}",
+                self.last_free
+            );
+            cached += 1;
+        }
+        assert_eq!(
+            cached,
+            self.blocks.values().filter(|e| e.cached).count(),
+            "every cached entry is in the cache"
+        );
+    }
 }
 
 /// The fronts of one allocator, by stream id and by handle, and what the fast paths share with

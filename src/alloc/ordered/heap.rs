@@ -223,6 +223,19 @@ impl<K: Copy + Eq + std::hash::Hash, T> KeyedLists<K, T> {
     pub(crate) fn len(&self) -> usize {
         self.lists.iter().map(Vec::len).sum()
     }
+
+    /// Every item with its key, after checking that each list has one key (tests only).
+    #[cfg(test)]
+    pub(crate) fn entries(&self) -> impl Iterator<Item = (K, &T)> + '_ {
+        let mut seen: Vec<u32> = self.index.values().copied().collect();
+        seen.sort_unstable();
+        seen.dedup();
+        assert_eq!(seen.len(), self.lists.len(), "every list has a key of its own");
+        if let Some((k, l)) = self.last {
+            assert!(self.index.get(&k) == Some(&l), "the key used last names its list");
+        }
+        self.index.iter().flat_map(move |(&k, &l)| self.lists[l as usize].iter().map(move |t| (k, t)))
+    }
 }
 
 /// What [`Heap::free`] found.
@@ -798,12 +811,28 @@ impl Heap {
         let mut at = self.base;
         let mut i = if self.top == self.base { NIL } else { self.first() };
         let mut prev = NIL;
-        let (mut free, mut live, mut cached) = (0, 0, 0);
+        let (mut free, mut live, mut cached, mut lent, mut graph) = (0, 0, 0, 0, 0);
         while i != NIL {
             let b = &self.blocks[i];
             assert_eq!(b.addr, at, "blocks are contiguous");
             assert_eq!(b.prev, prev);
             assert!(b.size > 0 && b.size % ALIGN == 0);
+            if b.pool != 0 {
+                graph += b.size;
+            }
+            match b.state {
+                State::Free(Owner::Stream { stream, epoch })
+                | State::Cached { stream, epoch }
+                | State::Lent { stream, epoch } => {
+                    assert!(
+                        stream != IDLE && epoch != Epoch::NONE,
+                        "{:?} at {:#x}: no such stream or stamp",
+                        b.state,
+                        b.addr
+                    );
+                }
+                State::Free(Owner::Idle) | State::Live { .. } => {}
+            }
             match b.state {
                 State::Free(o) => {
                     free += 1;
@@ -824,7 +853,10 @@ impl Heap {
                     live += 1;
                     assert_eq!(self.live.get(&b.addr), Some(&i));
                 }
-                State::Lent { .. } => assert!(self.lent.contains(&i)),
+                State::Lent { .. } => {
+                    lent += 1;
+                    assert!(self.lent.contains(&i));
+                }
                 State::Cached { .. } => {
                     cached += 1;
                     assert_eq!(self.live.get(&b.addr), Some(&i));
@@ -838,7 +870,18 @@ impl Heap {
         assert_eq!(free, self.free.len());
         assert_eq!(cached, self.cached_count);
         assert_eq!(cached, self.cached.len());
+        for ((stream, size), &j) in self.cached.entries() {
+            let b = &self.blocks[j];
+            assert!(
+                matches!(b.state, State::Cached { stream: s, .. } if s == stream) && b.size == size,
+                "the cache of {stream:?} for {size} bytes holds {:?} of {} bytes",
+                b.state,
+                b.size
+            );
+        }
         assert_eq!(live + cached, self.live.len(), "the map holds live and cached blocks only");
+        assert_eq!(lent, self.lent.len(), "the lent list holds lent blocks only");
+        assert_eq!(graph, self.graph, "graph bytes are the blocks of graph pools");
         assert_eq!(prev, self.last);
     }
 
@@ -968,6 +1011,33 @@ mod tests {
         assert_eq!(h.idle_pages(page), Vec::<u64>::new());
         h.promote(S, Epoch(1));
         assert_eq!(h.idle_pages(page), vec![0, 1, 2]);
+        h.check();
+    }
+
+    /// The checker can fail: free neighbours left apart where they should have merged, and a
+    /// graph count that the blocks do not add up to.
+    #[test]
+    #[should_panic(expected = "should have merged")]
+    fn the_checker_finds_free_neighbours_left_apart() {
+        let mut h = Heap::new(0, 1 << 20);
+        let a = alloc(&mut h, 512, S);
+        let b = alloc(&mut h, 512, S);
+        h.free(a, Owner::Idle);
+        h.check();
+        // Freed behind the heap's back: indexed, not merged.
+        let i = h.live.remove(&b).unwrap();
+        h.blocks[i].state = State::Free(Owner::Idle);
+        h.index(i);
+        h.check();
+    }
+
+    #[test]
+    #[should_panic(expected = "graph bytes")]
+    fn the_checker_finds_graph_bytes_the_blocks_do_not_hold() {
+        let mut h = Heap::new(0, 1 << 20);
+        h.carve(4096, Caller { id: S, raw: Handle(S.0) }, 4096, 7, S).unwrap();
+        h.check();
+        h.graph += ALIGN;
         h.check();
     }
 

@@ -517,6 +517,7 @@ fn free(c: &mut Core<Gpu>, held: &mut Vec<Held>, k: usize) {
         c.free(h.addr, Handle(h.raw)).expect("free of a live block");
     }
     c.backend().in_call = None;
+    c.check();
 }
 
 #[test]
@@ -832,6 +833,51 @@ fn a_second_free_is_refused_whether_the_block_is_cached_or_indexed() {
     assert_eq!(c.stats().frees, 2);
 }
 
+/// The allocator-wide checker can fail. Each case breaks one invariant behind the allocator's
+/// back, after a state that passes.
+fn broken(breaks: impl FnOnce(&mut Core<Gpu>)) {
+    let mut c = core(1000);
+    let mut held = Vec::new();
+    alloc(&mut c, &mut held, 4096, 1).unwrap();
+    alloc(&mut c, &mut held, 8192, 1).unwrap();
+    alloc(&mut c, &mut held, 4096, 2).unwrap();
+    free(&mut c, &mut held, 1);
+    c.check();
+    breaks(&mut c);
+    c.check();
+}
+
+#[test]
+#[should_panic(expected = "live bytes")]
+fn the_checker_finds_live_bytes_the_blocks_do_not_hold() {
+    broken(|c| c.stats.live += ALIGN);
+}
+
+#[test]
+#[should_panic(expected = "front holds")]
+fn the_checker_finds_a_block_in_the_front_of_another_stream() {
+    broken(|c| {
+        let one = c.streams[&StreamId(1)].front.clone();
+        let (addr, e) = one.lock().blocks.iter().find(|(_, e)| !e.cached).map(|(&a, &e)| (a, e)).unwrap();
+        one.lock().blocks.remove(&addr);
+        c.streams[&StreamId(2)].front.lock().blocks.insert(addr, e);
+    });
+}
+
+#[test]
+#[should_panic(expected = "is idle")]
+fn the_checker_finds_a_block_kept_for_a_stream_whose_work_is_known_done() {
+    broken(|c| {
+        // Stream 1's free, pushed to the index and still its own; then its event is taken as
+        // complete without the blocks it covers becoming idle.
+        c.flush_cached();
+        let st = c.streams.get_mut(&StreamId(1)).unwrap();
+        let mut f = st.front.lock();
+        st.fences.clear();
+        st.done = f.next.take();
+    });
+}
+
 #[derive(Clone, Debug)]
 enum Step {
     Alloc { size: u64, stream: u64 },
@@ -945,9 +991,7 @@ proptest! {
             prop_assert!(st.live_peak >= st.live && st.mapped_peak >= st.mapped);
             let gpu = c.backend();
             prop_assert_eq!(gpu.pages_alive as u64 - st.pages_released, st.mapped / PAGE);
-            for slot in &c.slots {
-                slot.heap.check();
-            }
+            c.check();
         }
     }
 }
@@ -1116,6 +1160,7 @@ fn training_steps(c: &mut Core<Gpu>, seed: u64, steps: usize, lag: usize) {
             let queued = c.backend().queues.entry(1).or_default().len();
             c.backend().run(1, queued.saturating_sub(lag));
         }
+        c.check();
     }
 }
 
@@ -1124,6 +1169,7 @@ fn training_core(lend: bool) -> Core<Gpu> {
     let sizes =
         Sizes { page: PAGE, tag_page: 64 * PAGE, large_reserve: 1 << 34, small_reserve: 1 << 30, lend };
     let mut c = Core::new(gpu, sizes);
+    c.check_calls = false;
     for _ in 0..20 {
         let a = c.allocate(3 << 20, 1, Capture::None, 0).unwrap();
         c.backend().queues.entry(1).or_default().push_back(Op::Use { addr: a, len: 3 << 20 });
@@ -1189,8 +1235,15 @@ fn replay_core() -> Core<Gpu> {
     let page = 4 << 20;
     let sizes =
         Sizes { page, tag_page: 32 * page, large_reserve: 160 << 30, small_reserve: 10 << 30, lend: true };
-    Core::new(gpu, sizes)
+    let mut c = Core::new(gpu, sizes);
+    // Checked every few hundred events instead (see `replay_on`).
+    c.check_calls = false;
+    c
 }
+
+/// Events of a replay between two checks of the allocator's invariants: each check looks at
+/// every block, so checking after each of a recording's thousands of events would take minutes.
+const CHECK_EVERY: usize = 500;
 
 /// Replays `events` once on stream 1 with the GPU `lag` operations behind, freeing what is left
 /// at the end in allocation order. Returns (mapped peak / live peak, pages moved).
@@ -1204,7 +1257,10 @@ fn replay_on(c: &mut Core<Gpu>, events: &[Event], lag: usize, raw: u64) -> (f64,
     let stream = c.backend().handles.get(&raw).copied().unwrap_or(raw);
     let moved = c.stats().pages_remapped;
     let mut addrs: Vec<Option<u64>> = Vec::new();
-    for e in events {
+    for (i, e) in events.iter().enumerate() {
+        if i % CHECK_EVERY == 0 {
+            c.check();
+        }
         c.backend().in_call = Some(raw);
         match *e {
             Event::Alloc(size) => {
@@ -1226,6 +1282,7 @@ fn replay_on(c: &mut Core<Gpu>, events: &[Event], lag: usize, raw: u64) -> (f64,
     for a in addrs.into_iter().flatten() {
         c.free(a, Handle(raw)).unwrap();
     }
+    c.check();
     let st = c.stats();
     (st.mapped_peak as f64 / st.live_peak as f64, st.pages_remapped - moved)
 }
@@ -1475,7 +1532,10 @@ fn three_streams() -> Vec<(u64, Option<u64>, usize)> {
 fn replay_streams(c: &mut Core<Gpu>, events: &[(u64, Option<u64>, usize)], lag: usize) -> f64 {
     c.reset_peaks();
     let mut blocks: Vec<Option<(u64, u64)>> = Vec::new();
-    for &(stream, size, back) in events {
+    for (i, &(stream, size, back)) in events.iter().enumerate() {
+        if i % CHECK_EVERY == 0 {
+            c.check();
+        }
         match size {
             Some(size) => {
                 let a = c.allocate(size, stream, Capture::None, 0).unwrap();
@@ -1500,6 +1560,7 @@ fn replay_streams(c: &mut Core<Gpu>, events: &[(u64, Option<u64>, usize)], lag: 
         c.backend().run(made_on, usize::MAX);
         c.free(a, Handle(1)).unwrap();
     }
+    c.check();
     let st = c.stats();
     st.mapped_peak as f64 / st.live_peak as f64
 }
