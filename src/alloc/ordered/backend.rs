@@ -2,7 +2,8 @@
 //! granule-multiple each, mapped and unmapped one by one inside reservations this backend owns.
 
 use super::backup::{self, BackupKind, BackupOptions, Copier, Mover, Staged};
-use super::core::{Backend, LEGACY, SYNTHETIC};
+use super::core::Backend;
+use super::ids::{Handle, StreamId, LEGACY, SYNTHETIC};
 use super::lazy::LazyBackups;
 use crate::context::Context;
 use crate::driver::{driver, result, sys::*};
@@ -126,8 +127,8 @@ impl DriverBackend {
         }
     }
 
-    fn stream(s: u64) -> CUstream {
-        s as usize as CUstream
+    fn stream(s: Handle) -> CUstream {
+        s.0 as usize as CUstream
     }
 
     /// Unmaps each (address, size) page after waiting for all queued work of the context
@@ -218,7 +219,7 @@ impl Backend for DriverBackend {
         Event::without_timing(&self.ctx)
     }
 
-    fn record(&mut self, event: &Event, stream: u64) -> Result<()> {
+    fn record(&mut self, event: &Event, stream: Handle) -> Result<()> {
         self.ctx.bind()?;
         // SAFETY: the event is live; the stream is the one the call under way passes, which its
         // caller keeps alive for the call.
@@ -229,18 +230,18 @@ impl Backend for DriverBackend {
         event.is_complete()
     }
 
-    fn stream_idle(&mut self, stream: u64) -> Result<bool> {
+    fn stream_idle(&mut self, stream: Handle) -> Result<bool> {
         self.ctx.bind()?;
         // SAFETY: the stream is the one the call under way passes, alive for the call; it is not
         // being captured (the caller asked).
         unsafe { result::stream::query(driver()?.api(), Self::stream(stream)) }
     }
 
-    fn capture_of(&mut self, stream: u64) -> Result<Option<u64>> {
+    fn capture_of(&mut self, stream: Handle) -> Result<Option<u64>> {
         capture_of(Self::stream(stream))
     }
 
-    fn stream_id(&mut self, stream: u64) -> Option<u64> {
+    fn stream_id(&mut self, stream: Handle) -> Option<StreamId> {
         stream_id(Self::stream(stream))
     }
 
@@ -366,13 +367,13 @@ fn check_host(host: &PinnedBuffer<u8>, offset: u64, len: u64) -> Result<()> {
 /// the process (handles are not: a destroyed stream's handle may be handed to a new stream).
 /// `None` when the driver cannot say (before CUDA 12.0, and perhaps during a capture): the
 /// allocator then makes one up.
-pub(crate) fn stream_id(stream: CUstream) -> Option<u64> {
+pub(crate) fn stream_id(stream: CUstream) -> Option<StreamId> {
     if stream.is_null() || stream as usize == CU_STREAM_LEGACY {
         return Some(LEGACY);
     }
     // SAFETY: the caller passes a live stream.
     match unsafe { result::stream::get_id(driver().ok()?.api(), stream) } {
-        Ok(id) if id < SYNTHETIC => Some(id),
+        Ok(id) if StreamId(id) < SYNTHETIC => Some(StreamId(id)),
         _ => None,
     }
 }

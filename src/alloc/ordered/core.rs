@@ -6,9 +6,11 @@
 //! the change.
 
 use super::front::{lock, Entry, Front, Fronts};
-use super::heap::{AddrMap, Freed, Heap, Owner, PendingFree, ALIGN, IDLE};
+use super::heap::{Freed, Heap, KeyMap, Owner, PendingFree, ALIGN, IDLE};
+use super::ids::{Caller, Epoch, Handle, SlotId, StreamId, LEGACY, SYNTHETIC};
 use crate::error::{Error, Result};
 use std::collections::{HashMap, VecDeque};
+use std::ops::{Index, IndexMut};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 /// What the allocator needs from the device.
@@ -29,16 +31,16 @@ pub(crate) trait Backend {
     fn new_event(&mut self) -> Result<Self::Event>;
     /// Records `event` on the stream whose handle is `raw`. Called only with the handle of the
     /// call under way (see [`Caller`]).
-    fn record(&mut self, event: &Self::Event, raw: u64) -> Result<()>;
+    fn record(&mut self, event: &Self::Event, raw: Handle) -> Result<()>;
     fn query(&mut self, event: &Self::Event) -> Result<bool>;
     /// Whether all work queued so far on the stream whose handle is `raw` (that of the call under
     /// way) has run; it is not being captured.
-    fn stream_idle(&mut self, raw: u64) -> Result<bool>;
+    fn stream_idle(&mut self, raw: Handle) -> Result<bool>;
     /// The capture under way on the stream whose handle is `raw` (that of the call under way).
-    fn capture_of(&mut self, raw: u64) -> Result<Option<u64>>;
+    fn capture_of(&mut self, raw: Handle) -> Result<Option<u64>>;
     /// The identity of the stream whose handle is `raw` (that of the call under way), never that
     /// of another stream, before or after; `None` when the driver cannot say.
-    fn stream_id(&mut self, raw: u64) -> Option<u64>;
+    fn stream_id(&mut self, raw: Handle) -> Option<StreamId>;
     /// Lets this thread make calls a capture in global mode elsewhere would forbid; returns what
     /// to restore.
     fn relax(&mut self) -> Result<u32>;
@@ -99,35 +101,9 @@ impl Capture {
     }
 }
 
-/// Stream identities from this number up are the allocator's own, never the driver's: the legacy
-/// default stream's, and those made up for a stream the driver could not name.
-pub(crate) const SYNTHETIC: u64 = 1 << 62;
-
 /// The most (capture, handle) identities kept (see [`Core::caller`]): far more streams than one
 /// capture uses, and a bound on a process that captures for ever.
 pub(crate) const CAPTURE_IDS: usize = 4096;
-
-/// The identity of the legacy default stream (the null handle and `CU_STREAM_LEGACY`), which is
-/// never destroyed.
-pub(crate) const LEGACY: u64 = SYNTHETIC;
-
-/// The stream a call passes: an identity no other stream ever has (the driver's stream id), which
-/// keys everything the allocator remembers about the stream, and the handle, which the allocator
-/// passes to the driver during this call only. A handle remembered past its call could name a
-/// destroyed stream, or a new stream the driver handed the same handle.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct Caller {
-    pub id: u64,
-    pub raw: u64,
-}
-
-/// In the model tests a stream numbered `s` has handle `s` unless a test says otherwise.
-#[cfg(test)]
-impl From<u64> for Caller {
-    fn from(s: u64) -> Caller {
-        Caller { id: s, raw: s }
-    }
-}
 
 /// Counters, in bytes unless named a count. Laid out as `cuvmm_stats_t` of the C header.
 #[repr(C)]
@@ -187,10 +163,10 @@ struct Stream<E> {
     /// as the event (or the idle query) that number stands for.
     front: Arc<Front>,
     /// Largest event number known complete.
-    done: u64,
+    done: Epoch,
     /// Events recorded here, by number; `None` stands for one known complete when recorded (the
     /// stream had run all its work), whose blocks become idle at the next poll.
-    fences: VecDeque<(u64, Option<E>)>,
+    fences: VecDeque<(Epoch, Option<E>)>,
     /// Whether the fast paths may find the front: since an allocation, whose call asked the driver
     /// that the handle names this stream (a free through a destroyed stream's handle must not make
     /// the fast paths of the stream now holding that handle find the destroyed one's front).
@@ -199,13 +175,13 @@ struct Stream<E> {
 
 /// Whether the fast paths may find the stream `id`: the driver's ids and the legacy default
 /// stream's, not the identities made up for one call or one capture.
-fn published(id: u64) -> bool {
+fn published(id: StreamId) -> bool {
     id < SYNTHETIC || id == LEGACY
 }
 
 /// A request served by a block its stream's front cached with that size, without the core:
 /// untagged, outside captures, on a stream the driver named.
-fn take_fast(fronts: &Fronts, id: u64, size: u64, capture: Capture, tag: u32) -> Option<u64> {
+fn take_fast(fronts: &Fronts, id: StreamId, size: u64, capture: Capture, tag: u32) -> Option<u64> {
     if capture != Capture::None || tag != 0 || !published(id) {
         return None;
     }
@@ -216,9 +192,9 @@ fn take_fast(fronts: &Fronts, id: u64, size: u64, capture: Capture, tag: u32) ->
 /// Pages of a lent block (see [`super::heap::State::Lent`]): still mapped at its address (as
 /// well as where they now serve) until the work queued on `stream` before the block's free has run.
 struct Lent {
-    slot: usize,
-    stream: u64,
-    epoch: u64,
+    slot: SlotId,
+    stream: StreamId,
+    epoch: Epoch,
     /// Page indexes in the slot.
     pages: Vec<u64>,
 }
@@ -231,6 +207,19 @@ struct Slot<P> {
     /// Bytes per page of this heap.
     page: u64,
     pages: Vec<Option<P>>,
+}
+
+impl<P> Index<SlotId> for Vec<Slot<P>> {
+    type Output = Slot<P>;
+    fn index(&self, i: SlotId) -> &Slot<P> {
+        &self[i.index()]
+    }
+}
+
+impl<P> IndexMut<SlotId> for Vec<Slot<P>> {
+    fn index_mut(&mut self, i: SlotId) -> &mut Slot<P> {
+        &mut self[i.index()]
+    }
 }
 
 /// One allocation under way.
@@ -251,7 +240,7 @@ struct Request {
 /// What a device-wide wait covers: each stream's number that the work queued before the wait
 /// began reaches.
 pub(crate) struct Settle {
-    upto: Vec<(u64, u64)>,
+    upto: Vec<(StreamId, Epoch)>,
 }
 
 /// Sizes chosen at creation.
@@ -272,15 +261,15 @@ pub(crate) struct Core<B: Backend> {
     slots: Vec<Slot<B::Page>>,
     spare: Vec<B::Page>,
     /// By stream identity (see [`Caller`]).
-    streams: AddrMap<Stream<B::Event>>,
+    streams: KeyMap<StreamId, Stream<B::Event>>,
     idle_events: Vec<B::Event>,
     pools: HashMap<u64, u32>,
     next_pool: u32,
     /// Identities made up for streams the driver could not name during a capture, by (capture,
     /// handle): within one capture a handle names one stream. At most [`CAPTURE_IDS`].
-    capture_ids: HashMap<(u64, u64), u64>,
+    capture_ids: HashMap<(u64, Handle), StreamId>,
     /// The next made-up identity.
-    next_synthetic: u64,
+    next_synthetic: StreamId,
     /// Every stream's front, and the demand counter the fast paths read (see [`Core::free`]).
     fronts: Arc<Fronts>,
     /// Bytes of pages mapped (spare ones apart).
@@ -293,7 +282,7 @@ pub(crate) struct Core<B: Backend> {
     /// from), never kept beyond it.
     borrowed: Vec<B::Page>,
     /// The latest free among the blocks that lent `borrowed`.
-    borrowed_epoch: u64,
+    borrowed_epoch: Epoch,
     /// Device-wide waits under way (see [`Core::settle_begin`]).
     settling: usize,
     /// Whether the allocation under way may fail for its caller to wait for the whole device,
@@ -304,9 +293,13 @@ pub(crate) struct Core<B: Backend> {
     exported: HashMap<u64, (u32, u64)>,
     /// Those of them already freed (see [`AllocatorStats::freed_shared`]): still live in their
     /// heap, as (stream, epoch) of their free, until the last sharing is over.
-    freed_shared: HashMap<u64, (u64, u64)>,
+    freed_shared: HashMap<u64, (StreamId, Epoch)>,
     /// Blocks of at least this many bytes (untagged) are one physical allocation each; 0: off.
     whole_above: u64,
+    /// Whether the tests' allocations and every free end with [`Core::check`] (tests that
+    /// replay long recordings check between steps instead).
+    #[cfg(test)]
+    pub(super) check_calls: bool,
 }
 
 impl<B: Backend> Core<B> {
@@ -316,25 +309,27 @@ impl<B: Backend> Core<B> {
             sizes,
             slots: Vec::new(),
             spare: Vec::new(),
-            streams: AddrMap::default(),
+            streams: KeyMap::default(),
             idle_events: Vec::new(),
             pools: HashMap::new(),
             next_pool: 1,
             capture_ids: HashMap::new(),
-            next_synthetic: LEGACY + 1,
+            next_synthetic: StreamId(LEGACY.0 + 1),
             fronts: Arc::new(Fronts::default()),
             mapped_bytes: 0,
             stats: AllocatorStats::default(),
             sleepers: HashMap::new(),
             lent: Vec::new(),
             borrowed: Vec::new(),
-            borrowed_epoch: 0,
+            borrowed_epoch: Epoch::NONE,
             settling: 0,
             may_settle: false,
             wants_settle: false,
             exported: HashMap::new(),
             freed_shared: HashMap::new(),
             whole_above: 0,
+            #[cfg(test)]
+            check_calls: true,
         }
     }
 
@@ -366,7 +361,7 @@ impl<B: Backend> Core<B> {
     fn stream(&mut self, c: Caller) -> &mut Stream<B::Event> {
         self.streams.entry(c.id).or_insert_with(|| Stream {
             front: Arc::new(Front::new(c.id, c.raw)),
-            done: 0,
+            done: Epoch::NONE,
             fences: VecDeque::new(),
             published: false,
         })
@@ -410,7 +405,7 @@ impl<B: Backend> Core<B> {
     /// not, or was not asked, as during a capture). A stream without a name gets one never used
     /// before, or, during a capture, the one it got earlier in that capture: within one capture a
     /// handle names one stream.
-    pub(crate) fn caller(&mut self, raw: u64, id: Option<u64>, capture: Capture) -> Caller {
+    pub(crate) fn caller(&mut self, raw: Handle, id: Option<StreamId>, capture: Capture) -> Caller {
         if let Some(id) = id.filter(|&i| published(i)) {
             return Caller { id, raw };
         }
@@ -437,9 +432,10 @@ impl<B: Backend> Core<B> {
         Caller { id, raw }
     }
 
-    fn fresh_id(&mut self) -> u64 {
-        self.next_synthetic += 1;
-        self.next_synthetic - 1
+    fn fresh_id(&mut self) -> StreamId {
+        let id = self.next_synthetic;
+        self.next_synthetic = StreamId(id.0 + 1);
+        id
     }
 
     /// `size` bytes for use on `stream`, waiting for the whole device when out of memory (the
@@ -453,15 +449,18 @@ impl<B: Backend> Core<B> {
         tag: u32,
     ) -> Result<u64> {
         let stream = stream.into();
-        if let Some(addr) = take_fast(&self.fronts, stream.id, size, capture, tag) {
-            return Ok(addr);
-        }
-        let r = self.try_allocate(size, stream, capture, tag, true);
+        let mut r = match take_fast(&self.fronts, stream.id, size, capture, tag) {
+            Some(addr) => Ok(addr),
+            None => self.try_allocate(size, stream, capture, tag, true),
+        };
         if r.is_err() && self.wants_settle() {
             let settle = self.settle_begin();
             let waited = self.backend.synchronize();
             self.settled(settle, waited.is_ok())?;
-            return self.try_allocate(size, stream, capture, tag, false);
+            r = self.try_allocate(size, stream, capture, tag, false);
+        }
+        if self.check_calls {
+            self.check();
         }
         r
     }
@@ -500,10 +499,12 @@ impl<B: Backend> Core<B> {
         };
         let req = Request { n, size, stream, kind: self.kind_of(n, tag), pool, capture };
         if capture == Capture::None {
-            let found =
-                self.slots.iter_mut().enumerate().filter(|(_, s)| (s.small, s.tag) == req.kind).find_map(
-                    |(i, slot)| slot.heap.take_cached((stream.id, stream.raw), n, size).map(|a| (i, a)),
-                );
+            let found = self
+                .slots
+                .iter_mut()
+                .enumerate()
+                .filter(|(_, s)| (s.small, s.tag) == req.kind)
+                .find_map(|(i, slot)| slot.heap.take_cached(stream, n, size).map(|a| (SlotId::of(i), a)));
             if let Some((slot, addr)) = found {
                 // A block of its own stream's cache: the peak stays where the last search left it.
                 self.stats.allocations += 1;
@@ -542,7 +543,7 @@ impl<B: Backend> Core<B> {
     /// A free block for `req` in the index: its stream's or an idle one, of its pool, else an idle
     /// one of the shared pool. During a capture nothing may be queried, so only blocks known idle
     /// (or this capture's own, reused in capture order) qualify.
-    fn find_free(&mut self, req: &Request) -> Result<Option<(usize, u64)>> {
+    fn find_free(&mut self, req: &Request) -> Result<Option<(SlotId, u64)>> {
         let reuse = if matches!(req.capture, Capture::Shared(_)) { IDLE } else { req.stream.id };
         let found = self.reuse(req, reuse, req.pool)?;
         if found.is_none() && req.pool != 0 {
@@ -555,12 +556,11 @@ impl<B: Backend> Core<B> {
     /// through the same handle, and the stream's later requests of its size, need not come here:
     /// untagged blocks of the shared pool (not one-allocation blocks) outside captures, on
     /// streams the driver named.
-    fn register(&mut self, req: &Request, slot: usize, addr: u64) {
+    fn register(&mut self, req: &Request, slot: SlotId, addr: u64) {
         if req.capture != Capture::None || req.kind.1 != 0 || req.pool != 0 || !published(req.stream.id) {
             return;
         }
-        let entry =
-            Entry { n: req.n, requested: req.size, slot: slot as u32, cached: false, via_core: false };
+        let entry = Entry { n: req.n, requested: req.size, slot, cached: false, via_core: false };
         self.stream(req.stream);
         let st = self.streams.get_mut(&req.stream.id).expect("just made");
         if st.front.raw != req.stream.raw {
@@ -580,7 +580,7 @@ impl<B: Backend> Core<B> {
         self.note_mapped();
     }
 
-    fn allocate_slow(&mut self, req: &Request) -> Result<(usize, u64)> {
+    fn allocate_slow(&mut self, req: &Request) -> Result<(SlotId, u64)> {
         self.fronts.add_demand();
         if req.capture == Capture::None {
             self.poll_all(req.stream)?;
@@ -604,7 +604,7 @@ impl<B: Backend> Core<B> {
 
     /// Returns a block whose pages could not be mapped. It may hold memory `stream`'s queued work
     /// still uses (a hole it freed, grown or merged), so it goes back as freed on `stream` now.
-    fn give_back_block(&mut self, slot: usize, addr: u64, stream: Caller) {
+    fn give_back_block(&mut self, slot: SlotId, addr: u64, stream: Caller) {
         let epoch = {
             let mut f = self.stream(stream).front.lock();
             f.last_free = f.next;
@@ -615,7 +615,7 @@ impl<B: Backend> Core<B> {
 
     /// Takes a free block of pool `pool` that `reuse` (a stream, or [`IDLE`]) may use, for `req`
     /// (and its pool).
-    fn reuse(&mut self, req: &Request, reuse: u64, pool: u32) -> Result<Option<(usize, u64)>> {
+    fn reuse(&mut self, req: &Request, reuse: StreamId, pool: u32) -> Result<Option<(SlotId, u64)>> {
         // Heaps of one kind are few (more only when one's address space ran out): the first that
         // fits wins.
         let found = self
@@ -623,9 +623,9 @@ impl<B: Backend> Core<B> {
             .iter()
             .enumerate()
             .filter(|(_, s)| (s.small, s.tag) == req.kind)
-            .find_map(|(i, s)| s.heap.find(pool, reuse, req.n).map(|(_, id)| (i, id)));
+            .find_map(|(i, s)| s.heap.find(pool, reuse, req.n).map(|(_, id)| (SlotId::of(i), id)));
         let Some((slot, id)) = found else { return Ok(None) };
-        let addr = self.slots[slot].heap.take(id, req.n, (req.stream.id, req.stream.raw), req.size, req.pool);
+        let addr = self.slots[slot].heap.take(id, req.n, req.stream, req.size, req.pool);
         let mapped_before = self.mapped_bytes;
         if let Err(e) = self.ensure_pages(slot, addr, req.n, req.capture, req.stream.id) {
             self.give_back_block(slot, addr, req.stream);
@@ -644,16 +644,15 @@ impl<B: Backend> Core<B> {
         s.live_peak = s.live_peak.max(s.live);
     }
 
-    fn carve(&mut self, req: &Request) -> Result<(usize, u64)> {
+    fn carve(&mut self, req: &Request) -> Result<(SlotId, u64)> {
         let (small, tag) = req.kind;
         let Request { n, size, stream, pool, capture, .. } = *req;
         // As in `allocate`: a capture shared with other streams takes only idle blocks.
         let reuse = if matches!(capture, Capture::Shared(_)) { IDLE } else { stream.id };
-        let owner = (stream.id, stream.raw);
         for (i, s) in self.slots.iter_mut().enumerate() {
             if (s.small, s.tag) == req.kind {
-                if let Some(a) = s.heap.carve(n, owner, size, pool, reuse) {
-                    return Ok((i, a));
+                if let Some(a) = s.heap.carve(n, stream, size, pool, reuse) {
+                    return Ok((SlotId::of(i), a));
                 }
             }
         }
@@ -667,6 +666,11 @@ impl<B: Backend> Core<B> {
             .checked_mul(page)
             .ok_or_else(|| Error::invalid(format!("{size} bytes cannot be allocated")))?;
         let reserve = want.max(pages);
+        if self.slots.len() >= SlotId::MAX {
+            return Err(Error::invalid(format!(
+                "{size} bytes cannot be allocated: no room for another heap"
+            )));
+        }
         // The table is sized by the reservation (a configured size, or the request): one that
         // cannot be allocated is an error, not an abort.
         let mut table = Vec::new();
@@ -677,14 +681,21 @@ impl<B: Backend> Core<B> {
         let base = self.backend.reserve(reserve)?;
         self.stats.reserved += reserve;
         self.slots.push(Slot { heap: Heap::new(base, reserve), small, tag, page, pages: table });
-        let i = self.slots.len() - 1;
+        let i = SlotId::of(self.slots.len() - 1);
         let a =
-            self.slots[i].heap.carve(n, owner, size, pool, reuse).expect("a new heap holds its first block");
+            self.slots[i].heap.carve(n, stream, size, pool, reuse).expect("a new heap holds its first block");
         Ok((i, a))
     }
 
     /// Maps every page under `[addr, addr + n)` of `slot` that is not mapped yet.
-    fn ensure_pages(&mut self, slot: usize, addr: u64, n: u64, capture: Capture, stream: u64) -> Result<()> {
+    fn ensure_pages(
+        &mut self,
+        slot: SlotId,
+        addr: u64,
+        n: u64,
+        capture: Capture,
+        stream: StreamId,
+    ) -> Result<()> {
         let page = self.slots[slot].page;
         let base = self.slots[slot].heap.base();
         let first = (addr - base) / page;
@@ -700,7 +711,7 @@ impl<B: Backend> Core<B> {
         // it came from until that mapping is undone.
         self.stats.pages_released += self.borrowed.len() as u64;
         self.borrowed.clear();
-        self.borrowed_epoch = 0;
+        self.borrowed_epoch = Epoch::NONE;
         if matches!(&r, Err(e) if e.is_out_of_memory()) {
             // The pages made or moved for a block that could not have them all would hold the
             // device's memory for nothing: even a kernel's first launch needs some.
@@ -725,11 +736,11 @@ impl<B: Backend> Core<B> {
     /// page for its last one, and those added up over repeated steps.
     fn map_pages(
         &mut self,
-        slot: usize,
+        slot: SlotId,
         (addr, n): (u64, u64),
         missing: &[u64],
         capture: Capture,
-        stream: u64,
+        stream: StreamId,
     ) -> Result<()> {
         let page = self.slots[slot].page;
         let base = self.slots[slot].heap.base();
@@ -842,7 +853,7 @@ impl<B: Backend> Core<B> {
     /// Moves up to `want` mapped pages out of blocks `stream` freed (oldest frees first) into
     /// `borrowed`, leaving them mapped where they are; each block they came from is out of use
     /// until its stream's work has caught up with its free (see [`Core::poll`]).
-    fn lend(&mut self, want: usize, stream: u64) {
+    fn lend(&mut self, want: usize, stream: StreamId) {
         let page = self.sizes.page;
         let mut got = 0;
         for slot in 0..self.slots.len() {
@@ -872,14 +883,14 @@ impl<B: Backend> Core<B> {
                 got += pages.len();
                 self.borrowed_epoch = self.borrowed_epoch.max(epoch);
                 self.stats.pages_remapped += pages.len() as u64;
-                self.lent.push(Lent { slot, stream, epoch, pages });
+                self.lent.push(Lent { slot: SlotId::of(slot), stream, epoch, pages });
             }
         }
     }
 
     /// Unmaps the lent pages of `stream`'s blocks freed up to `epoch` from where they came from,
     /// and frees those blocks, idle.
-    fn return_lent(&mut self, stream: u64, epoch: u64) -> Result<()> {
+    fn return_lent(&mut self, stream: StreamId, epoch: Epoch) -> Result<()> {
         let mut r = Ok(());
         let mut slots = Vec::new();
         let backend = &mut self.backend;
@@ -978,7 +989,7 @@ impl<B: Backend> Core<B> {
     /// run, or records an event after them: the caller's stream is the only one this call may
     /// pass to the driver.
     fn poll_all(&mut self, caller: Caller) -> Result<()> {
-        let streams: Vec<u64> = self.streams.keys().copied().collect();
+        let streams: Vec<StreamId> = self.streams.keys().copied().collect();
         for s in streams {
             self.poll(s)?;
             let st = &self.streams[&s];
@@ -1027,8 +1038,7 @@ impl<B: Backend> Core<B> {
         {
             return Ok(false);
         }
-        let n = f.next;
-        f.next += 1;
+        let n = f.next.take();
         drop(f);
         let st = self.streams.get_mut(&c.id).expect("known stream");
         // Every event recorded there has completed too.
@@ -1042,7 +1052,7 @@ impl<B: Backend> Core<B> {
         Ok(true)
     }
 
-    fn poll(&mut self, s: u64) -> Result<()> {
+    fn poll(&mut self, s: StreamId) -> Result<()> {
         let mut done = None;
         loop {
             let st = self.streams.get_mut(&s).expect("known stream");
@@ -1067,7 +1077,7 @@ impl<B: Backend> Core<B> {
 
     /// The work `s` queued before its event number `n` has run: blocks freed there until then
     /// are idle, and pages they lent come home.
-    fn work_ran(&mut self, s: u64, n: u64) -> Result<()> {
+    fn work_ran(&mut self, s: StreamId, n: Epoch) -> Result<()> {
         for slot in &mut self.slots {
             slot.heap.promote(s, n);
         }
@@ -1096,8 +1106,7 @@ impl<B: Backend> Core<B> {
             return Err(e);
         }
         self.stats.events_recorded += 1;
-        let n = f.next;
-        f.next += 1;
+        let n = f.next.take();
         drop(f);
         self.streams.get_mut(&c.id).expect("known stream").fences.push_back((n, Some(ev)));
         Ok(())
@@ -1113,8 +1122,7 @@ impl<B: Backend> Core<B> {
             .iter()
             .map(|(&s, st)| {
                 let mut f = st.front.lock();
-                f.next += 1;
-                (s, f.next - 1)
+                (s, f.next.take())
             })
             .collect();
         Settle { upto }
@@ -1196,15 +1204,15 @@ impl<B: Backend> Core<B> {
     /// block waits for a device-wide wait) and no other stream found memory short since this
     /// stream's last event; otherwise it asks the stream's identity, and records an event after
     /// the free for the others.
-    pub(crate) fn free(&mut self, addr: u64, raw: u64) -> Result<Freed> {
-        let Some(slot) = self.slots.iter().position(|s| s.heap.contains(addr)) else {
+    pub(crate) fn free(&mut self, addr: u64, raw: Handle) -> Result<Freed> {
+        let Some(slot) = self.slots.iter().position(|s| s.heap.contains(addr)).map(SlotId::of) else {
             return Err(Error::invalid(format!("{addr:#x} was not allocated here")));
         };
         let twice = || Error::invalid(format!("{addr:#x} is not a live allocation (freed twice?)"));
         if self.freed_shared.contains_key(&addr) {
             return Err(twice());
         }
-        let (i, id, alloc_raw) = self.slots[slot].heap.live_block(addr).ok_or_else(twice)?;
+        let (i, Caller { id, raw: alloc_raw }) = self.slots[slot].heap.live_block(addr).ok_or_else(twice)?;
         // Importers still map it: it stays live in its heap until they let go (see `unexport`).
         let shared = self.exported.contains_key(&addr);
         let stream = if raw == alloc_raw {
@@ -1288,12 +1296,17 @@ impl<B: Backend> Core<B> {
         if shared {
             self.hold_freed(addr, stream.id, epoch);
         }
-        Ok(self.count_free(freed))
+        let freed = self.count_free(freed);
+        #[cfg(test)]
+        if self.check_calls {
+            self.check();
+        }
+        Ok(freed)
     }
 
     /// Makes the free of the live block at `addr` in `slot` go through the core.
-    pub(super) fn free_via_core(&mut self, slot: usize, addr: u64) {
-        let Some((_, id, _)) = self.slots[slot].heap.live_block(addr) else { return };
+    pub(super) fn free_via_core(&mut self, slot: SlotId, addr: u64) {
+        let Some((_, Caller { id, .. })) = self.slots[slot].heap.live_block(addr) else { return };
         if let Some(st) = self.streams.get(&id) {
             if let Some(e) = st.front.lock().blocks.get_mut(&addr) {
                 e.via_core = true;
@@ -1331,7 +1344,7 @@ impl<B: Backend> Core<B> {
     /// [`flush_cached`](Self::flush_cached), except that with `Some(s)` the fronts of streams
     /// other than `s` give up only their idle blocks (which any stream may take): their blocks
     /// still waiting for their stream's work stay cached, for that stream's next request.
-    fn flush_fronts(&mut self, only: Option<u64>) {
+    fn flush_fronts(&mut self, only: Option<StreamId>) {
         self.take_counts();
         let mut due = Vec::new();
         for (&t, st) in &self.streams {
@@ -1346,11 +1359,11 @@ impl<B: Backend> Core<B> {
             }));
         }
         for (addr, owner, slot) in due {
-            let freed = self.slots[slot as usize].heap.free(addr, owner);
+            let freed = self.slots[slot].heap.free(addr, owner);
             debug_assert!(freed.is_some(), "a block cached in a front is live in its heap");
         }
         let streams = &self.streams;
-        let done = |s: u64, epoch: u64| streams.get(&s).is_some_and(|st| st.done >= epoch);
+        let done = |s: StreamId, epoch: Epoch| streams.get(&s).is_some_and(|st| st.done >= epoch);
         for s in &mut self.slots {
             s.heap.flush_cached(done);
         }
@@ -1375,7 +1388,11 @@ impl<B: Backend> Core<B> {
     pub(crate) fn empty_cache(&mut self) -> Result<u64> {
         self.flush_cached();
         self.settle_all()?;
-        self.release_idle()
+        let r = self.release_idle();
+        if self.check_calls {
+            self.check();
+        }
+        r
     }
 
     /// Releases every idle page and every spare page. Returns the bytes given back.
@@ -1429,8 +1446,8 @@ impl<B: Backend> Ordered<B> {
     pub(crate) fn allocate(
         &self,
         size: u64,
-        raw: u64,
-        id: Option<u64>,
+        raw: Handle,
+        id: Option<StreamId>,
         capture: Capture,
         tag: u32,
         wait: impl FnOnce() -> bool,
@@ -1457,7 +1474,7 @@ impl<B: Backend> Ordered<B> {
 
     /// Frees the block at `addr` on the stream whose handle is `raw`: through that stream's front
     /// when it is the front's block, else through the core.
-    pub(crate) fn free(&self, addr: u64, raw: u64) -> Result<()> {
+    pub(crate) fn free(&self, addr: u64, raw: Handle) -> Result<()> {
         if self.fronts.give(addr, raw) {
             return Ok(());
         }
@@ -1467,6 +1484,8 @@ impl<B: Backend> Ordered<B> {
 
 mod export;
 use export::WHOLE;
+#[cfg(test)]
+mod invariants;
 mod sleep;
 pub use sleep::{SleepMode, TagStats};
 

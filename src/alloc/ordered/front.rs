@@ -35,6 +35,7 @@
 //! [`Core::flush_cached`]: super::core::Core::flush_cached
 
 use super::heap::{AddrMap, KeyedLists};
+use super::ids::{Epoch, Handle, SlotId, StreamId};
 use std::cell::RefCell;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
@@ -51,7 +52,7 @@ pub(crate) struct Entry {
     /// Bytes asked for by the allocation holding it.
     pub requested: u64,
     /// The core's heap slot it lies in.
-    pub slot: u32,
+    pub slot: SlotId,
     /// Freed and cached (else live).
     pub cached: bool,
     /// Its frees go through the core (the block is shared with another process).
@@ -72,16 +73,16 @@ pub(crate) struct State {
     /// Taken out of the registry by the core: fast paths that still hold it go to the core.
     pub retired: bool,
     /// Number of the next event recorded on the stream; a free stamped with it is covered by it.
-    pub next: u64,
-    /// Stamp of the latest free, 0 for none.
-    pub last_free: u64,
+    pub next: Epoch,
+    /// Stamp of the latest free, `NONE` for none.
+    pub last_free: Epoch,
     /// The demand (see [`Fronts::demand`]) when the core last recorded an event here for others,
     /// or found the stream idle: when demand has moved since, a free goes to the core.
     pub seen_demand: u64,
     /// Blocks handed out on the stream and not yet back in the core, by address.
     pub blocks: AddrMap<Entry>,
     /// The cached blocks, (address, stamp) per size.
-    cache: KeyedLists<u64, (u64, u64)>,
+    cache: KeyedLists<u64, (u64, Epoch)>,
     pub counts: Counts,
 }
 
@@ -91,9 +92,9 @@ pub(crate) struct State {
 #[repr(align(128))]
 pub(crate) struct Front {
     /// The driver's stream id (or the allocator's own identity, see `Caller`).
-    pub id: u64,
+    pub id: StreamId,
     /// The handle the stream's calls pass (one per stream while it lives).
-    pub raw: u64,
+    pub raw: Handle,
     /// Set with `State::retired`, read without the lock: a thread's memo then looks in the
     /// registry again (the locked flag is what keeps a retired front unused).
     gone: AtomicBool,
@@ -101,15 +102,15 @@ pub(crate) struct Front {
 }
 
 impl Front {
-    pub(crate) fn new(id: u64, raw: u64) -> Front {
+    pub(crate) fn new(id: StreamId, raw: Handle) -> Front {
         Front {
             id,
             raw,
             gone: AtomicBool::new(false),
             state: Mutex::new(State {
                 retired: false,
-                next: 1,
-                last_free: 0,
+                next: Epoch::FIRST,
+                last_free: Epoch::NONE,
                 seen_demand: 0,
                 blocks: AddrMap::default(),
                 cache: KeyedLists::default(),
@@ -167,7 +168,7 @@ impl Front {
 impl State {
     /// Caches the live block at `addr` stamped `epoch` (the core's path of [`Front::give`]); false
     /// when the cache of its size is full.
-    pub(crate) fn cache_free(&mut self, addr: u64, epoch: u64) -> bool {
+    pub(crate) fn cache_free(&mut self, addr: u64, epoch: Epoch) -> bool {
         let Some(e) = self.blocks.get_mut(&addr) else { return false };
         if !self.cache.push(e.n, (addr, epoch)) {
             return false;
@@ -178,7 +179,7 @@ impl State {
     }
 
     /// Every cached block, taken out: (address, stamp, entry).
-    pub(crate) fn drain(&mut self) -> Vec<(u64, u64, Entry)> {
+    pub(crate) fn drain(&mut self) -> Vec<(u64, Epoch, Entry)> {
         let mut out = Vec::new();
         for (addr, epoch) in self.cache.drain() {
             let e = self.blocks.remove(&addr).expect("a cached block is in the front's map");
@@ -189,7 +190,7 @@ impl State {
 
     /// The cached blocks stamped `done` or earlier (an event after their free has completed),
     /// taken out: (address, stamp, entry).
-    pub(crate) fn drain_done(&mut self, done: u64) -> Vec<(u64, u64, Entry)> {
+    pub(crate) fn drain_done(&mut self, done: Epoch) -> Vec<(u64, Epoch, Entry)> {
         let mut due = Vec::new();
         for list in self.cache.lists_mut() {
             list.retain(|&(addr, epoch)| {
@@ -210,6 +211,29 @@ impl State {
     /// Whether the front holds no block, live or cached.
     pub(crate) fn is_empty(&self) -> bool {
         self.blocks.is_empty()
+    }
+
+    /// Checks that the cache and the map of blocks agree, and that every stamp is one the stream
+    /// has given out (tests only call this).
+    #[cfg(test)]
+    pub(crate) fn check(&self) {
+        assert!(self.last_free <= self.next, "latest free {:?} past next {:?}", self.last_free, self.next);
+        let mut cached = 0;
+        for (n, &(addr, stamp)) in self.cache.entries() {
+            let e = self.blocks.get(&addr).expect("a cached block is in the front's map");
+            assert!(e.cached && e.n == n, "{addr:#x} cached for {n} bytes is {e:?}");
+            assert!(
+                stamp != Epoch::NONE && stamp <= self.last_free,
+                "{addr:#x} stamped {stamp:?}, the latest free {:?}",
+                self.last_free
+            );
+            cached += 1;
+        }
+        assert_eq!(
+            cached,
+            self.blocks.values().filter(|e| e.cached).count(),
+            "every cached entry is in the cache"
+        );
     }
 }
 
@@ -274,14 +298,14 @@ impl Fronts {
 
     /// Makes `front` what the fast paths find for its id and handle.
     pub(crate) fn publish(&self, front: &Arc<Front>) {
-        self.by_id.0.write().unwrap_or_else(|e| e.into_inner()).insert(front.id, front.clone());
-        self.by_raw.0.write().unwrap_or_else(|e| e.into_inner()).insert(front.raw, front.clone());
+        self.by_id.0.write().unwrap_or_else(|e| e.into_inner()).insert(front.id.0, front.clone());
+        self.by_raw.0.write().unwrap_or_else(|e| e.into_inner()).insert(front.raw.0, front.clone());
     }
 
     /// Takes `front` (already marked retired) out of the registry.
     pub(crate) fn withdraw(&self, front: &Arc<Front>) {
         front.gone.store(true, Ordering::Relaxed);
-        for (map, k) in [(&self.by_id.0, front.id), (&self.by_raw.0, front.raw)] {
+        for (map, k) in [(&self.by_id.0, front.id.0), (&self.by_raw.0, front.raw.0)] {
             let mut m = map.write().unwrap_or_else(|e| e.into_inner());
             if m.get(&k).is_some_and(|f| Arc::ptr_eq(f, front)) {
                 m.remove(&k);
@@ -291,16 +315,16 @@ impl Fronts {
 
     /// A block of `n` bytes that stream `id` freed with that size, handed out again to it for
     /// `requested` bytes; `None` when it has none (the core serves the request).
-    pub(crate) fn take(&self, id: u64, n: u64, requested: u64) -> Option<u64> {
-        self.with(id, true, |f| f.take(n, requested))
+    pub(crate) fn take(&self, id: StreamId, n: u64, requested: u64) -> Option<u64> {
+        self.with(id.0, true, |f| f.take(n, requested))
     }
 
     /// Frees the block at `addr` on the stream whose handle is `raw` without the core, when it is
     /// a live block of the front of that handle and that front's stream has nothing to do for the
     /// others (no request found memory short since its last event). False: the core must free it.
-    pub(crate) fn give(&self, addr: u64, raw: u64) -> bool {
+    pub(crate) fn give(&self, addr: u64, raw: Handle) -> bool {
         let demand = self.demand();
-        self.with(raw, false, |f| f.give(addr, demand))
+        self.with(raw.0, false, |f| f.give(addr, demand))
     }
 
     /// Runs `op` on the front of `key` (a stream id when `by_id`, else a handle): the one this

@@ -3,6 +3,7 @@
 //!
 //! Nothing here calls the driver; [`super::core`] adds pages and events.
 
+use super::ids::{Caller, Epoch, StreamId};
 use std::collections::{BTreeSet, HashMap};
 use std::hash::{BuildHasherDefault, Hasher};
 use std::ops::{Index, IndexMut, RangeInclusive};
@@ -10,21 +11,22 @@ use std::ops::{Index, IndexMut, RangeInclusive};
 /// Every block starts and ends on this boundary.
 pub(crate) const ALIGN: u64 = 512;
 
-/// The key of blocks any stream may take: the work that used them has completed.
-pub(crate) const IDLE: u64 = u64::MAX;
+/// The owner key of blocks any stream may take (the work that used them has completed): an
+/// identity no stream has.
+pub(crate) const IDLE: StreamId = StreamId(u64::MAX);
 
 /// Where a free block may be reused.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Owner {
     /// Freed on `stream`: reusable on that stream at once, on others once an event recorded on
     /// `stream` after the free (its number at least `epoch`) has completed.
-    Stream { stream: u64, epoch: u64 },
+    Stream { stream: StreamId, epoch: Epoch },
     /// No queued work uses it.
     Idle,
 }
 
 impl Owner {
-    fn key(self) -> u64 {
+    fn key(self) -> StreamId {
         match self {
             Owner::Stream { stream, .. } => stream,
             Owner::Idle => IDLE,
@@ -36,26 +38,25 @@ impl Owner {
 pub(crate) enum State {
     Free(Owner),
     Live {
-        /// The identity of the stream it was handed out on, and the handle that call passed: a
-        /// free passing the same handle is on that stream unless it was destroyed since (then the
-        /// free is attributed to the destroyed stream, whose identity nothing uses again).
-        stream: u64,
-        raw: u64,
+        /// The stream it was handed out on, and the handle that call passed: a free passing the
+        /// same handle is on that stream unless it was destroyed since (then the free is
+        /// attributed to the destroyed stream, whose identity nothing uses again).
+        caller: Caller,
         requested: u64,
     },
     /// Freed on `stream` and kept whole, unindexed, for that stream's next request of its size:
     /// the common case of a training step costs a hash lookup instead of a best-fit search, a
     /// split and a merge. Flushed into the index before anything else looks for free space.
     Cached {
-        stream: u64,
-        epoch: u64,
+        stream: StreamId,
+        epoch: Epoch,
     },
     /// Freed on `stream`, whose whole pages were lent to a later block of the same stream (mapped
     /// there too) before the work queued ahead of the free had run: out of use, and still mapped
     /// here, until an event recorded on `stream` after the free (number `epoch`) has completed.
     Lent {
-        stream: u64,
-        epoch: u64,
+        stream: StreamId,
+        epoch: Epoch,
     },
 }
 
@@ -103,7 +104,7 @@ impl IndexMut<BlockId> for Vec<Block> {
 /// one owner and pool is one range query. The id, last, names the block.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 struct FreeKey {
-    owner: u64,
+    owner: StreamId,
     pool: u32,
     size: u64,
     addr: u64,
@@ -116,7 +117,7 @@ impl FreeKey {
     }
 
     /// The keys of free blocks owned by `owner` in `pools` holding at least `size` bytes.
-    fn range(owner: u64, pools: RangeInclusive<u32>, size: u64) -> RangeInclusive<FreeKey> {
+    fn range(owner: StreamId, pools: RangeInclusive<u32>, size: u64) -> RangeInclusive<FreeKey> {
         let lo = FreeKey { owner, pool: *pools.start(), size, addr: 0, id: BlockId(0) };
         let hi = FreeKey { owner, pool: *pools.end(), size: u64::MAX, addr: u64::MAX, id: BlockId(u32::MAX) };
         lo..=hi
@@ -130,7 +131,7 @@ pub(crate) struct PendingFree {
     pub addr: u64,
     pub size: u64,
     /// The number of the first event recorded on the stream after the free.
-    pub epoch: u64,
+    pub epoch: Epoch,
 }
 
 /// A fast hash for addresses, which are distinct multiples of 512.
@@ -152,7 +153,10 @@ impl Hasher for AddrHasher {
     }
 }
 
-pub(crate) type AddrMap<V> = HashMap<u64, V, BuildHasherDefault<AddrHasher>>;
+pub(crate) type AddrMap<V> = KeyMap<u64, V>;
+
+/// A map hashed as [`AddrMap`] is, for keys that are a `u64` underneath (stream identities).
+pub(crate) type KeyMap<K, V> = HashMap<K, V, BuildHasherDefault<AddrHasher>>;
 
 /// Cached blocks, one list per key (the latest last), found through a map or, for the key used
 /// last, without hashing: a free and the next request of the same size meet there. The heap's
@@ -226,6 +230,19 @@ impl<K: Copy + Eq + std::hash::Hash, T> KeyedLists<K, T> {
     pub(crate) fn len(&self) -> usize {
         self.lists.iter().map(Vec::len).sum()
     }
+
+    /// Every item with its key, after checking that each list has one key (tests only).
+    #[cfg(test)]
+    pub(crate) fn entries(&self) -> impl Iterator<Item = (K, &T)> + '_ {
+        let mut seen: Vec<u32> = self.index.values().copied().collect();
+        seen.sort_unstable();
+        seen.dedup();
+        assert_eq!(seen.len(), self.lists.len(), "every list has a key of its own");
+        if let Some((k, l)) = self.last {
+            assert!(self.index.get(&k) == Some(&l), "the key used last names its list");
+        }
+        self.index.iter().flat_map(move |(&k, &l)| self.lists[l as usize].iter().map(move |t| (k, t)))
+    }
 }
 
 /// What [`Heap::free`] found.
@@ -257,7 +274,7 @@ pub(crate) struct Heap {
     /// Bytes of blocks in graph pools.
     graph: u64,
     /// `Cached` blocks, one list per (stream, size).
-    cached: KeyedLists<(u64, u64), BlockId>,
+    cached: KeyedLists<(StreamId, u64), BlockId>,
     cached_count: usize,
 }
 
@@ -319,8 +336,8 @@ impl Heap {
     /// above stays in large pieces and a repeated pattern of allocations finds the blocks it had
     /// last time, pages and all, where best fit scatters free space further on every repetition
     /// once pages are lent (docs/PERFORMANCE.md, "Figures behind the defaults").
-    pub(crate) fn find(&self, pool: u32, stream: u64, size: u64) -> Option<(u64, BlockId)> {
-        let lowest = |owner: u64| {
+    pub(crate) fn find(&self, pool: u32, stream: StreamId, size: u64) -> Option<(u64, BlockId)> {
+        let lowest = |owner: StreamId| {
             self.free
                 .range(FreeKey::range(owner, pool..=pool, size))
                 .take(FIT_AMONG)
@@ -336,14 +353,7 @@ impl Heap {
 
     /// Takes `size` bytes at the start of free block `i` (from [`find`](Self::find)) for `stream`,
     /// leaving the rest free with the same owner. Returns the address.
-    pub(crate) fn take(
-        &mut self,
-        i: BlockId,
-        size: u64,
-        (stream, raw): (u64, u64),
-        requested: u64,
-        pool: u32,
-    ) -> u64 {
+    pub(crate) fn take(&mut self, i: BlockId, size: u64, caller: Caller, requested: u64, pool: u32) -> u64 {
         let b = self.blocks[i];
         let State::Free(owner) = b.state else { unreachable!("take of a block that is not free") };
         debug_assert!(b.size >= size && size % ALIGN == 0);
@@ -357,7 +367,7 @@ impl Heap {
         }
         let blk = &mut self.blocks[i];
         blk.pool = pool;
-        blk.state = State::Live { stream, raw, requested };
+        blk.state = State::Live { caller, requested };
         self.live.insert(blk.addr, i);
         blk.addr
     }
@@ -369,10 +379,10 @@ impl Heap {
     pub(crate) fn carve(
         &mut self,
         size: u64,
-        (stream, raw): (u64, u64),
+        caller: Caller,
         requested: u64,
         pool: u32,
-        reuse: u64,
+        reuse: StreamId,
     ) -> Option<u64> {
         // A free block at the end that the request may use grows into the never-used part: its
         // pages serve again instead of new ones beside them.
@@ -382,7 +392,7 @@ impl Heap {
                 let usable = l.pool == pool
                     && match owner {
                         Owner::Idle => true,
-                        Owner::Stream { stream: s, .. } => reuse != IDLE && s == stream,
+                        Owner::Stream { stream: s, .. } => reuse != IDLE && s == caller.id,
                     };
                 let grow = size.saturating_sub(l.size);
                 if usable && grow > 0 && self.base + self.size - self.top >= grow {
@@ -396,7 +406,7 @@ impl Heap {
                     }
                     self.blocks[self.last].state = State::Free(owner);
                     self.index(self.last);
-                    return Some(self.take(self.last, size, (stream, raw), requested, pool));
+                    return Some(self.take(self.last, size, caller, requested, pool));
                 }
             }
         }
@@ -409,7 +419,7 @@ impl Heap {
             prev: self.last,
             next: NIL,
             pool,
-            state: State::Live { stream, raw, requested },
+            state: State::Live { caller, requested },
         });
         if self.last != NIL {
             self.blocks[self.last].next = i;
@@ -424,28 +434,23 @@ impl Heap {
     }
 
     /// A block `stream` freed whole with exactly `size` bytes, handed out again to it.
-    pub(crate) fn take_cached(
-        &mut self,
-        (stream, raw): (u64, u64),
-        size: u64,
-        requested: u64,
-    ) -> Option<u64> {
+    pub(crate) fn take_cached(&mut self, caller: Caller, size: u64, requested: u64) -> Option<u64> {
         if self.cached_count == 0 {
             return None;
         }
-        let i = self.cached.list((stream, size), false)?.pop()?;
+        let i = self.cached.list((caller.id, size), false)?.pop()?;
         self.cached_count -= 1;
         let b = &mut self.blocks[i];
-        b.state = State::Live { stream, raw, requested };
+        b.state = State::Live { caller, requested };
         Some(b.addr)
     }
 
-    /// The live block at `addr`: its id (for [`free_cached`](Self::free_cached)), the identity
-    /// of the stream it was handed out on and the handle that call passed.
-    pub(crate) fn live_block(&self, addr: u64) -> Option<(BlockId, u64, u64)> {
+    /// The live block at `addr`: its id (for [`free_cached`](Self::free_cached)), and the stream
+    /// it was handed out on with the handle that call passed.
+    pub(crate) fn live_block(&self, addr: u64) -> Option<(BlockId, Caller)> {
         let i = *self.live.get(&addr)?;
         match self.blocks[i].state {
-            State::Live { stream, raw, .. } => Some((i, stream, raw)),
+            State::Live { caller, .. } => Some((i, caller)),
             _ => None,
         }
     }
@@ -462,7 +467,7 @@ impl Heap {
     /// Frees live block `i` (from [`live_block`](Self::live_block)) on `stream` at `epoch`,
     /// keeping it whole for the stream's next request of its size when there is room; else as
     /// [`free`](Self::free) does.
-    pub(crate) fn free_cached(&mut self, i: BlockId, stream: u64, epoch: u64) -> Freed {
+    pub(crate) fn free_cached(&mut self, i: BlockId, stream: StreamId, epoch: Epoch) -> Freed {
         let b = self.blocks[i];
         let State::Live { requested, .. } = b.state else {
             unreachable!("free_cached of a block that is not live")
@@ -479,7 +484,7 @@ impl Heap {
     /// Moves every cached block into the index, merging as a free would have.
     /// `done(stream, epoch)` says whether an event covering that free has completed: such a
     /// block is idle at once.
-    pub(crate) fn flush_cached(&mut self, done: impl Fn(u64, u64) -> bool) {
+    pub(crate) fn flush_cached(&mut self, done: impl Fn(StreamId, Epoch) -> bool) {
         if self.cached_count == 0 {
             return;
         }
@@ -598,7 +603,7 @@ impl Heap {
     }
 
     /// Makes every block freed on `stream` up to `epoch` idle. Returns how many moved.
-    pub(crate) fn promote(&mut self, stream: u64, epoch: u64) -> usize {
+    pub(crate) fn promote(&mut self, stream: StreamId, epoch: Epoch) -> usize {
         let due: Vec<BlockId> = self
             .free
             .range(FreeKey::range(stream, 0..=u32::MAX, 0))
@@ -614,7 +619,7 @@ impl Heap {
 
     /// Free blocks of the shared pool freed on `stream` whose work may not have run yet, highest
     /// address first.
-    pub(crate) fn stream_free(&self, stream: u64) -> Vec<PendingFree> {
+    pub(crate) fn stream_free(&self, stream: StreamId) -> Vec<PendingFree> {
         let mut v: Vec<PendingFree> = self
             .free
             .range(FreeKey::range(stream, 0..=0, 0))
@@ -670,7 +675,7 @@ impl Heap {
     /// Whether every byte of `[lo, hi)` outside the live block at `addr` lies in free blocks of
     /// the shared pool that `stream` may take now (its own or idle ones), or past the used part
     /// and inside the heap: the rest of a page that the block partly covers.
-    pub(crate) fn edges_claimable(&self, addr: u64, lo: u64, hi: u64, stream: u64) -> bool {
+    pub(crate) fn edges_claimable(&self, addr: u64, lo: u64, hi: u64, stream: StreamId) -> bool {
         let Some(&i) = self.live.get(&addr) else { return false };
         let ok = |j: BlockId| {
             let b = &self.blocks[j];
@@ -688,7 +693,7 @@ impl Heap {
     /// [`edges_claimable`](Self::edges_claimable)) `stream`'s until an event numbered `epoch` or
     /// later has completed, extending the used part up to `hi` if it ends before: the page under
     /// them was lent, so it may still be in use where it came from by that stream's queued work.
-    pub(crate) fn claim_edges(&mut self, addr: u64, lo: u64, hi: u64, stream: u64, epoch: u64) {
+    pub(crate) fn claim_edges(&mut self, addr: u64, lo: u64, hi: u64, stream: StreamId, epoch: Epoch) {
         let i = self.live[&addr];
         if hi > self.top {
             let owner = Owner::Stream { stream, epoch };
@@ -745,7 +750,7 @@ impl Heap {
 
     /// Frees, idle, the lent blocks of `stream` up to `epoch`. Returns their addresses, whose
     /// lent pages the caller unmaps first.
-    pub(crate) fn return_lent(&mut self, stream: u64, epoch: u64) -> Vec<u64> {
+    pub(crate) fn return_lent(&mut self, stream: StreamId, epoch: Epoch) -> Vec<u64> {
         let mut due = Vec::new();
         self.lent.retain(|&i| {
             let State::Lent { stream: s, epoch: e } = self.blocks[i].state else { unreachable!() };
@@ -813,12 +818,28 @@ impl Heap {
         let mut at = self.base;
         let mut i = if self.top == self.base { NIL } else { self.first() };
         let mut prev = NIL;
-        let (mut free, mut live, mut cached) = (0, 0, 0);
+        let (mut free, mut live, mut cached, mut lent, mut graph) = (0, 0, 0, 0, 0);
         while i != NIL {
             let b = &self.blocks[i];
             assert_eq!(b.addr, at, "blocks are contiguous");
             assert_eq!(b.prev, prev);
             assert!(b.size > 0 && b.size % ALIGN == 0);
+            if b.pool != 0 {
+                graph += b.size;
+            }
+            match b.state {
+                State::Free(Owner::Stream { stream, epoch })
+                | State::Cached { stream, epoch }
+                | State::Lent { stream, epoch } => {
+                    assert!(
+                        stream != IDLE && epoch != Epoch::NONE,
+                        "{:?} at {:#x}: no such stream or stamp",
+                        b.state,
+                        b.addr
+                    );
+                }
+                State::Free(Owner::Idle) | State::Live { .. } => {}
+            }
             match b.state {
                 State::Free(o) => {
                     free += 1;
@@ -839,7 +860,10 @@ impl Heap {
                     live += 1;
                     assert_eq!(self.live.get(&b.addr), Some(&i));
                 }
-                State::Lent { .. } => assert!(self.lent.contains(&i)),
+                State::Lent { .. } => {
+                    lent += 1;
+                    assert!(self.lent.contains(&i));
+                }
                 State::Cached { .. } => {
                     cached += 1;
                     assert_eq!(self.live.get(&b.addr), Some(&i));
@@ -853,7 +877,18 @@ impl Heap {
         assert_eq!(free, self.free.len());
         assert_eq!(cached, self.cached_count);
         assert_eq!(cached, self.cached.len());
+        for ((stream, size), &j) in self.cached.entries() {
+            let b = &self.blocks[j];
+            assert!(
+                matches!(b.state, State::Cached { stream: s, .. } if s == stream) && b.size == size,
+                "the cache of {stream:?} for {size} bytes holds {:?} of {} bytes",
+                b.state,
+                b.size
+            );
+        }
         assert_eq!(live + cached, self.live.len(), "the map holds live and cached blocks only");
+        assert_eq!(lent, self.lent.len(), "the lent list holds lent blocks only");
+        assert_eq!(graph, self.graph, "graph bytes are the blocks of graph pools");
         assert_eq!(prev, self.last);
     }
 
@@ -882,15 +917,17 @@ impl Heap {
 
 #[cfg(test)]
 mod tests {
+    use super::super::ids::Handle;
     use super::*;
 
-    const S: u64 = 10;
-    const T: u64 = 20;
+    const S: StreamId = StreamId(10);
+    const T: StreamId = StreamId(20);
 
-    fn alloc(h: &mut Heap, size: u64, stream: u64) -> u64 {
+    fn alloc(h: &mut Heap, size: u64, stream: StreamId) -> u64 {
+        let caller = Caller { id: stream, raw: Handle(stream.0) };
         match h.find(0, stream, size) {
-            Some((_, id)) => h.take(id, size, (stream, stream), size, 0),
-            None => h.carve(size, (stream, stream), size, 0, stream).expect("space"),
+            Some((_, id)) => h.take(id, size, caller, size, 0),
+            None => h.carve(size, caller, size, 0, stream).expect("space"),
         }
     }
 
@@ -898,11 +935,11 @@ mod tests {
     fn a_block_freed_on_a_stream_is_reused_there_and_not_elsewhere_until_idle() {
         let mut h = Heap::new(1 << 20, 1 << 20);
         let a = alloc(&mut h, 4096, S);
-        h.free(a, Owner::Stream { stream: S, epoch: 1 });
+        h.free(a, Owner::Stream { stream: S, epoch: Epoch(1) });
         assert_eq!(h.find(0, T, 4096), None, "another stream must not see it");
         assert_eq!(h.find(0, S, 4096).map(|(a, _)| a), Some(a));
-        assert_eq!(h.promote(S, 0), 0, "epoch 0 does not cover a free at epoch 1");
-        assert_eq!(h.promote(S, 1), 1);
+        assert_eq!(h.promote(S, Epoch(0)), 0, "epoch 0 does not cover a free at epoch 1");
+        assert_eq!(h.promote(S, Epoch(1)), 1);
         assert_eq!(h.find(0, T, 4096).map(|(a, _)| a), Some(a));
         h.check();
     }
@@ -913,19 +950,19 @@ mod tests {
         let a = alloc(&mut h, 512, S);
         let b = alloc(&mut h, 512, S);
         let c = alloc(&mut h, 512, S);
-        h.free(a, Owner::Stream { stream: S, epoch: 1 });
-        h.free(c, Owner::Stream { stream: T, epoch: 1 });
+        h.free(a, Owner::Stream { stream: S, epoch: Epoch(1) });
+        h.free(c, Owner::Stream { stream: T, epoch: Epoch(1) });
         h.check();
         // b between a (S) and c (T): freed on S it merges with a only.
-        h.free(b, Owner::Stream { stream: S, epoch: 2 });
+        h.free(b, Owner::Stream { stream: S, epoch: Epoch(2) });
         h.check();
         assert_eq!(h.find(0, S, 1024).map(|(x, _)| x), Some(a));
         assert_eq!(h.find(0, S, 1536), None);
         // Once both are idle everything is one block.
-        h.promote(S, 2);
-        h.promote(T, 1);
+        h.promote(S, Epoch(2));
+        h.promote(T, Epoch(1));
         h.check();
-        assert_eq!(h.find(0, 99, 1536).map(|(x, _)| x), Some(a));
+        assert_eq!(h.find(0, StreamId(99), 1536).map(|(x, _)| x), Some(a));
     }
 
     #[test]
@@ -942,11 +979,11 @@ mod tests {
         // Both idle blocks fit 1 KiB exactly as well; the lower one wins, and S's own block,
         // lower still, wins over both once it is free.
         assert_eq!(h.find(0, S, 1024).map(|(x, _)| x), Some(small));
-        h.free(big, Owner::Stream { stream: S, epoch: 1 });
+        h.free(big, Owner::Stream { stream: S, epoch: Epoch(1) });
         assert_eq!(h.find(0, S, 1024).map(|(x, _)| x), Some(big));
         assert_eq!(h.find(0, T, 1024).map(|(x, _)| x), Some(small), "S's block is not T's to take");
         let (_, id) = h.find(0, S, 4096).unwrap();
-        assert_eq!(h.take(id, 4096, (S, S), 4000, 0), big);
+        assert_eq!(h.take(id, 4096, Caller { id: S, raw: Handle(S.0) }, 4000, 0), big);
         h.check();
         // The rest of the split keeps its owner.
         assert_eq!(h.find(0, T, 4096), None);
@@ -956,7 +993,7 @@ mod tests {
     #[test]
     fn graph_pools_are_kept_apart_until_dissolved() {
         let mut h = Heap::new(0, 1 << 20);
-        let g = h.carve(4096, (S, S), 4096, 7, S).unwrap();
+        let g = h.carve(4096, Caller { id: S, raw: Handle(S.0) }, 4096, 7, S).unwrap();
         h.free(g, Owner::Idle);
         assert_eq!(h.find(0, S, 512), None);
         assert_eq!(h.find(7, S, 512).map(|(x, _)| x), Some(g));
@@ -977,10 +1014,37 @@ mod tests {
         h.free(a, Owner::Idle);
         assert_eq!(h.idle_pages(page), vec![0]);
         // b freed on S merges with idle a: the whole is S's until an event covers it.
-        h.free(b, Owner::Stream { stream: S, epoch: 1 });
+        h.free(b, Owner::Stream { stream: S, epoch: Epoch(1) });
         assert_eq!(h.idle_pages(page), Vec::<u64>::new());
-        h.promote(S, 1);
+        h.promote(S, Epoch(1));
         assert_eq!(h.idle_pages(page), vec![0, 1, 2]);
+        h.check();
+    }
+
+    /// The checker can fail: free neighbours left apart where they should have merged, and a
+    /// graph count that the blocks do not add up to.
+    #[test]
+    #[should_panic(expected = "should have merged")]
+    fn the_checker_finds_free_neighbours_left_apart() {
+        let mut h = Heap::new(0, 1 << 20);
+        let a = alloc(&mut h, 512, S);
+        let b = alloc(&mut h, 512, S);
+        h.free(a, Owner::Idle);
+        h.check();
+        // Freed behind the heap's back: indexed, not merged.
+        let i = h.live.remove(&b).unwrap();
+        h.blocks[i].state = State::Free(Owner::Idle);
+        h.index(i);
+        h.check();
+    }
+
+    #[test]
+    #[should_panic(expected = "graph bytes")]
+    fn the_checker_finds_graph_bytes_the_blocks_do_not_hold() {
+        let mut h = Heap::new(0, 1 << 20);
+        h.carve(4096, Caller { id: S, raw: Handle(S.0) }, 4096, 7, S).unwrap();
+        h.check();
+        h.graph += ALIGN;
         h.check();
     }
 

@@ -97,6 +97,7 @@ pub(crate) mod core;
 mod front;
 mod heap;
 mod host_memory;
+mod ids;
 mod lazy;
 
 pub use self::backup::{
@@ -575,12 +576,8 @@ fn caller_of(stream: CUstream, graphs: GraphMemory) -> Result<(Capture, Option<u
 }
 
 /// The null handle and `CU_STREAM_LEGACY` name the same stream.
-fn stream_key(stream: CUstream) -> u64 {
-    if stream.is_null() {
-        CU_STREAM_LEGACY as u64
-    } else {
-        stream as usize as u64
-    }
+fn stream_key(stream: CUstream) -> ids::Handle {
+    ids::Handle(if stream.is_null() { CU_STREAM_LEGACY as u64 } else { stream as usize as u64 })
 }
 
 /// A live block of a [`StreamAllocator`] shared with another process ([`StreamAllocator::export`]).

@@ -7,7 +7,7 @@
 //! importers let go stays live in its heap, out of every later allocation, until the last
 //! [`Core::unexport`], as PyTorch defers the free of a block lent through CUDA IPC.
 
-use super::{Backend, Core, Owner, SMALL};
+use super::{Backend, Core, Epoch, Owner, SlotId, StreamId, SMALL};
 use crate::error::{Error, Result};
 
 /// The heap kind (in place of a tag) of blocks that are one physical allocation each (see
@@ -81,8 +81,8 @@ impl<B: Backend> Core<B> {
     }
 
     /// The live block holding `addr` (anywhere inside it), as (slot, address, size).
-    fn live_block_at(&self, addr: u64) -> Option<(usize, u64, u64)> {
-        let slot = self.slots.iter().position(|s| s.heap.contains(addr))?;
+    fn live_block_at(&self, addr: u64) -> Option<(SlotId, u64, u64)> {
+        let slot = SlotId::of(self.slots.iter().position(|s| s.heap.contains(addr))?);
         self.slots[slot]
             .heap
             .live_blocks()
@@ -194,7 +194,7 @@ impl<B: Backend> Core<B> {
 
     /// Keeps the shared block at `block`, which its owner has just freed on `stream` at `epoch`,
     /// live in its heap until its last sharing is over.
-    pub(super) fn hold_freed(&mut self, block: u64, stream: u64, epoch: u64) {
+    pub(super) fn hold_freed(&mut self, block: u64, stream: StreamId, epoch: Epoch) {
         if let Some(&(_, len)) = self.exported.get(&block) {
             self.freed_shared.insert(block, (stream, epoch));
             self.stats.exported -= len;
@@ -211,7 +211,7 @@ impl<B: Backend> Core<B> {
 #[cfg(test)]
 mod tests {
     use super::super::tests::{core, Gpu, PAGE, TAG, TPAGE};
-    use super::super::{Capture, Core, SleepMode};
+    use super::super::{Capture, Core, Handle, SleepMode};
     use crate::error::Error;
 
     #[test]
@@ -262,7 +262,7 @@ mod tests {
         assert_eq!(c.stats().exported, 0);
         assert!(c.unexport(b).is_err());
         assert!(c.export(b + 2 * PAGE, |_| Ok(())).is_err(), "past the block");
-        c.free(b, 1).unwrap();
+        c.free(b, Handle(1)).unwrap();
         assert!(c.export(b, |_| Ok(())).is_err(), "a freed block");
         assert_eq!(c.owner_of(b), None);
     }
@@ -292,10 +292,10 @@ mod tests {
             .unwrap();
             c.export(b, |_| Ok(())).unwrap();
             let live = c.stats().live;
-            c.free(b, stream).unwrap();
+            c.free(b, Handle(stream)).unwrap();
             let s = c.stats();
             assert_eq!((s.live, s.exported, s.freed_shared), (live - 4 * PAGE, 0, 4 * PAGE));
-            assert!(c.free(b, stream).is_err(), "freed twice");
+            assert!(c.free(b, Handle(stream)).is_err(), "freed twice");
             assert_eq!(c.owner_of(b), None, "no longer the owner's block");
             assert!(c.export(b, |_| Ok(())).is_err(), "a freed block cannot be shared again");
             // Neither its addresses nor its pages serve anything, on any stream, nor are they
@@ -313,7 +313,7 @@ mod tests {
                 }
             }
             for a in held.drain(..) {
-                c.free(a, 1).unwrap();
+                c.free(a, Handle(1)).unwrap();
             }
             c.unexport(b).unwrap();
             assert_eq!(c.stats().freed_shared, 4 * PAGE, "one importer left");
@@ -324,7 +324,7 @@ mod tests {
             c.empty_cache().unwrap();
             let again = c.allocate(4 * PAGE, 1, Capture::None, 0).unwrap();
             assert_eq!(again, b);
-            c.free(again, 1).unwrap();
+            c.free(again, Handle(1)).unwrap();
             assert_eq!(c.stats().live, 0);
         }
     }
@@ -334,14 +334,14 @@ mod tests {
         let mut c = core(1000);
         let b = c.allocate(2 * PAGE, 1, Capture::None, 0).unwrap();
         c.export(b, |_| Ok(())).unwrap();
-        c.free(b, 1).unwrap();
+        c.free(b, Handle(1)).unwrap();
         c.unexport(b).unwrap();
         // Its stream's next block of that size is this one, as after any free on the stream.
         assert_eq!(c.allocate(2 * PAGE, 1, Capture::None, 0).unwrap(), b);
         // A block let go before its free is freed as any other.
         c.export(b, |_| Ok(())).unwrap();
         c.unexport(b).unwrap();
-        c.free(b, 1).unwrap();
+        c.free(b, Handle(1)).unwrap();
         assert_eq!(c.stats().freed_shared, 0);
         assert_eq!(c.allocate(2 * PAGE, 1, Capture::None, 0).unwrap(), b);
     }
@@ -409,12 +409,12 @@ mod tests {
         assert_eq!(c.export(tagged, |_| Ok(())).unwrap().page, TPAGE);
         assert_eq!(c.backend().units.get() - units, 41 + 2 + 40);
         // Freed, it serves the next block of its size class where it is, still one allocation.
-        c.free(big, 1).unwrap();
+        c.free(big, Handle(1)).unwrap();
         let again = c.allocate(30 * PAGE, 1, Capture::None, 0).unwrap();
         assert_eq!(again, big);
         assert_eq!(c.export(again, |_| Ok(())).unwrap().count, 1);
         c.unexport(again).unwrap();
-        c.free(again, 1).unwrap();
+        c.free(again, Handle(1)).unwrap();
         let released = c.stats().pages_released;
         assert_eq!(c.empty_cache().unwrap(), 41 * PAGE);
         assert_eq!(c.stats().pages_released - released, 1);

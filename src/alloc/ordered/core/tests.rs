@@ -311,7 +311,7 @@ impl Backend for Gpu {
         self.next_event += 1;
         Ok(Ev(self.next_event))
     }
-    fn record(&mut self, event: &Ev, raw: u64) -> Result<()> {
+    fn record(&mut self, event: &Ev, raw: Handle) -> Result<()> {
         let stream = self.stream_of(raw);
         assert!(!self.captures.contains_key(&stream), "event recorded on a captured stream");
         assert!(!self.any_capture_forbids());
@@ -323,18 +323,18 @@ impl Backend for Gpu {
         assert!(!self.any_capture_forbids(), "event query during a global-mode capture");
         Ok(!self.pending_events.contains(&event.0))
     }
-    fn stream_idle(&mut self, raw: u64) -> Result<bool> {
+    fn stream_idle(&mut self, raw: Handle) -> Result<bool> {
         let stream = self.stream_of(raw);
         assert!(!self.captures.contains_key(&stream), "a stream under capture was queried");
         Ok(self.queues.get(&stream).map_or(true, |q| q.is_empty()))
     }
-    fn capture_of(&mut self, raw: u64) -> Result<Option<u64>> {
+    fn capture_of(&mut self, raw: Handle) -> Result<Option<u64>> {
         let stream = self.stream_of(raw);
         Ok(self.captures.get(&stream).copied())
     }
-    fn stream_id(&mut self, raw: u64) -> Option<u64> {
+    fn stream_id(&mut self, raw: Handle) -> Option<StreamId> {
         let stream = self.stream_of(raw);
-        (!self.no_ids).then_some(stream)
+        (!self.no_ids).then_some(StreamId(stream))
     }
     fn relax(&mut self) -> Result<u32> {
         self.relaxed += 1;
@@ -414,7 +414,7 @@ impl Gpu {
 
     /// The stream a handle names now; checks that the allocator passes the driver no handle but
     /// that of the call under way.
-    fn stream_of(&mut self, raw: u64) -> u64 {
+    fn stream_of(&mut self, Handle(raw): Handle) -> u64 {
         if let Some(c) = self.in_call.or(IN_CALL.get()) {
             assert_eq!(raw, c, "the driver was called on handle {raw} during a call on handle {c}");
         }
@@ -477,7 +477,7 @@ fn handed_out(r: Result<u64>) -> Option<u64> {
 
 /// [`alloc`] on the stream `caller` names (its handle may be one a destroyed stream had).
 fn alloc_on(c: &mut Core<Gpu>, held: &mut Vec<Held>, size: u64, caller: Caller) -> Option<u64> {
-    let stream = caller.id;
+    let stream = caller.id.0;
     let gpu = c.backend();
     let capture = match gpu.captures.get(&stream) {
         Some(&id) if gpu.shared_captures.contains(&stream) => Capture::Shared(id),
@@ -487,7 +487,7 @@ fn alloc_on(c: &mut Core<Gpu>, held: &mut Vec<Held>, size: u64, caller: Caller) 
     // A graph captured to share memory may be launched on any stream: its blocks must be free of
     // queued work on every stream, the capturing one included.
     let except = if matches!(capture, Capture::Shared(_)) { None } else { Some(stream) };
-    c.backend().in_call = Some(caller.raw);
+    c.backend().in_call = Some(caller.raw.0);
     let r = c.allocate(size, caller, capture, 0);
     c.backend().in_call = None;
     let addr = handed_out(r)?;
@@ -499,7 +499,7 @@ fn alloc_on(c: &mut Core<Gpu>, held: &mut Vec<Held>, size: u64, caller: Caller) 
     gpu.check_new_block(addr, n, stream, except);
     gpu.queues.entry(stream).or_default().push_back(Op::Use { addr, len: n });
     let pool = capture_id(capture);
-    held.push(Held { addr, size: n, stream, raw: caller.raw, pool });
+    held.push(Held { addr, size: n, stream, raw: caller.raw.0, pool });
     Some(addr)
 }
 
@@ -513,10 +513,11 @@ fn capture_id(c: Capture) -> Option<u64> {
 fn free(c: &mut Core<Gpu>, held: &mut Vec<Held>, k: usize) {
     let h = held.swap_remove(k);
     c.backend().in_call = Some(h.raw);
-    if !c.fronts.give(h.addr, h.raw) {
-        c.free(h.addr, h.raw).expect("free of a live block");
+    if !c.fronts.give(h.addr, Handle(h.raw)) {
+        c.free(h.addr, Handle(h.raw)).expect("free of a live block");
     }
     c.backend().in_call = None;
+    c.check();
 }
 
 #[test]
@@ -568,7 +569,7 @@ fn a_destroyed_streams_handle_on_a_new_stream_takes_none_of_its_blocks_before_it
     free(&mut c, &mut held, k);
     // Stream 1 is destroyed with its work queued; handle 1 now names stream 3.
     c.backend().handles.insert(1, 3);
-    let new = Caller { id: 3, raw: 1 };
+    let new = Caller { id: StreamId(3), raw: Handle(1) };
     let mut got = Vec::new();
     for _ in 0..4 {
         got.push(alloc_on(&mut c, &mut held, 4096, new).unwrap());
@@ -624,7 +625,7 @@ fn a_free_on_a_stream_the_driver_cannot_name_waits_for_the_whole_device() {
     let a = held[0].addr;
     c.backend().queues.entry(2).or_default().push_back(Op::Use { addr: a, len: 4096 });
     c.backend().in_call = Some(2);
-    c.free(a, 2).unwrap();
+    c.free(a, Handle(2)).unwrap();
     c.backend().in_call = None;
     held.clear();
     c.backend().no_ids = false;
@@ -748,7 +749,7 @@ fn a_stream_whose_frees_all_completed_is_forgotten() {
     c.backend().run_all();
     let _ = alloc(&mut c, &mut held, 2 << 20, 1); // miss: sees it complete, promotes
     let _ = alloc(&mut c, &mut held, 3 << 20, 1); // miss: nothing left of 9
-    assert!(!c.streams.contains_key(&9));
+    assert!(!c.streams.contains_key(&StreamId(9)));
 }
 
 /// A stream the core forgot (all its frees idle, no block left) gets a new front at its next
@@ -769,7 +770,7 @@ fn a_forgotten_streams_next_front_serves_its_cached_pairs() {
     free(&mut c, &mut held, k); // through the core: stream 9 has run all its work
     let _ = alloc(&mut c, &mut held, 2 << 20, 1); // a miss: takes the front's cache, promotes
     let _ = alloc(&mut c, &mut held, 3 << 20, 1); // a miss: nothing left of 9
-    assert!(!c.streams.contains_key(&9));
+    assert!(!c.streams.contains_key(&StreamId(9)));
     alloc(&mut c, &mut held, 4096, 9).unwrap();
     let k = held.iter().position(|h| h.stream == 9).unwrap();
     free(&mut c, &mut held, k);
@@ -788,17 +789,17 @@ fn a_free_through_a_reused_handle_leaves_the_new_streams_front_in_place() {
     let tagged = c.allocate(8192, 1, Capture::None, 5).unwrap();
     // Stream 1 is destroyed; handle 1 now names stream 3.
     c.backend().handles.insert(1, 3);
-    let new = Caller { id: 3, raw: 1 };
+    let new = Caller { id: StreamId(3), raw: Handle(1) };
     let a = c.allocate(4096, new, Capture::None, 0).unwrap();
-    c.free(a, 1).unwrap(); // the first free after a miss goes through the core
+    c.free(a, Handle(1)).unwrap(); // the first free after a miss goes through the core
     assert_eq!(c.allocate(4096, new, Capture::None, 0).unwrap(), a);
-    assert!(c.fronts.give(a, 1), "the new stream's free, through its front");
-    c.free(tagged, 1).unwrap(); // stream 1's, through the core
+    assert!(c.fronts.give(a, Handle(1)), "the new stream's free, through its front");
+    c.free(tagged, Handle(1)).unwrap(); // stream 1's, through the core
     let before = (c.stats.allocations, c.stats.frees);
     assert_eq!(c.allocate(4096, new, Capture::None, 0).unwrap(), a);
     // From a thread that remembers no front: the registry's answer.
     let fronts = c.fronts.clone();
-    let given = std::thread::spawn(move || fronts.give(a, 1)).join().unwrap();
+    let given = std::thread::spawn(move || fronts.give(a, Handle(1))).join().unwrap();
     assert!(given, "the new stream's front is still the one its handle finds");
     assert_eq!((c.stats.allocations, c.stats.frees), before, "no pair went through the core");
 }
@@ -810,26 +811,71 @@ fn a_free_through_a_reused_handle_leaves_the_new_streams_front_in_place() {
 fn a_second_free_is_refused_whether_the_block_is_cached_or_indexed() {
     let mut c = core(1000);
     let a = c.allocate(4096, 7, Capture::None, 0).unwrap();
-    c.free(a, 7).unwrap(); // kept whole for stream 7
-    assert!(c.free(a, 7).is_err(), "freed twice while cached");
-    assert!(c.free(a, 8).is_err(), "freed twice while cached, on another stream");
+    c.free(a, Handle(7)).unwrap(); // kept whole for stream 7
+    assert!(c.free(a, Handle(7)).is_err(), "freed twice while cached");
+    assert!(c.free(a, Handle(8)).is_err(), "freed twice while cached, on another stream");
     let stats = c.stats();
     assert_eq!((stats.live, stats.frees), (0, 1));
-    assert!(!c.fronts.give(a, 7), "the fast path refuses it too");
+    assert!(!c.fronts.give(a, Handle(7)), "the fast path refuses it too");
     assert_eq!(c.owner_of(a), None, "a cached block is not live");
     // Handed out once, then again after its free.
     assert_eq!(c.allocate(4096, 7, Capture::None, 0).unwrap(), a);
     assert_ne!(c.allocate(4096, 7, Capture::None, 0).unwrap(), a);
     assert_eq!(c.slots[0].heap.live_blocks().count(), 2);
-    c.free(a, 7).unwrap();
+    c.free(a, Handle(7)).unwrap();
     c.flush_cached(); // into the index
-    assert!(c.free(a, 7).is_err(), "freed twice after the flush");
-    let owner = Owner::Stream { stream: 7, epoch: 1 };
+    assert!(c.free(a, Handle(7)).is_err(), "freed twice after the flush");
+    let owner = Owner::Stream { stream: StreamId(7), epoch: Epoch(1) };
     assert!(c.slots[0].heap.free(a, owner).is_none(), "freed twice through the uncached path");
     for slot in &c.slots {
         slot.heap.check();
     }
     assert_eq!(c.stats().frees, 2);
+}
+
+/// The allocator-wide checker can fail. Each case breaks one invariant behind the allocator's
+/// back, after a state that passes.
+fn broken(breaks: impl FnOnce(&mut Core<Gpu>)) {
+    let mut c = core(1000);
+    let mut held = Vec::new();
+    alloc(&mut c, &mut held, 4096, 1).unwrap();
+    alloc(&mut c, &mut held, 8192, 1).unwrap();
+    alloc(&mut c, &mut held, 4096, 2).unwrap();
+    free(&mut c, &mut held, 1);
+    c.check();
+    breaks(&mut c);
+    c.check();
+}
+
+#[test]
+#[should_panic(expected = "live bytes")]
+fn the_checker_finds_live_bytes_the_blocks_do_not_hold() {
+    broken(|c| c.stats.live += ALIGN);
+}
+
+#[test]
+#[should_panic(expected = "front holds")]
+fn the_checker_finds_a_block_in_the_front_of_another_stream() {
+    broken(|c| {
+        let one = c.streams[&StreamId(1)].front.clone();
+        let (addr, e) = one.lock().blocks.iter().find(|(_, e)| !e.cached).map(|(&a, &e)| (a, e)).unwrap();
+        one.lock().blocks.remove(&addr);
+        c.streams[&StreamId(2)].front.lock().blocks.insert(addr, e);
+    });
+}
+
+#[test]
+#[should_panic(expected = "is idle")]
+fn the_checker_finds_a_block_kept_for_a_stream_whose_work_is_known_done() {
+    broken(|c| {
+        // Stream 1's free, pushed to the index and still its own; then its event is taken as
+        // complete without the blocks it covers becoming idle.
+        c.flush_cached();
+        let st = c.streams.get_mut(&StreamId(1)).unwrap();
+        let mut f = st.front.lock();
+        st.fences.clear();
+        st.done = f.next.take();
+    });
 }
 
 #[derive(Clone, Debug)]
@@ -945,9 +991,7 @@ proptest! {
             prop_assert!(st.live_peak >= st.live && st.mapped_peak >= st.mapped);
             let gpu = c.backend();
             prop_assert_eq!(gpu.pages_alive as u64 - st.pages_released, st.mapped / PAGE);
-            for slot in &c.slots {
-                slot.heap.check();
-            }
+            c.check();
         }
     }
 }
@@ -1001,7 +1045,7 @@ fn every_other_transition_is_refused_and_changes_nothing() {
     assert_eq!(c.stats(), s);
     assert_eq!(c.tag_stats(TAG).offloaded, 0, "a discarding sleep keeps nothing");
     // Freeing while asleep is allowed; the freed block's pages do not come back.
-    c.free(b, 1).unwrap();
+    c.free(b, Handle(1)).unwrap();
     c.wake(TAG).unwrap();
     assert_eq!(c.tag_stats(TAG).mapped, 2 * TPAGE);
     assert!(c.backend().covered(a) && !c.backend().covered(b));
@@ -1028,7 +1072,7 @@ fn a_wake_out_of_memory_stays_asleep_with_nothing_lost_and_a_retry_works() {
     let st = c.tag_stats(TAG);
     assert!(st.asleep && st.mapped == 0 && st.offloaded == 8 * TPAGE, "{st:?}");
     assert_eq!(c.backend().pages_alive as u64 - c.stats().pages_released, c.stats().mapped / PAGE);
-    c.free(hog, 2).unwrap();
+    c.free(hog, Handle(2)).unwrap();
     c.backend().run_all();
     c.empty_cache().unwrap();
     c.wake(TAG).unwrap();
@@ -1051,7 +1095,7 @@ fn a_wake_out_of_memory_waits_for_the_device_and_takes_back_the_idle_cache() {
     c.sleep(TAG, SleepMode::Offload).unwrap();
     let hog = c.allocate(SMALL + 12 * PAGE, 2, Capture::None, 0).unwrap();
     c.backend().queues.entry(2).or_default().push_back(Op::Use { addr: hog, len: SMALL + 12 * PAGE });
-    c.free(hog, 2).unwrap();
+    c.free(hog, Handle(2)).unwrap();
     let synchronized = c.backend().synchronized;
     c.wake_settling(TAG).unwrap();
     assert_eq!(c.backend().synchronized, synchronized + 1, "one wait for the device");
@@ -1070,13 +1114,13 @@ fn a_wake_takes_back_pages_known_idle_whatever_the_last_allocation_left() {
     c.backend().write(a, 7);
     c.sleep(TAG, SleepMode::Offload).unwrap();
     let hog = c.allocate(SMALL + 12 * PAGE, 2, Capture::None, 0).unwrap();
-    c.free(hog, 2).unwrap();
+    c.free(hog, Handle(2)).unwrap();
     c.backend().run_all();
     // An allocation that searched and found memory: it leaves the settle flag as it was.
     let small = c.allocate(4096, 3, Capture::None, 0).unwrap();
     c.wake(TAG).unwrap();
     assert_eq!(c.backend().read(a), 7);
-    c.free(small, 3).unwrap();
+    c.free(small, Handle(3)).unwrap();
 }
 
 /// A training-like pattern: persistent weights (allocated by the caller); per step, activations
@@ -1103,7 +1147,7 @@ fn training_steps(c: &mut Core<Gpu>, seed: u64, steps: usize, lag: usize) {
                 let size = seq * 1024 * (1 + k % 3) * 2;
                 let a = alloc(c, size);
                 if k % 2 == 1 {
-                    c.free(a, 1).unwrap();
+                    c.free(a, Handle(1)).unwrap();
                 } else {
                     acts.push((a, size));
                 }
@@ -1111,11 +1155,12 @@ fn training_steps(c: &mut Core<Gpu>, seed: u64, steps: usize, lag: usize) {
         }
         while let Some((a, size)) = acts.pop() {
             let g = alloc(c, size / 2);
-            c.free(a, 1).unwrap();
-            c.free(g, 1).unwrap();
+            c.free(a, Handle(1)).unwrap();
+            c.free(g, Handle(1)).unwrap();
             let queued = c.backend().queues.entry(1).or_default().len();
             c.backend().run(1, queued.saturating_sub(lag));
         }
+        c.check();
     }
 }
 
@@ -1124,6 +1169,7 @@ fn training_core(lend: bool) -> Core<Gpu> {
     let sizes =
         Sizes { page: PAGE, tag_page: 64 * PAGE, large_reserve: 1 << 34, small_reserve: 1 << 30, lend };
     let mut c = Core::new(gpu, sizes);
+    c.check_calls = false;
     for _ in 0..20 {
         let a = c.allocate(3 << 20, 1, Capture::None, 0).unwrap();
         c.backend().queues.entry(1).or_default().push_back(Op::Use { addr: a, len: 3 << 20 });
@@ -1189,8 +1235,15 @@ fn replay_core() -> Core<Gpu> {
     let page = 4 << 20;
     let sizes =
         Sizes { page, tag_page: 32 * page, large_reserve: 160 << 30, small_reserve: 10 << 30, lend: true };
-    Core::new(gpu, sizes)
+    let mut c = Core::new(gpu, sizes);
+    // Checked every few hundred events instead (see `replay_on`).
+    c.check_calls = false;
+    c
 }
+
+/// Events of a replay between two checks of the allocator's invariants: each check looks at
+/// every block, so checking after each of a recording's thousands of events would take minutes.
+const CHECK_EVERY: usize = 500;
 
 /// Replays `events` once on stream 1 with the GPU `lag` operations behind, freeing what is left
 /// at the end in allocation order. Returns (mapped peak / live peak, pages moved).
@@ -1204,19 +1257,22 @@ fn replay_on(c: &mut Core<Gpu>, events: &[Event], lag: usize, raw: u64) -> (f64,
     let stream = c.backend().handles.get(&raw).copied().unwrap_or(raw);
     let moved = c.stats().pages_remapped;
     let mut addrs: Vec<Option<u64>> = Vec::new();
-    for e in events {
+    for (i, e) in events.iter().enumerate() {
+        if i % CHECK_EVERY == 0 {
+            c.check();
+        }
         c.backend().in_call = Some(raw);
         match *e {
             Event::Alloc(size) => {
-                let id = c.backend().stream_id(raw);
-                let caller = c.caller(raw, id, Capture::None);
+                let id = c.backend().stream_id(Handle(raw));
+                let caller = c.caller(Handle(raw), id, Capture::None);
                 let a = c.allocate(size, caller, Capture::None, 0).unwrap();
                 c.backend().queues.entry(stream).or_default().push_back(Op::Use { addr: a, len: size });
                 addrs.push(Some(a));
             }
             Event::Free(back) => {
                 let k = addrs.len() - back;
-                c.free(addrs[k].take().expect("freed once"), raw).unwrap();
+                c.free(addrs[k].take().expect("freed once"), Handle(raw)).unwrap();
             }
         }
         c.backend().in_call = None;
@@ -1224,8 +1280,9 @@ fn replay_on(c: &mut Core<Gpu>, events: &[Event], lag: usize, raw: u64) -> (f64,
         c.backend().run(stream, queued.saturating_sub(lag));
     }
     for a in addrs.into_iter().flatten() {
-        c.free(a, raw).unwrap();
+        c.free(a, Handle(raw)).unwrap();
     }
+    c.check();
     let st = c.stats();
     (st.mapped_peak as f64 / st.live_peak as f64, st.pages_remapped - moved)
 }
@@ -1257,9 +1314,9 @@ fn lending_settles_when_a_training_runs_steps_repeat() {
 fn the_legacy_default_stream_keeps_one_identity_and_costs_what_any_stream_does() {
     let mut c = replay_core();
     let legacy = 0x1;
-    c.backend().handles.insert(legacy, LEGACY);
-    let first = c.caller(legacy, Some(LEGACY), Capture::None);
-    assert_eq!(first, c.caller(legacy, Some(LEGACY), Capture::None));
+    c.backend().handles.insert(legacy, LEGACY.0);
+    let first = c.caller(Handle(legacy), Some(LEGACY), Capture::None);
+    assert_eq!(first, c.caller(Handle(legacy), Some(LEGACY), Capture::None));
     assert_eq!(first.id, LEGACY);
 
     let events = train_start();
@@ -1285,15 +1342,19 @@ fn the_legacy_default_stream_keeps_one_identity_and_costs_what_any_stream_does()
 fn the_identities_made_up_for_captured_streams_are_bounded() {
     let mut c = core(1000);
     for capture in 0..3 * super::CAPTURE_IDS as u64 {
-        let a = c.caller(7, None, Capture::Private(capture));
-        let b = c.caller(8, None, Capture::Private(capture));
+        let a = c.caller(Handle(7), None, Capture::Private(capture));
+        let b = c.caller(Handle(8), None, Capture::Private(capture));
         assert_ne!(a.id, b.id);
-        assert_eq!(a, c.caller(7, None, Capture::Private(capture)), "one handle, one stream in a capture");
+        assert_eq!(
+            a,
+            c.caller(Handle(7), None, Capture::Private(capture)),
+            "one handle, one stream in a capture"
+        );
         assert!(c.capture_ids.len() <= super::CAPTURE_IDS, "{} identities kept", c.capture_ids.len());
     }
     // One capture with more streams than the bound: still bounded.
     for raw in 0..2 * super::CAPTURE_IDS as u64 {
-        c.caller(raw, None, Capture::Shared(u64::MAX));
+        c.caller(Handle(raw), None, Capture::Shared(u64::MAX));
     }
     assert!(c.capture_ids.len() <= super::CAPTURE_IDS);
 }
@@ -1423,7 +1484,11 @@ fn an_edge_page_takes_a_lent_page_and_keeps_its_rest_for_the_stream() {
     let rest = b + 30 * PAGE + PAGE / 2;
     let owner =
         |c: &Core<Gpu>| c.slots[0].heap.blocks_in_order().0.into_iter().find(|b| b.0 == rest).map(|b| b.2);
-    assert!(matches!(owner(&c), Some(State::Free(Owner::Stream { stream: 1, .. }))), "{:?}", owner(&c));
+    assert!(
+        matches!(owner(&c), Some(State::Free(Owner::Stream { stream: StreamId(1), .. }))),
+        "{:?}",
+        owner(&c)
+    );
     // Stream 2 gets memory past that page.
     let d = alloc(&mut c, &mut held, 20 * PAGE, 2).unwrap();
     assert_eq!(d, b + 31 * PAGE);
@@ -1466,7 +1531,10 @@ fn three_streams() -> Vec<(u64, Option<u64>, usize)> {
 fn replay_streams(c: &mut Core<Gpu>, events: &[(u64, Option<u64>, usize)], lag: usize) -> f64 {
     c.reset_peaks();
     let mut blocks: Vec<Option<(u64, u64)>> = Vec::new();
-    for &(stream, size, back) in events {
+    for (i, &(stream, size, back)) in events.iter().enumerate() {
+        if i % CHECK_EVERY == 0 {
+            c.check();
+        }
         match size {
             Some(size) => {
                 let a = c.allocate(size, stream, Capture::None, 0).unwrap();
@@ -1479,7 +1547,7 @@ fn replay_streams(c: &mut Core<Gpu>, events: &[(u64, Option<u64>, usize)], lag: 
                 if made_on != stream {
                     c.backend().run(made_on, usize::MAX);
                 }
-                c.free(a, stream).unwrap();
+                c.free(a, Handle(stream)).unwrap();
             }
         }
         for s in 1..=3 {
@@ -1489,8 +1557,9 @@ fn replay_streams(c: &mut Core<Gpu>, events: &[(u64, Option<u64>, usize)], lag: 
     }
     for (a, made_on) in blocks.into_iter().flatten() {
         c.backend().run(made_on, usize::MAX);
-        c.free(a, 1).unwrap();
+        c.free(a, Handle(1)).unwrap();
     }
+    c.check();
     let st = c.stats();
     st.mapped_peak as f64 / st.live_peak as f64
 }
@@ -1543,7 +1612,7 @@ fn a_capture_shared_with_other_streams_does_not_grow_a_block_its_stream_freed_wi
     let mut c = core(1000);
     let a = c.allocate(8 * PAGE, 1, Capture::None, 0).unwrap();
     c.backend().queues.entry(1).or_default().push_back(Op::Use { addr: a, len: 8 * PAGE });
-    c.free(a, 1).unwrap();
+    c.free(a, Handle(1)).unwrap();
     // Stream 1 is captured in a mode whose graph may be launched on any stream: only blocks
     // known idle may serve it, not the last block of the heap that stream 1 freed a moment ago.
     c.backend().captures.insert(1, 42);
@@ -1559,7 +1628,7 @@ fn graph_memory_in_a_tags_heap_is_mapped_again_at_wake() {
     let g1 = c.allocate(TPAGE, 1, Capture::Private(7), TAG).unwrap();
     let _g2 = c.allocate(TPAGE, 1, Capture::Private(7), TAG).unwrap();
     // Freed inside the capture: the graph uses it on every replay.
-    c.free(g1, 1).unwrap();
+    c.free(g1, Handle(1)).unwrap();
     c.backend().captures.clear();
     assert!(c.stats().graph_held >= 2 * TPAGE);
     for mode in [SleepMode::Discard, SleepMode::Offload] {
@@ -1603,12 +1672,12 @@ fn a_graph_block_grown_at_the_end_of_the_heap_counts_as_graph_memory() {
     let mut c = core(1000);
     c.backend().captures.insert(1, 7);
     let g = c.allocate(2 * PAGE + SMALL, 1, Capture::Private(7), 0).unwrap();
-    c.free(g, 1).unwrap();
+    c.free(g, Handle(1)).unwrap();
     let h = c.allocate(6 * PAGE + SMALL, 1, Capture::Private(7), 0).unwrap();
     assert_eq!(g, h);
     c.backend().captures.clear();
     let held = c.stats().graph_held;
-    c.free(h, 1).unwrap();
+    c.free(h, Handle(1)).unwrap();
     assert_eq!(held, 6 * PAGE + SMALL);
     assert_eq!(c.release_graph_memory(), held);
 }
@@ -1647,7 +1716,7 @@ fn a_tag_falling_asleep_refuses_what_would_race_the_sleep_and_ends_asleep_or_awa
     assert!(c.sleep_begin(TAG).is_err(), "a second sleep");
     assert!(c.wake(TAG).is_err(), "a wake of a tag not yet asleep");
     assert!(!c.tag_stats(TAG).asleep);
-    c.free(b, 1).unwrap();
+    c.free(b, Handle(1)).unwrap();
     let other = c.allocate(4096, 2, Capture::None, 0).unwrap();
     let waited = c.backend().synchronize();
     assert!(c.sleep_finish(TAG, SleepMode::Discard, settle, waited).unwrap() > 0);
@@ -1660,8 +1729,8 @@ fn a_tag_falling_asleep_refuses_what_would_race_the_sleep_and_ends_asleep_or_awa
     assert!(c.sleep_finish(TAG, SleepMode::Discard, settle, refused).is_err());
     assert!(!c.tag_stats(TAG).asleep && c.tag_stats(TAG).mapped == 2 * TPAGE);
     c.allocate(512, 1, Capture::None, TAG).unwrap();
-    c.free(a, 1).unwrap();
-    c.free(other, 2).unwrap();
+    c.free(a, Handle(1)).unwrap();
+    c.free(other, Handle(2)).unwrap();
 }
 
 /// An out-of-memory request fails with `wants_settle` set for its caller to wait for the whole
@@ -1709,7 +1778,7 @@ fn two_runs(c: &mut Core<Gpu>, seed: u64) -> [u64; 2] {
     let a = c.allocate(2 * TPAGE, 1, Capture::None, TAG).unwrap();
     let b = c.allocate(2 * TPAGE, 1, Capture::None, TAG).unwrap();
     let d = c.allocate(2 * TPAGE, 1, Capture::None, TAG).unwrap();
-    c.free(b, 1).unwrap();
+    c.free(b, Handle(1)).unwrap();
     for (i, x) in [a, d].into_iter().enumerate() {
         for k in 0..2 {
             c.backend().write(x + k * TPAGE, seed + 10 * i as u64 + k);

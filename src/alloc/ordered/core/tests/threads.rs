@@ -34,7 +34,7 @@ impl World {
     fn alloc(&self, size: u64, id: u64, raw: u64) -> Option<u64> {
         IN_CALL.set(Some(raw));
         let wait = || self.alloc.core().backend().synchronize().is_ok();
-        let r = self.alloc.allocate(size, raw, Some(id), Capture::None, 0, wait);
+        let r = self.alloc.allocate(size, Handle(raw), Some(StreamId(id)), Capture::None, 0, wait);
         IN_CALL.set(None);
         let addr = handed_out(r)?;
         let n = size.div_ceil(ALIGN) * ALIGN;
@@ -61,7 +61,7 @@ impl World {
             held.swap_remove(k);
         }
         IN_CALL.set(Some(raw));
-        self.alloc.free(addr, raw).expect("free of a live block");
+        self.alloc.free(addr, Handle(raw)).expect("free of a live block");
         IN_CALL.set(None);
         self.frees.fetch_add(1, Ordering::Relaxed);
     }
@@ -299,5 +299,9 @@ fn a_request_served_by_the_index_leaves_the_other_streams_fronts_their_blocks() 
     w.free(theirs, 2);
     // Stream 1's front holds no 4 KiB block: its own 8 KiB one, split in the index, serves.
     assert_eq!(w.alloc(4096, 1, 1), Some(big));
-    assert_eq!(w.alloc.fronts.take(2, 4096, 4096), Some(theirs), "stream 2's block is still in its front");
+    assert_eq!(
+        w.alloc.fronts.take(StreamId(2), 4096, 4096),
+        Some(theirs),
+        "stream 2's block is still in its front"
+    );
 }
