@@ -562,9 +562,9 @@ fn check_stream(stream: CUstream) -> Result<()> {
 /// driver could not name it). The legacy default stream is never captured and its id is the
 /// allocator's own: the cached pair on it asks the driver nothing.
 #[inline]
-fn caller_of(stream: CUstream, graphs: GraphMemory) -> Result<(Capture, Option<u64>)> {
+fn caller_of(stream: CUstream, graphs: GraphMemory) -> Result<(Capture, Option<ids::StreamId>)> {
     if stream.is_null() || stream as usize == CU_STREAM_LEGACY {
-        return Ok((Capture::None, Some(self::core::LEGACY)));
+        return Ok((Capture::None, Some(ids::LEGACY)));
     }
     check_stream(stream)?;
     Ok(match (backend::capture_of(stream)?, graphs) {

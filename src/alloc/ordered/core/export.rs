@@ -141,6 +141,7 @@ impl<B: Backend> Core<B> {
             .slots
             .iter()
             .position(|s| s.heap.contains(block))
+            .map(SlotId::of)
             .ok_or_else(|| Error::invalid("a shared block lies in no heap"))?;
         self.pages_under(slot, block, len, &mut each)
     }
@@ -148,7 +149,7 @@ impl<B: Backend> Core<B> {
     /// The pages of `slot` under the `len` bytes at `block`, each given to `each` in order.
     fn pages_under(
         &self,
-        slot: usize,
+        slot: SlotId,
         block: u64,
         len: u64,
         each: &mut impl FnMut(&B::Page) -> Result<()>,
@@ -358,7 +359,7 @@ mod tests {
                 Ok(())
             })
             .unwrap();
-        c.free(b, 1).unwrap();
+        c.free(b, Handle(1)).unwrap();
         // Asked for by the block's address once an importer turns out to need them.
         let mut later = Vec::new();
         let again = c
