@@ -12,7 +12,7 @@
 //! gives back what it had mapped and leaves the tag asleep with its saved contents, so a later wake
 //! can succeed; a sleep that fails while releasing wakes the tag again.
 
-use super::{Backend, Core};
+use super::{Backend, Core, SlotId};
 use crate::error::{Error, Result};
 use std::collections::HashMap;
 
@@ -48,7 +48,7 @@ pub(crate) enum State {
     Asleep {
         mode: SleepMode,
         /// (slot, page, offset in the backup) of every page whose contents were saved.
-        saved: Vec<(usize, u64, u64)>,
+        saved: Vec<(SlotId, u64, u64)>,
     },
 }
 
@@ -68,9 +68,14 @@ impl<B: Backend> Core<B> {
         tag == 0 || self.sleepers.get(&tag).map_or(true, |t| matches!(t.state, State::Awake))
     }
 
+    /// The heaps of `tag`.
+    fn slots_of(&self, tag: u32) -> Vec<SlotId> {
+        (0..self.slots.len()).filter(|&i| self.slots[i].tag == tag).map(SlotId::of).collect()
+    }
+
     /// Pages of `slot` under live blocks and graph memory, in order: what a sleep saves and a
     /// wake maps again.
-    fn live_pages(&self, slot: usize) -> Vec<u64> {
+    fn live_pages(&self, slot: SlotId) -> Vec<u64> {
         let page = self.slots[slot].page;
         let s = &self.slots[slot];
         let base = s.heap.base();
@@ -137,7 +142,7 @@ impl<B: Backend> Core<B> {
 
     fn fall_asleep(&mut self, tag: u32, mode: SleepMode) -> Result<u64> {
         self.flush_cached();
-        let slots: Vec<usize> = (0..self.slots.len()).filter(|&i| self.slots[i].tag == tag).collect();
+        let slots = self.slots_of(tag);
         let mut saved = Vec::new();
         if mode == SleepMode::Offload {
             let mut at = 0;
@@ -201,7 +206,7 @@ impl<B: Backend> Core<B> {
     /// in chunks, merging adjacent pages, and waits for them.
     fn copy_pages(
         &mut self,
-        pages: &[(usize, u64, u64)],
+        pages: &[(SlotId, u64, u64)],
         host: Option<&mut B::Host>,
         out: bool,
     ) -> Result<()> {
@@ -215,7 +220,7 @@ impl<B: Backend> Core<B> {
     /// on the device and in the backup of up to [`CHUNK`] bytes, alternating lanes from `lane`.
     fn queue_copies(
         &mut self,
-        pages: &[(usize, u64, u64)],
+        pages: &[(SlotId, u64, u64)],
         host: &mut B::Host,
         out: bool,
         lane: &mut usize,
@@ -294,13 +299,13 @@ impl<B: Backend> Core<B> {
 
     fn wake_relaxed(&mut self, tag: u32) -> Result<()> {
         self.flush_cached();
-        let slots: Vec<usize> = (0..self.slots.len()).filter(|&i| self.slots[i].tag == tag).collect();
-        let saved: HashMap<(usize, u64), u64> = match &self.sleepers[&tag].state {
+        let slots = self.slots_of(tag);
+        let saved: HashMap<(SlotId, u64), u64> = match &self.sleepers[&tag].state {
             State::Asleep { saved, .. } => saved.iter().map(|&(s, p, h)| ((s, p), h)).collect(),
             State::Awake | State::Falling => unreachable!("checked asleep"),
         };
         let mut host = self.sleepers.get_mut(&tag).and_then(|t| t.backup.take());
-        let mut mapped: Vec<(usize, u64)> = Vec::new();
+        let mut mapped: Vec<(SlotId, u64)> = Vec::new();
         let r = self.wake_map(&slots, &saved, host.as_mut(), &mut mapped);
         // Whatever was queued has to land (or fail) before anything is unmapped or reused: waited
         // for once, whether the mapping failed or not.
@@ -343,13 +348,13 @@ impl<B: Backend> Core<B> {
     /// back of each whose contents `saved` holds (page -> offset in `host`), a run at a time.
     fn wake_map(
         &mut self,
-        slots: &[usize],
-        saved: &HashMap<(usize, u64), u64>,
+        slots: &[SlotId],
+        saved: &HashMap<(SlotId, u64), u64>,
         mut host: Option<&mut B::Host>,
-        mapped: &mut Vec<(usize, u64)>,
+        mapped: &mut Vec<(SlotId, u64)>,
     ) -> Result<()> {
         let mut lane = 0;
-        let mut run: Vec<(usize, u64, u64)> = Vec::new();
+        let mut run: Vec<(SlotId, u64, u64)> = Vec::new();
         for &slot in slots {
             let want = self.live_pages(slot);
             let page = self.slots[slot].page;
