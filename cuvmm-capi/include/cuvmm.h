@@ -8,9 +8,8 @@
  *
  * Configuration comes from one environment variable, read at the first call:
  *   CUVMM_ALLOC_CONF="page=4MiB,reserve=160GiB,tag_page=128MiB,log=1,lend=1,trace=/tmp/cuvmm.trace,oom=null"
- * (export_threshold=256MiB, the default: untagged blocks of that size or more are one physical
- * allocation each, exportable as one POSIX descriptor and, with an IMEX channel, a fabric handle;
- * 0: off, every block on the allocator's pages)
+ * (export_threshold=256MiB: untagged blocks of that size or more are one physical allocation each,
+ * exportable as a POSIX descriptor and, with an IMEX channel, a fabric handle; 0, the default: off)
  * (see the README for every key).
  */
 #ifndef CUVMM_H

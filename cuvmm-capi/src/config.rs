@@ -16,7 +16,7 @@ pub struct Config {
     /// Whether freed pages are lent to the same stream's next blocks (`lend`).
     pub lend: bool,
     /// Untagged blocks of at least this size are one physical allocation each
-    /// (`export_threshold`; 0: none; [`DEFAULT_EXPORT_THRESHOLD`] unless set).
+    /// (`export_threshold`; 0: none).
     pub export_threshold: usize,
     /// Where allocations and frees are recorded (`trace`).
     pub trace: Option<PathBuf>,
@@ -27,17 +27,8 @@ pub struct Config {
     pub abort_on_oom: bool,
 }
 
-/// `export_threshold` where `CUVMM_ALLOC_CONF` does not set it. A process on this library shares
-/// its tensors with others through `torch.multiprocessing`, where each physical allocation under a
-/// block is exported, imported and mapped one by one: a 256 MiB block costs one of each instead of
-/// 64 (4 MiB pages). Blocks this large are rare among a training step's activations, where whole
-/// allocations keep free space of their size class apart (`export_threshold=64MiB` held 1.48x
-/// PyTorch's peak on `train.py`); 0 turns it off.
-pub const DEFAULT_EXPORT_THRESHOLD: usize = 256 << 20;
-
 impl Default for Config {
-    /// The library's own defaults ([`cuvmm_lib::alloc::AllocatorConfig`]), logging on, and
-    /// [`DEFAULT_EXPORT_THRESHOLD`].
+    /// The library's own defaults ([`cuvmm_lib::alloc::AllocatorConfig`]), logging on.
     fn default() -> Self {
         let lib = cuvmm_lib::alloc::AllocatorConfig::default();
         Config {
@@ -46,7 +37,7 @@ impl Default for Config {
             tag_page: lib.tag_page,
             log: true,
             lend: lib.lend,
-            export_threshold: DEFAULT_EXPORT_THRESHOLD,
+            export_threshold: lib.export_threshold,
             trace: None,
             abort_on_oom: false,
         }
@@ -151,12 +142,5 @@ mod tests {
         assert!(Config::parse(Some("pages=2MiB")).is_err());
         assert!(Config::parse(Some("page")).is_err());
         assert!(Config::parse(Some("log=maybe")).is_err());
-    }
-
-    #[test]
-    fn large_blocks_are_whole_allocations_unless_turned_off() {
-        assert_eq!(Config::default().export_threshold, DEFAULT_EXPORT_THRESHOLD);
-        assert_eq!(Config::parse(Some("page=2MiB")).unwrap().export_threshold, DEFAULT_EXPORT_THRESHOLD);
-        assert_eq!(Config::parse(Some("export_threshold=0")).unwrap().export_threshold, 0);
     }
 }
