@@ -3,12 +3,12 @@
 PyTorch's own allocator, in one run.
 
     python3 mp_share.py [--tensors 64] [--gib 16] [--rounds 3] [--trips 1000] [--no-nixl]
-                        [--export-threshold 0] [--share-keep 0]
+                        [--export-threshold 256MiB] [--share-keep 0]
 
 For each allocator (a sender process each: native, cuvmm under change_current_allocator with its
-defaults, where a 256 MiB tensor is one physical allocation and the receiver keeps its mappings
-between hand-offs; cuvmm again with --export-threshold, 0 by default: every tensor on 4 MiB
-pages; and cuvmm again with a receiver keeping at most --share-keep bytes of idle mappings,
+defaults, every tensor on 4 MiB pages and the receiver keeping its mappings between hand-offs;
+cuvmm again with --export-threshold, 256MiB by default: a 256 MiB tensor is one physical
+allocation; and cuvmm again with a receiver keeping at most --share-keep bytes of idle mappings,
 CUVMM_SHARE_KEEP, 0 by default: none) a spawned receiver gets:
 
 * views of several dtypes, strides and offsets, and an nn.Parameter: it checks each against the
@@ -320,9 +320,9 @@ def main():
     p.add_argument("--trips", type=int, default=1000)
     p.add_argument("--trip-mib", type=int, default=4)
     p.add_argument("--no-nixl", action="store_true")
-    p.add_argument("--export-threshold", default="0",
-                   help="a third run on cuvmm with this export_threshold (0, the default: every block "
-                        "on the allocator's 4 MiB pages, against the default's whole 256 MiB blocks); "
+    p.add_argument("--export-threshold", default="256MiB",
+                   help="a run on cuvmm with this export_threshold (256MiB by default: a tensor that "
+                        "large is one physical allocation, against the default's 4 MiB pages); "
                         "none: no such run")
     p.add_argument("--share-keep", default="0",
                    help="a run on cuvmm whose receiver keeps up to this many bytes of idle mappings "
