@@ -114,6 +114,15 @@ pub enum Error {
     /// was mapped or unmapped.
     #[error("protocol error: {0}")]
     RegionRefused(crate::ipc::RegionRefusal),
+    /// A request refused for a reason a caller may want to act on ([`Refusal`]); the text says it
+    /// with its numbers. Nothing was changed.
+    #[error("{}: {detail}", why.category())]
+    Refused {
+        /// The reason.
+        why: Refusal,
+        /// The reason in words, with the request's numbers.
+        detail: String,
+    },
     /// A peer's message did not arrive in time: the caller's deadline, or the socket's receive
     /// timeout with a message begun, passed (or, on a non-blocking socket, the rest of a begun
     /// message was not there yet). `received` of the frame's `expected` bytes had arrived: 0 means
@@ -174,6 +183,44 @@ pub enum ErrorKind {
     UnexpectedMessage(crate::ipc::wire::Kind),
     /// [`Error::RegionRefused`], with the rule broken.
     RegionRefused(crate::ipc::RegionRefusal),
+    /// [`Error::Refused`], with the reason.
+    Refused(Refusal),
+}
+
+/// Why a request was refused ([`Error::Refused`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Refusal {
+    /// An allocation larger than the device's memory, which could never be served.
+    LargerThanDevice,
+    /// A block that shares its physical allocation with other blocks was to be shared with
+    /// another process, which could then reach them too.
+    SharesItsAllocation,
+    /// A shared vector would have to move (grow past its reservation) under its importers.
+    WouldMove,
+    /// Host memory that is registered with the driver already.
+    AlreadyRegistered,
+    /// A peer announced more bytes of an allocation than it exported (protocol).
+    BeyondTheExport,
+    /// A message came with more descriptors than its kind carries (protocol).
+    TooManyDescriptors,
+    /// A message's flags are not what its version allows (protocol).
+    BadFlags,
+}
+
+impl Refusal {
+    /// Whether a peer's message was refused, as opposed to the caller's own request.
+    pub fn is_protocol(self) -> bool {
+        matches!(self, Refusal::BeyondTheExport | Refusal::TooManyDescriptors | Refusal::BadFlags)
+    }
+
+    fn category(self) -> &'static str {
+        if self.is_protocol() {
+            "protocol error"
+        } else {
+            "invalid argument"
+        }
+    }
 }
 
 impl Error {
@@ -193,6 +240,7 @@ impl Error {
             Error::PeerRefused { .. } => ErrorKind::PeerRefused,
             Error::UnexpectedMessage { got, .. } => ErrorKind::UnexpectedMessage(*got),
             Error::RegionRefused(why) => ErrorKind::RegionRefused(*why),
+            Error::Refused { why, .. } => ErrorKind::Refused(*why),
         }
     }
 
@@ -226,7 +274,7 @@ impl Error {
                 | ErrorKind::PeerRefused
                 | ErrorKind::UnexpectedMessage(_)
                 | ErrorKind::RegionRefused(_)
-        )
+        ) || matches!(self.kind(), ErrorKind::Refused(why) if why.is_protocol())
     }
 
     /// Whether a peer's message did not arrive in time ([`Error::Timeout`]).
@@ -263,6 +311,10 @@ impl Error {
 
     pub(crate) fn invalid(msg: impl fmt::Display) -> Error {
         Error::InvalidArgument(msg.to_string())
+    }
+
+    pub(crate) fn refused(why: Refusal, detail: impl fmt::Display) -> Error {
+        Error::Refused { why, detail: detail.to_string() }
     }
 
     pub(crate) fn unsupported(what: impl fmt::Display, why: impl fmt::Display) -> Error {
@@ -425,6 +477,17 @@ mod tests {
         }
         assert!(!driver(CUresult::ERROR_INVALID_VALUE).is_out_of_memory());
         assert!(!Error::Os { call: "recvmsg", errno: Errno::EINTR }.is_would_block());
+    }
+
+    #[test]
+    fn a_refusal_reads_as_its_category_and_only_a_peers_counts_as_protocol() {
+        let own = Error::refused(Refusal::LargerThanDevice, "9 bytes are more than 8");
+        assert_eq!(own.to_string(), "invalid argument: 9 bytes are more than 8");
+        assert_eq!(own.kind(), ErrorKind::Refused(Refusal::LargerThanDevice));
+        assert!(!own.is_protocol());
+        let peer = Error::refused(Refusal::BadFlags, "flags must be zero in version 1");
+        assert_eq!(peer.to_string(), "protocol error: flags must be zero in version 1");
+        assert!(peer.is_protocol());
     }
 
     #[test]

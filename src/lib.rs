@@ -135,7 +135,7 @@ pub mod vmm;
 
 pub use context::{Context, MemoryInfo};
 pub use device::{Device, Uuid};
-pub use error::{drop_error_count, take_drop_error, Error, ErrorKind, LoadAttempt, Result};
+pub use error::{drop_error_count, take_drop_error, Error, ErrorKind, LoadAttempt, Refusal, Result};
 pub use host::{PinnedBuffer, Registered};
 pub use memory::{DeviceBuffer, DeviceCopy, DeviceSlice, DeviceSliceMut};
 pub use stream::{scope, Event, Landing, Scope, Stream};

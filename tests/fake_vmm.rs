@@ -344,7 +344,7 @@ fn requests_larger_than_the_device_are_refused_before_anything_is_built() {
     let stream = cuvmm::Stream::new(&ctx).unwrap();
     let mut v = VmmVec::<u8>::builder(&ctx).reserve_address_space(1 << 30).build().unwrap();
     let reserved = count(&lib, "cuMemAddressReserve");
-    let larger = |e: cuvmm::Error| matches!(&e, cuvmm::Error::InvalidArgument(m) if m.contains("device's"));
+    let larger = |e: cuvmm::Error| e.kind() == cuvmm::ErrorKind::Refused(cuvmm::Refusal::LargerThanDevice);
     // isize::MAX once aborted the process: a page table of 2^41 entries was allocated first.
     for size in [memory + 1, 1 << 50, isize::MAX as usize - 4095, isize::MAX as usize, usize::MAX] {
         // SAFETY: the legacy stream (null) is always alive; nothing is allocated.

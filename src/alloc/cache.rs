@@ -2,7 +2,7 @@
 //! freed blocks kept for reuse, whole idle chunks returned to the driver by `trim`.
 
 use super::peer::{PeerAllocation, PeerAllocator};
-use crate::error::{Error, Result};
+use crate::error::{Error, Refusal, Result};
 use crate::ipc::WireHandle;
 use crate::vmm::round_up;
 use std::os::fd::BorrowedFd;
@@ -264,12 +264,15 @@ impl SubAllocation {
             let mut st = lock(&self.cache.state);
             let c = st.chunk_mut(self.block.chunk);
             if !owns_whole_chunk(self.block, self.size, c.alloc.len()) {
-                return Err(Error::invalid(format!(
-                    "this {}-byte block shares a {}-byte physical allocation with other blocks, all of \
+                return Err(Error::refused(
+                    Refusal::SharesItsAllocation,
+                    format_args!(
+                        "this {}-byte block shares a {}-byte physical allocation with other blocks, all of \
                      which its importer could reach; allocate it with CachingAllocator::allocate_shareable",
-                    self.size,
-                    c.alloc.len()
-                )));
+                        self.size,
+                        c.alloc.len()
+                    ),
+                ));
             }
             // Marked before sending: if the send fails part-way the peer may hold the handle anyway.
             c.exported = true;

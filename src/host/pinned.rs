@@ -2,7 +2,7 @@
 
 use crate::context::Context;
 use crate::driver::{driver, result, sys::*};
-use crate::error::{Error, Result};
+use crate::error::{Error, Refusal, Result};
 use crate::memory::DeviceCopy;
 use crate::vmm::bytes_for;
 use std::ops::{Deref, DerefMut};
@@ -374,7 +374,10 @@ impl<'a, T: DeviceCopy> Registered<'a, T> {
         match r {
             Ok(()) => {}
             Err(e) if e.is_code(CUresult::ERROR_HOST_MEMORY_ALREADY_REGISTERED) => {
-                return Err(Error::invalid(format!("the memory is already registered ({e})")))
+                return Err(Error::refused(
+                    Refusal::AlreadyRegistered,
+                    format_args!("the memory is already registered ({e})"),
+                ))
             }
             Err(e) => return Err(e),
         }

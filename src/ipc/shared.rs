@@ -6,7 +6,7 @@ use super::wire::{Header, Message, WireHandle};
 use crate::caps::device_granularity;
 use crate::context::Context;
 use crate::device::Device;
-use crate::error::{Error, Result};
+use crate::error::{Error, Refusal, Result};
 use crate::memory::{DeviceCopy, DeviceSlice, DeviceSliceMut};
 use crate::vmm::{Access, HandleTypes, Location, Mapping, PhysicalMemory, Reservation};
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
@@ -79,10 +79,13 @@ pub(crate) fn import_and_map(
         Error::Driver { code, .. }
             if code == CUresult::ERROR_NOT_SUPPORTED || code == CUresult::ERROR_INVALID_VALUE =>
         {
-            Error::Protocol(format!(
-                "cannot map {size} bytes of the imported allocation ({e}): is the announced size \
+            Error::refused(
+                Refusal::BeyondTheExport,
+                format_args!(
+                    "cannot map {size} bytes of the imported allocation ({e}): is the announced size \
                  larger than what was exported?"
-            ))
+                ),
+            )
         }
         other => other,
     })

@@ -2,7 +2,7 @@
 //! data, the peer's credentials checked with SO_PEERCRED.
 
 use super::wire::{Header, Message, HEADER_LEN};
-use crate::error::{Error, Result};
+use crate::error::{Error, Refusal, Result};
 use nix::sys::socket::{getsockopt, sockopt::PeerCredentials};
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 use std::time::Instant;
@@ -407,19 +407,25 @@ impl FrameReader {
                 Err(errno) => return Err(Error::Os { call: "recvmsg", errno }),
             };
             if chunk.control_truncated {
-                return Err(Error::Protocol(format!(
-                    "more ancillary data arrived than a message may carry (the {} descriptors that \
+                return Err(Error::refused(
+                    Refusal::TooManyDescriptors,
+                    format_args!(
+                        "more ancillary data arrived than a message may carry (the {} descriptors that \
                      fitted are closed)",
-                    self.fds.len()
-                )));
+                        self.fds.len()
+                    ),
+                ));
             }
             if self.fds.len() > MOST_FDS {
                 // Refused as they arrive, not when the frame completes: a peer sending a byte at a
                 // time with a full load of descriptors would park 143 x 253 of them here.
-                return Err(Error::Protocol(format!(
-                    "{} descriptors arrived for one message, which carries at most {MOST_FDS} (closed)",
-                    self.fds.len()
-                )));
+                return Err(Error::refused(
+                    Refusal::TooManyDescriptors,
+                    format_args!(
+                        "{} descriptors arrived for one message, which carries at most {MOST_FDS} (closed)",
+                        self.fds.len()
+                    ),
+                ));
             }
             if chunk.bytes == 0 && self.got == 0 && self.fds.is_empty() {
                 return Ok(None);

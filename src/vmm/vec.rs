@@ -3,7 +3,7 @@
 
 use crate::context::Context;
 use crate::driver::{driver, result, sys::CUdeviceptr};
-use crate::error::{Error, Result};
+use crate::error::{Error, Refusal, Result};
 use crate::ipc::growth::Exports;
 use crate::memory::{DeviceCopy, DeviceSlice, DeviceSliceMut};
 use crate::stream::order::{Tracker, Turn, Use};
@@ -362,9 +362,12 @@ impl RawVmm {
             // Refused before anything is planned, reserved or created for it.
             let memory = device.total_memory()?;
             if need > memory {
-                return Err(Error::invalid(format!(
-                    "growing to {need} bytes needs more than the device's {memory} bytes of memory"
-                )));
+                return Err(Error::refused(
+                    Refusal::LargerThanDevice,
+                    format_args!(
+                        "growing to {need} bytes needs more than the device's {memory} bytes of memory"
+                    ),
+                ));
             }
         }
         let mut plan = self.policy.plan_within(self.mapped, need, self.granularity, room)?;
@@ -380,11 +383,14 @@ impl RawVmm {
         if total > self.reservation.size() && self.importers() > 0 {
             // Importers map each chunk at its offset in a reservation of this one's size: a move
             // is something they could only follow by remapping everything.
-            return Err(Error::invalid(format!(
-                "growing to {total} bytes needs more than the {}-byte reservation, and a vector \
+            return Err(Error::refused(
+                Refusal::WouldMove,
+                format_args!(
+                    "growing to {total} bytes needs more than the {}-byte reservation, and a vector \
                  with importers cannot move: reserve more address space before sharing it",
-                self.reservation.size()
-            )));
+                    self.reservation.size()
+                ),
+            ));
         }
         // Before anything is mapped past `mapped`: the chunks made ahead lie there.
         let ready = self.take_ahead(need);

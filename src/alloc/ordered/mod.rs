@@ -109,7 +109,7 @@ use self::backend::DriverBackend;
 use self::core::{Capture, Core, Ordered, Settle, Sizes};
 use crate::context::Context;
 use crate::driver::{driver, sys::*};
-use crate::error::{Error, Result};
+use crate::error::{Error, Refusal, Result};
 use crate::memory::{DeviceCopy, DeviceSlice, DeviceSliceMut};
 use crate::stream::order::Tracker;
 use crate::stream::{Event, Stream, StreamInner};
@@ -293,16 +293,16 @@ impl StreamAllocator {
     /// (a heap, its page table) is built for it.
     fn check_size(&self, size: usize) -> Result<()> {
         if size as u64 > self.inner.memory {
-            return Err(Error::invalid(format!(
-                "{size} bytes are more than the device's {} bytes of memory",
-                self.inner.memory
-            )));
+            return Err(Error::refused(
+                Refusal::LargerThanDevice,
+                format_args!("{size} bytes are more than the device's {} bytes of memory", self.inner.memory),
+            ));
         }
         Ok(())
     }
 
     /// `size` bytes for work on `stream`. The block is freed, in stream order, when dropped.
-    /// Refused ([`Error::InvalidArgument`]) when larger than the device's memory.
+    /// Refused ([`Refusal::LargerThanDevice`]) when larger than the device's memory.
     ///
     /// On a stream being captured into a graph, the block is kept for the graph
     /// ([`GraphMemory::Keep`]).
