@@ -134,7 +134,7 @@ fn out_of_memory_during_growth_leaves_the_vector_intact() {
         assert!(err.is_out_of_memory(), "{err}");
         // Far more than the device holds: refused before anything is planned.
         let err = v.resize(total, 7).unwrap_err();
-        assert_eq!(err.kind(), cuvmm::ErrorKind::InvalidArgument, "{err}");
+        assert_eq!(err.kind(), cuvmm::ErrorKind::Refused(cuvmm::Refusal::LargerThanDevice), "{err}");
         assert_eq!(
             (v.device_ptr(), v.mapped_bytes(), v.raw().chunk_count(), v.len()),
             (ptr, mapped, chunks, data.len())
