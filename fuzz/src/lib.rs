@@ -832,7 +832,6 @@ pub mod seeds {
     #[cfg(test)]
     mod tests {
         use super::*;
-        use cuvmm::Error;
         use std::path::PathBuf;
 
         fn dir(target: &str) -> PathBuf {
