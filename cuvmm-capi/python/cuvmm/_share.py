@@ -198,56 +198,74 @@ def recv_pages(sock: socket.socket, count: int) -> list[int]:
         raise
 
 
-class Releases:
-    """Calls ``on_release()`` of each registered socket once its peer has hung up (every copy of
-    the other end closed: the receiver unmapped, or died), on a daemon thread of its own."""
+class FdWatch:
+    """Calls the callback given with each watched descriptor once it reports an event, on a
+    daemon thread of its own (started with the first), then forgets the descriptor. A failure of
+    one callback, or of one round of watching, is reported and the thread goes on: it alone
+    watches the others."""
 
-    def __init__(self):
+    def __init__(self, name: str, what: str):
+        self._name, self._what = name, what
         self._lock = threading.Lock()
-        self._waiting: dict[int, tuple[socket.socket, object]] = {}
+        self._waiting: dict[int, object] = {}
         self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
         self._poll = select.poll()
         self._poll.register(self._wake_r, select.POLLIN)
         self._thread = None
 
-    def register(self, sock: socket.socket, on_release) -> None:
-        with self._lock:
-            self._waiting[sock.fileno()] = (sock, on_release)
-            # Only hang-ups count: the receiver never writes.
-            self._poll.register(sock.fileno(), 0)
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="cuvmm-share-releases", daemon=True)
-                self._thread.start()
+    def _add(self, fd: int, events: int, on_event) -> None:
+        """Watches ``fd`` for ``events`` (as ``poll`` takes them: hang-ups and errors always
+        count); the caller holds ``self._lock``."""
+        self._waiting[fd] = on_event
+        self._poll.register(fd, events)
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+            self._thread.start()
+
+    def _wake(self) -> None:
         os.write(self._wake_w, b"x")
+
+    def _run(self):
+        while True:
+            try:
+                self._watch()
+            except Exception as e:
+                _report(f"{self._name}: watching", e)
+
+    def _watch(self):
+        while True:
+            for fd, _ in poll_events(self._poll, self._wake_r):
+                with self._lock:
+                    on_event = self._waiting.pop(fd, None)
+                    self._poll.unregister(fd)
+                if on_event is not None:
+                    try:
+                        on_event()
+                    except Exception as e:  # one callback must not stop the others
+                        _report(self._what, e)
+
+
+class Releases(FdWatch):
+    """Calls ``on_release()`` of each registered socket once its peer has hung up (every copy of
+    the other end closed: the receiver unmapped, or died), on a daemon thread of its own."""
+
+    def __init__(self):
+        super().__init__("cuvmm-share-releases", "releasing a shared block")
+
+    def register(self, sock: socket.socket, on_release) -> None:
+        def hung_up():
+            sock.close()
+            on_release()
+
+        with self._lock:
+            # Only hang-ups count: the receiver never writes.
+            self._add(sock.fileno(), 0, hung_up)
+        self._wake()
 
     def pending(self) -> int:
         """Sockets whose peer has not hung up yet."""
         with self._lock:
             return len(self._waiting)
-
-    def _run(self):
-        # Whatever one round of watching meets, the thread goes on: it alone tells the senders.
-        while True:
-            try:
-                self._watch()
-            except Exception as e:
-                _report("watching for receivers that let go", e)
-
-    def _watch(self):
-        while True:
-            for fd, ev in poll_events(self._poll, self._wake_r):
-                if ev & (select.POLLHUP | select.POLLERR | select.POLLNVAL):
-                    with self._lock:
-                        entry = self._waiting.pop(fd, None)
-                        self._poll.unregister(fd)
-                    if entry is not None:
-                        sock, on_release = entry
-                        sock.close()
-                        try:
-                            on_release()
-                        except Exception as e:  # a release must not stop the others
-                            import sys
-                            print(f"cuvmm: releasing a shared block failed: {e}", file=sys.stderr)
 
 
 def poll_events(poll, wake_r: int):

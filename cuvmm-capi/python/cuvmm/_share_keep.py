@@ -18,11 +18,10 @@ from __future__ import annotations
 import os
 import re
 import select
-import sys
 import threading
 from collections import OrderedDict
 
-from cuvmm._share import poll_events
+from cuvmm._share import FdWatch
 
 
 #: The share of a device's memory idle kept mappings may hold when ``CUVMM_SHARE_KEEP`` is unset.
@@ -180,48 +179,35 @@ class Kept:
         return gone
 
 
-class _Exits:
+class _Exits(FdWatch):
     """Calls ``on_exit(pid)`` on a daemon thread of its own once a watched process has exited (its
     pidfd readable), so that a receiver that receives nothing more still lets go of the memory of
     a sender that is gone."""
 
     def __init__(self, on_exit):
+        super().__init__("cuvmm-share-kept", "releasing the kept mappings of an exited sender")
         self._on_exit = on_exit
-        self._lock = threading.Lock()
-        self._pids: dict[int, int] = {}  # pidfd: pid
-        self._poll = select.poll()
-        self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
-        self._poll.register(self._wake_r, select.POLLIN)
-        self._thread = None
+        self._pids: set[int] = set()
 
     def add(self, pid: int) -> None:
         with self._lock:
-            if pid in self._pids.values():
+            if pid in self._pids:
                 return
             try:
                 fd = os.pidfd_open(pid)
             except OSError:  # gone already (the next trim sees it), or not ours to watch
                 return
-            self._pids[fd] = pid
-            self._poll.register(fd, select.POLLIN)
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="cuvmm-share-kept", daemon=True)
-                self._thread.start()
-        os.write(self._wake_w, b"x")
+
+            def exited():
+                with self._lock:
+                    self._pids.discard(pid)
+                os.close(fd)
+                self._on_exit(pid)
+
+            self._pids.add(pid)
+            self._add(fd, select.POLLIN, exited)
+        self._wake()
 
     def watched(self) -> int:
         with self._lock:
             return len(self._pids)
-
-    def _run(self):
-        while True:
-            for fd, _ in poll_events(self._poll, self._wake_r):
-                with self._lock:
-                    pid = self._pids.pop(fd, None)
-                    self._poll.unregister(fd)
-                os.close(fd)
-                try:
-                    self._on_exit(pid)
-                except Exception as e:  # the thread goes on: it alone watches the others
-                    print(f"cuvmm: releasing the kept mappings of an exited sender failed: {e}",
-                          file=sys.stderr)
