@@ -5,6 +5,7 @@ Nothing here imports torch at module level, so the pure helpers can be tested wi
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import ctypes
 import json
@@ -195,6 +196,29 @@ def timed_copy(fn) -> float:
     end.record()
     end.synchronize()
     return start.elapsed_time(end) / 1e3
+
+
+def add_sleep_comparison_args(p, impls):
+    """The arguments of a sleep comparison (vllm_compare.py, tms_compare.py): the
+    WeightsAndCache workload's, --reps, --seed, --only, --json, and the two a child of
+    run_each_in_a_child is given (--impl, --child-out)."""
+    p.add_argument("--gib", type=float, default=16)
+    p.add_argument("--cache-gib", type=float, default=4)
+    p.add_argument("--dim", type=int, default=8192)
+    p.add_argument("--cache-chunk-mib", type=int, default=256)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--reps", type=int, default=4)
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--only", choices=impls)
+    p.add_argument("--json", metavar="PATH")
+    p.add_argument("--impl", choices=impls, help=argparse.SUPPRESS)
+    p.add_argument("--child-out", help=argparse.SUPPRESS)
+
+
+def check_sleep_comparison_args(p, args):
+    """Refuses (p.error) a cache chunk that does not hold whole rows of the weights."""
+    if args.cache_chunk_mib * MiB // 2 % args.dim:
+        p.error("--cache-chunk-mib must hold whole rows of --dim bf16 values")
 
 
 class WeightsAndCache:

@@ -36,7 +36,8 @@ import json  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from _common import (GiB, MiB, WeightsAndCache, median, report_comparison, rss_bytes,  # noqa: E402
+from _common import (GiB, WeightsAndCache, add_sleep_comparison_args,  # noqa: E402
+                     check_sleep_comparison_args, median, report_comparison, rss_bytes,
                      run_each_in_a_child, timed_copy, wall_time)
 
 IMPLS = ("cuvmm", "torch_memory_saver")
@@ -160,23 +161,12 @@ def child(args) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--gib", type=float, default=16)
-    p.add_argument("--cache-gib", type=float, default=4)
-    p.add_argument("--dim", type=int, default=8192)
-    p.add_argument("--cache-chunk-mib", type=int, default=256)
-    p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--reps", type=int, default=4)
-    p.add_argument("--seed", type=int, default=1234)
+    add_sleep_comparison_args(p, IMPLS)
     p.add_argument("--cpu-backup-backend", choices=("default", "pinned", "mmap"), default="default",
                    help="for both; default: each one's own (torch_memory_saver pinned, cuvmm pageable)")
     p.add_argument("--cuvmm-mode", choices=("current", "pool"), default="current")
-    p.add_argument("--only", choices=IMPLS)
-    p.add_argument("--json", metavar="PATH")
-    p.add_argument("--impl", choices=IMPLS, help=argparse.SUPPRESS)
-    p.add_argument("--child-out", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if args.cache_chunk_mib * MiB // 2 % args.dim:
-        p.error("--cache-chunk-mib must hold whole rows of --dim bf16 values")
+    check_sleep_comparison_args(p, args)
 
     if args.impl is not None:
         Path(args.child_out).write_text(json.dumps(child(args)))
