@@ -26,12 +26,13 @@ fn libcuvmm() -> PathBuf {
         .unwrap_or_else(|| panic!("no libcuvmm.so in {0} or {0}/lib: build it first", dir.display()))
 }
 
-/// Builds the C program `source` (with cuvmm.h beside it: a copied test executable needs no
+/// Builds the C program `source` (with cuvmm.h and the fixtures' harness.h beside it: a copied test executable needs no
 /// source tree) in a folder of its own, removed with the scratch folder when the tests end.
 fn build(name: &str, source: &str) -> PathBuf {
     let dir = common::scratch().join(format!("fixture-{name}"));
     std::fs::create_dir_all(&dir).unwrap();
     std::fs::write(dir.join("cuvmm.h"), include_str!("../include/cuvmm.h")).unwrap();
+    std::fs::write(dir.join("harness.h"), include_str!("fixtures/harness.h")).unwrap();
     std::fs::write(dir.join(format!("{name}.c")), source).unwrap();
     let exe = dir.join(name);
     let status = Command::new("cc")
