@@ -14,8 +14,8 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 const BLOCK: usize = 256 << 20;
-/// The staging ring's pinned slots (32 MiB by default), with room to spare.
-const RING: u64 = 64 << 20;
+/// The backup ring's pinned slots (64 MiB by default), with room to spare.
+const RING: u64 = 128 << 20;
 
 struct Tagged {
     k: Kernels,
