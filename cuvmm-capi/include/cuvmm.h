@@ -143,6 +143,13 @@ int cuvmm_wake(const char *tag);
  * zero releases it at wake. 0, or -1 (unknown backend, no `dir` for backend 2, `dir` not a
  * directory), changing nothing. */
 int cuvmm_set_backup(const char *tag, int backend, int retain, const char *dir);
+/* Gets `tag`'s backup ready for its first offloading sleep, in the background, on every device
+ * where it holds memory: pageable host memory as large as that sleep would copy now is faulted in
+ * and left for the kernel to take back only if it needs it (as a wake leaves a backup), so that
+ * the first sleep writes into pages the kernel kept. Call it once the tag holds what it will
+ * sleep with. The bytes being prepared (0: nothing to copy, a backup that is not pageable memory
+ * or is retained, or not that much host memory available), or -1 (the tag asleep, a bad name). */
+int64_t cuvmm_prepare_backup(const char *tag);
 /* Bytes of host memory cuvmm holds pinned now: staging rings and pinned backups. */
 uint64_t cuvmm_pinned_bytes(void);
 

@@ -669,6 +669,26 @@ pub unsafe extern "C" fn cuvmm_set_backup(
     })
 }
 
+/// Gets `tag`'s backup ready for its first offloading sleep on every device where it holds
+/// memory, in the background (see `StreamAllocator::prepare_backup`); the bytes being prepared
+/// (0: none needed or possible), or -1 (the tag asleep or an invalid name).
+///
+/// # Safety
+/// `tag` must be a NUL-terminated string.
+#[no_mangle]
+pub unsafe extern "C" fn cuvmm_prepare_backup(tag: *const c_char) -> i64 {
+    guard("cuvmm_prepare_backup", -1, || {
+        // SAFETY: the caller's contract.
+        let t = tag_of(unsafe { c_str(tag) }?)?;
+        let mut bytes = 0i64;
+        for a in all_allocators() {
+            let b = a.prepare_backup(t).map_err(reported)?;
+            bytes = bytes.saturating_add(i64::try_from(b).unwrap_or(i64::MAX));
+        }
+        Ok(bytes)
+    })
+}
+
 /// Bytes of host memory cuvmm holds pinned now (staging rings, pinned sleep backups).
 #[no_mangle]
 pub extern "C" fn cuvmm_pinned_bytes() -> u64 {

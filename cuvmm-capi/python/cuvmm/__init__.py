@@ -167,6 +167,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "cuvmm_wake": (c_int, [c_char_p]),
         "cuvmm_get_tag_stats": (c_int, [c_char_p, ctypes.POINTER(TagStats)]),
         "cuvmm_set_backup": (c_int, [c_char_p, c_int, c_int, c_char_p]),
+        "cuvmm_prepare_backup": (ctypes.c_int64, [c_char_p]),
         "cuvmm_owner": (c_int, [c_int, ctypes.c_void_p, ctypes.POINTER(ctypes.c_uint64),
                                 ctypes.POINTER(ctypes.c_uint64)]),
         "cuvmm_export": (c_ssize_t, [c_int, ctypes.c_void_p, ctypes.POINTER(Export), ctypes.POINTER(c_int),
@@ -376,6 +377,17 @@ def wake(name: str) -> None:
     On failure (RuntimeError) what was not woken stays asleep with nothing lost, and a later
     call wakes it."""
     _check(_fn("cuvmm_wake")(_encode(name)), f"cuvmm_wake({name!r})")
+
+
+def prepare_backup(name: str) -> int:
+    """Get the backup of tag ``name`` ready for its first offloading sleep, in the background:
+    host memory as large as that sleep would copy now is faulted in and left for the kernel to
+    take back only if it needs it, as a wake leaves a backup, so the first sleep costs what later
+    ones do. Call it once the tag holds what it will sleep with (after loading the weights).
+    Returns the bytes being prepared (0: nothing needed, or not possible: a pinned, disk or
+    retained backup, not that much host memory available). RuntimeError for a tag asleep."""
+    return _check(_fn("cuvmm_prepare_backup")(_encode(name)), f"cuvmm_prepare_backup({name!r})",
+                  ok=lambda rc: rc >= 0)
 
 
 def tag_stats(name: str) -> dict:

@@ -231,10 +231,16 @@ class TorchMemorySaver:
                enable_disk_backup: bool = False, cpu_backup_backend: str | None = None):
         """Tensors allocated inside are released by pause(tag) and restored by resume(tag); with
         ``enable_cpu_backup`` or ``enable_disk_backup`` their contents survive, else they are
-        undefined after resume."""
+        undefined after resume. Leaving a region with ``enable_cpu_backup`` gets the tag's host
+        backup ready in the background (``cuvmm.prepare_backup``), so that its first pause costs
+        what later ones do."""
         self._register(tag, backup_mode(enable_cpu_backup, enable_disk_backup, cpu_backup_backend))
         with self._pools.scope(self.api, tag):
             yield
+        if enable_cpu_backup:
+            prepare = getattr(self.api, "prepare_backup", None)
+            if prepare is not None:
+                prepare(tag)
 
     @contextlib.contextmanager
     def cuda_graph(self, cuda_graph, pool=None, stream=None, capture_error_mode="global",

@@ -47,6 +47,11 @@ class CuMemAllocator:
 
     instance: "CuMemAllocator | None" = None
     default_tag: str = "default"
+    #: Tags whose host backup is made ready (``cuvmm.prepare_backup``) when their
+    #: ``use_memory_pool`` block ends: those vLLM's workers offload at a sleep (the weights, and
+    #: the default tag ``sleep`` offloads when not told otherwise), so that the first sleep costs
+    #: what later ones do. Make it empty to prepare none.
+    prepare_tags: tuple[str, ...] = ("weights", "default")
 
     @staticmethod
     def get_instance() -> "CuMemAllocator":
@@ -118,6 +123,9 @@ class CuMemAllocator:
                 yield
         finally:
             self.current_tag = old
+        prepare = getattr(self.api, "prepare_backup", None)
+        if tag in self.prepare_tags and prepare is not None:
+            prepare(tag)
 
     def get_current_usage(self) -> int:
         """Bytes cuvmm has handed out under the tags used, asleep or awake (vLLM counts its

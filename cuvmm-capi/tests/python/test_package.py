@@ -10,6 +10,7 @@ The wheel is built as `pip install --no-build-isolation` builds it offline: with
 setuptools-rust of the Python that runs this (skipped without them).
 """
 
+import contextlib
 import ctypes
 import hashlib
 import base64
@@ -20,6 +21,7 @@ import re
 import shutil
 import subprocess
 import sys
+import types
 import sysconfig
 import tempfile
 import unittest
@@ -617,6 +619,27 @@ class Facade(unittest.TestCase):
             self.assertTrue(sub.is_dir())
             s._register("big", tms.BackupMode(True, "disk"))
             self.assertEqual(s.api.calls[-1], ("set_backup", "big", "disk", True, str(sub)))
+
+    def test_leaving_a_region_with_a_cpu_backup_prepares_that_backup(self):
+        s = self.saver()
+        prepared = []
+        s.api.prepare_backup = prepared.append
+        entered = []
+
+        @contextlib.contextmanager
+        def scope(api, tag):
+            entered.append(tag)
+            yield
+
+        s._pools = types.SimpleNamespace(scope=scope)
+        with s.region("weights", enable_cpu_backup=True):
+            self.assertEqual(prepared, [], "not while the weights are still being allocated")
+        with s.region("kv"):
+            pass
+        self.assertEqual((entered, prepared), (["weights", "kv"], ["weights"]))
+        del s.api.prepare_backup  # a library without it: nothing to prepare, nothing fails
+        with s.region("w2", enable_cpu_backup=True):
+            pass
 
     def test_a_library_without_set_backup(self):
         s = self.saver(backup=False)

@@ -77,6 +77,19 @@ class Facade(unittest.TestCase):
         self.assertEqual(a.api.calls, [("sleep", "weights", False), ("sleep", "kv_cache", False),
                                        ("sleep", "default", True)])
 
+    def test_the_end_of_a_pool_block_prepares_the_backup_of_a_tag_vllm_offloads(self):
+        a = allocator()
+        prepared = []
+        a.api.prepare_backup = prepared.append
+        for tag in ("weights", "kv_cache", None):
+            with a.use_memory_pool(tag=tag):
+                self.assertEqual(prepared, [] if tag == "weights" else ["weights"])
+        self.assertEqual(prepared, ["weights", "default"])
+        a.prepare_tags = ()
+        with a.use_memory_pool(tag="weights"):
+            pass
+        self.assertEqual(prepared, ["weights", "default"])
+
     def test_a_wake_that_fails_leaves_that_tag_asleep_for_the_next(self):
         a = allocator()
         for tag in ("weights", "kv_cache"):

@@ -69,6 +69,9 @@ pub struct SleepConfig {
     /// How the staging ring writes ([`cuvmm::alloc::set_backup_host_copy`]), taking turns: cycle
     /// `i` (from 1) with the `(i - 1) % len`-th. Empty: whatever the process has.
     pub host_copies: Vec<HostCopy>,
+    /// Prepares the tag's backup ([`StreamAllocator::prepare_backup`]) once the tag is allocated
+    /// and filled, and waits until it is ready, before the first cycle.
+    pub prepare: bool,
 }
 
 impl SleepConfig {
@@ -86,6 +89,9 @@ pub struct Cycle {
     pub index: usize,
     /// The first sleep of its process.
     pub first_in_process: bool,
+    /// Before a first sleep: how long its backup took to be prepared in the background
+    /// (`--prepare`), from the call to the backup ready.
+    pub prepared_ms: Option<f64>,
     /// Ran in a child process (`--fresh-process`).
     pub in_child: bool,
     /// How the staging ring wrote in its sleep and wake, when the run set it.
@@ -178,6 +184,7 @@ impl Cycle {
             "plain_write_ms": self.plain_write_ms,
             "sleep_vmstat": VMSTAT.iter().zip(self.sleep_vmstat).map(|(k, v)| ((*k).to_string(), v.into())).collect::<serde_json::Map<_, _>>(),
             "host_copy": self.host_copy.map(HostCopy::name),
+            "prepared_ms": self.prepared_ms,
         })
     }
 
@@ -194,6 +201,7 @@ impl Cycle {
             first_in_process: v.get("first_in_process")?.as_bool()?,
             in_child: true,
             host_copy: v.get("host_copy").and_then(|c| c.as_str()).and_then(|c| c.parse().ok()),
+            prepared_ms: f("prepared_ms"),
             steps: Steps {
                 d2h_bound_ms: f("d2h_bound_ms")?,
                 offload_ms: f("offload_ms")?,
@@ -482,6 +490,19 @@ fn on_all<T: Send>(devs: &[Dev], f: impl Fn(&Dev) -> Result<T> + Sync) -> Result
     Ok((took, out.into_iter().collect::<Result<Vec<T>>>()?))
 }
 
+/// Prepares the tag's backup on every device and waits until all are ready; the milliseconds
+/// from the first call.
+fn prepare_backups(devs: &[Dev], tag: Tag) -> Result<f64> {
+    let t = Instant::now();
+    for d in devs {
+        d.alloc.prepare_backup(tag)?;
+    }
+    while !devs.iter().all(|d| d.alloc.backups_prepared()) {
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    Ok(ms(t))
+}
+
 /// Tags `bytes` on each of `ctxs` (in `block`-byte allocations), then sleeps and wakes them
 /// `reps + 1` times (once with `first_only`), calling `each` with every cycle as it ends.
 pub fn run(
@@ -490,8 +511,18 @@ pub fn run(
     first_index: usize,
     mut each: impl FnMut(&Cycle),
 ) -> Result<SleepReport> {
-    let SleepConfig { bytes, block, reps, ref backup, gap, first_only, floor, barrier, host_copies: _ } =
-        *cfg;
+    let SleepConfig {
+        bytes,
+        block,
+        reps,
+        ref backup,
+        gap,
+        first_only,
+        floor,
+        barrier,
+        host_copies: _,
+        prepare,
+    } = *cfg;
     if block == 0 || block % 4 != 0 || bytes < block || ctxs.is_empty() {
         return Err(invalid("need 0 < block <= size, block a multiple of 4, and a device"));
     }
@@ -507,6 +538,7 @@ pub fn run(
     on_all(&devs, |d| d.pass(true))?;
     on_all(&devs, |d| d.pass(false))?;
 
+    let prepared_ms = if prepare { Some(prepare_backups(&devs, tag)?) } else { None };
     let page = AllocatorConfig::default().tag_page;
     let cycles = if first_only { 1 } else { reps + 1 };
     for rep in 0..cycles {
@@ -514,7 +546,12 @@ pub fn run(
             wait_for_parent()?;
         }
         let seed = 1000 + (first_index + rep) as u32;
-        let mut c = Cycle { index: first_index + rep, first_in_process: rep == 0, ..Cycle::default() };
+        let mut c = Cycle {
+            index: first_index + rep,
+            first_in_process: rep == 0,
+            prepared_ms: prepared_ms.filter(|_| rep == 0),
+            ..Cycle::default()
+        };
         c.host_copy = cfg.host_copy(c.index);
         if let Some(copy) = c.host_copy {
             cuvmm::alloc::set_backup_host_copy(copy);
@@ -666,6 +703,11 @@ pub struct Args {
     /// turns, each one's medians reported). Default: the library's (or CUVMM_HOST_COPY).
     #[arg(long, value_parser = crate::bench::parse_host_copies)]
     pub(super) host_copy: Option<std::vec::Vec<HostCopy>>,
+    /// Get the backup ready in the background once the tag is allocated (the library's
+    /// prepare_backup), and wait until it is, before the first sleep: what a program that calls it
+    /// after loading its weights pays at its first sleep.
+    #[arg(long)]
+    prepare: bool,
     /// Run only the first cycle, as JSON lines (what --fresh-process runs in the child).
     #[arg(long, hide = true)]
     first_only: bool,
@@ -708,6 +750,7 @@ pub fn cli(args: Args, out: &mut impl Write) -> CliResult {
         floor: false,
         barrier: args.barrier,
         host_copies: args.host_copy.clone().unwrap_or_default(),
+        prepare: args.prepare,
     };
     let released = cfg.backup.kind == BackupKind::Pageable && !cfg.backup.retain;
     let cfg = SleepConfig { floor: released, ..cfg };
@@ -867,6 +910,9 @@ pub(super) fn child_command(args: &Args, devices: &[usize]) -> std::io::Result<s
     }
     if args.no_retained {
         cmd.arg("--no-retained");
+    }
+    if args.prepare {
+        cmd.arg("--prepare");
     }
     match args.host_copy.as_deref() {
         Some([one]) => drop(cmd.args(["--host-copy", one.name()])),
@@ -1058,6 +1104,12 @@ fn print_summary_notes(out: &mut impl Write, r: &SleepReport) -> std::io::Result
             c.steps.offload_ms,
             c.steps.offload_ratio()
         )?;
+        if let Some(p) = c.prepared_ms {
+            writeln!(
+                out,
+                "  its backup prepared in the background before it: ready {p:.1} ms after the call"
+            )?;
+        }
     }
     if let Some((ms, lo, hi, ratio)) = r.fresh_host() {
         writeln!(
@@ -1100,6 +1152,7 @@ mod tests {
             first_in_process,
             in_child,
             host_copy: None,
+            prepared_ms: None,
             steps: Steps {
                 d2h_bound_ms: 330.25 * scale,
                 offload_ms: 343.6 * scale,
@@ -1158,6 +1211,7 @@ mod tests {
             floor: false,
             barrier: false,
             host_copies: HostCopy::ALL.to_vec(),
+            prepare: false,
         };
         let got: Vec<_> = (1..=5).map(|i| cfg.host_copy(i)).collect();
         let (s, p) = (Some(HostCopy::Streaming), Some(HostCopy::Plain));
@@ -1221,7 +1275,8 @@ mod tests {
                 t.discard_wake_ms,
             ]
         };
-        for c in report().cycles {
+        for mut c in report().cycles {
+            c.prepared_ms = c.first_in_process.then_some(812.5);
             let mut line = Vec::new();
             print_cycle(&mut line, &c, 16 << 30, true).unwrap();
             let v: serde_json::Value = serde_json::from_slice(&line).unwrap();
@@ -1229,6 +1284,7 @@ mod tests {
             assert!(steps(&back.steps).iter().zip(steps(&c.steps)).all(|(&a, b)| close(a, b)), "{back:?}");
             assert!(close(back.freed_ratio, c.freed_ratio));
             assert_eq!(back.plain_write_ms, c.plain_write_ms);
+            assert_eq!(back.prepared_ms, c.prepared_ms);
             assert_eq!(back.sleep_vmstat, c.sleep_vmstat);
             assert_eq!(
                 (back.index, back.first_in_process, back.in_child, back.mismatches, back.rss, back.pinned),

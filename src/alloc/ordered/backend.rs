@@ -288,6 +288,16 @@ impl Backend for DriverBackend {
         host.options().retain
     }
 
+    fn host_prepare(&mut self, tag: u32, bytes: u64) -> bool {
+        // Only pageable memory faults in at first use; a pinned backup or a file is made at the
+        // sleep as before.
+        backup::options_of(tag).kind == BackupKind::Pageable && self.lazy.prepare(bytes)
+    }
+
+    fn host_prepared(&self) -> bool {
+        self.lazy.settled()
+    }
+
     fn host_release(&mut self, host: HostBackup) {
         // Pageable memory is kept, released lazily, for the next sleep to write into.
         let host = match host {

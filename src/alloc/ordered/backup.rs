@@ -347,8 +347,7 @@ impl HostMap {
     /// Waits for the threads faulting it in to finish, then faults in on this thread whatever they
     /// left (a kernel without `MADV_POPULATE_WRITE`) by writing a zero to each small page: only
     /// for a map nothing has written yet.
-    #[cfg(test)]
-    fn finish_touching(&mut self) {
+    pub(crate) fn finish_touching(&mut self) {
         self.join_touching();
         if self.touched.load(Ordering::Relaxed) * TOUCH_UNIT < self.len {
             for off in (0..self.len).step_by(4096) {

@@ -53,6 +53,13 @@ pub(crate) trait Backend {
     fn host_alloc(&mut self, tag: u32, bytes: u64, old: Option<Self::Host>) -> Result<Self::Host>;
     /// Whether the backup is kept after a wake.
     fn host_retained(host: &Self::Host) -> bool;
+    /// Starts getting a backup of `bytes` for `tag` ready ahead of its first sleep, in the
+    /// background, where its options make that worth it; whether it started.
+    fn host_prepare(&mut self, tag: u32, bytes: u64) -> bool;
+    /// Whether every backup [`host_prepare`](Self::host_prepare) started is ready.
+    fn host_prepared(&self) -> bool {
+        true
+    }
     /// Gives a backup back (its memory or its file).
     fn host_release(&mut self, host: Self::Host) {
         drop(host);

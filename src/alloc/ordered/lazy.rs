@@ -28,7 +28,9 @@ pub(crate) fn lazy_release() -> bool {
 enum Freed {
     Freeing {
         len: usize,
-        thread: JoinHandle<HostMap>,
+        /// The map, or `None` when it could not be made (a prepared one, see
+        /// [`LazyBackups::prepare`]).
+        thread: JoinHandle<Option<HostMap>>,
     },
     #[cfg_attr(not(test), allow(dead_code))]
     Ready(HostMap),
@@ -42,10 +44,11 @@ impl Freed {
         }
     }
 
-    /// The map, once its advice is done; `None` if that thread panicked (the map went with it).
+    /// The map, once its advice is done; `None` if that thread panicked (the map went with it) or
+    /// could not make the map.
     fn wait(self) -> Option<HostMap> {
         match self {
-            Freed::Freeing { thread, .. } => thread.join().ok(),
+            Freed::Freeing { thread, .. } => thread.join().ok().flatten(),
             Freed::Ready(m) => Some(m),
         }
     }
@@ -77,7 +80,7 @@ impl LazyBackups {
         // Advising gigabytes takes milliseconds a wake need not wait for.
         let freed = match std::thread::Builder::new().name("cuvmm-backup-free".into()).spawn(move || {
             map.free_lazily();
-            map
+            Some(map)
         }) {
             Ok(thread) => Freed::Freeing { len, thread },
             // The closure, and the map with it, came back in no form: nothing was kept.
@@ -90,6 +93,37 @@ impl LazyBackups {
         let smallest = (0..self.kept.len()).min_by_key(|&i| self.kept[i].len()).expect("not empty");
         let gone = self.kept.swap_remove(smallest).wait()?;
         Some(Staged { store: Store::Memory(Arc::new(gone)), options: BackupOptions::default() })
+    }
+
+    /// Makes, on a thread of its own, a backup of `bytes` faulted in and then released lazily, as
+    /// a wake leaves one: the first sleep of a tag this large then writes into pages the kernel
+    /// kept instead of faulting fresh memory in (which bounds a sleep well above the copy). Not
+    /// when lazy release is off, when a kept backup fits already or the pool is full, or when the
+    /// host has not that much memory available (then a sleep makes its own, or is refused).
+    /// Whether one is on its way. A sleep that comes before it is done waits for it.
+    pub(crate) fn prepare(&mut self, bytes: u64) -> bool {
+        let Ok(len) = usize::try_from(bytes) else { return false };
+        if len == 0
+            || !lazy_release()
+            || self.kept.len() >= KEPT
+            || self.kept.iter().any(|k| k.len() >= len)
+            || available_host_memory().is_some_and(|avail| bytes > avail)
+        {
+            return false;
+        }
+        let made = std::thread::Builder::new().name("cuvmm-backup-prepare".into()).spawn(move || {
+            let mut map = HostMap::fresh(len).ok()?;
+            map.finish_touching();
+            map.free_lazily();
+            Some(map)
+        });
+        match made {
+            Ok(thread) => {
+                self.kept.push(Freed::Freeing { len, thread });
+                true
+            }
+            Err(_) => false,
+        }
     }
 
     /// A kept backup of at least `bytes` for a sleep under `options` (the smallest that fits),
@@ -109,6 +143,14 @@ impl LazyBackups {
         }
         map.reuse();
         Some(Staged { store: Store::Memory(Arc::new(map)), options: options.clone() })
+    }
+
+    /// Whether no backup is still being prepared or released (see [`prepare`](Self::prepare)).
+    pub(crate) fn settled(&self) -> bool {
+        self.kept.iter().all(|k| match k {
+            Freed::Freeing { thread, .. } => thread.is_finished(),
+            Freed::Ready(_) => true,
+        })
     }
 
     /// Bytes of the backups kept.
@@ -196,6 +238,25 @@ mod tests {
         sleep_into(&next, LEN / 2, 2);
         assert_eq!(differing(&next, LEN / 2, 2), 0);
         assert_eq!(resident(addr, len), len / 4096, "no page was given back and taken again");
+    }
+
+    #[test]
+    fn a_prepared_backup_is_faulted_in_ahead_and_serves_the_first_sleep_in_those_pages() {
+        let mut lazy = LazyBackups::default();
+        assert!(lazy.prepare(LEN as u64));
+        assert!(!lazy.prepare(LEN as u64 / 2), "one that fits is on its way already");
+        assert!(!lazy.prepare(u64::MAX / 2), "more than the host has");
+        while !lazy.settled() {
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        let [(addr, len)] = lazy.settle()[..] else { panic!("one prepared") };
+        assert_eq!(len, LEN);
+        assert_eq!(resident(addr, len), len / 4096, "faulted in, then left for the kernel to take");
+        let first = lazy.take(LEN as u64, &BackupOptions::default()).expect("prepared, and it fits");
+        assert_eq!(map_of(&first).ptr() as usize, addr, "the first sleep writes into those pages");
+        sleep_into(&first, LEN, 3);
+        assert_eq!(differing(&first, LEN, 3), 0);
+        assert_eq!(resident(addr, len), len / 4096);
     }
 
     #[test]

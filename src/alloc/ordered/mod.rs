@@ -400,6 +400,43 @@ impl StreamAllocator {
         r
     }
 
+    /// Gets `tag`'s backup ready for its first offloading sleep, in the background: pageable host
+    /// memory as large as that sleep would copy now is faulted in on threads of its own, then left
+    /// for the kernel to take back only if it needs the memory (`MADV_FREE`), as a wake leaves a
+    /// backup. The first sleep then writes into pages the kernel kept instead of faulting fresh
+    /// memory in, which bounds a first sleep well above the copy; a sleep that comes before the
+    /// backup is ready waits for it. Call it once the tag holds what it will sleep with (after
+    /// loading weights, say). Returns the bytes being prepared: 0 when there is nothing to copy,
+    /// when the tag's backup is not pageable memory ([`Tag::set_backup`]), is retained, or fits
+    /// one kept already, when lazy release is off (`CUVMM_BACKUP_RELEASE=eager`), or when the host
+    /// has not that much memory available. Refused for an untagged or sleeping tag.
+    ///
+    /// While awake the process then holds that memory as a released backup: `top` counts it as
+    /// resident, `/proc/self/smaps` as `LazyFree`, and the kernel takes it before swapping.
+    ///
+    /// ```no_run
+    /// # fn main() -> cuvmm::error::Result<()> {
+    /// use cuvmm::alloc::{SleepMode, StreamAllocator, Tag};
+    /// let ctx = cuvmm::Context::for_ordinal(0)?;
+    /// let alloc = StreamAllocator::new(&ctx)?;
+    /// let weights = Tag::new("weights")?;
+    /// // ... allocate the weights under `weights` and load them ...
+    /// alloc.prepare_backup(weights)?;
+    /// // ... serve; later:
+    /// alloc.sleep(weights, SleepMode::Offload)?;
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn prepare_backup(&self, tag: Tag) -> Result<usize> {
+        self.inner.alloc.core().prepare_backup(tag.0).map(|b| b as usize)
+    }
+
+    /// Whether every backup [`prepare_backup`](Self::prepare_backup) started is ready (faulted in
+    /// and released), so that a sleep now would not wait for one.
+    pub fn backups_prepared(&self) -> bool {
+        self.inner.alloc.core().backups_prepared()
+    }
+
     /// What `tag` holds.
     pub fn tag_stats(&self, tag: Tag) -> TagStats {
         self.inner.alloc.core().tag_stats(tag.0)

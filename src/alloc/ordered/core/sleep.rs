@@ -391,6 +391,34 @@ impl<B: Backend> Core<B> {
         Ok(())
     }
 
+    /// Starts getting a backup ready for `tag`'s next offloading sleep, as large as that sleep
+    /// would copy now (see [`Backend::host_prepare`]); returns those bytes, 0 when nothing was
+    /// started (nothing to copy, a retained backup, or the backend declined). Refused for a tag
+    /// not awake.
+    pub(crate) fn prepare_backup(&mut self, tag: u32) -> Result<u64> {
+        if tag == 0 {
+            return Err(Error::invalid("only tagged memory can sleep"));
+        }
+        if !self.is_awake(tag) {
+            return Err(Error::invalid("the tag is asleep or going to sleep: its backup is in use"));
+        }
+        if self.sleepers.get(&tag).is_some_and(|t| t.backup.is_some()) {
+            return Ok(0);
+        }
+        self.flush_cached();
+        let bytes: u64 = self
+            .slots_of(tag)
+            .into_iter()
+            .map(|slot| self.live_pages(slot).len() as u64 * self.slots[slot].page)
+            .sum();
+        Ok(if bytes > 0 && self.backend.host_prepare(tag, bytes) { bytes } else { 0 })
+    }
+
+    /// Whether every backup [`prepare_backup`](Self::prepare_backup) started is ready.
+    pub(crate) fn backups_prepared(&self) -> bool {
+        self.backend.host_prepared()
+    }
+
     pub(crate) fn tag_stats(&self, tag: u32) -> TagStats {
         let mut s = TagStats { asleep: self.is_asleep(tag), ..TagStats::default() };
         for slot in self.slots.iter().filter(|x| x.tag == tag) {

@@ -98,6 +98,8 @@ pub(super) struct Gpu {
     copies_left: Option<usize>,
     /// Makes `host_alloc` fail (no host memory, an unwritable directory).
     fail_host: bool,
+    /// Backups asked to be prepared: (tag, bytes).
+    prepared: Vec<(u32, u64)>,
 }
 
 /// A backup in the model: its size, what it holds at each offset (one value per page), the
@@ -361,6 +363,10 @@ impl Backend for Gpu {
     }
     fn host_retained(host: &ModelHost) -> bool {
         host.options.retain
+    }
+    fn host_prepare(&mut self, tag: u32, bytes: u64) -> bool {
+        self.prepared.push((tag, bytes));
+        true
     }
     fn copy_out(
         &mut self,
@@ -1816,6 +1822,28 @@ fn every_backup_kind_restores_the_contents_and_is_kept_after_a_wake_only_when_re
         c.wake(TAG).unwrap();
         assert_eq!(c.backend().hosts_alive.get(), usize::from(opts.retain), "{opts:?}");
     }
+}
+
+#[test]
+fn a_backup_is_prepared_as_large_as_the_next_sleep_would_copy_and_only_for_an_awake_tag() {
+    let mut c = core(1000);
+    assert_eq!(c.prepare_backup(TAG).unwrap(), 0, "nothing tagged: nothing to prepare");
+    let blocks = two_runs(&mut c, 7);
+    let copied = c.prepare_backup(TAG).unwrap();
+    assert!(copied > 0 && copied <= c.tag_stats(TAG).mapped, "the pages under live blocks");
+    assert_eq!(c.backend().prepared, [(TAG, copied)]);
+    assert!(c.prepare_backup(0).is_err(), "untagged memory never sleeps");
+    c.sleep(TAG, SleepMode::Offload).unwrap();
+    assert!(c.prepare_backup(TAG).is_err(), "asleep: its backup is in use");
+    assert_eq!(c.tag_stats(TAG).offloaded, copied, "the sleep copied what was prepared for");
+    c.wake(TAG).unwrap();
+    assert!(holds(&mut c, blocks, 7));
+    // A retained backup serves the next sleep already.
+    c.backend().backup_options.insert(TAG, BackupOptions { kind: BackupKind::Pageable, retain: true });
+    c.sleep(TAG, SleepMode::Offload).unwrap();
+    c.wake(TAG).unwrap();
+    assert_eq!(c.prepare_backup(TAG).unwrap(), 0);
+    assert_eq!(c.backend().prepared.len(), 1);
 }
 
 #[test]
