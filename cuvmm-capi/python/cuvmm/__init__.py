@@ -39,7 +39,7 @@ __version__ = "0.1.0"
 __all__ = [
     "find_library", "load", "library_path", "stats", "stats_json", "reset_peaks", "empty_cache",
     "release_graph_memory", "trace_flush", "last_error", "has_sleep", "set_tag", "tag", "sleep", "wake",
-    "tag_stats", "has_backup", "set_backup",
+    "tag_stats", "has_backup", "set_backup", "prepare_backup",
 ]
 
 _HERE = Path(__file__).resolve().parent
