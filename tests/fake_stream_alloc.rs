@@ -356,3 +356,58 @@ fn a_wake_out_of_memory_waits_for_the_device_and_takes_back_the_cache() {
     drop((w, small));
     s.synchronize().unwrap();
 }
+
+/// Pairs of threads on one stream each (so both lock that stream's front at once, for cached
+/// pairs of the same sizes) while every thread now and then asks for a size no front holds (so
+/// the device-wide path takes the fronts' idle blocks, locking each front from another thread):
+/// no block is ever handed to two holders at once, and the counters add up.
+#[test]
+fn threads_sharing_a_streams_front_never_hold_one_block_twice() {
+    use std::collections::BTreeMap;
+    use std::sync::Mutex;
+    let (_turn, _lib, ctx) = fake_device();
+    let alloc = StreamAllocator::new(&ctx).unwrap();
+    let streams: Vec<Stream> = (0..2).map(|_| Stream::non_blocking(&ctx).unwrap()).collect();
+    // Every block held now, by address: (end, holder).
+    let held: Mutex<BTreeMap<u64, (u64, usize)>> = Mutex::new(BTreeMap::new());
+    let take = |addr: u64, len: u64, who: usize| {
+        let mut h = held.lock().unwrap();
+        let before = h.range(..=addr).next_back().map(|(&a, &(end, w))| (a, end, w));
+        let after = h.range(addr..).next().map(|(&a, &(end, w))| (a, end, w));
+        for (a, end, w) in before.into_iter().chain(after) {
+            assert!(
+                end <= addr || a >= addr + len,
+                "thread {who} got {addr:#x}+{len:#x}, overlapping {a:#x}..{end:#x} that thread {w} holds"
+            );
+        }
+        h.insert(addr, (addr + len, who));
+    };
+    let give = |addr: u64| {
+        held.lock().unwrap().remove(&addr);
+    };
+    let before = alloc.stats();
+    std::thread::scope(|scope| {
+        for t in 0..4usize {
+            let (alloc, stream, take, give) = (&alloc, &streams[t / 2], &take, &give);
+            scope.spawn(move || {
+                for i in 0..8000usize {
+                    let size = 4096 << (i % 3);
+                    let b = alloc.allocate(size, stream).unwrap();
+                    take(b.ptr(), size as u64, t);
+                    if i % 1000 == t {
+                        let big = alloc.allocate((24 + t + i % 7) << 20, stream).unwrap();
+                        take(big.ptr(), big.len() as u64, t);
+                        give(big.ptr());
+                        drop(big);
+                    }
+                    give(b.ptr());
+                    drop(b);
+                }
+            });
+        }
+    });
+    let after = alloc.stats();
+    assert_eq!(after.live, before.live, "every block was freed");
+    assert_eq!(after.allocations - before.allocations, after.frees - before.frees);
+    assert!(after.cache_hits - before.cache_hits > 16_000, "the pairs were mostly served by their fronts");
+}

@@ -27,13 +27,14 @@
 //!   itself.
 //! * Lock order: the core, then a front. The fast paths hold one front lock and call nothing else.
 //!
-//! The cost a fast path may add is a thread-local look-up, an uncontended lock and a hash look-up
-//! or two; the core's lock is taken only by requests that find no cached block, frees after
+//! The cost a fast path may add is a thread-local look-up, an uncontended lock (one atomic swap
+//! and a store: see `front_lock.rs`) and a hash look-up or two; the core's lock is taken only by requests that find no cached block, frees after
 //! another stream found memory short (one per stream, to record the event the others wait for),
 //! tagged or captured requests, and the calls that look at the whole device.
 //!
 //! [`Core::flush_cached`]: super::core::Core::flush_cached
 
+use super::front_lock::{FrontGuard, FrontLock};
 use super::heap::{AddrMap, KeyedLists};
 use super::ids::{Epoch, Handle, SlotId, StreamId};
 use std::cell::RefCell;
@@ -98,7 +99,7 @@ pub(crate) struct Front {
     /// Set with `State::retired`, read without the lock: a thread's memo then looks in the
     /// registry again (the locked flag is what keeps a retired front unused).
     gone: AtomicBool,
-    state: Mutex<State>,
+    state: FrontLock<State>,
 }
 
 impl Front {
@@ -107,7 +108,7 @@ impl Front {
             id,
             raw,
             gone: AtomicBool::new(false),
-            state: Mutex::new(State {
+            state: FrontLock::new(State {
                 retired: false,
                 next: Epoch::FIRST,
                 last_free: Epoch::NONE,
@@ -119,8 +120,8 @@ impl Front {
         }
     }
 
-    pub(crate) fn lock(&self) -> MutexGuard<'_, State> {
-        lock(&self.state)
+    pub(crate) fn lock(&self) -> FrontGuard<'_, State> {
+        self.state.lock()
     }
 
     /// A block of `n` bytes the stream freed, handed out again for `requested` bytes.

@@ -95,6 +95,7 @@ mod backend;
 mod backup;
 pub(crate) mod core;
 mod front;
+mod front_lock;
 mod heap;
 mod host_memory;
 mod ids;
