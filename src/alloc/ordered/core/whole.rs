@@ -87,37 +87,53 @@ impl<B: Backend> Core<B> {
     /// the driver until it would not (or none is left), spare pages first, then idle whole
     /// pages, largest first (fewest driver calls), then idle ordinary pages. Only idle memory
     /// goes: no stream's queued work nor any graph can reach it, and a block freed while shared
-    /// is live in its heap.
+    /// is live in its heap. Returns whether the page now fits under the bound.
     pub(super) fn make_room(&mut self, page: u64, n: u64) -> Result<bool> {
-        self.take_counts();
         // The block's own rounding up to its page counts as live: without it a first block whose
         // page exceeds it by more than the bound's margin could never be whole.
-        let peak = (self.stats.live + page.max(n)).max(self.stats.live_peak);
-        let bound = (peak as f64 * LEND_ABOVE) as u64;
-        let held = |c: &Self| c.mapped_bytes + c.spare.len() as u64 * c.sizes.page + page;
-        if held(self) <= bound {
+        let own = page.max(n);
+        if self.over_bound(page, own) == 0 {
             return Ok(true);
         }
         self.release_spare();
+        let over = self.over_bound(page, own);
+        self.give_back_whole(over)?;
+        let over = self.over_bound(page, own);
+        if over > 0 {
+            self.reclaim(over.div_ceil(self.sizes.page) as usize)?;
+            self.release_spare();
+        }
+        Ok(self.over_bound(page, own) == 0)
+    }
+
+    /// How far `new` more bytes would take the memory held (mapped and spare pages) past
+    /// [`LEND_ABOVE`] times the largest live total, counting `own` bytes about to be live.
+    fn over_bound(&mut self, new: u64, own: u64) -> u64 {
+        self.take_counts();
+        let peak = (self.stats.live + own).max(self.stats.live_peak);
+        let held = self.mapped_bytes + self.spare.len() as u64 * self.sizes.page + new;
+        held.saturating_sub((peak as f64 * LEND_ABOVE) as u64)
+    }
+
+    /// Gives idle whole pages back to the driver, largest first, until `over` bytes went (or none
+    /// is left).
+    fn give_back_whole(&mut self, over: u64) -> Result<()> {
         let mut idle: Vec<(u64, usize)> =
             (0..self.slots.len()).filter(|&i| self.idle_whole(i)).map(|i| (self.slots[i].page, i)).collect();
         idle.sort_unstable_by(|a, b| b.cmp(a));
+        let mut gone = 0;
         for (size, i) in idle {
-            if held(self) <= bound {
+            if gone >= over {
                 break;
             }
             self.backend.unmap(self.slots[i].heap.base(), size)?;
             drop(self.slots[i].pages[0].take());
             self.mapped_bytes -= size;
             self.stats.pages_released += 1;
-        }
-        let over = held(self).saturating_sub(bound);
-        if over > 0 {
-            self.reclaim(over.div_ceil(self.sizes.page) as usize)?;
-            self.release_spare();
+            gone += size;
         }
         self.note_mapped();
-        Ok(held(self) <= bound)
+        Ok(())
     }
 
     /// A block for `req` (of whole kind) that no heap within [`WASTE`] serves, when a new page for
