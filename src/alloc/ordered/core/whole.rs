@@ -229,4 +229,43 @@ mod tests {
         assert_eq!(c.export(fresh, |_| Ok(())).unwrap().count, 1);
         assert_eq!(c.backend().units.get() - units, 41 + 2 + 40);
     }
+
+    #[test]
+    fn a_whole_block_freed_while_shared_keeps_its_allocation_and_past_the_bound_others_take_pages() {
+        let mut c = core(1000);
+        c.set_whole_above(24 * PAGE);
+        let units = c.backend().units.get();
+        let big = c.allocate(40 * PAGE, 1, Capture::None, 0).unwrap();
+        let mut shared = Vec::new();
+        c.export(big, |p| {
+            shared.push(p.id);
+            Ok(())
+        })
+        .unwrap();
+        c.free(big, Handle(1)).unwrap();
+        assert_eq!(c.stats().freed_shared, 40 * PAGE);
+        // Another whole allocation of 40 pages would hold twice the live peak: the shared one is
+        // not idle, so it is neither given back nor reused, and the block takes ordinary pages.
+        let next = c.allocate(40 * PAGE, 1, Capture::None, 0).unwrap();
+        assert!(next + 40 * PAGE <= big || next >= big + 40 * PAGE, "not on the shared block");
+        let at = c.export(next, |_| Ok(())).unwrap();
+        assert_eq!((at.page, at.count), (PAGE, 40), "ordinary pages past the bound");
+        c.unexport(next).unwrap();
+        let mut still = Vec::new();
+        c.exported_pages(big, |p| {
+            still.push(p.id);
+            Ok(())
+        })
+        .unwrap();
+        assert_eq!(still, shared, "the importers' allocation stays where it is");
+        assert_eq!(c.backend().units.get() - units, 80);
+        // Let go, it is idle: the next whole block of its size takes it again.
+        c.free(next, Handle(1)).unwrap();
+        c.unexport(big).unwrap();
+        c.empty_cache().unwrap();
+        assert_eq!(c.backend().units.get() - units, 0);
+        let again = c.allocate(40 * PAGE, 1, Capture::None, 0).unwrap();
+        assert_eq!(again, big);
+        assert_eq!(c.export(again, |_| Ok(())).unwrap().count, 1);
+    }
 }
