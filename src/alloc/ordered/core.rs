@@ -758,9 +758,6 @@ impl<B: Backend> Core<B> {
     ) -> Result<()> {
         let page = self.slots[slot].page;
         let base = self.slots[slot].heap.base();
-        if self.slots[slot].tag == WHOLE && page != self.sizes.page {
-            self.make_room(page, n)?;
-        }
         let whole = |p: u64| base + p * page >= addr && base + (p + 1) * page <= addr + n;
         let edge = |c: &Self, p: u64| {
             !whole(p)

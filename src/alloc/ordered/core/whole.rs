@@ -124,18 +124,24 @@ impl<B: Backend> Core<B> {
             (0..self.slots.len()).filter(|&i| self.idle_whole(i)).map(|i| (self.slots[i].page, i)).collect();
         idle.sort_unstable_by(|a, b| b.cmp(a));
         let mut gone = 0;
-        for (size, i) in idle {
+        for (_, i) in idle {
             if gone >= over {
                 break;
             }
-            self.backend.unmap(self.slots[i].heap.base(), size)?;
-            drop(self.slots[i].pages[0].take());
-            self.mapped_bytes -= size;
-            self.stats.pages_released += 1;
-            gone += size;
+            gone += self.drop_whole(i)?;
         }
         self.note_mapped();
         Ok(())
+    }
+
+    /// Unmaps the page of whole heap `i` and gives it back to the driver; returns its bytes.
+    fn drop_whole(&mut self, i: usize) -> Result<u64> {
+        let (base, page) = (self.slots[i].heap.base(), self.slots[i].page);
+        self.backend.unmap(base, page)?;
+        drop(self.slots[i].pages[0].take());
+        self.mapped_bytes -= page;
+        self.stats.pages_released += 1;
+        Ok(page)
     }
 
     /// A block for `req` (of whole kind) that no heap within [`WASTE`] serves, when a new page for
@@ -172,15 +178,9 @@ impl<B: Backend> Core<B> {
     pub(super) fn release_whole(&mut self) -> Result<u64> {
         let mut bytes = 0;
         for slot in 0..self.slots.len() {
-            if !self.idle_whole(slot) {
-                continue;
+            if self.idle_whole(slot) {
+                bytes += self.drop_whole(slot)?;
             }
-            let (base, page) = (self.slots[slot].heap.base(), self.slots[slot].page);
-            self.backend.unmap(base, page)?;
-            drop(self.slots[slot].pages[0].take());
-            self.mapped_bytes -= page;
-            self.stats.pages_released += 1;
-            bytes += page;
         }
         self.note_mapped();
         Ok(bytes)
