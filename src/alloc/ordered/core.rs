@@ -6,7 +6,7 @@
 //! the change.
 
 use super::front::{lock, Entry, Front, Fronts};
-use super::heap::{Freed, Heap, KeyMap, Owner, PendingFree, ALIGN, IDLE};
+use super::heap::{BlockId, Freed, Heap, KeyMap, Owner, PendingFree, ALIGN, IDLE};
 use super::ids::{Caller, Epoch, Handle, SlotId, StreamId, LEGACY, SYNTHETIC};
 use crate::error::{Error, Result};
 use std::collections::{HashMap, VecDeque};
@@ -595,6 +595,11 @@ impl<B: Backend> Core<B> {
                 return Ok(found);
             }
         }
+        if req.kind.1 == WHOLE {
+            if let Some(found) = self.whole_over_bound(req)? {
+                return Ok(found);
+            }
+        }
         // Fresh address space; its pages come from idle ones, spare ones, or the driver.
         let (slot, addr) = self.carve(req)?;
         match self.ensure_pages(slot, addr, req.n, req.capture, req.stream.id) {
@@ -624,14 +629,22 @@ impl<B: Backend> Core<B> {
     /// (and its pool).
     fn reuse(&mut self, req: &Request, reuse: StreamId, pool: u32) -> Result<Option<(SlotId, u64)>> {
         // Heaps of one kind are few (more only when one's address space ran out): the first that
-        // fits wins.
-        let found = self
-            .slots
-            .iter()
-            .enumerate()
-            .filter(|(_, s)| (s.small, s.tag) == req.kind)
-            .find_map(|(i, s)| s.heap.find(pool, reuse, req.n).map(|(_, id)| (SlotId::of(i), id)));
+        // fits wins. Whole heaps are one per block: the best fit.
+        let found = if req.kind.1 == WHOLE {
+            self.find_whole(pool, reuse, req.n)
+        } else {
+            self.slots
+                .iter()
+                .enumerate()
+                .filter(|(_, s)| (s.small, s.tag) == req.kind)
+                .find_map(|(i, s)| s.heap.find(pool, reuse, req.n).map(|(_, id)| (SlotId::of(i), id)))
+        };
         let Some((slot, id)) = found else { return Ok(None) };
+        self.take_found(req, slot, id).map(Some)
+    }
+
+    /// Hands out `req.n` bytes at the start of free block `id` of `slot`, its pages mapped.
+    fn take_found(&mut self, req: &Request, slot: SlotId, id: BlockId) -> Result<(SlotId, u64)> {
         let addr = self.slots[slot].heap.take(id, req.n, req.stream, req.size, req.pool);
         let mapped_before = self.mapped_bytes;
         if let Err(e) = self.ensure_pages(slot, addr, req.n, req.capture, req.stream.id) {
@@ -639,7 +652,7 @@ impl<B: Backend> Core<B> {
             return Err(e);
         }
         self.count_alloc(req.n, req.size, self.mapped_bytes == mapped_before);
-        Ok(Some((slot, addr)))
+        Ok((slot, addr))
     }
 
     fn count_alloc(&mut self, n: u64, size: u64, hit: bool) {
@@ -656,8 +669,9 @@ impl<B: Backend> Core<B> {
         let Request { n, size, stream, pool, capture, .. } = *req;
         // As in `allocate`: a capture shared with other streams takes only idle blocks.
         let reuse = if matches!(capture, Capture::Shared(_)) { IDLE } else { stream.id };
+        let limit = if tag == WHOLE { self.whole_limit(n) } else { u64::MAX };
         for (i, s) in self.slots.iter_mut().enumerate() {
-            if (s.small, s.tag) == req.kind {
+            if (s.small, s.tag) == req.kind && s.page <= limit {
                 if let Some(a) = s.heap.carve(n, stream, size, pool, reuse) {
                     return Ok((SlotId::of(i), a));
                 }
@@ -1490,11 +1504,12 @@ impl<B: Backend> Ordered<B> {
 }
 
 mod export;
-use export::WHOLE;
 #[cfg(test)]
 mod invariants;
 mod sleep;
+mod whole;
 pub use sleep::{SleepMode, TagStats};
+use whole::WHOLE;
 
 #[cfg(test)]
 mod tests;

@@ -144,9 +144,11 @@ pub struct AllocatorConfig {
     /// allocation of their size rounded to `page`, exportable as a POSIX descriptor and, where the
     /// device supports it and an IMEX channel exists, as a fabric handle: what transfer engines
     /// that register a range by its allocation (UCX's POSIX-descriptor path, fabric handles) can
-    /// carry. Such a block's free space serves later blocks of that size class only; its memory
-    /// goes back to the driver at [`StreamAllocator::empty_cache`] once idle, instead of being
-    /// moved to where other blocks need it.
+    /// carry. Such a block's allocation, once freed, serves later blocks it exceeds by at most an
+    /// eighth, smallest first; it is never moved to where other blocks need it, but goes back to
+    /// the driver once idle at [`StreamAllocator::empty_cache`], or when a new one would take the
+    /// memory held past the bound lending keeps (a little above the largest live total); past
+    /// that bound, a block takes a larger allocation already held or ordinary pages.
     pub export_threshold: usize,
 }
 

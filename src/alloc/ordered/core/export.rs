@@ -7,12 +7,8 @@
 //! importers let go stays live in its heap, out of every later allocation, until the last
 //! [`Core::unexport`], as PyTorch defers the free of a block lent through CUDA IPC.
 
-use super::{Backend, Core, Epoch, Owner, SlotId, StreamId, SMALL};
+use super::{Backend, Core, Epoch, Owner, SlotId, StreamId};
 use crate::error::{Error, Result};
-
-/// The heap kind (in place of a tag) of blocks that are one physical allocation each (see
-/// [`Core::set_whole_above`]). Interned tags count up from 1 and never reach it.
-pub(crate) const WHOLE: u32 = u32::MAX;
 
 /// Where a live block lies on its pages.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -29,57 +25,6 @@ pub(crate) struct BlockPages {
 }
 
 impl<B: Backend> Core<B> {
-    /// Makes every later untagged block of at least `bytes` bytes (0: none) one physical
-    /// allocation at offset 0, which engines that register a range by its allocation (UCX's POSIX
-    /// descriptor path, fabric handles) can carry: such a block takes a heap of one page of its
-    /// own size, rounded to the page size, and a later block fitting the free space there may
-    /// reuse it. Those pages are not moved or lent, and go back to the driver at `empty_cache`
-    /// once idle.
-    pub(crate) fn set_whole_above(&mut self, bytes: u64) {
-        self.whole_above = bytes;
-    }
-
-    /// (small, tag) of the heaps that serve `n` bytes tagged `tag`.
-    pub(super) fn kind_of(&self, n: u64, tag: u32) -> (bool, u32) {
-        if tag == 0 && self.whole_above != 0 && n >= self.whole_above.max(SMALL + 1) {
-            (false, WHOLE)
-        } else {
-            (n <= SMALL, tag)
-        }
-    }
-
-    /// The page (and heap) size of a whole block of `n` bytes.
-    pub(super) fn whole_page(&self, n: u64) -> Result<u64> {
-        n.div_ceil(self.sizes.page)
-            .checked_mul(self.sizes.page)
-            .ok_or_else(|| Error::invalid(format!("{n} bytes cannot be allocated")))
-    }
-
-    /// Unmaps and releases the pages of one-page heaps whose free space is idle; returns the bytes.
-    pub(super) fn release_whole(&mut self) -> Result<u64> {
-        let mut bytes = 0;
-        for slot in 0..self.slots.len() {
-            let (tag, page) = (self.slots[slot].tag, self.slots[slot].page);
-            if tag != WHOLE || page == self.sizes.page {
-                // One ordinary page: `reclaim` has dealt with it.
-                continue;
-            }
-            let base = self.slots[slot].heap.base();
-            for p in self.slots[slot].heap.idle_pages(page) {
-                if self.slots[slot].pages[p as usize].is_none() {
-                    continue;
-                }
-                self.backend.unmap(base + p * page, page)?;
-                drop(self.slots[slot].pages[p as usize].take());
-                self.mapped_bytes -= page;
-                self.stats.pages_released += 1;
-                bytes += page;
-            }
-        }
-        self.note_mapped();
-        Ok(bytes)
-    }
-
     /// The live block holding `addr` (anywhere inside it), as (slot, address, size).
     fn live_block_at(&self, addr: u64) -> Option<(SlotId, u64, u64)> {
         let slot = SlotId::of(self.slots.iter().position(|s| s.heap.contains(addr))?);
@@ -392,37 +337,5 @@ mod tests {
         assert!(c.export(a, |_| Ok(())).is_err(), "an asleep block cannot be shared");
         c.wake(TAG).unwrap();
         c.export(a, |_| Ok(())).unwrap();
-    }
-
-    #[test]
-    fn above_the_threshold_a_block_is_one_allocation_released_by_empty_cache() {
-        let mut c = core(1000);
-        c.set_whole_above(24 * PAGE);
-        let units = c.backend().units.get();
-        let big = c.allocate(40 * PAGE + 100, 1, Capture::None, 0).unwrap();
-        let at = c.export(big, |_| Ok(())).unwrap();
-        assert_eq!((at.count, at.page, at.first_page), (1, 41 * PAGE, big), "one page of the block's size");
-        c.unexport(big).unwrap();
-        // Below the threshold, and tagged: ordinary heaps.
-        let small = c.allocate(2 * PAGE, 1, Capture::None, 0).unwrap();
-        assert_eq!(c.export(small, |_| Ok(())).unwrap().page, PAGE);
-        let tagged = c.allocate(40 * PAGE, 1, Capture::None, TAG).unwrap();
-        assert_eq!(c.export(tagged, |_| Ok(())).unwrap().page, TPAGE);
-        assert_eq!(c.backend().units.get() - units, 41 + 2 + 40);
-        // Freed, it serves the next block of its size class where it is, still one allocation.
-        c.free(big, Handle(1)).unwrap();
-        let again = c.allocate(30 * PAGE, 1, Capture::None, 0).unwrap();
-        assert_eq!(again, big);
-        assert_eq!(c.export(again, |_| Ok(())).unwrap().count, 1);
-        c.unexport(again).unwrap();
-        c.free(again, Handle(1)).unwrap();
-        let released = c.stats().pages_released;
-        assert_eq!(c.empty_cache().unwrap(), 41 * PAGE);
-        assert_eq!(c.stats().pages_released - released, 1);
-        assert_eq!(c.backend().units.get() - units, 2 + 40, "the whole block's memory went back");
-        // A new one maps a fresh page.
-        let fresh = c.allocate(41 * PAGE, 1, Capture::None, 0).unwrap();
-        assert_eq!(c.export(fresh, |_| Ok(())).unwrap().count, 1);
-        assert_eq!(c.backend().units.get() - units, 41 + 2 + 40);
     }
 }
