@@ -60,12 +60,20 @@ def _owner(device: int, ptr: int):
     return (block.value, n.value) if rc == 1 else None
 
 
-def _mark(device: int, ptr: int):
-    """(cuvmm_export_t, [page serials]) of the block holding ``ptr``, marked shared (one
-    ``cuvmm_unexport`` each): no descriptor yet, a receiver that maps those pages needs none."""
+# The driver's smallest physical allocation granularity: no page under a block is smaller.
+_MIN_PAGE = 2 << 20
+
+
+def _mark(device: int, ptr: int, block_len: int):
+    """(cuvmm_export_t, [page serials]) of the block holding ``ptr`` (``block_len`` bytes long),
+    marked shared (one ``cuvmm_unexport`` each): no descriptor yet, a receiver that maps those
+    pages needs none."""
     lib = _core.load()
     out = _core.Export()
-    cap = 64
+    # Room for every page under the block from the start: a call with too little room marks the
+    # block and lets it go again, which a hand-off of a large block would pay each time.
+    # A block spans at most one page more than its length fills.
+    cap = block_len // _MIN_PAGE + 2
     while True:
         pages = (ctypes.c_uint64 * cap)()
         rc = lib.cuvmm_export_mark(device, ptr, ctypes.byref(out), pages, cap)
@@ -113,7 +121,7 @@ def reduce_tensor(t):
         raise RuntimeError("Cowardly refusing to send a non-leaf tensor that requires grad across "
                            "processes (detach it first, as PyTorch asks)")
     _raise_fd_limit()
-    layout, pages = _mark(device, ptr)
+    layout, pages = _mark(device, ptr, owner[1])
     block, count = layout.block, layout.count
     try:
         desc = _share.encode(
