@@ -12,6 +12,7 @@ import contextlib
 import gc
 import os
 import sys
+import threading
 import time
 import types
 import unittest
@@ -211,6 +212,31 @@ class HandOff(unittest.TestCase):
         wait_for(lambda: lib.unexports == 1, "the block let go")
         wait_for(lambda: ts.pending_shares() == 0, "nothing pending")
         self.assertEqual(ts.release_kept_mappings(), 300 * PAGE)
+
+    def test_storages_dropped_together_share_a_device_wait_and_are_let_go_after_it(self):
+        lib, cuda = self.lib, sys.modules["torch"].cuda
+        gate, waits = threading.Event(), []
+
+        def synchronize(device=None):
+            waits.append(device)
+            if threading.current_thread() is not threading.main_thread():
+                gate.wait(10)  # (one that waited on the dropping thread would wait alone)
+
+        cuda.synchronize = synchronize
+        try:
+            got = [self.send_and_receive() for _ in range(64)]
+            self.assertEqual((lib.marks, lib.imports), (64, 1))
+            del got
+            time.sleep(0.2)
+            self.assertEqual(lib.unexports, 0, "no sender told while the device's work may run")
+            gate.set()
+            wait_for(lambda: lib.unexports == 64, "every block let go")
+            self.assertLessEqual(len(waits), 2, "one device wait for the storages dropped together")
+            wait_for(lambda: ts._waits.pending() == 0, "every release told")
+            self.assertEqual(ts.release_kept_mappings(), 3 * PAGE, "the mapping kept until now")
+        finally:
+            cuda.synchronize = lambda d=None: None
+            gate.set()
 
     def test_a_refused_descriptor_leaves_nothing_held(self):
         fn, (desc, address, token, pages) = ts.reduce_tensor(self.tensor())
