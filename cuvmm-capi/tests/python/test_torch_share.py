@@ -238,6 +238,26 @@ class HandOff(unittest.TestCase):
             cuda.synchronize = lambda d=None: None
             gate.set()
 
+    def test_a_receiver_dying_with_releases_pending_lets_go_of_every_block(self):
+        lib = self.lib
+        sent = [ts.reduce_tensor(self.tensor()) for _ in range(8)]
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the receiver: its device never finishes, and it dies meanwhile
+            try:
+                os.close(r)
+                sys.modules["torch"].cuda.synchronize = lambda d=None: time.sleep(3600)
+                got = [fn(*args) for fn, args in sent]
+                del got
+                os.write(w, b"%d" % ts._waits.pending())
+            finally:
+                os._exit(0)
+        os.close(w)
+        with os.fdopen(r, "rb") as f:
+            self.assertEqual(f.read(), b"8", "the receiver's releases pending when it died")
+        os.waitpid(pid, 0)
+        wait_for(lambda: lib.unexports == 8, "every block let go")
+
     def test_a_refused_descriptor_leaves_nothing_held(self):
         fn, (desc, address, token, pages) = ts.reduce_tensor(self.tensor())
         bad = list(desc)
