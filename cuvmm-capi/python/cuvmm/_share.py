@@ -483,7 +483,11 @@ def _connect(address: bytes, pid: int, deadline: float) -> socket.socket:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     try:
         sock.settimeout(max(deadline - time.monotonic(), 0.001))
-        sock.connect(address)
+        try:
+            sock.connect(address)
+        except socket.timeout:
+            # A TimeoutError, as fetch promises, before Python 3.10 too.
+            raise TimeoutError(f"no connection to the cuvmm sending process {pid} in time") from None
         # Before the token goes out or a descriptor comes in: whoever holds the name now must be
         # the process it names, running as us. Abstract names are visible to every user, and
         # free for any of them to take once the sender has gone. A peer whose PID namespace we
@@ -560,7 +564,8 @@ def _exchange(address: bytes, token: bytes, timeout: float, what):
             if got is None:
                 _drop(address, c)  # the sender hung up
             return got
-        except TimeoutError:
+        except (TimeoutError, socket.timeout):
+            # (Before Python 3.10 a socket's timeout is no TimeoutError.)
             # The answer may still come: the connection is out of step, so nobody uses it again.
             _drop(address, c)
             raise TimeoutError(f"the cuvmm sending process {pid} did not answer within {timeout} s "

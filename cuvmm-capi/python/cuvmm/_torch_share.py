@@ -12,6 +12,7 @@ import torch as _torch
 
 import cuvmm as _core
 from cuvmm import _share
+from cuvmm._device_waits import DeviceWaits
 from cuvmm._share_keep import DEFAULT_SHARE, Kept, budget_from_env
 
 
@@ -25,6 +26,7 @@ def _default_keep() -> int:
 
 _releases = _share.Releases()
 _handoff = _share.Handoff(_releases)
+_waits = DeviceWaits(lambda device: _torch.cuda.synchronize(device))
 _kept = Kept(budget_from_env(os.environ.get("CUVMM_SHARE_KEEP")), _default_keep)
 
 
@@ -33,8 +35,11 @@ def _after_fork_in_child():
     # the child starts with none (and without the parent's threads), and opens connections of its
     # own.
     # The parent's kept mappings are the parent's (a child cannot use CUDA after a fork anyway).
-    global _releases, _handoff, _kept
+    # Releases pending in the parent are the parent's to tell (the child's copies of their
+    # sockets close with it).
+    global _releases, _handoff, _kept, _waits
     _releases = _share.Releases()
+    _waits = DeviceWaits(lambda device: _torch.cuda.synchronize(device))
     _kept = Kept(budget_from_env(os.environ.get("CUVMM_SHARE_KEEP")), _default_keep)
     _handoff.close()
     _handoff = _share.Handoff(_releases)
@@ -60,12 +65,20 @@ def _owner(device: int, ptr: int):
     return (block.value, n.value) if rc == 1 else None
 
 
-def _mark(device: int, ptr: int):
-    """(cuvmm_export_t, [page serials]) of the block holding ``ptr``, marked shared (one
-    ``cuvmm_unexport`` each): no descriptor yet, a receiver that maps those pages needs none."""
+# The driver's smallest physical allocation granularity: no page under a block is smaller.
+_MIN_PAGE = 2 << 20
+
+
+def _mark(device: int, ptr: int, block_len: int):
+    """(cuvmm_export_t, [page serials]) of the block holding ``ptr`` (``block_len`` bytes long),
+    marked shared (one ``cuvmm_unexport`` each): no descriptor yet, a receiver that maps those
+    pages needs none."""
     lib = _core.load()
     out = _core.Export()
-    cap = 64
+    # Room for every page under the block from the start: a call with too little room marks the
+    # block and lets it go again, which a hand-off of a large block would pay each time.
+    # A block spans at most one page more than its length fills.
+    cap = block_len // _MIN_PAGE + 2
     while True:
         pages = (ctypes.c_uint64 * cap)()
         rc = lib.cuvmm_export_mark(device, ptr, ctypes.byref(out), pages, cap)
@@ -113,7 +126,7 @@ def reduce_tensor(t):
         raise RuntimeError("Cowardly refusing to send a non-leaf tensor that requires grad across "
                            "processes (detach it first, as PyTorch asks)")
     _raise_fd_limit()
-    layout, pages = _mark(device, ptr)
+    layout, pages = _mark(device, ptr, owner[1])
     block, count = layout.block, layout.count
     try:
         desc = _share.encode(
@@ -225,12 +238,17 @@ class _Lease:
         sock, self._sock = self._sock, None
         if sock is None:
             return
-        try:
-            # As an unmap would: the sender may reuse the block once told.
-            _torch.cuda.synchronize(self._device)
-        finally:
-            sock.close()
-            _kept.put_back(self._key)
+        key = self._key
+
+        def tell():
+            try:
+                sock.close()
+            finally:
+                _kept.put_back(key)
+
+        # As an unmap would, the device's work on it is waited for first (the sender may reuse the
+        # block once told): one wait for the storages dropped together.
+        _waits.add(self._device, tell)
 
     def __del__(self):
         try:

@@ -12,6 +12,7 @@ import contextlib
 import gc
 import os
 import sys
+import threading
 import time
 import types
 import unittest
@@ -105,6 +106,7 @@ class FakeLib:
 
     def __init__(self):
         self.marks = self.unexports = self.fds_made = self.imports = self.import_releases = 0
+        self.mark_calls = 0
         self.pages = [11, 12, 13]
 
     def cuvmm_owner(self, device, ptr, block, n):
@@ -112,6 +114,8 @@ class FakeLib:
         return 1
 
     def cuvmm_export_mark(self, device, ptr, out, pages, cap):
+        # Too little room marks nothing but costs a call: the library marks and lets go.
+        self.mark_calls += 1
         n = len(self.pages)
         o = out._obj
         o.block, o.len, o.first_page, o.page, o.count = BLOCK, n * PAGE, BLOCK, PAGE, n
@@ -197,6 +201,62 @@ class HandOff(unittest.TestCase):
         wait_for(lambda: lib.unexports == lib.marks, "the block let go")
         self.assertEqual(ts.release_kept_mappings(), 2 * 3 * PAGE)
         self.assertEqual(lib.import_releases, 2, "idle kept mappings unmapped on request")
+
+    def test_a_block_of_many_pages_is_marked_once(self):
+        lib = self.lib
+        lib.pages = list(range(100, 400))
+        got = self.send_and_receive()
+        self.assertEqual((lib.mark_calls, lib.marks), (1, 1), "one mark, with room for every page")
+        self.assertEqual(lib.fds_made, 300)
+        del got
+        wait_for(lambda: lib.unexports == 1, "the block let go")
+        wait_for(lambda: ts.pending_shares() == 0, "nothing pending")
+        self.assertEqual(ts.release_kept_mappings(), 300 * PAGE)
+
+    def test_storages_dropped_together_share_a_device_wait_and_are_let_go_after_it(self):
+        lib, cuda = self.lib, sys.modules["torch"].cuda
+        gate, waits = threading.Event(), []
+
+        def synchronize(device=None):
+            waits.append(device)
+            if threading.current_thread() is not threading.main_thread():
+                gate.wait(10)  # (one that waited on the dropping thread would wait alone)
+
+        cuda.synchronize = synchronize
+        try:
+            got = [self.send_and_receive() for _ in range(64)]
+            self.assertEqual((lib.marks, lib.imports), (64, 1))
+            del got
+            time.sleep(0.2)
+            self.assertEqual(lib.unexports, 0, "no sender told while the device's work may run")
+            gate.set()
+            wait_for(lambda: lib.unexports == 64, "every block let go")
+            self.assertLessEqual(len(waits), 2, "one device wait for the storages dropped together")
+            wait_for(lambda: ts._waits.pending() == 0, "every release told")
+            self.assertEqual(ts.release_kept_mappings(), 3 * PAGE, "the mapping kept until now")
+        finally:
+            cuda.synchronize = lambda d=None: None
+            gate.set()
+
+    def test_a_receiver_dying_with_releases_pending_lets_go_of_every_block(self):
+        lib = self.lib
+        sent = [ts.reduce_tensor(self.tensor()) for _ in range(8)]
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the receiver: its device never finishes, and it dies meanwhile
+            try:
+                os.close(r)
+                sys.modules["torch"].cuda.synchronize = lambda d=None: time.sleep(3600)
+                got = [fn(*args) for fn, args in sent]
+                del got
+                os.write(w, b"%d" % ts._waits.pending())
+            finally:
+                os._exit(0)
+        os.close(w)
+        with os.fdopen(r, "rb") as f:
+            self.assertEqual(f.read(), b"8", "the receiver's releases pending when it died")
+        os.waitpid(pid, 0)
+        wait_for(lambda: lib.unexports == 8, "every block let go")
 
     def test_a_refused_descriptor_leaves_nothing_held(self):
         fn, (desc, address, token, pages) = ts.reduce_tensor(self.tensor())
