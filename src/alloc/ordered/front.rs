@@ -28,9 +28,10 @@
 //! * Lock order: the core, then a front. The fast paths hold one front lock and call nothing else.
 //!
 //! The cost a fast path may add is a thread-local look-up, an uncontended lock (one atomic swap
-//! and a store: see `front_lock.rs`) and a hash look-up or two; the core's lock is taken only by requests that find no cached block, frees after
-//! another stream found memory short (one per stream, to record the event the others wait for),
-//! tagged or captured requests, and the calls that look at the whole device.
+//! and a store: see `front_lock.rs`) and a hash look-up or two; the core's lock is taken only by
+//! requests that find no cached block, frees after another stream found memory short (one per
+//! stream, to record the event the others wait for), tagged or captured requests, and the calls
+//! that look at the whole device.
 //!
 //! [`Core::flush_cached`]: super::core::Core::flush_cached
 

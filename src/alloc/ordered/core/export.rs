@@ -156,7 +156,7 @@ impl<B: Backend> Core<B> {
 
 #[cfg(test)]
 mod tests {
-    use super::super::tests::{core, Gpu, PAGE, TAG, TPAGE};
+    use super::super::tests::{core, shared_ids, Gpu, PAGE, TAG, TPAGE};
     use super::super::{Capture, Core, Handle, SleepMode};
     use crate::error::Error;
 
@@ -215,12 +215,7 @@ mod tests {
 
     /// Page ids under the block at `addr`, shared once and let go.
     fn page_ids(c: &mut Core<Gpu>, addr: u64) -> Vec<u32> {
-        let mut ids = Vec::new();
-        c.export(addr, |p| {
-            ids.push(p.id);
-            Ok(())
-        })
-        .unwrap();
+        let ids = shared_ids(c, addr);
         c.unexport(addr).unwrap();
         ids
     }
@@ -230,12 +225,7 @@ mod tests {
         for stream in [1, 2] {
             let mut c = core(1000);
             let b = c.allocate(4 * PAGE, 1, Capture::None, 0).unwrap();
-            let mut shared = Vec::new();
-            c.export(b, |p| {
-                shared.push(p.id);
-                Ok(())
-            })
-            .unwrap();
+            let shared = shared_ids(&mut c, b);
             c.export(b, |_| Ok(())).unwrap();
             let live = c.stats().live;
             c.free(b, Handle(stream)).unwrap();

@@ -440,6 +440,17 @@ impl Gpu {
     }
 }
 
+/// Page ids under the live block holding `addr`, now shared (until one `unexport` more).
+pub(super) fn shared_ids(c: &mut Core<Gpu>, addr: u64) -> Vec<u32> {
+    let mut ids = Vec::new();
+    c.export(addr, |p| {
+        ids.push(p.id);
+        Ok(())
+    })
+    .unwrap();
+    ids
+}
+
 pub(super) fn core(page_limit: usize) -> Core<Gpu> {
     let gpu = Gpu { page_limit, ..Gpu::default() };
     Core::new(

@@ -189,7 +189,7 @@ impl<B: Backend> Core<B> {
 
 #[cfg(test)]
 mod tests {
-    use super::super::tests::{core, PAGE, TAG, TPAGE};
+    use super::super::tests::{core, shared_ids, PAGE, TAG, TPAGE};
     use super::super::{Capture, Handle};
 
     #[test]
@@ -238,12 +238,7 @@ mod tests {
         c.set_whole_above(24 * PAGE);
         let units = c.backend().units.get();
         let big = c.allocate(40 * PAGE, 1, Capture::None, 0).unwrap();
-        let mut shared = Vec::new();
-        c.export(big, |p| {
-            shared.push(p.id);
-            Ok(())
-        })
-        .unwrap();
+        let shared = shared_ids(&mut c, big);
         c.free(big, Handle(1)).unwrap();
         assert_eq!(c.stats().freed_shared, 40 * PAGE);
         // The shared allocation is neither given back nor reused; the memory importers hold
