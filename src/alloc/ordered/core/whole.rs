@@ -52,7 +52,7 @@ impl<B: Backend> Core<B> {
     /// The largest page of a whole heap that may serve a block of `n` bytes: its own page, or
     /// the block and 1/[`WASTE`] of it.
     pub(super) fn whole_limit(&self, n: u64) -> u64 {
-        let own = n.div_ceil(self.sizes.page).saturating_mul(self.sizes.page);
+        let own = self.whole_page(n).unwrap_or(u64::MAX);
         own.max(n.saturating_add(n / WASTE))
     }
 
