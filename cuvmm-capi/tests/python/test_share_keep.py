@@ -108,19 +108,22 @@ class KeptMappings(unittest.TestCase):
         self.assertIs(k.take(kb), busy, "still kept")
 
     def test_a_sender_is_looked_at_once_however_many_of_its_mappings_are_idle(self):
-        k = Kept(1 << 40)
-        for i in range(50):
-            key = k.key(ME, 0, PAGE, 1, [i + 1], [])
-            k.add(key, Mapping(), PAGE)
-            k.put_back(key)
-        looked = []
-        real = os.kill
-        os.kill = lambda pid, sig: looked.append(pid) or real(pid, sig)
-        try:
-            k.trim()
-        finally:
-            os.kill = real
-        self.assertEqual(looked, [os.getpid()])
+        def looked_at(k):
+            for i in range(50):
+                key = k.key(ME, 0, PAGE, 1, [i + 1], [])
+                k.add(key, Mapping(), PAGE)
+                k.put_back(key)
+            looked = []
+            real = os.kill
+            os.kill = lambda pid, sig: looked.append(pid) or real(pid, sig)
+            try:
+                k.trim()
+            finally:
+                os.kill = real
+            return looked
+
+        self.assertEqual(looked_at(Kept(1 << 40, watch_exits=False)), [os.getpid()])
+        self.assertEqual(looked_at(Kept(1 << 40)), [], "a watched sender's exit is told, not looked for")
 
     def test_a_sender_that_exits_has_its_idle_mappings_released_with_nothing_else_happening(self):
         r, w = os.pipe()
