@@ -68,7 +68,6 @@ def encode(*, device: int, block: int, block_len: int, first_page: int, page: in
     d = (VERSION, device, block, block_len, first_page, page, count, ptr - first_page, nbytes, dtype,
          tuple(int(s) for s in size), tuple(int(s) for s in stride), int(storage_offset),
          bool(requires_grad), bool(parameter))
-    decode(d)
     return d
 
 
@@ -476,8 +475,8 @@ class _Connection:
     while it holds some (out of step after a timeout) stays open, for their releases alone,
     until the last is released."""
 
-    def __init__(self, sock: socket.socket):
-        self.sock = sock
+    def __init__(self, sock: socket.socket, pid: int):
+        self.sock, self.pid = sock, pid
         self.lock = threading.Lock()
         self.claims = 0
         self.dropped = False
@@ -601,7 +600,7 @@ def _connection(address: bytes, pid: int, deadline: float) -> _Connection:
     with _connections_lock:
         c = _connections.get(address)
     if c is None:
-        c = _Connection(_connect(address, pid, deadline))
+        c = _Connection(_connect(address, pid, deadline), pid)
         with _connections_lock:
             # Another thread may have connected meanwhile: keep one, close the other.
             c, extra = _connections.setdefault(address, c), c
@@ -632,12 +631,9 @@ def _exchange(address: bytes, token: bytes, timeout: float, what, claims: bool):
     is sent (it must stay open while it might hold it); the caller uncounts a refusal. A connection
     that failed or timed out is dropped (out of step: nobody asks anything on it again), and
     whatever the sender took for this exchange is released."""
-    m = _ADDRESS.match(address) if isinstance(address, bytes) else None
-    if m is None:
-        raise ValueError(f"not a cuvmm hand-off address: {address!r}")
     if not isinstance(token, bytes) or len(token) != _TOKEN:
         raise ValueError("not a cuvmm hand-off token")
-    pid = int(m.group(1))
+    pid = _sender(address)
     deadline = time.monotonic() + timeout
     while True:
         c = _connection(address, pid, deadline)
@@ -666,6 +662,17 @@ def _exchange(address: bytes, token: bytes, timeout: float, what, claims: bool):
                 if claims:
                     _unclaim(c)
                 _drop(address, c, token if claims else None)
+
+
+def _sender(address) -> int:
+    """The pid a hand-off address names; ValueError for anything else."""
+    c = _connections.get(address) if isinstance(address, bytes) else None
+    if c is not None:
+        return c.pid  # (read once, when it connected)
+    m = _ADDRESS.match(address) if isinstance(address, bytes) else None
+    if m is None:
+        raise ValueError(f"not a cuvmm hand-off address: {address!r}")
+    return int(m.group(1))
 
 
 def _unclaim(c: _Connection) -> None:

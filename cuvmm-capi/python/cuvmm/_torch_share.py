@@ -67,9 +67,10 @@ _MIN_PAGE = 2 << 20
 
 
 def _mark(device: int, ptr: int, block_len: int):
-    """(cuvmm_export_t, [page serials]) of the block holding ``ptr`` (``block_len`` bytes long),
+    """(cuvmm_export_t, page serials) of the block holding ``ptr`` (``block_len`` bytes long),
     marked shared (one ``cuvmm_unexport`` each): no descriptor yet, a receiver that maps those
-    pages needs none."""
+    pages needs none. The serials are the bytes of ``count`` native 64-bit integers: they travel
+    in every pickle of a hand-off and key the receiver's kept mappings as they are."""
     lib = _core.load()
     out = _core.Export()
     # Room for every page under the block from the start: a call with too little room marks the
@@ -81,7 +82,7 @@ def _mark(device: int, ptr: int, block_len: int):
         rc = lib.cuvmm_export_mark(device, ptr, ctypes.byref(out), pages, cap)
         n = _core._check(rc, "cuvmm_export_mark", ok=lambda rc: rc >= 0)
         if n <= cap:
-            return out, list(pages[:n])
+            return out, ctypes.string_at(pages, 8 * n)
         cap = n
 
 
