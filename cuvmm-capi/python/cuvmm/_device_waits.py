@@ -14,10 +14,13 @@ import threading
 
 class DeviceWaits:
     """Pending releases, done in batches by a thread of their own started at the first one.
-    ``synchronize(device)`` waits for all the work queued on ``device`` so far."""
+    ``synchronize(device)`` waits for all the work queued on ``device`` so far; ``after()``, when
+    given, is called once a batch's releases are all told (to send what they left to send
+    together)."""
 
-    def __init__(self, synchronize):
+    def __init__(self, synchronize, after=None):
         self._synchronize = synchronize
+        self._after = after
         # Reentrant: a storage collected while this thread holds it releases through ``add``.
         self._cond = threading.Condition(threading.RLock())
         self._pending: list = []
@@ -63,4 +66,9 @@ class DeviceWaits:
             try:
                 tell()
             except Exception:  # one release failing must not keep the others from their senders
+                pass
+        if self._after is not None:
+            try:
+                self._after()
+            except Exception:  # the next batch tries again
                 pass

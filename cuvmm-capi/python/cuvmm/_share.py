@@ -4,16 +4,13 @@
 
 * a descriptor (:func:`encode` / :func:`decode`): where the storage lies on the exported pages,
   and the tensor's dtype, size, strides and storage offset, every field checked on arrival;
-* one file descriptor, the receiving end of a ``SOCK_SEQPACKET`` socket pair over which the pages'
-  own descriptors follow, up to ``MAX_FDS_PER_MESSAGE`` a message (:func:`send_pages` /
-  :func:`recv_pages`), when the receiver needs them. The sender offers it (:class:`Handoff`) under
-  a random token that travels in the pickle with the sender's address; the receiver fetches it
-  (:func:`fetch`) over one connection per sending process, kept for the next tensor: a tensor
-  costs one request on an open connection, not a connection and a handshake of its own. The
-  request says whether the receiver needs the pages' descriptors; one that maps those pages
-  already (the same serials from the same sender) does not fetch at all: it claims the offer
-  (:func:`hold`) with one end of a socket pair of its own, waits for no answer, and the sender
-  makes no descriptor.
+* an offer of the sending process (:class:`Handoff`): a random token that travels in the pickle
+  with the sender's address. The receiver takes it over one connection per sending process, kept
+  for the next tensor and for every message about what it took: a receiver that does not map
+  the block's pages yet fetches their descriptors (:func:`fetch`: one round trip, the
+  descriptors up to ``MAX_FDS_PER_MESSAGE`` a message), and one that maps them already (the
+  same serials from the same sender) claims the offer without waiting for an answer
+  (:func:`hold`), and the sender makes no descriptor.
 
 Both ends check the other with ``SO_PEERCRED`` before anything travels: the sender answers only
 processes of its effective uid, and the receiver talks only to the process its address names (the
@@ -22,9 +19,11 @@ to it: once the sender has gone, any local user may take it. A fetch waits at mo
 (``FETCH_TIMEOUT`` by default) and holds nothing across its round trip that a fetch from another
 sender or a fork would wait on.
 
-The receiver keeps its end open while it maps the pages and closes it once it has unmapped them;
-the sender sees the other end hang up (:class:`Releases`) and only then lets its block go, so the
-block's addresses are never handed out again while someone reads them.
+The sender holds what a connection took until the receiver releases it (:class:`Claim`, a message
+on the same connection, many a message for storages dropped together) or the connection ends (the
+receiving process closed it, or died), and only then lets its block go, so the block's addresses
+are never handed out again while someone reads them. A receiver never closes a connection that
+holds something, even one it no longer asks anything on.
 """
 
 from __future__ import annotations
@@ -40,7 +39,7 @@ import sys
 import threading
 import time
 
-VERSION = 1
+VERSION = 2
 
 # SCM_MAX_FD is 253 on Linux.
 MAX_FDS_PER_MESSAGE = 250
@@ -69,7 +68,6 @@ def encode(*, device: int, block: int, block_len: int, first_page: int, page: in
     d = (VERSION, device, block, block_len, first_page, page, count, ptr - first_page, nbytes, dtype,
          tuple(int(s) for s in size), tuple(int(s) for s in stride), int(storage_offset),
          bool(requires_grad), bool(parameter))
-    decode(d)
     return d
 
 
@@ -141,38 +139,8 @@ def raise_fd_limit() -> int:
     return soft
 
 
-def pair() -> tuple[socket.socket, socket.socket]:
-    """A new socket pair: (the end this process keeps, the end to send)."""
-    return socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-
-
-def queue_pages(keep: socket.socket, fds) -> None:
-    """Queues ``fds`` on ``keep`` (an end of :func:`pair`) for :func:`recv_pages` at the other end,
-    and shuts ``keep`` for writing. The descriptors are duplicated into the messages: close yours
-    afterwards."""
-    fds = list(fds)
-    for i in range(0, len(fds), MAX_FDS_PER_MESSAGE):
-        part = fds[i:i + MAX_FDS_PER_MESSAGE]
-        socket.send_fds(keep, [_HEADER.pack(i, len(part))], part)
-    keep.shutdown(socket.SHUT_WR)
-
-
-def send_pages(fds) -> tuple[socket.socket, socket.socket]:
-    """Queues ``fds`` on a new socket pair; returns (the end this process keeps, the end to send).
-
-    The descriptors are duplicated into the messages: close yours afterwards."""
-    keep, give = pair()
-    try:
-        queue_pages(keep, fds)
-    except BaseException:
-        keep.close()
-        give.close()
-        raise
-    return keep, give
-
-
 def recv_pages(sock: socket.socket, count: int) -> list[int]:
-    """The ``count`` descriptors :func:`send_pages` queued, in order (the caller closes them).
+    """The ``count`` descriptors :func:`send_page_fds` sent, in order (the caller closes them).
     Anything else on the socket (too few, too many, out of order, truncated) is a ValueError and
     leaves no descriptor open."""
     got: list[int] = []
@@ -245,29 +213,6 @@ class FdWatch:
                         _report(self._what, e)
 
 
-class Releases(FdWatch):
-    """Calls ``on_release()`` of each registered socket once its peer has hung up (every copy of
-    the other end closed: the receiver unmapped, or died), on a daemon thread of its own."""
-
-    def __init__(self):
-        super().__init__("cuvmm-share-releases", "releasing a shared block")
-
-    def register(self, sock: socket.socket, on_release) -> None:
-        def hung_up():
-            sock.close()
-            on_release()
-
-        with self._lock:
-            # Only hang-ups count: the receiver never writes.
-            self._add(sock.fileno(), 0, hung_up)
-        self._wake()
-
-    def pending(self) -> int:
-        """Sockets whose peer has not hung up yet."""
-        with self._lock:
-            return len(self._waiting)
-
-
 def poll_events(poll, wake_r: int):
     """The events of ``poll``, less those of the pipe ``wake_r`` that only wakes it (drained)."""
     for fd, ev in poll.poll():
@@ -285,10 +230,13 @@ def _report(what: str, e: BaseException) -> None:
 
 
 _TOKEN = 16
+# A message to the sender: one of these, then the token (a release: any number of tokens).
+_WANT_PAGES, _HOLD, _RELEASE = b"p", b"h", b"r"
+# Tokens a release message carries at most (a message of 16 KiB).
+_RELEASES_PER_MESSAGE = 1024
+# The sender's answer to a fetch: the first byte, then (offered) the page count as _COUNT.
 _OFFERED, _UNKNOWN, _FAILED = b"\x01", b"\x00", b"\x02"
-# After the token: whether the receiver needs the pages' descriptors (a bare token: it does), or
-# claims the offer with a socket of its own and waits for no answer (it maps the pages already).
-_WANT_PAGES, _HAVE_PAGES, _HOLD = b"p", b"k", b"h"
+_COUNT = struct.Struct("<I")
 _UCRED = struct.Struct("3i")  # pid, uid, gid
 _ADDRESS = re.compile(rb"\0cuvmm-share-([1-9][0-9]{0,9})-[0-9a-f]{16}\Z")
 
@@ -302,56 +250,75 @@ def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
     return _UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
 
 
+class _Offer:
+    __slots__ = ("release", "pages")
+
+    def __init__(self, release, pages):
+        self.release, self.pages = release, pages
+
+
 class Handoff:
-    """Keeps sockets offered to other processes until one asks for it by its token.
+    """Offers of this process, each taken by one receiver with its token, and held for that
+    receiver until it lets go.
 
     It listens on an abstract Unix socket of its own (a name in no filesystem, gone with the
     process) once something is offered; a thread per connected process answers. Only processes
     whose effective uid is this process's may connect, and only a receiver holding the token (16
-    random bytes, in the pickle) gets the socket, once. A socket nobody fetches stays offered until
-    the process exits, as with ``multiprocessing``'s resource sharer."""
+    random bytes, in the pickle) takes the offer, once. What a connection took is held until its
+    receiver releases it or the connection ends (the receiving process closed it, or died): then
+    the offer's ``release()`` is called, once. An offer nobody takes stays until the process exits,
+    as with ``multiprocessing``'s resource sharer."""
 
-    def __init__(self, releases: "Releases | None" = None):
+    def __init__(self):
         self._lock = threading.Lock()
-        self._offers: dict[bytes, tuple[socket.socket, object]] = {}
-        # Watches the sockets receivers claim offers with (:func:`hold`): without it, none is taken.
-        self._releases = releases
+        self._offers: dict[bytes, _Offer] = {}
+        self._claimed = 0
         self._listener = None
         self._pid = os.getpid()
         self.address = None
 
-    def offer(self, sock: socket.socket, pages=None) -> tuple[bytes, bytes]:
-        """Takes ``sock`` (closed here once fetched); returns (address, token) for the receiver.
+    def offer(self, release, pages=None) -> tuple[bytes, bytes]:
+        """Offers something a receiver takes with the returned (address, token); ``release()`` is
+        called once that receiver lets go of it (on this object's threads).
 
-        ``pages()``, when given, is called (once, on this object's thread) before ``sock`` goes to
-        a receiver that asks for the pages, to queue them at the other end of ``sock``; a
-        receiver that maps them already gets ``sock`` alone. Should it fail, the receiver gets a
-        refusal and ``sock`` is closed."""
+        ``pages()``, when given, returns new descriptors (closed here once sent) for a receiver
+        that asks for them (:func:`fetch`); one that maps them already (:func:`hold`) makes none.
+        Should it fail, the receiver gets a refusal and the offer is released."""
         token = secrets.token_bytes(_TOKEN)
         with self._lock:
             if self._listener is None:
                 self._listen()
-            self._offers[token] = (sock, pages)
+            self._offers[token] = _Offer(release, pages)
         return self.address, token
 
     def pending(self) -> int:
-        """Sockets offered and not fetched yet."""
+        """Offers not taken yet."""
         with self._lock:
             return len(self._offers)
 
+    def held(self) -> int:
+        """Offers taken whose receivers have not let go yet."""
+        with self._lock:
+            return self._claimed
+
     def close(self) -> None:
-        """Stops listening and closes what was not fetched (a forked child's copy, tests)."""
-        if os.getpid() != self._pid:
+        """Stops listening and forgets the offers not taken, releasing none (a forked child's
+        copy: they are the parent's; tests)."""
+        forked = os.getpid() != self._pid
+        if forked:
             # A forked child: the parent's threads are not here, so a lock one of them held at
             # the fork would never be released. The child's copy is its own.
             self._lock = threading.Lock()
             self._pid = os.getpid()
         with self._lock:
             if self._listener is not None:
+                if not forked:  # (a shutdown would stop the parent's listening too)
+                    try:
+                        self._listener.shutdown(socket.SHUT_RDWR)  # wakes the accepting thread
+                    except OSError:
+                        pass
                 self._listener.close()
                 self._listener = None
-            for sock, _ in self._offers.values():
-                sock.close()
             self._offers.clear()
 
     def _listen(self):
@@ -370,8 +337,9 @@ class Handoff:
             try:
                 conn, _ = listener.accept()
             except OSError as e:
-                if listener.fileno() == -1:  # closed
-                    return
+                with self._lock:  # (close() shuts it, then closes it, holding the lock)
+                    if self._listener is not listener:  # closed
+                        return
                 _report("accepting a receiver", e)
                 time.sleep(0.05)  # out of descriptors, say: let some go
                 continue
@@ -381,102 +349,210 @@ class Handoff:
                 if uid != os.geteuid():
                     conn.close()
                     continue
-                threading.Thread(target=self._serve, args=(conn,), name="cuvmm-share-handoff",
+                threading.Thread(target=self._serve, args=(conn,), name="cuvmm-share-serve",
                                  daemon=True).start()
             except Exception as e:
                 conn.close()
                 _report("accepting a receiver", e)
 
-    def _serve(self, conn):
-        with conn:
-            while True:
-                try:
-                    msg, fds, _, _ = socket.recv_fds(conn, _TOKEN + 2, 1)
-                except OSError:
-                    return
-                if not msg:  # the receiving process is done (or gone)
-                    for fd in fds:
-                        os.close(fd)
-                    return
-                token, want = msg[:_TOKEN], msg[_TOKEN:]
-                if want == _HOLD:
-                    self._hold(token, fds)
-                    continue
-                for fd in fds:
-                    os.close(fd)
-                offer = None
-                if len(token) == _TOKEN and want in (b"", _WANT_PAGES, _HAVE_PAGES):
-                    with self._lock:
-                        offer = self._offers.pop(token, None)
-                sock, pages = offer if offer is not None else (None, None)
-                try:
-                    if sock is None:
-                        conn.send(_UNKNOWN)
-                    elif not self._fill(pages if want != _HAVE_PAGES else None):
-                        conn.send(_FAILED)
-                    else:
-                        socket.send_fds(conn, [_OFFERED], [sock.fileno()])
-                except OSError:
-                    return
-                finally:
-                    if sock is not None:
-                        sock.close()
+    def _take(self, token: bytes):
+        with self._lock:
+            offer = self._offers.pop(token, None)
+            if offer is not None:
+                self._claimed += 1
+            return offer
 
-    def _hold(self, token: bytes, fds: list[int]) -> None:
-        """A receiver claims the offer under ``token`` with the socket ``fds`` holds: the offered
-        socket stays here until that one hangs up, then closes (which releases the offer as a
-        fetched socket's hang-up does). Nothing is answered."""
-        claim = None
-        if len(fds) == 1:
+    def _let_go(self, offers) -> None:
+        """Releases taken offers (their receiver let go, or its connection ended)."""
+        for offer in offers:
             try:
-                claim = socket.socket(fileno=fds[0])
-            except OSError:  # not a socket
-                pass
-        for fd in fds if claim is None else fds[1:]:
-            os.close(fd)
-        offer = None
-        if claim is not None and len(token) == _TOKEN and self._releases is not None:
-            with self._lock:
-                offer = self._offers.pop(token, None)
-        if offer is None:
-            # Told before the claim hangs up, which is all the receiver sees of it.
-            _report("a receiver's claim of a tensor", ValueError("no such offer (claimed already?)"))
-            if claim is not None:
-                claim.close()
-            return
+                offer.release()
+            except Exception as e:  # one failing must not keep the others
+                _report("releasing a shared block", e)
+        with self._lock:
+            self._claimed -= len(offers)
+
+    def _serve(self, conn):
+        # What this connection took, by token: released as the receiver says, or all of it when
+        # the connection ends however it ends. And the claims of tokens refused, by token: the
+        # receiver does not know they were, and releases each (which must not release the offer
+        # the same token took before).
+        held: dict[bytes, _Offer] = {}
+        refused: dict[bytes, int] = {}
         try:
-            self._releases.register(claim, offer[0].close)
-        except Exception as e:  # this thread answers every later fetch of that receiver: it goes on
-            claim.close()
-            offer[0].close()
-            _report("holding a tensor for a receiver", e)
+            with conn:
+                while self._answer(conn, held, refused):
+                    pass
+        finally:
+            self._let_go(list(held.values()))
+
+    def _answer(self, conn, held: dict, refused: dict) -> bool:
+        """Reads and answers one message of a receiver; False once the connection ended."""
+        try:
+            msg, fds, flags, _ = socket.recv_fds(conn, 1 + _TOKEN * _RELEASES_PER_MESSAGE, 1)
+        except OSError:
+            return False
+        for fd in fds:  # no message of a receiver carries one
+            os.close(fd)
+        if not msg or flags & socket.MSG_TRUNC:
+            return False  # done (or gone), or not a receiver of ours: what it took is released
+        kind, body = msg[:1], msg[1:]
+        if kind == _RELEASE:
+            if len(body) % _TOKEN:
+                return False
+            gone = []
+            for i in range(0, len(body), _TOKEN):
+                t = body[i:i + _TOKEN]
+                if refused.get(t):
+                    refused[t] -= 1
+                    continue
+                # A token not taken yet (a receiver that will not use it) is taken and let go.
+                offer = held.pop(t, None) or self._take(t)
+                if offer is not None:
+                    gone.append(offer)
+            self._let_go(gone)
+            return True
+        if len(body) != _TOKEN or kind not in (_WANT_PAGES, _HOLD):
+            return False
+        offer = self._take(body)
+        if kind == _HOLD:  # no answer awaited
+            if offer is None:
+                refused[body] = refused.get(body, 0) + 1
+                _report("a receiver's claim of a tensor", ValueError("no such offer (taken already?)"))
+            else:
+                held[body] = offer
+            return True
+        if offer is None:
+            return _send(conn, _UNKNOWN)
+        pages = self._pages(offer)
+        if pages is None:
+            self._let_go([offer])
+            return _send(conn, _FAILED)
+        held[body] = offer
+        try:
+            conn.send(_OFFERED + _COUNT.pack(len(pages)))
+            send_page_fds(conn, pages)
+            return True
+        except OSError:
+            return False
+        finally:
+            for fd in pages:
+                os.close(fd)
 
     @staticmethod
-    def _fill(pages) -> bool:
-        """Queues an offer's pages for a receiver that asked for them; False when that failed."""
-        if pages is None:
-            return True
+    def _pages(offer):
+        """An offer's page descriptors for a receiver that asked; None when making them failed."""
+        if offer.pages is None:
+            return []
         try:
-            pages()
-            return True
+            return list(offer.pages())
         except Exception as e:
             _report("producing a tensor's page descriptors", e)
-            return False
+            return None
+
+
+def _send(conn, msg: bytes) -> bool:
+    try:
+        conn.send(msg)
+        return True
+    except OSError:
+        return False
+
+
+def send_page_fds(sock: socket.socket, fds) -> None:
+    """Sends ``fds`` for :func:`recv_pages`, up to ``MAX_FDS_PER_MESSAGE`` a message (the kernel
+    duplicates them into the messages: the caller still closes its own)."""
+    fds = list(fds)
+    for i in range(0, len(fds), MAX_FDS_PER_MESSAGE):
+        part = fds[i:i + MAX_FDS_PER_MESSAGE]
+        socket.send_fds(sock, [_HEADER.pack(i, len(part))], part)
 
 
 class _Connection:
-    """A connection to one sending process, checked, and the lock its round trips take turns on:
-    a sender that stalls holds up fetches from itself, never from another."""
+    """A connection to one sending process, checked; the lock its messages take turns on (a
+    sender that stalls holds up fetches from itself, never from another); and how many offers
+    this process holds over it. A connection is what the sender holds them for: one dropped
+    while it holds some (out of step after a timeout) stays open, for their releases alone,
+    until the last is released."""
 
-    def __init__(self, sock: socket.socket):
-        self.sock = sock
+    def __init__(self, sock: socket.socket, pid: int):
+        self.sock, self.pid = sock, pid
         self.lock = threading.Lock()
+        self.claims = 0
+        self.dropped = False
+        self.later: list[bytes] = []  # releases to send at the next flush_releases()
 
 
-# Taken only to look up, add or drop a connection, never across a round trip: a fork while
-# another thread waits for a sender finds it free.
+# Taken only to look up, add or drop a connection and to count claims, never across a round trip:
+# a fork while another thread waits for a sender finds it free.
 _connections: dict[bytes, _Connection] = {}
 _connections_lock = threading.Lock()
+# Connections with releases to send at the next flush.
+_later: set = set()
+
+
+class Claim:
+    """This process's hold on one offer of a sender (:func:`fetch`, :func:`hold`): the sender
+    keeps the offer (a shared block) until :meth:`release`, or until this process exits."""
+
+    __slots__ = ("_conn", "_token")
+
+    def __init__(self, conn: _Connection, token: bytes):
+        self._conn, self._token = conn, token
+
+    def release(self) -> None:
+        """Tells the sender now (idempotent)."""
+        c, self._conn = self._conn, None
+        if c is not None:
+            _release(c, [self._token])
+
+    def release_later(self) -> None:
+        """Tells the sender at the next :func:`flush_releases`, with the other releases then
+        pending to it (one message for a hand-off's tensors dropped together)."""
+        c, self._conn = self._conn, None
+        if c is not None:
+            with _connections_lock:
+                c.later.append(self._token)
+                _later.add(c)
+
+
+def flush_releases() -> None:
+    """Sends every release :meth:`Claim.release_later` left pending."""
+    with _connections_lock:
+        pending = [(c, c.later) for c in _later]
+        for c, _ in pending:
+            c.later = []
+        _later.clear()
+    for c, tokens in pending:
+        _release(c, tokens)
+
+
+def _release(c: _Connection, tokens: list) -> None:
+    """Tells the sender over ``c`` that ``tokens`` are let go of; closes ``c`` once it holds nothing
+    more where it was dropped. A sender that has gone released them anyway; one that does not
+    take the message in time keeps them until the connection closes."""
+    for i in range(0, len(tokens), _RELEASES_PER_MESSAGE):
+        _tell(c, _RELEASE + b"".join(tokens[i:i + _RELEASES_PER_MESSAGE]))
+    with _connections_lock:
+        c.claims -= len(tokens)
+        close = c.dropped and c.claims == 0
+    if close:
+        c.sock.close()
+
+
+def _tell(c: _Connection, msg: bytes) -> None:
+    """Sends ``msg`` (which awaits no answer) on ``c`` in turn with its other messages."""
+    if not c.lock.acquire(timeout=FETCH_TIMEOUT):
+        _report("telling a cuvmm sending process", TimeoutError("its connection stayed busy"))
+        return
+    try:
+        if c.sock.fileno() != -1:
+            c.sock.settimeout(FETCH_TIMEOUT)
+            c.sock.send(msg)
+    except OSError:
+        pass  # gone: it let go of everything this connection held
+    finally:
+        c.lock.release()
 
 
 def _connect(address: bytes, pid: int, deadline: float) -> socket.socket:
@@ -524,7 +600,7 @@ def _connection(address: bytes, pid: int, deadline: float) -> _Connection:
     with _connections_lock:
         c = _connections.get(address)
     if c is None:
-        c = _Connection(_connect(address, pid, deadline))
+        c = _Connection(_connect(address, pid, deadline), pid)
         with _connections_lock:
             # Another thread may have connected meanwhile: keep one, close the other.
             c, extra = _connections.setdefault(address, c), c
@@ -533,98 +609,130 @@ def _connection(address: bytes, pid: int, deadline: float) -> _Connection:
     return c
 
 
-def _drop(address: bytes, c: _Connection) -> None:
+def _drop(address: bytes, c: _Connection, token: bytes | None = None) -> None:
+    """Nobody asks anything on ``c`` again (it is out of step, or its sender hung up). It closes
+    at once if it holds nothing; else it stays open for the releases of what it holds, and
+    ``token``, whose answer may still come, is released at once."""
     with _connections_lock:
         if _connections.get(address) is c:
             del _connections[address]
-    c.sock.close()
+        c.dropped = True
+        close = c.claims == 0
+    if close:
+        c.sock.close()
+    elif token is not None:
+        _tell(c, _RELEASE + token)
 
 
-def _exchange(address: bytes, token: bytes, timeout: float, what):
-    """``what(connection, deadline)`` on the kept connection to the sender at ``address``, in
-    turn with the other round trips on it; a connection that failed or timed out is dropped (out
-    of step: nobody uses it again)."""
-    m = _ADDRESS.match(address) if isinstance(address, bytes) else None
-    if m is None:
-        raise ValueError(f"not a cuvmm hand-off address: {address!r}")
+def _exchange(address: bytes, token: bytes, timeout: float, what, claims: bool):
+    """``what(socket)`` on the kept connection to the sender at ``address``, in turn with the
+    other messages on it; returns (its answer, the connection). ``claims``: the exchange takes the
+    offer under ``token`` when it answers at all, so the connection counts it from before anything
+    is sent (it must stay open while it might hold it); the caller uncounts a refusal. A connection
+    that failed or timed out is dropped (out of step: nobody asks anything on it again), and
+    whatever the sender took for this exchange is released."""
     if not isinstance(token, bytes) or len(token) != _TOKEN:
         raise ValueError("not a cuvmm hand-off token")
-    pid = int(m.group(1))
+    pid = _sender(address)
     deadline = time.monotonic() + timeout
     while True:
         c = _connection(address, pid, deadline)
         if not c.lock.acquire(timeout=max(deadline - time.monotonic(), 0)):
             raise TimeoutError(f"no turn to ask the cuvmm sending process {pid} within {timeout} s "
                                "(another fetch from it is waiting for its answer)")
+        failed = True
         try:
-            if c.sock.fileno() == -1:
-                continue  # dropped by the fetch before us: connect again
+            with _connections_lock:
+                if c.dropped:
+                    continue  # dropped by the exchange before us: connect again
+                if claims:
+                    c.claims += 1
             c.sock.settimeout(max(deadline - time.monotonic(), 0.001))
-            got = what(c.sock)
-            if got is None:
-                _drop(address, c)  # the sender hung up
-            return got
-        except (TimeoutError, socket.timeout):
-            # (Before Python 3.10 a socket's timeout is no TimeoutError.)
-            # The answer may still come: the connection is out of step, so nobody uses it again.
-            _drop(address, c)
-            raise TimeoutError(f"the cuvmm sending process {pid} did not answer within {timeout} s "
-                               "(is it stalled?)") from None
-        except BaseException:
-            _drop(address, c)
-            raise
+            try:
+                got = what(c.sock)
+            except (TimeoutError, socket.timeout):
+                # (Before Python 3.10 a socket's timeout is no TimeoutError.)
+                raise TimeoutError(f"the cuvmm sending process {pid} did not answer within "
+                                   f"{timeout} s (is it stalled?)") from None
+            failed = got is None  # the sender hung up
+            return got, c
         finally:
             c.lock.release()
+            if failed and not c.dropped:
+                if claims:
+                    _unclaim(c)
+                _drop(address, c, token if claims else None)
 
 
-def fetch(address: bytes, token: bytes, timeout: float = FETCH_TIMEOUT, pages: bool = True) -> socket.socket:
-    """The socket a :class:`Handoff` at ``address`` offered under ``token``, with the offer's page
-    descriptors queued on it when ``pages`` (see :func:`hold` for a receiver that maps them
-    already). The connection to that process is kept for later fetches. ValueError when it has no
-    such offer (fetched already) or could not produce its pages;
-    PermissionError when the process answering is not the one the address names or runs as
-    another user; TimeoutError when it has not answered within ``timeout`` seconds; another
-    OSError when it cannot be reached."""
+def _sender(address) -> int:
+    """The pid a hand-off address names; ValueError for anything else."""
+    c = _connections.get(address) if isinstance(address, bytes) else None
+    if c is not None:
+        return c.pid  # (read once, when it connected)
+    m = _ADDRESS.match(address) if isinstance(address, bytes) else None
+    if m is None:
+        raise ValueError(f"not a cuvmm hand-off address: {address!r}")
+    return int(m.group(1))
+
+
+def _unclaim(c: _Connection) -> None:
+    with _connections_lock:
+        c.claims -= 1
+
+
+def fetch(address: bytes, token: bytes, timeout: float = FETCH_TIMEOUT) -> tuple[list, Claim]:
+    """Takes the offer under ``token`` from the :class:`Handoff` at ``address``: returns its page
+    descriptors (the caller closes them) and the claim that holds it until released (see
+    :func:`hold` for a receiver that maps them already). The connection to that process is kept
+    for later fetches. ValueError when it has no such offer (taken already) or could not produce
+    its pages; PermissionError when the process answering is not the one the address names or
+    runs as another user; TimeoutError when it has not answered within ``timeout`` seconds;
+    another OSError when it cannot be reached."""
 
     def ask(sock):
-        sock.send(token + (_WANT_PAGES if pages else _HAVE_PAGES))
-        msg, fds, flags, _ = socket.recv_fds(sock, 2, 1)
-        return (msg, fds, flags) if msg else None
+        sock.send(_WANT_PAGES + token)
+        msg = sock.recv(1 + _COUNT.size)
+        if not msg:
+            return None
+        if msg[:1] != _OFFERED or len(msg) != 1 + _COUNT.size:
+            return msg
+        return recv_pages(sock, _COUNT.unpack(msg[1:])[0])
 
-    got = _exchange(address, token, timeout, ask)
-    msg, fds, flags = got if got is not None else (b"", [], 0)
-    if msg == _OFFERED and len(fds) == 1 and not flags & (socket.MSG_CTRUNC | socket.MSG_TRUNC):
-        return socket.socket(fileno=fds[0])
-    for fd in fds:
-        os.close(fd)
-    if not msg:
+    got, c = _exchange(address, token, timeout, ask, claims=True)
+    if isinstance(got, list):
+        return got, Claim(c, token)
+    if got is None:  # (uncounted with the connection dropped)
         raise ValueError("the sending process hung up (it exited?)")
-    if msg == _FAILED:
+    _unclaim(c)
+    if got == _FAILED:
         raise ValueError("the sending process could not produce the tensor's pages (see its stderr)")
     raise ValueError("the sending process has no such tensor (fetched already?)")
 
 
-def hold(address: bytes, token: bytes, timeout: float = FETCH_TIMEOUT) -> socket.socket:
-    """Claims the offer under ``token`` for a receiver that maps its pages already, without waiting
-    for the sender: one end of a new socket pair goes to the sender with the token, and the other
-    is returned. The sender keeps the block shared until that end hangs up (closed, or this
-    process gone), as for a fetched socket. Nothing comes back, so a token the sender does not
-    know (claimed already) is only reported on the sender's stderr, and the returned end hangs up
-    at once. Raises as :func:`fetch` when the sender cannot be reached or is not the one the
-    address names."""
-    mine, theirs = pair()
-    try:
-        def send(sock):
-            socket.send_fds(sock, [token + _HOLD], [theirs.fileno()])
-            return True
+def hold(address: bytes, token: bytes, timeout: float = FETCH_TIMEOUT) -> Claim:
+    """Takes the offer under ``token`` for a receiver that maps its pages already, without waiting
+    for the sender: the token goes to the sender and nothing comes back, so a token it does not
+    know (taken already) is only reported on the sender's stderr. The sender keeps the offer until
+    the claim is released or this process exits. Raises as :func:`fetch` when the sender cannot
+    be reached or is not the one the address names."""
 
-        _exchange(address, token, timeout, send)
-        return mine
-    except BaseException:
-        mine.close()
-        raise
-    finally:
-        theirs.close()
+    def send(sock):
+        sock.send(_HOLD + token)
+        return True
+
+    _, c = _exchange(address, token, timeout, send, claims=True)
+    return Claim(c, token)
+
+
+def let_go(address: bytes, token: bytes, timeout: float = FETCH_TIMEOUT) -> None:
+    """Tells the sender this process will not use the offer under ``token`` (it releases it),
+    without waiting for an answer."""
+
+    def send(sock):
+        sock.send(_RELEASE + token)
+        return True
+
+    _exchange(address, token, timeout, send, claims=False)
 
 
 def forget_connections() -> None:
@@ -639,9 +747,9 @@ def forget_connections() -> None:
 def _after_fork_in_child():
     # The parent's threads are not in the child: a lock one of them held (a fetch waiting for its
     # sender) stays held for ever. Start afresh, without taking any, and close the child's copies
-    # of the parent's connections.
-    global _connections, _connections_lock
-    kept, _connections, _connections_lock = _connections, {}, threading.Lock()
+    # of the parent's connections (the parent's stay open: they hold what the parent took).
+    global _connections, _connections_lock, _later
+    kept, _connections, _connections_lock, _later = _connections, {}, threading.Lock(), set()
     for c in kept.values():
         c.sock.close()
 

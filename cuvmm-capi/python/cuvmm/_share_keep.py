@@ -78,6 +78,8 @@ class Kept:
         self._idle = 0
         # Senders seen exit by their pidfd: gone, though os.kill finds them until reaped.
         self._exited: set = set()
+        # Senders no pidfd watches, looked at (os.kill) at each eviction instead.
+        self._unwatched: set = set()
         self._watch = _Exits(self._sender_exited) if watch_exits and hasattr(os, "pidfd_open") else None
 
     @property
@@ -87,15 +89,14 @@ class Kept:
         return self._budget
 
     def key(self, address: bytes, device: int, page: int, count: int, pages, peers) -> tuple | None:
-        """The key of a hand-off's ``count`` pages (their serials ``pages``, mapped with access
-        for ``peers`` too), or None when nothing is kept: no budget, or a sender that did not
-        name its pages. Serials that are not ``count`` integers are refused."""
+        """The key of a hand-off's ``count`` pages (their serials ``pages``, 8 bytes each, mapped
+        with access for ``peers`` too), or None when nothing is kept: no budget, or a sender that
+        did not name its pages. Serials that are not ``count`` of them are refused."""
         if self.budget <= 0 or not pages:
             return None
-        if (not isinstance(pages, (list, tuple)) or len(pages) != count
-                or not all(type(p) is int and p > 0 for p in pages)):
+        if type(pages) is not bytes or len(pages) != 8 * count:
             raise ValueError(f"descriptor field pages: not {count} page serials")
-        return (address, device, page, tuple(pages), tuple(peers))
+        return (address, device, page, pages, tuple(peers))
 
     def take(self, key):
         """The kept mapping under ``key``, now in use once more, or None."""
@@ -120,8 +121,9 @@ class Kept:
             self._entries[key] = e
             # A process that sends now is alive, whatever had that pid before.
             self._exited.discard(e.pid)
-        if self._watch is not None and e.pid is not None:
-            self._watch.add(e.pid)
+        if e.pid is not None and (self._watch is None or not self._watch.add(e.pid)):
+            with self._lock:
+                self._unwatched.add(e.pid)
         return True
 
     def put_back(self, key) -> None:
@@ -164,6 +166,9 @@ class Kept:
             return self._idle
 
     def _evict(self) -> list:
+        budget = self.budget
+        if self._idle <= budget and not self._exited and not self._unwatched:
+            return []  # (every hand-off and release comes here)
         gone = []
         # Each sender looked at once: every hand-off and release comes here, and a weight sync
         # keeps hundreds of mappings from one sender.
@@ -172,10 +177,14 @@ class Kept:
             e = self._entries[key]
             if e.users == 0 and e.pid not in alive:
                 alive[e.pid] = e.pid not in self._exited and _alive(e.pid)
-            if e.users == 0 and (self._idle > self.budget or not alive[e.pid]):
+            if e.users == 0 and (self._idle > budget or not alive[e.pid]):
                 del self._entries[key]
                 self._idle -= e.nbytes
                 gone.append(e.mapping)
+        # Exits seen are forgotten once nothing of theirs is kept (a pid may come back).
+        held = {e.pid for e in self._entries.values()}
+        self._exited &= held
+        self._unwatched &= held
         return gone
 
 
@@ -189,14 +198,15 @@ class _Exits(FdWatch):
         self._on_exit = on_exit
         self._pids: set[int] = set()
 
-    def add(self, pid: int) -> None:
+    def add(self, pid: int) -> bool:
+        """Watches ``pid``; False where it cannot (then its exit is for the caller to find)."""
         with self._lock:
             if pid in self._pids:
-                return
+                return True
             try:
                 fd = os.pidfd_open(pid)
-            except OSError:  # gone already (the next trim sees it), or not ours to watch
-                return
+            except OSError:  # gone already (the caller's next look sees it), or not ours to watch
+                return False
 
             def exited():
                 with self._lock:
@@ -207,6 +217,7 @@ class _Exits(FdWatch):
             self._pids.add(pid)
             self._add(fd, select.POLLIN, exited)
         self._wake()
+        return True
 
     def watched(self) -> int:
         with self._lock:

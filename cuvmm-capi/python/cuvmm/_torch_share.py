@@ -24,9 +24,8 @@ def _default_keep() -> int:
     return _torch.cuda.get_device_properties(_torch.cuda.current_device()).total_memory // DEFAULT_SHARE
 
 
-_releases = _share.Releases()
-_handoff = _share.Handoff(_releases)
-_waits = DeviceWaits(lambda device: _torch.cuda.synchronize(device))
+_handoff = _share.Handoff()
+_waits = DeviceWaits(lambda device: _torch.cuda.synchronize(device), after=_share.flush_releases)
 _kept = Kept(budget_from_env(os.environ.get("CUVMM_SHARE_KEEP")), _default_keep)
 
 
@@ -35,14 +34,12 @@ def _after_fork_in_child():
     # the child starts with none (and without the parent's threads), and opens connections of its
     # own.
     # The parent's kept mappings are the parent's (a child cannot use CUDA after a fork anyway).
-    # Releases pending in the parent are the parent's to tell (the child's copies of their
-    # sockets close with it).
-    global _releases, _handoff, _kept, _waits
-    _releases = _share.Releases()
-    _waits = DeviceWaits(lambda device: _torch.cuda.synchronize(device))
+    # Releases pending in the parent are the parent's to tell.
+    global _handoff, _kept, _waits
+    _waits = DeviceWaits(lambda device: _torch.cuda.synchronize(device), after=_share.flush_releases)
     _kept = Kept(budget_from_env(os.environ.get("CUVMM_SHARE_KEEP")), _default_keep)
     _handoff.close()
-    _handoff = _share.Handoff(_releases)
+    _handoff = _share.Handoff()
     _share.forget_connections()
 
 
@@ -70,9 +67,10 @@ _MIN_PAGE = 2 << 20
 
 
 def _mark(device: int, ptr: int, block_len: int):
-    """(cuvmm_export_t, [page serials]) of the block holding ``ptr`` (``block_len`` bytes long),
+    """(cuvmm_export_t, page serials) of the block holding ``ptr`` (``block_len`` bytes long),
     marked shared (one ``cuvmm_unexport`` each): no descriptor yet, a receiver that maps those
-    pages needs none."""
+    pages needs none. The serials are the bytes of ``count`` native 64-bit integers: they travel
+    in every pickle of a hand-off and key the receiver's kept mappings as they are."""
     lib = _core.load()
     out = _core.Export()
     # Room for every page under the block from the start: a call with too little room marks the
@@ -84,23 +82,21 @@ def _mark(device: int, ptr: int, block_len: int):
         rc = lib.cuvmm_export_mark(device, ptr, ctypes.byref(out), pages, cap)
         n = _core._check(rc, "cuvmm_export_mark", ok=lambda rc: rc >= 0)
         if n <= cap:
-            return out, list(pages[:n])
+            return out, ctypes.string_at(pages, 8 * n)
         cap = n
 
 
-def _queue_pages(keep, device: int, block: int, count: int) -> None:
-    """Queues the page descriptors of the marked block at ``block`` on ``keep``: asked for (on the
-    hand-off's thread) by a receiver that does not map them yet."""
+def _page_fds(device: int, block: int, count: int) -> list:
+    """New descriptors of the pages of the marked block at ``block``: asked for (on the hand-off's
+    thread) by a receiver that does not map them yet."""
     fds = (ctypes.c_int * count)()
     rc = _core.load().cuvmm_export_fds(device, block, fds, count)
     n = _core._check(rc, "cuvmm_export_fds", ok=lambda rc: rc >= 0)
     if n > count:
-        raise RuntimeError(f"cuvmm_export_fds: {n} pages where the mark counted {count}")
-    try:
-        _share.queue_pages(keep, fds[:n])
-    finally:
         for fd in fds[:n]:
             os.close(fd)
+        raise RuntimeError(f"cuvmm_export_fds: {n} pages where the mark counted {count}")
+    return fds[:n]
 
 
 def _raise_fd_limit():
@@ -135,7 +131,6 @@ def reduce_tensor(t):
             dtype=str(t.dtype).removeprefix("torch."), size=tuple(t.shape), stride=tuple(t.stride()),
             storage_offset=t.storage_offset(), requires_grad=t.requires_grad,
             parameter=isinstance(t, _torch.nn.Parameter))
-        keep, give = _share.pair()
     except BaseException:
         _core.load().cuvmm_unexport(device, block)
         raise
@@ -147,13 +142,12 @@ def reduce_tensor(t):
 
     # The storage stays allocated here until the receiver lets go of it.
     held = [storage]
-    _releases.register(keep, release)
-    # Offered in every case (a queue message or a Process argument) and closed here once fetched,
-    # so the receiver's end is held only by the receiver. (The spawning Popen's own descriptor
-    # passing would leave the parent a copy for the Process object's lifetime, and the block with
-    # it.) The pages' descriptors are made only for a receiver that asks for them: the block's
-    # mark keeps them, whatever this process frees meanwhile, until that receiver lets go.
-    address, token = _handoff.offer(give, lambda: _queue_pages(keep, device, block, count))
+    # Offered in every case (a queue message or a Process argument): nothing but the token travels
+    # in the pickle. (The spawning Popen's own descriptor passing would leave the parent a copy for
+    # the Process object's lifetime, and the block with it.) The pages' descriptors are made only
+    # for a receiver that asks for them: the block's mark keeps them, whatever this process frees
+    # meanwhile, until that receiver lets go.
+    address, token = _handoff.offer(release, lambda: _page_fds(device, block, count))
     return (_rebuild, (desc, address, token, pages))
 
 
@@ -184,11 +178,10 @@ class _Mapped:
     """Exported pages mapped in this process, seen by PyTorch through ``__cuda_array_interface__``
     as the bytes of one storage; unmapped (and the sender told) when PyTorch lets go of it."""
 
-    def __init__(self, f, sock):
+    def __init__(self, f, fds, claim):
         self._handle = None
-        self._sock = sock
+        self._claim = claim
         lib = _core.load()
-        fds = _share.recv_pages(sock, f["count"])
         try:
             arr = (ctypes.c_int * len(fds))(*fds)
             peers = _peers(f["device"])
@@ -211,9 +204,9 @@ class _Mapped:
         h, self._handle = self._handle, None
         if h:
             _core.load().cuvmm_import_release(h)
-        if self._sock is not None:
-            self._sock.close()
-            self._sock = None
+        if self._claim is not None:
+            self._claim.release()
+            self._claim = None
 
     def __del__(self):
         try:
@@ -225,24 +218,24 @@ class _Mapped:
 class _Lease:
     """One storage over a kept mapping, seen by PyTorch through ``__cuda_array_interface__``:
     when PyTorch lets go of it, the device's work on it is waited for, the sender told (its
-    socket closed) and the mapping kept for the next hand-off of the same pages."""
+    claim released) and the mapping kept for the next hand-off of the same pages."""
 
-    def __init__(self, key, mapping, f, sock):
-        self._key, self._sock, self._device = key, sock, f["device"]
+    def __init__(self, key, mapping, f, claim):
+        self._key, self._claim, self._device = key, claim, f["device"]
         self.ptr = mapping.base + f["offset"]
         self.__cuda_array_interface__ = {
             "shape": (f["nbytes"],), "typestr": "|u1", "data": (self.ptr, False), "version": 2,
         }
 
     def release(self):
-        sock, self._sock = self._sock, None
-        if sock is None:
+        claim, self._claim = self._claim, None
+        if claim is None:
             return
         key = self._key
 
         def tell():
             try:
-                sock.close()
+                claim.release_later()  # sent with the batch's others once it is done
             finally:
                 _kept.put_back(key)
 
@@ -257,24 +250,24 @@ class _Lease:
             pass
 
 
-def _map_new(f, sock, key):
-    """What PyTorch's storage wraps for the pages that came over ``sock``: a mapping of their own
-    when ``key`` is None, else a lease on the mapping made now and kept under ``key``."""
+def _map_new(f, fds, claim, key):
+    """What PyTorch's storage wraps for the pages ``fds`` (closed here) held by ``claim``: a
+    mapping of their own when ``key`` is None, else a lease on the mapping made now and kept under
+    ``key``."""
     if key is None:
-        return _Mapped(f, sock)
-    mapping = _Mapped(f, sock)
-    mapping._sock = None
+        return _Mapped(f, fds, claim)
+    mapping = _Mapped(f, fds, None)
     if not _kept.add(key, mapping, f["page"] * f["count"]):
-        mapping._sock = sock  # another thread kept the same pages first: this one is not kept
+        mapping._claim = claim  # another thread kept the same pages first: this one is not kept
         return mapping
-    return _Lease(key, mapping, f, sock)
+    return _Lease(key, mapping, f, claim)
 
 
 def _let_go(address, token):
-    """Fetches a hand-off this process will not use, without its pages, and hangs up at once: the
-    sender may free the block. Failures are the caller's error's business, not this one's."""
+    """Tells the sender this process will not use a hand-off: it may free the block. Failures are
+    the caller's error's business, not this one's."""
     try:
-        _share.fetch(address, token, pages=False).close()
+        _share.let_go(address, token)
     except Exception:
         pass
 
@@ -300,28 +293,32 @@ def _rebuild(desc, address, token, pages=None):
         _let_go(address, token)
         raise
     try:
-        # Closing it is what lets the sender free the block. The same pages mapped here already:
-        # their descriptors are neither asked for nor made, and the sender's answer not awaited.
-        if mapping is not None:
-            sock = _share.hold(address, token)
+        # Releasing the claim is what lets the sender free the block. The same pages mapped here
+        # already: their descriptors are neither asked for nor made, and the sender's answer not
+        # awaited.
+        fds = []
+        if f["nbytes"] == 0:
+            _share.let_go(address, token)
+            claim = None
+        elif mapping is not None:
+            claim = _share.hold(address, token)
         else:
-            sock = _share.fetch(address, token, pages=f["nbytes"] > 0)
+            _raise_fd_limit()
+            fds, claim = _share.fetch(address, token)
     except BaseException:
         if mapping is not None:
             _kept.put_back(key)
         raise
-    _raise_fd_limit()
     device = _torch.device("cuda", f["device"])
     if f["nbytes"] == 0:
-        sock.close()
         storage = _torch.UntypedStorage(0, device=device)
     else:
         try:
-            m = _Lease(key, mapping, f, sock) if mapping is not None else _map_new(f, sock, key)
+            m = _Lease(key, mapping, f, claim) if mapping is not None else _map_new(f, fds, claim, key)
         except BaseException:
             if mapping is not None:
                 _kept.put_back(key)
-            sock.close()
+            claim.release()
             raise
         with _torch.cuda.device(device):
             storage = _torch.as_tensor(m, device=device).untyped_storage()
@@ -370,7 +367,7 @@ def release_kept_mappings() -> int:
 
 def pending_shares() -> int:
     """Exports of this process whose receivers have not let go yet."""
-    return _releases.pending()
+    return _handoff.pending() + _handoff.held()
 
 
 class SharedEvent:

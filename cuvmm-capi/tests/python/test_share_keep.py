@@ -6,6 +6,7 @@ a GPU or PyTorch: keys, reuse, the budget on idle mappings, and senders that exi
 """
 
 import os
+import struct
 import sys
 import time
 import unittest
@@ -16,6 +17,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "python"))
 from cuvmm._share_keep import Kept, budget_from_env, sender_pid  # noqa: E402
 
 PAGE = 2 << 20
+
+
+def S(*serials):
+    """Page serials as a sender names them."""
+    return struct.pack(f"={len(serials)}Q", *serials)
 ME = b"\0cuvmm-share-%d-00ff" % os.getpid()
 
 
@@ -57,27 +63,27 @@ class KeptMappings(unittest.TestCase):
             return 5 * PAGE
         k = Kept(None, default)
         self.assertEqual(asked, [], "not at import")
-        self.assertIsNotNone(k.key(ME, 0, PAGE, 1, [7], []), "kept by default")
+        self.assertIsNotNone(k.key(ME, 0, PAGE, 1, S(7), []), "kept by default")
         self.assertEqual((k.budget, len(asked)), (5 * PAGE, 1))
-        self.assertIsNone(Kept(0, default).key(ME, 0, PAGE, 1, [7], []), "0: none kept")
+        self.assertIsNone(Kept(0, default).key(ME, 0, PAGE, 1, S(7), []), "0: none kept")
 
     def test_keys_name_the_sender_pages_and_peers_and_refuse_bad_serials(self):
         k = Kept(1 << 30)
-        self.assertIsNone(Kept(0).key(ME, 0, PAGE, 2, [5, 6], []), "nothing kept without a budget")
-        self.assertIsNone(k.key(ME, 0, PAGE, 2, [], []), "a sender that named no pages")
+        self.assertIsNone(Kept(0).key(ME, 0, PAGE, 2, S(5, 6), []), "nothing kept without a budget")
+        self.assertIsNone(k.key(ME, 0, PAGE, 2, b"", []), "a sender that named no pages")
         self.assertIsNone(k.key(ME, 0, PAGE, 2, None, []))
-        a = k.key(ME, 0, PAGE, 2, [5, 6], [1])
-        self.assertNotEqual(a, k.key(ME, 0, PAGE, 2, [6, 5], [1]), "order matters")
-        self.assertNotEqual(a, k.key(ME, 0, PAGE, 2, [5, 6], []), "peers matter")
-        self.assertNotEqual(a, k.key(ME + b"x", 0, PAGE, 2, [5, 6], [1]), "another sender")
-        for bad in ([5], [5, "6"], [5, 0], [5, True], 7, "ab"):
+        a = k.key(ME, 0, PAGE, 2, S(5, 6), [1])
+        self.assertNotEqual(a, k.key(ME, 0, PAGE, 2, S(6, 5), [1]), "order matters")
+        self.assertNotEqual(a, k.key(ME, 0, PAGE, 2, S(5, 6), []), "peers matter")
+        self.assertNotEqual(a, k.key(ME + b"x", 0, PAGE, 2, S(5, 6), [1]), "another sender")
+        for bad in (S(5), [5, 6], S(5, 6)[:-1], S(5, 6, 7), 7, "ab"):
             with self.assertRaises(ValueError):
                 k.key(ME, 0, PAGE, 2, bad, [])
 
     def test_a_mapping_in_use_is_kept_and_idle_ones_past_the_budget_go_oldest_first(self):
         k = Kept(3 * PAGE)
         maps = [Mapping() for _ in range(3)]
-        keys = [k.key(ME, 0, PAGE, 2, [10 * i + 1, 10 * i + 2], []) for i in range(3)]
+        keys = [k.key(ME, 0, PAGE, 2, S(10 * i + 1, 10 * i + 2), []) for i in range(3)]
         self.assertIsNone(k.take(keys[0]))
         for key, m in zip(keys, maps):
             self.assertTrue(k.add(key, m, 2 * PAGE))
@@ -98,7 +104,7 @@ class KeptMappings(unittest.TestCase):
     def test_releasing_the_idle_mappings_leaves_those_in_use(self):
         k = Kept(1 << 40)
         busy, idle = Mapping(), Mapping()
-        kb, ki = k.key(ME, 0, PAGE, 1, [1], []), k.key(ME, 0, PAGE, 2, [2, 3], [])
+        kb, ki = k.key(ME, 0, PAGE, 1, S(1), []), k.key(ME, 0, PAGE, 2, S(2, 3), [])
         k.add(kb, busy, PAGE)
         k.add(ki, idle, 2 * PAGE)
         k.put_back(ki)
@@ -108,19 +114,22 @@ class KeptMappings(unittest.TestCase):
         self.assertIs(k.take(kb), busy, "still kept")
 
     def test_a_sender_is_looked_at_once_however_many_of_its_mappings_are_idle(self):
-        k = Kept(1 << 40)
-        for i in range(50):
-            key = k.key(ME, 0, PAGE, 1, [i + 1], [])
-            k.add(key, Mapping(), PAGE)
-            k.put_back(key)
-        looked = []
-        real = os.kill
-        os.kill = lambda pid, sig: looked.append(pid) or real(pid, sig)
-        try:
-            k.trim()
-        finally:
-            os.kill = real
-        self.assertEqual(looked, [os.getpid()])
+        def looked_at(k):
+            for i in range(50):
+                key = k.key(ME, 0, PAGE, 1, S(i + 1), [])
+                k.add(key, Mapping(), PAGE)
+                k.put_back(key)
+            looked = []
+            real = os.kill
+            os.kill = lambda pid, sig: looked.append(pid) or real(pid, sig)
+            try:
+                k.trim()
+            finally:
+                os.kill = real
+            return looked
+
+        self.assertEqual(looked_at(Kept(1 << 40, watch_exits=False)), [os.getpid()])
+        self.assertEqual(looked_at(Kept(1 << 40)), [], "a watched sender's exit is told, not looked for")
 
     def test_a_sender_that_exits_has_its_idle_mappings_released_with_nothing_else_happening(self):
         r, w = os.pipe()
@@ -131,7 +140,7 @@ class KeptMappings(unittest.TestCase):
             os._exit(0)
         os.close(r)
         k = Kept(1 << 40)
-        key = k.key(b"\0cuvmm-share-%d-00ff" % pid, 0, PAGE, 1, [4], [])
+        key = k.key(b"\0cuvmm-share-%d-00ff" % pid, 0, PAGE, 1, S(4), [])
         m = Mapping()
         k.add(key, m, PAGE)
         k.put_back(key)
@@ -148,12 +157,12 @@ class KeptMappings(unittest.TestCase):
         k = Kept(1 << 40)
         gone = b"\0cuvmm-share-%d-00ff" % exited_pid()
         m, live = Mapping(), Mapping()
-        key = k.key(gone, 0, PAGE, 1, [3], [])
+        key = k.key(gone, 0, PAGE, 1, S(3), [])
         k.add(key, m, PAGE)
         k.trim()
         self.assertEqual(m.released, 0, "in use")
-        k.add(k.key(ME, 0, PAGE, 1, [3], []), live, PAGE)
-        k.put_back(k.key(ME, 0, PAGE, 1, [3], []))
+        k.add(k.key(ME, 0, PAGE, 1, S(3), []), live, PAGE)
+        k.put_back(k.key(ME, 0, PAGE, 1, S(3), []))
         k.put_back(key)
         self.assertEqual((m.released, live.released), (1, 0))
         self.assertEqual(k.idle_bytes(), PAGE)
