@@ -30,6 +30,10 @@ pub(crate) struct DriverBackend {
     mover: Option<Mover>,
     /// Pageable backups released lazily at their wakes, for later sleeps.
     lazy: LazyBackups,
+    /// Marks of copies (see `Backend::mark_copies`) not waited for yet: each with an event per
+    /// lane recorded after the copies it marks.
+    marks: Vec<(u64, Vec<Event>)>,
+    next_mark: u64,
 }
 
 /// A sleeping tag's backup on the driver.
@@ -124,6 +128,8 @@ impl DriverBackend {
             reservations: Vec::new(),
             mover: None,
             lazy: LazyBackups::default(),
+            marks: Vec::new(),
+            next_mark: 0,
         }
     }
 
@@ -348,7 +354,38 @@ impl Backend for DriverBackend {
         unsafe { result::mem::memcpy_htod_async(driver()?.api(), dst, src, len as usize, stream) }
     }
 
+    fn mark_copies(&mut self) -> Result<u64> {
+        let mark = self.next_mark;
+        self.next_mark += 1;
+        let mut events = Vec::with_capacity(self.lanes.len());
+        for s in &self.lanes {
+            let e = Event::without_timing(&self.ctx)?;
+            e.record(s)?;
+            events.push(e);
+        }
+        if let Some(m) = &self.mover {
+            m.mark(mark)?;
+        }
+        self.marks.push((mark, events));
+        Ok(mark)
+    }
+
+    fn wait_copies(&mut self, mark: u64) -> Result<bool> {
+        let upto = self.marks.iter().take_while(|(m, _)| *m <= mark).count();
+        for (_, events) in self.marks.drain(..upto) {
+            for e in events {
+                e.synchronize()?;
+            }
+        }
+        match &self.mover {
+            Some(m) => m.reached(mark),
+            None => Ok(true),
+        }
+    }
+
     fn finish_copies(&mut self) -> Result<()> {
+        // Every mark is over once the copies are.
+        self.marks.clear();
         // Both kinds are waited for, whatever failed first: nothing may still be copying when
         // the allocator unmaps or lets go of a backup.
         let mut r = Ok(());

@@ -591,6 +591,9 @@ enum Msg {
     Job(Job),
     /// Replies with the first failure since the last `Finish`.
     Finish,
+    /// Replies (on its own channel) with the mark and whether every copy since the last
+    /// `Finish` succeeded so far.
+    Mark(u64),
 }
 
 /// Bytes of the bounce buffer between the staging ring and a file.
@@ -602,6 +605,7 @@ const BOUNCE: usize = 64 << 20;
 pub(crate) struct Mover {
     tx: Option<Sender<Msg>>,
     done: Receiver<Result<()>>,
+    marks: Receiver<(u64, bool)>,
     thread: Option<JoinHandle<()>>,
 }
 
@@ -609,11 +613,12 @@ impl Mover {
     pub(crate) fn new(copier: impl Copier) -> Result<Mover> {
         let (tx, rx) = channel::<Msg>();
         let (done_tx, done) = channel();
+        let (marks_tx, marks) = channel();
         let thread = std::thread::Builder::new()
             .name("cuvmm-backup".into())
-            .spawn(move || run(copier, rx, done_tx))
+            .spawn(move || run(copier, rx, done_tx, marks_tx))
             .map_err(|e| Error::invalid(format!("cannot start the backup thread: {e}")))?;
-        Ok(Mover { tx: Some(tx), done, thread: Some(thread) })
+        Ok(Mover { tx: Some(tx), done, marks, thread: Some(thread) })
     }
 
     fn send(&self, m: Msg) -> Result<()> {
@@ -632,6 +637,26 @@ impl Mover {
         self.send(Msg::Job(Job { out, dev, off, len, store: store.clone() }))
     }
 
+    /// Marks the copies queued so far as `mark` (larger than every earlier one), for
+    /// [`reached`](Self::reached). Copies queued after it never run as one transfer with those
+    /// before.
+    pub(crate) fn mark(&self, mark: u64) -> Result<()> {
+        self.send(Msg::Mark(mark))
+    }
+
+    /// Waits for the copies queued before `mark`: whether every copy since the last
+    /// [`finish`](Self::finish) has succeeded so far.
+    pub(crate) fn reached(&self, mark: u64) -> Result<bool> {
+        loop {
+            // (Marks nobody waited for come first: passed over.)
+            match self.marks.recv() {
+                Ok((m, ok)) if m >= mark => return Ok(ok),
+                Ok(_) => {}
+                Err(_) => return Err(Error::invalid("the backup thread has stopped")),
+            }
+        }
+    }
+
     /// Waits for every copy queued so far: the first failure among them, if any.
     pub(crate) fn finish(&self) -> Result<()> {
         self.send(Msg::Finish)?;
@@ -648,7 +673,7 @@ impl Drop for Mover {
     }
 }
 
-fn run(mut copier: impl Copier, rx: Receiver<Msg>, done: Sender<Result<()>>) {
+fn run(mut copier: impl Copier, rx: Receiver<Msg>, done: Sender<Result<()>>, marks: Sender<(u64, bool)>) {
     let mut failed: Option<Error> = None;
     let mut bounce: Option<HostMap> = None;
     let mut held: Option<Msg> = None;
@@ -663,6 +688,10 @@ fn run(mut copier: impl Copier, rx: Receiver<Msg>, done: Sender<Result<()>>) {
         let mut job = match msg {
             Msg::Finish => {
                 let _ = done.send(failed.take().map_or(Ok(()), Err));
+                continue;
+            }
+            Msg::Mark(m) => {
+                let _ = marks.send((m, failed.is_none()));
                 continue;
             }
             Msg::Job(j) => j,
@@ -935,6 +964,41 @@ mod tests {
         }
         mover.finish().unwrap();
         assert_eq!(transfers.load(Ordering::Relaxed), 4);
+    }
+
+    #[test]
+    fn a_mark_is_reached_once_the_copies_before_it_land_and_splits_what_would_merge() {
+        let (mover, mem, transfers, hold) = device(1 << 20, None);
+        let staged = Staged::new(1 << 20, BackupOptions::default()).unwrap();
+        let held = hold.lock().unwrap();
+        for k in 0..8u64 {
+            mover.queue(true, BASE + k * 65536, &staged.store, k * 65536, 65536).unwrap();
+            if k == 3 {
+                mover.mark(7).unwrap();
+            }
+        }
+        mover.mark(8).unwrap();
+        drop(held);
+        assert!(mover.reached(7).unwrap());
+        // Landed: the backup holds the first four copies' bytes.
+        let Store::Memory(m) = &staged.store else { panic!("a memory backup") };
+        // SAFETY: the mover wrote this range before the mark and touches it no more.
+        let got = unsafe { &*m.range(0, 4 * 65536).unwrap() }.to_vec();
+        assert!(got == mem.lock().unwrap()[..4 * 65536], "the copies before the mark landed");
+        assert!(mover.reached(8).unwrap());
+        mover.finish().unwrap();
+        let n = transfers.load(Ordering::Relaxed);
+        assert!((2..=3).contains(&n), "{n} transfers: the mark splits the adjacent copies in two");
+        // A failure before a mark: reached, not successful; finish reports it.
+        let (mover, _mem, _, _) = device(1 << 20, Some(4096));
+        mover.queue(true, BASE, &staged.store, 0, 8192).unwrap();
+        mover.mark(1).unwrap();
+        assert!(!mover.reached(1).unwrap());
+        assert!(mover.finish().is_err());
+        // A mark nobody waited for is passed over by the next wait.
+        mover.mark(2).unwrap();
+        mover.mark(3).unwrap();
+        assert!(mover.reached(3).unwrap());
     }
 
     #[test]

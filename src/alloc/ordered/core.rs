@@ -71,6 +71,11 @@ pub(crate) trait Backend {
     fn copy_in(&mut self, dst: u64, host: &Self::Host, offset: u64, len: u64, lane: usize) -> Result<()>;
     /// Waits for the copies queued on every lane.
     fn finish_copies(&mut self) -> Result<()>;
+    /// Marks the copies queued so far, for [`wait_copies`](Self::wait_copies).
+    fn mark_copies(&mut self) -> Result<u64>;
+    /// Waits for the copies queued before `mark` (not for those queued since): whether they all
+    /// succeeded (a failure itself is for [`finish_copies`](Self::finish_copies) to report).
+    fn wait_copies(&mut self, mark: u64) -> Result<bool>;
     /// Waits for all work queued on the device. The allocator itself waits without its lock (see
     /// [`Core::settle_begin`]); the model tests' one-step paths call this.
     #[cfg_attr(not(test), allow(dead_code))]
@@ -303,6 +308,9 @@ pub(crate) struct Core<B: Backend> {
     freed_shared: HashMap<u64, (StreamId, Epoch)>,
     /// Blocks of at least this many bytes (untagged) are one physical allocation each; 0: off.
     whole_above: u64,
+    /// Bytes of a sleep's copies after which the pages they read are released while the next
+    /// ones copy (see [`sleep::SLEEP_BATCH`]).
+    sleep_batch: u64,
     /// Whether the tests' allocations and every free end with [`Core::check`] (tests that
     /// replay long recordings check between steps instead).
     #[cfg(test)]
@@ -335,6 +343,7 @@ impl<B: Backend> Core<B> {
             exported: HashMap::new(),
             freed_shared: HashMap::new(),
             whole_above: 0,
+            sleep_batch: sleep::SLEEP_BATCH,
             #[cfg(test)]
             check_calls: true,
         }

@@ -41,6 +41,12 @@ pub struct TagStats {
 /// Bytes per copy: small enough that two lanes overlap, large enough to run at full speed.
 const CHUNK: u64 = 64 << 20;
 
+/// Bytes of an offloading sleep's copies after which the pages they read go back to the driver
+/// while the next ones copy: unmapping and releasing a page costs the driver microseconds (16 GiB
+/// of 4 MiB pages about 20 ms, a sixteenth of the copy), which a sleep would otherwise add after
+/// its last copy. Each batch ends a staged transfer, whose start and end cost a chunk's time.
+pub(crate) const SLEEP_BATCH: u64 = 2 << 30;
+
 pub(crate) enum State {
     Awake,
     /// A sleep waits for the device; then the tag is asleep, or awake again if the wait failed.
@@ -144,6 +150,8 @@ impl<B: Backend> Core<B> {
         self.flush_cached();
         let slots = self.slots_of(tag);
         let mut saved = Vec::new();
+        // Bytes given back to the driver, while copying and after.
+        let mut released = 0;
         if mode == SleepMode::Offload {
             let mut at = 0;
             for &slot in &slots {
@@ -159,30 +167,22 @@ impl<B: Backend> Core<B> {
                 // The backup the tag's options ask for: a retained one when it still fits.
                 host = Some(self.backend.host_alloc(tag, at, host)?);
             }
-            let r = self.copy_pages(&saved, host.as_mut(), true);
-            if let Err(e) = r {
-                // The tag stays awake with its contents; a backup it would not keep goes.
-                self.keep_or_release(tag, host);
-                return Err(e);
-            }
+            let r = self.copy_out_releasing(&saved, host.as_mut(), &mut released);
             self.sleepers.get_mut(&tag).expect("inserted").backup = host;
+            if let Err(e) = r {
+                return Err(self.undo_sleep(tag, saved, released, e));
+            }
         }
         // Everything of the tag goes back to the driver, idle pages included.
-        let mut released = 0;
         let mut failed = None;
         'slots: for &slot in &slots {
-            let base = self.slots[slot].heap.base();
-            let page = self.slots[slot].page;
-            for p in 0..self.slots[slot].pages.len() {
-                if self.slots[slot].pages[p].is_some() {
-                    if let Err(e) = self.backend.unmap(base + p as u64 * page, page) {
+            for p in 0..self.slots[slot].pages.len() as u64 {
+                match self.release_page(slot, p) {
+                    Ok(n) => released += n,
+                    Err(e) => {
                         failed = Some(e);
                         break 'slots;
                     }
-                    drop(self.slots[slot].pages[p].take());
-                    self.mapped_bytes -= page;
-                    self.stats.pages_released += 1;
-                    released += page;
                 }
             }
         }
@@ -192,28 +192,99 @@ impl<B: Backend> Core<B> {
         if let Some(e) = failed {
             // All or nothing: the pages released so far come back (with their contents when
             // they were offloaded), and the tag is awake as before the call.
-            return Err(match self.wake(tag) {
-                Ok(()) => e,
-                Err(w) => {
-                    Error::invalid(format!("{e}; waking the tag again failed too, so it stays asleep: {w}"))
-                }
-            });
+            return Err(self.wake_again(tag, e));
         }
         Ok(released)
     }
 
-    /// Queues copies of `pages` between the device and `host` (out: to the host) over two lanes
-    /// in chunks, merging adjacent pages, and waits for them.
-    fn copy_pages(
+    /// Unmaps page `p` of `slot` and gives it back, if it is mapped; its bytes (0 if it was not).
+    fn release_page(&mut self, slot: SlotId, p: u64) -> Result<u64> {
+        if self.slots[slot].pages[p as usize].is_none() {
+            return Ok(0);
+        }
+        let page = self.slots[slot].page;
+        self.backend.unmap(self.slots[slot].heap.base() + p * page, page)?;
+        drop(self.slots[slot].pages[p as usize].take());
+        self.mapped_bytes -= page;
+        self.stats.pages_released += 1;
+        Ok(page)
+    }
+
+    /// Copies `saved` (slot, page, offset) into `host`, in batches of [`SLEEP_BATCH`] bytes:
+    /// once a batch has been copied (while the next one copies), its pages go back to the driver,
+    /// counted in `released`. Every copy has landed or failed when it returns.
+    fn copy_out_releasing(
         &mut self,
-        pages: &[(SlotId, u64, u64)],
+        saved: &[(SlotId, u64, u64)],
         host: Option<&mut B::Host>,
-        out: bool,
+        released: &mut u64,
     ) -> Result<()> {
         let Some(host) = host else { return Ok(()) };
         let mut lane = 0;
-        self.queue_copies(pages, host, out, &mut lane)?;
-        self.backend.finish_copies()
+        // (mark, end in `saved`) of batches queued and not released yet; at most two.
+        let mut queued: Vec<(u64, usize)> = Vec::new();
+        let mut done = 0;
+        let mut r = Ok(());
+        let mut start = 0;
+        while start < saved.len() && r.is_ok() {
+            let mut end = start;
+            let mut bytes = 0;
+            while end < saved.len() && bytes < self.sleep_batch {
+                bytes += self.slots[saved[end].0].page;
+                end += 1;
+            }
+            r = self.queue_copies(&saved[start..end], host, true, &mut lane);
+            if r.is_ok() {
+                r = self.backend.mark_copies().map(|m| queued.push((m, end)));
+            }
+            start = end;
+            if r.is_ok() && queued.len() == 2 {
+                let (mark, upto) = queued.remove(0);
+                r = self.release_copied(&saved[done..upto], mark, released);
+                done = upto;
+            }
+        }
+        // Whatever was queued has to land (or fail) before the backup is used or let go.
+        let finished = self.backend.finish_copies();
+        r.and(finished)
+    }
+
+    /// Releases the pages of `batch` once the copies queued before `mark` (theirs) have landed.
+    fn release_copied(&mut self, batch: &[(SlotId, u64, u64)], mark: u64, released: &mut u64) -> Result<()> {
+        if !self.backend.wait_copies(mark)? {
+            // The failure itself is what finishing the copies reports.
+            return Ok(());
+        }
+        for &(slot, p, _) in batch {
+            *released += self.release_page(slot, p)?;
+        }
+        self.note_mapped();
+        Ok(())
+    }
+
+    /// A sleep that failed after its copies began, with `released` bytes given back already: the
+    /// tag wakes again (those pages come back with their saved contents) and keeps or lets go of
+    /// its backup as after a wake; the error to return.
+    fn undo_sleep(&mut self, tag: u32, saved: Vec<(SlotId, u64, u64)>, released: u64, e: Error) -> Error {
+        if released == 0 {
+            // Nothing released: the tag is awake with its contents; a backup it would not keep goes.
+            let host = self.sleepers.get_mut(&tag).and_then(|t| t.backup.take());
+            self.keep_or_release(tag, host);
+            return e;
+        }
+        self.sleepers.get_mut(&tag).expect("inserted").state =
+            State::Asleep { mode: SleepMode::Offload, saved };
+        self.wake_again(tag, e)
+    }
+
+    /// Wakes `tag` after its sleep failed half way with `e`: the error to return.
+    fn wake_again(&mut self, tag: u32, e: Error) -> Error {
+        match self.wake(tag) {
+            Ok(()) => e,
+            Err(w) => {
+                Error::invalid(format!("{e}; waking the tag again failed too, so it stays asleep: {w}"))
+            }
+        }
     }
 
     /// Queues the copies of `pages` (slot, page, offset in `host`), in runs of pages adjacent both
