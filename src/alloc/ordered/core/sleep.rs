@@ -224,21 +224,23 @@ impl<B: Backend> Core<B> {
         // (mark, end in `saved`) of batches queued and not released yet; at most two.
         let mut queued: Vec<(u64, usize)> = Vec::new();
         let mut done = 0;
-        let mut r = Ok(());
+        let mut r = Ok(true);
         let mut start = 0;
-        while start < saved.len() && r.is_ok() {
+        // Until everything is queued, or a copy failed (then nothing more is released).
+        while start < saved.len() && matches!(r, Ok(true)) {
             let mut end = start;
             let mut bytes = 0;
             while end < saved.len() && bytes < self.sleep_batch {
                 bytes += self.slots[saved[end].0].page;
                 end += 1;
             }
-            r = self.queue_copies(&saved[start..end], host, true, &mut lane);
-            if r.is_ok() {
-                r = self.backend.mark_copies().map(|m| queued.push((m, end)));
-            }
+            r = self
+                .queue_copies(&saved[start..end], host, true, &mut lane)
+                .and_then(|()| self.backend.mark_copies())
+                .map(|m| queued.push((m, end)))
+                .map(|()| true);
             start = end;
-            if r.is_ok() && queued.len() == 2 {
+            if matches!(r, Ok(true)) && queued.len() == 2 {
                 let (mark, upto) = queued.remove(0);
                 r = self.release_copied(&saved[done..upto], mark, released);
                 done = upto;
@@ -249,17 +251,22 @@ impl<B: Backend> Core<B> {
         r.and(finished)
     }
 
-    /// Releases the pages of `batch` once the copies queued before `mark` (theirs) have landed.
-    fn release_copied(&mut self, batch: &[(SlotId, u64, u64)], mark: u64, released: &mut u64) -> Result<()> {
+    /// Releases the pages of `batch` once the copies queued before `mark` (theirs) have landed;
+    /// false, releasing nothing, when one of those copies failed (finishing them reports it).
+    fn release_copied(
+        &mut self,
+        batch: &[(SlotId, u64, u64)],
+        mark: u64,
+        released: &mut u64,
+    ) -> Result<bool> {
         if !self.backend.wait_copies(mark)? {
-            // The failure itself is what finishing the copies reports.
-            return Ok(());
+            return Ok(false);
         }
         for &(slot, p, _) in batch {
             *released += self.release_page(slot, p)?;
         }
         self.note_mapped();
-        Ok(())
+        Ok(true)
     }
 
     /// A sleep that failed after its copies began, with `released` bytes given back already: the
