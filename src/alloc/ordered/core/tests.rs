@@ -106,6 +106,10 @@ pub(super) struct Gpu {
     /// Pages copied out whose copy is not known to have landed: the mark after which it counts
     /// as landed, until waited for (`wait_copies`, `finish_copies`). Unmapping one fails the test.
     copies_in_flight: BTreeMap<u64, u64>,
+    /// Makes the copies behind the next mark waited for fail there, reported by the next
+    /// `finish_copies`, as the staged backup's thread reports a failed transfer.
+    fail_at_mark: bool,
+    failed_at_mark: bool,
 }
 
 /// A backup in the model: its size, what it holds at each offset (one value per page), the
@@ -404,6 +408,9 @@ impl Backend for Gpu {
     }
     fn finish_copies(&mut self) -> Result<()> {
         self.copies_in_flight.clear();
+        if std::mem::take(&mut self.failed_at_mark) {
+            return Err(Error::Os { call: "write (disk backup)", errno: nix::errno::Errno::EIO });
+        }
         Ok(())
     }
     fn mark_copies(&mut self) -> Result<u64> {
@@ -413,6 +420,12 @@ impl Backend for Gpu {
     fn wait_copies(&mut self, mark: u64) -> Result<bool> {
         // Copies land when queued here; what counts is that the allocator waits before it unmaps.
         assert!(mark <= self.marks, "a mark never made");
+        if std::mem::take(&mut self.fail_at_mark) {
+            self.failed_at_mark = true;
+        }
+        if self.failed_at_mark {
+            return Ok(false);
+        }
         self.copies_in_flight.retain(|_, m| *m > mark);
         Ok(true)
     }
@@ -1935,6 +1948,25 @@ fn a_copy_failing_in_the_middle_of_a_sleep_leaves_the_tag_awake_with_its_content
         c.wake(TAG).unwrap();
         assert!(holds(&mut c, blocks, 40), "{opts:?}");
     }
+}
+
+#[test]
+fn a_copy_failure_seen_at_a_mark_releases_nothing_more_and_leaves_the_tag_awake() {
+    let mut c = core(1000);
+    c.sleep_batch = TPAGE;
+    let blocks = two_runs(&mut c, 60);
+    let mapped = c.tag_stats(TAG).mapped;
+    let released = c.stats.pages_released;
+    c.backend().fail_at_mark = true;
+    let e = c.sleep(TAG, SleepMode::Offload).unwrap_err();
+    assert!(matches!(e, Error::Os { errno: nix::errno::Errno::EIO, .. }), "{e}");
+    assert_eq!(c.stats.pages_released, released, "no page went back once the failure was seen");
+    let t = c.tag_stats(TAG);
+    assert!(!t.asleep && t.mapped == mapped && t.offloaded == 0, "{t:?}");
+    assert!(holds(&mut c, blocks, 60));
+    c.sleep(TAG, SleepMode::Offload).unwrap();
+    c.wake(TAG).unwrap();
+    assert!(holds(&mut c, blocks, 60));
 }
 
 #[test]
