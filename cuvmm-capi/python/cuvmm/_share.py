@@ -666,13 +666,14 @@ def _exchange(address: bytes, token: bytes, timeout: float, what, claims: bool):
 
 def _sender(address) -> int:
     """The pid a hand-off address names; ValueError for anything else."""
-    c = _connections.get(address) if isinstance(address, bytes) else None
-    if c is not None:
-        return c.pid  # (read once, when it connected)
-    m = _ADDRESS.match(address) if isinstance(address, bytes) else None
-    if m is None:
-        raise ValueError(f"not a cuvmm hand-off address: {address!r}")
-    return int(m.group(1))
+    if isinstance(address, bytes):
+        c = _connections.get(address)
+        if c is not None:
+            return c.pid  # (read once, when it connected)
+        m = _ADDRESS.match(address)
+        if m is not None:
+            return int(m.group(1))
+    raise ValueError(f"not a cuvmm hand-off address: {address!r}")
 
 
 def _unclaim(c: _Connection) -> None:

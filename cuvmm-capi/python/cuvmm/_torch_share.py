@@ -24,9 +24,15 @@ def _default_keep() -> int:
     return _torch.cuda.get_device_properties(_torch.cuda.current_device()).total_memory // DEFAULT_SHARE
 
 
-_handoff = _share.Handoff()
-_waits = DeviceWaits(lambda device: _torch.cuda.synchronize(device), after=_share.flush_releases)
-_kept = Kept(budget_from_env(os.environ.get("CUVMM_SHARE_KEEP")), _default_keep)
+def _sharing():
+    """A process's own sharing state: its offers, its releases waiting for the device, its kept
+    mappings (none of any yet)."""
+    return (_share.Handoff(),
+            DeviceWaits(lambda device: _torch.cuda.synchronize(device), after=_share.flush_releases),
+            Kept(budget_from_env(os.environ.get("CUVMM_SHARE_KEEP")), _default_keep))
+
+
+_handoff, _waits, _kept = _sharing()
 
 
 def _after_fork_in_child():
@@ -36,10 +42,8 @@ def _after_fork_in_child():
     # The parent's kept mappings are the parent's (a child cannot use CUDA after a fork anyway).
     # Releases pending in the parent are the parent's to tell.
     global _handoff, _kept, _waits
-    _waits = DeviceWaits(lambda device: _torch.cuda.synchronize(device), after=_share.flush_releases)
-    _kept = Kept(budget_from_env(os.environ.get("CUVMM_SHARE_KEEP")), _default_keep)
     _handoff.close()
-    _handoff = _share.Handoff()
+    _handoff, _waits, _kept = _sharing()
     _share.forget_connections()
 
 
