@@ -15,6 +15,7 @@
 use super::{Backend, Core, SlotId};
 use crate::error::{Error, Result};
 use std::collections::HashMap;
+use std::ops::Range;
 
 /// What a sleep does with the contents.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -220,35 +221,42 @@ impl<B: Backend> Core<B> {
         released: &mut u64,
     ) -> Result<()> {
         let Some(host) = host else { return Ok(()) };
+        let r = self.queue_releasing(saved, host, released);
+        // Whatever was queued has to land (or fail) before the backup is used or let go.
+        let finished = self.backend.finish_copies();
+        r.and(finished)
+    }
+
+    /// Queues [`copy_out_releasing`](Self::copy_out_releasing)'s batches and releases each one's
+    /// pages once the next is queued and its own copies have landed. Stops at a copy that failed
+    /// (finishing the copies reports it), the last batch not released.
+    fn queue_releasing(
+        &mut self,
+        saved: &[(SlotId, u64, u64)],
+        host: &mut B::Host,
+        released: &mut u64,
+    ) -> Result<()> {
         let mut lane = 0;
-        // (mark, end in `saved`) of batches queued and not released yet; at most two.
-        let mut queued: Vec<(u64, usize)> = Vec::new();
-        let mut done = 0;
-        let mut r = Ok(true);
+        // The batch queued before the last: its mark and its pages in `saved`.
+        let mut previous: Option<(u64, Range<usize>)> = None;
         let mut start = 0;
-        // Until everything is queued, or a copy failed (then nothing more is released).
-        while start < saved.len() && matches!(r, Ok(true)) {
+        while start < saved.len() {
             let mut end = start;
             let mut bytes = 0;
             while end < saved.len() && bytes < self.sleep_batch {
                 bytes += self.slots[saved[end].0].page;
                 end += 1;
             }
-            r = self
-                .queue_copies(&saved[start..end], host, true, &mut lane)
-                .and_then(|()| self.backend.mark_copies())
-                .map(|m| queued.push((m, end)))
-                .map(|()| true);
-            start = end;
-            if matches!(r, Ok(true)) && queued.len() == 2 {
-                let (mark, upto) = queued.remove(0);
-                r = self.release_copied(&saved[done..upto], mark, released);
-                done = upto;
+            self.queue_copies(&saved[start..end], host, true, &mut lane)?;
+            let mark = self.backend.mark_copies()?;
+            if let Some((mark, batch)) = previous.replace((mark, start..end)) {
+                if !self.release_copied(&saved[batch], mark, released)? {
+                    return Ok(());
+                }
             }
+            start = end;
         }
-        // Whatever was queued has to land (or fail) before the backup is used or let go.
-        let finished = self.backend.finish_copies();
-        r.and(finished)
+        Ok(())
     }
 
     /// Releases the pages of `batch` once the copies queued before `mark` (theirs) have landed;
