@@ -21,7 +21,9 @@ fn an_imported_block_is_the_same_memory_and_outlives_the_exporters_free() {
     let ctx = Context::for_ordinal(0).expect("a CUDA device");
     let k = Kernels::load(&ctx).unwrap();
     let s = Stream::non_blocking(&ctx).unwrap();
-    let alloc = StreamAllocator::new(&ctx).unwrap();
+    // Pages of 4 MiB (the default is 128 MiB), so that a 12 MiB block spans several.
+    let config = AllocatorConfig { page: 4 << 20, ..AllocatorConfig::default() };
+    let alloc = StreamAllocator::with_config(&ctx, config).unwrap();
     // A 2 MiB block first (large: above 1 MiB), so that the big one starts inside a page.
     let small = alloc.allocate(2 << 20, &s).unwrap();
     let big = alloc.allocate(N * 4, &s).unwrap();

@@ -7,7 +7,7 @@
  * calling thread's last error is available from cuvmm_last_error().
  *
  * Configuration comes from one environment variable, read at the first call:
- *   CUVMM_ALLOC_CONF="page=4MiB,reserve=160GiB,tag_page=128MiB,log=1,lend=1,trace=/tmp/cuvmm.trace,oom=null"
+ *   CUVMM_ALLOC_CONF="page=128MiB,reserve=160GiB,tag_page=128MiB,log=1,lend=1,trace=/tmp/cuvmm.trace,oom=null"
  * (export_threshold=256MiB: untagged blocks of that size or more are one physical allocation each,
  * exportable as a POSIX descriptor and, with an IMEX channel, a fabric handle; 0, the default: off)
  * (see the README for every key).

@@ -10,7 +10,10 @@
   the block's pages yet fetches their descriptors (:func:`fetch`: one round trip, the
   descriptors up to ``MAX_FDS_PER_MESSAGE`` a message), and one that maps them already (the
   same serials from the same sender) claims the offer without waiting for an answer
-  (:func:`hold`), and the sender makes no descriptor.
+  (:func:`hold`), and the sender makes no descriptor. Offers made together (one pickle: a
+  *group*) travel together: a fetch of one takes every offer of its group not taken yet, with
+  their descriptors, in the same answer, so a pickle of many tensors costs one round trip per
+  sender, not one per tensor.
 
 Both ends check the other with ``SO_PEERCRED`` before anything travels: the sender answers only
 processes of its effective uid, and the receiver talks only to the process its address names (the
@@ -39,7 +42,7 @@ import sys
 import threading
 import time
 
-VERSION = 2
+VERSION = 3
 
 # SCM_MAX_FD is 253 on Linux.
 MAX_FDS_PER_MESSAGE = 250
@@ -234,7 +237,11 @@ _TOKEN = 16
 _WANT_PAGES, _HOLD, _RELEASE = b"p", b"h", b"r"
 # Tokens a release message carries at most (a message of 16 KiB).
 _RELEASES_PER_MESSAGE = 1024
-# The sender's answer to a fetch: the first byte, then (offered) the page count as _COUNT.
+# Offers of a fetched one's group that come with it, at most, in one answer.
+_GROUP_PER_ANSWER = 1024
+# The sender's answer to a fetch: the first byte, then (offered) the page count as _COUNT, then
+# for each other offer of its group that comes along, its token and page count; the descriptors
+# follow, the fetched offer's first.
 _OFFERED, _UNKNOWN, _FAILED = b"\x01", b"\x00", b"\x02"
 _COUNT = struct.Struct("<I")
 _UCRED = struct.Struct("3i")  # pid, uid, gid
@@ -251,10 +258,10 @@ def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
 
 
 class _Offer:
-    __slots__ = ("release", "pages")
+    __slots__ = ("release", "pages", "group")
 
-    def __init__(self, release, pages):
-        self.release, self.pages = release, pages
+    def __init__(self, release, pages, group):
+        self.release, self.pages, self.group = release, pages, group
 
 
 class Handoff:
@@ -272,23 +279,30 @@ class Handoff:
     def __init__(self):
         self._lock = threading.Lock()
         self._offers: dict[bytes, _Offer] = {}
+        # Tokens of offers not taken yet, by group.
+        self._groups: dict[object, set] = {}
         self._claimed = 0
         self._listener = None
         self._pid = os.getpid()
         self.address = None
 
-    def offer(self, release, pages=None) -> tuple[bytes, bytes]:
+    def offer(self, release, pages=None, group=None) -> tuple[bytes, bytes]:
         """Offers something a receiver takes with the returned (address, token); ``release()`` is
         called once that receiver lets go of it (on this object's threads).
 
         ``pages()``, when given, returns new descriptors (closed here once sent) for a receiver
         that asks for them (:func:`fetch`); one that maps them already (:func:`hold`) makes none.
-        Should it fail, the receiver gets a refusal and the offer is released."""
+        Should it fail, the receiver gets a refusal and the offer is released.
+
+        ``group``, when given, names offers that travel to one receiver together (the tensors of
+        one pickle): the first fetch of any of them takes all of them that are not taken yet."""
         token = secrets.token_bytes(_TOKEN)
         with self._lock:
             if self._listener is None:
                 self._listen()
-            self._offers[token] = _Offer(release, pages)
+            self._offers[token] = _Offer(release, pages, group)
+            if group is not None:
+                self._groups.setdefault(group, set()).add(token)
         return self.address, token
 
     def pending(self) -> int:
@@ -320,6 +334,7 @@ class Handoff:
                 self._listener.close()
                 self._listener = None
             self._offers.clear()
+            self._groups.clear()
 
     def _listen(self):
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -360,7 +375,42 @@ class Handoff:
             offer = self._offers.pop(token, None)
             if offer is not None:
                 self._claimed += 1
+                self._ungroup(token, offer.group)
             return offer
+
+    def _ungroup(self, token: bytes, group) -> None:
+        if group is not None:
+            members = self._groups.get(group)
+            if members is not None:
+                members.discard(token)
+                if not members:
+                    del self._groups[group]
+
+    def _take_group(self, group) -> list:
+        """Takes the offers of ``group`` not taken yet (at most ``_GROUP_PER_ANSWER``)."""
+        if group is None:
+            return []
+        with self._lock:
+            members = self._groups.get(group)
+            if not members:
+                return []
+            taken = []
+            for token in list(members)[:_GROUP_PER_ANSWER]:
+                taken.append((token, self._offers.pop(token)))
+                members.discard(token)
+            if not members:
+                del self._groups[group]
+            self._claimed += len(taken)
+            return taken
+
+    def _give_back(self, taken) -> None:
+        """Offers taken by :meth:`_take_group` that are not sent after all: offered again."""
+        with self._lock:
+            for token, offer in taken:
+                self._offers[token] = offer
+                if offer.group is not None:
+                    self._groups.setdefault(offer.group, set()).add(token)
+            self._claimed -= len(taken)
 
     def _let_go(self, offers) -> None:
         """Releases taken offers (their receiver let go, or its connection ended)."""
@@ -429,14 +479,26 @@ class Handoff:
             self._let_go([offer])
             return _send(conn, _FAILED)
         held[body] = offer
+        # The rest of its group comes along. One whose descriptors cannot be made is offered
+        # again: its own fetch then gets the refusal.
+        along, back, all_fds = [], [], list(pages)
+        for token, other in self._take_group(offer.group):
+            fds = self._pages(other)
+            if fds is None:
+                back.append((token, other))
+                continue
+            held[token] = other
+            along.append(token + _COUNT.pack(len(fds)))
+            all_fds += fds
+        self._give_back(back)
         try:
-            conn.send(_OFFERED + _COUNT.pack(len(pages)))
-            send_page_fds(conn, pages)
+            conn.send(_OFFERED + _COUNT.pack(len(pages)) + b"".join(along))
+            send_page_fds(conn, all_fds)
             return True
         except OSError:
             return False
         finally:
-            for fd in pages:
+            for fd in all_fds:
                 os.close(fd)
 
     @staticmethod
@@ -489,6 +551,12 @@ _connections: dict[bytes, _Connection] = {}
 _connections_lock = threading.Lock()
 # Connections with releases to send at the next flush.
 _later: set = set()
+# Offers a fetch took along with the one it asked for (the rest of its group), until this process
+# asks for them: by (address, token), (descriptors, claim, when taken). Under _connections_lock.
+_along: dict = {}
+# Seconds an offer taken along waits to be asked for before it is let go: a pickle's tensors are
+# rebuilt one after another, so one still waiting belongs to a pickle whose loading failed.
+ALONG_FOR = 60.0
 
 
 class Claim:
@@ -690,18 +758,36 @@ def fetch(address: bytes, token: bytes, timeout: float = FETCH_TIMEOUT) -> tuple
     runs as another user; TimeoutError when it has not answered within ``timeout`` seconds;
     another OSError when it cannot be reached."""
 
+    taken = _taken_along(address, token)
+    if taken is not None:
+        return taken
+
     def ask(sock):
         sock.send(_WANT_PAGES + token)
-        msg = sock.recv(1 + _COUNT.size)
+        msg = sock.recv(1 + _COUNT.size + _GROUP_PER_ANSWER * (_TOKEN + _COUNT.size))
         if not msg:
             return None
-        if msg[:1] != _OFFERED or len(msg) != 1 + _COUNT.size:
+        head = 1 + _COUNT.size
+        if msg[:1] != _OFFERED or len(msg) < head or (len(msg) - head) % (_TOKEN + _COUNT.size):
             return msg
-        return recv_pages(sock, _COUNT.unpack(msg[1:])[0])
+        counts = [(token, _COUNT.unpack_from(msg, 1)[0])]
+        for i in range(head, len(msg), _TOKEN + _COUNT.size):
+            counts.append((msg[i:i + _TOKEN], _COUNT.unpack_from(msg, i + _TOKEN)[0]))
+        fds = recv_pages(sock, sum(n for _, n in counts))
+        out, at = [], 0
+        for t, n in counts:
+            out.append((t, fds[at:at + n]))
+            at += n
+        return out
 
     got, c = _exchange(address, token, timeout, ask, claims=True)
     if isinstance(got, list):
-        return got, Claim(c, token)
+        now = time.monotonic()
+        with _connections_lock:
+            c.claims += len(got) - 1
+            for t, fds in got[1:]:
+                _along[(address, t)] = (fds, Claim(c, t), now)
+        return got[0][1], Claim(c, token)
     if got is None:  # (uncounted with the connection dropped)
         raise ValueError("the sending process hung up (it exited?)")
     _unclaim(c)
@@ -717,6 +803,12 @@ def hold(address: bytes, token: bytes, timeout: float = FETCH_TIMEOUT) -> Claim:
     the claim is released or this process exits. Raises as :func:`fetch` when the sender cannot
     be reached or is not the one the address names."""
 
+    taken = _taken_along(address, token)
+    if taken is not None:
+        for fd in taken[0]:
+            os.close(fd)
+        return taken[1]
+
     def send(sock):
         sock.send(_HOLD + token)
         return True
@@ -728,6 +820,12 @@ def hold(address: bytes, token: bytes, timeout: float = FETCH_TIMEOUT) -> Claim:
 def let_go(address: bytes, token: bytes, timeout: float = FETCH_TIMEOUT) -> None:
     """Tells the sender this process will not use the offer under ``token`` (it releases it),
     without waiting for an answer."""
+    taken = _taken_along(address, token)
+    if taken is not None:
+        for fd in taken[0]:
+            os.close(fd)
+        taken[1].release()
+        return
 
     def send(sock):
         sock.send(_RELEASE + token)
@@ -736,11 +834,36 @@ def let_go(address: bytes, token: bytes, timeout: float = FETCH_TIMEOUT) -> None
     _exchange(address, token, timeout, send, claims=False)
 
 
+def _taken_along(address, token):
+    """(descriptors, claim) of the offer under ``token`` if a fetch took it along, else None; lets
+    go of what was taken along and not asked for within ``ALONG_FOR`` seconds."""
+    now = time.monotonic()
+    stale = []
+    with _connections_lock:
+        got = _along.pop((address, token), None)
+        # Oldest first (the order they were added in): the stale ones lead.
+        while _along:
+            key = next(iter(_along))
+            if now - _along[key][2] <= ALONG_FOR:
+                break
+            stale.append(_along.pop(key))
+    for fds, claim, _ in stale:
+        for fd in fds:
+            os.close(fd)
+        claim.release()
+    return None if got is None else got[:2]
+
+
 def forget_connections() -> None:
     """Closes every kept connection (a forked child must not share its parent's)."""
     with _connections_lock:
         kept = list(_connections.values())
         _connections.clear()
+        along = list(_along.values())
+        _along.clear()
+    for fds, _, _ in along:
+        for fd in fds:
+            os.close(fd)
     for c in kept:
         c.sock.close()
 
@@ -749,8 +872,14 @@ def _after_fork_in_child():
     # The parent's threads are not in the child: a lock one of them held (a fetch waiting for its
     # sender) stays held for ever. Start afresh, without taking any, and close the child's copies
     # of the parent's connections (the parent's stay open: they hold what the parent took).
-    global _connections, _connections_lock, _later
+    global _connections, _connections_lock, _later, _along
     kept, _connections, _connections_lock, _later = _connections, {}, threading.Lock(), set()
+    # What the parent took along is the parent's to use: the child closes its copies of the
+    # descriptors and tells nobody.
+    along, _along = _along, {}
+    for fds, _, _ in along.values():
+        for fd in fds:
+            os.close(fd)
     for c in kept.values():
         c.sock.close()
 

@@ -4,6 +4,7 @@ as exported pages (POSIX descriptors) instead of legacy CUDA IPC; see :func:`sha
 from __future__ import annotations
 
 import ctypes
+import itertools
 import multiprocessing.reduction as _mpr
 import os
 import threading
@@ -53,6 +54,24 @@ _torch_reductions = None
 _installed = False
 _lock = threading.Lock()
 _fd_limit_raised = False
+# The pickle this thread is writing, if any (see _grouped): its tensors are offered as one group.
+_pickling = threading.local()
+_pickles = itertools.count()
+_plain_dump = _mpr.ForkingPickler.dump
+
+
+def _grouped(self, obj):
+    """``ForkingPickler.dump`` (which ``dumps``, queues, pipes and ``Process`` arguments all go
+    through), naming the pickle so that the offers of its tensors make one group: the receiver
+    takes all of them in one round trip to this process instead of one each."""
+    outer = getattr(_pickling, "group", None)
+    if outer is None:
+        _pickling.group = next(_pickles)
+    try:
+        return _plain_dump(self, obj)
+    finally:
+        if outer is None:
+            _pickling.group = None
 
 
 def _owner(device: int, ptr: int):
@@ -151,7 +170,8 @@ def reduce_tensor(t):
     # the Process object's lifetime, and the block with it.) The pages' descriptors are made only
     # for a receiver that asks for them: the block's mark keeps them, whatever this process frees
     # meanwhile, until that receiver lets go.
-    address, token = _handoff.offer(release, lambda: _page_fds(device, block, count))
+    address, token = _handoff.offer(release, lambda: _page_fds(device, block, count),
+                                    getattr(_pickling, "group", None))
     return (_rebuild, (desc, address, token, pages))
 
 
@@ -358,6 +378,7 @@ def share_tensors(enable: bool = True) -> None:
         reducer = reduce_tensor if enable else _torch_reductions.reduce_tensor
         for cls in (_torch.Tensor, _torch.nn.Parameter):
             _mpr.ForkingPickler.register(cls, reducer)
+        _mpr.ForkingPickler.dump = _grouped if enable else _plain_dump
         _installed = enable
 
 

@@ -99,6 +99,19 @@ def offered(handoff, pages=None):
     return handoff.offer(released.set, pages), released
 
 
+def answered(handoff):
+    """A list that gets an item for each message of a receiver ``handoff`` reads and answers."""
+    answers, real = [], handoff._answer
+
+    def counted(*a):
+        ok = real(*a)
+        if ok:
+            answers.append(1)
+        return ok
+    handoff._answer = counted
+    return answers
+
+
 def wait_until(cond, timeout=10.0):
     deadline = time.monotonic() + timeout
     while not cond() and time.monotonic() < deadline:
@@ -360,6 +373,109 @@ class Transport(unittest.TestCase):
         self.assertTrue(held_released.wait(10))
         self.assertEqual(conn.sock.fileno(), -1, "closed once it holds nothing")
         self.assertTrue(wait_until(lambda: handoff.held() == 0))
+        handoff.close()
+
+    def test_a_fetch_takes_the_rest_of_its_group_in_the_same_answer(self):
+        handoff = _share.Handoff()
+        answers = answered(handoff)
+        page_fds = memfds(8)
+
+        def pages(k):
+            return [os.dup(page_fds[2 * k]), os.dup(page_fds[2 * k + 1])]
+
+        group = [handoff.offer(threading.Event().set, lambda k=k: pages(k), "one pickle") for k in range(3)]
+        other = handoff.offer(threading.Event().set, lambda: pages(3), "another")
+        loose, _ = offered(handoff, lambda: pages(3))
+        fds, claims = [], []
+        for address, token in group:
+            got, claim = _share.fetch(address, token)
+            fds.append([os.pread(fd, 1, 0) for fd in got])
+            for fd in got:
+                os.close(fd)
+            claims.append(claim)
+        self.assertEqual(fds, [[b"0", b"1"], [b"2", b"3"], [b"4", b"5"]], "each offer its own pages")
+        # One message answered: the first fetch; its group came along.
+        self.assertTrue(wait_until(lambda: handoff.held() == 3))
+        self.assertEqual(len(answers), 1, "one round trip for the group")
+        self.assertEqual(handoff.pending(), 2, "offers of another group, or of none, stay offered")
+        got, claim = _share.fetch(*other)
+        for fd in got:
+            os.close(fd)
+        claims.append(claim)
+        for c in claims:
+            c.release()
+        self.assertTrue(wait_until(lambda: handoff.held() == 0))
+        _share.let_go(*loose)
+        handoff.close()
+        for fd in page_fds:
+            os.close(fd)
+
+    def test_an_offer_taken_along_is_held_or_let_go_without_a_message(self):
+        handoff = _share.Handoff()
+        answers = answered(handoff)
+        events = [threading.Event() for _ in range(3)]
+        offers = [handoff.offer(e.set, lambda: memfds(1), "g") for e in events]
+        got, first = _share.fetch(*offers[0])
+        for fd in got:
+            os.close(fd)
+        before = open_fds()
+        held = _share.hold(*offers[1])  # (the receiver maps those pages already)
+        _share.let_go(*offers[2])
+        self.assertEqual(open_fds(), before - 2, "the descriptors taken along are closed")
+        self.assertTrue(events[2].wait(10), "let go")
+        self.assertTrue(wait_until(lambda: len(answers) == 2), "the release: the one message after the fetch")
+        self.assertFalse(events[1].wait(0.2), "held until released")
+        held.release()
+        first.release()
+        self.assertTrue(events[0].wait(10) and events[1].wait(10))
+        handoff.close()
+
+    def test_offers_taken_along_and_never_asked_for_are_let_go(self):
+        handoff = _share.Handoff()
+        events = [threading.Event() for _ in range(3)]
+        offers = [handoff.offer(e.set, lambda: memfds(1), "g") for e in events]
+        got, first = _share.fetch(*offers[0])
+        for fd in got:
+            os.close(fd)
+        before = open_fds()
+        self.assertFalse(events[1].wait(0.2), "held for the receiver while it may still ask")
+        saved = _share.ALONG_FOR
+        _share.ALONG_FOR = 0.0
+        try:
+            time.sleep(0.01)
+            unrelated, released = offered(handoff)
+            _share.hold(*unrelated).release()  # any later call lets the stale ones go
+        finally:
+            _share.ALONG_FOR = saved
+        self.assertTrue(events[1].wait(10) and events[2].wait(10) and released.wait(10))
+        self.assertFalse(events[0].is_set(), "the one asked for is still held")
+        first.release()
+        self.assertTrue(events[0].wait(10))
+        self.assertEqual(settled_fds(before - 2), before - 2, "the descriptors taken along closed")
+        handoff.close()
+
+    def test_an_offer_of_the_group_whose_pages_fail_is_not_taken_along(self):
+        handoff = _share.Handoff()
+        tries = []
+
+        def failing():
+            tries.append(1)
+            raise OSError("no descriptor left")
+        events = [threading.Event() for _ in range(2)]
+        good = handoff.offer(events[0].set, lambda: memfds(1), "g")
+        bad = handoff.offer(events[1].set, failing, "g")
+        stderr = io.StringIO()
+        with contextlib.redirect_stderr(stderr):
+            got, claim = _share.fetch(*good)
+            for fd in got:
+                os.close(fd)
+            self.assertEqual(handoff.pending(), 1, "offered again")
+            with self.assertRaisesRegex(ValueError, "could not produce"):
+                _share.fetch(*bad)
+        self.assertEqual(len(tries), 2, "tried along, then for its own fetch")
+        self.assertTrue(events[1].wait(10), "refused and let go at its own fetch")
+        claim.release()
+        self.assertTrue(events[0].wait(10))
         handoff.close()
 
     def test_a_failing_release_does_not_keep_the_others(self):

@@ -258,6 +258,43 @@ class HandOff(unittest.TestCase):
         os.waitpid(pid, 0)
         wait_for(lambda: lib.unexports == 8, "every block let go")
 
+    def test_the_tensors_of_one_pickle_come_in_one_round_trip(self):
+        import itertools
+        import multiprocessing.reduction as mpr
+        import pickle
+        lib = self.lib
+        serials, mark = itertools.count(100), lib.cuvmm_export_mark
+
+        def other_pages_each(*a):
+            lib.pages = [next(serials) for _ in range(3)]
+            return mark(*a)
+        lib.cuvmm_export_mark = other_pages_each
+        mp = types.ModuleType("torch.multiprocessing")
+        mp.reductions = types.SimpleNamespace(reduce_tensor=lambda t: None)
+        sys.modules["torch.multiprocessing"] = mp
+        exchanges, exchange = [], _share._exchange
+        _share._exchange = lambda *a, **k: exchanges.append(1) or exchange(*a, **k)
+        ts.share_tensors(True)
+        try:
+            first = mpr.ForkingPickler.dumps([self.tensor() for _ in range(8)])
+            second = mpr.ForkingPickler.dumps([self.tensor() for _ in range(4)])
+            self.assertIsNone(getattr(ts._pickling, "group", None), "no group outside a pickle")
+            got = pickle.loads(first)
+            self.assertEqual(len(exchanges), 1, "one round trip for a pickle's eight tensors")
+            self.assertEqual((lib.fds_made, lib.imports), (24, 8))
+            self.assertEqual(ts._handoff.pending(), 4, "another pickle's offers are not taken along")
+            more = pickle.loads(second)
+            self.assertEqual(len(exchanges), 2)
+            self.assertEqual([t.storage.data_ptr() > 0 for t in got + more], [True] * 12)
+        finally:
+            ts.share_tensors(False)
+            _share._exchange = exchange
+            del sys.modules["torch.multiprocessing"]
+        self.assertIs(mpr.ForkingPickler.dump, ts._plain_dump, "PyTorch's pickling put back")
+        del got, more
+        wait_for(lambda: lib.unexports == 12, "every block let go")
+        ts.release_kept_mappings()
+
     def test_a_refused_descriptor_leaves_nothing_held(self):
         fn, (desc, address, token, pages) = ts.reduce_tensor(self.tensor())
         bad = list(desc)

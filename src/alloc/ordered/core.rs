@@ -258,7 +258,12 @@ pub(crate) struct Settle {
 /// Sizes chosen at creation.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Sizes {
+    /// Pages of untagged large heaps: the ones spare, lent and moved between heaps.
     pub page: u64,
+    /// Pages of small heaps (requests up to [`SMALL`]): at most `page`. Smaller than it, they stay
+    /// in their heap until idle at [`Core::release_idle`], so that a process with a few small
+    /// blocks does not hold a large page for them.
+    pub small_page: u64,
     /// Pages of tagged large heaps: larger, so that a tag sleeps and wakes in few driver calls.
     pub tag_page: u64,
     pub large_reserve: u64,
@@ -687,7 +692,13 @@ impl<B: Backend> Core<B> {
             }
         }
         let want = if small { self.sizes.small_reserve } else { self.sizes.large_reserve };
-        let page = if tag != 0 && !small { self.sizes.tag_page } else { self.sizes.page };
+        let page = if small {
+            self.sizes.small_page
+        } else if tag != 0 {
+            self.sizes.tag_page
+        } else {
+            self.sizes.page
+        };
         // A heap of one page, for a block that must be one physical allocation.
         let (want, page) =
             if tag == WHOLE { (self.whole_page(n)?, self.whole_page(n)?) } else { (want, page) };
@@ -874,6 +885,7 @@ impl<B: Backend> Core<B> {
                 if self.reclaim(usize::MAX)? > 0 {
                     return Ok(self.spare.pop().expect("reclaimed"));
                 }
+                self.release_small_idle()?;
                 self.backend.create_page(size).inspect(|_| self.stats.pages_created += 1)
             }
             Err(e) => Err(e),
@@ -957,6 +969,7 @@ impl<B: Backend> Core<B> {
                 }
                 self.reclaim(usize::MAX)?;
                 self.release_spare();
+                self.release_small_idle()?;
                 self.backend.create_page(size)
             }
             r => r,
@@ -1429,12 +1442,38 @@ impl<B: Backend> Core<B> {
     pub(crate) fn release_idle(&mut self) -> Result<u64> {
         let old = self.backend.relax()?;
         self.flush_cached();
-        let r = self.reclaim(usize::MAX).and_then(|_| self.release_whole());
+        let r = self.reclaim(usize::MAX).and_then(|_| Ok(self.release_whole()? + self.release_small_idle()?));
         self.backend.restore(old);
-        let whole = r?;
+        let other = r?;
         let n = self.spare.len() as u64;
         self.release_spare();
-        Ok(n * self.sizes.page + whole)
+        Ok(n * self.sizes.page + other)
+    }
+
+    /// Unmaps and releases the pages of small heaps (of their own page size, not the ordinary
+    /// one) lying wholly in idle free blocks; returns the bytes. Those pages are never moved
+    /// between heaps: this is how they go back.
+    fn release_small_idle(&mut self) -> Result<u64> {
+        let mut bytes = 0;
+        for slot in 0..self.slots.len() {
+            let (small, page) = (self.slots[slot].small, self.slots[slot].page);
+            if !small || page == self.sizes.page {
+                continue;
+            }
+            let base = self.slots[slot].heap.base();
+            for p in self.slots[slot].heap.idle_pages(page) {
+                if self.slots[slot].pages[p as usize].is_none() {
+                    continue;
+                }
+                self.backend.unmap(base + p * page, page)?;
+                drop(self.slots[slot].pages[p as usize].take());
+                self.mapped_bytes -= page;
+                self.stats.pages_released += 1;
+                bytes += page;
+            }
+        }
+        self.note_mapped();
+        Ok(bytes)
     }
 
     /// Gives the memory held for captured graphs back to the shared pool; returns the free bytes

@@ -121,10 +121,13 @@ use std::sync::{Arc, Mutex, MutexGuard};
 /// Sizes of a [`StreamAllocator`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct AllocatorConfig {
-    /// Bytes per physical page (a multiple of the device's granularity, 2 MiB on current GPUs),
-    /// 4 MiB by default. Granting access and unmapping cost about as much for a 4 MiB page as for
-    /// a 2 MiB one, so larger pages make each byte [`lend`](Self::lend) moves cheaper; requests up
-    /// to 1 MiB share pages in heaps of their own.
+    /// Bytes per physical page of the heaps that serve requests above 1 MiB (a multiple of the
+    /// device's granularity, 2 MiB on current GPUs), 128 MiB by default. Every driver call on a
+    /// page (create, map, grant access, export, import, unmap) costs about as much for 128 MiB as
+    /// for 4 MiB, so large pages make a block cheap to map, to [`lend`](Self::lend) and to share
+    /// with another process: 16 GiB is 128 pages to export and import, not 4,096
+    /// (docs/DECISIONS.md, "Large pages"). Requests up to 1 MiB share pages of 4 MiB (`page` itself
+    /// when 4 MiB does not divide it) in heaps of their own.
     pub page: usize,
     /// Address space per large heap; 0 for twice the device's memory.
     pub reserve: usize,
@@ -141,7 +144,7 @@ pub struct AllocatorConfig {
     /// "Lending threshold").
     pub lend: bool,
     /// Untagged blocks of at least this many bytes (0: none, the default) are each one physical
-    /// allocation of their size rounded to `page`, exportable as a POSIX descriptor and, where the
+    /// allocation of their size rounded to 4 MiB, exportable as a POSIX descriptor and, where the
     /// device supports it and an IMEX channel exists, as a fabric handle: what transfer engines
     /// that register a range by its allocation (UCX's POSIX-descriptor path, fabric handles) can
     /// carry. Such a block's allocation, once freed, serves later blocks it exceeds by at most an
@@ -152,9 +155,12 @@ pub struct AllocatorConfig {
     pub export_threshold: usize,
 }
 
+/// Bytes per page of the heaps of requests up to 1 MiB, unless `page` is smaller.
+const SMALL_PAGE: usize = 4 << 20;
+
 impl Default for AllocatorConfig {
     fn default() -> Self {
-        AllocatorConfig { page: 4 << 20, reserve: 0, tag_page: 128 << 20, lend: true, export_threshold: 0 }
+        AllocatorConfig { page: 128 << 20, reserve: 0, tag_page: 128 << 20, lend: true, export_threshold: 0 }
     }
 }
 
@@ -272,8 +278,16 @@ impl StreamAllocator {
         let total = ctx.device().total_memory()?;
         let round = |x: usize| x.div_ceil(config.page) * config.page;
         let large = if config.reserve == 0 { 2 * total } else { config.reserve };
+        // Small heaps' pages: 4 MiB where the granularity allows and it divides `page` (their
+        // reservations are rounded to `page`), else `page`.
+        let small_page = if SMALL_PAGE % granularity == 0 && config.page % SMALL_PAGE == 0 {
+            SMALL_PAGE
+        } else {
+            config.page
+        };
         let sizes = Sizes {
             page: config.page as u64,
+            small_page: small_page as u64,
             tag_page: config.tag_page as u64,
             large_reserve: round(large) as u64,
             small_reserve: round((large / 16).max(config.page)) as u64,

@@ -25,7 +25,7 @@ impl<B: Backend> Core<B> {
     /// Makes every later untagged block of at least `bytes` bytes (0: none) one physical
     /// allocation at offset 0, which engines that register a range by its allocation (UCX's POSIX
     /// descriptor path, fabric handles) can carry, and another process maps in one call: such a
-    /// block takes a heap of one page of its own size, rounded to the page size, and a later block
+    /// block takes a heap of one page of its own size, rounded to the small pages' size, and a later block
     /// it fits (see [`WASTE`]) may reuse it. Those pages are not moved or lent; idle ones go back
     /// to the driver at `empty_cache`, or when a new one would take the memory held past the
     /// lending bound.
@@ -42,10 +42,12 @@ impl<B: Backend> Core<B> {
         }
     }
 
-    /// The page (and heap) size of a whole block of `n` bytes.
+    /// The page (and heap) size of a whole block of `n` bytes: rounded to the small page, not
+    /// the large one, which would add up to 124 MiB to a block of one allocation.
     pub(super) fn whole_page(&self, n: u64) -> Result<u64> {
-        n.div_ceil(self.sizes.page)
-            .checked_mul(self.sizes.page)
+        let unit = self.sizes.small_page;
+        n.div_ceil(unit)
+            .checked_mul(unit)
             .ok_or_else(|| Error::invalid(format!("{n} bytes cannot be allocated")))
     }
 
