@@ -394,8 +394,9 @@ class Transport(unittest.TestCase):
                 os.close(fd)
             claims.append(claim)
         self.assertEqual(fds, [[b"0", b"1"], [b"2", b"3"], [b"4", b"5"]], "each offer its own pages")
-        # One message answered: the first fetch; its group came along.
-        self.assertTrue(wait_until(lambda: handoff.held() == 3))
+        # One message answered: the first fetch; its group came along. (An answer is counted just
+        # after it is sent: waited for.)
+        self.assertTrue(wait_until(lambda: len(answers) == 1 and handoff.held() == 3))
         self.assertEqual(len(answers), 1, "one round trip for the group")
         self.assertEqual(handoff.pending(), 2, "offers of another group, or of none, stay offered")
         got, claim = _share.fetch(*other)
