@@ -34,6 +34,9 @@ def _sharing():
 
 
 _handoff, _waits, _kept = _sharing()
+# Room in the descriptor table for a hand-off's page descriptors, made now and on a thread of its
+# own: growing it later would wait for the kernel on the hand-off's path (see make_fd_slots).
+threading.Thread(target=_share.make_fd_slots, name="cuvmm-fd-slots", daemon=True).start()
 
 
 def _after_fork_in_child():

@@ -27,7 +27,8 @@ import warnings
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parents[1] / "python"))
+PYTHON = HERE.parents[1] / "python"
+sys.path.insert(0, str(PYTHON))
 
 from cuvmm import _share  # noqa: E402
 from _common import NOBODY, as_nobody, squat  # noqa: E402
@@ -169,6 +170,28 @@ class Descriptor(unittest.TestCase):
         self.assertEqual(_share.extent((4, 8), (1, 4), 3), 3 + 1 + 3 + 28)
         self.assertEqual(_share.extent((), (), 5), 6)
         self.assertEqual(_share.extent((2, 0), (1, 1), 100), 0)
+
+
+class FdSlots(unittest.TestCase):
+    def run_fresh(self, code, limit=None):
+        """``code`` in a fresh interpreter (a descriptor table of its own, never grown), with the
+        soft descriptor limit ``limit`` if given; its last line of output."""
+        pre = f"import resource; resource.setrlimit(resource.RLIMIT_NOFILE, ({limit}, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))\n" if limit else ""
+        out = subprocess.run([sys.executable, "-c", pre + "import sys; sys.path.insert(0, %r)\n" % str(PYTHON) + code],
+                             capture_output=True, text=True, timeout=60)
+        self.assertEqual(out.returncode, 0, out.stderr)
+        return out.stdout.strip().splitlines()[-1]
+
+    def test_the_table_grows_in_one_step_to_the_slots_asked_within_the_limit_opening_nothing(self):
+        code = ("import os; from cuvmm import _share\n"
+                "n = len(os.listdir('/proc/self/fd')); a = _share.fd_slots(); b = _share.make_fd_slots(2048)\n"
+                "print(a, b, _share.fd_slots(), len(os.listdir('/proc/self/fd')) - n)")
+        a, b, c, opened = map(int, self.run_fresh(code, limit=4096).split())
+        self.assertLess(a, 2048, "a fresh process's table is small")
+        self.assertEqual((b, c, opened), (2048, 2048, 0))
+        # Never past the soft limit.
+        a, b, c, opened = map(int, self.run_fresh(code, limit=512).split())
+        self.assertEqual((b, c, opened), (512, 512, 0))
 
 
 class Transport(unittest.TestCase):

@@ -295,6 +295,12 @@ class HandOff(unittest.TestCase):
         wait_for(lambda: lib.unexports == 12, "every block let go")
         ts.release_kept_mappings()
 
+    def test_importing_makes_room_for_a_hand_offs_descriptors(self):
+        import resource
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        want = min(_share.FD_SLOTS, soft) if soft != resource.RLIM_INFINITY else _share.FD_SLOTS
+        wait_for(lambda: _share.fd_slots() >= want, f"a descriptor table of {want} slots")
+
     def test_a_refused_descriptor_leaves_nothing_held(self):
         fn, (desc, address, token, pages) = ts.reduce_tensor(self.tensor())
         bad = list(desc)
