@@ -211,8 +211,7 @@ def recv_pages(sock: socket.socket, count: int) -> list[int]:
             raise ValueError(f"{len(got)} page descriptors where {count} were announced")
         return got
     except BaseException:
-        for fd in got:
-            os.close(fd)
+        _close_all(got)
         raise
 
 
@@ -489,8 +488,7 @@ class Handoff:
             msg, fds, flags, _ = socket.recv_fds(conn, 1 + _TOKEN * _RELEASES_PER_MESSAGE, 1)
         except OSError:
             return False
-        for fd in fds:  # no message of a receiver carries one
-            os.close(fd)
+        _close_all(fds)  # no message of a receiver carries one
         if not msg or flags & socket.MSG_TRUNC:
             return False  # done (or gone), or not a receiver of ours: what it took is released
         kind, body = msg[:1], msg[1:]
@@ -545,8 +543,7 @@ class Handoff:
         except OSError:
             return False
         finally:
-            for fd in all_fds:
-                os.close(fd)
+            _close_all(all_fds)
 
     @staticmethod
     def _pages(offer):
@@ -850,11 +847,9 @@ def hold(address: bytes, token: bytes, timeout: float = FETCH_TIMEOUT) -> Claim:
     the claim is released or this process exits. Raises as :func:`fetch` when the sender cannot
     be reached or is not the one the address names."""
 
-    taken = _taken_along(address, token)
-    if taken is not None:
-        for fd in taken[0]:
-            os.close(fd)
-        return taken[1]
+    claim = _claim_taken_along(address, token)
+    if claim is not None:
+        return claim
 
     def send(sock):
         sock.send(_HOLD + token)
@@ -867,11 +862,9 @@ def hold(address: bytes, token: bytes, timeout: float = FETCH_TIMEOUT) -> Claim:
 def let_go(address: bytes, token: bytes, timeout: float = FETCH_TIMEOUT) -> None:
     """Tells the sender this process will not use the offer under ``token`` (it releases it),
     without waiting for an answer."""
-    taken = _taken_along(address, token)
-    if taken is not None:
-        for fd in taken[0]:
-            os.close(fd)
-        taken[1].release()
+    claim = _claim_taken_along(address, token)
+    if claim is not None:
+        claim.release()
         return
 
     def send(sock):
@@ -895,10 +888,24 @@ def _taken_along(address, token):
                 break
             stale.append(_along.pop(key))
     for fds, claim, _ in stale:
-        for fd in fds:
-            os.close(fd)
+        _close_all(fds)
         claim.release()
     return None if got is None else got[:2]
+
+
+def _claim_taken_along(address, token):
+    """The claim on the offer under ``token`` if a fetch took it along (its descriptors closed:
+    the caller maps them already, or will not), else None."""
+    taken = _taken_along(address, token)
+    if taken is None:
+        return None
+    _close_all(taken[0])
+    return taken[1]
+
+
+def _close_all(fds) -> None:
+    for fd in fds:
+        os.close(fd)
 
 
 def forget_connections() -> None:
@@ -909,8 +916,7 @@ def forget_connections() -> None:
         along = list(_along.values())
         _along.clear()
     for fds, _, _ in along:
-        for fd in fds:
-            os.close(fd)
+        _close_all(fds)
     for c in kept:
         c.sock.close()
 
@@ -925,8 +931,7 @@ def _after_fork_in_child():
     # descriptors and tells nobody.
     along, _along = _along, {}
     for fds, _, _ in along.values():
-        for fd in fds:
-            os.close(fd)
+        _close_all(fds)
     for c in kept.values():
         c.sock.close()
 

@@ -113,6 +113,17 @@ def answered(handoff):
     return answers
 
 
+def group_fetched(handoff, n):
+    """``n`` offers of ``handoff`` in one group, each of one page, the first fetched (its
+    descriptors closed): (the events their releases set, the offers, the first one's claim)."""
+    events = [threading.Event() for _ in range(n)]
+    offers = [handoff.offer(e.set, lambda: memfds(1), "g") for e in events]
+    got, first = _share.fetch(*offers[0])
+    for fd in got:
+        os.close(fd)
+    return events, offers, first
+
+
 def wait_until(cond, timeout=10.0):
     deadline = time.monotonic() + timeout
     while not cond() and time.monotonic() < deadline:
@@ -437,11 +448,7 @@ class Transport(unittest.TestCase):
     def test_an_offer_taken_along_is_held_or_let_go_without_a_message(self):
         handoff = _share.Handoff()
         answers = answered(handoff)
-        events = [threading.Event() for _ in range(3)]
-        offers = [handoff.offer(e.set, lambda: memfds(1), "g") for e in events]
-        got, first = _share.fetch(*offers[0])
-        for fd in got:
-            os.close(fd)
+        events, offers, first = group_fetched(handoff, 3)
         before = open_fds()
         held = _share.hold(*offers[1])  # (the receiver maps those pages already)
         _share.let_go(*offers[2])
@@ -456,11 +463,7 @@ class Transport(unittest.TestCase):
 
     def test_offers_taken_along_and_never_asked_for_are_let_go(self):
         handoff = _share.Handoff()
-        events = [threading.Event() for _ in range(3)]
-        offers = [handoff.offer(e.set, lambda: memfds(1), "g") for e in events]
-        got, first = _share.fetch(*offers[0])
-        for fd in got:
-            os.close(fd)
+        events, offers, first = group_fetched(handoff, 3)
         before = open_fds()
         self.assertFalse(events[1].wait(0.2), "held for the receiver while it may still ask")
         saved = _share.ALONG_FOR

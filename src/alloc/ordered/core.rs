@@ -1460,20 +1460,26 @@ impl<B: Backend> Core<B> {
             if !small || page == self.sizes.page {
                 continue;
             }
-            let base = self.slots[slot].heap.base();
             for p in self.slots[slot].heap.idle_pages(page) {
-                if self.slots[slot].pages[p as usize].is_none() {
-                    continue;
-                }
-                self.backend.unmap(base + p * page, page)?;
-                drop(self.slots[slot].pages[p as usize].take());
-                self.mapped_bytes -= page;
-                self.stats.pages_released += 1;
-                bytes += page;
+                bytes += self.release_page(SlotId::of(slot), p)?;
             }
         }
         self.note_mapped();
         Ok(bytes)
+    }
+
+    /// Unmaps page `p` of `slot` and gives it back to the driver, if it is mapped; its bytes (0
+    /// if it was not).
+    pub(super) fn release_page(&mut self, slot: SlotId, p: u64) -> Result<u64> {
+        if self.slots[slot].pages[p as usize].is_none() {
+            return Ok(0);
+        }
+        let page = self.slots[slot].page;
+        self.backend.unmap(self.slots[slot].heap.base() + p * page, page)?;
+        drop(self.slots[slot].pages[p as usize].take());
+        self.mapped_bytes -= page;
+        self.stats.pages_released += 1;
+        Ok(page)
     }
 
     /// Gives the memory held for captured graphs back to the shared pool; returns the free bytes

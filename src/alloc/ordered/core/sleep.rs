@@ -198,19 +198,6 @@ impl<B: Backend> Core<B> {
         Ok(released)
     }
 
-    /// Unmaps page `p` of `slot` and gives it back, if it is mapped; its bytes (0 if it was not).
-    fn release_page(&mut self, slot: SlotId, p: u64) -> Result<u64> {
-        if self.slots[slot].pages[p as usize].is_none() {
-            return Ok(0);
-        }
-        let page = self.slots[slot].page;
-        self.backend.unmap(self.slots[slot].heap.base() + p * page, page)?;
-        drop(self.slots[slot].pages[p as usize].take());
-        self.mapped_bytes -= page;
-        self.stats.pages_released += 1;
-        Ok(page)
-    }
-
     /// Copies `saved` (slot, page, offset) into `host`, in batches of [`SLEEP_BATCH`] bytes:
     /// once a batch has been copied (while the next one copies), its pages go back to the driver,
     /// counted in `released`. Every copy has landed or failed when it returns.

@@ -25,10 +25,10 @@ impl<B: Backend> Core<B> {
     /// Makes every later untagged block of at least `bytes` bytes (0: none) one physical
     /// allocation at offset 0, which engines that register a range by its allocation (UCX's POSIX
     /// descriptor path, fabric handles) can carry, and another process maps in one call: such a
-    /// block takes a heap of one page of its own size, rounded to the small pages' size, and a later block
-    /// it fits (see [`WASTE`]) may reuse it. Those pages are not moved or lent; idle ones go back
-    /// to the driver at `empty_cache`, or when a new one would take the memory held past the
-    /// lending bound.
+    /// block takes a heap of one page of its own size, rounded to the small pages' size, and a
+    /// later block it fits (see [`WASTE`]) may reuse it. Those pages are not moved or lent; idle
+    /// ones go back to the driver at `empty_cache`, or when a new one would take the memory held
+    /// past the lending bound.
     pub(crate) fn set_whole_above(&mut self, bytes: u64) {
         self.whole_above = bytes;
     }
@@ -138,12 +138,7 @@ impl<B: Backend> Core<B> {
 
     /// Unmaps the page of whole heap `i` and gives it back to the driver; returns its bytes.
     fn drop_whole(&mut self, i: usize) -> Result<u64> {
-        let (base, page) = (self.slots[i].heap.base(), self.slots[i].page);
-        self.backend.unmap(base, page)?;
-        drop(self.slots[i].pages[0].take());
-        self.mapped_bytes -= page;
-        self.stats.pages_released += 1;
-        Ok(page)
+        self.release_page(SlotId::of(i), 0)
     }
 
     /// A block for `req` (of whole kind) that no heap within [`WASTE`] serves, when a new page for
