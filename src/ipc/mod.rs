@@ -9,6 +9,7 @@
 //! `docs/SOUNDNESS.md` for what a hostile peer cannot do.
 
 pub mod growth;
+pub mod handoff;
 pub mod region;
 pub mod shared;
 pub mod socket;

@@ -80,10 +80,14 @@ impl Event {
         unsafe { crate::driver::result::stream::wait_event(driver()?.api(), stream, self.raw) }
     }
 
-    /// [`is_complete`](Self::is_complete) with the calling thread's capture mode relaxed for the
-    /// call, so that asking while another thread captures in global mode does not end that
-    /// capture in error.
-    pub fn is_complete_relaxed(&self) -> Result<bool> {
+    /// [`synchronize`](Self::synchronize) with the calling thread's capture mode relaxed for the
+    /// call, so that waiting while another thread captures in global mode neither fails nor ends
+    /// that capture in error.
+    pub fn synchronize_relaxed(&self) -> Result<()> {
+        self.relaxed(|| self.synchronize())
+    }
+
+    fn relaxed<T>(&self, f: impl FnOnce() -> Result<T>) -> Result<T> {
         let api = driver()?.api();
         let old = match result::stream::exchange_capture_mode(api, CU_STREAM_CAPTURE_MODE_RELAXED) {
             Ok(old) => Some(old),
@@ -91,11 +95,18 @@ impl Event {
             Err(Error::Unsupported { .. }) => None,
             Err(e) => return Err(e),
         };
-        let done = self.is_complete();
+        let r = f();
         if let Some(old) = old {
             let _ = result::stream::exchange_capture_mode(api, old);
         }
-        done
+        r
+    }
+
+    /// [`is_complete`](Self::is_complete) with the calling thread's capture mode relaxed for the
+    /// call, so that asking while another thread captures in global mode does not end that
+    /// capture in error.
+    pub fn is_complete_relaxed(&self) -> Result<bool> {
+        self.relaxed(|| self.is_complete())
     }
 
     /// Blocks until the work before the last record has completed (at once if never recorded).

@@ -26,6 +26,7 @@
 
 mod layout;
 mod physical;
+pub(crate) use physical::released_exports;
 mod reservation;
 mod stripe;
 mod vec;

@@ -297,6 +297,9 @@ struct PhysInner {
     /// The POSIX descriptor of its first [`PhysicalMemory::export_fd_kept`], closed with it.
     kept_fd: OnceLock<std::os::fd::OwnedFd>,
     serial: u64,
+    /// Whether a descriptor of it was ever made: its release is then told to
+    /// [`released_exports`]' watcher.
+    exported: std::sync::atomic::AtomicBool,
 }
 
 /// The next [`PhysicalMemory::serial`].
@@ -351,6 +354,7 @@ impl PhysicalMemory {
                 handles,
                 kept_fd: OnceLock::new(),
                 serial: next_serial(),
+                exported: std::sync::atomic::AtomicBool::new(false),
             }),
         }
     }
@@ -418,7 +422,9 @@ impl PhysicalMemory {
             return Err(Error::invalid("the allocation was not created with the POSIX-fd handle type"));
         }
         self.inner.ctx.bind()?;
-        result::mem::export_fd(driver()?.api(), self.inner.handle)
+        let fd = result::mem::export_fd(driver()?.api(), self.inner.handle)?;
+        self.inner.exported.store(true, std::sync::atomic::Ordering::Relaxed);
+        Ok(fd)
     }
 
     /// [`export_fd`](Self::export_fd), the first one kept for as long as this memory lives here:
@@ -481,6 +487,7 @@ impl PhysicalMemory {
             handles,
             kept_fd: OnceLock::new(),
             serial: next_serial(),
+            exported: std::sync::atomic::AtomicBool::new(false),
         };
         PhysicalMemory { inner: Arc::new(inner) }
     }
@@ -518,11 +525,37 @@ impl Drop for PhysInner {
         if self.kept_fd.take().is_some() {
             kept_fds::give_back();
         }
+        if *self.exported.get_mut() {
+            released_exports::tell(self.serial);
+        }
         crate::driver::callback::release_in(&self.ctx, self.handle, |api, handle| {
             // SAFETY: the handle is ours and released once. Mappings hold a clone, so none is left.
             // A failure leaves nothing to retry: it is recorded for `take_drop_error`.
             crate::error::record_drop(unsafe { result::mem::release(api, handle) });
         });
+    }
+}
+
+/// Who is told when memory this process exported is released here: the hand-off's sender
+/// ([`crate::ipc::handoff`]), which asks the processes that keep mappings of it to let go, so
+/// that the memory goes back to the device once this process gives it back.
+pub(crate) mod released_exports {
+    use std::sync::OnceLock;
+
+    type Watcher = Box<dyn Fn(u64) + Send + Sync>;
+    static WATCHER: OnceLock<Watcher> = OnceLock::new();
+
+    /// Sets the process's one watcher; false if one was set already. It is called with the
+    /// serial of each exported allocation released, on the releasing thread, possibly under an
+    /// allocator's lock: it must not block or call back into cuvmm.
+    pub(crate) fn watch(w: Watcher) -> bool {
+        WATCHER.set(w).is_ok()
+    }
+
+    pub(super) fn tell(serial: u64) {
+        if let Some(w) = WATCHER.get() {
+            w(serial);
+        }
     }
 }
 

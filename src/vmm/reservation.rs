@@ -225,7 +225,7 @@ impl Reservation {
             r => r,
         }?;
         mapped.insert(at, (offset, len));
-        Ok(Mapping { res: self.clone(), phys: phys.clone(), offset, len })
+        Ok(Mapping { res: self.clone(), phys: phys.clone(), offset, len, idle: false })
     }
 
     /// Maps the whole of `phys` at `offset`.
@@ -275,14 +275,20 @@ impl Reservation {
 
     /// Waits for every device that may touch this range; the reservation's own context last, so
     /// that it is the one left current for the unmap that follows.
-    fn synchronize_users(&self) {
+    /// Waits for every device granted access; whether every wait succeeded (a failure is
+    /// recorded for [`take_drop_error`](crate::error::take_drop_error)).
+    fn synchronize_users(&self) -> bool {
         // Not under the lock: a host function on one of those devices' streams may be waiting
         // for it (in `set_access`), and the synchronisation waits for that host function.
         let users = lock(&self.inner.accessors).clone();
-        for c in &users {
-            let _ = c.synchronize();
+        let mut ok = true;
+        for c in users.iter().chain(std::iter::once(&self.inner.ctx)) {
+            if let Err(e) = c.synchronize() {
+                crate::error::record_drop::<()>(Err(e));
+                ok = false;
+            }
         }
-        let _ = self.inner.ctx.synchronize();
+        ok
     }
 }
 
@@ -312,6 +318,8 @@ pub struct Mapping {
     phys: PhysicalMemory,
     offset: usize,
     len: usize,
+    /// No work that uses it is queued or running (see [`Mapping::assume_idle`]).
+    idle: bool,
 }
 
 impl Mapping {
@@ -354,6 +362,15 @@ impl Mapping {
     pub fn access(&self, device: Device) -> Result<Access> {
         self.res.access(self.offset, device)
     }
+
+    /// Its drop unmaps at once, without waiting for the devices granted access.
+    ///
+    /// # Safety
+    /// No work that uses the mapping may be queued or running when it is dropped (its users'
+    /// work was waited for by other means, such as events recorded after it).
+    pub(crate) unsafe fn assume_idle(&mut self) {
+        self.idle = true;
+    }
 }
 
 impl std::fmt::Debug for Mapping {
@@ -369,11 +386,17 @@ impl std::fmt::Debug for Mapping {
 impl Drop for Mapping {
     fn drop(&mut self) {
         // The physical memory stays alive (and mapped) until the release below has run.
-        let (res, phys, offset, len) = (self.res.clone(), self.phys.clone(), self.offset, self.len);
+        let (res, phys, offset, len, idle) =
+            (self.res.clone(), self.phys.clone(), self.offset, self.len, self.idle);
         crate::driver::callback::release(move || {
             // Work still queued on any device may use these addresses: unmapping under it would
-            // fault the context. Unlike cuMemFree, cuMemUnmap does not wait for it.
-            res.synchronize_users();
+            // fault the context. Unlike cuMemFree, cuMemUnmap does not wait for it. Where that
+            // wait failed, the work may still run: the range stays mapped, and reserved, for good.
+            if !idle && !res.synchronize_users() {
+                std::mem::forget(res);
+                std::mem::forget(phys);
+                return;
+            }
             if let Ok(d) = driver() {
                 // Bound by the synchronisation just above: no cuCtxSetCurrent of its own.
                 let _ = res.inner.ctx.bind_unless_last();

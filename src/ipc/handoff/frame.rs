@@ -1,0 +1,309 @@
+//! The hand-off's messages as bytes: one message per `SOCK_SEQPACKET` record, a 16-byte head and
+//! a body of fixed-size entries. `docs/WIRE.md` ("The hand-off") is the specification; this is
+//! its one encoder and decoder, and everything a peer sends goes through [`Frame::decode`].
+
+use crate::error::{Error, Result};
+
+/// The first four bytes of every message.
+pub const MAGIC: [u8; 4] = *b"CVHO";
+/// The version this code speaks and accepts.
+pub const VERSION: u16 = 1;
+/// Bytes before the body.
+pub const HEAD: usize = 16;
+/// Bytes of a token.
+pub const TOKEN: usize = 16;
+/// The most descriptors one message carries (Linux passes at most 253).
+pub const FDS_PER_MESSAGE: usize = 250;
+/// The most tokens in one release.
+pub const RELEASES_PER_MESSAGE: usize = 256;
+/// The most offers one answer hands over (the one asked for and those of its group).
+pub const OFFERS_PER_ANSWER: usize = 64;
+/// The most serials in one revocation.
+pub const SERIALS_PER_MESSAGE: usize = 512;
+/// The most pages under one offer: 2 TiB of the smallest (2 MiB) pages.
+pub const MAX_PAGES: u32 = 1 << 20;
+/// The largest message: an answer with every offer it may carry.
+pub const MAX_MESSAGE: usize = HEAD + OFFERS_PER_ANSWER * 24;
+
+/// What identifies one offer: 16 random bytes that only the sender and whoever it gave them know.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Token(pub [u8; TOKEN]);
+
+impl std::fmt::Debug for Token {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // A token grants its memory: never printed whole.
+        write!(f, "Token({:02x}{:02x}..)", self.0[0], self.0[1])
+    }
+}
+
+/// Why a sender did not hand an offer over.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Refusal {
+    /// No offer has this token: never made, taken already, or let go.
+    Unknown = 1,
+    /// The offer's page descriptors could not be made (the sender's error log says why); the
+    /// offer is let go.
+    Failed = 2,
+    /// The sender withdrew the offer before anyone took it (its tag went to sleep).
+    Withdrawn = 3,
+}
+
+impl Refusal {
+    fn from_code(c: u32) -> Option<Refusal> {
+        Some(match c {
+            1 => Refusal::Unknown,
+            2 => Refusal::Failed,
+            3 => Refusal::Withdrawn,
+            _ => return None,
+        })
+    }
+}
+
+/// One message of the hand-off.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Frame {
+    /// Receiver to sender: give me this offer and its pages' descriptors. Answered by
+    /// [`Offered`](Frame::Offered) (then [`Pages`](Frame::Pages)) or [`Refused`](Frame::Refused).
+    Fetch(Token),
+    /// Receiver to sender: I take this offer and map its pages already. Not answered.
+    Hold(Token),
+    /// Receiver to sender: I let go of these offers (taken or not). Not answered.
+    Release(Vec<Token>),
+    /// Sender to receiver: the offers handed over, each with its page count: the one fetched
+    /// first, then those of its group. Their descriptors follow in `Pages` messages, in order.
+    Offered(Vec<(Token, u32)>),
+    /// Sender to receiver: this many of the descriptors an answer announced (they come with it).
+    Pages(usize),
+    /// Sender to receiver: the fetch is not answered with memory.
+    Refused(Refusal),
+    /// Sender to receiver: these pages (by the sender's serials) are going back to the device:
+    /// unmap them once no lease uses them.
+    Revoke(Vec<u64>),
+}
+
+const FETCH: u16 = 1;
+const HOLD: u16 = 2;
+const RELEASE: u16 = 3;
+const OFFERED: u16 = 16;
+const PAGES: u16 = 17;
+const REFUSED: u16 = 18;
+const REVOKE: u16 = 19;
+
+impl Frame {
+    /// The descriptors that travel with this message.
+    pub fn fd_count(&self) -> usize {
+        match self {
+            Frame::Pages(n) => *n,
+            _ => 0,
+        }
+    }
+
+    /// The message's bytes. Refuses what no receiver would accept (an empty or oversized list).
+    pub fn encode(&self) -> Result<Vec<u8>> {
+        let (kind, count, body): (u16, usize, Vec<u8>) = match self {
+            Frame::Fetch(t) => (FETCH, 1, t.0.to_vec()),
+            Frame::Hold(t) => (HOLD, 1, t.0.to_vec()),
+            Frame::Release(ts) => {
+                bounded("release", ts.len(), RELEASES_PER_MESSAGE)?;
+                (RELEASE, ts.len(), ts.iter().flat_map(|t| t.0).collect())
+            }
+            Frame::Offered(os) => {
+                bounded("answer", os.len(), OFFERS_PER_ANSWER)?;
+                let mut b = Vec::with_capacity(os.len() * 24);
+                for (t, pages) in os {
+                    if *pages == 0 || *pages > MAX_PAGES {
+                        return Err(Error::invalid(format!("an offer of {pages} pages")));
+                    }
+                    b.extend_from_slice(&t.0);
+                    b.extend_from_slice(&pages.to_le_bytes());
+                    b.extend_from_slice(&0u32.to_le_bytes());
+                }
+                (OFFERED, os.len(), b)
+            }
+            Frame::Pages(n) => {
+                bounded("pages message", *n, FDS_PER_MESSAGE)?;
+                (PAGES, 0, Vec::new())
+            }
+            Frame::Refused(r) => (REFUSED, 1, [(*r as u32).to_le_bytes(), [0; 4]].concat()),
+            Frame::Revoke(ss) => {
+                bounded("revocation", ss.len(), SERIALS_PER_MESSAGE)?;
+                (REVOKE, ss.len(), ss.iter().flat_map(|s| s.to_le_bytes()).collect())
+            }
+        };
+        let mut out = Vec::with_capacity(HEAD + body.len());
+        out.extend_from_slice(&MAGIC);
+        out.extend_from_slice(&VERSION.to_le_bytes());
+        out.extend_from_slice(&kind.to_le_bytes());
+        out.extend_from_slice(&(count as u32).to_le_bytes());
+        out.extend_from_slice(&(self.fd_count() as u32).to_le_bytes());
+        out.extend_from_slice(&body);
+        Ok(out)
+    }
+
+    /// Decodes one message that arrived with `fds` descriptors, checking every field: a message
+    /// that is not exactly what this version sends is refused ([`Error::Protocol`]).
+    pub fn decode(b: &[u8], fds: usize) -> Result<Frame> {
+        if b.len() < HEAD {
+            return Err(refused(format!("{} bytes, fewer than a head", b.len())));
+        }
+        if b[..4] != MAGIC {
+            return Err(refused("not a hand-off message (magic)"));
+        }
+        let version = u16::from_le_bytes([b[4], b[5]]);
+        if version != VERSION {
+            return Err(refused(format!("version {version}, where this end speaks {VERSION}")));
+        }
+        let kind = u16::from_le_bytes([b[6], b[7]]);
+        let count = u32_at(b, 8) as usize;
+        let announced = u32_at(b, 12) as usize;
+        let body = &b[HEAD..];
+        let entry = match kind {
+            FETCH | HOLD | RELEASE => TOKEN,
+            OFFERED => 24,
+            PAGES => 0,
+            REFUSED | REVOKE => 8,
+            k => return Err(refused(format!("unknown kind {k}"))),
+        };
+        let (lo, hi) = match kind {
+            FETCH | HOLD | REFUSED => (1, 1),
+            RELEASE => (1, RELEASES_PER_MESSAGE),
+            OFFERED => (1, OFFERS_PER_ANSWER),
+            PAGES => (0, 0),
+            _ => (1, SERIALS_PER_MESSAGE),
+        };
+        if count < lo || count > hi {
+            return Err(refused(format!("kind {kind} with {count} entries (allowed {lo} to {hi})")));
+        }
+        if body.len() != count * entry {
+            return Err(refused(format!("kind {kind}: {} body bytes for {count} entries", body.len())));
+        }
+        let want_fds = if kind == PAGES { announced } else { 0 };
+        if announced != want_fds
+            || fds != want_fds
+            || (kind == PAGES && !(1..=FDS_PER_MESSAGE).contains(&fds))
+        {
+            return Err(refused(format!("kind {kind} announces {announced} descriptors, {fds} came")));
+        }
+        let token = |i: usize| Token(body[i * TOKEN..(i + 1) * TOKEN].try_into().expect("16 bytes"));
+        Ok(match kind {
+            FETCH => Frame::Fetch(token(0)),
+            HOLD => Frame::Hold(token(0)),
+            RELEASE => Frame::Release((0..count).map(token).collect()),
+            OFFERED => {
+                let mut os = Vec::with_capacity(count);
+                for e in body.chunks_exact(24) {
+                    let pages = u32_at(e, 16);
+                    if pages == 0 || pages > MAX_PAGES || u32_at(e, 20) != 0 {
+                        return Err(refused(format!("an offer of {pages} pages (or a reserved field set)")));
+                    }
+                    os.push((Token(e[..TOKEN].try_into().expect("16 bytes")), pages));
+                }
+                Frame::Offered(os)
+            }
+            PAGES => Frame::Pages(fds),
+            REFUSED => {
+                let r = Refusal::from_code(u32_at(body, 0))
+                    .filter(|_| u32_at(body, 4) == 0)
+                    .ok_or_else(|| refused("an unknown refusal"))?;
+                Frame::Refused(r)
+            }
+            _ => Frame::Revoke(
+                body.chunks_exact(8).map(|e| u64::from_le_bytes(e.try_into().expect("8"))).collect(),
+            ),
+        })
+    }
+}
+
+fn u32_at(b: &[u8], at: usize) -> u32 {
+    u32::from_le_bytes(b[at..at + 4].try_into().expect("4 bytes"))
+}
+
+fn bounded(what: &str, n: usize, most: usize) -> Result<()> {
+    if n == 0 || n > most {
+        return Err(Error::invalid(format!("a {what} of {n} entries (1 to {most})")));
+    }
+    Ok(())
+}
+
+fn refused(why: impl Into<String>) -> Error {
+    Error::Protocol(format!("hand-off message refused: {}", why.into()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn t(b: u8) -> Token {
+        Token([b; TOKEN])
+    }
+
+    fn all() -> Vec<Frame> {
+        vec![
+            Frame::Fetch(t(1)),
+            Frame::Hold(t(2)),
+            Frame::Release(vec![t(3), t(4)]),
+            Frame::Offered(vec![(t(5), 128), (t(6), 1)]),
+            Frame::Pages(250),
+            Frame::Refused(Refusal::Unknown),
+            Frame::Refused(Refusal::Failed),
+            Frame::Refused(Refusal::Withdrawn),
+            Frame::Revoke(vec![7, 8, 9]),
+        ]
+    }
+
+    #[test]
+    fn every_kind_comes_back_as_it_went() {
+        for f in all() {
+            let b = f.encode().unwrap();
+            assert!(b.len() <= MAX_MESSAGE);
+            assert_eq!(Frame::decode(&b, f.fd_count()).unwrap(), f);
+        }
+    }
+
+    #[test]
+    fn descriptors_other_than_announced_are_refused() {
+        for f in all() {
+            let b = f.encode().unwrap();
+            let n = f.fd_count();
+            assert!(Frame::decode(&b, n + 1).is_err(), "{f:?}");
+            if n > 0 {
+                assert!(Frame::decode(&b, n - 1).is_err(), "{f:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn lists_past_their_bounds_are_not_encoded() {
+        assert!(Frame::Release(vec![]).encode().is_err());
+        assert!(Frame::Release(vec![t(0); RELEASES_PER_MESSAGE + 1]).encode().is_err());
+        assert!(Frame::Offered(vec![(t(0), 0)]).encode().is_err());
+        assert!(Frame::Offered(vec![(t(0), MAX_PAGES + 1)]).encode().is_err());
+        assert!(Frame::Pages(0).encode().is_err());
+        assert!(Frame::Pages(FDS_PER_MESSAGE + 1).encode().is_err());
+        assert!(Frame::Revoke(vec![0; SERIALS_PER_MESSAGE + 1]).encode().is_err());
+    }
+
+    #[test]
+    fn a_changed_head_is_refused() {
+        let b = Frame::Fetch(t(1)).encode().unwrap();
+        for (at, v) in [(0, b'X'), (4, 2), (6, 99), (8, 2), (12, 1)] {
+            let mut c = b.clone();
+            c[at] = v;
+            assert!(Frame::decode(&c, 0).is_err(), "byte {at} = {v}");
+        }
+        assert!(Frame::decode(&b[..b.len() - 1], 0).is_err());
+        assert!(Frame::decode(&[b, vec![0]].concat(), 0).is_err());
+    }
+
+    proptest! {
+        #[test]
+        fn any_bytes_decode_or_are_refused_and_what_decodes_encodes_the_same(
+            b in proptest::collection::vec(any::<u8>(), 0..200), fds in 0usize..4,
+        ) {
+            if let Ok(f) = Frame::decode(&b, fds) {
+                prop_assert_eq!(f.encode().unwrap(), b);
+            }
+        }
+    }
+}

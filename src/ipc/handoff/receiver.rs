@@ -1,0 +1,681 @@
+//! The receiving side: one connection per sending process, read by the library's own thread
+//! (answers, revocations, a sender's end); the mappings kept while their sender keeps the pages;
+//! and releases told only after the work that used the memory is known done.
+
+use super::frame::{Frame, Refusal, Token, RELEASES_PER_MESSAGE};
+use super::link::{self, Wake};
+use super::ticket::Ticket;
+use crate::error::{record_drop, Error, Result};
+use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
+use std::collections::{HashMap, VecDeque};
+use std::os::fd::{AsFd, OwnedFd};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
+use std::time::{Duration, Instant};
+
+/// Pages mapped in this process; dropping it unmaps them.
+pub(crate) trait Mapped: Send + Sync {
+    /// Where the first page lies here.
+    fn base(&self) -> u64;
+    /// Waits for all work that may use the mapping (the device's): what a lease dropped without
+    /// naming its streams waits for, on the library's thread.
+    fn settle(&self) -> Result<()>;
+    /// Its drop unmaps without waiting: every user's work is known done.
+    ///
+    /// # Safety
+    /// No work that uses the pages may be queued or running when it is dropped.
+    unsafe fn assume_idle(&mut self);
+}
+
+/// A mapping shared by the leases over it and the kept table; the last holder unmaps it.
+type Shared = Arc<Mutex<Option<Box<dyn Mapped>>>>;
+
+/// An answer whose descriptors are still arriving: its offers and the descriptors so far.
+type Partial = (Vec<(Token, u32)>, Vec<OwnedFd>);
+
+/// How a taken offer is waited for before its sender is told: the work that used the memory.
+pub(crate) type Wait = Box<dyn FnOnce() -> Result<()> + Send>;
+
+/// Seconds an offer taken along (the rest of a fetched group) waits to be asked for before it is
+/// let go: a pickle's tensors are rebuilt one after another, so one still waiting belongs to a
+/// load that failed.
+pub const ALONG_FOR: Duration = Duration::from_secs(60);
+
+/// Counters of a receiver.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ReceiverStats {
+    /// Connections to sending processes.
+    pub connections: usize,
+    /// Leases not released yet (their memory in use here).
+    pub leases: usize,
+    /// Mappings kept (in use, or idle while their sender keeps the pages).
+    pub kept: usize,
+    /// Bytes of those mappings.
+    pub kept_bytes: u64,
+    /// Releases waiting for the work that used their memory.
+    pub releasing: usize,
+    /// Releases not told because waiting for that work failed: their memory stays held (by the
+    /// sender) and mapped (here) until this process exits.
+    pub held_for_good: u64,
+    /// Mappings unmapped because their sender gave the pages back.
+    pub revoked: u64,
+}
+
+struct KeptMap {
+    map: Shared,
+    bytes: u64,
+    users: usize,
+    revoked: bool,
+}
+
+enum Answer {
+    Waiting,
+    Abandoned,
+    Got(Result<Vec<OwnedFd>>),
+}
+
+struct Slot {
+    answer: Mutex<Answer>,
+    cv: Condvar,
+}
+
+#[derive(Default)]
+struct ConnState {
+    /// Fetches sent and not answered yet, in the order sent (the order of the answers).
+    waiting: VecDeque<Arc<Slot>>,
+    partial: Option<Partial>,
+    along: HashMap<Token, (Vec<OwnedFd>, Instant)>,
+    kept: HashMap<Vec<u64>, KeptMap>,
+    /// Messages the socket had no room for, sent by the library's thread when it has.
+    out: VecDeque<Vec<u8>>,
+    closed: bool,
+}
+
+pub(crate) struct Conn {
+    address: Vec<u8>,
+    sock: OwnedFd,
+    st: Mutex<ConnState>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl Conn {
+    /// Sends `frame` after everything queued before it (never blocks: what the socket has no
+    /// room for waits for the library's thread). Called with the state locked, so that a fetch's
+    /// place among the answers is its place among the messages.
+    fn send(&self, st: &mut ConnState, frame: &Frame, wake: &Wake) {
+        let Ok(bytes) = frame.encode() else { return };
+        if st.closed {
+            return; // the sender is gone: it let go of everything
+        }
+        if st.out.is_empty() {
+            match link::send(self.sock.as_fd(), &bytes, &[]) {
+                Ok(true) => return,
+                Ok(false) => {}
+                Err(_) => {
+                    st.closed = true;
+                    return;
+                }
+            }
+        }
+        st.out.push_back(bytes);
+        wake.wake();
+    }
+}
+
+pub(crate) struct Inner {
+    conns: Mutex<HashMap<Vec<u8>, Arc<Conn>>>,
+    wake: Wake,
+    releases: Mutex<VecDeque<Release>>,
+    more: Condvar,
+    leases: AtomicUsize,
+    releasing: AtomicUsize,
+    held_for_good: AtomicU64,
+    revoked: AtomicU64,
+}
+
+struct Release {
+    conn: Arc<Conn>,
+    token: Token,
+    key: Option<Vec<u64>>,
+    map: Shared,
+    wait: Wait,
+}
+
+impl Inner {
+    pub(crate) fn start() -> Result<Arc<Inner>> {
+        let inner = Arc::new(Inner {
+            conns: Mutex::new(HashMap::new()),
+            wake: Wake::new()?,
+            releases: Mutex::new(VecDeque::new()),
+            more: Condvar::new(),
+            leases: AtomicUsize::new(0),
+            releasing: AtomicUsize::new(0),
+            held_for_good: AtomicU64::new(0),
+            revoked: AtomicU64::new(0),
+        });
+        let (io, rel) = (Arc::downgrade(&inner), Arc::downgrade(&inner));
+        let spawn = |name: &str, f: Box<dyn FnOnce() + Send>| {
+            std::thread::Builder::new()
+                .name(name.into())
+                .spawn(f)
+                .map(drop)
+                .map_err(|e| Error::invalid(format!("starting {name}: {e}")))
+        };
+        spawn("cuvmm-handoff-io", Box::new(move || io_thread(io)))?;
+        spawn("cuvmm-handoff-release", Box::new(move || release_thread(rel)))?;
+        Ok(inner)
+    }
+
+    pub(crate) fn stats(&self) -> ReceiverStats {
+        let conns: Vec<Arc<Conn>> = lock(&self.conns).values().cloned().collect();
+        let (mut kept, mut kept_bytes) = (0, 0);
+        for c in &conns {
+            let st = lock(&c.st);
+            kept += st.kept.len();
+            kept_bytes += st.kept.values().map(|k| k.bytes).sum::<u64>();
+        }
+        ReceiverStats {
+            connections: conns.len(),
+            leases: self.leases.load(Ordering::Relaxed),
+            kept,
+            kept_bytes,
+            releasing: self.releasing.load(Ordering::Relaxed),
+            held_for_good: self.held_for_good.load(Ordering::Relaxed),
+            revoked: self.revoked.load(Ordering::Relaxed),
+        }
+    }
+
+    /// The connection to `ticket`'s sender, made and checked if there is none.
+    fn conn(&self, ticket: &Ticket, deadline: Instant) -> Result<Arc<Conn>> {
+        if let Some(c) = lock(&self.conns).get(&ticket.address) {
+            return Ok(c.clone());
+        }
+        let name = ticket
+            .address
+            .strip_prefix(&[0u8][..])
+            .ok_or_else(|| Error::Protocol("not an abstract address".into()))?;
+        let sock = link::connect(name, deadline)?;
+        // Before any token goes out or any descriptor comes in: whoever holds the name must be
+        // the process the ticket names, running as us (abstract names are free for any local user
+        // to take once their owner has gone).
+        link::peer(sock.as_fd(), Some(ticket.pid))?;
+        let c =
+            Arc::new(Conn { address: ticket.address.clone(), sock, st: Mutex::new(ConnState::default()) });
+        let kept = lock(&self.conns).entry(ticket.address.clone()).or_insert(c).clone();
+        self.wake.wake(); // the library's thread reads it from now on
+        Ok(kept)
+    }
+
+    /// Takes the offer of `ticket`, mapping its pages with `map` unless a kept mapping of them is
+    /// there already.
+    pub(crate) fn take(
+        self: &Arc<Self>,
+        ticket: &Ticket,
+        timeout: Duration,
+        map: impl FnOnce(Vec<OwnedFd>) -> Result<Box<dyn Mapped>>,
+    ) -> Result<Lease> {
+        let deadline = Instant::now() + timeout;
+        let conn = self.conn(ticket, deadline)?;
+        let token = ticket.token;
+        let slot = {
+            let mut st = lock(&conn.st);
+            if st.closed {
+                drop(st);
+                self.forget(&conn);
+                return Err(gone());
+            }
+            if let Some(k) = st.kept.get_mut(&ticket.serials).filter(|k| !k.revoked) {
+                k.users += 1;
+                let map = k.map.clone();
+                // Taken along already (the sender holds it for us), or claimed now: the sender
+                // answers nothing, so nothing is waited for.
+                if st.along.remove(&token).is_none() {
+                    conn.send(&mut st, &Frame::Hold(token), &self.wake);
+                }
+                drop(st);
+                return Ok(self.lease(conn, ticket, Some(ticket.serials.clone()), map));
+            }
+            if let Some((fds, _)) = st.along.remove(&token) {
+                drop(st);
+                return self.mapped(conn, ticket, fds, map);
+            }
+            let slot = Arc::new(Slot { answer: Mutex::new(Answer::Waiting), cv: Condvar::new() });
+            st.waiting.push_back(slot.clone());
+            conn.send(&mut st, &Frame::Fetch(token), &self.wake);
+            slot
+        };
+        let mut a = lock(&slot.answer);
+        loop {
+            match std::mem::replace(&mut *a, Answer::Waiting) {
+                Answer::Got(r) => {
+                    drop(a);
+                    return self.mapped(conn, ticket, r?, map);
+                }
+                _ => {
+                    let left = deadline.saturating_duration_since(Instant::now());
+                    if left.is_zero() {
+                        // Its answer may still come: the library's thread lets go of it then.
+                        *a = Answer::Abandoned;
+                        return Err(Error::Timeout { received: 0, expected: 1 });
+                    }
+                    a = slot.cv.wait_timeout(a, left).unwrap_or_else(|e| e.into_inner()).0;
+                }
+            }
+        }
+    }
+
+    /// Maps the descriptors a fetch got; on failure, lets the offer go.
+    fn mapped(
+        self: &Arc<Self>,
+        conn: Arc<Conn>,
+        ticket: &Ticket,
+        fds: Vec<OwnedFd>,
+        map: impl FnOnce(Vec<OwnedFd>) -> Result<Box<dyn Mapped>>,
+    ) -> Result<Lease> {
+        let r = if fds.len() == ticket.serials.len() {
+            map(fds)
+        } else {
+            Err(Error::Protocol(format!(
+                "{} page descriptors for a ticket of {} pages",
+                fds.len(),
+                ticket.serials.len()
+            )))
+        };
+        let m = match r {
+            Ok(m) => Arc::new(Mutex::new(Some(m))),
+            Err(e) => {
+                let mut st = lock(&conn.st);
+                conn.send(&mut st, &Frame::Release(vec![ticket.token]), &self.wake);
+                return Err(e);
+            }
+        };
+        let mut st = lock(&conn.st);
+        let key = if st.kept.contains_key(&ticket.serials) || st.closed {
+            None // mapped by another thread meanwhile (this one is not kept), or the sender gone
+        } else {
+            let bytes = ticket.page * ticket.serials.len() as u64;
+            st.kept
+                .insert(ticket.serials.clone(), KeptMap { map: m.clone(), bytes, users: 1, revoked: false });
+            Some(ticket.serials.clone())
+        };
+        drop(st);
+        Ok(self.lease(conn, ticket, key, m))
+    }
+
+    fn lease(
+        self: &Arc<Self>,
+        conn: Arc<Conn>,
+        ticket: &Ticket,
+        key: Option<Vec<u64>>,
+        map: Shared,
+    ) -> Lease {
+        self.leases.fetch_add(1, Ordering::Relaxed);
+        let base = lock(&map).as_ref().map_or(0, |m| m.base());
+        Lease {
+            inner: self.clone(),
+            conn: Some(conn),
+            token: ticket.token,
+            key,
+            map,
+            ptr: base + ticket.offset(),
+            len: ticket.len,
+        }
+    }
+
+    /// Tells the sender of `ticket` that this process will not use it.
+    pub(crate) fn let_go(&self, ticket: &Ticket, timeout: Duration) -> Result<()> {
+        let conn = self.conn(ticket, Instant::now() + timeout)?;
+        let mut st = lock(&conn.st);
+        st.along.remove(&ticket.token);
+        conn.send(&mut st, &Frame::Release(vec![ticket.token]), &self.wake);
+        Ok(())
+    }
+
+    fn forget(&self, conn: &Arc<Conn>) {
+        let mut conns = lock(&self.conns);
+        if conns.get(&conn.address).is_some_and(|c| Arc::ptr_eq(c, conn)) {
+            conns.remove(&conn.address);
+        }
+    }
+}
+
+fn gone() -> Error {
+    Error::Protocol("the sending process has gone (or its connection broke)".into())
+}
+
+/// One offer taken: the sender's block mapped here, held until released.
+pub struct Lease {
+    inner: Arc<Inner>,
+    conn: Option<Arc<Conn>>,
+    token: Token,
+    key: Option<Vec<u64>>,
+    map: Shared,
+    ptr: u64,
+    len: u64,
+}
+
+impl std::fmt::Debug for Lease {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Lease")
+            .field("ptr", &format_args!("{:#x}", self.ptr))
+            .field("len", &self.len)
+            .finish()
+    }
+}
+
+impl Lease {
+    /// The block's address in this process.
+    pub fn ptr(&self) -> u64 {
+        self.ptr
+    }
+
+    /// The block's size.
+    pub fn len(&self) -> usize {
+        self.len as usize
+    }
+
+    /// Whether the block is empty (never).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Lets go once `wait` has returned, on the library's release thread: the sender is told,
+    /// and the mapping unmapped unless kept. A `wait` that fails keeps both for good (the work
+    /// that used the memory may still run).
+    pub(crate) fn release_after_wait(mut self, wait: Wait) {
+        self.queue_release(wait);
+    }
+
+    fn queue_release(&mut self, wait: Wait) {
+        let Some(conn) = self.conn.take() else { return };
+        let r = Release { conn, token: self.token, key: self.key.take(), map: self.map.clone(), wait };
+        self.inner.releasing.fetch_add(1, Ordering::Relaxed);
+        lock(&self.inner.releases).push_back(r);
+        self.inner.more.notify_one();
+    }
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        let map = self.map.clone();
+        // Named no streams: the device's work is waited for, on the release thread.
+        self.queue_release(Box::new(move || lock(&map).as_ref().map_or(Ok(()), |m| m.settle())));
+        self.inner.leases.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+fn release_thread(inner: Weak<Inner>) {
+    loop {
+        let Some(i) = inner.upgrade() else { return };
+        let batch: Vec<Release> = {
+            let mut q = lock(&i.releases);
+            while q.is_empty() {
+                q = i.more.wait_timeout(q, Duration::from_secs(1)).unwrap_or_else(|e| e.into_inner()).0;
+                if q.is_empty() && Arc::strong_count(&i) == 1 {
+                    return; // (tests) nobody can queue a release any more
+                }
+            }
+            q.drain(..).collect()
+        };
+        // Waited in order; a release is told with the others of its connection.
+        let mut tell: Vec<(Arc<Conn>, Vec<Token>)> = Vec::new();
+        let mut unmap = Vec::new();
+        for r in batch {
+            if let Err(e) = (r.wait)() {
+                record_drop::<()>(Err(e));
+                i.held_for_good.fetch_add(1, Ordering::Relaxed);
+                // Neither told nor unmapped: the mapping is leaked, so no drop unmaps it.
+                if let Some(k) = &r.key {
+                    let mut st = lock(&r.conn.st);
+                    if let Some(k) = st.kept.remove(k) {
+                        std::mem::forget(k.map);
+                    }
+                }
+                std::mem::forget(r.map);
+                i.releasing.fetch_sub(1, Ordering::Relaxed);
+                continue;
+            }
+            {
+                let mut st = lock(&r.conn.st);
+                let keep = r.key.as_ref().and_then(|k| st.kept.get_mut(k)).is_some_and(|k| {
+                    k.users -= 1;
+                    k.users > 0 || !k.revoked
+                });
+                if !keep {
+                    if let Some(k) = &r.key {
+                        st.kept.remove(k);
+                    }
+                    unmap.push(r.map.clone());
+                }
+            }
+            match tell.iter_mut().find(|(c, _)| Arc::ptr_eq(c, &r.conn)) {
+                Some((_, ts)) => ts.push(r.token),
+                None => tell.push((r.conn.clone(), vec![r.token])),
+            }
+            i.releasing.fetch_sub(1, Ordering::Relaxed);
+        }
+        for m in unmap {
+            idle_unmap(&m);
+        }
+        for (c, tokens) in tell {
+            let mut st = lock(&c.st);
+            for part in tokens.chunks(RELEASES_PER_MESSAGE) {
+                c.send(&mut st, &Frame::Release(part.to_vec()), &i.wake);
+            }
+        }
+    }
+}
+
+/// Unmaps a mapping whose users' work is done (if no other lease still holds it).
+fn idle_unmap(m: &Shared) {
+    if Arc::strong_count(m) > 1 {
+        return; // a lease or the kept table still holds it; the last one unmaps
+    }
+    if let Some(mut map) = lock(m).take() {
+        // SAFETY: every lease of it was released after its wait completed, and none is left.
+        unsafe { map.assume_idle() };
+        drop(map);
+    }
+}
+
+fn io_thread(inner: Weak<Inner>) {
+    loop {
+        let Some(i) = inner.upgrade() else { return };
+        let conns: Vec<Arc<Conn>> = lock(&i.conns).values().cloned().collect();
+        let mut fds = vec![PollFd::new(i.wake.fd(), PollFlags::POLLIN)];
+        for c in &conns {
+            let out = !lock(&c.st).out.is_empty();
+            let ev = if out { PollFlags::POLLIN | PollFlags::POLLOUT } else { PollFlags::POLLIN };
+            fds.push(PollFd::new(c.sock.as_fd(), ev));
+        }
+        // A tick to let go of offers taken along and never asked for, and to notice the end.
+        let tick = PollTimeout::try_from(1000).unwrap_or(PollTimeout::MAX);
+        match poll(&mut fds, tick) {
+            Ok(_) | Err(nix::errno::Errno::EINTR) => {}
+            Err(e) => {
+                record_drop::<()>(Err(Error::Os { call: "poll (hand-off)", errno: e }));
+                std::thread::sleep(Duration::from_millis(10));
+            }
+        }
+        let ready: Vec<PollFlags> = fds.iter().map(|p| p.revents().unwrap_or(PollFlags::empty())).collect();
+        drop(fds);
+        if !ready[0].is_empty() {
+            i.wake.drain();
+        }
+        let mut unmap = Vec::new();
+        for (c, r) in conns.iter().zip(&ready[1..]) {
+            if r.contains(PollFlags::POLLOUT) {
+                flush(c);
+            }
+            if r.intersects(PollFlags::POLLIN | PollFlags::POLLHUP | PollFlags::POLLERR) {
+                read(&i, c, &mut unmap);
+            }
+            expire_along(&i, c);
+            if lock(&c.st).closed {
+                i.forget(c);
+            }
+        }
+        for m in unmap {
+            idle_unmap(&m);
+        }
+        if Arc::strong_count(&i) == 1 {
+            return; // (tests) nobody holds the receiver or a lease any more
+        }
+    }
+}
+
+fn flush(c: &Conn) {
+    let mut st = lock(&c.st);
+    while let Some(b) = st.out.front() {
+        match link::send(c.sock.as_fd(), b, &[]) {
+            Ok(true) => {
+                st.out.pop_front();
+            }
+            Ok(false) => return,
+            Err(_) => {
+                close(&mut st);
+                return;
+            }
+        }
+    }
+}
+
+/// The sender is gone or out of step: every fetch waiting fails, and kept mappings nobody uses
+/// are dropped (their pages are the sender's no more; leases in use keep theirs).
+fn close(st: &mut ConnState) {
+    st.closed = true;
+    st.out.clear();
+    st.along.clear();
+    st.partial = None;
+    for s in st.waiting.drain(..) {
+        answer(&s, Err(gone()));
+    }
+    st.kept.retain(|_, k| {
+        k.revoked = true;
+        k.users > 0
+    });
+}
+
+fn answer(s: &Slot, r: Result<Vec<OwnedFd>>) -> bool {
+    let mut a = lock(&s.answer);
+    if matches!(*a, Answer::Abandoned) {
+        return false;
+    }
+    *a = Answer::Got(r);
+    s.cv.notify_all();
+    true
+}
+
+fn read(i: &Inner, c: &Arc<Conn>, unmap: &mut Vec<Shared>) {
+    loop {
+        let got = link::recv(c.sock.as_fd());
+        let mut st = lock(&c.st);
+        match got {
+            Ok(None) => return,
+            Ok(Some((frame, fds))) => {
+                if let Err(e) = handle(i, c, &mut st, frame, fds, unmap) {
+                    record_drop::<()>(Err(e));
+                    close(&mut st);
+                    return;
+                }
+            }
+            Err(e) => {
+                if !matches!(e, Error::PeerClosed { .. }) {
+                    record_drop::<()>(Err(e));
+                }
+                // Kept mappings of a sender that has gone hold memory nobody else can reach.
+                for k in st.kept.values().filter(|k| k.users == 0) {
+                    unmap.push(k.map.clone());
+                }
+                close(&mut st);
+                return;
+            }
+        }
+    }
+}
+
+fn handle(
+    i: &Inner,
+    c: &Arc<Conn>,
+    st: &mut ConnState,
+    frame: Frame,
+    fds: Vec<OwnedFd>,
+    unmap: &mut Vec<Shared>,
+) -> Result<()> {
+    match frame {
+        Frame::Offered(entries) if st.partial.is_none() => st.partial = Some((entries, Vec::new())),
+        Frame::Pages(_) if st.partial.is_some() => {
+            let (entries, mut got) = st.partial.take().expect("checked");
+            got.extend(fds);
+            let total: usize = entries.iter().map(|&(_, n)| n as usize).sum();
+            if got.len() > total {
+                return Err(Error::Protocol("more page descriptors than the answer announced".into()));
+            }
+            if got.len() < total {
+                st.partial = Some((entries, got));
+                return Ok(());
+            }
+            let slot =
+                st.waiting.pop_front().ok_or_else(|| Error::Protocol("an answer nobody asked for".into()))?;
+            let mut rest = got.into_iter();
+            let mut parts: Vec<(Token, Vec<OwnedFd>)> =
+                entries.iter().map(|&(t, n)| (t, rest.by_ref().take(n as usize).collect())).collect();
+            let first = parts.remove(0);
+            if answer(&slot, Ok(first.1)) {
+                let now = Instant::now();
+                for (t, f) in parts {
+                    st.along.insert(t, (f, now));
+                }
+            } else {
+                // Its fetch gave up waiting: everything this answer handed over is let go.
+                let tokens: Vec<Token> =
+                    std::iter::once(first.0).chain(parts.into_iter().map(|(t, _)| t)).collect();
+                c.send(st, &Frame::Release(tokens), &i.wake);
+            }
+        }
+        Frame::Refused(r) => {
+            let slot =
+                st.waiting.pop_front().ok_or_else(|| Error::Protocol("a refusal nobody asked for".into()))?;
+            let why = match r {
+                Refusal::Unknown => "the sending process has no such offer (taken already, or let go)",
+                Refusal::Failed => "the sending process could not export the pages (its error log says why)",
+                Refusal::Withdrawn => "the sending process withdrew the offer",
+            };
+            answer(&slot, Err(Error::Protocol(why.into())));
+        }
+        Frame::Revoke(serials) => {
+            let hit: Vec<Vec<u64>> =
+                st.kept.keys().filter(|k| k.iter().any(|s| serials.contains(s))).cloned().collect();
+            for key in hit {
+                let k = st.kept.get_mut(&key).expect("listed");
+                k.revoked = true;
+                if k.users == 0 {
+                    let k = st.kept.remove(&key).expect("listed");
+                    unmap.push(k.map);
+                    i.revoked.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        }
+        other => return Err(Error::Protocol(format!("a sender's message out of order: {other:?}"))),
+    }
+    Ok(())
+}
+
+fn expire_along(i: &Inner, c: &Conn) {
+    let mut st = lock(&c.st);
+    let now = Instant::now();
+    let stale: Vec<Token> =
+        st.along.iter().filter(|(_, (_, at))| now - *at > ALONG_FOR).map(|(t, _)| *t).collect();
+    if stale.is_empty() {
+        return;
+    }
+    for t in &stale {
+        st.along.remove(t);
+    }
+    for part in stale.chunks(RELEASES_PER_MESSAGE) {
+        c.send(&mut st, &Frame::Release(part.to_vec()), &i.wake);
+    }
+}

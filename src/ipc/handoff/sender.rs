@@ -1,0 +1,481 @@
+//! The sending side: offers, the thread that answers receivers, what each connection holds, and
+//! the revocation of pages this process gives back.
+
+use super::frame::{Frame, Refusal, Token, FDS_PER_MESSAGE, OFFERS_PER_ANSWER, SERIALS_PER_MESSAGE};
+use super::link::{self, Peer, Wake};
+use crate::error::{record_drop, Error, Result};
+use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+/// What an offer holds in the sender until its receiver lets go: dropping it is the letting go
+/// (for an allocator's block, the end of one sharing of it).
+pub(crate) trait Shared: Send {
+    /// New descriptors of the pages, in address order, for a receiver that maps none of them.
+    fn descriptors(&self) -> Result<Vec<OwnedFd>>;
+    /// The pages' serials, in address order.
+    fn serials(&self) -> &[u64];
+}
+
+/// Messages a connection may have waiting to be sent before the receiver counts as stalled: it
+/// is then cut off (what it holds is let go once its process has gone).
+const QUEUED_MOST: usize = 4096;
+
+/// Counters of a sender.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SenderStats {
+    /// Offers not taken yet.
+    pub offered: usize,
+    /// Offers taken whose receivers have not let go.
+    pub held: usize,
+    /// Receiving processes connected (or gone, with offers held until their exit is seen).
+    pub connections: usize,
+    /// Offers withdrawn untaken after their time to live.
+    pub expired: u64,
+    /// Pages revoked from receivers (given back here while a receiver may map them).
+    pub revocations: u64,
+    /// Offers let go.
+    pub let_go: u64,
+}
+
+struct Untaken {
+    shared: Box<dyn Shared>,
+    group: Option<u64>,
+    made: Instant,
+}
+
+#[derive(Default)]
+struct State {
+    offers: HashMap<Token, Untaken>,
+    groups: HashMap<u64, Vec<Token>>,
+    /// Serials of exported pages given back since the server last looked.
+    released: Vec<u64>,
+    stats: SenderStats,
+    ttl: Option<Duration>,
+}
+
+impl State {
+    fn take(&mut self, t: &Token) -> Option<Untaken> {
+        let u = self.offers.remove(t)?;
+        if let Some(g) = u.group {
+            if let Some(members) = self.groups.get_mut(&g) {
+                members.retain(|m| m != t);
+                if members.is_empty() {
+                    self.groups.remove(&g);
+                }
+            }
+        }
+        self.stats.offered -= 1;
+        self.stats.held += 1;
+        Some(u)
+    }
+
+    fn put_back(&mut self, t: Token, u: Untaken) {
+        if let Some(g) = u.group {
+            self.groups.entry(g).or_default().push(t);
+        }
+        self.offers.insert(t, u);
+        self.stats.offered += 1;
+        self.stats.held -= 1;
+    }
+}
+
+pub(crate) struct Inner {
+    pub(crate) address: Vec<u8>,
+    pub(crate) pid: u32,
+    wake: Wake,
+    state: Mutex<State>,
+}
+
+fn lock(m: &Mutex<State>) -> MutexGuard<'_, State> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl Inner {
+    /// Listens at a fresh abstract address and starts the thread that answers.
+    pub(crate) fn start() -> Result<Arc<Inner>> {
+        let pid = std::process::id();
+        let mut rnd = [0u8; 8];
+        super::random(&mut rnd)?;
+        let hex: String = rnd.iter().map(|b| format!("{b:02x}")).collect();
+        let name = format!("cuvmm-handoff-{pid}-{hex}").into_bytes();
+        let listener = link::listen(&name)?;
+        let mut address = vec![0u8];
+        address.extend_from_slice(&name);
+        let inner = Arc::new(Inner { address, pid, wake: Wake::new()?, state: Mutex::new(State::default()) });
+        let server = Server { inner: inner.clone(), listener, conns: Vec::new() };
+        std::thread::Builder::new()
+            .name("cuvmm-handoff".into())
+            .spawn(move || server.run())
+            .map_err(|e| Error::invalid(format!("starting the hand-off thread: {e}")))?;
+        Ok(inner)
+    }
+
+    /// Offers `shared`; returns the token that takes it.
+    pub(crate) fn offer(&self, shared: Box<dyn Shared>, group: Option<u64>) -> Result<Token> {
+        let mut t = [0u8; 16];
+        super::random(&mut t)?;
+        let token = Token(t);
+        let mut s = lock(&self.state);
+        if let Some(g) = group {
+            s.groups.entry(g).or_default().push(token);
+        }
+        s.offers.insert(token, Untaken { shared, group, made: Instant::now() });
+        s.stats.offered += 1;
+        drop(s);
+        if self.ttl().is_some() {
+            self.wake.wake(); // its expiry may come before the server's next one
+        }
+        Ok(token)
+    }
+
+    pub(crate) fn stats(&self) -> SenderStats {
+        lock(&self.state).stats
+    }
+
+    pub(crate) fn set_ttl(&self, ttl: Option<Duration>) {
+        lock(&self.state).ttl = ttl;
+        self.wake.wake();
+    }
+
+    fn ttl(&self) -> Option<Duration> {
+        lock(&self.state).ttl
+    }
+
+    /// Pages of this process given back to the device: receivers that keep mappings of them are
+    /// asked to let go. Called under allocators' locks: only queues and wakes.
+    pub(crate) fn released(&self, serial: u64) {
+        lock(&self.state).released.push(serial);
+        self.wake.wake();
+    }
+}
+
+/// One receiving process's connection, as the server sees it.
+struct Conn {
+    sock: OwnedFd,
+    peer: Peer,
+    /// What it took and has not let go of.
+    held: HashMap<Token, Box<dyn Shared>>,
+    /// Holds of tokens that were not there, by token: the receiver does not know they failed and
+    /// releases each; such a release must not let go of anything else.
+    refused: HashMap<Token, u32>,
+    /// Serials of the pages whose descriptors it was given (it may keep mappings of them).
+    sent: HashSet<u64>,
+    out: VecDeque<(Vec<u8>, Vec<OwnedFd>)>,
+    /// Its socket ended (closed, out of step, stalled): it is asked nothing more, and what it
+    /// holds is let go once its process is gone.
+    ended: bool,
+}
+
+struct Server {
+    inner: Arc<Inner>,
+    listener: OwnedFd,
+    conns: Vec<Conn>,
+}
+
+impl Server {
+    /// Answers for the rest of the process's life (its state is the process's).
+    fn run(mut self) {
+        loop {
+            self.turn();
+        }
+    }
+
+    fn turn(&mut self) {
+        let timeout = self.next_expiry().map_or(PollTimeout::NONE, |d| {
+            PollTimeout::try_from(d.as_millis().min(60_000) as i32 + 1).unwrap_or(PollTimeout::MAX)
+        });
+        let (wake, listener, ready) = {
+            let mut fds = vec![
+                PollFd::new(self.inner.wake.fd(), PollFlags::POLLIN),
+                PollFd::new(self.listener.as_fd(), PollFlags::POLLIN),
+            ];
+            for c in &self.conns {
+                let mut ev = PollFlags::empty();
+                if !c.ended {
+                    ev |= PollFlags::POLLIN;
+                    if !c.out.is_empty() {
+                        ev |= PollFlags::POLLOUT;
+                    }
+                }
+                fds.push(PollFd::new(c.sock.as_fd(), ev));
+                fds.push(PollFd::new(c.peer.pidfd.as_fd(), PollFlags::POLLIN));
+            }
+            if let Err(e) = poll(&mut fds, timeout) {
+                if e != nix::errno::Errno::EINTR {
+                    record_drop::<()>(Err(Error::Os { call: "poll (hand-off)", errno: e }));
+                    std::thread::sleep(Duration::from_millis(10));
+                }
+                return;
+            }
+            let r = |p: &PollFd| p.revents().unwrap_or(PollFlags::empty());
+            let ready: Vec<(PollFlags, PollFlags)> =
+                fds[2..].chunks(2).map(|c| (r(&c[0]), r(&c[1]))).collect();
+            (r(&fds[0]), r(&fds[1]), ready)
+        };
+        if !wake.is_empty() {
+            self.inner.wake.drain();
+            self.revoke();
+        }
+        if !listener.is_empty() {
+            self.accept();
+        }
+        for (i, (sock, pidfd)) in ready.into_iter().enumerate() {
+            let c = &mut self.conns[i];
+            if !pidfd.is_empty() {
+                // Its process is gone (after the kernel closed its descriptors, its device
+                // work with them): nothing it held can be used any more.
+                c.ended = true;
+                let n = c.held.len();
+                c.held.clear();
+                self.let_go(n);
+                continue;
+            }
+            if sock.intersects(PollFlags::POLLIN | PollFlags::POLLHUP | PollFlags::POLLERR) {
+                self.read(i);
+            }
+            if sock.contains(PollFlags::POLLOUT) {
+                self.flush(i);
+            }
+        }
+        // A connection whose process is gone, or that ended holding nothing, is closed.
+        self.conns.retain(|c| !(c.ended && c.held.is_empty()));
+        lock(&self.inner.state).stats.connections = self.conns.len();
+        self.expire();
+    }
+
+    fn accept(&mut self) {
+        loop {
+            match link::accept(self.listener.as_fd()) {
+                Ok(Some(sock)) => match link::peer(sock.as_fd(), None) {
+                    Ok(peer) => self.conns.push(Conn {
+                        sock,
+                        peer,
+                        held: HashMap::new(),
+                        refused: HashMap::new(),
+                        sent: HashSet::new(),
+                        out: VecDeque::new(),
+                        ended: false,
+                    }),
+                    Err(e) => record_drop::<()>(Err(e)),
+                },
+                Ok(None) => return,
+                Err(e) => {
+                    // Out of descriptors, say: let some go before trying again.
+                    record_drop::<()>(Err(e));
+                    std::thread::sleep(Duration::from_millis(5));
+                    return;
+                }
+            }
+        }
+    }
+
+    fn let_go(&self, n: usize) {
+        if n > 0 {
+            let mut s = lock(&self.inner.state);
+            s.stats.held -= n;
+            s.stats.let_go += n as u64;
+        }
+    }
+
+    /// Reads and answers what connection `i` sent; ends it on anything out of order.
+    fn read(&mut self, i: usize) {
+        loop {
+            let got = link::recv(self.conns[i].sock.as_fd());
+            match got {
+                Ok(Some((frame, _))) => {
+                    if let Err(e) = self.answer(i, frame) {
+                        record_drop::<()>(Err(e));
+                        self.conns[i].ended = true;
+                        return;
+                    }
+                }
+                Ok(None) => return,
+                Err(e) => {
+                    if !matches!(e, Error::PeerClosed { .. }) {
+                        record_drop::<()>(Err(e));
+                    }
+                    self.conns[i].ended = true;
+                    return;
+                }
+            }
+        }
+    }
+
+    fn answer(&mut self, i: usize, frame: Frame) -> Result<()> {
+        match frame {
+            Frame::Fetch(t) => self.fetch(i, t),
+            Frame::Hold(t) => {
+                let taken = lock(&self.inner.state).take(&t);
+                let c = &mut self.conns[i];
+                match taken {
+                    Some(u) => {
+                        c.held.insert(t, u.shared);
+                    }
+                    None => *c.refused.entry(t).or_default() += 1,
+                }
+                Ok(())
+            }
+            Frame::Release(ts) => {
+                let mut n = 0;
+                for t in ts {
+                    let c = &mut self.conns[i];
+                    if c.held.remove(&t).is_some() {
+                        n += 1;
+                    } else if let Some(r) = c.refused.get_mut(&t) {
+                        *r -= 1;
+                        if *r == 0 {
+                            c.refused.remove(&t);
+                        }
+                    } else if lock(&self.inner.state).take(&t).is_some() {
+                        // An offer it will not use, let go untaken (dropped as the lock goes).
+                        n += 1;
+                    }
+                }
+                self.let_go(n);
+                Ok(())
+            }
+            other => Err(Error::Protocol(format!("a receiver sent a sender's message ({other:?})"))),
+        }
+    }
+
+    /// Answers a fetch of `t`: it and the rest of its group not taken yet, with their pages.
+    fn fetch(&mut self, i: usize, t: Token) -> Result<()> {
+        let (first, along) = {
+            let mut s = lock(&self.inner.state);
+            let Some(first) = s.take(&t) else {
+                drop(s);
+                return self.queue(i, Frame::Refused(Refusal::Unknown), Vec::new());
+            };
+            let mut along = Vec::new();
+            if let Some(g) = first.group {
+                let members: Vec<Token> = s
+                    .groups
+                    .get(&g)
+                    .map(|m| m.iter().take(OFFERS_PER_ANSWER - 1).copied().collect())
+                    .unwrap_or_default();
+                for m in members {
+                    if let Some(u) = s.take(&m) {
+                        along.push((m, u));
+                    }
+                }
+            }
+            (first, along)
+        };
+        // The descriptors are made without the state's lock: offers go on meanwhile.
+        let fds = match first.shared.descriptors() {
+            Ok(fds) => fds,
+            Err(e) => {
+                record_drop::<()>(Err(e));
+                drop(first);
+                self.let_go(1);
+                for (m, u) in along {
+                    lock(&self.inner.state).put_back(m, u);
+                }
+                return self.queue(i, Frame::Refused(Refusal::Failed), Vec::new());
+            }
+        };
+        let mut entries = vec![(t, fds.len() as u32)];
+        let mut all = fds;
+        let c = &mut self.conns[i];
+        c.sent.extend(first.shared.serials().iter().copied());
+        c.held.insert(t, first.shared);
+        for (m, u) in along {
+            match u.shared.descriptors() {
+                Ok(fds) => {
+                    entries.push((m, fds.len() as u32));
+                    all.extend(fds);
+                    c.sent.extend(u.shared.serials().iter().copied());
+                    c.held.insert(m, u.shared);
+                }
+                // Offered again: its own fetch meets the failure.
+                Err(_) => lock(&self.inner.state).put_back(m, u),
+            }
+        }
+        self.queue(i, Frame::Offered(entries), Vec::new())?;
+        let mut rest = all.into_iter().peekable();
+        while rest.peek().is_some() {
+            let part: Vec<OwnedFd> = rest.by_ref().take(FDS_PER_MESSAGE).collect();
+            self.queue(i, Frame::Pages(part.len()), part)?;
+        }
+        Ok(())
+    }
+
+    /// Queues a message (and sends what it can now).
+    fn queue(&mut self, i: usize, frame: Frame, fds: Vec<OwnedFd>) -> Result<()> {
+        let c = &mut self.conns[i];
+        if c.out.len() >= QUEUED_MOST {
+            return Err(Error::Protocol(format!("the receiving process {} stopped reading", c.peer.pid)));
+        }
+        c.out.push_back((frame.encode()?, fds));
+        self.flush(i);
+        Ok(())
+    }
+
+    fn flush(&mut self, i: usize) {
+        let c = &mut self.conns[i];
+        while let Some((bytes, fds)) = c.out.front() {
+            let raw: Vec<i32> = fds.iter().map(|f| f.as_raw_fd()).collect();
+            match link::send(c.sock.as_fd(), bytes, &raw) {
+                Ok(true) => {
+                    c.out.pop_front(); // the kernel holds copies of its descriptors now
+                }
+                Ok(false) => return,
+                Err(_) => {
+                    c.ended = true;
+                    c.out.clear();
+                    return;
+                }
+            }
+        }
+    }
+
+    /// Asks each receiver that was given pages now released here to unmap them.
+    fn revoke(&mut self) {
+        let released = std::mem::take(&mut lock(&self.inner.state).released);
+        if released.is_empty() {
+            return;
+        }
+        let mut sent = 0u64;
+        for i in 0..self.conns.len() {
+            let c = &mut self.conns[i];
+            if c.ended {
+                continue;
+            }
+            let hit: Vec<u64> = released.iter().copied().filter(|s| c.sent.remove(s)).collect();
+            for part in hit.chunks(SERIALS_PER_MESSAGE) {
+                sent += part.len() as u64;
+                if self.queue(i, Frame::Revoke(part.to_vec()), Vec::new()).is_err() {
+                    self.conns[i].ended = true;
+                    break;
+                }
+            }
+        }
+        lock(&self.inner.state).stats.revocations += sent;
+    }
+
+    fn next_expiry(&self) -> Option<Duration> {
+        let s = lock(&self.inner.state);
+        let ttl = s.ttl?;
+        let oldest = s.offers.values().map(|u| u.made).min()?;
+        Some((oldest + ttl).saturating_duration_since(Instant::now()))
+    }
+
+    /// Lets go of offers nobody took within their time to live.
+    fn expire(&mut self) {
+        let gone: Vec<Untaken> = {
+            let mut s = lock(&self.inner.state);
+            let Some(ttl) = s.ttl else { return };
+            let now = Instant::now();
+            let old: Vec<Token> =
+                s.offers.iter().filter(|(_, u)| now >= u.made + ttl).map(|(t, _)| *t).collect();
+            let gone: Vec<Untaken> = old.iter().filter_map(|t| s.take(t)).collect();
+            s.stats.held -= gone.len();
+            s.stats.expired += gone.len() as u64;
+            gone
+        };
+        drop(gone); // let go without the lock
+    }
+}

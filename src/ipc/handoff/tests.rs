@@ -1,0 +1,453 @@
+//! The hand-off's protocol on the CPU: pages are memfds, mappings are the descriptors kept open,
+//! and the waits before a release are closures the tests control.
+
+use super::frame::Token;
+use super::receiver::{self, Mapped};
+use super::sender::{self, Shared};
+use super::{link, Ticket};
+use crate::error::{Error, Result};
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{mpsc, Arc, Mutex};
+use std::time::{Duration, Instant};
+
+const T: Duration = Duration::from_secs(10);
+
+/// Counters shared by a test's fakes.
+#[derive(Default)]
+struct Counts {
+    exported: AtomicUsize,
+    let_go: AtomicUsize,
+    unmapped: AtomicUsize,
+}
+
+struct FakeShared {
+    pages: Vec<OwnedFd>,
+    serials: Vec<u64>,
+    counts: Arc<Counts>,
+    /// Held by `descriptors` until the test lets it go.
+    gate: Option<Arc<Mutex<()>>>,
+}
+
+impl Shared for FakeShared {
+    fn descriptors(&self) -> Result<Vec<OwnedFd>> {
+        if let Some(g) = &self.gate {
+            drop(g.lock().unwrap());
+        }
+        self.counts.exported.fetch_add(1, Ordering::SeqCst);
+        Ok(self.pages.iter().map(|p| p.try_clone().unwrap()).collect())
+    }
+
+    fn serials(&self) -> &[u64] {
+        &self.serials
+    }
+}
+
+impl Drop for FakeShared {
+    fn drop(&mut self) {
+        self.counts.let_go.fetch_add(1, Ordering::SeqCst);
+    }
+}
+
+struct FakeMapped {
+    /// Open for as long as the pages are mapped, as a real import holds them.
+    _fds: Vec<OwnedFd>,
+    counts: Arc<Counts>,
+}
+
+impl Mapped for FakeMapped {
+    fn base(&self) -> u64 {
+        0x7000_0000_0000
+    }
+
+    fn settle(&self) -> Result<()> {
+        Ok(())
+    }
+
+    unsafe fn assume_idle(&mut self) {}
+}
+
+impl Drop for FakeMapped {
+    fn drop(&mut self) {
+        self.counts.unmapped.fetch_add(1, Ordering::SeqCst);
+    }
+}
+
+fn memfd() -> OwnedFd {
+    nix::sys::memfd::memfd_create(c"cuvmm-test-page", nix::sys::memfd::MemFdCreateFlag::MFD_CLOEXEC).unwrap()
+}
+
+fn inode(fd: std::os::fd::BorrowedFd<'_>) -> u64 {
+    nix::sys::stat::fstat(fd.as_raw_fd()).unwrap().st_ino
+}
+
+struct World {
+    s: Arc<sender::Inner>,
+    r: Arc<receiver::Inner>,
+    counts: Arc<Counts>,
+}
+
+impl World {
+    fn new() -> World {
+        World {
+            s: sender::Inner::start().unwrap(),
+            r: receiver::Inner::start().unwrap(),
+            counts: Arc::default(),
+        }
+    }
+
+    /// Offers `n` pages with serials from `first`.
+    fn offer(
+        &self,
+        first: u64,
+        n: usize,
+        group: Option<u64>,
+        gate: Option<Arc<Mutex<()>>>,
+    ) -> (Ticket, Vec<u64>) {
+        let pages: Vec<OwnedFd> = (0..n).map(|_| memfd()).collect();
+        let inodes = pages.iter().map(|p| inode(p.as_fd())).collect();
+        let serials: Vec<u64> = (first..first + n as u64).collect();
+        let shared = FakeShared { pages, serials: serials.clone(), counts: self.counts.clone(), gate };
+        let token = self.s.offer(Box::new(shared), group).unwrap();
+        let page = 2 << 20;
+        let t = Ticket {
+            address: self.s.address.clone(),
+            pid: self.s.pid,
+            token,
+            device: [0; 16],
+            block: 0x1000_0000,
+            len: page * n as u64,
+            first_page: 0x1000_0000,
+            page,
+            serials,
+        };
+        (t, inodes)
+    }
+
+    /// Takes `t`, checking that the descriptors are the offered pages, close-on-exec.
+    fn take(&self, t: &Ticket, inodes: &[u64], timeout: Duration) -> Result<receiver::Lease> {
+        let counts = self.counts.clone();
+        let inodes = inodes.to_vec();
+        self.r.take(t, timeout, move |fds| {
+            for (f, want) in fds.iter().zip(&inodes) {
+                assert_eq!(inode(f.as_fd()), *want, "the offered page");
+                let flags = nix::fcntl::fcntl(f.as_raw_fd(), nix::fcntl::FcntlArg::F_GETFD).unwrap();
+                assert!(flags & libc::FD_CLOEXEC != 0, "a received page descriptor is inherited by children");
+            }
+            Ok(Box::new(FakeMapped { _fds: fds, counts }) as Box<dyn Mapped>)
+        })
+    }
+
+    fn held(&self) -> usize {
+        self.s.stats().held
+    }
+}
+
+/// Waits until `f` holds (the other side's threads act on their own time).
+fn eventually(what: &str, f: impl Fn() -> bool) {
+    let end = Instant::now() + T;
+    while !f() {
+        assert!(Instant::now() < end, "not within {T:?}: {what}");
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+fn done() -> receiver::Wait {
+    Box::new(|| Ok(()))
+}
+
+#[test]
+fn a_taken_offer_is_let_go_only_after_the_wait_that_orders_its_release() {
+    let w = World::new();
+    let (t, inodes) = w.offer(1, 3, None, None);
+    let lease = w.take(&t, &inodes, T).unwrap();
+    assert_eq!(lease.ptr(), 0x7000_0000_0000);
+    assert_eq!(w.held(), 1);
+    let (go, gate) = mpsc::channel::<()>();
+    lease.release_after_wait(Box::new(move || {
+        gate.recv().unwrap();
+        Ok(())
+    }));
+    std::thread::sleep(Duration::from_millis(50));
+    assert_eq!(w.counts.let_go.load(Ordering::SeqCst), 0, "let go before the receiver's work was done");
+    assert_eq!(w.r.stats().releasing, 1);
+    go.send(()).unwrap();
+    eventually("the sender lets go", || w.counts.let_go.load(Ordering::SeqCst) == 1);
+    assert_eq!(w.held(), 0);
+    // Kept while the sender keeps the pages.
+    assert_eq!(w.counts.unmapped.load(Ordering::SeqCst), 0);
+    assert_eq!(w.r.stats().kept, 1);
+}
+
+#[test]
+fn the_same_pages_again_are_claimed_without_descriptors_or_a_wait() {
+    let w = World::new();
+    let (t, inodes) = w.offer(10, 2, None, None);
+    w.take(&t, &inodes, T).unwrap().release_after_wait(done());
+    eventually("let go", || w.counts.let_go.load(Ordering::SeqCst) == 1);
+    // Offered again over the same pages (serials): the mapping kept is used.
+    let again = Ticket {
+        token: w
+            .s
+            .offer(
+                Box::new(FakeShared {
+                    pages: vec![memfd(), memfd()],
+                    serials: t.serials.clone(),
+                    counts: w.counts.clone(),
+                    gate: None,
+                }),
+                None,
+            )
+            .unwrap(),
+        ..t.clone()
+    };
+    let lease = w.r.take(&again, T, |_| panic!("mapped again")).unwrap();
+    eventually("the sender holds it", || w.held() == 1);
+    assert_eq!(w.counts.exported.load(Ordering::SeqCst), 1, "descriptors made again");
+    drop(lease); // no streams named: settled, then released
+    eventually("let go", || w.counts.let_go.load(Ordering::SeqCst) == 2);
+}
+
+#[test]
+fn pages_the_sender_gives_back_are_unmapped_at_once_when_idle_and_at_release_when_in_use() {
+    let w = World::new();
+    let (a, ia) = w.offer(20, 1, None, None);
+    let (b, ib) = w.offer(30, 2, None, None);
+    w.take(&a, &ia, T).unwrap().release_after_wait(done());
+    let in_use = w.take(&b, &ib, T).unwrap();
+    eventually("a let go", || w.counts.let_go.load(Ordering::SeqCst) == 1);
+    assert_eq!(w.r.stats().kept, 2);
+    w.s.released(20);
+    w.s.released(31);
+    eventually("the idle mapping unmapped", || w.counts.unmapped.load(Ordering::SeqCst) == 1);
+    assert_eq!(w.r.stats().kept, 1);
+    assert_eq!(w.r.stats().revoked, 1);
+    in_use.release_after_wait(done());
+    eventually("the revoked one unmapped at its release", || w.counts.unmapped.load(Ordering::SeqCst) == 2);
+    assert_eq!(w.r.stats().kept, 0);
+    assert_eq!(w.s.stats().revocations, 2);
+    // A page never sent to a receiver is revoked from nobody.
+    w.s.released(99);
+    std::thread::sleep(Duration::from_millis(20));
+    assert_eq!(w.s.stats().revocations, 2);
+}
+
+#[test]
+fn a_group_travels_in_one_answer() {
+    let w = World::new();
+    let offers: Vec<_> = (0..5).map(|i| w.offer(100 + 10 * i, 2, Some(7), None)).collect();
+    let leases: Vec<_> = offers.iter().map(|(t, i)| w.take(t, i, T).unwrap()).collect();
+    assert_eq!(w.counts.exported.load(Ordering::SeqCst), 5);
+    assert_eq!(w.held(), 5);
+    assert_eq!(w.s.stats().offered, 0);
+    for l in leases {
+        l.release_after_wait(done());
+    }
+    eventually("all let go", || w.counts.let_go.load(Ordering::SeqCst) == 5);
+}
+
+#[test]
+fn a_group_member_never_asked_for_is_let_go_when_released_untaken() {
+    let w = World::new();
+    let (a, ia) = w.offer(200, 1, Some(1), None);
+    let (b, _) = w.offer(210, 1, Some(1), None);
+    let lease = w.take(&a, &ia, T).unwrap();
+    assert_eq!(w.held(), 2, "b came along");
+    w.r.let_go(&b, T).unwrap();
+    eventually("b let go", || w.counts.let_go.load(Ordering::SeqCst) == 1);
+    drop(lease);
+    eventually("a let go", || w.counts.let_go.load(Ordering::SeqCst) == 2);
+}
+
+#[test]
+fn an_answer_that_comes_after_its_fetch_gave_up_is_let_go_and_never_given_to_the_next_fetch() {
+    let w = World::new();
+    let gate = Arc::new(Mutex::new(()));
+    let held = gate.lock().unwrap();
+    let (slow, islow) = w.offer(300, 1, None, Some(gate.clone()));
+    let (next, inext) = w.offer(310, 1, None, None);
+    let e = w.take(&slow, &islow, Duration::from_millis(100)).unwrap_err();
+    assert!(e.is_timeout(), "{e}");
+    drop(held);
+    // The next fetch gets its own pages (checked by inode in `take`), not the late answer's.
+    let lease = w.take(&next, &inext, T).unwrap();
+    eventually("the late answer let go", || w.counts.let_go.load(Ordering::SeqCst) == 1);
+    assert_eq!(w.held(), 1);
+    drop(lease);
+    eventually("all let go", || w.held() == 0);
+}
+
+#[test]
+fn a_release_whose_wait_failed_is_never_told_and_its_mapping_never_unmapped() {
+    let w = World::new();
+    let (t, inodes) = w.offer(400, 1, None, None);
+    let lease = w.take(&t, &inodes, T).unwrap();
+    lease.release_after_wait(Box::new(|| Err(Error::invalid("the device wait failed"))));
+    eventually("the failure counted", || w.r.stats().held_for_good == 1);
+    std::thread::sleep(Duration::from_millis(50));
+    assert_eq!(w.held(), 1, "the sender was told although the receiver's work may still run");
+    assert_eq!(w.counts.unmapped.load(Ordering::SeqCst), 0);
+    let _ = crate::error::take_drop_error();
+}
+
+#[test]
+fn an_offer_is_taken_once() {
+    let w = World::new();
+    let (t, inodes) = w.offer(500, 1, None, None);
+    let lease = w.take(&t, &inodes, T).unwrap();
+    // A second receiver with the same ticket (its own connection) is refused.
+    let r2 = receiver::Inner::start().unwrap();
+    let e = r2.take(&t, T, |_| panic!("mapped")).unwrap_err();
+    assert!(e.to_string().contains("no such offer"), "{e}");
+    let bogus = Ticket { token: Token([0xee; 16]), ..t.clone() };
+    assert!(r2.take(&bogus, T, |_| panic!("mapped")).is_err());
+    drop(lease);
+    eventually("let go", || w.held() == 0);
+}
+
+#[test]
+fn a_ticket_naming_another_process_is_refused_before_anything_is_sent() {
+    let w = World::new();
+    let (t, _) = w.offer(600, 1, None, None);
+    let wrong = Ticket { pid: t.pid + 1, ..t.clone() };
+    let e = w.r.take(&wrong, T, |_| panic!("mapped")).unwrap_err();
+    assert!(e.to_string().contains("not by the sending process"), "{e}");
+    assert_eq!(w.s.stats().offered, 1);
+}
+
+#[test]
+fn offers_nobody_takes_are_let_go_after_their_time_to_live() {
+    let w = World::new();
+    w.s.set_ttl(Some(Duration::from_millis(50)));
+    let (t, _) = w.offer(700, 1, None, None);
+    eventually("expired", || w.counts.let_go.load(Ordering::SeqCst) == 1);
+    assert_eq!(w.s.stats().expired, 1);
+    assert!(w.r.take(&t, T, |_| panic!("mapped")).is_err());
+}
+
+#[test]
+fn a_full_backlog_delays_a_connection_until_its_deadline_instead_of_failing_it() {
+    let mut name = b"cuvmm-test-backlog-".to_vec();
+    let mut rnd = [0u8; 8];
+    super::random(&mut rnd).unwrap();
+    name.extend(rnd.iter().map(|b| b'a' + b % 26));
+    let listener = nix::sys::socket::socket(
+        nix::sys::socket::AddressFamily::Unix,
+        nix::sys::socket::SockType::SeqPacket,
+        nix::sys::socket::SockFlag::SOCK_CLOEXEC,
+        None,
+    )
+    .unwrap();
+    let addr = nix::sys::socket::UnixAddr::new_abstract(&name).unwrap();
+    nix::sys::socket::bind(listener.as_raw_fd(), &addr).unwrap();
+    nix::sys::socket::listen(&listener, nix::sys::socket::Backlog::new(1).unwrap()).unwrap();
+    // Fill the backlog with connections nobody accepts.
+    let mut filled = Vec::new();
+    loop {
+        let s = nix::sys::socket::socket(
+            nix::sys::socket::AddressFamily::Unix,
+            nix::sys::socket::SockType::SeqPacket,
+            nix::sys::socket::SockFlag::SOCK_CLOEXEC | nix::sys::socket::SockFlag::SOCK_NONBLOCK,
+            None,
+        )
+        .unwrap();
+        match nix::sys::socket::connect(s.as_raw_fd(), &addr) {
+            Ok(()) => filled.push(s),
+            Err(_) => break,
+        }
+        assert!(filled.len() < 64, "the backlog never filled");
+    }
+    let start = Instant::now();
+    let e = link::connect(&name, start + Duration::from_millis(150)).unwrap_err();
+    assert!(e.is_timeout(), "{e}");
+    assert!(
+        start.elapsed() >= Duration::from_millis(140),
+        "failed before its deadline: {:?}",
+        start.elapsed()
+    );
+    // Room made (one accepted) before the deadline: it connects.
+    let fd = listener.as_raw_fd();
+    let accepter = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(30));
+        nix::sys::socket::accept(fd).unwrap()
+    });
+    link::connect(&name, Instant::now() + T).unwrap();
+    let accepted = accepter.join().unwrap();
+    nix::unistd::close(accepted).unwrap();
+    drop(listener);
+}
+
+#[test]
+fn releases_from_many_threads_at_once_are_all_told() {
+    let w = Arc::new(World::new());
+    let n = 64;
+    let threads: Vec<_> = (0..8)
+        .map(|k| {
+            let w = w.clone();
+            std::thread::spawn(move || {
+                for i in 0..n {
+                    let (t, inodes) = w.offer(10_000 + 1000 * k + 10 * i, 1, None, None);
+                    let lease = w.take(&t, &inodes, T).unwrap();
+                    if i % 2 == 0 {
+                        lease.release_after_wait(done());
+                    } else {
+                        drop(lease);
+                    }
+                }
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().unwrap();
+    }
+    eventually("every release told", || w.counts.let_go.load(Ordering::SeqCst) == 8 * n as usize);
+    assert_eq!(w.held(), 0);
+    assert_eq!(w.r.stats().leases, 0);
+}
+
+/// The receiving process of [`a_receiver_that_ends_its_connection_is_let_go_only_once_its_process_is_gone`]:
+/// it fetches the offer named in its environment, closes the connection, and lives on a while.
+#[test]
+#[ignore = "the receiving process of another test"]
+fn receiving_child() {
+    let Ok(hex) = std::env::var("CUVMM_TEST_HANDOFF_TICKET") else { return };
+    let bytes: Vec<u8> =
+        (0..hex.len()).step_by(2).map(|i| u8::from_str_radix(&hex[i..i + 2], 16).unwrap()).collect();
+    let t = Ticket::from_bytes(&bytes).unwrap();
+    let sock = link::connect(&t.address[1..], Instant::now() + T).unwrap();
+    link::peer(sock.as_fd(), Some(t.pid)).unwrap();
+    let fetch = super::Frame::Fetch(t.token).encode().unwrap();
+    assert!(link::send(sock.as_fd(), &fetch, &[]).unwrap());
+    let mut got = 0;
+    while got < 2 {
+        match link::recv(sock.as_fd()).unwrap() {
+            Some(_) => got += 1,
+            None => std::thread::sleep(Duration::from_millis(1)),
+        }
+    }
+    drop(sock);
+    std::thread::sleep(Duration::from_millis(400));
+}
+
+#[test]
+fn a_receiver_that_ends_its_connection_is_let_go_only_once_its_process_is_gone() {
+    let w = World::new();
+    let (t, _) = w.offer(800, 1, None, None);
+    let hex: String = t.to_bytes().iter().map(|b| format!("{b:02x}")).collect();
+    let mut child = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "ipc::handoff::tests::receiving_child", "--ignored", "--quiet", "--test-threads=1"])
+        .env("CUVMM_TEST_HANDOFF_TICKET", hex)
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    eventually("taken", || w.held() == 1);
+    // Its connection ends well before it exits: the block stays held while it may still run.
+    std::thread::sleep(Duration::from_millis(200));
+    let alive = child.try_wait().unwrap().is_none();
+    if alive {
+        assert_eq!(w.held(), 1, "let go while the receiving process still runs");
+    }
+    assert!(child.wait().unwrap().success());
+    eventually("let go once it exited", || w.held() == 0);
+    assert_eq!(w.counts.let_go.load(Ordering::SeqCst), 1);
+}
