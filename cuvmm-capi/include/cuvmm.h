@@ -101,8 +101,9 @@ int cuvmm_release_graph_memory(int device);
  *   stream join it in the graph.
  * cuvmm_set_memory_fraction (set_memory_fraction_fn, torch.cuda.set_per_process_memory_fraction):
  *   requests that would take the bytes handed out on `device` (cuvmm_stats_t.live) past
- *   `fraction` of its memory fail as out of memory; 1 removes the limit, a value outside 0..1
- *   is refused. */
+ *   `fraction` of its memory fail as out of memory; 1 removes the limit, 0 (or a fraction
+ *   rounding to 0 bytes) refuses every request as PyTorch's allocator does, a value outside
+ *   0..1 is refused. */
 void cuvmm_empty_cache_all(void);
 void cuvmm_record_stream(void *ptr, cuvmm_stream_t stream);
 void cuvmm_set_memory_fraction(double fraction, int device);

@@ -31,7 +31,7 @@ pub extern "C" fn cuvmm_record_stream(ptr: *mut c_void, stream: CUstream) {
 
 /// `torch.cuda.set_per_process_memory_fraction(fraction, device)`: requests that would take the
 /// bytes handed out on `device` past `fraction` of its memory fail as out of memory; 1 removes
-/// the limit.
+/// the limit, 0 refuses every request.
 #[no_mangle]
 pub extern "C" fn cuvmm_set_memory_fraction(fraction: f64, device: c_int) {
     guard("cuvmm_set_memory_fraction", (), || {
