@@ -252,7 +252,10 @@ def last_error() -> str | None:
 
 def _check(rc: int, what: str, ok=lambda rc: rc == 0) -> int:
     if not ok(rc):
-        raise RuntimeError(f"{what} failed: {last_error() or 'no error text'}")
+        text = last_error() or "no error text"
+        # The library's text starts with the C function's name, which `what` names already.
+        name = what.split("(", 1)[0] + ": "
+        raise RuntimeError(f"{what} failed: {text[len(name):] if text.startswith(name) else text}")
     return rc
 
 

@@ -278,6 +278,14 @@ class CtypesLayer(unittest.TestCase):
             cuvmm_torch.empty_cache()
         self.assertIn("refused", cuvmm_torch.last_error())
 
+    def test_an_error_names_the_function_once(self):
+        with self.assertRaises(RuntimeError) as e:
+            cuvmm_torch.stats(1)
+        self.assertEqual(str(e.exception), "cuvmm_get_stats failed: no device 1")
+        with self.assertRaises(RuntimeError) as e:
+            cuvmm_torch.empty_cache()
+        self.assertEqual(str(e.exception), "cuvmm_empty_cache failed: refused while capturing")
+
     def test_stats_json_parsed(self):
         self.assertEqual(cuvmm_torch.stats_json(), {"0": {"live": 100}})
 
