@@ -146,6 +146,18 @@ mod tests {
     }
 
     #[test]
+    fn sizes_read_as_the_python_package_reads_them() {
+        for line in include_str!("../tests/sizes.txt").lines().filter(|l| !l.starts_with('#')) {
+            let (text, want) = line.rsplit_once('|').unwrap();
+            match (parse_size(text), want) {
+                (Err(_), "error") => {}
+                (Ok(n), want) if want.parse() == Ok(n) => {}
+                (got, _) => panic!("`{text}`: {got:?}, not {want}"),
+            }
+        }
+    }
+
+    #[test]
     fn every_key_is_read_and_unknown_ones_are_refused() {
         let c = Config::parse(Some(
             "page=8MiB, reserve=64GiB,tag_page=256MiB,log=0,lend=1,export_threshold=64MiB,trace=/tmp/t,oom=abort",
