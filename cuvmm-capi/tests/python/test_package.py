@@ -213,6 +213,23 @@ class TorchVersion(unittest.TestCase):
         self.assertEqual(m.group(1), cuvmm.__version__)
 
 
+class BuildRequirements(unittest.TestCase):
+    def test_an_older_setuptools_is_named_with_the_version_needed(self):
+        """`pip install --no-build-isolation` runs setup.py with the setuptools installed; an old
+        one (here a stand-in of 69.5.1 without setuptools.command) is refused by name."""
+        with tempfile.TemporaryDirectory() as d:
+            (Path(d) / "setuptools").mkdir()
+            (Path(d) / "setuptools" / "__init__.py").write_text(
+                '__version__ = "69.5.1"\n'
+                'class Extension:\n    def __init__(self, *a, **k): pass\n'
+                'def setup(**k): pass\n')
+            r = subprocess.run([sys.executable, "setup.py", "--version"], cwd=CAPI, capture_output=True, text=True,
+                               env={**os.environ, "PYTHONPATH": d})
+        self.assertNotEqual(r.returncode, 0)
+        self.assertIn("building cuvmm needs setuptools >= 77, not 69.5.1", r.stderr)
+        self.assertNotIn("ModuleNotFoundError", r.stderr)
+
+
 @unittest.skipUnless(HAVE_TOOLS, "needs cc and g++")
 class RaisingEntryPoints(unittest.TestCase):
     """libcuvmm_torch.so as the package builds it, called the way PyTorch calls an allocator."""
