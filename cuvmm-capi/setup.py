@@ -7,14 +7,26 @@ CUVMM_WHEEL_LIB=/path/libcuvmm.so packs that library (stripped) instead of build
 """
 
 import os
+import re
 import shutil
 import subprocess
 
-from setuptools import Extension, setup
-from setuptools.command.bdist_wheel import bdist_wheel
-from setuptools.command.build_ext import build_ext
-from setuptools.command.sdist import sdist
-from setuptools_rust import Binding, RustExtension
+import setuptools
+
+# `pip install --no-build-isolation` builds with the setuptools already installed; one older than
+# 77 lacks setuptools.command.bdist_wheel and the license fields of pyproject.toml, and would fail
+# below with an ImportError that names neither.
+_SETUPTOOLS = int(re.match(r"\d*", setuptools.__version__).group() or 0)
+if _SETUPTOOLS < 77:
+    raise SystemExit(f"building cuvmm needs setuptools >= 77, not {setuptools.__version__}: "
+                     "pip install 'setuptools>=77' 'setuptools-rust>=1.9', or build without "
+                     "--no-build-isolation")
+
+from setuptools import Extension, setup  # noqa: E402
+from setuptools.command.bdist_wheel import bdist_wheel  # noqa: E402
+from setuptools.command.build_ext import build_ext  # noqa: E402
+from setuptools.command.sdist import sdist  # noqa: E402
+from setuptools_rust import Binding, RustExtension  # noqa: E402
 
 GIVEN_LIB = os.environ.get("CUVMM_WHEEL_LIB")
 # setuptools' intermediate files go under the workspace's target/, not into the source tree.

@@ -24,7 +24,11 @@ fn attempts(tried: &[LoadAttempt]) -> String {
 #[non_exhaustive]
 pub enum Error {
     /// No usable CUDA driver library could be opened.
-    #[error("no CUDA driver found: tried {}", attempts(.tried))]
+    #[error(
+        "no CUDA driver found: tried {}; install the NVIDIA driver, or set CUVMM_LIBCUDA to the path \
+         of its libcuda.so.1",
+        attempts(.tried)
+    )]
     DriverNotFound {
         /// Each path tried, with the loader's message.
         tried: Vec<LoadAttempt>,

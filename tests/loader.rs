@@ -20,6 +20,11 @@ fn a_missing_library_is_driver_not_found_with_the_path_and_message() {
     }
     let text = err.to_string();
     assert!(text.starts_with("no CUDA driver found: tried /nonexistent/libcuda.so.1"), "{text}");
+    assert!(
+        text.ends_with("; install the NVIDIA driver, or set CUVMM_LIBCUDA to the path of its libcuda.so.1"),
+        "the fix is named: {text}"
+    );
+    assert_eq!(cuvmm::driver::LIBRARY_ENV, "CUVMM_LIBCUDA", "the variable the fix names");
 }
 
 #[test]

@@ -98,11 +98,14 @@ int cuvmm_release_graph_memory(int device);
  *   for them), as PyTorch's caching allocator does; it then is freed on the free's stream, so
  *   that stream and the recorded ones must still be alive then. A recorded stream being
  *   captured runs nothing, so the free does not wait for it; a free captured with it makes its
- *   stream join it in the graph.
+ *   stream join it in the graph. A `ptr` that is not the start of a live block of cuvmm_malloc
+ *   (memory received from another process, inside a block, or freed) is ignored, as PyTorch's
+ *   allocator ignores memory it did not hand out; what a block recorded goes with its free.
  * cuvmm_set_memory_fraction (set_memory_fraction_fn, torch.cuda.set_per_process_memory_fraction):
  *   requests that would take the bytes handed out on `device` (cuvmm_stats_t.live) past
- *   `fraction` of its memory fail as out of memory; 1 removes the limit, a value outside 0..1
- *   is refused. */
+ *   `fraction` of its memory fail as out of memory; 1 removes the limit, 0 (or a fraction
+ *   rounding to 0 bytes) refuses every request as PyTorch's allocator does, a value outside
+ *   0..1 is refused. */
 void cuvmm_empty_cache_all(void);
 void cuvmm_record_stream(void *ptr, cuvmm_stream_t stream);
 void cuvmm_set_memory_fraction(double fraction, int device);

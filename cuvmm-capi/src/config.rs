@@ -69,6 +69,24 @@ fn parse_size(s: &str) -> Result<usize, String> {
     n.checked_mul(1usize << shift).ok_or_else(|| format!("`{s}` is too large"))
 }
 
+/// The physical memory granularity of every CUDA GPU: pages are multiples of it.
+const GRANULARITY: usize = 2 << 20;
+
+/// A page size for `key`: a non-zero multiple of [`GRANULARITY`], refused here rather than at the
+/// first allocation, with the nearest size that works.
+fn page_size(key: &str, v: &str) -> Result<usize, String> {
+    let n = parse_size(v)?;
+    if n == 0 || n % GRANULARITY != 0 {
+        let fix = n.div_ceil(GRANULARITY).max(1) * (GRANULARITY >> 20);
+        return Err(format!(
+            "{key}={} is not a multiple of 2MiB, the page granularity of CUDA GPUs: use a multiple \
+             such as {key}={fix}MiB",
+            v.trim()
+        ));
+    }
+    Ok(n)
+}
+
 impl Config {
     /// Parses the variable's value; `None` gives the defaults.
     pub fn parse(value: Option<&str>) -> Result<Config, String> {
@@ -77,9 +95,9 @@ impl Config {
         for item in value.split(',').map(str::trim).filter(|s| !s.is_empty()) {
             let (k, v) = item.split_once('=').ok_or_else(|| format!("`{item}` is not key=value"))?;
             match k.trim() {
-                "page" => c.page = parse_size(v)?,
+                "page" => c.page = page_size("page", v)?,
                 "reserve" => c.reserve = parse_size(v)?,
-                "tag_page" => c.tag_page = parse_size(v)?,
+                "tag_page" => c.tag_page = page_size("tag_page", v)?,
                 "log" => c.log = parse_bool("log", v)?,
                 "lend" => c.lend = parse_bool("lend", v)?,
                 "export_threshold" => c.export_threshold = parse_size(v)?,
@@ -97,6 +115,15 @@ impl Config {
                     ))
                 }
             }
+        }
+        if c.tag_page % c.page != 0 {
+            return Err(format!(
+                "tag_page ({} MiB) is not a multiple of page ({} MiB): set tag_page to a multiple of page, \
+                 such as tag_page={}MiB",
+                c.tag_page >> 20,
+                c.page >> 20,
+                c.page >> 20
+            ));
         }
         Ok(c)
     }
@@ -116,6 +143,18 @@ mod tests {
         assert!(parse_size("2XB").is_err());
         assert!(parse_size("").is_err());
         assert!(parse_size("99999999999999999999TiB").is_err());
+    }
+
+    #[test]
+    fn sizes_read_as_the_python_package_reads_them() {
+        for line in include_str!("../tests/sizes.txt").lines().filter(|l| !l.starts_with('#')) {
+            let (text, want) = line.rsplit_once('|').unwrap();
+            match (parse_size(text), want) {
+                (Err(_), "error") => {}
+                (Ok(n), want) if want.parse() == Ok(n) => {}
+                (got, _) => panic!("`{text}`: {got:?}, not {want}"),
+            }
+        }
     }
 
     #[test]
@@ -142,5 +181,24 @@ mod tests {
         assert!(Config::parse(Some("pages=2MiB")).is_err());
         assert!(Config::parse(Some("page")).is_err());
         assert!(Config::parse(Some("log=maybe")).is_err());
+    }
+
+    #[test]
+    fn page_sizes_that_no_gpu_maps_are_refused_with_the_key_and_a_size_that_works() {
+        for (conf, fix) in [
+            ("page=3MiB", "page=4MiB"),
+            ("page=0", "page=2MiB"),
+            ("page=4096", "page=2MiB"),
+            ("tag_page=129MiB", "tag_page=130MiB"),
+            ("page=64MiB,tag_page=96MiB", "tag_page=64MiB"),
+            ("page=256MiB", "tag_page=256MiB"),
+        ] {
+            let e = Config::parse(Some(conf)).unwrap_err();
+            assert!(e.contains(fix), "{conf}: {e}");
+            let key = fix.split('=').next().unwrap();
+            assert!(e.starts_with(key), "{conf}: {e}");
+        }
+        let c = Config::parse(Some("page=6MiB,tag_page=12MiB")).unwrap();
+        assert_eq!((c.page, c.tag_page), (6 << 20, 12 << 20));
     }
 }

@@ -17,21 +17,29 @@ pub extern "C" fn cuvmm_empty_cache_all() {
 }
 
 /// `Tensor.record_stream(stream)` for the block at `ptr`: its free waits for the work queued on
-/// `stream` by then, as in PyTorch's caching allocator (see cuvmm.h).
+/// `stream` by then, as in PyTorch's caching allocator (see cuvmm.h). Any other pointer is
+/// ignored, as PyTorch's allocator ignores memory it did not hand out.
 #[no_mangle]
 pub extern "C" fn cuvmm_record_stream(ptr: *mut c_void, stream: CUstream) {
     guard("cuvmm_record_stream", (), || {
         if ptr.is_null() {
             return Err(plain("null pointer".into()));
         }
-        uses::record(ptr as usize as u64, stream);
+        let addr = ptr as usize as u64;
+        // PyTorch forwards the call for every tensor, received ones included. An entry for memory
+        // cuvmm did not hand out would never be dropped (no free of it comes here), slow every
+        // later free, and hold back a block cuvmm later hands out at that address. A block's
+        // entry goes at its free.
+        if crate::allocators().iter().any(|(_, a)| a.owner_of(addr).is_some_and(|(start, _)| start == addr)) {
+            uses::record(addr, stream);
+        }
         Ok(())
     })
 }
 
 /// `torch.cuda.set_per_process_memory_fraction(fraction, device)`: requests that would take the
 /// bytes handed out on `device` past `fraction` of its memory fail as out of memory; 1 removes
-/// the limit.
+/// the limit, 0 refuses every request.
 #[no_mangle]
 pub extern "C" fn cuvmm_set_memory_fraction(fraction: f64, device: c_int) {
     guard("cuvmm_set_memory_fraction", (), || {

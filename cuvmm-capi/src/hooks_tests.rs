@@ -100,6 +100,39 @@ fn record_stream_child() {
 }
 
 #[test]
+fn only_a_block_cuvmm_handed_out_is_recorded() {
+    in_child_with("hooks::tests::only_a_block_cuvmm_handed_out_is_recorded", Some(fake_vmm), foreign_child);
+}
+
+/// The child of the test above: PyTorch forwards `record_stream` for every tensor, also those
+/// whose memory cuvmm did not hand out (received from another process, or inside a block).
+/// Nothing is recorded for them: no free then takes the slow path for them, and a later block at
+/// that address is not held back by another memory's uses.
+fn foreign_child() {
+    let ctx = fake_device();
+    let side = Stream::non_blocking(&ctx).unwrap();
+    let null = std::ptr::null_mut();
+    let p = cuvmm_malloc(SIZE, 0, null);
+    assert!(!p.is_null(), "{}", last_error());
+    let inside = p.wrapping_byte_add(4096);
+    cuvmm_record_stream(inside, side.raw());
+    let mut elsewhere = [0u8; 64];
+    cuvmm_record_stream(elsewhere.as_mut_ptr().cast(), side.raw());
+    assert!(uses::recorded(inside as u64).is_empty());
+    assert!(uses::recorded(elsewhere.as_ptr() as u64).is_empty());
+    cuvmm_free(p, SIZE, 0, null);
+    // The freed block's address, recorded while no block is there; the next block lands on it.
+    let _go = busy(&side);
+    cuvmm_record_stream(p, side.raw());
+    assert!(uses::recorded(p as u64).is_empty());
+    let q = cuvmm_malloc(SIZE, 0, null);
+    assert_eq!(q, p, "the cached block serves the same stream again");
+    cuvmm_free(q, SIZE, 0, null);
+    assert!(!uses::pending(0), "the new block's free waited for uses of the memory before it");
+    assert_eq!(stats().frees, 2);
+}
+
+#[test]
 fn an_empty_cache_waits_for_the_recorded_work_and_gives_the_block_back() {
     in_child_with(
         "hooks::tests::an_empty_cache_waits_for_the_recorded_work_and_gives_the_block_back",

@@ -1327,6 +1327,23 @@ pub(crate) mod tests {
         in_child("errors_a_return_value_reports_can_go_unwritten", returned_errors_unwritten);
     }
 
+    #[test]
+    fn a_page_size_no_gpu_maps_names_the_variable_the_key_and_a_size_that_works() {
+        in_child("a_page_size_no_gpu_maps_names_the_variable_the_key_and_a_size_that_works", page_3mib);
+    }
+
+    /// The child of the test above: the variable is read at the first call, before any driver.
+    fn page_3mib() {
+        std::env::set_var("CUVMM_ALLOC_CONF", "page=3MiB");
+        let (p, lines) = stderr_of(|| cuvmm_malloc(1 << 20, 0, std::ptr::null_mut()));
+        assert!(p.is_null());
+        assert_eq!(
+            lines,
+            ["cuvmm: cuvmm_malloc: CUVMM_ALLOC_CONF: page=3MiB is not a multiple of 2MiB, the page \
+              granularity of CUDA GPUs: use a multiple such as page=4MiB"]
+        );
+    }
+
     /// The child of the test above.
     fn returned_errors_unwritten() {
         assert_eq!(cuvmm_set_error_log(1), 0);

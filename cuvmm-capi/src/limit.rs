@@ -5,13 +5,16 @@
 //! The limit counts live blocks (`live` of the counters), not the pages cuvmm keeps cached for
 //! them: cached pages serve later requests of this process or go back to the driver at an empty
 //! cache, and counting them would refuse requests that cached memory already serves.
+//!
+//! A fraction of 0, or one that rounds down to 0 bytes, is a limit of 0 bytes, as in PyTorch's own
+//! allocator: every request is refused. Only a fraction of 1 removes the limit.
 
 use std::ffi::c_int;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 
-/// The limit of each device in bytes (0: none), by ordinal.
-static LIMITS: Mutex<Vec<u64>> = Mutex::new(Vec::new());
+/// The limit of each device in bytes (`None`: none), by ordinal.
+static LIMITS: Mutex<Vec<Option<u64>>> = Mutex::new(Vec::new());
 /// Whether any device has a limit: requests read it without the lock.
 static ANY: AtomicBool = AtomicBool::new(false);
 
@@ -21,13 +24,13 @@ pub(crate) fn set(device: c_int, fraction: f64, total: u64) -> Result<(), String
     if !(0.0..=1.0).contains(&fraction) {
         return Err(format!("memory fraction {fraction} is not between 0 and 1"));
     }
-    let bytes = if fraction >= 1.0 { 0 } else { (fraction * total as f64) as u64 };
+    let bytes = (fraction < 1.0).then_some((fraction * total as f64) as u64);
     let mut limits = LIMITS.lock().unwrap_or_else(|e| e.into_inner());
     if limits.len() <= d {
-        limits.resize(d + 1, 0);
+        limits.resize(d + 1, None);
     }
     limits[d] = bytes;
-    ANY.store(limits.iter().any(|&l| l > 0), Ordering::Release);
+    ANY.store(limits.iter().any(Option::is_some), Ordering::Release);
     Ok(())
 }
 
@@ -37,7 +40,7 @@ pub(crate) fn of(device: c_int) -> Option<u64> {
         return None;
     }
     let limits = LIMITS.lock().unwrap_or_else(|e| e.into_inner());
-    usize::try_from(device).ok().and_then(|d| limits.get(d).copied()).filter(|&l| l > 0)
+    usize::try_from(device).ok().and_then(|d| limits.get(d).copied().flatten())
 }
 
 /// Refuses `size` more bytes on `device` past its limit, `live()` bytes being handed out now
@@ -87,5 +90,18 @@ mod tests {
         set(7, 1.0, 1000).unwrap();
         assert_eq!(of(7), None);
         assert!(check(7, 1 << 40, || 0).is_ok());
+    }
+
+    #[test]
+    fn a_fraction_of_zero_or_of_less_than_a_byte_refuses_every_request() {
+        // Device 8 only, as above.
+        for fraction in [0.0, 1e-4] {
+            set(8, fraction, 1000).unwrap();
+            assert_eq!(of(8), Some(0), "fraction {fraction}: a limit of 0 bytes, not none");
+            let e = check(8, 1, || 0).unwrap_err();
+            assert!(e.contains("out of memory") && e.contains("limit 0 bytes"), "{e}");
+        }
+        set(8, 1.0, 1000).unwrap();
+        assert!(check(8, 1, || 0).is_ok());
     }
 }

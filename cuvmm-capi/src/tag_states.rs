@@ -6,8 +6,10 @@
 //! way, then decides on the state that one left: two calls never work on one tag at once, so a
 //! wake can no longer pass over devices still falling asleep and call the tag awake. A sleep also
 //! waits for the tagged allocations already past their check, so that none lands, on a device the
-//! sleep did not see, after it. None of these waits is for the device: an allocation refuses a tag
-//! that is not awake at once, and the lock is never held across a sleep's or a wake's own work.
+//! sleep did not see, after it; allocations that come later are ordered after the sleep (refused
+//! as for a tag falling asleep), so a stream of them cannot hold the sleep off for ever. None of
+//! these waits is for the device: an allocation refuses a tag that is not awake at once, and the
+//! lock is never held across a sleep's or a wake's own work.
 
 use std::sync::{Condvar, Mutex, MutexGuard};
 
@@ -95,11 +97,9 @@ impl<K: Copy + Eq> TagStates<K> {
         self.lock().phase(tag)
     }
 
-    /// Waits until no sleep or wake of `tag` is under way, and until `also` holds.
-    fn settled(&self, tag: K, also: impl Fn(&Entry<K>) -> bool) -> MutexGuard<'_, Table<K>> {
-        let busy = |t: &Table<K>| {
-            t.find(tag).is_some_and(|e| matches!(e.phase, Some(Phase::Falling | Phase::Waking)) || !also(e))
-        };
+    /// Waits until no sleep or wake of `tag` is under way.
+    fn settled(&self, tag: K) -> MutexGuard<'_, Table<K>> {
+        let busy = |t: &Table<K>| matches!(t.phase(tag), Some(Phase::Falling | Phase::Waking));
         let mut t = self.lock();
         while busy(&t) {
             t = self.changed.wait(t).unwrap_or_else(|e| e.into_inner());
@@ -107,22 +107,27 @@ impl<K: Copy + Eq> TagStates<K> {
         t
     }
 
-    /// Starts a sleep of `tag` once no other sleep, wake or allocation of it is under way:
-    /// refused when it is asleep then.
+    /// Starts a sleep of `tag` once no other sleep or wake of it is under way (refused when it is
+    /// asleep then), and returns once the allocations with it already under way have returned:
+    /// the tag is falling asleep from the start of that wait, so later ones are refused.
     pub(crate) fn begin_sleep(&self, tag: K) -> Result<Transition<'_, K>, Refusal> {
-        let mut t = self.settled(tag, |e| e.allocating == 0);
+        let mut t = self.settled(tag);
         let e = t.entry(tag);
         if e.phase.is_some() {
             return Err(Refusal::AlreadyAsleep);
         }
         e.phase = Some(Phase::Falling);
-        Ok(Transition { states: self, tag, done: false })
+        let falling = Transition { states: self, tag, done: false };
+        while t.find(tag).is_some_and(|e| e.allocating > 0) {
+            t = self.changed.wait(t).unwrap_or_else(|e| e.into_inner());
+        }
+        Ok(falling)
     }
 
     /// Starts a wake of `tag` once no other sleep or wake of it is under way: refused when it is
     /// not asleep then.
     pub(crate) fn begin_wake(&self, tag: K) -> Result<Transition<'_, K>, Refusal> {
-        let mut t = self.settled(tag, |_| true);
+        let mut t = self.settled(tag);
         match t.find(tag).and_then(|e| e.phase) {
             Some(Phase::Asleep) => {}
             _ => return Err(Refusal::NotAsleep),

@@ -84,7 +84,7 @@ pub(crate) fn release(f: impl FnOnce() + Send + 'static) {
 /// A destructor's driver call on `handle`: `f` runs with the driver's entry points and `ctx`
 /// current, now or, inside a host function, on the release thread (see [`release`]). Nothing runs
 /// when no driver is loaded: then nothing was ever created.
-pub(crate) fn release_in<H: 'static>(
+pub(crate) fn release_in<H: Sendable + 'static>(
     ctx: &crate::context::Context,
     handle: H,
     f: impl FnOnce(&super::Api, H) + Send + 'static,
@@ -121,16 +121,70 @@ pub fn flush_deferred_releases() -> Result<()> {
 /// A driver handle moved into a deferred release.
 ///
 /// Driver handles (pointers, streams, events, contexts) are process-wide values that any thread
-/// may pass to the driver; this wrapper only lets them travel to the release thread.
+/// may pass to the driver, but Rust sees raw pointers as bound to their thread; this wrapper lets
+/// them, and only them, travel to the release thread.
 pub(crate) struct Handle<T>(pub(crate) T);
 
-// SAFETY: see the type's documentation: the wrapped value is a driver handle, never dereferenced
-// on the host, and the driver API accepts it from any thread.
-unsafe impl<T> Send for Handle<T> {}
+/// What a [`Handle`] may carry to another thread.
+///
+/// # Safety
+/// Only for values whose move to another thread is sound: a driver handle (never dereferenced on
+/// the host, accepted by the driver from any thread), plain numbers, or a pointer that owns
+/// values which are themselves `Send`. A value bound to its thread (`Rc`, a reference to a
+/// `Cell`) must never implement it: the release thread would then share it with its owner.
+pub(crate) unsafe trait Sendable {}
+
+// SAFETY: every opaque driver handle is a `*mut c_void` (`sys::CUstream` and the others), which
+// the driver takes from any thread; cuvmm never dereferences one on the host.
+unsafe impl Sendable for *mut std::ffi::c_void {}
+// SAFETY: numbers (device addresses, allocation handles, lengths) are `Send`.
+unsafe impl Sendable for usize {}
+// SAFETY: as above.
+unsafe impl Sendable for u64 {}
+// SAFETY: the owning pointer of a pinned buffer moves its values with it, as a `Box<T>` does, and
+// `T: Send` makes that move sound.
+unsafe impl<T: Send> Sendable for std::ptr::NonNull<T> {}
+// SAFETY: each part is `Sendable`.
+unsafe impl<A: Sendable, B: Sendable> Sendable for (A, B) {}
+// SAFETY: each part is `Sendable`.
+unsafe impl<A: Sendable, B: Sendable, C: Sendable> Sendable for (A, B, C) {}
+
+// SAFETY: `Sendable` is implemented only where moving the value to another thread is sound.
+unsafe impl<T: Sendable> Send for Handle<T> {}
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Asks whether `Handle<T>` is `Send` at compile time: the inherent `send` exists only where
+    /// the bound holds, and method lookup prefers it to the trait's.
+    struct Probe<T>(std::marker::PhantomData<T>);
+    trait NotSend {
+        fn send(&self) -> bool {
+            false
+        }
+    }
+    impl<T> NotSend for Probe<T> {}
+    impl<T: Send> Probe<T> {
+        fn send(&self) -> bool {
+            true
+        }
+    }
+
+    macro_rules! handle_is_send {
+        ($t:ty) => {
+            Probe::<Handle<$t>>(std::marker::PhantomData).send()
+        };
+    }
+
+    #[test]
+    fn only_driver_handles_numbers_and_owners_of_send_values_travel_to_the_release_thread() {
+        assert!(handle_is_send!(crate::driver::sys::CUstream));
+        assert!(handle_is_send!((usize, usize, usize)));
+        assert!(handle_is_send!(std::ptr::NonNull<u8>));
+        assert!(!handle_is_send!(std::rc::Rc<u8>), "an Rc would be shared with its owner's thread");
+        assert!(!handle_is_send!(&'static Cell<u8>));
+    }
 
     #[test]
     fn the_guard_marks_the_thread_and_restores_it() {

@@ -29,19 +29,30 @@
 // OutOfMemoryError's inherited constructor does after its base's), and thrown with the type_info
 // the vtable names. PyTorch's catch clauses, its Python bindings (torch.OutOfMemoryError with
 // what_without_backtrace()) and its destructor all see its own object.
+//
+// That call crosses into PyTorch's C++ with a std::string and a SourceLocation by value, so both
+// must be laid out as PyTorch's are, and the object must fit the room reserved for it. The layout
+// of SourceLocation is checked when this file is compiled; a std::string of another ABI than
+// PyTorch's (libstdc++'s C++11 one: a build with -D_GLIBCXX_USE_CXX11_ABI=0, or libc++) and a
+// c10::Error too large for the room are found at binding, which then refuses with the reason
+// (cuvmm_torch_c10_refusal): out of memory then throws the look-alike, never a corrupted object.
 
 #include <cxxabi.h>
 
 #include <atomic>
+#include <cstddef>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <exception>
 #include <string>
 #include <sys/types.h>
+#include <type_traits>
 #include <typeinfo>
 
 #define CUVMM_EXPORT __attribute__((visibility("default")))
+#define CUVMM_STRINGIFY_(x) #x
+#define CUVMM_STRINGIFY(x) CUVMM_STRINGIFY_(x)
 
 namespace torch {
 // Mirrors the vtable of PyTorch's torch::PyTorchError: std::exception's slots, then python_type()
@@ -93,6 +104,23 @@ struct SourceLocation {
   const char *file;
   uint32_t line;
 };
+// PyTorch's layout on the 64-bit platforms it supports: passed in memory, 24 bytes, the line last.
+static_assert(sizeof(void *) == 8, "libcuvmm_torch.so is built for 64-bit platforms only, as PyTorch");
+static_assert(std::is_trivially_copyable<SourceLocation>::value && std::is_standard_layout<SourceLocation>::value,
+              "c10::SourceLocation is a plain struct");
+static_assert(sizeof(SourceLocation) == 24 && alignof(SourceLocation) == 8 && offsetof(SourceLocation, function) == 0 &&
+                  offsetof(SourceLocation, file) == 8 && offsetof(SourceLocation, line) == 16,
+              "c10::SourceLocation's layout differs from PyTorch's");
+
+// Why this build's std::string cannot be handed to PyTorch's constructor, or null when it can.
+#if defined(__GLIBCXX__) && _GLIBCXX_USE_CXX11_ABI
+constexpr const char *kStringProblem = nullptr;
+static_assert(sizeof(std::string) == 32, "libstdc++'s C++11 std::string is 32 bytes");
+#else
+constexpr const char *kStringProblem =
+    "libcuvmm_torch.so was built with another std::string than PyTorch's (libstdc++ with "
+    "_GLIBCXX_USE_CXX11_ABI=1): rebuild it without -D_GLIBCXX_USE_CXX11_ABI=0 in CXXFLAGS";
+#endif
 using ErrorCtor = void (*)(void *self, SourceLocation where, std::string msg);
 using Destructor = void (*)(void *);
 
@@ -100,10 +128,41 @@ using Destructor = void (*)(void *);
 std::atomic<ErrorCtor> c10_ctor{nullptr};
 std::atomic<void *const *> c10_vtable{nullptr};  // the address point: the first virtual function
 // Room for the object: c10::Error is about 150 bytes in every PyTorch version so far.
-constexpr size_t kErrorRoom = 2048;
+#define CUVMM_ERROR_ROOM 2048
+constexpr size_t kErrorRoom = CUVMM_ERROR_ROOM;
+// Why the last cuvmm_torch_bind_c10 refused, or null.
+std::atomic<const char *> c10_refusal{nullptr};
 
 const std::type_info *type_of(void *const *vtable) {
   return static_cast<const std::type_info *>(vtable[-1]);
+}
+
+// How far into its memory PyTorch's constructor writes an Error: built twice in a large buffer
+// filled with two patterns, the last byte either run changed bounds the object from below. 0 when
+// the constructor threw.
+size_t error_extent(ErrorCtor ctor) {
+  constexpr size_t kProbe = 64 << 10;
+  auto *buf = static_cast<unsigned char *>(::operator new(kProbe, std::align_val_t{16}));
+  size_t extent = 0;
+  for (unsigned char fill : {0xa5, 0x5a}) {
+    std::memset(buf, fill, kProbe);
+    try {
+      ctor(buf, SourceLocation{"cuvmm_torch_bind_c10", __FILE__, static_cast<uint32_t>(__LINE__)}, std::string("probe"));
+    } catch (...) {
+      extent = 0;
+      break;
+    }
+    for (size_t i = kProbe; i > extent; i--) {
+      if (buf[i - 1] != fill) {
+        extent = i;
+        break;
+      }
+    }
+    // Destroyed through the vtable the constructor set: slot 0 is the complete-object destructor.
+    reinterpret_cast<Destructor>((*reinterpret_cast<void *const **>(buf))[0])(buf);
+  }
+  ::operator delete(buf, std::align_val_t{16});
+  return extent;
 }
 
 // Throws a c10::OutOfMemoryError built by PyTorch's own constructor; returns when none is bound or
@@ -175,28 +234,51 @@ CUVMM_EXPORT int cuvmm_torch_bind(void *malloc_fn, void *free_fn, void *last_err
 // Makes out of memory throw c10::OutOfMemoryError (see the top of this file): `error_ctor` is
 // c10::Error::Error(c10::SourceLocation, std::string) and `oom_vtable` the symbol
 // _ZTVN3c1016OutOfMemoryErrorE, both of the PyTorch loaded in the process. Returns 0, or -1 (and
-// binds nothing) when either is missing or the vtable is not that class's. Both NULL: unbinds.
+// binds nothing, cuvmm_torch_c10_refusal saying why) when either is missing, the vtable is not
+// that class's, this build's std::string is not PyTorch's, or the constructor builds an object
+// larger than the room reserved for it. Both NULL: unbinds.
 CUVMM_EXPORT int cuvmm_torch_bind_c10(void *error_ctor, void *oom_vtable) {
   using namespace cuvmm_torch;
+  c10_ctor.store(nullptr, std::memory_order_release);
+  c10_vtable.store(nullptr, std::memory_order_release);
+  auto refuse_binding = [](const char *why) {
+    c10_refusal.store(why, std::memory_order_release);
+    return -1;
+  };
+  c10_refusal.store(nullptr, std::memory_order_release);
   if (error_ctor == nullptr && oom_vtable == nullptr) {
-    c10_ctor.store(nullptr, std::memory_order_release);
-    c10_vtable.store(nullptr, std::memory_order_release);
     return 0;
   }
   if (error_ctor == nullptr || oom_vtable == nullptr) {
-    return -1;
+    return refuse_binding("c10::Error's constructor or c10::OutOfMemoryError's vtable is missing");
   }
   // The symbol holds the offset to the top (0 for a primary vtable) and the type_info, then the
   // virtual functions, where an object's vtable pointer points.
   auto *table = static_cast<void *const *>(oom_vtable);
   if (table[0] != nullptr || table[1] == nullptr ||
       std::strcmp(type_of(table + 2)->name(), "N3c1016OutOfMemoryErrorE") != 0) {
-    return -1;
+    return refuse_binding("the vtable given is not c10::OutOfMemoryError's");
+  }
+  // Before any call of the constructor: with another std::string it corrupts the heap.
+  if (kStringProblem != nullptr) {
+    return refuse_binding(kStringProblem);
+  }
+  // Half the room at most, for members PyTorch fills only later (the text what() caches).
+  const size_t extent = error_extent(reinterpret_cast<ErrorCtor>(error_ctor));
+  if (extent == 0) {
+    return refuse_binding("c10::Error's constructor threw when tried");
+  }
+  if (extent > kErrorRoom / 2) {
+    return refuse_binding("c10::Error of the loaded PyTorch is larger than the room libcuvmm_torch.so reserves "
+                          "for it (" CUVMM_STRINGIFY(CUVMM_ERROR_ROOM) " bytes, half of it for the object)");
   }
   c10_vtable.store(table + 2, std::memory_order_release);
   c10_ctor.store(reinterpret_cast<ErrorCtor>(error_ctor), std::memory_order_release);
   return 0;
 }
+
+// Why the last cuvmm_torch_bind_c10 refused (a static string), or NULL.
+CUVMM_EXPORT const char *cuvmm_torch_c10_refusal() { return cuvmm_torch::c10_refusal.load(std::memory_order_acquire); }
 
 // cuvmm_malloc, throwing where it would return NULL for a size above 0.
 CUVMM_EXPORT void *cuvmm_torch_malloc(ssize_t size, int device, void *stream) {

@@ -250,9 +250,32 @@ def last_error() -> str | None:
     return None if msg is None else msg.decode(errors="replace")
 
 
+_SIZE_SHIFTS = {"": 0, "B": 0, "K": 10, "KiB": 10, "k": 10, "M": 20, "MiB": 20, "G": 30, "GiB": 30, "T": 40,
+                "TiB": 40}
+
+
+def _parse_size(text: str) -> int:
+    """Bytes of a size as ``CUVMM_ALLOC_CONF`` reads one (``16GiB``, ``16G``, ``512``): the same
+    parser as the library's, held to the same table of cases (cuvmm-capi/tests/sizes.txt)."""
+    s = text.strip()
+    digits = re.match(r"[0-9]*", s).group()
+    if not digits:
+        raise ValueError(f"`{s}` is not a size")
+    unit = s[len(digits):].strip()
+    if unit not in _SIZE_SHIFTS:
+        raise ValueError(f"unknown size unit `{unit}` in `{s}` (use KiB, MiB, GiB, TiB)")
+    n = int(digits) << _SIZE_SHIFTS[unit]
+    if n >= 1 << 64:
+        raise ValueError(f"`{s}` is too large")
+    return n
+
+
 def _check(rc: int, what: str, ok=lambda rc: rc == 0) -> int:
     if not ok(rc):
-        raise RuntimeError(f"{what} failed: {last_error() or 'no error text'}")
+        text = last_error() or "no error text"
+        # The library's text starts with the C function's name, which `what` names already.
+        name = what.split("(", 1)[0] + ": "
+        raise RuntimeError(f"{what} failed: {text[len(name):] if text.startswith(name) else text}")
     return rc
 
 

@@ -21,6 +21,7 @@ import select
 import threading
 from collections import OrderedDict
 
+from cuvmm import _parse_size
 from cuvmm._share import FdWatch
 
 
@@ -29,14 +30,14 @@ DEFAULT_SHARE = 4
 
 
 def budget_from_env(value: str | None) -> int | None:
-    """Bytes of ``CUVMM_SHARE_KEEP``: a count with an optional KiB/MiB/GiB suffix; None when unset
-    (the default applies)."""
+    """Bytes of ``CUVMM_SHARE_KEEP``, a size as ``CUVMM_ALLOC_CONF`` takes one (``16GiB``,
+    ``16G``, ``4096``); None when unset (the default applies)."""
     if value is None or not value.strip():
         return None
-    m = re.fullmatch(r"\s*(\d+)\s*(|KiB|MiB|GiB)\s*", value)
-    if m is None:
-        raise ValueError(f"CUVMM_SHARE_KEEP={value!r}: expected bytes, e.g. 16GiB")
-    return int(m.group(1)) << {"": 0, "KiB": 10, "MiB": 20, "GiB": 30}[m.group(2)]
+    try:
+        return _parse_size(value)
+    except ValueError as e:
+        raise ValueError(f"CUVMM_SHARE_KEEP={value!r}: {e}; expected bytes, e.g. 16GiB") from None
 
 
 def sender_pid(address: bytes) -> int | None:

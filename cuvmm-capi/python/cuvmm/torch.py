@@ -164,9 +164,21 @@ def _bind_c10(shim):
     symbols = _c10_oom_symbols(os.path.join(os.path.dirname(os.path.abspath(_torch.__file__)), "lib"))
     if bind is None or symbols is None:
         return
-    bind.restype = ctypes.c_int
-    bind.argtypes = [ctypes.c_void_p] * 2
-    _native_oom = bind(*symbols) == 0
+    # The constructor takes a std::string of the C++11 ABI (its mangled name says so); a PyTorch
+    # built with the other one has none, and the shim checks its own (cuvmm_torch_c10_refusal).
+    if getattr(getattr(_torch, "_C", None), "_GLIBCXX_USE_CXX11_ABI", True) is False:
+        why = "the loaded PyTorch was built with _GLIBCXX_USE_CXX11_ABI=0"
+    else:
+        bind.restype = ctypes.c_int
+        bind.argtypes = [ctypes.c_void_p] * 2
+        refusal = shim.cuvmm_torch_c10_refusal
+        refusal.restype = ctypes.c_char_p
+        _native_oom = bind(*symbols) == 0
+        if _native_oom:
+            return
+        why = (refusal() or b"no reason given").decode(errors="replace")
+    warnings.warn(f"cuvmm.torch: out of memory raises torch.OutOfMemoryError but not PyTorch's own "
+                  f"c10::OutOfMemoryError, which C++ fallbacks (cuDNN's) catch: {why}", RuntimeWarning, stacklevel=4)
 
 
 def allocator(pool: bool = False):

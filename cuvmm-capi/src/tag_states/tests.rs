@@ -165,6 +165,42 @@ fn a_sleep_waits_for_tagged_allocations_under_way_and_later_ones_are_refused() {
 }
 
 #[test]
+fn allocations_arriving_while_a_sleep_waits_are_refused_and_cannot_hold_it_off() {
+    let states = TagStates::new();
+    let t = Tag::new("busy-alloc").unwrap();
+    let devs = vec![Dev::new()];
+    let slept = AtomicBool::new(false);
+    std::thread::scope(|s| {
+        let first = states.begin_allocation(t).unwrap();
+        let sleeper = s.spawn(|| {
+            sleep(&states, t, &devs).unwrap();
+            slept.store(true, Ordering::SeqCst);
+        });
+        // Allocations overlapping one another: with them let in, the sleep waits for ever.
+        let mut held = first;
+        let mut refused = false;
+        for _ in 0..200 {
+            std::thread::sleep(Duration::from_millis(5));
+            match states.begin_allocation(t) {
+                Some(next) => held = next,
+                None => {
+                    refused = true;
+                    break;
+                }
+            }
+        }
+        assert!(refused, "allocations kept arriving after the sleep began waiting");
+        assert!(!slept.load(Ordering::SeqCst), "the sleep went on past an allocation under way");
+        drop(held);
+        sleeper.join().unwrap();
+    });
+    assert!(slept.load(Ordering::SeqCst));
+    assert_eq!(devs[0].state(), DevState::Asleep);
+    wake(&states, t, &devs).unwrap();
+    assert!(states.begin_allocation(t).is_some());
+}
+
+#[test]
 fn a_failed_sleep_whose_undo_fails_stays_asleep_and_can_be_woken() {
     let states = TagStates::new();
     let t = Tag::new("undo-fails").unwrap();

@@ -6,7 +6,8 @@
 Under cuvmm as the current allocator, with the fraction set: one tensor of (fraction + 0.1) of the
 device must raise torch.OutOfMemoryError; one of (fraction - 0.1) must work; 1 GiB tensors then
 fill up to the limit and the next raises torch.OutOfMemoryError with at most the limit held. After
-set_per_process_memory_fraction(1.0) the larger tensor works.
+set_per_process_memory_fraction(1.0) the larger tensor works. A fraction of 0 refuses even one byte,
+as PyTorch's own allocator does.
 """
 
 import argparse
@@ -52,6 +53,9 @@ def main():
         held.append(t)
     held_bytes = len(held) * GiB
     del held, t
+    torch.cuda.set_per_process_memory_fraction(0.0)
+    zero, zero_err = attempt(1)
+    del zero
     torch.cuda.set_per_process_memory_fraction(1.0)
     after, after_err = attempt(big)
     del after
@@ -59,12 +63,13 @@ def main():
           f"then {fill_err}; without the limit {big / GiB:.1f} GiB -> {after_err or 'ok'}", file=sys.stderr)
     result = {"env": env_info(), "fraction": args.fraction, "total": total, "limit": limit,
               "over_limit_error": big_err, "under_limit_error": small_err, "filled": held_bytes,
-              "fill_error": fill_err, "after_reset_error": after_err, "stats": cuvmm.stats()}
+              "fill_error": fill_err, "zero_fraction_error": zero_err, "after_reset_error": after_err, "stats": cuvmm.stats()}
     checks = {
         "a tensor past the fraction raises torch.OutOfMemoryError": big_err is not None,
         "a tensor under the fraction works": small_err is None,
         "filling stops at the limit with torch.OutOfMemoryError":
             fill_err is not None and limit - GiB < held_bytes <= limit,
+        "fraction 0 refuses even one byte with torch.OutOfMemoryError": zero_err is not None,
         "fraction 1.0 removes the limit": after_err is None,
     }
     return finish("memory_fraction", args, result, checks)

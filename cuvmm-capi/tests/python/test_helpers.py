@@ -75,6 +75,21 @@ def train_result(alloc, bits, step_s, peak, max_alloc=None, mapped_peak=None):
     return r
 
 
+class Sizes(unittest.TestCase):
+    def test_sizes_read_as_the_library_reads_them(self):
+        table = Path(__file__).resolve().parents[1] / "sizes.txt"
+        for line in table.read_text().splitlines():
+            if line.startswith("#"):
+                continue
+            text, want = line.rsplit("|", 1)
+            with self.subTest(text=text):
+                if want == "error":
+                    with self.assertRaises(ValueError):
+                        cuvmm._parse_size(text)
+                else:
+                    self.assertEqual(cuvmm._parse_size(text), int(want))
+
+
 class Compare(unittest.TestCase):
     def test_passes_when_within_bounds(self):
         native = train_result("native", ["aa", "bb"], [9.0, 1.0, 1.0, 1.0], 110, max_alloc=100)
@@ -277,6 +292,14 @@ class CtypesLayer(unittest.TestCase):
         with self.assertRaisesRegex(RuntimeError, "refused while capturing"):
             cuvmm_torch.empty_cache()
         self.assertIn("refused", cuvmm_torch.last_error())
+
+    def test_an_error_names_the_function_once(self):
+        with self.assertRaises(RuntimeError) as e:
+            cuvmm_torch.stats(1)
+        self.assertEqual(str(e.exception), "cuvmm_get_stats failed: no device 1")
+        with self.assertRaises(RuntimeError) as e:
+            cuvmm_torch.empty_cache()
+        self.assertEqual(str(e.exception), "cuvmm_empty_cache failed: refused while capturing")
 
     def test_stats_json_parsed(self):
         self.assertEqual(cuvmm_torch.stats_json(), {"0": {"live": 100}})

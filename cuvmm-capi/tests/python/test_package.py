@@ -147,6 +147,8 @@ c10::Error::Error(SourceLocation where, std::string msg)
     : msg_(msg), what_(msg + " (raised from " + where.function + ")"), what_without_backtrace_(msg) {}
 extern "C" void fake_c10_throw_oom() { throw c10::OutOfMemoryError({"here", "file", 1}, "native"); }
 """
+# A PyTorch whose c10::Error is larger than the room the shim reserves for it.
+FAKE_C10_BIG = FAKE_C10.replace("const void *caller_ = nullptr;", "const void *caller_ = nullptr;\n  char more_[4096] = {1};")
 C10_CATCHER = C10_DECLS + r"""
 #include <cstring>
 #include <sys/types.h>
@@ -182,11 +184,15 @@ def build_c(tmp: Path, name: str, src: str, cxx: bool = False) -> Path:
     return so
 
 
-def build_shim(tmp: Path) -> Path:
-    """libcuvmm_torch.so with the package's flags (cuvmm-capi/setup.py), its warnings errors."""
+def build_shim(tmp: Path, *flags: str) -> Path:
+    """libcuvmm_torch.so with the package's flags (cuvmm-capi/setup.py), its warnings errors, and
+    `flags` (a user's CXXFLAGS) after them."""
     so = tmp / "libcuvmm_torch.so"
+    if flags:
+        (tmp / "flagged").mkdir(exist_ok=True)
+        so = tmp / "flagged" / "libcuvmm_torch.so"
     subprocess.run([os.environ.get("CXX", "g++"), "-std=c++17", "-O2", "-fPIC", "-shared", "-fvisibility=hidden",
-                    "-Wall", "-Wextra", "-Werror", "-Wl,--no-undefined", "-o", str(so),
+                    "-Wall", "-Wextra", "-Werror", "-Wl,--no-undefined", *flags, "-o", str(so),
                     str(CAPI / "python" / "csrc" / "torch_oom.cpp")], check=True)
     return so
 
@@ -211,6 +217,23 @@ class TorchVersion(unittest.TestCase):
         m = re.search(r'^\[workspace\.package\]\n(?:[^\[].*\n)*?version = "([^"]+)"', cargo, re.M)
         self.assertIsNotNone(m)
         self.assertEqual(m.group(1), cuvmm.__version__)
+
+
+class BuildRequirements(unittest.TestCase):
+    def test_an_older_setuptools_is_named_with_the_version_needed(self):
+        """`pip install --no-build-isolation` runs setup.py with the setuptools installed; an old
+        one (here a stand-in of 69.5.1 without setuptools.command) is refused by name."""
+        with tempfile.TemporaryDirectory() as d:
+            (Path(d) / "setuptools").mkdir()
+            (Path(d) / "setuptools" / "__init__.py").write_text(
+                '__version__ = "69.5.1"\n'
+                'class Extension:\n    def __init__(self, *a, **k): pass\n'
+                'def setup(**k): pass\n')
+            r = subprocess.run([sys.executable, "setup.py", "--version"], cwd=CAPI, capture_output=True, text=True,
+                               env={**os.environ, "PYTHONPATH": d})
+        self.assertNotEqual(r.returncode, 0)
+        self.assertIn("building cuvmm needs setuptools >= 77, not 69.5.1", r.stderr)
+        self.assertNotIn("ModuleNotFoundError", r.stderr)
 
 
 @unittest.skipUnless(HAVE_TOOLS, "needs cc and g++")
@@ -349,6 +372,53 @@ class NativeOutOfMemoryError(unittest.TestCase):
     def test_a_vtable_of_another_class_or_a_missing_symbol_is_refused(self):
         self.assertEqual(self.bind_c10("_ZTVN3c105ErrorE"), -1)
         self.assertEqual(self.shim.cuvmm_torch_bind_c10(None, self.symbol("_ZTVN3c1016OutOfMemoryErrorE")), -1)
+
+    def refusal(self, shim=None):
+        f = (shim or self.shim).cuvmm_torch_c10_refusal
+        f.restype = ctypes.c_char_p
+        return (f() or b"").decode()
+
+    def test_a_shim_built_with_another_string_abi_refuses_to_bind_and_throws_the_look_alike(self):
+        """Built with -D_GLIBCXX_USE_CXX11_ABI=0 (CXXFLAGS kept for old extensions), the shim would
+        hand PyTorch's constructor a std::string it reads as another: the heap is corrupted at the
+        first out of memory. It refuses instead, saying why, and throws the look-alike."""
+        shim = ctypes.CDLL(str(build_shim(Path(self.dir.name), "-D_GLIBCXX_USE_CXX11_ABI=0")))
+        shim.cuvmm_torch_bind.argtypes = [ctypes.c_void_p] * 3 + [ctypes.py_object] * 2
+        shim.cuvmm_torch_bind_c10.argtypes = [ctypes.c_void_p] * 2
+        f = self.fake
+        self.assertEqual(shim.cuvmm_torch_bind(ctypes.cast(f.cuvmm_malloc, ctypes.c_void_p),
+                                               ctypes.cast(f.cuvmm_free, ctypes.c_void_p),
+                                               ctypes.cast(f.cuvmm_last_error, ctypes.c_void_p),
+                                               MemoryError, LookupError), 0)
+        ctor = self.symbol("_ZN3c105ErrorC1ENS_14SourceLocationENSt7__cxx1112basic_stringIcSt11char_traits"
+                           "IcESaIcEEE")
+        self.assertEqual(shim.cuvmm_torch_bind_c10(ctor, self.symbol("_ZTVN3c1016OutOfMemoryErrorE")), -1)
+        self.assertIn("-D_GLIBCXX_USE_CXX11_ABI=0", self.refusal(shim))
+        text = ctypes.create_string_buffer(2048)
+        rc = self.catcher.call(ctypes.cast(shim.cuvmm_torch_malloc, ctypes.c_void_p), 2 << 20, text, 2048)
+        self.assertEqual(rc, 1, text.value)
+        self.assertTrue(text.value.startswith(b"CUDA out of memory"), text.value)
+
+    def test_a_build_that_lays_out_source_location_otherwise_is_refused(self):
+        """PyTorch's constructor takes a c10::SourceLocation by value: a layout of the shim's own
+        (here packed by a CXXFLAGS of -fpack-struct=4) would hand it other bytes."""
+        r = subprocess.run([os.environ.get("CXX", "g++"), "-std=c++17", "-fsyntax-only", "-fpack-struct=4",
+                            str(CAPI / "python" / "csrc" / "torch_oom.cpp")], capture_output=True, text=True)
+        self.assertNotEqual(r.returncode, 0)
+        self.assertIn("c10::SourceLocation's layout differs from PyTorch's", r.stderr)
+
+    def test_an_error_larger_than_the_room_reserved_is_refused(self):
+        big = ctypes.CDLL(str(build_c(Path(self.dir.name), "c10big", FAKE_C10_BIG, cxx=True)))
+
+        def symbol(name):
+            return ctypes.addressof(ctypes.c_char.in_dll(big, name))
+
+        ctor = symbol("_ZN3c105ErrorC1ENS_14SourceLocationENSt7__cxx1112basic_stringIcSt11char_traitsIcESaIcEEE")
+        self.assertEqual(self.shim.cuvmm_torch_bind_c10(ctor, symbol("_ZTVN3c1016OutOfMemoryErrorE")), -1)
+        self.assertIn("larger than the room", self.refusal())
+        self.assertEqual(self.call(2 << 20)[0], 1, "the look-alike, not an object past its room")
+        self.assertEqual(self.bind_c10(), 0, "PyTorch's size binds")
+        self.assertEqual(self.refusal(), "")
 
 
 @unittest.skipUnless(HAVE_TOOLS, "needs cc and g++")
@@ -516,6 +586,25 @@ class InstalledWheel(unittest.TestCase):
         r = self.run_py(code.replace("t._bound_shim()", "os.environ['CUVMM_TORCH_NATIVE_OOM'] = '0'; t._bound_shim()"),
                         fake_torch="2.11.0", torch_libs=[c10])
         self.assertEqual((r.returncode, r.stdout.split()), (0, ["True", "True", "False"]), r.stderr)
+
+    def test_a_c10_error_the_shim_cannot_build_falls_back_with_the_reason_written(self):
+        big = build_c(Path(self.dir.name), "c10", FAKE_C10_BIG, cxx=True)
+        code = """if True:
+            import ctypes, os, types, torch, cuvmm.torch as t
+            ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libc10.so"))
+            torch.OutOfMemoryError = MemoryError
+            t._bound_shim()
+            print(t.native_oom_error())
+        """
+        r = self.run_py(code, fake_torch="2.11.0", torch_libs=[big])
+        self.assertEqual((r.returncode, r.stdout.split()), (0, ["False"]), r.stderr)
+        self.assertIn("not PyTorch's own c10::OutOfMemoryError", r.stderr)
+        self.assertIn("larger than the room libcuvmm_torch.so reserves", r.stderr)
+        c10 = build_c(Path(self.dir.name), "c10", FAKE_C10, cxx=True)
+        r = self.run_py(code.replace("t._bound_shim()", "torch._C = types.SimpleNamespace(_GLIBCXX_USE_CXX11_ABI=False); "
+                                     "t._bound_shim()"), fake_torch="2.11.0", torch_libs=[c10])
+        self.assertEqual((r.returncode, r.stdout.split()), (0, ["False"]), r.stderr)
+        self.assertIn("the loaded PyTorch was built with _GLIBCXX_USE_CXX11_ABI=0", r.stderr)
 
 
 class FakeApi:

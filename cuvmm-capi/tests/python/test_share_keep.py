@@ -48,6 +48,7 @@ class KeptMappings(unittest.TestCase):
         self.assertEqual(budget_from_env("0"), 0)
         self.assertEqual(budget_from_env("4096"), 4096)
         self.assertEqual(budget_from_env("16GiB"), 16 << 30)
+        self.assertEqual(budget_from_env("16G"), 16 << 30, "the sizes CUVMM_ALLOC_CONF takes")
         self.assertEqual(budget_from_env(" 3 MiB "), 3 << 20)
         for bad in ("-1", "1.5GiB", "2GB", "lots"):
             with self.assertRaises(ValueError):
