@@ -7,8 +7,10 @@ and vllm_compare's summary and table.
 """
 
 import contextlib
+import gc
 import os
 import sys
+import threading
 import types
 import unittest
 from pathlib import Path
@@ -74,8 +76,67 @@ class Facade(unittest.TestCase):
         a.api.calls.clear()
         a.sleep()  # None: the default tag is offloaded, as in vLLM
         a.sleep("weights")  # while asleep: nothing more to sleep
-        self.assertEqual(a.api.calls, [("sleep", "weights", False), ("sleep", "kv_cache", False),
-                                       ("sleep", "default", True)])
+        self.assertEqual(a.api.calls, [("sleep", "default", True), ("sleep", "weights", False),
+                                       ("sleep", "kv_cache", False)])
+
+    def test_the_full_collection_of_a_sleep_runs_while_the_offloaded_tags_copy(self):
+        a = allocator()
+        for tag in ("kv_cache", "weights"):
+            with a.use_memory_pool(tag=tag):
+                pass
+        collecting, done = threading.Event(), []
+
+        def seen(phase, info):
+            if info["generation"] == 2:
+                (collecting.set if phase == "start" else lambda: done.append(len(a.api.calls)))()
+
+        sleep = a.api.sleep
+
+        def copying(tag, offload=True):
+            # The copies of an offload release the interpreter, as cuvmm's C calls do.
+            if offload:
+                a.api.overlapped = collecting.wait(timeout=2)
+            sleep(tag, offload)
+
+        a.api.sleep = copying
+        gc.callbacks.append(seen)
+        try:
+            a.sleep(offload_tags=("weights",))
+        finally:
+            gc.callbacks.remove(seen)
+        self.assertTrue(a.api.overlapped, "the collection started during the offloading sleep")
+        self.assertEqual(a.api.calls, [("sleep", "weights", True), ("sleep", "kv_cache", False)])
+        self.assertTrue(done, "a full collection ran to its end before the sleep returned")
+        self.assertEqual(a.api.asleep, {"weights", "kv_cache"})
+
+    def test_a_sleep_that_fails_raises_on_the_caller_after_the_collection(self):
+        a = allocator()
+        for tag in ("weights", "kv_cache", "default"):
+            with a.use_memory_pool(tag=tag):
+                pass
+        sleep, collected = a.api.sleep, []
+
+        def failing(tag, offload=True):
+            if tag == "kv_cache":
+                raise RuntimeError("cuvmm_sleep('kv_cache') failed")
+            sleep(tag, offload)
+
+        def seen(phase, info):
+            if phase == "stop" and info["generation"] == 2:
+                collected.append(True)
+
+        a.api.sleep = failing
+        gc.callbacks.append(seen)
+        try:
+            with self.assertRaisesRegex(RuntimeError, "kv_cache"):
+                a.sleep(("weights",))
+        finally:
+            gc.callbacks.remove(seen)
+        self.assertTrue(collected)
+        self.assertEqual(a.api.asleep, {"weights"}, "the tags before the failure sleep; the rest stay awake")
+        a.api.sleep = sleep
+        a.sleep(("weights",))
+        self.assertEqual(a.api.asleep, {"weights", "kv_cache", "default"}, "a later call sleeps the rest")
 
     def test_the_end_of_a_pool_block_prepares_the_backup_of_a_tag_vllm_offloads(self):
         a = allocator()
