@@ -20,6 +20,7 @@ sys.path.insert(0, str(HERE.parents[1] / "python"))
 sys.path.insert(0, str(HERE))
 
 import vllm_compare  # noqa: E402
+import vllm_sleep_goals  # noqa: E402
 from cuvmm import vllm as cv  # noqa: E402
 
 
@@ -255,6 +256,24 @@ class Compare(unittest.TestCase):
         rows = vllm_compare.table({"cuvmm": cu, "vllm-style": vs})
         self.assertEqual(rows[0], "| | cuvmm | vllm-style | vllm-style / cuvmm |")
         self.assertEqual(rows[2], "| first sleep (s) | 0.500 | 10.000 | 20.00x |")
+
+
+class Goals(unittest.TestCase):
+    @staticmethod
+    def rep(sleep, wake=0.33, d2h=0.3, h2d=0.3):
+        return {"sleep_s": sleep, "wake_s": wake, "d2h_s": d2h, "h2d_s": h2d, "intact": True, "pinned_awake": 0}
+
+    def test_each_sleep_is_over_its_own_cycles_copy_and_each_goal_is_judged(self):
+        vllm = vllm_sleep_goals.summarize([self.rep(0.36), self.rep(0.33), self.rep(0.34, d2h=0.2)])
+        self.assertAlmostEqual(vllm["first_sleep"], 1.2)
+        self.assertAlmostEqual(vllm["later_sleep"], (1.1 + 1.7) / 2)
+        self.assertAlmostEqual(vllm["worst_later_sleep"], 1.7)
+        capi = vllm_sleep_goals.summarize([self.rep(0.6), self.rep(0.3)])
+        lines = vllm_sleep_goals.goal_lines({"vllm": {"summary": vllm}, "capi": {"summary": capi}})
+        self.assertEqual(lines, [
+            "vllm: first sleep 1.200x the pinned D2H copy (goal <= 1.20x): met",
+            "vllm: slowest later sleep 1.700x the pinned D2H copy (goal <= 1.10x): MISSED",
+            "capi: first sleep 2.000x the pinned D2H copy (goal <= 1.50x): MISSED"])
 
 
 if __name__ == "__main__":
