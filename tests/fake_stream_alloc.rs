@@ -154,6 +154,44 @@ fn a_host_function_reads_the_counters_while_sleep_and_empty_cache_wait_for_the_d
     s.synchronize().unwrap();
 }
 
+/// Preparing a tag's backup makes the staging ring its sleeps copy through, on a thread of its
+/// own, so that the first sleep pins nothing: the ring's slots are the only pinned memory, made
+/// once, and go with the allocator.
+#[test]
+fn preparing_a_backup_makes_the_ring_ahead_of_the_first_sleep_once() {
+    let (_turn, _lib, ctx) = fake_device();
+    let before = cuvmm::host::pinned_bytes();
+    let alloc = StreamAllocator::new(&ctx).unwrap();
+    let s = Stream::non_blocking(&ctx).unwrap();
+    let tag = Tag::new("fake-prepared-ring").unwrap();
+    let block = alloc.allocate_tagged(8 << 20, &s, tag).unwrap();
+    assert_eq!(cuvmm::host::pinned_bytes(), before, "no ring before anything is prepared");
+    assert!(alloc.prepare_backup(tag).unwrap() >= 8 << 20);
+    let ready = || {
+        let t = std::time::Instant::now();
+        while !alloc.backups_prepared() {
+            assert!(t.elapsed() < Duration::from_secs(10), "preparing never ended");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    };
+    ready();
+    // The backup ring: four slots of 16 MiB.
+    assert_eq!(cuvmm::host::pinned_bytes() - before, 64 << 20, "the ring, and nothing else pinned");
+    let other = Tag::new("fake-prepared-ring-2").unwrap();
+    let second = alloc.allocate_tagged(4 << 20, &s, other).unwrap();
+    alloc.prepare_backup(other).unwrap();
+    ready();
+    assert_eq!(cuvmm::host::pinned_bytes() - before, 64 << 20, "one ring per allocator");
+    drop((block, second));
+    s.synchronize().unwrap();
+    drop(alloc);
+    let t = std::time::Instant::now();
+    while cuvmm::host::pinned_bytes() != before {
+        assert!(t.elapsed() < Duration::from_secs(10), "the ring outlived its allocator");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
 /// Threads on streams of their own allocate, queue work that uses a block, free it, destroy their
 /// stream and go on with a new one (which may get any destroyed handle), all at once: no thread
 /// gets a block that queued work of any stream still uses, and no destroyed handle reaches the

@@ -149,9 +149,19 @@ int cuvmm_set_backup(const char *tag, int backend, int retain, const char *dir);
 /* Gets `tag`'s backup ready for its first offloading sleep, in the background, on every device
  * where it holds memory: pageable host memory as large as that sleep would copy now is faulted in
  * and left for the kernel to take back only if it needs it (as a wake leaves a backup), so that
- * the first sleep writes into pages the kernel kept. Call it once the tag holds what it will
- * sleep with. The bytes being prepared (0: nothing to copy, a backup that is not pageable memory
- * or is retained, or not that much host memory available), or -1 (the tag asleep, a bad name). */
+ * the first sleep writes into pages the kernel kept; for a pageable or disk backup it also makes
+ * the staging ring those sleeps copy through (64 MiB pinned, kept as after a first sleep), on a
+ * thread of its own. Call it once the tag holds what it will sleep with. The bytes being prepared
+ * (0: nothing to copy, a backup that is not pageable memory or is retained, or not that much host
+ * memory available), or -1 (the tag asleep, a bad name).
+ * Where it pays: the first offloading sleep of a process into pageable memory. Unprepared, that
+ * sleep faults fresh host memory in (the kernel zeroes every page) and pins the ring while it
+ * copies: 1.9-2.3x the pinned copy of the same bytes on a 16-core H200 host, against 1.15-1.22x
+ * prepared and about 1.1x for later sleeps, which write into the backup the last wake released
+ * lazily. It pins nothing beyond the ring; until the first sleep the process holds the memory
+ * as a lazily released backup, counted as resident, which the kernel takes back first when it
+ * needs memory. Nothing is gained for a tag only ever discarded, a pinned backup, or a retained
+ * one after its first sleep. */
 int64_t cuvmm_prepare_backup(const char *tag);
 /* Bytes of host memory cuvmm holds pinned now: staging rings and pinned backups. */
 uint64_t cuvmm_pinned_bytes(void);

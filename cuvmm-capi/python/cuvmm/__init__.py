@@ -406,7 +406,8 @@ def prepare_backup(name: str) -> int:
     """Get the backup of tag ``name`` ready for its first offloading sleep, in the background:
     host memory as large as that sleep would copy now is faulted in and left for the kernel to
     take back only if it needs it, as a wake leaves a backup, so the first sleep costs what later
-    ones do. Call it once the tag holds what it will sleep with (after loading the weights).
+    ones do; the staging ring those sleeps copy through is made then too (64 MiB pinned, as a first
+    sleep would). Call it once the tag holds what it will sleep with (after loading the weights).
     Returns the bytes being prepared (0: nothing needed, or not possible: a pinned, disk or
     retained backup, not that much host memory available). RuntimeError for a tag asleep."""
     return _check(_fn("cuvmm_prepare_backup")(_encode(name)), f"cuvmm_prepare_backup({name!r})",

@@ -35,6 +35,7 @@ import contextlib
 import gc
 import os
 import sys
+import threading
 
 from cuvmm._tag_pools import TagPools
 
@@ -85,13 +86,33 @@ class CuMemAllocator:
         if not isinstance(offload_tags, (tuple, list, set, frozenset)):
             raise TypeError(f"offload_tags is a tag, a tuple of tags or None, not {offload_tags!r}")
         api = self.api
-        for tag in self._tags:
-            if tag in self._asleep:
-                continue
-            api.sleep(tag, offload=tag in offload_tags)
-            self._asleep.add(tag)
-        # As vLLM does: what PyTorch caches outside the pools goes back too.
-        gc.collect()
+        # Those offloaded first: their copies are what the collection below runs beside.
+        todo = sorted((t for t in self._tags if t not in self._asleep), key=lambda t: t not in offload_tags)
+        failed = []
+        entered = threading.Event()
+
+        def sleep_tags():
+            entered.set()
+            try:
+                for tag in todo:
+                    api.sleep(tag, offload=tag in offload_tags)
+                    self._asleep.add(tag)
+            except BaseException as e:  # raised on the caller's thread below
+                failed.append(e)
+
+        # As vLLM does: a full collection, then what PyTorch caches outside the pools goes back.
+        # The collection walks every object of the process (PyTorch's own, from its import, are
+        # most of them) and holds the interpreter meanwhile; cuvmm's sleeps do not need it, so
+        # they run on a thread of their own and the collection on this one, during their copies.
+        worker = threading.Thread(target=sleep_tags, name="cuvmm-vllm-sleep")
+        worker.start()
+        try:
+            entered.wait()
+            gc.collect()
+        finally:
+            worker.join()
+        if failed:
+            raise failed[0]
         torch = sys.modules.get("torch")
         if torch is not None and torch.cuda.is_initialized():
             torch.cuda.empty_cache()

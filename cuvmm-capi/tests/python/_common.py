@@ -283,6 +283,25 @@ class WeightsAndCache:
         torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()
 
+    def capture(self, graph_context=None):
+        """A forward on a fixed input captured in a CUDA graph (inside ``graph_context(g)``,
+        torch.cuda.graph by default) and replayed once, then the pinned buffer of the bound copies
+        made and both copies warmed up: (the graph, its output, a copy of that output)."""
+        import torch
+        x = torch.randn(self.args.batch, self.args.dim, device=self.dev, dtype=self.bf16)
+        self.warm_up(x)
+        g = torch.cuda.CUDAGraph()
+        with (graph_context or torch.cuda.graph)(g):
+            y = self.forward(x)
+        g.replay()
+        torch.cuda.synchronize()
+        ref = y.clone()
+        self.pin_host()
+        self.d2h()
+        self.h2d()
+        torch.cuda.synchronize()
+        return g, y, ref
+
     def pin_host(self):
         """The pinned host buffer the bound copies use, as large as the weights."""
         import torch

@@ -7,7 +7,7 @@
 # summary.txt. Every script runs even when an earlier one failed; the exit status is 1 if any
 # failed. With BUNDLE_DIR/bin/cuvmm it also records a training run's allocations and runs
 # `cuvmm bench trace` on them and `cuvmm bench sleep`.
-# Knobs: PYTHON (default python3), TRAIN_ARGS, SLEEP_ARGS, TMS_ARGS, VLLM_ARGS, MP_ARGS (extra arguments), NCCL=0|1
+# Knobs: PYTHON (default python3), TRAIN_ARGS, SLEEP_ARGS, TMS_ARGS, VLLM_ARGS, VLLM_GOALS_ARGS, MP_ARGS (extra arguments), NCCL=0|1
 # (default: run the all-reduce when the machine has two or more GPUs).
 set -u -o pipefail
 
@@ -107,6 +107,8 @@ run compile_graphs $PY compile_graphs.py --json "$OUT_DIR/compile_graphs.json"
 # torch_memory_saver's API on cuvmm, beside torch_memory_saver where it is installed.
 run tms_compare $PY tms_compare.py --json "$OUT_DIR/tms_compare.json" ${TMS_ARGS:-}
 run vllm_compare $PY vllm_compare.py --json "$OUT_DIR/vllm_compare.json" ${VLLM_ARGS:-}
+# First and later sleeps through vLLM's API and the C ABI (unprepared and prepared) against their goals.
+run vllm_sleep_goals $PY vllm_sleep_goals.py --json "$OUT_DIR/vllm_sleep_goals.json" ${VLLM_GOALS_ARGS:-}
 # A MemPool on cuvmm with expandable segments on: which segments PyTorch makes expandable.
 run pool_expandable $PY pool_expandable.py --json "$OUT_DIR/pool_expandable.json"
 # torch.multiprocessing on cuvmm memory beside PyTorch's allocator; weight sync with an IPC event.

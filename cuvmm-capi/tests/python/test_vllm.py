@@ -7,8 +7,10 @@ and vllm_compare's summary and table.
 """
 
 import contextlib
+import gc
 import os
 import sys
+import threading
 import types
 import unittest
 from pathlib import Path
@@ -18,6 +20,7 @@ sys.path.insert(0, str(HERE.parents[1] / "python"))
 sys.path.insert(0, str(HERE))
 
 import vllm_compare  # noqa: E402
+import vllm_sleep_goals  # noqa: E402
 from cuvmm import vllm as cv  # noqa: E402
 
 
@@ -74,8 +77,67 @@ class Facade(unittest.TestCase):
         a.api.calls.clear()
         a.sleep()  # None: the default tag is offloaded, as in vLLM
         a.sleep("weights")  # while asleep: nothing more to sleep
-        self.assertEqual(a.api.calls, [("sleep", "weights", False), ("sleep", "kv_cache", False),
-                                       ("sleep", "default", True)])
+        self.assertEqual(a.api.calls, [("sleep", "default", True), ("sleep", "weights", False),
+                                       ("sleep", "kv_cache", False)])
+
+    def test_the_full_collection_of_a_sleep_runs_while_the_offloaded_tags_copy(self):
+        a = allocator()
+        for tag in ("kv_cache", "weights"):
+            with a.use_memory_pool(tag=tag):
+                pass
+        collecting, done = threading.Event(), []
+
+        def seen(phase, info):
+            if info["generation"] == 2:
+                (collecting.set if phase == "start" else lambda: done.append(len(a.api.calls)))()
+
+        sleep = a.api.sleep
+
+        def copying(tag, offload=True):
+            # The copies of an offload release the interpreter, as cuvmm's C calls do.
+            if offload:
+                a.api.overlapped = collecting.wait(timeout=2)
+            sleep(tag, offload)
+
+        a.api.sleep = copying
+        gc.callbacks.append(seen)
+        try:
+            a.sleep(offload_tags=("weights",))
+        finally:
+            gc.callbacks.remove(seen)
+        self.assertTrue(a.api.overlapped, "the collection started during the offloading sleep")
+        self.assertEqual(a.api.calls, [("sleep", "weights", True), ("sleep", "kv_cache", False)])
+        self.assertTrue(done, "a full collection ran to its end before the sleep returned")
+        self.assertEqual(a.api.asleep, {"weights", "kv_cache"})
+
+    def test_a_sleep_that_fails_raises_on_the_caller_after_the_collection(self):
+        a = allocator()
+        for tag in ("weights", "kv_cache", "default"):
+            with a.use_memory_pool(tag=tag):
+                pass
+        sleep, collected = a.api.sleep, []
+
+        def failing(tag, offload=True):
+            if tag == "kv_cache":
+                raise RuntimeError("cuvmm_sleep('kv_cache') failed")
+            sleep(tag, offload)
+
+        def seen(phase, info):
+            if phase == "stop" and info["generation"] == 2:
+                collected.append(True)
+
+        a.api.sleep = failing
+        gc.callbacks.append(seen)
+        try:
+            with self.assertRaisesRegex(RuntimeError, "kv_cache"):
+                a.sleep(("weights",))
+        finally:
+            gc.callbacks.remove(seen)
+        self.assertTrue(collected)
+        self.assertEqual(a.api.asleep, {"weights"}, "the tags before the failure sleep; the rest stay awake")
+        a.api.sleep = sleep
+        a.sleep(("weights",))
+        self.assertEqual(a.api.asleep, {"weights", "kv_cache", "default"}, "a later call sleeps the rest")
 
     def test_the_end_of_a_pool_block_prepares_the_backup_of_a_tag_vllm_offloads(self):
         a = allocator()
@@ -194,6 +256,24 @@ class Compare(unittest.TestCase):
         rows = vllm_compare.table({"cuvmm": cu, "vllm-style": vs})
         self.assertEqual(rows[0], "| | cuvmm | vllm-style | vllm-style / cuvmm |")
         self.assertEqual(rows[2], "| first sleep (s) | 0.500 | 10.000 | 20.00x |")
+
+
+class Goals(unittest.TestCase):
+    @staticmethod
+    def rep(sleep, wake=0.33, d2h=0.3, h2d=0.3):
+        return {"sleep_s": sleep, "wake_s": wake, "d2h_s": d2h, "h2d_s": h2d, "intact": True, "pinned_awake": 0}
+
+    def test_each_sleep_is_over_its_own_cycles_copy_and_each_goal_is_judged(self):
+        vllm = vllm_sleep_goals.summarize([self.rep(0.36), self.rep(0.33), self.rep(0.34, d2h=0.2)])
+        self.assertAlmostEqual(vllm["first_sleep"], 1.2)
+        self.assertAlmostEqual(vllm["later_sleep"], (1.1 + 1.7) / 2)
+        self.assertAlmostEqual(vllm["worst_later_sleep"], 1.7)
+        capi = vllm_sleep_goals.summarize([self.rep(0.6), self.rep(0.3)])
+        lines = vllm_sleep_goals.goal_lines({"vllm": {"summary": vllm}, "capi": {"summary": capi}})
+        self.assertEqual(lines, [
+            "vllm: first sleep 1.200x the pinned D2H copy (goal <= 1.20x): met",
+            "vllm: slowest later sleep 1.700x the pinned D2H copy (goal <= 1.10x): MISSED",
+            "capi: first sleep 2.000x the pinned D2H copy (goal <= 1.50x): MISSED"])
 
 
 if __name__ == "__main__":

@@ -107,19 +107,7 @@ def child(args) -> dict:
     rss0 = rss_bytes(missing=-1)
     wl = WeightsAndCache(args, lambda: saver.region(tag="weights", enable_cpu_backup=True, cpu_backup_backend=backend),
                          lambda: saver.region(tag="kv_cache"))
-    static_x = torch.randn(args.batch, args.dim, device=wl.dev, dtype=wl.bf16)
-    wl.warm_up(static_x)
-    g = torch.cuda.CUDAGraph()
-    with saver.cuda_graph(g, tag="graph"):
-        static_y = wl.forward(static_x)
-    g.replay()
-    torch.cuda.synchronize()
-    ref_y = static_y.clone()
-    wl.pin_host()
-
-    wl.d2h()  # warm-up of the bound copies
-    wl.h2d()
-    torch.cuda.synchronize()
+    g, static_y, ref_y = wl.capture(lambda g: saver.cuda_graph(g, tag="graph"))
     reps = []
     for rep in range(args.reps):
         rss_before = rss_bytes(missing=-1)

@@ -156,20 +156,8 @@ def child(args) -> dict:
     wl = WeightsAndCache(args, lambda: alloc.use_memory_pool(tag="weights"),
                          lambda: alloc.use_memory_pool(tag="kv_cache"))
     holder["wl"] = wl
-    static_x = torch.randn(args.batch, args.dim, device=wl.dev, dtype=wl.bf16)
-    wl.warm_up(static_x)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        static_y = wl.forward(static_x)
-    g.replay()
-    torch.cuda.synchronize()
-    ref_y = static_y.clone()
-    wl.pin_host()
+    g, static_y, ref_y = wl.capture()
     usage = alloc.get_current_usage()
-
-    wl.d2h()  # warm-up of the bound copies
-    wl.h2d()
-    torch.cuda.synchronize()
     reps = []
     for rep in range(args.reps):
         rss_before = rss_bytes(missing=-1)

@@ -14,6 +14,7 @@ use crate::memory::{DeviceSlice, DeviceSliceMut};
 use crate::stream::{Event, Stream};
 use crate::vmm::{HandleTypes, PhysicalBuilder, PhysicalMemory, Reservation};
 use std::sync::mpsc::{channel, Receiver, TryRecvError};
+use std::thread::JoinHandle;
 
 pub(crate) struct DriverBackend {
     ctx: Context,
@@ -28,6 +29,9 @@ pub(crate) struct DriverBackend {
     lanes: Vec<Stream>,
     /// The thread that runs staged backups' copies through the staging ring, made at first use.
     mover: Option<Mover>,
+    /// The mover being made on a thread of its own ([`Backend::host_prepare`]), for the first
+    /// sleep to take.
+    making: Option<JoinHandle<Result<Mover>>>,
     /// Pageable backups released lazily at their wakes, for later sleeps.
     lazy: LazyBackups,
     /// Marks of copies (see `Backend::mark_copies`) not waited for yet: each with an event per
@@ -127,6 +131,7 @@ impl DriverBackend {
             fabric_above,
             reservations: Vec::new(),
             mover: None,
+            making: None,
             lazy: LazyBackups::default(),
             marks: Vec::new(),
             next_mark: 0,
@@ -148,18 +153,27 @@ impl DriverBackend {
 
     fn mover(&mut self) -> Result<&Mover> {
         if self.mover.is_none() {
-            let mut staging = Staging::with_config(&self.ctx, backup::ring_config())?;
-            staging.set_to_host_threads(backup::to_host_threads());
-            let loading = backup::kernel_lane().and_then(|config| {
-                let (tx, rx) = channel();
-                let ctx = self.ctx.clone();
-                let load = move || drop(tx.send(Kernels::load(&ctx).map(|k| (k, config))));
-                std::thread::Builder::new().name("cuvmm-kernels".into()).spawn(load).ok().map(|_| rx)
+            // One being made is waited for; should it have failed, it is made again here, so
+            // that the error the sleep reports is its own.
+            let made = self.making.take().and_then(|t| t.join().ok()).and_then(Result::ok);
+            self.mover = Some(match made {
+                Some(m) => m,
+                None => make_mover(&self.ctx)?,
             });
-            let copier = StagedCopier { staging, stream: Stream::non_blocking(&self.ctx)?, loading };
-            self.mover = Some(Mover::new(copier)?);
         }
         Ok(self.mover.as_ref().expect("made above"))
+    }
+
+    /// Starts making the mover on a thread of its own, unless it is there or on its way: its
+    /// ring's pinned slots cost a first sleep tens of milliseconds (pinning runs at a few GB/s).
+    fn make_mover_ahead(&mut self) {
+        if self.mover.is_some() || self.making.is_some() {
+            return;
+        }
+        let ctx = self.ctx.clone();
+        // Without a thread the first sleep makes it, as before.
+        self.making =
+            std::thread::Builder::new().name("cuvmm-backup-ring".into()).spawn(move || make_mover(&ctx)).ok();
     }
 
     fn lane(&mut self, i: usize) -> Result<&Stream> {
@@ -295,13 +309,18 @@ impl Backend for DriverBackend {
     }
 
     fn host_prepare(&mut self, tag: u32, bytes: u64) -> bool {
+        let kind = backup::options_of(tag).kind;
+        // Pageable memory and files go through the ring; a pinned backup does not.
+        if kind != BackupKind::Pinned {
+            self.make_mover_ahead();
+        }
         // Only pageable memory faults in at first use; a pinned backup or a file is made at the
         // sleep as before.
-        backup::options_of(tag).kind == BackupKind::Pageable && self.lazy.prepare(bytes)
+        kind == BackupKind::Pageable && self.lazy.prepare(bytes)
     }
 
     fn host_prepared(&self) -> bool {
-        self.lazy.settled()
+        self.lazy.settled() && self.making.as_ref().map_or(true, JoinHandle::is_finished)
     }
 
     fn host_release(&mut self, host: HostBackup) {
@@ -401,6 +420,21 @@ impl Backend for DriverBackend {
     fn synchronize(&mut self) -> Result<()> {
         self.ctx.synchronize()
     }
+}
+
+/// The staging ring of `ctx`'s staged backups (pinned slots, copying threads, a stream), its
+/// kernel lane loading on a thread of its own, and the thread that runs copies through it.
+fn make_mover(ctx: &Context) -> Result<Mover> {
+    let mut staging = Staging::with_config(ctx, backup::ring_config())?;
+    staging.set_to_host_threads(backup::to_host_threads());
+    let loading = backup::kernel_lane().and_then(|config| {
+        let (tx, rx) = channel();
+        let ctx = ctx.clone();
+        let load = move || drop(tx.send(Kernels::load(&ctx).map(|k| (k, config))));
+        std::thread::Builder::new().name("cuvmm-kernels".into()).spawn(load).ok().map(|_| rx)
+    });
+    let copier = StagedCopier { staging, stream: Stream::non_blocking(ctx)?, loading };
+    Mover::new(copier)
 }
 
 fn check_host(host: &PinnedBuffer<u8>, offset: u64, len: u64) -> Result<()> {

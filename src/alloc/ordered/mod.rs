@@ -431,6 +431,11 @@ impl StreamAllocator {
     /// While awake the process then holds that memory as a released backup: `top` counts it as
     /// resident, `/proc/self/smaps` as `LazyFree`, and the kernel takes it before swapping.
     ///
+    /// For a pageable or disk backup it also starts making the staging ring their sleeps copy
+    /// through (64 MiB pinned, which a first sleep would otherwise pin itself, at tens of
+    /// milliseconds), on a thread of its own; the ring stays with the allocator, as it does after
+    /// a first sleep. Nothing else is pinned.
+    ///
     /// ```no_run
     /// # fn main() -> cuvmm::error::Result<()> {
     /// use cuvmm::alloc::{SleepMode, StreamAllocator, Tag};
@@ -449,7 +454,7 @@ impl StreamAllocator {
     }
 
     /// Whether every backup [`prepare_backup`](Self::prepare_backup) started is ready (faulted in
-    /// and released), so that a sleep now would not wait for one.
+    /// and released) and the staging ring made, so that a sleep now would not wait for them.
     pub fn backups_prepared(&self) -> bool {
         self.inner.alloc.core().backups_prepared()
     }
