@@ -222,6 +222,53 @@ void *cuvmm_import(int device, const int *fds, size_t count, uint64_t page, cons
                    uint64_t *base);
 int cuvmm_import_release(void *import);
 
+/* The hand-off: a block handed to another process as PyTorch's CUDA IPC hands a tensor over,
+ * without pidfd_getfd or privileges (docs/WIRE.md, "The hand-off"; what cuvmm.torch uses).
+ * cuvmm_offer: offers the live block of `device` holding `ptr` to one receiver; its ticket (the
+ *   bytes that take it: send them to that receiver only) goes into `ticket` and the block's
+ *   address into *block (may be NULL). Offers of one non-zero `group` go together to the first
+ *   receiver that takes any of them. The block stays out of every later allocation, even once
+ *   freed here, until its receiver lets go or exits. Returns the ticket's length; more than cap:
+ *   nothing offered, call again with room enough. -1 on failure.
+ * cuvmm_withdraw: lets go of an offer nobody has taken (its ticket was never sent). 1 if it did,
+ *   0 if it was taken already, -1 on failure.
+ * cuvmm_take: takes a ticket's offer, waiting at most timeout_s for its sender, and maps the
+ *   block on the device that holds it (written to *device), granting the `npeers` devices in
+ *   `peers` access too; *block gets its address here. The same block handed over again is
+ *   claimed with one message: the mapping is kept while the sender keeps the pages, and unmapped
+ *   as soon as the sender gives them back to the device. Returns a lease, or NULL.
+ * cuvmm_lease_release: lets go of a lease once the work queued so far on the `n` streams at
+ *   `streams` is done (n == 0: the device's work). Never blocks: the library's thread waits on
+ *   events, then tells the sender. If that wait fails, the memory stays held and mapped.
+ * cuvmm_let_go: tells a ticket's sender it will not be taken.
+ * cuvmm_ticket_len: the size of the block a ticket offers (its fields checked), in *block_len.
+ * cuvmm_handoff_prepare: starts the hand-off's threads (and room for descriptors) now, so that a
+ *   first hand-off does not wait for them. */
+typedef struct cuvmm_handoff_stats {
+    uint64_t offered;       /* sender: offers not taken yet */
+    uint64_t held;          /* sender: offers taken and not let go */
+    uint64_t connections;   /* sender: receiving processes connected */
+    uint64_t expired;       /* sender: offers let go untaken after their time to live */
+    uint64_t revocations;   /* sender: pages revoked from receivers (given back while mapped there) */
+    uint64_t let_go;        /* sender: offers let go */
+    uint64_t leases;        /* receiver: leases not released */
+    uint64_t kept;          /* receiver: mappings kept (in use, or idle while the sender keeps them) */
+    uint64_t kept_bytes;    /* receiver: their bytes */
+    uint64_t releasing;     /* receiver: releases waiting for the work that used their memory */
+    uint64_t held_for_good; /* receiver: releases whose wait failed, held until exit */
+    uint64_t revoked;       /* receiver: mappings unmapped because their sender gave the pages back */
+    uint64_t senders;       /* receiver: connections to sending processes */
+} cuvmm_handoff_stats_t;
+int cuvmm_handoff_prepare(void);
+ssize_t cuvmm_offer(int device, const void *ptr, uint64_t group, uint8_t *ticket, size_t cap, uint64_t *block);
+int cuvmm_withdraw(const uint8_t *ticket, size_t len);
+void *cuvmm_take(const uint8_t *ticket, size_t len, const int *peers, size_t npeers, double timeout_s, int *device,
+                 uint64_t *block);
+int cuvmm_lease_release(void *lease, const cuvmm_stream_t *streams, size_t n);
+int cuvmm_let_go(const uint8_t *ticket, size_t len, double timeout_s);
+int cuvmm_ticket_len(const uint8_t *ticket, size_t len, uint64_t *block_len);
+int cuvmm_handoff_stats(cuvmm_handoff_stats_t *out);
+
 /* Writes the allocation trace (trace= in CUVMM_ALLOC_CONF) out now; it is also written at exit. */
 void cuvmm_trace_flush(void);
 

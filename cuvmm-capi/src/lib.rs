@@ -12,6 +12,7 @@ mod config;
 #[cfg(test)]
 #[path = "../../tests/common/fake.rs"]
 mod fake;
+mod handoff;
 mod hooks;
 mod limit;
 #[cfg(test)]

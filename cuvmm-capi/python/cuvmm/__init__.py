@@ -39,7 +39,7 @@ __version__ = "0.1.0"
 __all__ = [
     "find_library", "load", "library_path", "stats", "stats_json", "reset_peaks", "empty_cache",
     "release_graph_memory", "trace_flush", "last_error", "has_sleep", "set_tag", "tag", "sleep", "wake",
-    "tag_stats", "has_backup", "set_backup", "prepare_backup",
+    "tag_stats", "has_backup", "set_backup", "prepare_backup", "handoff_stats",
 ]
 
 _HERE = Path(__file__).resolve().parent
@@ -98,6 +98,16 @@ class TagStats(ctypes.Structure):
         ("asleep", ctypes.c_int32),
         ("reserved_", ctypes.c_int32),
     ]
+
+
+HANDOFF_FIELDS = ("offered", "held", "connections", "expired", "revocations", "let_go", "leases", "kept",
+                  "kept_bytes", "releasing", "held_for_good", "revoked", "senders")
+
+
+class HandoffStats(ctypes.Structure):
+    """``cuvmm_handoff_stats_t``."""
+
+    _fields_ = [(name, ctypes.c_uint64) for name in HANDOFF_FIELDS]
 
 
 class Export(ctypes.Structure):
@@ -181,6 +191,16 @@ def _declare(lib: ctypes.CDLL) -> None:
         "cuvmm_import": (ctypes.c_void_p, [c_int, ctypes.POINTER(c_int), c_size_t, ctypes.c_uint64,
                                            ctypes.POINTER(c_int), c_size_t, ctypes.POINTER(ctypes.c_uint64)]),
         "cuvmm_import_release": (c_int, [ctypes.c_void_p]),
+        "cuvmm_handoff_prepare": (c_int, []),
+        "cuvmm_offer": (c_ssize_t, [c_int, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_char_p, c_size_t,
+                                    ctypes.POINTER(ctypes.c_uint64)]),
+        "cuvmm_withdraw": (c_int, [ctypes.c_char_p, c_size_t]),
+        "cuvmm_take": (ctypes.c_void_p, [ctypes.c_char_p, c_size_t, ctypes.POINTER(c_int), c_size_t,
+                                         ctypes.c_double, ctypes.POINTER(c_int), ctypes.POINTER(ctypes.c_uint64)]),
+        "cuvmm_lease_release": (c_int, [ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p), c_size_t]),
+        "cuvmm_let_go": (c_int, [ctypes.c_char_p, c_size_t, ctypes.c_double]),
+        "cuvmm_ticket_len": (c_int, [ctypes.c_char_p, c_size_t, ctypes.POINTER(ctypes.c_uint64)]),
+        "cuvmm_handoff_stats": (c_int, [ctypes.POINTER(HandoffStats)]),
     }
     for name, (res, args) in sigs.items():
         if hasattr(lib, name):
@@ -250,26 +270,6 @@ def last_error() -> str | None:
     return None if msg is None else msg.decode(errors="replace")
 
 
-_SIZE_SHIFTS = {"": 0, "B": 0, "K": 10, "KiB": 10, "k": 10, "M": 20, "MiB": 20, "G": 30, "GiB": 30, "T": 40,
-                "TiB": 40}
-
-
-def _parse_size(text: str) -> int:
-    """Bytes of a size as ``CUVMM_ALLOC_CONF`` reads one (``16GiB``, ``16G``, ``512``): the same
-    parser as the library's, held to the same table of cases (cuvmm-capi/tests/sizes.txt)."""
-    s = text.strip()
-    digits = re.match(r"[0-9]*", s).group()
-    if not digits:
-        raise ValueError(f"`{s}` is not a size")
-    unit = s[len(digits):].strip()
-    if unit not in _SIZE_SHIFTS:
-        raise ValueError(f"unknown size unit `{unit}` in `{s}` (use KiB, MiB, GiB, TiB)")
-    n = int(digits) << _SIZE_SHIFTS[unit]
-    if n >= 1 << 64:
-        raise ValueError(f"`{s}` is too large")
-    return n
-
-
 def _check(rc: int, what: str, ok=lambda rc: rc == 0) -> int:
     if not ok(rc):
         text = last_error() or "no error text"
@@ -277,6 +277,28 @@ def _check(rc: int, what: str, ok=lambda rc: rc == 0) -> int:
         name = what.split("(", 1)[0] + ": "
         raise RuntimeError(f"{what} failed: {text[len(name):] if text.startswith(name) else text}")
     return rc
+
+
+def error_from(what: str) -> Exception:
+    """The exception for a failed ``what`` whose text ``cuvmm_last_error`` holds: TimeoutError for
+    a peer that did not answer in time, PermissionError for a peer refused, RuntimeError else."""
+    text = last_error() or "no error text"
+    name = what + ": "
+    text = text[len(name):] if text.startswith(name) else text
+    if "timed out" in text:
+        return TimeoutError(f"{what}: the sending process did not answer in time ({text})")
+    if "refusing" in text:
+        return PermissionError(f"{what}: {text}")
+    return RuntimeError(f"{what} failed: {text}")
+
+
+def handoff_stats() -> dict:
+    """The hand-off's counters in this process (``cuvmm_handoff_stats_t``): as a sender, offers not
+    taken (``offered``), taken and held (``held``), let go, revoked pages; as a receiver, leases in
+    use, mappings kept and their bytes, releases waiting for the device."""
+    st = HandoffStats()
+    _check(_fn("cuvmm_handoff_stats")(ctypes.byref(st)), "cuvmm_handoff_stats")
+    return {name: getattr(st, name) for name in HANDOFF_FIELDS}
 
 
 def _current_device() -> int:

@@ -1,135 +1,86 @@
 """``torch.multiprocessing`` on cuvmm memory: CUDA tensors whose storage cuvmm allocated travel
-as exported pages (POSIX descriptors) instead of legacy CUDA IPC; see :func:`share_tensors`."""
+as the library's hand-off tickets instead of legacy CUDA IPC; see :func:`share_tensors`."""
 
 from __future__ import annotations
 
 import ctypes
 import itertools
 import multiprocessing.reduction as _mpr
-import os
 import threading
 
 import torch as _torch
 
 import cuvmm as _core
 from cuvmm import _share
-from cuvmm._device_waits import DeviceWaits
-from cuvmm._share_keep import DEFAULT_SHARE, Kept, budget_from_env
 
+#: Seconds a receiver waits for the sending process by default.
+FETCH_TIMEOUT = 60.0
 
-def _default_keep() -> int:
-    """Idle kept mappings' bound where ``CUVMM_SHARE_KEEP`` is unset: a quarter of the current
-    device's memory. Idle kept pages cost memory only once their sender has given them back to
-    the driver (an ``empty_cache``, a sleep, its exit before the next hand-off): while it caches
-    them, as it does between the steps of a weight sync, they are its memory anyway."""
-    return _torch.cuda.get_device_properties(_torch.cuda.current_device()).total_memory // DEFAULT_SHARE
-
-
-def _sharing():
-    """A process's own sharing state: its offers, its releases waiting for the device, its kept
-    mappings (none of any yet)."""
-    return (_share.Handoff(),
-            DeviceWaits(lambda device: _torch.cuda.synchronize(device), after=_share.flush_releases),
-            Kept(budget_from_env(os.environ.get("CUVMM_SHARE_KEEP")), _default_keep))
-
-
-_handoff, _waits, _kept = _sharing()
-# Room in the descriptor table for a hand-off's page descriptors, made now and on a thread of its
-# own: growing it later would wait for the kernel on the hand-off's path (see make_fd_slots).
-threading.Thread(target=_share.make_fd_slots, name="cuvmm-fd-slots", daemon=True).start()
-
-
-def _after_fork_in_child():
-    # The parent's exports are the parent's to release and its offers the parent's to hand out;
-    # the child starts with none (and without the parent's threads), and opens connections of its
-    # own.
-    # The parent's kept mappings are the parent's (a child cannot use CUDA after a fork anyway).
-    # Releases pending in the parent are the parent's to tell.
-    global _handoff, _kept, _waits
-    _handoff.close()
-    _handoff, _waits, _kept = _sharing()
-    _share.forget_connections()
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)
 # torch.multiprocessing's reductions, imported (which registers them) by share_tensors before ours.
 _torch_reductions = None
 _installed = False
 _lock = threading.Lock()
-_fd_limit_raised = False
-# The pickle this thread is writing, if any (see _grouped): its tensors are offered as one group.
+# The pickle this thread is writing, if any (see _grouped): its tensors are offered as one group,
+# and withdrawn if the pickle fails.
 _pickling = threading.local()
-_pickles = itertools.count()
+_pickles = itertools.count(1)
 _plain_dump = _mpr.ForkingPickler.dump
 
 
 def _grouped(self, obj):
     """``ForkingPickler.dump`` (which ``dumps``, queues, pipes and ``Process`` arguments all go
     through), naming the pickle so that the offers of its tensors make one group: the receiver
-    takes all of them in one round trip to this process instead of one each."""
-    outer = getattr(_pickling, "group", None)
-    if outer is None:
-        _pickling.group = next(_pickles)
+    takes all of them in one round trip to this process instead of one each. A pickle that fails
+    withdraws the offers it made: their tickets never leave this process."""
+    if getattr(_pickling, "group", None) is not None:
+        return _plain_dump(self, obj)
+    _pickling.group, _pickling.tickets = next(_pickles), []
     try:
         return _plain_dump(self, obj)
+    except BaseException:
+        for t in _pickling.tickets:
+            _withdraw(t)
+        raise
     finally:
-        if outer is None:
-            _pickling.group = None
+        _pickling.group = _pickling.tickets = None
 
 
-def _owner(device: int, ptr: int):
-    """(block, length) of the live cuvmm block holding ``ptr``, or None."""
+def _owns(device: int, ptr: int) -> bool:
+    """Whether ``ptr`` lies in a live block cuvmm handed out on ``device``."""
     lib = _core.load()
-    if not hasattr(lib, "cuvmm_owner"):
-        return None
-    block, n = ctypes.c_uint64(), ctypes.c_uint64()
-    rc = lib.cuvmm_owner(device, ptr, ctypes.byref(block), ctypes.byref(n))
-    _core._check(rc, "cuvmm_owner", ok=lambda rc: rc >= 0)
-    return (block.value, n.value) if rc == 1 else None
+    if not hasattr(lib, "cuvmm_offer"):
+        return False
+    rc = lib.cuvmm_owner(device, ptr, None, None)
+    return _core._check(rc, "cuvmm_owner", ok=lambda rc: rc >= 0) == 1
 
 
-# The driver's smallest physical allocation granularity: no page under a block is smaller.
-_MIN_PAGE = 2 << 20
-
-
-def _mark(device: int, ptr: int, block_len: int):
-    """(cuvmm_export_t, page serials) of the block holding ``ptr`` (``block_len`` bytes long),
-    marked shared (one ``cuvmm_unexport`` each): no descriptor yet, a receiver that maps those
-    pages needs none. The serials are the bytes of ``count`` native 64-bit integers: they travel
-    in every pickle of a hand-off and key the receiver's kept mappings as they are."""
-    lib = _core.load()
-    out = _core.Export()
-    # Room for every page under the block from the start: a call with too little room marks the
-    # block and lets it go again, which a hand-off of a large block would pay each time.
-    # A block spans at most one page more than its length fills.
-    cap = block_len // _MIN_PAGE + 2
+def _offer(device: int, ptr: int, group: int) -> tuple[bytes, int]:
+    """(ticket, block address) of an offer of the block holding ``ptr``."""
+    lib, block = _core.load(), ctypes.c_uint64()
+    cap = 4096
     while True:
-        pages = (ctypes.c_uint64 * cap)()
-        rc = lib.cuvmm_export_mark(device, ptr, ctypes.byref(out), pages, cap)
-        n = _core._check(rc, "cuvmm_export_mark", ok=lambda rc: rc >= 0)
+        buf = ctypes.create_string_buffer(cap)
+        rc = lib.cuvmm_offer(device, ptr, group, buf, cap, ctypes.byref(block))
+        n = _core._check(rc, "cuvmm_offer", ok=lambda rc: rc >= 0)
         if n <= cap:
-            return out, ctypes.string_at(pages, 8 * n)
+            return buf.raw[:n], block.value
         cap = n
 
 
-def _page_fds(device: int, block: int, count: int) -> list:
-    """New descriptors of the pages of the marked block at ``block``: asked for (on the hand-off's
-    thread) by a receiver that does not map them yet."""
-    fds = (ctypes.c_int * count)()
-    rc = _core.load().cuvmm_export_fds(device, block, fds, count)
-    n = _core._check(rc, "cuvmm_export_fds", ok=lambda rc: rc >= 0)
-    if n > count:
-        for fd in fds[:n]:
-            os.close(fd)
-        raise RuntimeError(f"cuvmm_export_fds: {n} pages where the mark counted {count}")
-    return fds[:n]
+def _withdraw(ticket: bytes) -> None:
+    try:
+        _core.load().cuvmm_withdraw(ticket, len(ticket))
+    except Exception:  # it was taken meanwhile, or the library is gone at exit: nothing to undo
+        pass
 
 
-def _raise_fd_limit():
-    global _fd_limit_raised
-    if not _fd_limit_raised:
-        _share.raise_fd_limit()
-        _fd_limit_raised = True
+def _let_go(ticket: bytes) -> None:
+    """Tells the sender this process will not use a ticket: it frees the block. Failures are the
+    caller's error's business, not this one's."""
+    try:
+        _core.load().cuvmm_let_go(ticket, len(ticket), FETCH_TIMEOUT)
+    except Exception:
+        pass
 
 
 def reduce_tensor(t):
@@ -141,41 +92,24 @@ def reduce_tensor(t):
     storage = t.untyped_storage()
     ptr, nbytes = storage.data_ptr(), storage.nbytes()
     device = t.device.index
-    owner = _owner(device, ptr) if ptr else None
-    if owner is None:
+    if not ptr or not _owns(device, ptr):
         return _torch_reductions.reduce_tensor(t)
     if t.requires_grad and not t.is_leaf:
         raise RuntimeError("Cowardly refusing to send a non-leaf tensor that requires grad across "
                            "processes (detach it first, as PyTorch asks)")
-    _raise_fd_limit()
-    layout, pages = _mark(device, ptr, owner[1])
-    block, count = layout.block, layout.count
+    ticket, block = _offer(device, ptr, getattr(_pickling, "group", None) or 0)
     try:
         desc = _share.encode(
-            device=device, block=block, block_len=layout.len, first_page=layout.first_page,
-            page=layout.page, count=count, ptr=ptr, nbytes=nbytes,
-            dtype=str(t.dtype).removeprefix("torch."), size=tuple(t.shape), stride=tuple(t.stride()),
-            storage_offset=t.storage_offset(), requires_grad=t.requires_grad,
+            offset=ptr - block, nbytes=nbytes, dtype=str(t.dtype).removeprefix("torch."), size=tuple(t.shape),
+            stride=tuple(t.stride()), storage_offset=t.storage_offset(), requires_grad=t.requires_grad,
             parameter=isinstance(t, _torch.nn.Parameter))
     except BaseException:
-        _core.load().cuvmm_unexport(device, block)
+        _withdraw(ticket)
         raise
-
-    def release():
-        # The importer has unmapped (or died): the block may be freed and its addresses reused.
-        _core.load().cuvmm_unexport(device, block)
-        held.clear()
-
-    # The storage stays allocated here until the receiver lets go of it.
-    held = [storage]
-    # Offered in every case (a queue message or a Process argument): nothing but the token travels
-    # in the pickle. (The spawning Popen's own descriptor passing would leave the parent a copy for
-    # the Process object's lifetime, and the block with it.) The pages' descriptors are made only
-    # for a receiver that asks for them: the block's mark keeps them, whatever this process frees
-    # meanwhile, until that receiver lets go.
-    address, token = _handoff.offer(release, lambda: _page_fds(device, block, count),
-                                    getattr(_pickling, "group", None))
-    return (_rebuild, (desc, address, token, pages))
+    tickets = getattr(_pickling, "tickets", None)
+    if tickets is not None:
+        tickets.append(ticket)
+    return (_rebuild, (desc, ticket))
 
 
 def _peers(device: int) -> list[int]:
@@ -201,39 +135,27 @@ def _can_access(d: int, device: int) -> bool:
     return got
 
 
-class _Mapped:
-    """Exported pages mapped in this process, seen by PyTorch through ``__cuda_array_interface__``
-    as the bytes of one storage; unmapped (and the sender told) when PyTorch lets go of it."""
+class _Lease:
+    """A block taken from another process, seen by PyTorch through ``__cuda_array_interface__`` as
+    the bytes of one storage. When PyTorch lets go of it, the library is told to release it after
+    the work queued on the device's current stream (as PyTorch's own CUDA IPC waits for that
+    stream before it lets go): it returns at once, and its own thread waits and tells the sender."""
 
-    def __init__(self, f, fds, claim):
-        self._handle = None
-        self._claim = claim
+    def __init__(self, lease: int, device: int, ptr: int, nbytes: int):
+        self._lease, self._device = lease, device
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 2}
+
+    def release(self):
+        lease, self._lease = self._lease, None
+        if not lease:
+            return
         lib = _core.load()
         try:
-            arr = (ctypes.c_int * len(fds))(*fds)
-            peers = _peers(f["device"])
-            parr = (ctypes.c_int * max(1, len(peers)))(*peers)
-            base = ctypes.c_uint64()
-            handle = lib.cuvmm_import(f["device"], arr, len(fds), f["page"], parr, len(peers), ctypes.byref(base))
-            if not handle:
-                raise RuntimeError(f"cuvmm_import failed: {_core.last_error() or 'no error text'}")
-        finally:
-            for fd in fds:
-                os.close(fd)
-        self._handle = handle
-        self.base = base.value
-        self.ptr = base.value + f["offset"]
-        self.__cuda_array_interface__ = {
-            "shape": (f["nbytes"],), "typestr": "|u1", "data": (self.ptr, False), "version": 2,
-        }
-
-    def release(self):
-        h, self._handle = self._handle, None
-        if h:
-            _core.load().cuvmm_import_release(h)
-        if self._claim is not None:
-            self._claim.release()
-            self._claim = None
+            streams = (ctypes.c_void_p * 1)(_torch.cuda.current_stream(self._device).cuda_stream)
+            n = 1
+        except Exception:  # PyTorch torn down at exit: wait for the whole device instead
+            streams, n = None, 0
+        lib.cuvmm_lease_release(lease, streams, n)
 
     def __del__(self):
         try:
@@ -242,114 +164,43 @@ class _Mapped:
             pass
 
 
-class _Lease:
-    """One storage over a kept mapping, seen by PyTorch through ``__cuda_array_interface__``:
-    when PyTorch lets go of it, the device's work on it is waited for, the sender told (its
-    claim released) and the mapping kept for the next hand-off of the same pages."""
-
-    def __init__(self, key, mapping, f, claim):
-        self._key, self._claim, self._device = key, claim, f["device"]
-        self.ptr = mapping.base + f["offset"]
-        self.__cuda_array_interface__ = {
-            "shape": (f["nbytes"],), "typestr": "|u1", "data": (self.ptr, False), "version": 2,
-        }
-
-    def release(self):
-        claim, self._claim = self._claim, None
-        if claim is None:
-            return
-        key = self._key
-
-        def tell():
-            try:
-                claim.release_later()  # sent with the batch's others once it is done
-            finally:
-                _kept.put_back(key)
-
-        # As an unmap would, the device's work on it is waited for first (the sender may reuse the
-        # block once told): one wait for the storages dropped together.
-        _waits.add(self._device, tell)
-
-    def __del__(self):
-        try:
-            self.release()
-        except Exception:  # at interpreter exit the library may be gone; the process ends anyway
-            pass
+def _take(ticket: bytes, device_hint: int) -> tuple[int, int, int]:
+    """(lease, device, block address here) of a ticket's offer."""
+    lib = _core.load()
+    peers = _peers(device_hint)
+    parr = (ctypes.c_int * max(1, len(peers)))(*peers)
+    device, block = ctypes.c_int(), ctypes.c_uint64()
+    lease = lib.cuvmm_take(ticket, len(ticket), parr, len(peers), FETCH_TIMEOUT, ctypes.byref(device),
+                           ctypes.byref(block))
+    if not lease:
+        raise _core.error_from("cuvmm_take")
+    return lease, device.value, block.value
 
 
-def _map_new(f, fds, claim, key):
-    """What PyTorch's storage wraps for the pages ``fds`` (closed here) held by ``claim``: a
-    mapping of their own when ``key`` is None, else a lease on the mapping made now and kept under
-    ``key``."""
-    if key is None:
-        return _Mapped(f, fds, claim)
-    mapping = _Mapped(f, fds, None)
-    if not _kept.add(key, mapping, f["page"] * f["count"]):
-        mapping._claim = claim  # another thread kept the same pages first: this one is not kept
-        return mapping
-    return _Lease(key, mapping, f, claim)
-
-
-def _let_go(address, token):
-    """Tells the sender this process will not use a hand-off: it may free the block. Failures are
-    the caller's error's business, not this one's."""
+def _rebuild(desc, ticket):
     try:
-        _share.let_go(address, token)
-    except Exception:
-        pass
-
-
-def _rebuild(desc, address, token, pages=None):
-    try:
-        f = _share.decode(desc)
+        n = ctypes.c_uint64()
+        _core._check(_core.load().cuvmm_ticket_len(ticket, len(ticket), ctypes.byref(n)), "cuvmm_ticket_len")
+        f = _share.decode(desc, n.value)
         dtype = getattr(_torch, f["dtype"], None)
         if not isinstance(dtype, _torch.dtype):
             raise ValueError(f"descriptor field dtype: {f['dtype']!r} is not a torch dtype")
         if _share.extent(f["size"], f["stride"], f["storage_offset"]) * dtype.itemsize > f["nbytes"]:
             raise ValueError("the tensor reaches past its storage")
-        key = mapping = None
-        if f["nbytes"]:
-            _kept.trim()
-            # The devices granted access are part of what a kept mapping is (asked only when kept).
-            peers = _peers(f["device"]) if pages and _kept.budget > 0 else []
-            key = _kept.key(address, f["device"], f["page"], f["count"], pages, peers)
-            # In use from now on: no trim releases it under the fetch.
-            mapping = _kept.take(key) if key is not None else None
     except BaseException:
-        # Whatever went wrong, the hand-off is fetched and let go: the sender frees the block.
-        _let_go(address, token)
+        # Whatever went wrong, the offer is let go: the sender frees the block.
+        _let_go(ticket)
         raise
+    lease, index, block = _take(ticket, _torch.cuda.current_device())
+    device = _torch.device("cuda", index)
     try:
-        # Releasing the claim is what lets the sender free the block. The same pages mapped here
-        # already: their descriptors are neither asked for nor made, and the sender's answer not
-        # awaited.
-        fds = []
-        if f["nbytes"] == 0:
-            _share.let_go(address, token)
-            claim = None
-        elif mapping is not None:
-            claim = _share.hold(address, token)
-        else:
-            _raise_fd_limit()
-            fds, claim = _share.fetch(address, token)
+        m = _Lease(lease, index, block + f["offset"], f["nbytes"])
     except BaseException:
-        if mapping is not None:
-            _kept.put_back(key)
+        _core.load().cuvmm_lease_release(lease, None, 0)
         raise
-    device = _torch.device("cuda", f["device"])
-    if f["nbytes"] == 0:
-        storage = _torch.UntypedStorage(0, device=device)
-    else:
-        try:
-            m = _Lease(key, mapping, f, claim) if mapping is not None else _map_new(f, fds, claim, key)
-        except BaseException:
-            if mapping is not None:
-                _kept.put_back(key)
-            claim.release()
-            raise
-        with _torch.cuda.device(device):
-            storage = _torch.as_tensor(m, device=device).untyped_storage()
-        del m  # PyTorch holds it now: the storage's last reference releases the mapping
+    with _torch.cuda.device(device):
+        storage = _torch.as_tensor(m, device=device).untyped_storage()
+    del m  # PyTorch holds it now: the storage's last reference releases the lease
     t = _torch.empty((0,), dtype=dtype, device=device)
     t.set_(storage, f["storage_offset"], f["size"], f["stride"])
     if f["parameter"]:
@@ -368,9 +219,9 @@ def share_tensors(enable: bool = True) -> None:
     its process gone), even when the sender frees the storage's memory meanwhile
     (``storage.resize_(0)``): ``cuvmm.stats()["exported"]`` counts those bytes, and
     ``["freed_shared"]`` those already freed. A receiver keeps its mappings between hand-offs of
-    the same pages (see ``cuvmm._share_keep``), up to ``CUVMM_SHARE_KEEP`` bytes idle (a quarter
-    of the device's memory when unset; 0: none), and the same pages sent again cost no
-    descriptor, no import and no mapping. No
+    the same pages while their sender keeps them (they are unmapped as soon as the sender gives
+    the pages back to the device: an ``empty_cache``, a sleep), and the same pages sent again cost
+    no descriptor, no import and no mapping. No
     ``pidfd_getfd``, no ``CAP_SYS_PTRACE``: descriptors travel over Unix sockets. Tensors
     PyTorch's own allocator made keep PyTorch's path."""
     global _installed, _torch_reductions
@@ -383,19 +234,22 @@ def share_tensors(enable: bool = True) -> None:
             _mpr.ForkingPickler.register(cls, reducer)
         _mpr.ForkingPickler.dump = _grouped if enable else _plain_dump
         _installed = enable
+        if enable and hasattr(_core.load(), "cuvmm_handoff_prepare"):
+            # The hand-off's threads start now rather than on a first hand-off's path.
+            _core.load().cuvmm_handoff_prepare()
 
 
 def release_kept_mappings() -> int:
-    """Unmaps, in this receiving process, every kept mapping no tensor uses now; returns its bytes.
-    An idle kept mapping holds its sender's pages even after the sender gave them back to the
-    driver (``empty_cache``, a sleep): call this where a sender needs that memory back at once,
-    or set ``CUVMM_SHARE_KEEP=0`` to keep none."""
-    return _kept.release_idle()
+    """Kept for code written for earlier versions: mappings a receiver keeps are unmapped as soon
+    as their sender gives the pages back to the device, so there is nothing left to release here.
+    Returns 0."""
+    return 0
 
 
 def pending_shares() -> int:
-    """Exports of this process whose receivers have not let go yet."""
-    return _handoff.pending() + _handoff.held()
+    """Offers of this process whose receivers have not let go yet (taken or not)."""
+    st = _core.handoff_stats()
+    return st["offered"] + st["held"]
 
 
 class SharedEvent:

@@ -75,21 +75,6 @@ def train_result(alloc, bits, step_s, peak, max_alloc=None, mapped_peak=None):
     return r
 
 
-class Sizes(unittest.TestCase):
-    def test_sizes_read_as_the_library_reads_them(self):
-        table = Path(__file__).resolve().parents[1] / "sizes.txt"
-        for line in table.read_text().splitlines():
-            if line.startswith("#"):
-                continue
-            text, want = line.rsplit("|", 1)
-            with self.subTest(text=text):
-                if want == "error":
-                    with self.assertRaises(ValueError):
-                        cuvmm._parse_size(text)
-                else:
-                    self.assertEqual(cuvmm._parse_size(text), int(want))
-
-
 class Compare(unittest.TestCase):
     def test_passes_when_within_bounds(self):
         native = train_result("native", ["aa", "bb"], [9.0, 1.0, 1.0, 1.0], 110, max_alloc=100)

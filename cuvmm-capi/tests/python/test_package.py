@@ -489,7 +489,7 @@ class InstalledWheel(unittest.TestCase):
                 h = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
                 self.assertEqual((digest, int(size)), ("sha256=" + h, len(data)), name)
             self.assertEqual({n for n in names if not n.startswith(info)},
-                             {"cuvmm/__init__.py", "cuvmm/_device_waits.py", "cuvmm/_share.py", "cuvmm/_share_keep.py",
+                             {"cuvmm/__init__.py", "cuvmm/_share.py",
                               "cuvmm/_tag_pools.py", "cuvmm/_torch_share.py", "cuvmm/_torch_stats.py", "cuvmm/torch.py",
                               "cuvmm/torch_memory_saver.py", "cuvmm/vllm.py", "cuvmm_torch.py", "cuvmm/libcuvmm.so",
                               "cuvmm/libcuvmm_torch.so"})

@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
 """cuvmm.torch's reduction and rebuild of a CUDA tensor, without a GPU or PyTorch: a stand-in
-``torch`` and a stand-in library (counting marks, descriptors made, imports and unexports), the
-sender and the receiver in this one process. A first hand-off makes the pages' descriptors and
-imports them; the same pages again make, send and import nothing; the block is let go each time
-the receiver's tensor goes; a descriptor the receiver refuses leaves nothing held.
+``torch`` and a stand-in library (the hand-off's C functions, recorded), the sender and the
+receiver in this one process. The protocol itself (connections, fetches, releases, revocations)
+is the library's and is tested there (src/ipc/handoff/tests.rs); this tests what Python does
+around it: what travels beside the ticket, the tensor rebuilt from it, the release after the
+current stream's work, and that nothing offered is left behind when something fails.
 
     python3 cuvmm-capi/tests/python/test_torch_share.py
 """
@@ -91,6 +92,7 @@ def fake_torch():
     torch._C = types.SimpleNamespace(_cuda_hasPrimaryContext=lambda d: d == 0)
     torch.cuda = types.SimpleNamespace(
         device_count=lambda: 2, current_device=lambda: 0, synchronize=lambda d=None: None,
+        current_stream=lambda d=None: types.SimpleNamespace(cuda_stream=0x5757),
         can_device_access_peer=lambda a, b: True, device=lambda d: contextlib.nullcontext(),
         get_device_properties=lambda d: types.SimpleNamespace(total_memory=80 << 30))
     torch.UntypedStorage = lambda n, device=None: Storage(0, n)
@@ -102,218 +104,168 @@ def fake_torch():
 
 
 class FakeLib:
-    """The library calls the reduction and the rebuild make, counted."""
+    """The hand-off's C functions the reduction and the rebuild call, recorded."""
 
     def __init__(self):
-        self.marks = self.unexports = self.fds_made = self.imports = self.import_releases = 0
-        self.mark_calls = 0
-        self.pages = [11, 12, 13]
+        self.offered, self.groups, self.taken = [], [], []
+        self.released, self.let_go, self.withdrawn = [], [], []
+        self.error = None
+        self.prepared = 0
 
     def cuvmm_owner(self, device, ptr, block, n):
-        block._obj.value, n._obj.value = BLOCK, len(self.pages) * PAGE
+        return 1 if BLOCK <= ptr < BLOCK + LEN else 0
+
+    def cuvmm_offer(self, device, ptr, group, buf, cap, block):
+        ticket = b"ticket-%d" % len(self.offered)
+        if len(ticket) > cap:
+            return len(ticket)
+        buf[:len(ticket)] = ticket
+        block._obj.value = BLOCK
+        self.offered.append(ticket)
+        self.groups.append(group)
+        return len(ticket)
+
+    def cuvmm_withdraw(self, ticket, n):
+        self.withdrawn.append(ticket)
         return 1
 
-    def cuvmm_export_mark(self, device, ptr, out, pages, cap):
-        # Too little room marks nothing but costs a call: the library marks and lets go.
-        self.mark_calls += 1
-        n = len(self.pages)
-        o = out._obj
-        o.block, o.len, o.first_page, o.page, o.count = BLOCK, n * PAGE, BLOCK, PAGE, n
-        if n <= cap:
-            self.marks += 1
-            for i, s in enumerate(self.pages):
-                pages[i] = s
-        return n
-
-    def cuvmm_export_fds(self, device, block, fds, cap):
-        assert block == BLOCK and self.marks > self.unexports, "descriptors of a marked block only"
-        for i in range(len(self.pages)):
-            fds[i] = os.memfd_create(f"page{i}")
-        self.fds_made += len(self.pages)
-        return len(self.pages)
-
-    def cuvmm_unexport(self, device, block):
-        self.unexports += 1
+    def cuvmm_ticket_len(self, ticket, n, out):
+        out._obj.value = LEN
         return 0
 
-    def cuvmm_import(self, device, fds, n, page, peers, npeers, base):
-        self.imports += 1
-        base._obj.value = (1 << 40) + self.imports * BLOCK
-        return self.imports
+    def cuvmm_take(self, ticket, n, peers, npeers, timeout, device, block):
+        if self.error is not None:
+            return None
+        self.taken.append(ticket)
+        device._obj.value, block._obj.value = 0, MAPPED
+        return len(self.taken)
 
-    def cuvmm_import_release(self, handle):
-        self.import_releases += 1
+    def cuvmm_lease_release(self, lease, streams, n):
+        self.released.append((lease, streams[0] if n else None))
         return 0
 
+    def cuvmm_let_go(self, ticket, n, timeout):
+        self.let_go.append(ticket)
+        return 0
+
+    def cuvmm_handoff_prepare(self):
+        self.prepared += 1
+        return 0
+
+    def cuvmm_handoff_stats(self, out):
+        out._obj.offered = len(self.offered) - len(self.taken) - len(self.withdrawn) - len(self.let_go)
+        out._obj.held = len(self.taken) - len(self.released)
+        return 0
+
+    def cuvmm_last_error(self):
+        return self.error
+
+
+LEN = 3 * PAGE
+MAPPED = 1 << 40
 
 sys.modules["torch"] = fake_torch()
 import cuvmm  # noqa: E402
 from cuvmm import _share, _torch_share as ts  # noqa: E402
 
 
-def wait_for(cond, what):
-    deadline = time.monotonic() + 10
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.01)
+def pickling(enable):
+    """torch.multiprocessing's reductions stood in, and cuvmm's installed (or taken out)."""
+    mp = types.ModuleType("torch.multiprocessing")
+    mp.reductions = types.SimpleNamespace(reduce_tensor=lambda t: (list, ()))
+    sys.modules["torch.multiprocessing"] = mp
+    ts.share_tensors(enable)
 
 
 class HandOff(unittest.TestCase):
     def setUp(self):
         self.lib = cuvmm._lib = FakeLib()
-        ts._kept.release_idle()
 
-    def tensor(self):
-        t = Tensor(Storage(BLOCK + 4096, 3 * PAGE - 8192), Dtype("float32", 4), (4, 8), (1, 4), 3)
-        t.requires_grad = True
-        return Parameter(t, requires_grad=True)
+    def tensor(self, requires_grad=True):
+        t = Tensor(Storage(BLOCK + 4096, 2 * PAGE), Dtype("float32", 4), (4, 8), (1, 4), 3)
+        t.requires_grad = requires_grad
+        return Parameter(t, requires_grad=requires_grad)
 
-    def send_and_receive(self):
+    def test_a_tensor_comes_back_over_the_block_and_is_released_after_the_current_stream(self):
         fn, args = ts.reduce_tensor(self.tensor())
-        return fn(*args)
-
-    def test_the_same_pages_again_make_send_and_import_nothing(self):
-        lib = self.lib
-        got = self.send_and_receive()
-        self.assertEqual((lib.marks, lib.fds_made, lib.imports), (1, 3, 1), "a first hand-off imports")
+        got = fn(*args)
         self.assertIsInstance(got, Parameter)
         self.assertEqual((got.shape, got.stride(), got.storage_offset(), got.requires_grad),
                          ((4, 8), (1, 4), 3, True))
-        first_ptr = got.storage.data_ptr()
+        self.assertEqual(got.storage.data_ptr(), MAPPED + 4096, "the storage where it lies in the block")
+        self.assertEqual(self.lib.taken, [b"ticket-0"])
+        self.assertEqual(self.lib.released, [])
         del got
-        wait_for(lambda: lib.unexports == 1, "the block let go")
-        self.assertEqual(lib.import_releases, 0, "the mapping kept")
-        for k in range(3):
-            got = self.send_and_receive()
-            self.assertEqual((lib.marks, lib.fds_made, lib.imports), (2 + k, 3, 1),
-                             "nothing made, sent or imported for pages mapped already")
-            self.assertEqual(got.storage.data_ptr(), first_ptr, "over the kept mapping")
-            self.assertEqual(lib.unexports, 1 + k, "held while the tensor lives")
-            del got
-            wait_for(lambda: lib.unexports == 2 + k, "the block let go")
-        wait_for(lambda: ts.pending_shares() == 0, "nothing pending")
-        # Other pages (the block freed and allocated again elsewhere): imported afresh.
-        lib.pages = [21, 22, 23]
-        got = self.send_and_receive()
-        self.assertEqual((lib.fds_made, lib.imports), (6, 2))
-        del got
-        wait_for(lambda: lib.unexports == lib.marks, "the block let go")
-        self.assertEqual(ts.release_kept_mappings(), 2 * 3 * PAGE)
-        self.assertEqual(lib.import_releases, 2, "idle kept mappings unmapped on request")
+        gc.collect()
+        self.assertEqual(self.lib.released, [(1, 0x5757)], "released after the device's current stream")
 
-    def test_a_block_of_many_pages_is_marked_once(self):
-        lib = self.lib
-        lib.pages = list(range(100, 400))
-        got = self.send_and_receive()
-        self.assertEqual((lib.mark_calls, lib.marks), (1, 1), "one mark, with room for every page")
-        self.assertEqual(lib.fds_made, 300)
-        del got
-        wait_for(lambda: lib.unexports == 1, "the block let go")
-        wait_for(lambda: ts.pending_shares() == 0, "nothing pending")
-        self.assertEqual(ts.release_kept_mappings(), 300 * PAGE)
-
-    def test_storages_dropped_together_share_a_device_wait_and_are_let_go_after_it(self):
-        lib, cuda = self.lib, sys.modules["torch"].cuda
-        gate, waits = threading.Event(), []
-
-        def synchronize(device=None):
-            waits.append(device)
-            if threading.current_thread() is not threading.main_thread():
-                gate.wait(10)  # (one that waited on the dropping thread would wait alone)
-
-        cuda.synchronize = synchronize
+    def test_a_release_at_teardown_waits_for_the_device(self):
+        cuda = sys.modules["torch"].cuda
+        fn, args = ts.reduce_tensor(self.tensor())
+        got = fn(*args)
+        stream, cuda.current_stream = cuda.current_stream, None  # torn down
         try:
-            got = [self.send_and_receive() for _ in range(64)]
-            self.assertEqual((lib.marks, lib.imports), (64, 1))
             del got
-            time.sleep(0.2)
-            self.assertEqual(lib.unexports, 0, "no sender told while the device's work may run")
-            gate.set()
-            wait_for(lambda: lib.unexports == 64, "every block let go")
-            self.assertLessEqual(len(waits), 2, "one device wait for the storages dropped together")
-            wait_for(lambda: ts._waits.pending() == 0, "every release told")
-            self.assertEqual(ts.release_kept_mappings(), 3 * PAGE, "the mapping kept until now")
+            gc.collect()
         finally:
-            cuda.synchronize = lambda d=None: None
-            gate.set()
+            cuda.current_stream = stream
+        self.assertEqual(self.lib.released, [(1, None)])
 
-    def test_a_receiver_dying_with_releases_pending_lets_go_of_every_block(self):
-        lib = self.lib
-        sent = [ts.reduce_tensor(self.tensor()) for _ in range(8)]
-        r, w = os.pipe()
-        pid = os.fork()
-        if pid == 0:  # the receiver: its device never finishes, and it dies meanwhile
-            try:
-                os.close(r)
-                sys.modules["torch"].cuda.synchronize = lambda d=None: time.sleep(3600)
-                got = [fn(*args) for fn, args in sent]
-                del got
-                os.write(w, b"%d" % ts._waits.pending())
-            finally:
-                os._exit(0)
-        os.close(w)
-        with os.fdopen(r, "rb") as f:
-            self.assertEqual(f.read(), b"8", "the receiver's releases pending when it died")
-        os.waitpid(pid, 0)
-        wait_for(lambda: lib.unexports == 8, "every block let go")
+    def test_a_refused_descriptor_lets_the_offer_go_and_takes_nothing(self):
+        fn, (desc, ticket) = ts.reduce_tensor(self.tensor())
+        for field, bad in (("dtype", "no_such_dtype"), ("nbytes", LEN + 1), ("size", (1 << 40, 8))):
+            d = list(desc)
+            d[_share._FIELDS.index(field)] = bad
+            with self.assertRaises(ValueError):
+                fn(tuple(d), ticket)
+        self.assertEqual(self.lib.let_go, [ticket] * 3)
+        self.assertEqual(self.lib.taken, [])
 
-    def test_the_tensors_of_one_pickle_come_in_one_round_trip(self):
-        import itertools
-        import multiprocessing.reduction as mpr
-        import pickle
-        lib = self.lib
-        serials, mark = itertools.count(100), lib.cuvmm_export_mark
+    def test_a_sender_that_does_not_answer_is_a_timeout_error(self):
+        fn, args = ts.reduce_tensor(self.tensor())
+        self.lib.error = b"cuvmm_take: timed out with 0 of 1 bytes of a message received"
+        with self.assertRaises(TimeoutError):
+            fn(*args)
 
-        def other_pages_each(*a):
-            lib.pages = [next(serials) for _ in range(3)]
-            return mark(*a)
-        lib.cuvmm_export_mark = other_pages_each
-        mp = types.ModuleType("torch.multiprocessing")
-        mp.reductions = types.SimpleNamespace(reduce_tensor=lambda t: None)
-        sys.modules["torch.multiprocessing"] = mp
-        exchanges, exchange = [], _share._exchange
-        _share._exchange = lambda *a, **k: exchanges.append(1) or exchange(*a, **k)
-        ts.share_tensors(True)
+    def test_a_non_leaf_that_requires_grad_is_refused_before_anything_is_offered(self):
+        t = self.tensor()
+        t.is_leaf = False
+        with self.assertRaises(RuntimeError):
+            ts.reduce_tensor(t)
+        self.assertEqual(self.lib.offered, [])
+
+    def test_a_tensor_on_other_memory_takes_pytorchs_path(self):
+        pickling(True)
         try:
-            first = mpr.ForkingPickler.dumps([self.tensor() for _ in range(8)])
-            second = mpr.ForkingPickler.dumps([self.tensor() for _ in range(4)])
-            self.assertIsNone(getattr(ts._pickling, "group", None), "no group outside a pickle")
-            got = pickle.loads(first)
-            self.assertEqual(len(exchanges), 1, "one round trip for a pickle's eight tensors")
-            self.assertEqual((lib.fds_made, lib.imports), (24, 8))
-            self.assertEqual(ts._handoff.pending(), 4, "another pickle's offers are not taken along")
-            more = pickle.loads(second)
-            self.assertEqual(len(exchanges), 2)
-            self.assertEqual([t.storage.data_ptr() > 0 for t in got + more], [True] * 12)
+            t = self.tensor()
+            t.storage = Storage(BLOCK + LEN, 64)
+            self.assertEqual(ts.reduce_tensor(t), (list, ()))
+            self.assertEqual(self.lib.offered, [])
         finally:
             ts.share_tensors(False)
-            _share._exchange = exchange
+
+    def test_the_tensors_of_one_pickle_are_one_group_and_a_failed_pickle_withdraws_its_offers(self):
+        import multiprocessing.reduction as mpr
+        pickling(True)
+        try:
+            self.assertEqual(self.lib.prepared, 1, "the hand-off's threads started with the reductions")
+            mpr.ForkingPickler.dumps([self.tensor() for _ in range(3)])
+            mpr.ForkingPickler.dumps([self.tensor() for _ in range(2)])
+            g = self.lib.groups
+            self.assertEqual(len(set(g[:3])), 1)
+            self.assertEqual(len(set(g[3:])), 1)
+            self.assertNotEqual(g[0], g[3])
+            self.assertNotIn(0, g, "a pickle's offers are grouped")
+            with self.assertRaises(Exception):
+                mpr.ForkingPickler.dumps([self.tensor(), self.tensor(), lambda: None])
+            self.assertEqual(self.lib.withdrawn, self.lib.offered[5:7], "the failed pickle's offers withdrawn")
+            self.assertIsNone(getattr(ts._pickling, "group", None), "no group outside a pickle")
+            self.assertEqual(ts.reduce_tensor(self.tensor())[0], ts._rebuild)
+            self.assertEqual(self.lib.groups[-1], 0, "a tensor reduced outside a pickle has no group")
+        finally:
+            ts.share_tensors(False)
             del sys.modules["torch.multiprocessing"]
         self.assertIs(mpr.ForkingPickler.dump, ts._plain_dump, "PyTorch's pickling put back")
-        del got, more
-        wait_for(lambda: lib.unexports == 12, "every block let go")
-        ts.release_kept_mappings()
-
-    def test_importing_makes_room_for_a_hand_offs_descriptors(self):
-        import resource
-        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-        want = min(_share.FD_SLOTS, soft) if soft != resource.RLIM_INFINITY else _share.FD_SLOTS
-        wait_for(lambda: _share.fd_slots() >= want, f"a descriptor table of {want} slots")
-
-    def test_a_refused_descriptor_leaves_nothing_held(self):
-        fn, (desc, address, token, pages) = ts.reduce_tensor(self.tensor())
-        bad = list(desc)
-        bad[_share._FIELDS.index("dtype")] = "no_such_dtype"
-        with self.assertRaises(ValueError):
-            fn(tuple(bad), address, token, pages)
-        wait_for(lambda: self.lib.unexports == 1, "the block let go")
-        self.assertEqual((self.lib.fds_made, self.lib.imports), (0, 0))
-        self.assertEqual(ts._handoff.pending(), 0, "the offer fetched")
-
-    def tearDown(self):
-        gc.collect()
-        wait_for(lambda: ts.pending_shares() == 0, "nothing pending")
 
 
 if __name__ == "__main__":

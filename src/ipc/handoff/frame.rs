@@ -17,7 +17,7 @@ pub const FDS_PER_MESSAGE: usize = 250;
 /// The most tokens in one release.
 pub const RELEASES_PER_MESSAGE: usize = 256;
 /// The most offers one answer hands over (the one asked for and those of its group).
-pub const OFFERS_PER_ANSWER: usize = 64;
+pub const OFFERS_PER_ANSWER: usize = 256;
 /// The most serials in one revocation.
 pub const SERIALS_PER_MESSAGE: usize = 512;
 /// The most pages under one offer: 2 TiB of the smallest (2 MiB) pages.

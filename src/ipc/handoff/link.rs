@@ -232,3 +232,24 @@ impl Wake {
         while matches!(nix::unistd::read(self.read.as_raw_fd(), &mut b), Ok(n) if n > 0) {}
     }
 }
+
+/// Slots the descriptor table is grown to ahead of a first hand-off.
+const FD_SLOTS: i32 = 4096;
+
+/// Raises the soft limit on open descriptors to the hard one (a hand-off of a large group holds
+/// one descriptor per page for a moment), and grows the descriptor table to [`FD_SLOTS`] slots
+/// or the limit. Linux grows the table of a process with several threads only after an RCU grace
+/// period: a first hand-off that grew it several times on each side waited tens of milliseconds.
+/// Called on the hand-off's own threads as they start, so that nobody waits for it; `any` is
+/// any open descriptor.
+pub(crate) fn make_fd_room(any: BorrowedFd<'_>) {
+    use nix::sys::resource::{getrlimit, setrlimit, Resource};
+    let Ok((soft, hard)) = getrlimit(Resource::RLIMIT_NOFILE) else { return };
+    let soft =
+        if soft < hard && setrlimit(Resource::RLIMIT_NOFILE, hard, hard).is_ok() { hard } else { soft };
+    let slots = FD_SLOTS.min(i32::try_from(soft).unwrap_or(i32::MAX));
+    // The lowest free descriptor at or above the last slot: the table grows to hold it.
+    if let Ok(fd) = nix::fcntl::fcntl(any.as_raw_fd(), nix::fcntl::FcntlArg::F_DUPFD_CLOEXEC(slots - 1)) {
+        let _ = nix::unistd::close(fd);
+    }
+}

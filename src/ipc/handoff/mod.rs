@@ -5,10 +5,14 @@
 //!
 //! ```no_run
 //! # fn main() -> cuvmm::Result<()> {
+//! use cuvmm::alloc::StreamAllocator;
 //! use cuvmm::ipc::handoff::{Receiver, Sender, Ticket};
+//! use cuvmm::{Context, Stream};
 //! use std::time::Duration;
-//! # let (ctx, alloc, stream) = (cuvmm::Context::for_ordinal(0)?, todo!(), todo!());
-//! # let block: cuvmm::alloc::StreamBlock = todo!();
+//!
+//! let ctx = Context::for_ordinal(0)?;
+//! let (alloc, stream) = (StreamAllocator::new(&ctx)?, Stream::new(&ctx)?);
+//! let block = alloc.allocate(256 << 20, &stream)?;
 //! // Sender: the block stays allocated (whatever this process frees) until the receiver lets go.
 //! let ticket = Sender::global()?.offer(&alloc, block.ptr(), None)?;
 //! let bytes = ticket.to_bytes(); // travels to the receiver
@@ -92,6 +96,12 @@ impl<T> PerProcess<T> {
         PerProcess { slot: Mutex::new(None) }
     }
 
+    /// This process's, if made.
+    fn current(&self) -> Option<Arc<T>> {
+        let s = self.slot.lock().unwrap_or_else(|e| e.into_inner());
+        s.as_ref().filter(|(p, _)| *p == std::process::id()).map(|(_, t)| t.clone())
+    }
+
     fn get(&self, make: impl FnOnce() -> Result<Arc<T>>) -> Result<Arc<T>> {
         let pid = std::process::id();
         let mut s = self.slot.lock().unwrap_or_else(|e| e.into_inner());
@@ -158,6 +168,21 @@ impl Sender {
             page: share.page as u64,
             serials: share.pages,
         })
+    }
+
+    /// The process's sender if it has started, without starting it.
+    pub fn started() -> Option<Sender> {
+        SENDER.current().map(|inner| Sender { inner })
+    }
+
+    /// Lets go of the offer of `ticket` if nobody has taken it yet; whether it did.
+    pub fn withdraw(&self, ticket: &Ticket) -> bool {
+        self.inner.withdraw(&ticket.token)
+    }
+
+    /// Bytes of the ticket of a block on `pages` pages.
+    pub fn ticket_len(&self, pages: usize) -> usize {
+        Ticket::len_for(pages, self.inner.address.len())
     }
 
     /// Lets go of offers not taken within `ttl` of being made (`None`, the default: kept until
@@ -228,6 +253,11 @@ impl Receiver {
         })
     }
 
+    /// The process's receiver if it has started, without starting it.
+    pub fn started() -> Option<Receiver> {
+        RECEIVER.current().map(|inner| Receiver { inner })
+    }
+
     /// Tells the sender of `ticket` that this process will not take it (it lets the block go).
     pub fn let_go(&self, ticket: &Ticket, timeout: Duration) -> Result<()> {
         self.inner.let_go(ticket, timeout)
@@ -295,4 +325,5 @@ impl Lease {
 }
 
 #[cfg(test)]
+#[path = "protocol_tests.rs"]
 mod tests;

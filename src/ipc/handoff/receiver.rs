@@ -482,6 +482,9 @@ fn idle_unmap(m: &Shared) {
 }
 
 fn io_thread(inner: Weak<Inner>) {
+    if let Some(i) = inner.upgrade() {
+        link::make_fd_room(i.wake.fd());
+    }
     loop {
         let Some(i) = inner.upgrade() else { return };
         let conns: Vec<Arc<Conn>> = lock(&i.conns).values().cloned().collect();

@@ -131,6 +131,20 @@ impl Inner {
         Ok(token)
     }
 
+    /// Lets go of the offer under `t` unless it was taken; whether it was there.
+    pub(crate) fn withdraw(&self, t: &Token) -> bool {
+        let u = {
+            let mut s = lock(&self.state);
+            let u = s.take(t);
+            if u.is_some() {
+                s.stats.held -= 1;
+                s.stats.let_go += 1;
+            }
+            u
+        };
+        u.is_some() // dropped (let go) without the lock
+    }
+
     pub(crate) fn stats(&self) -> SenderStats {
         lock(&self.state).stats
     }
@@ -178,6 +192,7 @@ struct Server {
 impl Server {
     /// Answers for the rest of the process's life (its state is the process's).
     fn run(mut self) {
+        link::make_fd_room(self.listener.as_fd());
         loop {
             self.turn();
         }

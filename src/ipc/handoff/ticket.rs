@@ -81,6 +81,12 @@ impl Ticket {
         &self.serials
     }
 
+    /// Bytes of a ticket of `pages` pages from a sender listening at an address of `address`
+    /// bytes.
+    pub(crate) fn len_for(pages: usize, address: usize) -> usize {
+        FIXED + 8 * pages + address
+    }
+
     /// The ticket as bytes (`docs/WIRE.md`, "The ticket").
     pub fn to_bytes(&self) -> Vec<u8> {
         let mut b = Vec::with_capacity(FIXED + 8 * self.serials.len() + self.address.len());
