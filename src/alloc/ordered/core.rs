@@ -311,6 +311,9 @@ pub(crate) struct Core<B: Backend> {
     /// Those of them already freed (see [`AllocatorStats::freed_shared`]): still live in their
     /// heap, as (stream, epoch) of their free, until the last sharing is over.
     freed_shared: HashMap<u64, (StreamId, Epoch)>,
+    /// The cache was emptied while blocks freed while shared were still held: each gives its
+    /// pages back as its last sharing ends, as that emptying would have.
+    empty_when_unshared: bool,
     /// Blocks of at least this many bytes (untagged) are one physical allocation each; 0: off.
     whole_above: u64,
     /// Bytes of a sleep's copies after which the pages they read are released while the next
@@ -347,6 +350,7 @@ impl<B: Backend> Core<B> {
             wants_settle: false,
             exported: HashMap::new(),
             freed_shared: HashMap::new(),
+            empty_when_unshared: false,
             whole_above: 0,
             sleep_batch: sleep::SLEEP_BATCH,
             #[cfg(test)]
@@ -1432,6 +1436,7 @@ impl<B: Backend> Core<B> {
         self.flush_cached();
         self.settle_all()?;
         let r = self.release_idle();
+        self.emptied();
         if self.check_calls {
             self.check();
         }

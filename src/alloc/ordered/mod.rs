@@ -578,7 +578,9 @@ impl StreamAllocator {
         let settle = core.settle_begin();
         let (mut core, waited) = self.settle(core, settle);
         waited?;
-        core.release_idle().map(|b| b as usize)
+        let released = core.release_idle()?;
+        core.emptied();
+        Ok(released as usize)
     }
 
     /// Waits for the whole device without the allocator's lock, which a host function the device

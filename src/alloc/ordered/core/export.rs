@@ -135,7 +135,21 @@ impl<B: Backend> Core<B> {
         let slot = self.slots.iter().position(|s| s.heap.contains(block));
         let freed = slot.and_then(|slot| self.slots[slot].heap.free(block, owner));
         debug_assert!(freed.is_some(), "a block freed while shared stays live in its heap");
+        if self.empty_when_unshared {
+            self.empty_when_unshared = !self.freed_shared.is_empty();
+            // Its free's work is done (idle) or waited for by the next emptying: pages that
+            // are idle now go back, as the emptying that came while it was shared would have.
+            if idle {
+                self.release_idle()?;
+            }
+        }
         Ok(())
+    }
+
+    /// An emptying of the cache has just run: blocks freed while shared, which it could not give
+    /// back, give their pages back as their last sharing ends.
+    pub(crate) fn emptied(&mut self) {
+        self.empty_when_unshared = !self.freed_shared.is_empty();
     }
 
     /// Keeps the shared block at `block`, which its owner has just freed on `stream` at `epoch`,
@@ -263,6 +277,26 @@ mod tests {
             c.free(again, Handle(1)).unwrap();
             assert_eq!(c.stats().live, 0);
         }
+    }
+
+    #[test]
+    fn a_cache_emptied_while_a_freed_block_was_shared_gives_its_pages_back_when_its_sharing_ends() {
+        let mut c = core(1000);
+        let b = c.allocate(4 * PAGE, 1, Capture::None, 0).unwrap();
+        c.export(b, |_| Ok(())).unwrap();
+        c.free(b, Handle(1)).unwrap();
+        c.empty_cache().unwrap();
+        let mapped = c.stats().mapped;
+        assert!(mapped >= 4 * PAGE, "held while an importer may use it");
+        c.unexport(b).unwrap();
+        assert_eq!(c.stats().mapped, mapped - 4 * PAGE, "given back as the emptying would have");
+        // Without an emptying meanwhile, a block let go stays cached as any freed block does.
+        let b = c.allocate(4 * PAGE, 1, Capture::None, 0).unwrap();
+        c.export(b, |_| Ok(())).unwrap();
+        c.free(b, Handle(1)).unwrap();
+        let mapped = c.stats().mapped;
+        c.unexport(b).unwrap();
+        assert_eq!(c.stats().mapped, mapped);
     }
 
     #[test]
