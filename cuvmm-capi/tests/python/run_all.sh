@@ -117,6 +117,8 @@ run weight_sync $PY weight_sync.py --json "$OUT_DIR/weight_sync.json"
 run share_safety $PY share_safety.py --json "$OUT_DIR/share_safety.json"
 # A sender freeing tensors a receiver still maps (resize_(0), resize_, out=): nothing aliased.
 run share_free $PY share_free.py --json "$OUT_DIR/share_free.json"
+# A receiver that returns holding what it received exits with status 0.
+run receiver_exit $PY receiver_exit.py --json "$OUT_DIR/receiver_exit.json"
 
 # e. all-reduce, where there are GPUs for it
 gpus=$($PY -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)

@@ -16,9 +16,8 @@ Checks: the receiver's tensors intact; the sender's new tensors untouched by the
 and lying on none of the freed blocks' addresses; on cuvmm, ``stats()["freed_shared"]`` holding
 the freed blocks while the receiver maps them and 0 once it lets go, the same after a receiver
 that is killed while it holds one, and live bytes back at the end; a tensor allocated at the
-address of a freed one (the receiver having let go) arrives with its own memory. cuvmm runs twice:
-by default (the receiver keeps its mappings between hand-offs), and with a receiver that keeps
-none (CUVMM_SHARE_KEEP=0). About 30 s on one GPU.
+address of a freed one (the receiver having let go, its mapping of the old pages revoked by the
+sender's emptied cache) arrives with its own memory. About 30 s on one GPU.
 """
 
 import argparse
@@ -154,8 +153,8 @@ def sender(args):
     if alloc.uses_cuvmm:
         checks["freed_shared holds the freed blocks while the receiver maps them"] = during == freed_bytes
         checks["freed_shared is 0 once the receiver let go"] = after == 0
-    # The same address on new pages once the receiver let go (its mapping kept, unless
-    # CUVMM_SHARE_KEEP=0): what arrives is the new tensor's memory.
+    # The same address on new pages once the receiver let go (its mapping kept until the sender's
+    # emptied cache revoked it): what arrives is the new tensor's memory.
     t = torch.full((64 * MiB // 4,), 5, dtype=torch.int32, device="cuda:0")
     assert ask("hold", [t]) == 1
     assert ask("drop") is None
@@ -196,12 +195,9 @@ def sender(args):
     return finish("share_free.py", args, result, checks)
 
 
-def run_sender(alloc, keep=None):
+def run_sender(alloc):
     cmd = [sys.executable, os.path.abspath(__file__), "--role", "sender", "--alloc", alloc]
-    env = dict(os.environ)
-    if keep is not None:
-        env["CUVMM_SHARE_KEEP"] = keep  # the spawned receiver inherits it
-    p = subprocess.run(cmd, cwd=HERE, stdout=subprocess.PIPE, text=True, env=env)
+    p = subprocess.run(cmd, cwd=HERE, stdout=subprocess.PIPE, text=True)
     sys.stdout.write("".join(line + "\n" for line in p.stdout.splitlines() if not line.startswith("RESULT ")))
     lines = [line for line in p.stdout.splitlines() if line.startswith("RESULT ")]
     return json.loads(lines[-1][len("RESULT "):]) if lines else {"error": f"exit {p.returncode}", "checks": {}}
@@ -217,8 +213,6 @@ def main():
         return sender(args)
     allocs = ("native", "cuvmm") if args.alloc == "all" else (args.alloc,)
     runs = {a: run_sender(a) for a in allocs}
-    if "cuvmm" in allocs:
-        runs["cuvmm CUVMM_SHARE_KEEP=0"] = run_sender("cuvmm", "0")
     checks = {}
     for a, r in runs.items():
         checks[f"{a} run completed"] = "intact" in r

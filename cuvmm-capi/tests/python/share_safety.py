@@ -25,7 +25,7 @@ from _common import MiB, as_nobody, env_info, exact_sum, fill_mod_pattern, finis
 
 SIZES_MIB = (19, 33, 100, 3)  # the last below any sensible threshold: ordinary pages
 MOD, ADD = 251, 7
-ADDRESS = re.compile(rb"\x00cuvmm-share-[0-9]+-[0-9a-f]{16}")
+ADDRESS = re.compile(rb"\x00cuvmm-handoff-[0-9]+-[0-9a-f]{16}")
 
 
 def sender(q, back):
