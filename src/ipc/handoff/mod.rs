@@ -7,7 +7,8 @@
 //! # fn main() -> cuvmm::Result<()> {
 //! use cuvmm::ipc::handoff::{Receiver, Sender, Ticket};
 //! use std::time::Duration;
-//! # let (ctx, alloc, stream) = (cuvmm::Context::for_ordinal(0)?, todo!(), todo!());
+//! # let ctx = cuvmm::Context::for_ordinal(0)?;
+//! # let (alloc, stream): (cuvmm::alloc::StreamAllocator, cuvmm::Stream) = todo!();
 //! # let block: cuvmm::alloc::StreamBlock = todo!();
 //! // Sender: the block stays allocated (whatever this process frees) until the receiver lets go.
 //! let ticket = Sender::global()?.offer(&alloc, block.ptr(), None)?;
