@@ -1137,7 +1137,31 @@ pub mod seeds {
                 "43 56 48 4f 01 00 01 00 01 00 00 00 00 00 00 00 \
                  30 31 32 33 34 35 36 37 38 39 61 62 63 64 65 66"
             );
-            let t = Ticket::from_bytes(&TicketFields::example().bytes()).unwrap();
+            let token = cuvmm::ipc::handoff::Token(*b"0123456789abcdef");
+            assert_eq!(
+                hex(&Frame::Offered(vec![(token, 2)]).encode().unwrap()),
+                "43 56 48 4f 01 00 10 00 01 00 00 00 00 00 00 00 \
+                 30 31 32 33 34 35 36 37 38 39 61 62 63 64 65 66 02 00 00 00 00 00 00 00"
+            );
+            assert_eq!(
+                hex(&Frame::Pages(2).encode().unwrap()),
+                "43 56 48 4f 01 00 11 00 00 00 00 00 02 00 00 00"
+            );
+            let ticket = TicketFields::example().bytes();
+            assert_eq!(
+                hex(&ticket),
+                "43 56 48 54 01 00 00 00 92 10 00 00 \
+                 30 31 32 33 34 35 36 37 38 39 61 62 63 64 65 66 \
+                 ee ee ee ee ee ee ee ee ee ee ee ee ee ee ee ee \
+                 00 10 00 00 00 7f 00 00 00 00 80 0c 00 00 00 00 \
+                 00 00 00 00 00 7f 00 00 00 00 00 08 00 00 00 00 \
+                 02 00 00 00 24 00 00 00 \
+                 0b 00 00 00 00 00 00 00 0c 00 00 00 00 00 00 00 \
+                 00 63 75 76 6d 6d 2d 68 61 6e 64 6f 66 66 2d 34 \
+                 32 34 32 2d 30 30 31 31 32 32 33 33 61 61 62 62 \
+                 63 63 64 64"
+            );
+            let t = Ticket::from_bytes(&ticket).unwrap();
             assert_eq!((t.offset(), t.len(), t.serials()), (4096, 200 * MIB, &[11, 12][..]));
             // Any bytes decode, and no input panics.
             for b in [&[][..], &[0], &[255, 1, 2, 3]] {
