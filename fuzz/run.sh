@@ -6,7 +6,7 @@
 # fuzz/artifacts/TARGET. Needs the nightly toolchain, cargo-fuzz and a C++ compiler.
 set -eu
 if [ $# -lt 1 ] || [ $# -gt 2 ]; then
-    echo "usage: $0 TARGET [SECONDS]   (targets: header, recv, growth)" >&2
+    echo "usage: $0 TARGET [SECONDS]   (targets: header, recv, growth, handoff)" >&2
     exit 2
 fi
 target=$1

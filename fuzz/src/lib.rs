@@ -5,6 +5,7 @@
 //! `seeds::checked_in_seeds_are_current` fails when they differ from what [`seeds`] makes, and
 //! `CUVMM_WRITE_SEEDS=1 cargo test --manifest-path fuzz/Cargo.toml --lib` rewrites them.
 
+use cuvmm::ipc::handoff::{Frame, Ticket};
 use cuvmm::ipc::wire::{Grow, HandleType, Header, Message, Region, WireHandle, HEADER_LEN};
 use cuvmm::ipc::{RegionLayout, Step};
 
@@ -402,6 +403,48 @@ pub fn run_growth(input: &GrowthInput) -> GrowthRun {
         applied += 1;
     }
     GrowthRun { applied, refused: false }
+}
+
+/// The largest hand-off message (docs/WIRE.md, "The hand-off"): a head and 4,096 bytes of entries.
+pub const HANDOFF_MESSAGE_MOST: usize = 16 + 4096;
+
+/// One run of the `handoff` target: bytes that arrived as one hand-off message, with a number of
+/// descriptors, and the same bytes read as a ticket.
+///
+/// Byte layout (an empty input reads as no descriptors and no bytes):
+///
+/// | byte | meaning |
+/// |---|---|
+/// | 0 | descriptors that came with the message (0 to 255) |
+/// | 1.. | the bytes, decoded as a message (`Frame::decode`) and as a ticket (`Ticket::from_bytes`) |
+///
+/// Returns what each decoder made of them.
+///
+/// # Panics
+///
+/// If either decoder panics, or accepts bytes that do not encode back to themselves; if a
+/// message accepted announces other descriptors than came, or is longer than
+/// [`HANDOFF_MESSAGE_MOST`]; if a ticket accepted has no pages, no sender, or a block that does
+/// not lie on its pages (from within the first, to within the last).
+pub fn run_handoff(data: &[u8]) -> (Option<Frame>, Option<Ticket>) {
+    let fds = usize::from(data.first().copied().unwrap_or(0));
+    let bytes = data.get(1..).unwrap_or_default();
+    let frame = Frame::decode(bytes, fds).ok();
+    if let Some(f) = &frame {
+        assert_eq!(f.encode().expect("a decoded message encodes"), bytes, "{f:?} encodes otherwise");
+        assert_eq!(f.fd_count(), fds, "{f:?} announces other descriptors than came");
+        assert!(bytes.len() <= HANDOFF_MESSAGE_MOST, "a message of {} bytes", bytes.len());
+    }
+    let ticket = Ticket::from_bytes(bytes).ok();
+    if let Some(t) = &ticket {
+        assert_eq!(t.to_bytes(), bytes, "{t:?} encodes otherwise");
+        let pages = t.serials().len() as u64;
+        assert!(pages > 0 && t.sender_pid() > 0 && !t.is_empty(), "{t:?}");
+        assert!(t.offset() < t.page(), "{t:?} starts past its first page");
+        let end = t.offset() + t.len();
+        assert!(end <= t.page() * pages && end > t.page() * (pages - 1), "{t:?} is off its last page");
+    }
+    (frame, ticket)
 }
 
 /// Byte offsets of the header's fields (docs/WIRE.md), for seeds that break one of them.
@@ -824,9 +867,195 @@ pub mod seeds {
         growth_cases().into_iter().map(|(name, input, _)| (name, input.encode())).collect()
     }
 
+    /// The fields of a ticket, laid out by hand as docs/WIRE.md ("The ticket") gives them, so that
+    /// the seeds check the layout as well as the code.
+    pub struct TicketFields {
+        /// The sender's pid.
+        pub pid: u32,
+        /// The token.
+        pub token: [u8; 16],
+        /// The device's UUID.
+        pub device: [u8; 16],
+        /// The block's address.
+        pub block: u64,
+        /// The block's size.
+        pub len: u64,
+        /// The address of its first page.
+        pub first_page: u64,
+        /// Bytes per page.
+        pub page: u64,
+        /// The pages' serials.
+        pub serials: Vec<u64>,
+        /// The sender's address, its leading zero byte included.
+        pub address: Vec<u8>,
+    }
+
+    impl TicketFields {
+        /// A block of 200 MiB, 4 KiB into two pages of 128 MiB, offered by pid 4242.
+        pub fn example() -> TicketFields {
+            TicketFields {
+                pid: 4242,
+                token: *b"0123456789abcdef",
+                device: [0xee; 16],
+                block: 0x7f00_0000_0000 + 4096,
+                len: 200 * MIB,
+                first_page: 0x7f00_0000_0000,
+                page: 128 * MIB,
+                serials: vec![11, 12],
+                address: b"\0cuvmm-handoff-4242-00112233aabbccdd".to_vec(),
+            }
+        }
+
+        /// Its bytes.
+        pub fn bytes(&self) -> Vec<u8> {
+            let mut b = b"CVHT".to_vec();
+            b.extend_from_slice(&1u16.to_le_bytes());
+            b.extend_from_slice(&[0, 0]);
+            b.extend_from_slice(&self.pid.to_le_bytes());
+            b.extend_from_slice(&self.token);
+            b.extend_from_slice(&self.device);
+            for v in [self.block, self.len, self.first_page, self.page] {
+                b.extend_from_slice(&v.to_le_bytes());
+            }
+            b.extend_from_slice(&(self.serials.len() as u32).to_le_bytes());
+            b.extend_from_slice(&(self.address.len() as u16).to_le_bytes());
+            b.extend_from_slice(&[0, 0]);
+            for s in &self.serials {
+                b.extend_from_slice(&s.to_le_bytes());
+            }
+            b.extend_from_slice(&self.address);
+            b
+        }
+    }
+
+    /// What the `handoff` target makes of a seed.
+    #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+    pub enum Handoff {
+        /// A message.
+        Message,
+        /// A ticket.
+        Ticket,
+        /// Neither.
+        Refused,
+    }
+
+    /// Seeds of the `handoff` target with what each decodes to: every kind of message at its
+    /// smallest and largest, tickets, and each way a message or a ticket can be wrong.
+    pub fn handoff_cases() -> Vec<(&'static str, Vec<u8>, Handoff)> {
+        use cuvmm::ipc::handoff::{Refusal, Token};
+        use Handoff::*;
+        let t = |b: u8| Token([b; 16]);
+        let msg = |f: Frame| {
+            let mut b = vec![f.fd_count() as u8];
+            b.extend(f.encode().expect("a valid message"));
+            b
+        };
+        let with_fds = |fds: u8, f: Frame| {
+            let mut b = msg(f);
+            b[0] = fds;
+            b
+        };
+        // A message's bytes with `value` written at `at` (an offset into the message).
+        let patched = |f: Frame, at: usize, value: &[u8]| {
+            let mut b = msg(f);
+            b[1 + at..1 + at + value.len()].copy_from_slice(value);
+            b
+        };
+        let ticket = |change: &dyn Fn(&mut TicketFields)| {
+            let mut f = TicketFields::example();
+            change(&mut f);
+            [vec![0], f.bytes()].concat()
+        };
+        let many: Vec<u64> = (1..=300).collect();
+        vec![
+            ("fetch", msg(Frame::Fetch(t(1))), Message),
+            ("hold", msg(Frame::Hold(t(2))), Message),
+            ("release", msg(Frame::Release(vec![t(3)])), Message),
+            ("release-largest", msg(Frame::Release(vec![t(4); 256])), Message),
+            ("offered", msg(Frame::Offered(vec![(t(5), 2)])), Message),
+            ("offered-largest", msg(Frame::Offered(vec![(t(6), 1 << 20); 64])), Message),
+            ("pages", msg(Frame::Pages(2)), Message),
+            ("pages-largest", msg(Frame::Pages(250)), Message),
+            ("refused-unknown", msg(Frame::Refused(Refusal::Unknown)), Message),
+            ("refused-failed", msg(Frame::Refused(Refusal::Failed)), Message),
+            ("refused-withdrawn", msg(Frame::Refused(Refusal::Withdrawn)), Message),
+            ("revoke", msg(Frame::Revoke(vec![11])), Message),
+            ("revoke-largest", msg(Frame::Revoke((1..=512).collect())), Message),
+            ("ticket", ticket(&|_| {}), Ticket),
+            (
+                "ticket-one-page-whole",
+                ticket(&|f| (f.block, f.len, f.serials) = (f.first_page, f.page, vec![7])),
+                Ticket,
+            ),
+            (
+                "ticket-many-pages",
+                ticket(&|f| (f.page, f.len, f.serials) = (2 * MIB, 300 * 2 * MIB - 4096, many.clone())),
+                Ticket,
+            ),
+            ("bad-magic", patched(Frame::Fetch(t(1)), 0, b"CVHX"), Refused),
+            ("bad-version", patched(Frame::Fetch(t(1)), 4, &2u16.to_le_bytes()), Refused),
+            ("bad-kind", patched(Frame::Fetch(t(1)), 6, &4u16.to_le_bytes()), Refused),
+            ("bad-count", patched(Frame::Fetch(t(1)), 8, &2u32.to_le_bytes()), Refused),
+            ("bad-fetch-with-fd", with_fds(1, Frame::Fetch(t(1))), Refused),
+            ("bad-pages-fewer-fds", with_fds(1, Frame::Pages(2)), Refused),
+            ("bad-pages-no-fd", patched(Frame::Pages(1), 12, &0u32.to_le_bytes()), Refused),
+            (
+                "bad-release-past-most",
+                {
+                    let mut b = msg(Frame::Release(vec![t(4); 256]));
+                    b[9..13].copy_from_slice(&257u32.to_le_bytes());
+                    b.extend_from_slice(&[4; 16]);
+                    b
+                },
+                Refused,
+            ),
+            (
+                "bad-offered-no-pages",
+                patched(Frame::Offered(vec![(t(5), 2)]), 32, &0u32.to_le_bytes()),
+                Refused,
+            ),
+            (
+                "bad-offered-reserved",
+                patched(Frame::Offered(vec![(t(5), 2)]), 36, &1u32.to_le_bytes()),
+                Refused,
+            ),
+            ("bad-refusal", patched(Frame::Refused(Refusal::Unknown), 16, &4u32.to_le_bytes()), Refused),
+            ("bad-trailing-byte", [msg(Frame::Hold(t(2))), vec![0]].concat(), Refused),
+            (
+                "bad-ticket-version",
+                {
+                    let mut b = ticket(&|_| {});
+                    b[5] = 2;
+                    b
+                },
+                Refused,
+            ),
+            ("bad-ticket-no-pid", ticket(&|f| f.pid = 0), Refused),
+            ("bad-ticket-page-size", ticket(&|f| f.page = 3 * MIB), Refused),
+            ("bad-ticket-last-page-unused", ticket(&|f| f.len = 100 * MIB), Refused),
+            ("bad-ticket-past-last-page", ticket(&|f| f.len = 300 * MIB), Refused),
+            ("bad-ticket-end-past-2-64", ticket(&|f| (f.len, f.serials) = (u64::MAX - 1, vec![11])), Refused),
+            ("bad-ticket-no-address", ticket(&|f| f.address.clear()), Refused),
+            (
+                "bad-ticket-cut",
+                {
+                    let mut b = ticket(&|_| {});
+                    b.pop();
+                    b
+                },
+                Refused,
+            ),
+        ]
+    }
+
+    /// Seeds of the `handoff` target, as its input bytes.
+    pub fn handoff() -> Seeds {
+        handoff_cases().into_iter().map(|(name, input, _)| (name, input)).collect()
+    }
+
     /// Every target's seeds, by target name.
     pub fn all() -> Vec<(&'static str, Seeds)> {
-        vec![("header", header()), ("recv", recv()), ("growth", growth())]
+        vec![("header", header()), ("recv", recv()), ("growth", growth()), ("handoff", handoff())]
     }
 
     #[cfg(test)]
@@ -886,6 +1115,57 @@ pub mod seeds {
                 expect[field::VERSION] = 2; // a version-1 share is written as version 2
                 assert_eq!(m.encode().unwrap().to_vec(), expect, "{name}");
                 assert_eq!(Header::decode(&b).is_ok(), matches!(m, Message::Share(_)), "{name}");
+            }
+        }
+
+        #[test]
+        fn handoff_seeds_decode_as_named() {
+            for (name, input, expect) in handoff_cases() {
+                let got = match run_handoff(&input) {
+                    (Some(_), None) => Handoff::Message,
+                    (None, Some(_)) => Handoff::Ticket,
+                    (None, None) => Handoff::Refused,
+                    (Some(f), Some(t)) => panic!("{name}: both {f:?} and {t:?}"),
+                };
+                assert_eq!(got, expect, "{name}");
+            }
+            // The worked examples of docs/WIRE.md.
+            let fetch = Frame::Fetch(cuvmm::ipc::handoff::Token(*b"0123456789abcdef")).encode().unwrap();
+            let hex = |b: &[u8]| b.iter().map(|x| format!("{x:02x}")).collect::<Vec<_>>().join(" ");
+            assert_eq!(
+                hex(&fetch),
+                "43 56 48 4f 01 00 01 00 01 00 00 00 00 00 00 00 \
+                 30 31 32 33 34 35 36 37 38 39 61 62 63 64 65 66"
+            );
+            let token = cuvmm::ipc::handoff::Token(*b"0123456789abcdef");
+            assert_eq!(
+                hex(&Frame::Offered(vec![(token, 2)]).encode().unwrap()),
+                "43 56 48 4f 01 00 10 00 01 00 00 00 00 00 00 00 \
+                 30 31 32 33 34 35 36 37 38 39 61 62 63 64 65 66 02 00 00 00 00 00 00 00"
+            );
+            assert_eq!(
+                hex(&Frame::Pages(2).encode().unwrap()),
+                "43 56 48 4f 01 00 11 00 00 00 00 00 02 00 00 00"
+            );
+            let ticket = TicketFields::example().bytes();
+            assert_eq!(
+                hex(&ticket),
+                "43 56 48 54 01 00 00 00 92 10 00 00 \
+                 30 31 32 33 34 35 36 37 38 39 61 62 63 64 65 66 \
+                 ee ee ee ee ee ee ee ee ee ee ee ee ee ee ee ee \
+                 00 10 00 00 00 7f 00 00 00 00 80 0c 00 00 00 00 \
+                 00 00 00 00 00 7f 00 00 00 00 00 08 00 00 00 00 \
+                 02 00 00 00 24 00 00 00 \
+                 0b 00 00 00 00 00 00 00 0c 00 00 00 00 00 00 00 \
+                 00 63 75 76 6d 6d 2d 68 61 6e 64 6f 66 66 2d 34 \
+                 32 34 32 2d 30 30 31 31 32 32 33 33 61 61 62 62 \
+                 63 63 64 64"
+            );
+            let t = Ticket::from_bytes(&ticket).unwrap();
+            assert_eq!((t.offset(), t.len(), t.serials()), (4096, 200 * MIB, &[11, 12][..]));
+            // Any bytes decode, and no input panics.
+            for b in [&[][..], &[0], &[255, 1, 2, 3]] {
+                assert_eq!(run_handoff(b), (None, None));
             }
         }
 

@@ -22,8 +22,18 @@ pub const OFFERS_PER_ANSWER: usize = 256;
 pub const SERIALS_PER_MESSAGE: usize = 512;
 /// The most pages under one offer: 2 TiB of the smallest (2 MiB) pages.
 pub const MAX_PAGES: u32 = 1 << 20;
-/// The largest message: an answer with every offer it may carry.
-pub const MAX_MESSAGE: usize = HEAD + OFFERS_PER_ANSWER * 24;
+/// The largest message: a release of every token or a revocation of every serial it may carry
+/// (4,096 bytes of entries each; an answer's at most 1,536).
+pub const MAX_MESSAGE: usize =
+    HEAD + max(max(OFFERS_PER_ANSWER * 24, RELEASES_PER_MESSAGE * TOKEN), SERIALS_PER_MESSAGE * 8);
+
+const fn max(a: usize, b: usize) -> usize {
+    if a > b {
+        a
+    } else {
+        b
+    }
+}
 
 /// What identifies one offer: 16 random bytes that only the sender and whoever it gave them know.
 #[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -258,6 +268,17 @@ mod tests {
             let b = f.encode().unwrap();
             assert!(b.len() <= MAX_MESSAGE);
             assert_eq!(Frame::decode(&b, f.fd_count()).unwrap(), f);
+        }
+    }
+
+    #[test]
+    fn the_longest_list_of_every_kind_fits_the_receive_buffer() {
+        for f in [
+            Frame::Release(vec![t(3); RELEASES_PER_MESSAGE]),
+            Frame::Offered(vec![(t(5), MAX_PAGES); OFFERS_PER_ANSWER]),
+            Frame::Revoke(vec![7; SERIALS_PER_MESSAGE]),
+        ] {
+            assert!(f.encode().unwrap().len() <= MAX_MESSAGE, "{f:?}");
         }
     }
 

@@ -145,8 +145,8 @@ impl Ticket {
             && len > 0
             && block >= first_page
             && covered.is_some_and(|c| {
-                let (off, end) = (block - first_page, block - first_page + len);
-                off < page && end <= c && end > c - page
+                let off = block - first_page;
+                off < page && off.checked_add(len).is_some_and(|end| end <= c && end > c - page)
             });
         if !ok {
             return Err(bad("the block does not lie on its pages"));
@@ -196,6 +196,8 @@ mod tests {
             |t: &mut Ticket| t.serials.clear(),
             |t: &mut Ticket| t.pid = 0,
             |t: &mut Ticket| t.address.clear(),
+            // The block's end past 2^64, wrapping back onto its one page.
+            |t: &mut Ticket| (t.serials, t.len) = (vec![11], u64::MAX - 1),
         ] {
             let mut t = ticket();
             change(&mut t);
