@@ -54,7 +54,8 @@ pub enum Refusal {
     /// The offer's page descriptors could not be made (the sender's error log says why); the
     /// offer is let go.
     Failed = 2,
-    /// The sender withdrew the offer before anyone took it (its tag went to sleep).
+    /// The sender let the offer go before anyone took it: withdrawn (`Sender::withdraw`),
+    /// declined by a receiver, or past its time to live.
     Withdrawn = 3,
 }
 
@@ -75,7 +76,8 @@ pub enum Frame {
     /// Receiver to sender: give me this offer and its pages' descriptors. Answered by
     /// [`Offered`](Frame::Offered) (then [`Pages`](Frame::Pages)) or [`Refused`](Frame::Refused).
     Fetch(Token),
-    /// Receiver to sender: I take this offer and map its pages already. Not answered.
+    /// Receiver to sender: I take this offer and map its pages already. Answered by
+    /// [`Held`](Frame::Held) or [`Refused`](Frame::Refused).
     Hold(Token),
     /// Receiver to sender: I let go of these offers (taken or not). Not answered.
     Release(Vec<Token>),
@@ -89,6 +91,8 @@ pub enum Frame {
     /// Sender to receiver: these pages (by the sender's serials) are going back to the device:
     /// unmap them once no lease uses them.
     Revoke(Vec<u64>),
+    /// Sender to receiver: the hold is granted; the offer is this connection's until released.
+    Held,
 }
 
 const FETCH: u16 = 1;
@@ -98,6 +102,7 @@ const OFFERED: u16 = 16;
 const PAGES: u16 = 17;
 const REFUSED: u16 = 18;
 const REVOKE: u16 = 19;
+const HELD: u16 = 20;
 
 impl Frame {
     /// The descriptors that travel with this message.
@@ -139,6 +144,7 @@ impl Frame {
                 bounded("revocation", ss.len(), SERIALS_PER_MESSAGE)?;
                 (REVOKE, ss.len(), ss.iter().flat_map(|s| s.to_le_bytes()).collect())
             }
+            Frame::Held => (HELD, 0, Vec::new()),
         };
         let mut out = Vec::with_capacity(HEAD + body.len());
         out.extend_from_slice(&MAGIC);
@@ -170,7 +176,7 @@ impl Frame {
         let entry = match kind {
             FETCH | HOLD | RELEASE => TOKEN,
             OFFERED => 24,
-            PAGES => 0,
+            PAGES | HELD => 0,
             REFUSED | REVOKE => 8,
             k => return Err(refused(format!("unknown kind {k}"))),
         };
@@ -178,7 +184,7 @@ impl Frame {
             FETCH | HOLD | REFUSED => (1, 1),
             RELEASE => (1, RELEASES_PER_MESSAGE),
             OFFERED => (1, OFFERS_PER_ANSWER),
-            PAGES => (0, 0),
+            PAGES | HELD => (0, 0),
             _ => (1, SERIALS_PER_MESSAGE),
         };
         if count < lo || count > hi {
@@ -211,6 +217,7 @@ impl Frame {
                 Frame::Offered(os)
             }
             PAGES => Frame::Pages(fds),
+            HELD => Frame::Held,
             REFUSED => {
                 let r = Refusal::from_code(u32_at(body, 0))
                     .filter(|_| u32_at(body, 4) == 0)
@@ -259,6 +266,7 @@ mod tests {
             Frame::Refused(Refusal::Failed),
             Frame::Refused(Refusal::Withdrawn),
             Frame::Revoke(vec![7, 8, 9]),
+            Frame::Held,
         ]
     }
 

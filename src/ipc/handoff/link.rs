@@ -104,10 +104,14 @@ pub(crate) fn peer(sock: BorrowedFd<'_>, expect: Option<u32>) -> Result<Peer> {
              namespace takes part in a hand-off"
         )));
     }
-    let pidfd = pidfd_open(pid)?;
-    // The pid may have been reused between the two calls: the socket's peer must still be it.
-    let again = getsockopt(&sock, PeerCredentials).map_err(os("getsockopt(SO_PEERCRED)"))?;
-    if again.pid() != pid || !alive(pidfd.as_fd()) {
+    // The kernel's own pidfd of the peer (Linux 6.5) names the process that connected, whatever
+    // became of its pid since; older kernels get one by pid, which a pid reused in between (the
+    // peer gone at once, its number given to another process) would misname.
+    let pidfd = match peer_pidfd(sock)? {
+        Some(fd) => fd,
+        None => pidfd_open(pid)?,
+    };
+    if !alive(pidfd.as_fd()) {
         return Err(Error::Protocol(format!("the peer pid {pid} exited while it connected")));
     }
     if let Some(want) = expect {
@@ -120,6 +124,31 @@ pub(crate) fn peer(sock: BorrowedFd<'_>, expect: Option<u32>) -> Result<Peer> {
         }
     }
     Ok(Peer { pid, pidfd })
+}
+
+/// `SO_PEERPIDFD`: a pidfd of the socket's peer, or `None` where the kernel has no such option.
+fn peer_pidfd(sock: BorrowedFd<'_>) -> Result<Option<OwnedFd>> {
+    const SO_PEERPIDFD: libc::c_int = 77;
+    let mut fd: libc::c_int = -1;
+    let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+    // SAFETY: `fd` and `len` are valid for writing an int and its length, as the option returns.
+    let rc = unsafe {
+        libc::getsockopt(
+            sock.as_raw_fd(),
+            libc::SOL_SOCKET,
+            SO_PEERPIDFD,
+            (&mut fd as *mut libc::c_int).cast(),
+            &mut len,
+        )
+    };
+    if rc != 0 {
+        return match Errno::last() {
+            Errno::ENOPROTOOPT | Errno::EINVAL => Ok(None),
+            e => Err(Error::Os { call: "getsockopt(SO_PEERPIDFD)", errno: e }),
+        };
+    }
+    // SAFETY: a new descriptor the kernel installed for this process.
+    Ok(Some(unsafe { OwnedFd::from_raw_fd(fd) }))
 }
 
 fn pidfd_open(pid: i32) -> Result<OwnedFd> {

@@ -172,8 +172,7 @@ fn a_taken_offer_is_let_go_only_after_the_wait_that_orders_its_release() {
     assert_eq!(w.counts.let_go.load(Ordering::SeqCst), 0, "let go before the receiver's work was done");
     assert_eq!(w.r.stats().releasing, 1);
     go.send(()).unwrap();
-    eventually("the sender lets go", || w.counts.let_go.load(Ordering::SeqCst) == 1);
-    assert_eq!(w.held(), 0);
+    eventually("the sender lets go", || w.counts.let_go.load(Ordering::SeqCst) == 1 && w.held() == 0);
     // Kept while the sender keeps the pages.
     assert_eq!(w.counts.unmapped.load(Ordering::SeqCst), 0);
     assert_eq!(w.r.stats().kept, 1);
@@ -233,6 +232,46 @@ fn pages_the_sender_gives_back_are_unmapped_at_once_when_idle_and_at_release_whe
 }
 
 #[test]
+fn a_kept_mapping_is_used_only_once_the_sender_grants_the_hold() {
+    let w = World::new();
+    let (t, inodes) = w.offer(40, 1, None, None);
+    w.take(&t, &inodes, T).unwrap().release_after_wait(done());
+    eventually("let go", || w.held() == 0 && w.r.stats().releasing == 0);
+    // The same pages offered again, and let go before the receiver presents the ticket.
+    let again = |w: &World| {
+        let shared = FakeShared {
+            pages: vec![memfd()],
+            serials: t.serials.clone(),
+            counts: w.counts.clone(),
+            gate: None,
+        };
+        Ticket { token: w.s.offer(Box::new(shared), None).unwrap(), ..t.clone() }
+    };
+    let withdrawn = again(&w);
+    assert!(w.s.withdraw(&withdrawn.token));
+    let e = w.r.take(&withdrawn, T, |_| panic!("mapped")).unwrap_err();
+    assert!(e.to_string().contains("untaken"), "{e}");
+    assert_eq!(w.r.stats().leases, 0, "a lease over memory the sender may have reused");
+    // The kept mapping serves the next grant.
+    let granted = again(&w);
+    let lease = w.r.take(&granted, T, |_| panic!("mapped")).unwrap();
+    assert_eq!(w.held(), 1);
+    drop(lease);
+    eventually("let go", || w.held() == 0);
+}
+
+#[test]
+fn a_fetch_of_an_offer_let_go_untaken_is_told_so() {
+    let w = World::new();
+    let (t, _) = w.offer(50, 1, None, None);
+    assert!(w.s.withdraw(&t.token));
+    assert!(!w.s.withdraw(&t.token), "withdrawn twice");
+    let e = w.r.take(&t, T, |_| panic!("mapped")).unwrap_err();
+    assert!(e.to_string().contains("untaken"), "{e}");
+    assert_eq!(w.counts.let_go.load(Ordering::SeqCst), 1);
+}
+
+#[test]
 fn a_group_travels_in_one_answer() {
     let w = World::new();
     let offers: Vec<_> = (0..5).map(|i| w.offer(100 + 10 * i, 2, Some(7), None)).collect();
@@ -271,8 +310,8 @@ fn an_answer_that_comes_after_its_fetch_gave_up_is_let_go_and_never_given_to_the
     drop(held);
     // The next fetch gets its own pages (checked by inode in `take`), not the late answer's.
     let lease = w.take(&next, &inext, T).unwrap();
-    eventually("the late answer let go", || w.counts.let_go.load(Ordering::SeqCst) == 1);
-    assert_eq!(w.held(), 1);
+    // (The counters move just after the offer is dropped.)
+    eventually("the late answer let go", || w.counts.let_go.load(Ordering::SeqCst) == 1 && w.held() == 1);
     drop(lease);
     eventually("all let go", || w.held() == 0);
 }
@@ -400,9 +439,29 @@ fn releases_from_many_threads_at_once_are_all_told() {
     for t in threads {
         t.join().unwrap();
     }
-    eventually("every release told", || w.counts.let_go.load(Ordering::SeqCst) == 8 * n as usize);
-    assert_eq!(w.held(), 0);
+    eventually("every release told", || {
+        w.counts.let_go.load(Ordering::SeqCst) == 8 * n as usize && w.held() == 0
+    });
     assert_eq!(w.r.stats().leases, 0);
+}
+
+/// Milliseconds of CPU the hand-off's threads of this process have used.
+fn handoff_threads_cpu() -> u64 {
+    let tick = 1000 / nix::unistd::sysconf(nix::unistd::SysconfVar::CLK_TCK).unwrap().unwrap() as u64;
+    let mut ms = 0;
+    for task in std::fs::read_dir("/proc/self/task").unwrap().flatten() {
+        let comm = std::fs::read_to_string(task.path().join("comm")).unwrap_or_default();
+        if !comm.starts_with("cuvmm-handoff") {
+            continue;
+        }
+        let stat = std::fs::read_to_string(task.path().join("stat")).unwrap_or_default();
+        // The fields after the command (which may hold spaces), from the third on.
+        let rest: Vec<&str> = stat.rsplit_once(')').map_or("", |r| r.1).split_whitespace().collect();
+        if rest.len() > 12 {
+            ms += (rest[11].parse::<u64>().unwrap_or(0) + rest[12].parse::<u64>().unwrap_or(0)) * tick;
+        }
+    }
+    ms
 }
 
 /// The receiving process of [`a_receiver_that_ends_its_connection_is_let_go_only_once_its_process_is_gone`]:
@@ -441,6 +500,7 @@ fn a_receiver_that_ends_its_connection_is_let_go_only_once_its_process_is_gone()
         .spawn()
         .unwrap();
     eventually("taken", || w.held() == 1);
+    let cpu = handoff_threads_cpu();
     // Its connection ends well before it exits: the block stays held while it may still run.
     std::thread::sleep(Duration::from_millis(200));
     let alive = child.try_wait().unwrap().is_none();
@@ -449,5 +509,7 @@ fn a_receiver_that_ends_its_connection_is_let_go_only_once_its_process_is_gone()
     }
     assert!(child.wait().unwrap().success());
     eventually("let go once it exited", || w.held() == 0);
+    let spent = handoff_threads_cpu() - cpu;
+    assert!(spent < 100, "the hand-off's threads spent {spent} ms of CPU while a connection had ended");
     assert_eq!(w.counts.let_go.load(Ordering::SeqCst), 1);
 }

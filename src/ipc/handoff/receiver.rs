@@ -74,9 +74,35 @@ enum Answer {
     Got(Result<Vec<OwnedFd>>),
 }
 
+/// A question waiting for its answer: a fetch (answered with pages) or a hold (with a grant).
 struct Slot {
+    token: Token,
+    hold: bool,
     answer: Mutex<Answer>,
     cv: Condvar,
+}
+
+impl Slot {
+    fn new(token: Token, hold: bool) -> Arc<Slot> {
+        Arc::new(Slot { token, hold, answer: Mutex::new(Answer::Waiting), cv: Condvar::new() })
+    }
+
+    /// Its answer, waited for until `deadline`; a timeout leaves the slot abandoned (its answer,
+    /// when it comes, is let go by the library's thread).
+    fn wait(&self, deadline: Instant) -> Result<Vec<OwnedFd>> {
+        let mut a = lock(&self.answer);
+        loop {
+            if let Answer::Got(r) = std::mem::replace(&mut *a, Answer::Waiting) {
+                return r;
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                *a = Answer::Abandoned;
+                return Err(Error::Timeout { received: 0, expected: 1 });
+            }
+            a = self.cv.wait_timeout(a, left).unwrap_or_else(|e| e.into_inner()).0;
+        }
+    }
 }
 
 #[derive(Default)]
@@ -220,51 +246,67 @@ impl Inner {
         let deadline = Instant::now() + timeout;
         let conn = self.conn(ticket, deadline)?;
         let token = ticket.token;
-        let slot = {
+        let (slot, kept) = {
             let mut st = lock(&conn.st);
             if st.closed {
                 drop(st);
                 self.forget(&conn);
                 return Err(gone());
             }
+            let along = st.along.remove(&token);
             if let Some(k) = st.kept.get_mut(&ticket.serials).filter(|k| !k.revoked) {
                 k.users += 1;
                 let map = k.map.clone();
-                // Taken along already (the sender holds it for us), or claimed now: the sender
-                // answers nothing, so nothing is waited for.
-                if st.along.remove(&token).is_none() {
-                    conn.send(&mut st, &Frame::Hold(token), &self.wake);
+                if along.is_some() {
+                    // Taken along: the sender holds it for us already.
+                    drop(st);
+                    return Ok(self.lease(conn, ticket, Some(ticket.serials.clone()), map));
                 }
-                drop(st);
-                return Ok(self.lease(conn, ticket, Some(ticket.serials.clone()), map));
-            }
-            if let Some((fds, _)) = st.along.remove(&token) {
+                // Claimed with no descriptor; used only once the sender grants it (the offer
+                // may be gone: taken by another, let go, expired).
+                let slot = Slot::new(token, true);
+                st.waiting.push_back(slot.clone());
+                conn.send(&mut st, &Frame::Hold(token), &self.wake);
+                (slot, Some(map))
+            } else if let Some((fds, _)) = along {
                 drop(st);
                 return self.mapped(conn, ticket, fds, map);
+            } else {
+                let slot = Slot::new(token, false);
+                st.waiting.push_back(slot.clone());
+                conn.send(&mut st, &Frame::Fetch(token), &self.wake);
+                (slot, None)
             }
-            let slot = Arc::new(Slot { answer: Mutex::new(Answer::Waiting), cv: Condvar::new() });
-            st.waiting.push_back(slot.clone());
-            conn.send(&mut st, &Frame::Fetch(token), &self.wake);
-            slot
         };
-        let mut a = lock(&slot.answer);
-        loop {
-            match std::mem::replace(&mut *a, Answer::Waiting) {
-                Answer::Got(r) => {
-                    drop(a);
-                    return self.mapped(conn, ticket, r?, map);
-                }
-                _ => {
-                    let left = deadline.saturating_duration_since(Instant::now());
-                    if left.is_zero() {
-                        // Its answer may still come: the library's thread lets go of it then.
-                        *a = Answer::Abandoned;
-                        return Err(Error::Timeout { received: 0, expected: 1 });
+        let answer = slot.wait(deadline);
+        match kept {
+            Some(map) => match answer {
+                Ok(_) => Ok(self.lease(conn, ticket, Some(ticket.serials.clone()), map)),
+                Err(e) => {
+                    let unmap = {
+                        let mut st = lock(&conn.st);
+                        self.unuse(&mut st, &ticket.serials)
+                    };
+                    drop(map);
+                    if let Some(m) = unmap {
+                        idle_unmap(&m);
                     }
-                    a = slot.cv.wait_timeout(a, left).unwrap_or_else(|e| e.into_inner()).0;
+                    Err(e)
                 }
-            }
+            },
+            None => self.mapped(conn, ticket, answer?, map),
         }
+    }
+
+    /// One user fewer of the kept mapping under `key`; the mapping to unmap if it was the last
+    /// of a revoked one.
+    fn unuse(&self, st: &mut ConnState, key: &[u64]) -> Option<Shared> {
+        let k = st.kept.get_mut(key)?;
+        k.users -= 1;
+        if k.users == 0 && (k.revoked || st.closed) {
+            return st.kept.remove(key).map(|k| k.map);
+        }
+        None
     }
 
     /// Maps the descriptors a fetch got; on failure, lets the offer go.
@@ -623,6 +665,10 @@ fn handle(
             }
             let slot =
                 st.waiting.pop_front().ok_or_else(|| Error::Protocol("an answer nobody asked for".into()))?;
+            if slot.hold || entries[0].0 != slot.token {
+                answer(&slot, Err(Error::Protocol("the sender answered another question".into())));
+                return Err(Error::Protocol("an answer for another fetch".into()));
+            }
             let mut rest = got.into_iter();
             let mut parts: Vec<(Token, Vec<OwnedFd>)> =
                 entries.iter().map(|&(t, n)| (t, rest.by_ref().take(n as usize).collect())).collect();
@@ -639,13 +685,27 @@ fn handle(
                 c.send(st, &Frame::Release(tokens), &i.wake);
             }
         }
-        Frame::Refused(r) => {
+        Frame::Held if st.partial.is_none() => {
+            let slot =
+                st.waiting.pop_front().ok_or_else(|| Error::Protocol("a grant nobody asked for".into()))?;
+            if !slot.hold {
+                answer(&slot, Err(Error::Protocol("the sender answered another question".into())));
+                return Err(Error::Protocol("a grant for a fetch".into()));
+            }
+            if !answer(&slot, Ok(Vec::new())) {
+                // Its take gave up waiting: the offer is let go.
+                c.send(st, &Frame::Release(vec![slot.token]), &i.wake);
+            }
+        }
+        Frame::Refused(r) if st.partial.is_none() => {
             let slot =
                 st.waiting.pop_front().ok_or_else(|| Error::Protocol("a refusal nobody asked for".into()))?;
             let why = match r {
                 Refusal::Unknown => "the sending process has no such offer (taken already, or let go)",
                 Refusal::Failed => "the sending process could not export the pages (its error log says why)",
-                Refusal::Withdrawn => "the sending process withdrew the offer",
+                Refusal::Withdrawn => {
+                    "the sending process let the offer go untaken (withdrawn, or past its time to live)"
+                }
             };
             answer(&slot, Err(Error::Protocol(why.into())));
         }

@@ -23,6 +23,10 @@ pub(crate) trait Shared: Send {
 /// is then cut off (what it holds is let go once its process has gone).
 const QUEUED_MOST: usize = 4096;
 
+/// Tokens of offers let go untaken that are remembered, so that a late fetch or hold of one is
+/// told it was withdrawn rather than unknown.
+const GONE_MOST: usize = 4096;
+
 /// Counters of a sender.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct SenderStats {
@@ -54,9 +58,27 @@ struct State {
     released: Vec<u64>,
     stats: SenderStats,
     ttl: Option<Duration>,
+    /// Offers let go untaken (expired, withdrawn, declined), newest last.
+    gone: VecDeque<Token>,
 }
 
 impl State {
+    fn forget(&mut self, t: Token) {
+        if self.gone.len() == GONE_MOST {
+            self.gone.pop_front();
+        }
+        self.gone.push_back(t);
+    }
+
+    /// Why no offer has token `t`.
+    fn refusal(&self, t: &Token) -> Refusal {
+        if self.gone.contains(t) {
+            Refusal::Withdrawn
+        } else {
+            Refusal::Unknown
+        }
+    }
+
     fn take(&mut self, t: &Token) -> Option<Untaken> {
         let u = self.offers.remove(t)?;
         if let Some(g) = u.group {
@@ -139,6 +161,7 @@ impl Inner {
             if u.is_some() {
                 s.stats.held -= 1;
                 s.stats.let_go += 1;
+                s.forget(*t);
             }
             u
         };
@@ -168,19 +191,27 @@ impl Inner {
 
 /// One receiving process's connection, as the server sees it.
 struct Conn {
-    sock: OwnedFd,
+    /// None once it ended: a closed peer's socket would wake every poll.
+    sock: Option<OwnedFd>,
     peer: Peer,
     /// What it took and has not let go of.
     held: HashMap<Token, Box<dyn Shared>>,
-    /// Holds of tokens that were not there, by token: the receiver does not know they failed and
-    /// releases each; such a release must not let go of anything else.
-    refused: HashMap<Token, u32>,
     /// Serials of the pages whose descriptors it was given (it may keep mappings of them).
     sent: HashSet<u64>,
     out: VecDeque<(Vec<u8>, Vec<OwnedFd>)>,
+}
+
+impl Conn {
     /// Its socket ended (closed, out of step, stalled): it is asked nothing more, and what it
     /// holds is let go once its process is gone.
-    ended: bool,
+    fn ended(&self) -> bool {
+        self.sock.is_none()
+    }
+
+    fn end(&mut self) {
+        self.sock = None;
+        self.out.clear();
+    }
 }
 
 struct Server {
@@ -208,14 +239,13 @@ impl Server {
                 PollFd::new(self.listener.as_fd(), PollFlags::POLLIN),
             ];
             for c in &self.conns {
-                let mut ev = PollFlags::empty();
-                if !c.ended {
-                    ev |= PollFlags::POLLIN;
-                    if !c.out.is_empty() {
-                        ev |= PollFlags::POLLOUT;
-                    }
+                // An ended connection's pidfd stands in for its socket: no event of it is read.
+                let sock = c.sock.as_ref().map_or(c.peer.pidfd.as_fd(), |s| s.as_fd());
+                let mut ev = PollFlags::POLLIN;
+                if !c.out.is_empty() {
+                    ev |= PollFlags::POLLOUT;
                 }
-                fds.push(PollFd::new(c.sock.as_fd(), ev));
+                fds.push(PollFd::new(sock, if c.ended() { PollFlags::empty() } else { ev }));
                 fds.push(PollFd::new(c.peer.pidfd.as_fd(), PollFlags::POLLIN));
             }
             if let Err(e) = poll(&mut fds, timeout) {
@@ -242,10 +272,13 @@ impl Server {
             if !pidfd.is_empty() {
                 // Its process is gone (after the kernel closed its descriptors, its device
                 // work with them): nothing it held can be used any more.
-                c.ended = true;
+                c.end();
                 let n = c.held.len();
                 c.held.clear();
                 self.let_go(n);
+                continue;
+            }
+            if self.conns[i].ended() {
                 continue;
             }
             if sock.intersects(PollFlags::POLLIN | PollFlags::POLLHUP | PollFlags::POLLERR) {
@@ -256,7 +289,7 @@ impl Server {
             }
         }
         // A connection whose process is gone, or that ended holding nothing, is closed.
-        self.conns.retain(|c| !(c.ended && c.held.is_empty()));
+        self.conns.retain(|c| !(c.ended() && c.held.is_empty()));
         lock(&self.inner.state).stats.connections = self.conns.len();
         self.expire();
     }
@@ -266,13 +299,11 @@ impl Server {
             match link::accept(self.listener.as_fd()) {
                 Ok(Some(sock)) => match link::peer(sock.as_fd(), None) {
                     Ok(peer) => self.conns.push(Conn {
-                        sock,
+                        sock: Some(sock),
                         peer,
                         held: HashMap::new(),
-                        refused: HashMap::new(),
                         sent: HashSet::new(),
                         out: VecDeque::new(),
-                        ended: false,
                     }),
                     Err(e) => record_drop::<()>(Err(e)),
                 },
@@ -297,14 +328,12 @@ impl Server {
 
     /// Reads and answers what connection `i` sent; ends it on anything out of order.
     fn read(&mut self, i: usize) {
-        loop {
-            let got = link::recv(self.conns[i].sock.as_fd());
-            match got {
+        while let Some(sock) = &self.conns[i].sock {
+            match link::recv(sock.as_fd()) {
                 Ok(Some((frame, _))) => {
                     if let Err(e) = self.answer(i, frame) {
                         record_drop::<()>(Err(e));
-                        self.conns[i].ended = true;
-                        return;
+                        self.conns[i].end();
                     }
                 }
                 Ok(None) => return,
@@ -312,8 +341,7 @@ impl Server {
                     if !matches!(e, Error::PeerClosed { .. }) {
                         record_drop::<()>(Err(e));
                     }
-                    self.conns[i].ended = true;
-                    return;
+                    self.conns[i].end();
                 }
             }
         }
@@ -323,31 +351,35 @@ impl Server {
         match frame {
             Frame::Fetch(t) => self.fetch(i, t),
             Frame::Hold(t) => {
-                let taken = lock(&self.inner.state).take(&t);
-                let c = &mut self.conns[i];
+                let (taken, why) = {
+                    let mut s = lock(&self.inner.state);
+                    (s.take(&t), s.refusal(&t))
+                };
                 match taken {
                     Some(u) => {
-                        c.held.insert(t, u.shared);
+                        self.conns[i].held.insert(t, u.shared);
+                        self.queue(i, Frame::Held, Vec::new())
                     }
-                    None => *c.refused.entry(t).or_default() += 1,
+                    None => self.queue(i, Frame::Refused(why), Vec::new()),
                 }
-                Ok(())
             }
             Frame::Release(ts) => {
                 let mut n = 0;
                 for t in ts {
-                    let c = &mut self.conns[i];
-                    if c.held.remove(&t).is_some() {
+                    if self.conns[i].held.remove(&t).is_some() {
                         n += 1;
-                    } else if let Some(r) = c.refused.get_mut(&t) {
-                        *r -= 1;
-                        if *r == 0 {
-                            c.refused.remove(&t);
-                        }
-                    } else if lock(&self.inner.state).take(&t).is_some() {
-                        // An offer it will not use, let go untaken (dropped as the lock goes).
-                        n += 1;
+                        continue;
                     }
+                    // An offer it will not use, let go untaken (dropped without the lock).
+                    let untaken = {
+                        let mut s = lock(&self.inner.state);
+                        let u = s.take(&t);
+                        if u.is_some() {
+                            s.forget(t);
+                        }
+                        u
+                    };
+                    n += usize::from(untaken.is_some());
                 }
                 self.let_go(n);
                 Ok(())
@@ -361,8 +393,9 @@ impl Server {
         let (first, along) = {
             let mut s = lock(&self.inner.state);
             let Some(first) = s.take(&t) else {
+                let why = s.refusal(&t);
                 drop(s);
-                return self.queue(i, Frame::Refused(Refusal::Unknown), Vec::new());
+                return self.queue(i, Frame::Refused(why), Vec::new());
             };
             let mut along = Vec::new();
             if let Some(g) = first.group {
@@ -421,6 +454,9 @@ impl Server {
     /// Queues a message (and sends what it can now).
     fn queue(&mut self, i: usize, frame: Frame, fds: Vec<OwnedFd>) -> Result<()> {
         let c = &mut self.conns[i];
+        if c.ended() {
+            return Ok(()); // asked nothing more, told nothing more
+        }
         if c.out.len() >= QUEUED_MOST {
             return Err(Error::Protocol(format!("the receiving process {} stopped reading", c.peer.pid)));
         }
@@ -431,18 +467,14 @@ impl Server {
 
     fn flush(&mut self, i: usize) {
         let c = &mut self.conns[i];
-        while let Some((bytes, fds)) = c.out.front() {
+        while let (Some(sock), Some((bytes, fds))) = (&c.sock, c.out.front()) {
             let raw: Vec<i32> = fds.iter().map(|f| f.as_raw_fd()).collect();
-            match link::send(c.sock.as_fd(), bytes, &raw) {
+            match link::send(sock.as_fd(), bytes, &raw) {
                 Ok(true) => {
                     c.out.pop_front(); // the kernel holds copies of its descriptors now
                 }
                 Ok(false) => return,
-                Err(_) => {
-                    c.ended = true;
-                    c.out.clear();
-                    return;
-                }
+                Err(_) => c.end(),
             }
         }
     }
@@ -456,14 +488,14 @@ impl Server {
         let mut sent = 0u64;
         for i in 0..self.conns.len() {
             let c = &mut self.conns[i];
-            if c.ended {
+            if c.ended() {
                 continue;
             }
             let hit: Vec<u64> = released.iter().copied().filter(|s| c.sent.remove(s)).collect();
             for part in hit.chunks(SERIALS_PER_MESSAGE) {
                 sent += part.len() as u64;
                 if self.queue(i, Frame::Revoke(part.to_vec()), Vec::new()).is_err() {
-                    self.conns[i].ended = true;
+                    self.conns[i].end();
                     break;
                 }
             }
@@ -487,6 +519,9 @@ impl Server {
             let old: Vec<Token> =
                 s.offers.iter().filter(|(_, u)| now >= u.made + ttl).map(|(t, _)| *t).collect();
             let gone: Vec<Untaken> = old.iter().filter_map(|t| s.take(t)).collect();
+            for t in old {
+                s.forget(t);
+            }
             s.stats.held -= gone.len();
             s.stats.expired += gone.len() as u64;
             gone
