@@ -405,8 +405,8 @@ pub fn run_growth(input: &GrowthInput) -> GrowthRun {
     GrowthRun { applied, refused: false }
 }
 
-/// The largest hand-off message (docs/WIRE.md, "The hand-off"): a head and 4,096 bytes of entries.
-pub const HANDOFF_MESSAGE_MOST: usize = 16 + 4096;
+/// The largest hand-off message (docs/WIRE.md, "The hand-off"): a head and an answer of 256 offers.
+pub const HANDOFF_MESSAGE_MOST: usize = 16 + 256 * 24;
 
 /// One run of the `handoff` target: bytes that arrived as one hand-off message, with a number of
 /// descriptors, and the same bytes read as a ticket.
@@ -973,7 +973,8 @@ pub mod seeds {
             ("release", msg(Frame::Release(vec![t(3)])), Message),
             ("release-largest", msg(Frame::Release(vec![t(4); 256])), Message),
             ("offered", msg(Frame::Offered(vec![(t(5), 2)])), Message),
-            ("offered-largest", msg(Frame::Offered(vec![(t(6), 1 << 20); 64])), Message),
+            ("offered-largest", msg(Frame::Offered(vec![(t(6), 1 << 20); 256])), Message),
+            ("held", msg(Frame::Held), Message),
             ("pages", msg(Frame::Pages(2)), Message),
             ("pages-largest", msg(Frame::Pages(250)), Message),
             ("refused-unknown", msg(Frame::Refused(Refusal::Unknown)), Message),
