@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 /// What an offer holds in the sender until its receiver lets go: dropping it is the letting go
 /// (for an allocator's block, the end of one sharing of it).
-pub(crate) trait Shared: Send {
+pub(crate) trait Shared: Send + Sync {
     /// New descriptors of the pages, in address order, for a receiver that maps none of them.
     fn descriptors(&self) -> Result<Vec<OwnedFd>>;
     /// The pages' serials, in address order.
@@ -45,7 +45,7 @@ pub struct SenderStats {
 }
 
 struct Untaken {
-    shared: Box<dyn Shared>,
+    shared: Arc<dyn Shared>,
     group: Option<u64>,
     made: Instant,
 }
@@ -60,6 +60,9 @@ struct State {
     ttl: Option<Duration>,
     /// Offers let go untaken (expired, withdrawn, declined), newest last.
     gone: VecDeque<Token>,
+    /// Offers made since the server last looked, whose pages' descriptors it makes ahead of a
+    /// fetch.
+    fresh: Vec<Token>,
 }
 
 impl State {
@@ -144,12 +147,13 @@ impl Inner {
         if let Some(g) = group {
             s.groups.entry(g).or_default().push(token);
         }
-        s.offers.insert(token, Untaken { shared, group, made: Instant::now() });
+        s.offers.insert(token, Untaken { shared: Arc::from(shared), group, made: Instant::now() });
         s.stats.offered += 1;
+        s.fresh.push(token);
         drop(s);
-        if self.ttl().is_some() {
-            self.wake.wake(); // its expiry may come before the server's next one
-        }
+        // The server makes its descriptors while the ticket travels (and its expiry may come
+        // before the server's next one).
+        self.wake.wake();
         Ok(token)
     }
 
@@ -177,10 +181,6 @@ impl Inner {
         self.wake.wake();
     }
 
-    fn ttl(&self) -> Option<Duration> {
-        lock(&self.state).ttl
-    }
-
     /// Pages of this process given back to the device: receivers that keep mappings of them are
     /// asked to let go. Called under allocators' locks: only queues and wakes.
     pub(crate) fn released(&self, serial: u64) {
@@ -195,7 +195,7 @@ struct Conn {
     sock: Option<OwnedFd>,
     peer: Peer,
     /// What it took and has not let go of.
-    held: HashMap<Token, Box<dyn Shared>>,
+    held: HashMap<Token, Arc<dyn Shared>>,
     /// Serials of the pages whose descriptors it was given (it may keep mappings of them).
     sent: HashSet<u64>,
     out: VecDeque<(Vec<u8>, Vec<OwnedFd>)>,
@@ -263,6 +263,7 @@ impl Server {
         if !wake.is_empty() {
             self.inner.wake.drain();
             self.revoke();
+            self.make_ahead();
         }
         if !listener.is_empty() {
             self.accept();
@@ -475,6 +476,24 @@ impl Server {
                 }
                 Ok(false) => return,
                 Err(_) => c.end(),
+            }
+        }
+    }
+
+    /// Makes the page descriptors of offers just made, while their tickets travel: the
+    /// allocator keeps each page's first export, so the fetch that follows only duplicates them.
+    /// Pages already sent to a receiver have theirs.
+    fn make_ahead(&mut self) {
+        let fresh: Vec<Arc<dyn Shared>> = {
+            let mut s = lock(&self.inner.state);
+            let tokens = std::mem::take(&mut s.fresh);
+            tokens.iter().filter_map(|t| s.offers.get(t).map(|u| u.shared.clone())).collect()
+        };
+        for shared in fresh {
+            let known = shared.serials().iter().all(|p| self.conns.iter().any(|c| c.sent.contains(p)));
+            if !known {
+                // A failure is met again, and answered, by the fetch.
+                drop(shared.descriptors());
             }
         }
     }
