@@ -6,8 +6,8 @@
 //! the change.
 
 use super::front::{lock, Entry, Front, Fronts};
-use super::heap::{BlockId, Freed, Heap, KeyMap, Owner, PendingFree, ALIGN, IDLE};
-use super::ids::{Caller, Epoch, Handle, SlotId, StreamId, LEGACY, SYNTHETIC};
+use super::heap::{BlockId, Freed, Heap, KeyMap, Owner, PendingFree, ALIGN};
+use super::ids::{Caller, Epoch, Handle, SlotId, StreamId, IDLE, LEGACY, SYNTHETIC};
 use crate::error::{Error, Result};
 use std::collections::{HashMap, VecDeque};
 use std::ops::{Index, IndexMut};
