@@ -361,7 +361,7 @@ impl DriverTexts {
     }
 
     fn description(&self, code: CUresult) -> String {
-        if self.description.is_some() && crate::driver::callback::in_host_function() {
+        if self.description.is_some() && crate::driver::host_fn::in_host_function() {
             return "(not asked of the driver inside a host function)".to_owned();
         }
         ask(self.description, code).unwrap_or_else(|| "no description from the driver".to_owned())
@@ -372,7 +372,7 @@ impl DriverTexts {
 /// call may be made), or for a code the driver does not know.
 fn ask(f: Option<ErrorTextFn>, code: CUresult) -> Option<String> {
     let f = f?;
-    if crate::driver::callback::in_host_function() {
+    if crate::driver::host_fn::in_host_function() {
         return None;
     }
     let mut p: *const c_char = std::ptr::null();

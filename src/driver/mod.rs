@@ -16,6 +16,7 @@
 
 mod api;
 pub mod callback;
+pub(crate) mod host_fn;
 mod loader;
 pub mod result;
 pub mod sys;
