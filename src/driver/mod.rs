@@ -18,6 +18,7 @@ mod api;
 pub mod callback;
 pub(crate) mod host_fn;
 mod loader;
+mod resolver;
 pub mod result;
 pub mod sys;
 
