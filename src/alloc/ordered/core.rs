@@ -1299,7 +1299,7 @@ impl<B: Backend> Core<B> {
         f.last_free = epoch;
         let freed = match entry {
             // Its own front's block, freed there: cached in the front, as a fast free would.
-            Some(e) if stream.id == id && !shared && f.cache_free(addr, epoch) => {
+            Some(e) if stream.id == id && !shared && f.cache_free(addr, epoch).is_some() => {
                 Freed { size: e.n, requested: e.requested, pool: 0 }
             }
             _ => {
