@@ -201,6 +201,32 @@ fn take_fast(fronts: &Fronts, id: StreamId, size: u64, capture: Capture, tag: u3
     fronts.take(id, n, size)
 }
 
+/// The error of a free of a block that is not live.
+fn freed_twice(addr: u64) -> Error {
+    Error::invalid(format!("{addr:#x} is not a live allocation (freed twice?)"))
+}
+
+/// Records what the driver refused in the part of a free that is best effort: the free has
+/// succeeded, so there is nothing to return it with and nothing to retry, as with a destructor's.
+fn record_missed(e: Error) {
+    crate::error::record_drop::<()>(Err(e));
+}
+
+/// A block being freed (see [`Core::free`]): where it lies, who allocated and who frees it, and
+/// what the steps before its front found.
+struct FreeAt {
+    addr: u64,
+    slot: SlotId,
+    block: BlockId,
+    shared: bool,
+    allocated: Caller,
+    stream: Caller,
+    /// Its entry, taken out of the allocating stream's front when another stream frees it.
+    moved: Option<Entry>,
+    /// The fronts' demand counter when the free began.
+    demand: u64,
+}
+
 /// Pages of a lent block (see [`super::heap::State::Lent`]): still mapped at its address (as
 /// well as where they now serve) until the work queued on `stream` before the block's free has run.
 struct Lent {
@@ -1248,93 +1274,20 @@ impl<B: Backend> Core<B> {
     /// stream's last event; otherwise it asks the stream's identity, and records an event after
     /// the free for the others.
     pub(crate) fn free(&mut self, addr: u64, raw: Handle) -> Result<Freed> {
-        let Some(slot) = self.slots.iter().position(|s| s.heap.contains(addr)).map(SlotId::of) else {
-            return Err(Error::invalid(format!("{addr:#x} was not allocated here")));
-        };
-        let twice = || Error::invalid(format!("{addr:#x} is not a live allocation (freed twice?)"));
-        if self.freed_shared.contains_key(&addr) {
-            return Err(twice());
-        }
-        let (i, Caller { id, raw: alloc_raw }) = self.slots[slot].heap.live_block(addr).ok_or_else(twice)?;
+        let (slot, i, allocated) = self.live_at(addr)?;
         // Importers still map it: it stays live in its heap until they let go (see `unexport`).
         let shared = self.exported.contains_key(&addr);
-        let stream = if raw == alloc_raw {
-            Caller { id, raw }
-        } else {
-            // During a capture the stream is named by the capture, as its allocations are.
-            match self.backend.capture_of(raw) {
-                Ok(Some(c)) => self.caller(raw, None, Capture::Private(c)),
-                Ok(None) => {
-                    let id = self.backend.stream_id(raw);
-                    self.caller(raw, id, Capture::None)
-                }
-                Err(_) => self.caller(raw, None, Capture::None),
-            }
-        };
+        let stream = if raw == allocated.raw { allocated } else { self.freeing_stream(raw) };
         let demand = self.fronts.demand();
-        // The allocating stream's front knows the blocks its fast paths may free or hand out; each
-        // is looked at and changed under one hold of that front's lock (a fast path may run
-        // meanwhile), one front at a time.
-        let mut moved = None;
-        if stream.id != id {
-            if let Some(st) = self.streams.get(&id) {
-                let mut g = st.front.lock();
-                match g.blocks.get(&addr).copied() {
-                    Some(e) if e.cached => return Err(twice()),
-                    Some(e) => {
-                        g.blocks.remove(&addr);
-                        moved = Some(e);
-                    }
-                    None => {}
-                }
-            }
-        }
-        let own = self.stream(stream).front.clone();
-        let mut f = own.lock();
-        let epoch = f.next;
-        let entry = if stream.id == id { f.blocks.get(&addr).copied() } else { moved };
-        if stream.id == id && entry.is_some_and(|e| e.cached) {
-            return Err(twice());
-        }
-        f.last_free = epoch;
-        let freed = match entry {
-            // Its own front's block, freed there: cached in the front, as a fast free would.
-            Some(e) if stream.id == id && !shared && f.cache_free(addr, epoch).is_some() => {
-                Freed { size: e.n, requested: e.requested, pool: 0 }
-            }
-            _ => {
-                if stream.id == id && entry.is_some() {
-                    f.blocks.remove(&addr);
-                }
-                let freed = if shared {
-                    self.slots[slot].heap.live_freed(i)
-                } else {
-                    self.slots[slot].heap.free_cached(i, stream.id, epoch)
-                };
-                Freed { requested: entry.map_or(freed.requested, |e| e.requested), ..freed }
-            }
-        };
-        let ask = f.seen_demand < demand;
-        if ask {
-            f.seen_demand = demand;
-        }
-        drop(f);
+        let moved = self.take_from_allocating_front(allocated.id, stream.id, addr)?;
+        let (freed, epoch, ask) =
+            self.free_in_front(FreeAt { addr, slot, block: i, shared, allocated, stream, moved, demand })?;
         // Attributed without asking, the stream may have been destroyed and its handle given to
         // another: an event recorded (or an idle query) through the handle would then be the
         // other stream's, taken for this one's. So the handle is asked first (never its id while
         // captured); a destroyed stream's frees wait for a device-wide wait.
-        let ask = ask && (raw != alloc_raw || self.names(stream));
-        if ask {
-            // Its frees are made idle at once if its work has run, else an event is recorded
-            // after them. Best effort: without the event the blocks wait for a later one, or
-            // for a device-wide wait. Relaxed, as a capture elsewhere in global mode forbids
-            // the event.
-            if let Ok(old) = self.backend.relax() {
-                if !matches!(self.caught_up(stream, false), Ok(true)) {
-                    let _ = self.fence(stream);
-                }
-                self.backend.restore(old);
-            }
+        if ask && (raw != allocated.raw || self.names(stream)) {
+            self.cover_frees(stream);
         }
         if shared {
             self.hold_freed(addr, stream.id, epoch);
@@ -1345,6 +1298,115 @@ impl<B: Backend> Core<B> {
             self.check();
         }
         Ok(freed)
+    }
+
+    /// The live block at `addr`: its heap, its place there, and the stream that allocated it;
+    /// an error when no heap holds the address, or the block there is not live (freed already,
+    /// or freed while shared and kept for its importers).
+    fn live_at(&self, addr: u64) -> Result<(SlotId, BlockId, Caller)> {
+        let Some(slot) = self.slots.iter().position(|s| s.heap.contains(addr)).map(SlotId::of) else {
+            return Err(Error::invalid(format!("{addr:#x} was not allocated here")));
+        };
+        if self.freed_shared.contains_key(&addr) {
+            return Err(freed_twice(addr));
+        }
+        let (i, allocated) = self.slots[slot].heap.live_block(addr).ok_or_else(|| freed_twice(addr))?;
+        Ok((slot, i, allocated))
+    }
+
+    /// The stream a free through `raw`, another handle than its block was allocated with, is
+    /// made on. During a capture the stream is named by the capture, as its allocations are. A
+    /// handle the driver cannot place is taken as a stream of its own, never named again; what
+    /// the driver said is recorded.
+    fn freeing_stream(&mut self, raw: Handle) -> Caller {
+        match self.backend.capture_of(raw) {
+            Ok(Some(c)) => self.caller(raw, None, Capture::Private(c)),
+            Ok(None) => {
+                let id = self.backend.stream_id(raw);
+                self.caller(raw, id, Capture::None)
+            }
+            Err(e) => {
+                record_missed(e);
+                self.caller(raw, None, Capture::None)
+            }
+        }
+    }
+
+    /// Takes the entry of the block at `addr` out of the front of the stream that allocated it,
+    /// when another stream frees it. Each front's blocks are looked at and changed under one hold
+    /// of its lock (a fast path may run meanwhile), one front at a time.
+    fn take_from_allocating_front(
+        &self,
+        allocated: StreamId,
+        freeing: StreamId,
+        addr: u64,
+    ) -> Result<Option<Entry>> {
+        if freeing == allocated {
+            return Ok(None);
+        }
+        let Some(st) = self.streams.get(&allocated) else { return Ok(None) };
+        let mut g = st.front.lock();
+        match g.blocks.get(&addr).copied() {
+            Some(e) if e.cached => Err(freed_twice(addr)),
+            Some(e) => {
+                g.blocks.remove(&addr);
+                Ok(Some(e))
+            }
+            None => Ok(None),
+        }
+    }
+
+    /// Frees the block in the freeing stream's front: stamped with its next number, and cached
+    /// there when it is that front's own (unshared) block, else freed in its heap. Returns what
+    /// was freed, its stamp, and whether the stream should be asked to cover its frees for the
+    /// others (another stream found memory short since it was last asked).
+    fn free_in_front(&mut self, at: FreeAt) -> Result<(Freed, Epoch, bool)> {
+        let FreeAt { addr, slot, block, shared, allocated, stream, moved, demand } = at;
+        let own = self.stream(stream).front.clone();
+        let mut f = own.lock();
+        let epoch = f.next;
+        let same = stream.id == allocated.id;
+        let entry = if same { f.blocks.get(&addr).copied() } else { moved };
+        if same && entry.is_some_and(|e| e.cached) {
+            return Err(freed_twice(addr));
+        }
+        f.last_free = epoch;
+        let freed = match entry {
+            // Its own front's block, freed there: cached in the front, as a fast free would.
+            Some(e) if same && !shared && f.cache_free(addr, epoch).is_some() => {
+                Freed { size: e.n, requested: e.requested, pool: 0 }
+            }
+            _ => {
+                if same && entry.is_some() {
+                    f.blocks.remove(&addr);
+                }
+                let freed = if shared {
+                    self.slots[slot].heap.live_freed(block)
+                } else {
+                    self.slots[slot].heap.free_cached(block, stream.id, epoch)
+                };
+                Freed { requested: entry.map_or(freed.requested, |e| e.requested), ..freed }
+            }
+        };
+        let ask = f.seen_demand < demand;
+        if ask {
+            f.seen_demand = demand;
+        }
+        Ok((freed, epoch, ask))
+    }
+
+    /// Makes the stream's frees idle at once if its work has run, else records an event after
+    /// them. Best effort: without the event the blocks wait for a later one, or for a
+    /// device-wide wait, so the free itself has succeeded either way; what the driver refused is
+    /// recorded. Relaxed, as a capture elsewhere in global mode forbids the event.
+    fn cover_frees(&mut self, stream: Caller) {
+        let Ok(old) = self.backend.relax() else { return };
+        if !matches!(self.caught_up(stream, false), Ok(true)) {
+            if let Err(e) = self.fence(stream) {
+                record_missed(e);
+            }
+        }
+        self.backend.restore(old);
     }
 
     /// Makes the free of the live block at `addr` in `slot` go through the core.
