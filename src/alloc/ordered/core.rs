@@ -298,6 +298,29 @@ pub(crate) struct Sizes {
     pub lend: bool,
 }
 
+/// The core's part in device-wide waits, which run without its lock (see
+/// [`Core::settle_begin`] and [`Core::try_allocate`]).
+#[derive(Default)]
+struct Settling {
+    /// Device-wide waits under way.
+    under_way: usize,
+    /// Whether the allocation under way may fail for its caller to wait for the whole device.
+    may_ask: bool,
+    /// Whether it did.
+    asked: bool,
+}
+
+/// Blocks shared with other processes, kept apart from the heaps' own state because a shared block
+/// stays live in its heap past its free, until its importers let go.
+#[derive(Default)]
+struct Sharing {
+    /// By address: (sharings not yet over, size).
+    exported: HashMap<u64, (u32, u64)>,
+    /// Those of them already freed (see [`AllocatorStats::freed_shared`]): still live in their
+    /// heap, as (stream, epoch) of their free, until the last sharing is over.
+    freed_shared: HashMap<u64, (StreamId, Epoch)>,
+}
+
 pub(crate) struct Core<B: Backend> {
     backend: B,
     sizes: Sizes,
@@ -326,17 +349,8 @@ pub(crate) struct Core<B: Backend> {
     borrowed: Vec<B::Page>,
     /// The latest free among the blocks that lent `borrowed`.
     borrowed_epoch: Epoch,
-    /// Device-wide waits under way (see [`Core::settle_begin`]).
-    settling: usize,
-    /// Whether the allocation under way may fail for its caller to wait for the whole device,
-    /// and whether it did (see [`Core::try_allocate`]).
-    may_settle: bool,
-    wants_settle: bool,
-    /// Blocks shared with other processes, by address: (sharings not yet over, size).
-    exported: HashMap<u64, (u32, u64)>,
-    /// Those of them already freed (see [`AllocatorStats::freed_shared`]): still live in their
-    /// heap, as (stream, epoch) of their free, until the last sharing is over.
-    freed_shared: HashMap<u64, (StreamId, Epoch)>,
+    settle: Settling,
+    sharing: Sharing,
     /// Blocks of at least this many bytes (untagged) are one physical allocation each; 0: off.
     whole_above: u64,
     /// Bytes of a sleep's copies after which the pages they read are released while the next
@@ -368,11 +382,8 @@ impl<B: Backend> Core<B> {
             lent: Vec::new(),
             borrowed: Vec::new(),
             borrowed_epoch: Epoch::NONE,
-            settling: 0,
-            may_settle: false,
-            wants_settle: false,
-            exported: HashMap::new(),
-            freed_shared: HashMap::new(),
+            settle: Settling::default(),
+            sharing: Sharing::default(),
             whole_above: 0,
             sleep_batch: sleep::SLEEP_BATCH,
             #[cfg(test)]
@@ -527,7 +538,7 @@ impl<B: Backend> Core<B> {
         tag: u32,
         may_settle: bool,
     ) -> Result<u64> {
-        self.wants_settle = false;
+        self.settle.asked = false;
         if size == 0 {
             return Err(Error::invalid("cannot allocate zero bytes"));
         }
@@ -562,7 +573,7 @@ impl<B: Backend> Core<B> {
                 return Ok(addr);
             }
         }
-        self.may_settle = may_settle;
+        self.settle.may_ask = may_settle;
         // The caller's own cached blocks and every idle one first: emptying every front here
         // would send every other stream's next request to this lock too, and each of those would
         // empty the others' again (threads each on their own stream kept one another off their
@@ -1062,7 +1073,7 @@ impl<B: Backend> Core<B> {
         for s in streams {
             self.poll(s)?;
             let st = &self.streams[&s];
-            if !st.fences.is_empty() || self.settling > 0 {
+            if !st.fences.is_empty() || self.settle.under_way > 0 {
                 // While a device-wide wait is under way its numbers must stay, or a free after
                 // the wait began could be taken as covered.
                 continue;
@@ -1185,7 +1196,7 @@ impl<B: Backend> Core<B> {
     /// numbering moves past them. Returns what [`settled`](Self::settled) takes once the wait
     /// has returned.
     pub(crate) fn settle_begin(&mut self) -> Settle {
-        self.settling += 1;
+        self.settle.under_way += 1;
         let upto = self
             .streams
             .iter()
@@ -1201,7 +1212,7 @@ impl<B: Backend> Core<B> {
     /// [`settle_begin`](Self::settle_begin) has run, on every stream, and no capture was under
     /// way (the driver refuses the wait during one). `ok` says whether the wait succeeded.
     pub(crate) fn settled(&mut self, settle: Settle, ok: bool) -> Result<()> {
-        self.settling -= 1;
+        self.settle.under_way -= 1;
         if !ok {
             // No event stands behind the numbers skipped: a stream whose latest free had none
             // after it is left so, to be covered by the next event recorded there.
@@ -1237,15 +1248,15 @@ impl<B: Backend> Core<B> {
     /// this call did not pass (a capture may have ended long ago on a stream that never calls
     /// again): the driver refuses the wait while one is, and the request then fails out of memory.
     fn ask_settle(&mut self, capture: Capture) -> bool {
-        let ask = self.may_settle && capture == Capture::None;
-        self.wants_settle |= ask;
+        let ask = self.settle.may_ask && capture == Capture::None;
+        self.settle.asked |= ask;
         ask
     }
 
     /// Whether the last [`try_allocate`](Self::try_allocate) failed for want of a wait for the
     /// whole device.
     pub(crate) fn wants_settle(&self) -> bool {
-        self.wants_settle
+        self.settle.asked
     }
 
     /// Waits for all work queued on the device, making every free so far idle (the tests' path;
@@ -1276,7 +1287,7 @@ impl<B: Backend> Core<B> {
     pub(crate) fn free(&mut self, addr: u64, raw: Handle) -> Result<Freed> {
         let (slot, i, allocated) = self.live_at(addr)?;
         // Importers still map it: it stays live in its heap until they let go (see `unexport`).
-        let shared = self.exported.contains_key(&addr);
+        let shared = self.sharing.exported.contains_key(&addr);
         let stream = if raw == allocated.raw { allocated } else { self.freeing_stream(raw) };
         let demand = self.fronts.demand();
         let moved = self.take_from_allocating_front(allocated.id, stream.id, addr)?;
@@ -1307,7 +1318,7 @@ impl<B: Backend> Core<B> {
         let Some(slot) = self.slots.iter().position(|s| s.heap.contains(addr)).map(SlotId::of) else {
             return Err(Error::invalid(format!("{addr:#x} was not allocated here")));
         };
-        if self.freed_shared.contains_key(&addr) {
+        if self.sharing.freed_shared.contains_key(&addr) {
             return Err(freed_twice(addr));
         }
         let (i, allocated) = self.slots[slot].heap.live_block(addr).ok_or_else(|| freed_twice(addr))?;
