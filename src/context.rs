@@ -100,6 +100,12 @@ impl Context {
     }
 }
 
+impl crate::driver::callback::Bind for Context {
+    fn bind(&self) -> Result<()> {
+        Context::bind(self)
+    }
+}
+
 impl std::fmt::Debug for Context {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Context")

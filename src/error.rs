@@ -361,7 +361,7 @@ impl DriverTexts {
     }
 
     fn description(&self, code: CUresult) -> String {
-        if self.description.is_some() && crate::driver::callback::in_host_function() {
+        if self.description.is_some() && crate::driver::host_fn::in_host_function() {
             return "(not asked of the driver inside a host function)".to_owned();
         }
         ask(self.description, code).unwrap_or_else(|| "no description from the driver".to_owned())
@@ -372,7 +372,7 @@ impl DriverTexts {
 /// call may be made), or for a code the driver does not know.
 fn ask(f: Option<ErrorTextFn>, code: CUresult) -> Option<String> {
     let f = f?;
-    if crate::driver::callback::in_host_function() {
+    if crate::driver::host_fn::in_host_function() {
         return None;
     }
     let mut p: *const c_char = std::ptr::null();
@@ -412,7 +412,9 @@ pub(crate) fn record_drop<T>(r: Result<T>) {
 
 /// The latest error a destructor met (a failed `cuMemRelease`, `cuStreamDestroy` and the like)
 /// in this process, and clears it. Destructors cannot return errors and have nothing to retry,
-/// so they record them here instead of dropping them: a program that wants to know whether its
+/// so they record them here instead of dropping them, as does a stream allocator's free for what
+/// the driver refused in the best-effort part of a free that succeeded (the event that lets other
+/// streams reuse the block sooner): a program that wants to know whether its
 /// teardown was clean reads this after dropping what it held (drops of device objects may run
 /// on cuvmm's release thread a moment later, see [`crate::driver::callback`]).
 pub fn take_drop_error() -> Option<Error> {

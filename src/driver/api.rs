@@ -1,6 +1,6 @@
 //! The table of entry points, each pinned to the ABI version whose signature is declared here.
 
-use super::loader::Resolver;
+use super::resolver::Resolver;
 use super::sys::*;
 use crate::error::{DriverTexts, Error, Result};
 use std::ffi::{c_char, c_int, c_uchar, c_uint, c_ulonglong, c_void};

@@ -13,41 +13,15 @@
 //!   in order. The memory is freed shortly after the host function returns
 //!   ([`flush_deferred_releases`] waits for it).
 
+pub use super::host_fn::in_host_function;
+pub(crate) use super::host_fn::HostFnGuard;
 use crate::error::{Error, Result};
-use std::cell::Cell;
 use std::sync::mpsc::{channel, Sender};
 use std::sync::{Mutex, OnceLock};
-
-thread_local! {
-    static IN_HOST_FN: Cell<bool> = const { Cell::new(false) };
-}
-
-/// Whether the calling thread is running a stream host function queued through cuvmm.
-#[inline]
-pub fn in_host_function() -> bool {
-    IN_HOST_FN.with(Cell::get)
-}
 
 /// The error every driver call made inside a host function returns.
 pub(crate) fn refuse(call: &'static str) -> Error {
     Error::InHostFunction { call }
-}
-
-/// Marks the calling thread as running a host function until dropped (also when it unwinds).
-pub(crate) struct HostFnGuard {
-    was: bool,
-}
-
-impl HostFnGuard {
-    pub(crate) fn enter() -> HostFnGuard {
-        HostFnGuard { was: IN_HOST_FN.with(|f| f.replace(true)) }
-    }
-}
-
-impl Drop for HostFnGuard {
-    fn drop(&mut self) {
-        IN_HOST_FN.with(|f| f.set(self.was));
-    }
 }
 
 type Job = Box<dyn FnOnce() + Send>;
@@ -81,11 +55,19 @@ pub(crate) fn release(f: impl FnOnce() + Send + 'static) {
     let _ = tx.send(Box::new(f));
 }
 
+/// A context a deferred release makes current before its driver call. A clone travels with the
+/// release and keeps the context alive until the call has run. The context type lives in a layer
+/// above the driver's, so this layer names only what it asks of it.
+pub(crate) trait Bind: Clone + Send + 'static {
+    /// Makes the context current on the calling thread.
+    fn bind(&self) -> Result<()>;
+}
+
 /// A destructor's driver call on `handle`: `f` runs with the driver's entry points and `ctx`
 /// current, now or, inside a host function, on the release thread (see [`release`]). Nothing runs
 /// when no driver is loaded: then nothing was ever created.
-pub(crate) fn release_in<H: Sendable + 'static>(
-    ctx: &crate::context::Context,
+pub(crate) fn release_in<C: Bind, H: Sendable + 'static>(
+    ctx: &C,
     handle: H,
     f: impl FnOnce(&super::Api, H) + Send + 'static,
 ) {
@@ -155,6 +137,7 @@ unsafe impl<T: Sendable> Send for Handle<T> {}
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::cell::Cell;
 
     /// Asks whether `Handle<T>` is `Send` at compile time: the inherent `send` exists only where
     /// the bound holds, and method lookup prefers it to the trait's.

@@ -16,7 +16,9 @@
 
 mod api;
 pub mod callback;
+pub(crate) mod host_fn;
 mod loader;
+mod resolver;
 pub mod result;
 pub mod sys;
 

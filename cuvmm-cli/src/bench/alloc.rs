@@ -4,8 +4,8 @@
 //! at once, each on a stream of its own.
 
 use super::median;
-use crate::cli::size::{parse_counts, parse_sizes, show};
-use crate::cli::CliResult;
+use crate::common::size::{parse_counts, parse_sizes, show};
+use crate::common::CliResult;
 use cuvmm::alloc::{CachingAllocator, ExportMode, GraphMemory, PeerAllocator, StreamAllocator};
 use cuvmm::context::Context;
 use cuvmm::driver::result::{self, pool};

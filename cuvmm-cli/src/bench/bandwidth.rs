@@ -5,8 +5,8 @@
 //! idle for a while before every timed transfer.
 
 use super::{median, timed};
-use crate::cli::size::{parse_counts, parse_sizes, show};
-use crate::cli::CliResult;
+use crate::common::size::{parse_counts, parse_sizes, show};
+use crate::common::CliResult;
 use cuvmm::context::Context;
 use cuvmm::driver::{driver, result};
 use cuvmm::error::Result;

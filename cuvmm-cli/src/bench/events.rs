@@ -2,7 +2,7 @@
 //! that waits for it, runs the kernel and copies back, then a host callback that consumes the
 //! result, while the CPU computes the reference meanwhile.
 
-use crate::cli::CliResult;
+use crate::common::CliResult;
 use cuvmm::context::Context;
 use cuvmm::error::Result;
 use cuvmm::host::PinnedBuffer;

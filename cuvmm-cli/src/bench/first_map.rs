@@ -3,7 +3,7 @@
 //! reservation sizes and after continuous work ("busy"), 200 ms of idling ("idle"), freeing 16 GiB
 //! ("freed"), or idling then a small memset ("woken").
 
-use crate::cli::CliResult;
+use crate::common::CliResult;
 use cuvmm::driver::{driver, result, Api};
 use cuvmm::error::Result;
 use cuvmm::vmm::{Access, PhysicalMemory, Reservation};

@@ -3,8 +3,8 @@
 
 use super::stats::{median, percentile};
 use super::timed;
-use crate::cli::size::{parse_size, show};
-use crate::cli::CliResult;
+use crate::common::size::{parse_size, show};
+use crate::common::CliResult;
 use cuvmm::context::Context;
 use cuvmm::driver::{driver, result, sys::CUdeviceptr};
 use cuvmm::error::Result;

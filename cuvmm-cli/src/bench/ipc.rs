@@ -22,8 +22,8 @@
 //! cuIpcOpenMemHandle path.
 
 use super::median;
-use crate::cli::size::{parse_size, show};
-use crate::cli::CliResult;
+use crate::common::size::{parse_size, show};
+use crate::common::CliResult;
 use cuvmm::alloc::{ExportMode, PeerAllocator};
 use cuvmm::context::Context;
 use cuvmm::driver::{driver, result, sys::*};

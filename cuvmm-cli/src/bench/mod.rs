@@ -16,6 +16,7 @@ pub mod order;
 pub mod overlap;
 pub mod peer;
 pub mod sleep;
+mod sleep_args;
 mod sleep_procs;
 pub mod soak;
 pub mod stats;

@@ -4,8 +4,8 @@
 //! with like in one run.
 
 use super::median;
-use crate::cli::size::{parse_size, show};
-use crate::cli::CliResult;
+use crate::common::size::{parse_size, show};
+use crate::common::CliResult;
 use cuvmm::context::Context;
 use cuvmm::error::Result;
 use cuvmm::host::PinnedBuffer;

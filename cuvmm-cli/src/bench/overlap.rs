@@ -10,8 +10,8 @@
 //! events in between) and the schedules take turns, repetition by repetition. Per-operation
 //! events, for the timeline, are recorded in one more run of the fastest cuvmm schedule only.
 
-use crate::cli::size::{parse_counts, show};
-use crate::cli::CliResult;
+use crate::common::size::{parse_counts, show};
+use crate::common::CliResult;
 use cuvmm::context::Context;
 use cuvmm::driver::{driver, result, sys::CUfunction};
 use cuvmm::error::Result;

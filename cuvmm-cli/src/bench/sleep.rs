@@ -28,9 +28,11 @@
 //! right after the wake, and once the cycle's other work is done (a released backup is given
 //! back on a thread of its own).
 
+use super::sleep_args::child_command;
+pub use super::sleep_args::Args;
 use super::{invalid, median};
-use crate::cli::size::{parse_size, show};
-use crate::cli::CliResult;
+use crate::common::size::show;
+use crate::common::CliResult;
 use cuvmm::alloc::{
     AllocatorConfig, BackupKind, BackupOptions, SleepMode, StreamAllocator, StreamBlock, Tag,
 };
@@ -653,69 +655,6 @@ pub fn with_child_cycles(mut r: SleepReport, child: Vec<Cycle>) -> SleepReport {
     r
 }
 
-// The options of `cuvmm bench sleep` (their help is the CLI's).
-#[derive(clap::Args, Debug)]
-pub struct Args {
-    /// Bytes tagged.
-    #[arg(long, default_value = "16GiB", value_parser = parse_size)]
-    size: usize,
-    /// Bytes per allocation.
-    #[arg(long, default_value = "1GiB", value_parser = parse_size)]
-    block: usize,
-    /// Sleep and wake cycles measured after the first.
-    #[arg(long, default_value_t = 5)]
-    reps: usize,
-    /// Device ordinal.
-    #[arg(long, default_value_t = 0)]
-    device: usize,
-    /// Device ordinals, comma-separated: the tag on each (one allocator per device), slept
-    /// and woken on all at once (overrides --device).
-    #[arg(long, value_delimiter = ',')]
-    devices: Vec<usize>,
-    /// Where an offloading sleep keeps the contents: pageable (host memory through the
-    /// staging ring), pinned (host memory as large as the tag) or disk (a file in --dir).
-    #[arg(long, default_value = "pageable")]
-    backup: String,
-    /// Directory of the disk backup.
-    #[arg(long)]
-    dir: Option<std::path::PathBuf>,
-    /// Keep the backup after each wake for the next sleep.
-    #[arg(long)]
-    retain: bool,
-    /// With the default backup, leave out the cycles run again with the backup retained.
-    #[arg(long)]
-    no_retained: bool,
-    /// One process per device (of --devices, or 0..N), all sleeping at once, each cycle started
-    /// together: each process's own cycles, bounds and floor.
-    #[arg(long, default_value_t = 1)]
-    processes: usize,
-    /// Wait for the parent before each cycle (what --processes runs in each child).
-    #[arg(long, hide = true)]
-    barrier: bool,
-    /// Run the first cycle in a child process of its own: the first sleep of a fresh process.
-    #[arg(long)]
-    fresh_process: bool,
-    /// Milliseconds waited between each sleep and its wake.
-    #[arg(long, default_value_t = 0)]
-    gap_ms: u64,
-    /// How the staging ring's threads write the backup (and read it back): plain (ordinary
-    /// stores), streaming (non-temporal stores, the library's default) or both (cycles take
-    /// turns, each one's medians reported). Default: the library's (or CUVMM_HOST_COPY).
-    #[arg(long, value_parser = crate::bench::parse_host_copies)]
-    pub(super) host_copy: Option<std::vec::Vec<HostCopy>>,
-    /// Get the backup ready in the background once the tag is allocated (the library's
-    /// prepare_backup), and wait until it is, before the first sleep: what a program that calls it
-    /// after loading its weights pays at its first sleep.
-    #[arg(long)]
-    prepare: bool,
-    /// Run only the first cycle, as JSON lines (what --fresh-process runs in the child).
-    #[arg(long, hide = true)]
-    first_only: bool,
-    /// JSON lines instead of a table.
-    #[arg(long)]
-    pub(super) json: bool,
-}
-
 /// `cuvmm bench sleep`: runs the benchmark with `args` and writes its report to `out`.
 pub fn cli(args: Args, out: &mut impl Write) -> CliResult {
     let kind = backup_kind(&args.backup, args.dir.as_ref())?;
@@ -884,42 +823,6 @@ fn print_sleep_cycle(out: &mut impl Write, c: &Cycle, bytes: usize) -> std::io::
         c.mismatches,
         c.sleep_vmstat.map(|n| n.to_string()).join(" / "),
     )
-}
-
-/// `cuvmm bench sleep --json` on `devices` with the options of `args` that shape the cycles, as a
-/// child of this process runs it.
-pub(super) fn child_command(args: &Args, devices: &[usize]) -> std::io::Result<std::process::Command> {
-    let mut cmd = std::process::Command::new(std::env::current_exe()?);
-    let devs: Vec<String> = devices.iter().map(|d| d.to_string()).collect();
-    cmd.args([
-        "bench",
-        "sleep",
-        "--json",
-        "--size",
-        &args.size.to_string(),
-        "--block",
-        &args.block.to_string(),
-    ])
-    .args(["--reps", &args.reps.to_string(), "--devices", &devs.join(",")])
-    .args(["--backup", &args.backup, "--gap-ms", &args.gap_ms.to_string()]);
-    if let Some(d) = &args.dir {
-        cmd.arg("--dir").arg(d);
-    }
-    if args.retain {
-        cmd.arg("--retain");
-    }
-    if args.no_retained {
-        cmd.arg("--no-retained");
-    }
-    if args.prepare {
-        cmd.arg("--prepare");
-    }
-    match args.host_copy.as_deref() {
-        Some([one]) => drop(cmd.args(["--host-copy", one.name()])),
-        Some([_, _, ..]) => drop(cmd.args(["--host-copy", "both"])),
-        _ => {}
-    }
-    Ok(cmd)
 }
 
 /// Runs the first cycle of `bench sleep` in a child process (a fresh process's first sleep) and
@@ -1143,6 +1046,7 @@ fn print_summary_notes(out: &mut impl Write, r: &SleepReport) -> std::io::Result
 
 #[cfg(test)]
 mod tests {
+    use super::super::sleep_args::parse_args;
     use super::*;
     use crate::bench::assert_report;
 
@@ -1304,6 +1208,18 @@ mod tests {
                 .expect_err("mismatches fail the run");
             assert!(e.to_string().contains("7 elements changed"), "{e}");
             assert!(!out.is_empty(), "the report is printed first");
+        }
+    }
+
+    #[test]
+    fn processes_with_a_fresh_child_or_the_wrong_number_of_devices_are_refused_before_any_start() {
+        for (argv, says) in [
+            (&["bench", "--processes", "2", "--fresh-process"][..], "--fresh-process"),
+            (&["bench", "--processes", "3", "--devices", "0,1"][..], "2 devices"),
+        ] {
+            let args = parse_args(argv);
+            let e = cli(args, &mut Vec::new()).expect_err("refused");
+            assert!(e.to_string().contains(says), "{argv:?}: {e}");
         }
     }
 }

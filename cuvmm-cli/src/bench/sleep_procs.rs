@@ -7,8 +7,8 @@
 //! every GPU at once is judged against. A child that fails stops counting at the barriers, and
 //! fails the run after the others' reports.
 
-use super::sleep::{child_command, Args};
-use crate::cli::CliResult;
+use super::sleep_args::{child_command, Args};
+use crate::common::CliResult;
 use serde_json::{json, Value};
 use std::io::{BufRead, BufReader, Write};
 use std::process::Stdio;
@@ -132,14 +132,8 @@ fn report(out: &mut impl Write, args: &Args, devices: &[usize], lines: &[Vec<Val
 
 #[cfg(test)]
 mod tests {
+    use super::super::sleep_args::parse_args;
     use super::*;
-    use clap::Parser;
-
-    #[derive(Parser)]
-    struct Cli {
-        #[command(flatten)]
-        args: Args,
-    }
 
     /// A child as `sh` runs it: its steps, each a JSON line printed or a barrier waited at.
     fn child(script: &str) -> std::process::Command {
@@ -174,25 +168,13 @@ mod tests {
     }
 
     #[test]
-    fn processes_with_a_fresh_child_or_the_wrong_number_of_devices_are_refused_before_any_start() {
-        for (argv, says) in [
-            (&["bench", "--processes", "2", "--fresh-process"][..], "--fresh-process"),
-            (&["bench", "--processes", "3", "--devices", "0,1"][..], "2 devices"),
-        ] {
-            let args = Cli::parse_from(argv).args;
-            let e = super::super::sleep::cli(args, &mut Vec::new()).expect_err("refused");
-            assert!(e.to_string().contains(says), "{argv:?}: {e}");
-        }
-    }
-
-    #[test]
     fn a_child_takes_the_host_copies_of_its_parent() {
         for (argv, want) in [
             (&["bench"][..], None),
             (&["bench", "--host-copy", "plain"][..], Some("plain")),
             (&["bench", "--host-copy", "both"][..], Some("both")),
         ] {
-            let cmd = child_command(&Cli::parse_from(argv).args, &[0]).unwrap();
+            let cmd = child_command(&parse_args(argv), &[0]).unwrap();
             let got: Vec<String> = cmd.get_args().map(|a| a.to_string_lossy().into_owned()).collect();
             let at = got.iter().position(|a| a == "--host-copy");
             assert_eq!(at.map(|i| got[i + 1].as_str()), want, "{argv:?}: {got:?}");
@@ -201,7 +183,7 @@ mod tests {
 
     #[test]
     fn each_process_reports_a_row_per_run_and_its_barriers_are_not_rows() {
-        let args = Cli::parse_from(["bench"]).args;
+        let args = parse_args(&["bench"]);
         let summary = |run: &str, first: f64| {
             json!({"bench": "sleep", "run": run, "first_offload_ms": first, "first_offload_ratio": first / 330.0,
                 "offload_ratio": 1.04, "d2h_bound_ms": 330.0, "wake_ratio_after_frees": 1.02,

@@ -23,8 +23,8 @@
 //! on all of them alike.
 
 use super::median;
-use crate::cli::size::{parse_sizes, show};
-use crate::cli::CliResult;
+use crate::common::size::{parse_sizes, show};
+use crate::common::CliResult;
 use cuvmm::alloc::{GraphMemory, StreamAllocator};
 use cuvmm::context::Context;
 use cuvmm::driver::result::{self, pool};

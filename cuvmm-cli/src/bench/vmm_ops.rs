@@ -2,8 +2,8 @@
 //! raw driver calls against the crate's types, measured in the same run.
 
 use super::{median, timed};
-use crate::cli::size::{parse_sizes, show};
-use crate::cli::CliResult;
+use crate::common::size::{parse_sizes, show};
+use crate::common::CliResult;
 use cuvmm::context::Context;
 use cuvmm::driver::{driver, result, sys::*};
 use cuvmm::error::Result;

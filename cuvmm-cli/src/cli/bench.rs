@@ -1,9 +1,9 @@
 //! `cuvmm bench …`.
 
-use super::CliResult;
 use crate::bench::{
     alloc, bandwidth, events, first_map, grow, ipc, order, overlap, peer, sleep, trace, vmm_ops,
 };
+use crate::common::CliResult;
 use clap::Subcommand;
 
 #[derive(Subcommand, Debug)]

@@ -1,6 +1,6 @@
 //! `cuvmm info`.
 
-use super::CliResult;
+use crate::common::CliResult;
 use cuvmm::caps::{version_string, DeviceCaps, Report};
 use serde_json::json;
 use std::io::Write;

@@ -3,8 +3,9 @@
 pub mod bench;
 pub mod info;
 pub mod plot;
-pub mod size;
 pub mod tour;
+
+use crate::common::CliResult;
 
 use clap::{Parser, Subcommand};
 
@@ -73,9 +74,6 @@ enum Command {
         device: i32,
     },
 }
-
-/// A CLI failure: a library error or an output error, printed as one line.
-pub type CliResult = Result<(), Box<dyn std::error::Error>>;
 
 /// Runs the chosen subcommand.
 /// Where the tour writes its pictures unless told: the system's temporary folder, so running it

@@ -2,11 +2,11 @@
 //! the first GPU, with the pictures written to a folder.
 
 use super::plot::{line_chart, Series};
-use super::size::show;
-use super::CliResult;
 use crate::bench::bandwidth::print_bandwidth;
 use crate::bench::overlap::print_overlap;
 use crate::bench::{bandwidth, grow, overlap};
+use crate::common::size::show;
+use crate::common::CliResult;
 use cuvmm::alloc::{ExportMode, PeerAllocator};
 use cuvmm::caps::Report;
 use cuvmm::host::Staging;

@@ -6,8 +6,8 @@
 //! the change.
 
 use super::front::{lock, Entry, Front, Fronts};
-use super::heap::{BlockId, Freed, Heap, KeyMap, Owner, PendingFree, ALIGN, IDLE};
-use super::ids::{Caller, Epoch, Handle, SlotId, StreamId, LEGACY, SYNTHETIC};
+use super::heap::{BlockId, Freed, Heap, KeyMap, Owner, PendingFree, ALIGN};
+use super::ids::{Caller, Epoch, Handle, SlotId, StreamId, IDLE, LEGACY, SYNTHETIC};
 use crate::error::{Error, Result};
 use std::collections::{HashMap, VecDeque};
 use std::ops::{Index, IndexMut};
@@ -201,6 +201,32 @@ fn take_fast(fronts: &Fronts, id: StreamId, size: u64, capture: Capture, tag: u3
     fronts.take(id, n, size)
 }
 
+/// The error of a free of a block that is not live.
+fn freed_twice(addr: u64) -> Error {
+    Error::invalid(format!("{addr:#x} is not a live allocation (freed twice?)"))
+}
+
+/// Records what the driver refused in the part of a free that is best effort: the free has
+/// succeeded, so there is nothing to return it with and nothing to retry, as with a destructor's.
+fn record_missed(e: Error) {
+    crate::error::record_drop::<()>(Err(e));
+}
+
+/// A block being freed (see [`Core::free`]): where it lies, who allocated and who frees it, and
+/// what the steps before its front found.
+struct FreeAt {
+    addr: u64,
+    slot: SlotId,
+    block: BlockId,
+    shared: bool,
+    allocated: Caller,
+    stream: Caller,
+    /// Its entry, taken out of the allocating stream's front when another stream frees it.
+    moved: Option<Entry>,
+    /// The fronts' demand counter when the free began.
+    demand: u64,
+}
+
 /// Pages of a lent block (see [`super::heap::State::Lent`]): still mapped at its address (as
 /// well as where they now serve) until the work queued on `stream` before the block's free has run.
 struct Lent {
@@ -272,6 +298,32 @@ pub(crate) struct Sizes {
     pub lend: bool,
 }
 
+/// The core's part in device-wide waits, which run without its lock (see
+/// [`Core::settle_begin`] and [`Core::try_allocate`]).
+#[derive(Default)]
+struct Settling {
+    /// Device-wide waits under way.
+    under_way: usize,
+    /// Whether the allocation under way may fail for its caller to wait for the whole device.
+    may_ask: bool,
+    /// Whether it did.
+    asked: bool,
+}
+
+/// Blocks shared with other processes, kept apart from the heaps' own state because a shared block
+/// stays live in its heap past its free, until its importers let go.
+#[derive(Default)]
+struct Sharing {
+    /// By address: (sharings not yet over, size).
+    exported: HashMap<u64, (u32, u64)>,
+    /// Those of them already freed (see [`AllocatorStats::freed_shared`]): still live in their
+    /// heap, as (stream, epoch) of their free, until the last sharing is over.
+    freed_shared: HashMap<u64, (StreamId, Epoch)>,
+    /// The cache was emptied while blocks freed while shared were still held: each gives its
+    /// pages back as its last sharing ends, as that emptying would have.
+    empty_when_unshared: bool,
+}
+
 pub(crate) struct Core<B: Backend> {
     backend: B,
     sizes: Sizes,
@@ -300,20 +352,8 @@ pub(crate) struct Core<B: Backend> {
     borrowed: Vec<B::Page>,
     /// The latest free among the blocks that lent `borrowed`.
     borrowed_epoch: Epoch,
-    /// Device-wide waits under way (see [`Core::settle_begin`]).
-    settling: usize,
-    /// Whether the allocation under way may fail for its caller to wait for the whole device,
-    /// and whether it did (see [`Core::try_allocate`]).
-    may_settle: bool,
-    wants_settle: bool,
-    /// Blocks shared with other processes, by address: (sharings not yet over, size).
-    exported: HashMap<u64, (u32, u64)>,
-    /// Those of them already freed (see [`AllocatorStats::freed_shared`]): still live in their
-    /// heap, as (stream, epoch) of their free, until the last sharing is over.
-    freed_shared: HashMap<u64, (StreamId, Epoch)>,
-    /// The cache was emptied while blocks freed while shared were still held: each gives its
-    /// pages back as its last sharing ends, as that emptying would have.
-    empty_when_unshared: bool,
+    settle: Settling,
+    sharing: Sharing,
     /// Blocks of at least this many bytes (untagged) are one physical allocation each; 0: off.
     whole_above: u64,
     /// Bytes of a sleep's copies after which the pages they read are released while the next
@@ -345,12 +385,8 @@ impl<B: Backend> Core<B> {
             lent: Vec::new(),
             borrowed: Vec::new(),
             borrowed_epoch: Epoch::NONE,
-            settling: 0,
-            may_settle: false,
-            wants_settle: false,
-            exported: HashMap::new(),
-            freed_shared: HashMap::new(),
-            empty_when_unshared: false,
+            settle: Settling::default(),
+            sharing: Sharing::default(),
             whole_above: 0,
             sleep_batch: sleep::SLEEP_BATCH,
             #[cfg(test)]
@@ -505,7 +541,7 @@ impl<B: Backend> Core<B> {
         tag: u32,
         may_settle: bool,
     ) -> Result<u64> {
-        self.wants_settle = false;
+        self.settle.asked = false;
         if size == 0 {
             return Err(Error::invalid("cannot allocate zero bytes"));
         }
@@ -540,7 +576,7 @@ impl<B: Backend> Core<B> {
                 return Ok(addr);
             }
         }
-        self.may_settle = may_settle;
+        self.settle.may_ask = may_settle;
         // The caller's own cached blocks and every idle one first: emptying every front here
         // would send every other stream's next request to this lock too, and each of those would
         // empty the others' again (threads each on their own stream kept one another off their
@@ -1040,7 +1076,7 @@ impl<B: Backend> Core<B> {
         for s in streams {
             self.poll(s)?;
             let st = &self.streams[&s];
-            if !st.fences.is_empty() || self.settling > 0 {
+            if !st.fences.is_empty() || self.settle.under_way > 0 {
                 // While a device-wide wait is under way its numbers must stay, or a free after
                 // the wait began could be taken as covered.
                 continue;
@@ -1163,7 +1199,7 @@ impl<B: Backend> Core<B> {
     /// numbering moves past them. Returns what [`settled`](Self::settled) takes once the wait
     /// has returned.
     pub(crate) fn settle_begin(&mut self) -> Settle {
-        self.settling += 1;
+        self.settle.under_way += 1;
         let upto = self
             .streams
             .iter()
@@ -1179,7 +1215,7 @@ impl<B: Backend> Core<B> {
     /// [`settle_begin`](Self::settle_begin) has run, on every stream, and no capture was under
     /// way (the driver refuses the wait during one). `ok` says whether the wait succeeded.
     pub(crate) fn settled(&mut self, settle: Settle, ok: bool) -> Result<()> {
-        self.settling -= 1;
+        self.settle.under_way -= 1;
         if !ok {
             // No event stands behind the numbers skipped: a stream whose latest free had none
             // after it is left so, to be covered by the next event recorded there.
@@ -1215,15 +1251,15 @@ impl<B: Backend> Core<B> {
     /// this call did not pass (a capture may have ended long ago on a stream that never calls
     /// again): the driver refuses the wait while one is, and the request then fails out of memory.
     fn ask_settle(&mut self, capture: Capture) -> bool {
-        let ask = self.may_settle && capture == Capture::None;
-        self.wants_settle |= ask;
+        let ask = self.settle.may_ask && capture == Capture::None;
+        self.settle.asked |= ask;
         ask
     }
 
     /// Whether the last [`try_allocate`](Self::try_allocate) failed for want of a wait for the
     /// whole device.
     pub(crate) fn wants_settle(&self) -> bool {
-        self.wants_settle
+        self.settle.asked
     }
 
     /// Waits for all work queued on the device, making every free so far idle (the tests' path;
@@ -1252,93 +1288,20 @@ impl<B: Backend> Core<B> {
     /// stream's last event; otherwise it asks the stream's identity, and records an event after
     /// the free for the others.
     pub(crate) fn free(&mut self, addr: u64, raw: Handle) -> Result<Freed> {
-        let Some(slot) = self.slots.iter().position(|s| s.heap.contains(addr)).map(SlotId::of) else {
-            return Err(Error::invalid(format!("{addr:#x} was not allocated here")));
-        };
-        let twice = || Error::invalid(format!("{addr:#x} is not a live allocation (freed twice?)"));
-        if self.freed_shared.contains_key(&addr) {
-            return Err(twice());
-        }
-        let (i, Caller { id, raw: alloc_raw }) = self.slots[slot].heap.live_block(addr).ok_or_else(twice)?;
+        let (slot, i, allocated) = self.live_at(addr)?;
         // Importers still map it: it stays live in its heap until they let go (see `unexport`).
-        let shared = self.exported.contains_key(&addr);
-        let stream = if raw == alloc_raw {
-            Caller { id, raw }
-        } else {
-            // During a capture the stream is named by the capture, as its allocations are.
-            match self.backend.capture_of(raw) {
-                Ok(Some(c)) => self.caller(raw, None, Capture::Private(c)),
-                Ok(None) => {
-                    let id = self.backend.stream_id(raw);
-                    self.caller(raw, id, Capture::None)
-                }
-                Err(_) => self.caller(raw, None, Capture::None),
-            }
-        };
+        let shared = self.sharing.exported.contains_key(&addr);
+        let stream = if raw == allocated.raw { allocated } else { self.freeing_stream(raw) };
         let demand = self.fronts.demand();
-        // The allocating stream's front knows the blocks its fast paths may free or hand out; each
-        // is looked at and changed under one hold of that front's lock (a fast path may run
-        // meanwhile), one front at a time.
-        let mut moved = None;
-        if stream.id != id {
-            if let Some(st) = self.streams.get(&id) {
-                let mut g = st.front.lock();
-                match g.blocks.get(&addr).copied() {
-                    Some(e) if e.cached => return Err(twice()),
-                    Some(e) => {
-                        g.blocks.remove(&addr);
-                        moved = Some(e);
-                    }
-                    None => {}
-                }
-            }
-        }
-        let own = self.stream(stream).front.clone();
-        let mut f = own.lock();
-        let epoch = f.next;
-        let entry = if stream.id == id { f.blocks.get(&addr).copied() } else { moved };
-        if stream.id == id && entry.is_some_and(|e| e.cached) {
-            return Err(twice());
-        }
-        f.last_free = epoch;
-        let freed = match entry {
-            // Its own front's block, freed there: cached in the front, as a fast free would.
-            Some(e) if stream.id == id && !shared && f.cache_free(addr, epoch) => {
-                Freed { size: e.n, requested: e.requested, pool: 0 }
-            }
-            _ => {
-                if stream.id == id && entry.is_some() {
-                    f.blocks.remove(&addr);
-                }
-                let freed = if shared {
-                    self.slots[slot].heap.live_freed(i)
-                } else {
-                    self.slots[slot].heap.free_cached(i, stream.id, epoch)
-                };
-                Freed { requested: entry.map_or(freed.requested, |e| e.requested), ..freed }
-            }
-        };
-        let ask = f.seen_demand < demand;
-        if ask {
-            f.seen_demand = demand;
-        }
-        drop(f);
+        let moved = self.take_from_allocating_front(allocated.id, stream.id, addr)?;
+        let (freed, epoch, ask) =
+            self.free_in_front(FreeAt { addr, slot, block: i, shared, allocated, stream, moved, demand })?;
         // Attributed without asking, the stream may have been destroyed and its handle given to
         // another: an event recorded (or an idle query) through the handle would then be the
         // other stream's, taken for this one's. So the handle is asked first (never its id while
         // captured); a destroyed stream's frees wait for a device-wide wait.
-        let ask = ask && (raw != alloc_raw || self.names(stream));
-        if ask {
-            // Its frees are made idle at once if its work has run, else an event is recorded
-            // after them. Best effort: without the event the blocks wait for a later one, or
-            // for a device-wide wait. Relaxed, as a capture elsewhere in global mode forbids
-            // the event.
-            if let Ok(old) = self.backend.relax() {
-                if !matches!(self.caught_up(stream, false), Ok(true)) {
-                    let _ = self.fence(stream);
-                }
-                self.backend.restore(old);
-            }
+        if ask && (raw != allocated.raw || self.names(stream)) {
+            self.cover_frees(stream);
         }
         if shared {
             self.hold_freed(addr, stream.id, epoch);
@@ -1349,6 +1312,115 @@ impl<B: Backend> Core<B> {
             self.check();
         }
         Ok(freed)
+    }
+
+    /// The live block at `addr`: its heap, its place there, and the stream that allocated it;
+    /// an error when no heap holds the address, or the block there is not live (freed already,
+    /// or freed while shared and kept for its importers).
+    fn live_at(&self, addr: u64) -> Result<(SlotId, BlockId, Caller)> {
+        let Some(slot) = self.slots.iter().position(|s| s.heap.contains(addr)).map(SlotId::of) else {
+            return Err(Error::invalid(format!("{addr:#x} was not allocated here")));
+        };
+        if self.sharing.freed_shared.contains_key(&addr) {
+            return Err(freed_twice(addr));
+        }
+        let (i, allocated) = self.slots[slot].heap.live_block(addr).ok_or_else(|| freed_twice(addr))?;
+        Ok((slot, i, allocated))
+    }
+
+    /// The stream a free through `raw`, another handle than its block was allocated with, is
+    /// made on. During a capture the stream is named by the capture, as its allocations are. A
+    /// handle the driver cannot place is taken as a stream of its own, never named again; what
+    /// the driver said is recorded.
+    fn freeing_stream(&mut self, raw: Handle) -> Caller {
+        match self.backend.capture_of(raw) {
+            Ok(Some(c)) => self.caller(raw, None, Capture::Private(c)),
+            Ok(None) => {
+                let id = self.backend.stream_id(raw);
+                self.caller(raw, id, Capture::None)
+            }
+            Err(e) => {
+                record_missed(e);
+                self.caller(raw, None, Capture::None)
+            }
+        }
+    }
+
+    /// Takes the entry of the block at `addr` out of the front of the stream that allocated it,
+    /// when another stream frees it. Each front's blocks are looked at and changed under one hold
+    /// of its lock (a fast path may run meanwhile), one front at a time.
+    fn take_from_allocating_front(
+        &self,
+        allocated: StreamId,
+        freeing: StreamId,
+        addr: u64,
+    ) -> Result<Option<Entry>> {
+        if freeing == allocated {
+            return Ok(None);
+        }
+        let Some(st) = self.streams.get(&allocated) else { return Ok(None) };
+        let mut g = st.front.lock();
+        match g.blocks.get(&addr).copied() {
+            Some(e) if e.cached => Err(freed_twice(addr)),
+            Some(e) => {
+                g.blocks.remove(&addr);
+                Ok(Some(e))
+            }
+            None => Ok(None),
+        }
+    }
+
+    /// Frees the block in the freeing stream's front: stamped with its next number, and cached
+    /// there when it is that front's own (unshared) block, else freed in its heap. Returns what
+    /// was freed, its stamp, and whether the stream should be asked to cover its frees for the
+    /// others (another stream found memory short since it was last asked).
+    fn free_in_front(&mut self, at: FreeAt) -> Result<(Freed, Epoch, bool)> {
+        let FreeAt { addr, slot, block, shared, allocated, stream, moved, demand } = at;
+        let own = self.stream(stream).front.clone();
+        let mut f = own.lock();
+        let epoch = f.next;
+        let same = stream.id == allocated.id;
+        let entry = if same { f.blocks.get(&addr).copied() } else { moved };
+        if same && entry.is_some_and(|e| e.cached) {
+            return Err(freed_twice(addr));
+        }
+        f.last_free = epoch;
+        let freed = match entry {
+            // Its own front's block, freed there: cached in the front, as a fast free would.
+            Some(e) if same && !shared && f.cache_free(addr, epoch).is_some() => {
+                Freed { size: e.n, requested: e.requested, pool: 0 }
+            }
+            _ => {
+                if same && entry.is_some() {
+                    f.blocks.remove(&addr);
+                }
+                let freed = if shared {
+                    self.slots[slot].heap.live_freed(block)
+                } else {
+                    self.slots[slot].heap.free_cached(block, stream.id, epoch)
+                };
+                Freed { requested: entry.map_or(freed.requested, |e| e.requested), ..freed }
+            }
+        };
+        let ask = f.seen_demand < demand;
+        if ask {
+            f.seen_demand = demand;
+        }
+        Ok((freed, epoch, ask))
+    }
+
+    /// Makes the stream's frees idle at once if its work has run, else records an event after
+    /// them. Best effort: without the event the blocks wait for a later one, or for a
+    /// device-wide wait, so the free itself has succeeded either way; what the driver refused is
+    /// recorded. Relaxed, as a capture elsewhere in global mode forbids the event.
+    fn cover_frees(&mut self, stream: Caller) {
+        let Ok(old) = self.backend.relax() else { return };
+        if !matches!(self.caught_up(stream, false), Ok(true)) {
+            if let Err(e) = self.fence(stream) {
+                record_missed(e);
+            }
+        }
+        self.backend.restore(old);
     }
 
     /// Makes the free of the live block at `addr` in `slot` go through the core.

@@ -150,15 +150,11 @@ impl Front {
         if s.retired || s.seen_demand != demand {
             return false;
         }
-        let Some(e) = s.blocks.get_mut(&addr) else { return false };
-        if e.cached || e.via_core {
+        if !matches!(s.blocks.get(&addr), Some(e) if !e.cached && !e.via_core) {
             return false;
         }
         let epoch = s.next;
-        if !s.cache.push(e.n, (addr, epoch)) {
-            return false;
-        }
-        e.cached = true;
+        let Some(e) = s.cache_free(addr, epoch) else { return false };
         s.last_free = epoch;
         s.counts.frees += 1;
         s.counts.live -= e.n as i64;
@@ -168,16 +164,17 @@ impl Front {
 }
 
 impl State {
-    /// Caches the live block at `addr` stamped `epoch` (the core's path of [`Front::give`]); false
-    /// when the cache of its size is full.
-    pub(crate) fn cache_free(&mut self, addr: u64, epoch: Epoch) -> bool {
-        let Some(e) = self.blocks.get_mut(&addr) else { return false };
+    /// Caches the live block at `addr` stamped `epoch`, for the fast path ([`Front::give`]) and the
+    /// core's alike, each of which counts the free where its counts are kept; its entry, or
+    /// `None` when the block is not the front's or the cache of its size is full.
+    pub(crate) fn cache_free(&mut self, addr: u64, epoch: Epoch) -> Option<Entry> {
+        let e = self.blocks.get_mut(&addr)?;
         if !self.cache.push(e.n, (addr, epoch)) {
-            return false;
+            return None;
         }
         e.cached = true;
         e.via_core = false;
-        true
+        Some(*e)
     }
 
     /// Every cached block, taken out: (address, stamp, entry).

@@ -3,17 +3,13 @@
 //!
 //! Nothing here calls the driver; [`super::core`] adds pages and events.
 
-use super::ids::{Caller, Epoch, StreamId};
+use super::ids::{Caller, Epoch, StreamId, IDLE};
 use std::collections::{BTreeSet, HashMap};
 use std::hash::{BuildHasherDefault, Hasher};
 use std::ops::{Index, IndexMut, RangeInclusive};
 
 /// Every block starts and ends on this boundary.
 pub(crate) const ALIGN: u64 = 512;
-
-/// The owner key of blocks any stream may take (the work that used them has completed): an
-/// identity no stream has.
-pub(crate) const IDLE: StreamId = StreamId(u64::MAX);
 
 /// Where a free block may be reused.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

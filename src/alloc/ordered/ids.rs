@@ -22,10 +22,14 @@ pub(crate) const SYNTHETIC: StreamId = StreamId(1 << 62);
 /// never destroyed.
 pub(crate) const LEGACY: StreamId = SYNTHETIC;
 
+/// The owner key of a heap's blocks any stream may take (the work that used them has completed):
+/// an identity no stream has.
+pub(crate) const IDLE: StreamId = StreamId(u64::MAX);
+
 impl fmt::Debug for StreamId {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match *self {
-            super::heap::IDLE => write!(f, "StreamId(idle)"),
+            IDLE => write!(f, "StreamId(idle)"),
             LEGACY => write!(f, "StreamId(legacy)"),
             StreamId(n) if n > LEGACY.0 => write!(f, "StreamId(made up #{})", n - LEGACY.0),
             StreamId(n) => write!(f, "StreamId({n})"),
@@ -134,7 +138,7 @@ mod tests {
         assert_eq!(format!("{:?}", StreamId(7)), "StreamId(7)");
         assert_eq!(format!("{LEGACY:?}"), "StreamId(legacy)");
         assert_eq!(format!("{:?}", StreamId(LEGACY.0 + 3)), "StreamId(made up #3)");
-        assert_eq!(format!("{:?}", super::super::heap::IDLE), "StreamId(idle)");
+        assert_eq!(format!("{IDLE:?}"), "StreamId(idle)");
         assert_eq!(format!("{:?}", Handle(0x7f00)), "Handle(0x7f00)");
         assert_eq!(format!("{:?}", (Epoch::NONE, Epoch(4))), "(Epoch(none), Epoch(4))");
         let mut next = Epoch::FIRST;

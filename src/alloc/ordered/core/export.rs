@@ -31,7 +31,7 @@ impl<B: Backend> Core<B> {
         self.slots[slot]
             .heap
             .live_blocks()
-            .find(|&(a, n)| addr >= a && addr - a < n && !self.freed_shared.contains_key(&a))
+            .find(|&(a, n)| addr >= a && addr - a < n && !self.sharing.freed_shared.contains_key(&a))
             .map(|(a, n)| (slot, a, n))
     }
 
@@ -63,7 +63,7 @@ impl<B: Backend> Core<B> {
         let at = self.pages_under(slot, block, len, &mut each)?;
         // Its free must drop the mark: the front's fast path leaves it to the core.
         self.free_via_core(slot, block);
-        let mark = self.exported.entry(block).or_insert((0, len));
+        let mark = self.sharing.exported.entry(block).or_insert((0, len));
         mark.0 += 1;
         if mark.0 == 1 {
             self.stats.exported += len;
@@ -80,8 +80,11 @@ impl<B: Backend> Core<B> {
         block: u64,
         mut each: impl FnMut(&B::Page) -> Result<()>,
     ) -> Result<BlockPages> {
-        let &(_, len) =
-            self.exported.get(&block).ok_or_else(|| Error::invalid(format!("{block:#x} is not shared")))?;
+        let &(_, len) = self
+            .sharing
+            .exported
+            .get(&block)
+            .ok_or_else(|| Error::invalid(format!("{block:#x} is not shared")))?;
         let slot = self
             .slots
             .iter()
@@ -114,7 +117,7 @@ impl<B: Backend> Core<B> {
     /// One sharing of the block at `block` (its address, as [`export`](Self::export) returned it)
     /// is over: its importers unmapped it. The last one of a block already freed frees it now.
     pub(crate) fn unexport(&mut self, block: u64) -> Result<()> {
-        let Some(mark) = self.exported.get_mut(&block) else {
+        let Some(mark) = self.sharing.exported.get_mut(&block) else {
             return Err(Error::invalid(format!("{block:#x} is not shared")));
         };
         mark.0 -= 1;
@@ -122,8 +125,8 @@ impl<B: Backend> Core<B> {
             return Ok(());
         }
         let len = mark.1;
-        self.exported.remove(&block);
-        let Some((stream, epoch)) = self.freed_shared.remove(&block) else {
+        self.sharing.exported.remove(&block);
+        let Some((stream, epoch)) = self.sharing.freed_shared.remove(&block) else {
             self.stats.exported -= len;
             return Ok(());
         };
@@ -135,8 +138,8 @@ impl<B: Backend> Core<B> {
         let slot = self.slots.iter().position(|s| s.heap.contains(block));
         let freed = slot.and_then(|slot| self.slots[slot].heap.free(block, owner));
         debug_assert!(freed.is_some(), "a block freed while shared stays live in its heap");
-        if self.empty_when_unshared {
-            self.empty_when_unshared = !self.freed_shared.is_empty();
+        if self.sharing.empty_when_unshared {
+            self.sharing.empty_when_unshared = !self.sharing.freed_shared.is_empty();
             // Its free's work is done (idle) or waited for by the next emptying: pages that
             // are idle now go back, as the emptying that came while it was shared would have.
             if idle {
@@ -149,14 +152,14 @@ impl<B: Backend> Core<B> {
     /// An emptying of the cache has just run: blocks freed while shared, which it could not give
     /// back, give their pages back as their last sharing ends.
     pub(crate) fn emptied(&mut self) {
-        self.empty_when_unshared = !self.freed_shared.is_empty();
+        self.sharing.empty_when_unshared = !self.sharing.freed_shared.is_empty();
     }
 
     /// Keeps the shared block at `block`, which its owner has just freed on `stream` at `epoch`,
     /// live in its heap until its last sharing is over.
     pub(super) fn hold_freed(&mut self, block: u64, stream: StreamId, epoch: Epoch) {
-        if let Some(&(_, len)) = self.exported.get(&block) {
-            self.freed_shared.insert(block, (stream, epoch));
+        if let Some(&(_, len)) = self.sharing.exported.get(&block) {
+            self.sharing.freed_shared.insert(block, (stream, epoch));
             self.stats.exported -= len;
             self.stats.freed_shared += len;
         }
@@ -164,7 +167,7 @@ impl<B: Backend> Core<B> {
 
     /// Whether a live block of `tag` is shared.
     pub(crate) fn tag_shared(&self, tag: u32) -> bool {
-        self.exported.keys().any(|&a| self.slots.iter().any(|s| s.tag == tag && s.heap.contains(a)))
+        self.sharing.exported.keys().any(|&a| self.slots.iter().any(|s| s.tag == tag && s.heap.contains(a)))
     }
 }
 

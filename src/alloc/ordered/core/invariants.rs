@@ -52,7 +52,7 @@ impl<B: Backend> Core<B> {
                     "{owner:?}'s front holds {addr:#x} as {e:?}; its heap has it as {state:?}, {size} bytes in {slot:?}"
                 );
                 assert!(
-                    !self.freed_shared.contains_key(&addr),
+                    !self.sharing.freed_shared.contains_key(&addr),
                     "{addr:#x} freed while shared stays out of fronts"
                 );
                 in_fronts.insert(addr, *e);
@@ -64,7 +64,7 @@ impl<B: Backend> Core<B> {
         let (mut live, mut requested) = (0u64, 0u64);
         for (&addr, &(_, size, state)) in &blocks {
             match state {
-                State::Live { requested: r, .. } if !self.freed_shared.contains_key(&addr) => {
+                State::Live { requested: r, .. } if !self.sharing.freed_shared.contains_key(&addr) => {
                     match in_fronts.get(&addr) {
                         Some(e) if e.cached => {}
                         Some(e) => (live, requested) = (live + size, requested + e.requested),
@@ -133,21 +133,25 @@ impl<B: Backend> Core<B> {
         }
 
         let mut exported = 0;
-        for (&addr, &(n, len)) in &self.exported {
+        for (&addr, &(n, len)) in &self.sharing.exported {
             assert!(n > 0, "{addr:#x} shared by no one is not marked");
             assert!(
                 matches!(blocks.get(&addr), Some(&(_, size, State::Live { .. })) if size == len),
                 "{addr:#x} shared as {len} bytes is {:?}",
                 blocks.get(&addr)
             );
-            if !self.freed_shared.contains_key(&addr) {
+            if !self.sharing.freed_shared.contains_key(&addr) {
                 exported += len;
             }
         }
         let mut freed_shared = 0;
-        for addr in self.freed_shared.keys() {
-            freed_shared +=
-                self.exported.get(addr).map(|&(_, len)| len).expect("a block freed while shared is shared");
+        for addr in self.sharing.freed_shared.keys() {
+            freed_shared += self
+                .sharing
+                .exported
+                .get(addr)
+                .map(|&(_, len)| len)
+                .expect("a block freed while shared is shared");
         }
         assert_eq!((s.exported, s.freed_shared), (exported, freed_shared), "shared bytes counted");
     }

@@ -340,17 +340,17 @@ impl<B: Backend> Core<B> {
     /// every idle page ([`release_idle`](Self::release_idle)) and wakes again without it. Never
     /// the flag an earlier allocation left: a wake must not take an exit nothing retries.
     pub(crate) fn wake_with(&mut self, tag: u32, may_settle: bool) -> Result<()> {
-        self.wants_settle = false;
+        self.settle.asked = false;
         if !self.is_asleep(tag) {
             return Err(Error::invalid("the tag is not asleep"));
         }
-        self.may_settle = may_settle;
+        self.settle.may_ask = may_settle;
         let r = self.backend.relax().and_then(|old| {
             let r = self.wake_relaxed(tag);
             self.backend.restore(old);
             r
         });
-        self.may_settle = false;
+        self.settle.may_ask = false;
         r
     }
 

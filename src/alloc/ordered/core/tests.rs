@@ -83,6 +83,10 @@ pub(super) struct Gpu {
     fail_map: bool,
     /// Makes `set_access` fail.
     fail_access: bool,
+    /// Makes `record` fail.
+    fail_record: bool,
+    /// Makes `capture_of` fail, as for a handle the driver does not know.
+    fail_capture_query: bool,
     /// Pages (by address) the device may access.
     accessible: HashSet<u64>,
     /// Unmaps left before `unmap` fails, as the driver may (None: never).
@@ -328,6 +332,9 @@ impl Backend for Gpu {
         Ok(Ev(self.next_event))
     }
     fn record(&mut self, event: &Ev, raw: Handle) -> Result<()> {
+        if self.fail_record {
+            return Err(Error::driver("cuEventRecord", CUresult::ERROR_ILLEGAL_ADDRESS));
+        }
         let stream = self.stream_of(raw);
         assert!(!self.captures.contains_key(&stream), "event recorded on a captured stream");
         assert!(!self.any_capture_forbids());
@@ -345,6 +352,9 @@ impl Backend for Gpu {
         Ok(self.queues.get(&stream).map_or(true, |q| q.is_empty()))
     }
     fn capture_of(&mut self, raw: Handle) -> Result<Option<u64>> {
+        if self.fail_capture_query {
+            return Err(Error::driver("cuStreamGetCaptureInfo", CUresult::ERROR_INVALID_HANDLE));
+        }
         let stream = self.stream_of(raw);
         Ok(self.captures.get(&stream).copied())
     }
@@ -2121,4 +2131,45 @@ fn small_blocks_take_small_pages_which_go_back_once_idle() {
     assert_eq!(c.empty_cache().unwrap(), 33 * PAGE);
     assert_eq!(c.backend().units.get(), 0, "the small page went back too");
     assert_eq!(c.stats().mapped, 0);
+}
+
+/// The event a free records for the other streams is best effort: refused by the driver, the free
+/// still succeeds (its blocks wait for a later event), and the refusal is recorded where
+/// destructors' errors are, not dropped.
+#[test]
+fn a_free_whose_event_the_driver_refuses_succeeds_and_records_the_refusal() {
+    let mut c = core(1000);
+    let mut held = Vec::new();
+    alloc(&mut c, &mut held, 4096, 1).unwrap();
+    free(&mut c, &mut held, 0);
+    // Stream 2 finds memory short: stream 1's next free asks for an event after it.
+    alloc(&mut c, &mut held, 4096, 2).unwrap();
+    free(&mut c, &mut held, 0);
+    let _ = alloc(&mut c, &mut held, SMALL + 512, 2);
+    alloc(&mut c, &mut held, 4096, 1).unwrap();
+    let (events, errors) = (c.stats().events_recorded, crate::error::drop_error_count());
+    c.backend().fail_record = true;
+    let k = held.iter().position(|h| h.stream == 1).unwrap();
+    free(&mut c, &mut held, k);
+    c.backend().fail_record = false;
+    assert_eq!(c.stats().events_recorded, events, "no event was recorded");
+    assert!(crate::error::drop_error_count() > errors, "the refused event was not recorded");
+}
+
+/// A free through a handle the driver cannot place succeeds, taken as a stream of its own, and
+/// what the driver said is recorded rather than dropped.
+#[test]
+fn a_free_through_a_handle_the_driver_cannot_place_succeeds_and_records_why() {
+    let mut c = core(1000);
+    let mut held = Vec::new();
+    let a = alloc(&mut c, &mut held, 4096, 1).unwrap();
+    held.clear();
+    let errors = crate::error::drop_error_count();
+    c.backend().fail_capture_query = true;
+    c.backend().in_call = Some(2);
+    c.free(a, Handle(2)).expect("the free succeeds");
+    c.backend().in_call = None;
+    c.backend().fail_capture_query = false;
+    c.check();
+    assert!(crate::error::drop_error_count() > errors, "the driver's refusal was not recorded");
 }

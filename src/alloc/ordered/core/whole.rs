@@ -8,7 +8,8 @@
 //! fits within [`WASTE`], and a new page that would take the memory held past the allocator's
 //! bound first gives idle memory back to the driver.
 
-use super::super::heap::{BlockId, IDLE};
+use super::super::heap::BlockId;
+use super::super::ids::IDLE;
 use super::{Backend, Capture, Core, Request, SlotId, StreamId, LEND_ABOVE, SMALL};
 use crate::error::{Error, Result};
 
