@@ -301,6 +301,28 @@ fn a_group_member_never_asked_for_is_let_go_when_released_untaken() {
 }
 
 #[test]
+fn offers_taken_along_and_never_asked_for_are_let_go_and_their_descriptors_closed() {
+    let w = World::new();
+    w.r.set_along_for(Duration::from_millis(50));
+    let (a, ia) = w.offer(260, 1, Some(2), None);
+    let (_b, ib) = w.offer(270, 1, Some(2), None);
+    let lease = w.take(&a, &ia, T).unwrap();
+    assert_eq!(w.held(), 2, "b came along");
+    // b's pickle failed to load: nobody asks for it. Its descriptors go, and the sender lets go
+    // (dropping its own): no descriptor of b's page is left in this process.
+    eventually("b let go", || w.counts.let_go.load(Ordering::SeqCst) == 1 && w.held() == 1);
+    let open = |ino: u64| {
+        std::fs::read_dir("/proc/self/fd").unwrap().flatten().any(|e| {
+            std::fs::metadata(e.path()).is_ok_and(|m| std::os::unix::fs::MetadataExt::ino(&m) == ino)
+        })
+    };
+    eventually("b's descriptors closed", || !open(ib[0]));
+    assert!(open(ia[0]), "a's page is still mapped (its descriptor held by the fake mapping)");
+    drop(lease);
+    eventually("a let go", || w.held() == 0);
+}
+
+#[test]
 fn an_answer_that_comes_after_its_fetch_gave_up_is_let_go_and_never_given_to_the_next_fetch() {
     let w = World::new();
     let gate = Arc::new(Mutex::new(()));

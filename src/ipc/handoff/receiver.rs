@@ -160,6 +160,8 @@ pub(crate) struct Inner {
     releasing: AtomicUsize,
     held_for_good: AtomicU64,
     revoked: AtomicU64,
+    /// How long an offer taken along waits to be asked for ([`ALONG_FOR`]; shorter in tests).
+    along_for: Mutex<Duration>,
 }
 
 struct Release {
@@ -181,6 +183,7 @@ impl Inner {
             releasing: AtomicUsize::new(0),
             held_for_good: AtomicU64::new(0),
             revoked: AtomicU64::new(0),
+            along_for: Mutex::new(ALONG_FOR),
         });
         let (io, rel) = (Arc::downgrade(&inner), Arc::downgrade(&inner));
         let spawn = |name: &str, f: Box<dyn FnOnce() + Send>| {
@@ -193,6 +196,11 @@ impl Inner {
         spawn("cuvmm-handoff-io", Box::new(move || io_thread(io)))?;
         spawn("cuvmm-handoff-release", Box::new(move || release_thread(rel)))?;
         Ok(inner)
+    }
+
+    #[cfg(test)]
+    pub(crate) fn set_along_for(&self, d: Duration) {
+        *lock(&self.along_for) = d;
     }
 
     pub(crate) fn stats(&self) -> ReceiverStats {
@@ -728,10 +736,11 @@ fn handle(
 }
 
 fn expire_along(i: &Inner, c: &Conn) {
+    let along_for = *lock(&i.along_for);
     let mut st = lock(&c.st);
     let now = Instant::now();
     let stale: Vec<Token> =
-        st.along.iter().filter(|(_, (_, at))| now - *at > ALONG_FOR).map(|(t, _)| *t).collect();
+        st.along.iter().filter(|(_, (_, at))| now - *at > along_for).map(|(t, _)| *t).collect();
     if stale.is_empty() {
         return;
     }
