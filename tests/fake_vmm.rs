@@ -446,3 +446,30 @@ fn a_destructors_failure_is_kept_for_the_caller() {
     assert!(take_drop_error().is_none(), "taking it clears it");
     assert_eq!(faults::clear(), 0);
 }
+
+/// A mapping whose users' work could not be waited for stays mapped: unmapping it under work that
+/// may still run would fault that work (or let the addresses be mapped again under it).
+#[cfg(feature = "fault-injection")]
+#[test]
+fn a_mapping_whose_device_wait_failed_is_never_unmapped() {
+    use cuvmm::driver::sys::CUresult;
+    use cuvmm::vmm::{PhysicalMemory, Reservation};
+    use cuvmm::{faults, take_drop_error};
+    let (_turn, lib, ctx) = fake_device();
+    let phys = PhysicalMemory::builder(&ctx).create(2 << 20).unwrap();
+    let res = Reservation::new(&ctx, 2 << 20).unwrap();
+    let mapping = res.map_all(0, &phys).unwrap();
+    let unmaps = count(&lib, "cuMemUnmap");
+    faults::inject("cuCtxSynchronize", 0, CUresult::ERROR_ILLEGAL_ADDRESS);
+    drop(mapping);
+    cuvmm::driver::callback::flush_deferred_releases().unwrap();
+    assert_eq!(count(&lib, "cuMemUnmap"), unmaps, "unmapped although its work may still run");
+    let err = take_drop_error().expect("the failed wait was recorded");
+    assert!(matches!(err, cuvmm::Error::Driver { call: "cuCtxSynchronize", .. }), "{err}");
+    assert_eq!(faults::clear(), 0);
+    // Without the failure, the next mapping's drop unmaps as ever.
+    let mapping = Reservation::new(&ctx, 2 << 20).unwrap().map_all(0, &phys).unwrap();
+    drop(mapping);
+    cuvmm::driver::callback::flush_deferred_releases().unwrap();
+    assert_eq!(count(&lib, "cuMemUnmap"), unmaps + 1);
+}
