@@ -119,9 +119,9 @@ def sender(args):
             values.append(v)
             ranges.append((t.data_ptr(), t.data_ptr() + n))
     assert ask("hold", [t for t, _ in sent]) == len(sent)
-    # A dropped tensor's storage is held by its hand-off until the receiver lets go (as PyTorch's
-    # CUDA IPC holds it): only the other ways free an allocation the receiver still maps.
-    freed_bytes = sum((t.untyped_storage().nbytes() + 511) // 512 * 512 for t, way in sent if way != "drop")
+    # Every way frees the allocation while the receiver maps it, dropping the tensor included (the
+    # hand-off holds the block in the allocator, not the storage in Python).
+    freed_bytes = sum((t.untyped_storage().nbytes() + 511) // 512 * 512 for t, way in sent)
     refused = {}
     for t, way in sent:
         try:

@@ -303,6 +303,21 @@ mod tests {
     }
 
     #[test]
+    fn a_block_let_go_while_its_stream_still_runs_goes_back_at_the_next_emptying() {
+        use super::super::tests::Op;
+        let mut c = core(1000);
+        let b = c.allocate(4 * PAGE, 1, Capture::None, 0).unwrap();
+        c.export(b, |_| Ok(())).unwrap();
+        // Work still queued on the block's stream when it is freed and when its sharing ends.
+        c.backend().queues.entry(1).or_default().push_back(Op::Use { addr: b, len: 4096 });
+        c.free(b, Handle(1)).unwrap();
+        c.unexport(b).unwrap();
+        let mapped = c.stats().mapped;
+        c.empty_cache().unwrap();
+        assert_eq!(c.stats().mapped, mapped - 4 * PAGE, "its pages stay mapped after the emptying");
+    }
+
+    #[test]
     fn a_block_freed_before_its_sharing_ends_goes_back_to_its_stream_once_let_go() {
         let mut c = core(1000);
         let b = c.allocate(2 * PAGE, 1, Capture::None, 0).unwrap();

@@ -13,7 +13,7 @@ use std::sync::{Mutex, MutexGuard};
 pub(super) const PAGE: u64 = 1 << 16;
 
 #[derive(Clone, Copy, Debug)]
-enum Op {
+pub(super) enum Op {
     Use { addr: u64, len: u64 },
     Record(u32),
 }
@@ -63,7 +63,7 @@ pub(super) struct Gpu {
     pages_alive: usize,
     page_limit: usize,
     next_page: u32,
-    queues: HashMap<u64, VecDeque<Op>>,
+    pub(super) queues: HashMap<u64, VecDeque<Op>>,
     pending_events: HashSet<u32>,
     next_event: u32,
     captures: HashMap<u64, u64>,
