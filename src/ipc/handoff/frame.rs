@@ -91,8 +91,9 @@ pub enum Frame {
     /// Sender to receiver: these pages (by the sender's serials) are going back to the device:
     /// unmap them once no lease uses them.
     Revoke(Vec<u64>),
-    /// Sender to receiver: the hold is granted; the offer is this connection's until released.
-    Held,
+    /// Sender to receiver: the hold is granted; the offer is this connection's until released,
+    /// and so are the offers listed, the rest of its group, taken along without descriptors.
+    Held(Vec<Token>),
 }
 
 const FETCH: u16 = 1;
@@ -144,7 +145,12 @@ impl Frame {
                 bounded("revocation", ss.len(), SERIALS_PER_MESSAGE)?;
                 (REVOKE, ss.len(), ss.iter().flat_map(|s| s.to_le_bytes()).collect())
             }
-            Frame::Held => (HELD, 0, Vec::new()),
+            Frame::Held(ts) => {
+                if ts.len() >= OFFERS_PER_ANSWER {
+                    return Err(Error::invalid(format!("a grant of {} offers along", ts.len())));
+                }
+                (HELD, ts.len(), ts.iter().flat_map(|t| t.0).collect())
+            }
         };
         let mut out = Vec::with_capacity(HEAD + body.len());
         out.extend_from_slice(&MAGIC);
@@ -174,9 +180,9 @@ impl Frame {
         let announced = u32_at(b, 12) as usize;
         let body = &b[HEAD..];
         let entry = match kind {
-            FETCH | HOLD | RELEASE => TOKEN,
+            FETCH | HOLD | RELEASE | HELD => TOKEN,
             OFFERED => 24,
-            PAGES | HELD => 0,
+            PAGES => 0,
             REFUSED | REVOKE => 8,
             k => return Err(refused(format!("unknown kind {k}"))),
         };
@@ -184,7 +190,8 @@ impl Frame {
             FETCH | HOLD | REFUSED => (1, 1),
             RELEASE => (1, RELEASES_PER_MESSAGE),
             OFFERED => (1, OFFERS_PER_ANSWER),
-            PAGES | HELD => (0, 0),
+            PAGES => (0, 0),
+            HELD => (0, OFFERS_PER_ANSWER - 1),
             _ => (1, SERIALS_PER_MESSAGE),
         };
         if count < lo || count > hi {
@@ -217,7 +224,7 @@ impl Frame {
                 Frame::Offered(os)
             }
             PAGES => Frame::Pages(fds),
-            HELD => Frame::Held,
+            HELD => Frame::Held((0..count).map(token).collect()),
             REFUSED => {
                 let r = Refusal::from_code(u32_at(body, 0))
                     .filter(|_| u32_at(body, 4) == 0)
@@ -266,7 +273,8 @@ mod tests {
             Frame::Refused(Refusal::Failed),
             Frame::Refused(Refusal::Withdrawn),
             Frame::Revoke(vec![7, 8, 9]),
-            Frame::Held,
+            Frame::Held(vec![]),
+            Frame::Held(vec![t(8), t(9)]),
         ]
     }
 

@@ -262,6 +262,44 @@ fn a_kept_mapping_is_used_only_once_the_sender_grants_the_hold() {
 }
 
 #[test]
+fn a_group_over_kept_mappings_is_claimed_with_one_hold_and_a_member_without_one_fetches_its_pages() {
+    let w = World::new();
+    // First hand-off: three blocks mapped and kept.
+    let first: Vec<_> = (0..3).map(|k| w.offer(900 + 10 * k, 1, Some(5), None)).collect();
+    for (t, i) in &first {
+        w.take(t, i, T).unwrap().release_after_wait(done());
+    }
+    eventually("let go", || w.held() == 0 && w.r.stats().releasing == 0);
+    // Again, in one group, with a fourth block never mapped here.
+    let again = |t: &Ticket| {
+        let shared = FakeShared {
+            pages: vec![memfd()],
+            serials: t.serials.clone(),
+            counts: w.counts.clone(),
+            gate: None,
+        };
+        Ticket { token: w.s.offer(Box::new(shared), Some(6)).unwrap(), ..t.clone() }
+    };
+    let tickets: Vec<Ticket> = first.iter().map(|(t, _)| again(t)).collect();
+    let (new, inew) = w.offer(990, 1, Some(6), None);
+    let lease = w.r.take(&tickets[0], T, |_| panic!("mapped")).unwrap();
+    assert_eq!(w.held(), 4, "the group came along with the hold");
+    // The others over their kept mappings: no message, nothing mapped.
+    let mut leases = vec![lease];
+    for t in &tickets[1..] {
+        leases.push(w.r.take(t, Duration::ZERO, |_| panic!("mapped")).unwrap());
+    }
+    // The one never mapped: its pages, for the offer held already.
+    leases.push(w.take(&new, &inew, T).unwrap());
+    assert_eq!(w.held(), 4);
+    for l in leases {
+        l.release_after_wait(done());
+    }
+    eventually("all let go", || w.held() == 0);
+    assert_eq!(w.counts.let_go.load(Ordering::SeqCst), 7);
+}
+
+#[test]
 fn a_fetch_of_an_offer_let_go_untaken_is_told_so() {
     let w = World::new();
     let (t, _) = w.offer(50, 1, None, None);

@@ -254,6 +254,7 @@ impl Inner {
         let deadline = Instant::now() + timeout;
         let conn = self.conn(ticket, deadline)?;
         let token = ticket.token;
+        let mut held_along = false;
         let (slot, kept) = {
             let mut st = lock(&conn.st);
             if st.closed {
@@ -276,10 +277,14 @@ impl Inner {
                 st.waiting.push_back(slot.clone());
                 conn.send(&mut st, &Frame::Hold(token), &self.wake);
                 (slot, Some(map))
-            } else if let Some((fds, _)) = along {
+            } else if along.as_ref().is_some_and(|(f, _)| !f.is_empty()) {
                 drop(st);
+                let (fds, _) = along.expect("checked");
                 return self.mapped(conn, ticket, fds, map);
             } else {
+                // Not taken yet, or taken along by a hold without its pages (the sender then
+                // answers them for the offer it holds for us).
+                held_along = along.is_some();
                 let slot = Slot::new(token, false);
                 st.waiting.push_back(slot.clone());
                 conn.send(&mut st, &Frame::Fetch(token), &self.wake);
@@ -287,6 +292,11 @@ impl Inner {
             }
         };
         let answer = slot.wait(deadline);
+        if held_along && answer.is_err() {
+            // Held for us all the same: let go.
+            let mut st = lock(&conn.st);
+            conn.send(&mut st, &Frame::Release(vec![token]), &self.wake);
+        }
         match kept {
             Some(map) => match answer {
                 Ok(_) => Ok(self.lease(conn, ticket, Some(ticket.serials.clone()), map)),
@@ -693,16 +703,22 @@ fn handle(
                 c.send(st, &Frame::Release(tokens), &i.wake);
             }
         }
-        Frame::Held if st.partial.is_none() => {
+        Frame::Held(along) if st.partial.is_none() => {
             let slot =
                 st.waiting.pop_front().ok_or_else(|| Error::Protocol("a grant nobody asked for".into()))?;
             if !slot.hold {
                 answer(&slot, Err(Error::Protocol("the sender answered another question".into())));
                 return Err(Error::Protocol("a grant for a fetch".into()));
             }
-            if !answer(&slot, Ok(Vec::new())) {
-                // Its take gave up waiting: the offer is let go.
-                c.send(st, &Frame::Release(vec![slot.token]), &i.wake);
+            if answer(&slot, Ok(Vec::new())) {
+                let now = Instant::now();
+                for t in along {
+                    st.along.insert(t, (Vec::new(), now));
+                }
+            } else {
+                // Its take gave up waiting: the offer, and what came along, are let go.
+                let tokens: Vec<Token> = std::iter::once(slot.token).chain(along).collect();
+                c.send(st, &Frame::Release(tokens), &i.wake);
             }
         }
         Frame::Refused(r) if st.partial.is_none() => {

@@ -97,6 +97,26 @@ impl State {
         Some(u)
     }
 
+    /// Takes the offer under `t` and the untaken rest of its group (at most what one answer
+    /// carries).
+    fn take_with_group(&mut self, t: &Token) -> Option<(Untaken, Vec<(Token, Untaken)>)> {
+        let first = self.take(t)?;
+        let mut along = Vec::new();
+        if let Some(g) = first.group {
+            let members: Vec<Token> = self
+                .groups
+                .get(&g)
+                .map(|m| m.iter().take(OFFERS_PER_ANSWER - 1).copied().collect())
+                .unwrap_or_default();
+            for m in members {
+                if let Some(u) = self.take(&m) {
+                    along.push((m, u));
+                }
+            }
+        }
+        Some((first, along))
+    }
+
     fn put_back(&mut self, t: Token, u: Untaken) {
         if let Some(g) = u.group {
             self.groups.entry(g).or_default().push(t);
@@ -354,15 +374,22 @@ impl Server {
             Frame::Hold(t) => {
                 let (taken, why) = {
                     let mut s = lock(&self.inner.state);
-                    (s.take(&t), s.refusal(&t))
+                    (s.take_with_group(&t), s.refusal(&t))
                 };
-                match taken {
-                    Some(u) => {
-                        self.conns[i].held.insert(t, u.shared);
-                        self.queue(i, Frame::Held, Vec::new())
-                    }
-                    None => self.queue(i, Frame::Refused(why), Vec::new()),
+                let Some((first, along)) = taken else {
+                    return self.queue(i, Frame::Refused(why), Vec::new());
+                };
+                // The rest of its group comes along, held without descriptors: a receiver that
+                // maps their pages too takes them with no message; one that does not fetches
+                // their pages (a fetch of an offer a connection holds answers its pages).
+                let c = &mut self.conns[i];
+                c.held.insert(t, first.shared);
+                let mut tokens = Vec::with_capacity(along.len());
+                for (m, u) in along {
+                    c.held.insert(m, u.shared);
+                    tokens.push(m);
                 }
+                self.queue(i, Frame::Held(tokens), Vec::new())
             }
             Frame::Release(ts) => {
                 let mut n = 0;
@@ -389,29 +416,31 @@ impl Server {
         }
     }
 
-    /// Answers a fetch of `t`: it and the rest of its group not taken yet, with their pages.
+    /// Answers a fetch of `t`: it and the rest of its group not taken yet, with their pages; or,
+    /// for an offer this connection holds already (taken along by a hold), its pages alone.
     fn fetch(&mut self, i: usize, t: Token) -> Result<()> {
+        if let Some(shared) = self.conns[i].held.get(&t).cloned() {
+            return match shared.descriptors() {
+                Ok(fds) => {
+                    self.conns[i].sent.extend(shared.serials().iter().copied());
+                    self.answer_pages(i, vec![(t, fds.len() as u32)], fds)
+                }
+                Err(e) => {
+                    record_drop::<()>(Err(e));
+                    self.queue(i, Frame::Refused(Refusal::Failed), Vec::new())
+                }
+            };
+        }
         let (first, along) = {
             let mut s = lock(&self.inner.state);
-            let Some(first) = s.take(&t) else {
-                let why = s.refusal(&t);
-                drop(s);
-                return self.queue(i, Frame::Refused(why), Vec::new());
-            };
-            let mut along = Vec::new();
-            if let Some(g) = first.group {
-                let members: Vec<Token> = s
-                    .groups
-                    .get(&g)
-                    .map(|m| m.iter().take(OFFERS_PER_ANSWER - 1).copied().collect())
-                    .unwrap_or_default();
-                for m in members {
-                    if let Some(u) = s.take(&m) {
-                        along.push((m, u));
-                    }
+            match s.take_with_group(&t) {
+                Some(x) => x,
+                None => {
+                    let why = s.refusal(&t);
+                    drop(s);
+                    return self.queue(i, Frame::Refused(why), Vec::new());
                 }
             }
-            (first, along)
         };
         // The descriptors are made without the state's lock: offers go on meanwhile.
         let fds = match first.shared.descriptors() {
@@ -443,8 +472,13 @@ impl Server {
                 Err(_) => lock(&self.inner.state).put_back(m, u),
             }
         }
+        self.answer_pages(i, entries, all)
+    }
+
+    /// Sends an answer: the offers with their page counts, then their descriptors.
+    fn answer_pages(&mut self, i: usize, entries: Vec<(Token, u32)>, fds: Vec<OwnedFd>) -> Result<()> {
         self.queue(i, Frame::Offered(entries), Vec::new())?;
-        let mut rest = all.into_iter().peekable();
+        let mut rest = fds.into_iter().peekable();
         while rest.peek().is_some() {
             let part: Vec<OwnedFd> = rest.by_ref().take(FDS_PER_MESSAGE).collect();
             self.queue(i, Frame::Pages(part.len()), part)?;
