@@ -449,3 +449,32 @@ fn threads_sharing_a_streams_front_never_hold_one_block_twice() {
     assert_eq!(after.allocations - before.allocations, after.frees - before.frees);
     assert!(after.cache_hits - before.cache_hits > 16_000, "the pairs were mostly served by their fronts");
 }
+
+/// A block freed while shared keeps the stream and number of its free until its sharing ends. A
+/// stream whose work has all run is forgotten, and numbered afresh when it comes back: the block,
+/// let go after that, must not wait for a number of the stream's next life (its pages stayed
+/// mapped through every `empty_cache`, and 10,000 hand-offs on four streams held 2.4 GiB so).
+#[test]
+fn a_block_let_go_after_its_stream_was_forgotten_goes_back_at_the_next_emptying() {
+    let (_turn, _lib, ctx) = fake_device();
+    let alloc = StreamAllocator::new(&ctx).unwrap();
+    let streams: Vec<Stream> = (0..2).map(|_| Stream::non_blocking(&ctx).unwrap()).collect();
+    let mut pending = Vec::new();
+    for round in 0..50usize {
+        let st = &streams[round % 2];
+        let n = [4096, 100_000, 1 << 20, 3 << 20, 9 << 20][round % 5];
+        let b = alloc.allocate(n, st).unwrap();
+        let shared = alloc.export_mark(b.ptr()).unwrap();
+        drop(b);
+        pending.push(shared.block);
+        if pending.len() > 2 {
+            alloc.unexport(pending.remove(0)).unwrap();
+        }
+    }
+    for b in pending {
+        alloc.unexport(b).unwrap();
+    }
+    assert_eq!(alloc.stats().live, 0);
+    alloc.empty_cache().unwrap();
+    assert_eq!(alloc.stats().mapped, 0, "{:?}", alloc.stats());
+}

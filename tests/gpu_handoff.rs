@@ -508,7 +508,12 @@ fn ten_thousand_hand_offs_to_receivers_killed_at_random_leave_nothing_behind() {
     let stats = alloc.stats();
     assert_eq!((stats.exported, stats.freed_shared, stats.live), (0, 0, 0), "{stats:?}");
     alloc.empty_cache().unwrap();
-    assert_eq!(alloc.stats().mapped, 0);
+    let after = alloc.stats();
+    if after.mapped != 0 {
+        // What a second emptying gives back says whether the first came too early for it.
+        alloc.empty_cache().unwrap();
+        panic!("pages left mapped after empty_cache: {after:?}; after a second one: {:?}", alloc.stats());
+    }
     assert_eq!(open_fds(), fds, "descriptors left open (seed {seed})");
     drop(streams);
     eventually("the device's memory back", BOUND, || ctx.memory_info().unwrap().used() <= used + TOLERANCE);

@@ -324,6 +324,17 @@ struct Sharing {
     empty_when_unshared: bool,
 }
 
+impl Sharing {
+    /// Stream `s` is forgotten, all its work having run: its frees of shared blocks are idle.
+    fn forget_stream(&mut self, s: StreamId) {
+        for (stream, epoch) in self.freed_shared.values_mut() {
+            if *stream == s {
+                *epoch = Epoch::NONE;
+            }
+        }
+    }
+}
+
 pub(crate) struct Core<B: Backend> {
     backend: B,
     sizes: Sizes,
@@ -1092,6 +1103,10 @@ impl<B: Backend> Core<B> {
                     self.fronts.withdraw(&front);
                 }
                 self.streams.remove(&s);
+                // Its numbers start again if it comes back: a block freed on it while shared,
+                // whose work has run like the rest of its frees, must not wait for a number of
+                // the stream's next life.
+                self.sharing.forget_stream(s);
             }
         }
         if self.streams.contains_key(&caller.id) && !self.caught_up(caller, true)? {

@@ -318,6 +318,31 @@ mod tests {
     }
 
     #[test]
+    fn blocks_let_go_after_later_ones_on_other_streams_go_back_at_the_next_emptying() {
+        let mut c = core(1000);
+        let mut pending = Vec::new();
+        for round in 0..50usize {
+            let s = 2 + (round % 2) as u64;
+            let n = [4096, 100_000, 1 << 20, 3 << 20, 9 << 20][round % 5];
+            c.backend().in_call = Some(s);
+            let b = c.allocate(n, s, Capture::None, 0).unwrap();
+            c.export(b, |_| Ok(())).unwrap();
+            c.free(b, Handle(s)).unwrap();
+            c.backend().in_call = None;
+            pending.push(b);
+            if pending.len() > 2 {
+                c.unexport(pending.remove(0)).unwrap();
+            }
+        }
+        for b in pending {
+            c.unexport(b).unwrap();
+        }
+        assert_eq!(c.stats().live, 0);
+        c.empty_cache().unwrap();
+        assert_eq!(c.stats().mapped, 0, "{:?}", c.stats());
+    }
+
+    #[test]
     fn a_block_freed_before_its_sharing_ends_goes_back_to_its_stream_once_let_go() {
         let mut c = core(1000);
         let b = c.allocate(2 * PAGE, 1, Capture::None, 0).unwrap();

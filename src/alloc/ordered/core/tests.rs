@@ -73,7 +73,7 @@ pub(super) struct Gpu {
     handles: HashMap<u64, u64>,
     /// The handle the call under way passes (set by the tests' helpers): the only one the
     /// allocator may pass to the driver.
-    in_call: Option<u64>,
+    pub(super) in_call: Option<u64>,
     /// Makes `stream_id` say nothing, as a driver before CUDA 12.0 (or during a capture) may.
     no_ids: bool,
     /// What each physical page holds (one value per page stands for its bytes).
