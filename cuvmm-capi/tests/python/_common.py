@@ -288,7 +288,9 @@ class WeightsAndCache:
         torch.cuda.graph by default) and replayed once, then the pinned buffer of the bound copies
         made and both copies warmed up: (the graph, its output, a copy of that output)."""
         import torch
-        x = torch.randn(self.args.batch, self.args.dim, device=self.dev, dtype=self.bf16)
+        # Kept with the workload: the graph reads it at every replay, and freed it would be
+        # another tensor's memory by then.
+        self.graph_input = x = torch.randn(self.args.batch, self.args.dim, device=self.dev, dtype=self.bf16)
         self.warm_up(x)
         g = torch.cuda.CUDAGraph()
         with (graph_context or torch.cuda.graph)(g):

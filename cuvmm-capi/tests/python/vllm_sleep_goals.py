@@ -135,16 +135,17 @@ def child(args) -> dict:
         d2h = timed_copy(wl.d2h)
         s = wall_time(sleep)
         w = wall_time(lambda: wake(rep))
-        intact = wl.weights_equal_host()
+        weights_ok = wl.weights_equal_host()
         wl.fill_cache()
         g.replay()
         torch.cuda.synchronize()
-        intact = intact and torch.equal(y, ref)
+        graph_ok = torch.equal(y, ref)
+        intact = weights_ok and graph_ok
         h2d = timed_copy(wl.h2d)
         reps.append({"sleep_s": s, "wake_s": w, "d2h_s": d2h, "h2d_s": h2d, "intact": intact,
                      "pinned_awake": pinned_bytes()})
         print(f"{args.impl} cycle {rep}: sleep {s:.3f} s = {s / d2h:.3f}x D2H ({d2h:.3f} s); wake {w:.3f} s = "
-              f"{w / h2d:.3f}x H2D; intact={intact}; pinned awake {reps[-1]['pinned_awake'] >> 20} MiB",
+              f"{w / h2d:.3f}x H2D; intact={intact} (weights {weights_ok}, graph {graph_ok}); pinned awake {reps[-1]['pinned_awake'] >> 20} MiB",
               file=sys.stderr, flush=True)
     p = torch.cuda.get_device_properties(torch.cuda.current_device())
     info = {"device": p.name, "torch": torch.__version__, "weight_bytes": wl.weight_bytes,
