@@ -2,7 +2,7 @@
 //! ticket, release a lease after the work of some streams. What Python's `torch.multiprocessing`
 //! reductions call, and what a C program calls to hand blocks to another process.
 
-use super::{allocator, existing_allocator, guard, plain, reported};
+use super::{allocator, existing_allocator, guard, peer_devices, plain, reported};
 
 use cuvmm_lib::driver::sys::CUstream;
 use cuvmm_lib::ipc::handoff::{Lease, Receiver, Sender, Ticket};
@@ -169,27 +169,14 @@ pub unsafe extern "C" fn cuvmm_take(
     block: *mut u64,
 ) -> *mut c_void {
     guard("cuvmm_take", std::ptr::null_mut(), || {
-        if device.is_null() || block.is_null() || (peers.is_null() && npeers > 0) {
+        if device.is_null() || block.is_null() {
             return Err(plain("null pointer".into()));
         }
         // SAFETY: the caller's contract.
         let t = unsafe { self::ticket(ticket, len) }?;
         let d = device_of(&t)?;
-        let peers: &[c_int] = if npeers == 0 {
-            &[]
-        } else {
-            // SAFETY: the caller's contract: `npeers` readable ints.
-            unsafe { std::slice::from_raw_parts(peers, npeers) }
-        };
-        let peers = peers
-            .iter()
-            .map(|&p| {
-                usize::try_from(p)
-                    .ok()
-                    .and_then(|p| Device::get(p).ok())
-                    .ok_or_else(|| plain(format!("no device {p}")))
-            })
-            .collect::<Result<Vec<_>, _>>()?;
+        // SAFETY: the caller's contract: `npeers` readable ints.
+        let peers = unsafe { peer_devices(peers, npeers) }?;
         let a = allocator(d).map_err(plain)?;
         let wait = timeout(timeout_s)?;
         let lease =

@@ -984,24 +984,8 @@ pub unsafe extern "C" fn cuvmm_import(
         // SAFETY: each is an open descriptor the caller holds for the length of this call.
         let borrowed: Vec<BorrowedFd<'_>> =
             raw.iter().map(|&fd| unsafe { BorrowedFd::borrow_raw(fd) }).collect();
-        if peers.is_null() && npeers > 0 {
-            return Err(plain("null peer list".into()));
-        }
-        let peers: &[c_int] = if npeers == 0 {
-            &[]
-        } else {
-            // SAFETY: the caller's contract: `npeers` readable ints.
-            unsafe { std::slice::from_raw_parts(peers, npeers) }
-        };
-        let peers = peers
-            .iter()
-            .map(|&d| {
-                usize::try_from(d)
-                    .ok()
-                    .and_then(|d| Device::get(d).ok())
-                    .ok_or_else(|| plain(format!("no device {d}")))
-            })
-            .collect::<Result<Vec<_>, _>>()?;
+        // SAFETY: the caller's contract: `npeers` readable ints.
+        let peers = unsafe { peer_devices(peers, npeers) }?;
         let a = allocator(device).map_err(plain)?;
         let imported =
             cuvmm_lib::alloc::BlockImport::import(a.context(), &borrowed, page, &peers).map_err(reported)?;
@@ -1009,6 +993,30 @@ pub unsafe extern "C" fn cuvmm_import(
         unsafe { base.write(imported.ptr()) };
         Ok(Box::into_raw(Box::new(imported)).cast::<c_void>())
     })
+}
+
+/// The devices named by the `n` ordinals at `peers` (NULL when `n` is 0).
+///
+/// # Safety
+/// `peers` readable for `n` ints.
+unsafe fn peer_devices(peers: *const c_int, n: usize) -> Result<Vec<Device>, (String, String)> {
+    if n == 0 {
+        return Ok(Vec::new());
+    }
+    if peers.is_null() {
+        return Err(plain("null peer list".into()));
+    }
+    // SAFETY: the caller's contract.
+    let ordinals = unsafe { std::slice::from_raw_parts(peers, n) };
+    ordinals
+        .iter()
+        .map(|&d| {
+            usize::try_from(d)
+                .ok()
+                .and_then(|d| Device::get(d).ok())
+                .ok_or_else(|| plain(format!("no device {d}")))
+        })
+        .collect()
 }
 
 /// Releases an import of [`cuvmm_import`]: waits for the work of the devices that could use it,
