@@ -5,6 +5,8 @@ use std::ffi::{c_char, CStr};
 use std::fmt;
 use std::sync::Mutex;
 
+pub(crate) mod values;
+
 /// What `dlopen` said about one library path it tried.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct LoadAttempt {
@@ -102,14 +104,14 @@ pub enum Error {
         /// The peer's effective uid.
         uid: u32,
         /// The policy that refused it.
-        policy: crate::ipc::PeerPolicy,
+        policy: values::PeerPolicy,
     },
     /// A well-formed message of another kind than the step expected (a grow where a share was
     /// expected, a share where a region was); its descriptor is closed.
     #[error("protocol error: a {got} message where {expected}")]
     UnexpectedMessage {
         /// The kind that arrived.
-        got: crate::ipc::wire::Kind,
+        got: values::Kind,
         /// What was expected, as the rest of the sentence (`a share message was expected`).
         expected: &'static str,
     },
@@ -117,7 +119,7 @@ pub enum Error {
     /// ([`RegionLayout`](crate::ipc::RegionLayout)): which rule, with its numbers. Nothing of it
     /// was mapped or unmapped.
     #[error("protocol error: {0}")]
-    RegionRefused(crate::ipc::RegionRefusal),
+    RegionRefused(values::RegionRefusal),
     /// A request refused for a reason a caller may want to act on ([`Refusal`]); the text says it
     /// with its numbers. Nothing was changed.
     #[error("{}: {detail}", why.category())]
@@ -184,9 +186,9 @@ pub enum ErrorKind {
     /// [`Error::PeerRefused`].
     PeerRefused,
     /// [`Error::UnexpectedMessage`], with the kind that arrived.
-    UnexpectedMessage(crate::ipc::wire::Kind),
+    UnexpectedMessage(values::Kind),
     /// [`Error::RegionRefused`], with the rule broken.
-    RegionRefused(crate::ipc::RegionRefusal),
+    RegionRefused(values::RegionRefusal),
     /// [`Error::Refused`], with the reason.
     Refused(Refusal),
 }
@@ -436,7 +438,7 @@ mod tests {
 
     #[test]
     fn each_error_has_its_kind_and_the_helpers_agree() {
-        use crate::ipc::wire::Kind::Grow;
+        use values::Kind::Grow;
         let driver = |code| Error::driver("cuTest", code);
         let cases = [
             (Error::DriverNotFound { tried: Vec::new() }, ErrorKind::DriverNotFound),
@@ -458,7 +460,7 @@ mod tests {
             (Error::InHostFunction { call: "cuX" }, ErrorKind::InHostFunction),
             (Error::PeerClosed { received: 70, expected: 144 }, ErrorKind::PeerClosed),
             (
-                Error::PeerRefused { pid: 1, uid: 2, policy: crate::ipc::PeerPolicy::Uid(3) },
+                Error::PeerRefused { pid: 1, uid: 2, policy: values::PeerPolicy::Uid(3) },
                 ErrorKind::PeerRefused,
             ),
             (
@@ -466,8 +468,8 @@ mod tests {
                 ErrorKind::UnexpectedMessage(Grow),
             ),
             (
-                Error::RegionRefused(crate::ipc::RegionRefusal::SecondRegion),
-                ErrorKind::RegionRefused(crate::ipc::RegionRefusal::SecondRegion),
+                Error::RegionRefused(values::RegionRefusal::SecondRegion),
+                ErrorKind::RegionRefused(values::RegionRefusal::SecondRegion),
             ),
         ];
         for (e, kind) in &cases {
@@ -515,10 +517,10 @@ mod tests {
             "protocol error: the peer closed the socket after 70 of 144 header bytes"
         );
         assert_eq!(
-            Error::PeerRefused { pid: 7, uid: 65534, policy: crate::ipc::PeerPolicy::SameUid }.to_string(),
+            Error::PeerRefused { pid: 7, uid: 65534, policy: values::PeerPolicy::SameUid }.to_string(),
             "protocol error: peer pid 7 runs as uid 65534, which the policy SameUid refuses"
         );
-        let got = crate::ipc::wire::Kind::Region;
+        let got = values::Kind::Region;
         assert_eq!(
             Error::UnexpectedMessage { got, expected: "a share message was expected" }.to_string(),
             "protocol error: a region message where a share message was expected"

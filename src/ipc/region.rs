@@ -2,9 +2,8 @@
 //! messages so far describe it. Pure code, no driver: [`GrowableImport`](super::GrowableImport)
 //! applies what it allows, and the fuzz targets and a peer's own importer can use it alone.
 
-use super::wire::{Grow, HandleType, Kind, Message, Region};
+use super::wire::{Grow, Message, Region};
 use crate::error::{Error, Result};
-use std::fmt;
 
 /// What a message asks of the importer, once [`RegionLayout::check`] has allowed it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -68,120 +67,7 @@ pub struct RegionLayout {
     chunks: Vec<(u64, u64)>,
 }
 
-/// Which rule of the layout a message broke ([`Error::RegionRefused`]): what an importer, or a
-/// test, tells apart without reading the message.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum RegionRefusal {
-    /// A message of this kind came before the region message.
-    BeforeRegion(Kind),
-    /// A second region message on the connection.
-    SecondRegion,
-    /// A share message on a connection that follows a region.
-    ShareInRegion,
-    /// The region asks for more address space than the importer allows.
-    OverLimit {
-        /// Bytes the region asks for.
-        capacity: u64,
-        /// Bytes this importer allows.
-        limit: u64,
-    },
-    /// The region's capacity is not a multiple of the importer's granularity.
-    CapacityOffGranularity {
-        /// Bytes the region asks for.
-        capacity: u64,
-        /// The importer's granularity.
-        granularity: u64,
-    },
-    /// A chunk travels as another handle type than its region's.
-    HandleType {
-        /// The chunk's.
-        chunk: HandleType,
-        /// The region's.
-        region: HandleType,
-    },
-    /// A chunk's granularity or device differs from its region's.
-    ChunkOfAnotherRegion,
-    /// A chunk does not start where the mapped part ends (a gap or an overlap).
-    NotAtTheEnd {
-        /// Where the chunk starts.
-        offset: u64,
-        /// Where the mapped part ends.
-        end: u64,
-    },
-    /// A chunk ends past the region's capacity.
-    PastTheRegion {
-        /// Where the chunk starts.
-        offset: u64,
-        /// Its size.
-        size: u64,
-        /// The region's capacity.
-        capacity: u64,
-    },
-    /// A chunk's size is not a multiple of the importer's granularity.
-    SizeOffGranularity {
-        /// The chunk's size.
-        size: u64,
-        /// The importer's granularity.
-        granularity: u64,
-    },
-    /// A shrink to more than is mapped.
-    ShrinkPastTheEnd {
-        /// The length asked for.
-        length: u64,
-        /// Bytes mapped.
-        end: u64,
-    },
-    /// A shrink whose length falls inside a chunk.
-    ShrinkInsideAChunk {
-        /// The length asked for.
-        length: u64,
-    },
-}
-
-impl fmt::Display for RegionRefusal {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match *self {
-            RegionRefusal::BeforeRegion(kind) => write!(f, "a {kind} message before the region message"),
-            RegionRefusal::SecondRegion => f.write_str("a second region message on one connection"),
-            RegionRefusal::ShareInRegion => {
-                f.write_str("a share message on a connection that follows a region")
-            }
-            RegionRefusal::OverLimit { capacity, limit } => {
-                write!(
-                    f,
-                    "the region asks for {capacity} bytes of address space; this importer allows {limit}"
-                )
-            }
-            RegionRefusal::CapacityOffGranularity { capacity, granularity } => {
-                write!(f, "capacity {capacity} is not a multiple of this device's granularity {granularity}")
-            }
-            RegionRefusal::HandleType { chunk, region } => {
-                write!(f, "a chunk travels as {chunk:?} in a region of {region:?} chunks")
-            }
-            RegionRefusal::ChunkOfAnotherRegion => {
-                f.write_str("a chunk's granularity or device differs from its region's")
-            }
-            RegionRefusal::NotAtTheEnd { offset, end } => write!(
-                f,
-                "a chunk at {offset} where the mapped part ends at {end} (chunks follow each other, with no \
-                 gap or overlap)"
-            ),
-            RegionRefusal::PastTheRegion { offset, size, capacity } => {
-                write!(f, "chunk {offset}+{size} ends past the {capacity}-byte region")
-            }
-            RegionRefusal::SizeOffGranularity { size, granularity } => {
-                write!(f, "chunk size {size} is not a multiple of this device's granularity {granularity}")
-            }
-            RegionRefusal::ShrinkPastTheEnd { length, end } => {
-                write!(f, "a shrink to {length} bytes where {end} are mapped")
-            }
-            RegionRefusal::ShrinkInsideAChunk { length } => {
-                write!(f, "a shrink to {length} bytes, inside a chunk")
-            }
-        }
-    }
-}
+pub use crate::error::values::RegionRefusal;
 
 fn refuse<T>(why: RegionRefusal) -> Result<T> {
     Err(Error::RegionRefused(why))
@@ -304,7 +190,7 @@ impl RegionLayout {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ipc::wire::WireHandle;
+    use crate::ipc::wire::{HandleType, Kind, WireHandle};
     use RegionRefusal as R;
 
     const MIB: u64 = 1 << 20;

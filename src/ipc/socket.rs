@@ -7,17 +7,7 @@ use nix::sys::socket::{getsockopt, sockopt::PeerCredentials};
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 use std::time::Instant;
 
-/// Whose messages a receiver accepts.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
-pub enum PeerPolicy {
-    /// Only a peer running as this process's own user, effective uids compared (the default).
-    #[default]
-    SameUid,
-    /// Only a peer running as this user id.
-    Uid(u32),
-    /// Anyone who can reach the socket.
-    AnyUid,
-}
+pub use crate::error::values::PeerPolicy;
 
 /// The peer's credentials at connection time.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -9,7 +9,6 @@
 //! [`GrowableImport`](super::GrowableImport)). [`Message`] is any of them.
 
 use crate::error::{Error, Refusal, Result};
-use std::fmt;
 
 /// `b"CUVMMIPC"`.
 pub const MAGIC: [u8; 8] = *b"CUVMMIPC";
@@ -56,74 +55,7 @@ impl WireHandle {
     }
 }
 
-/// A handle type without a handle: how every chunk of a growing region travels.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum HandleType {
-    /// POSIX file descriptors (wire value 1).
-    PosixFd,
-    /// Fabric handles (wire value 8).
-    Fabric,
-}
-
-impl HandleType {
-    /// The wire value: `CUmemAllocationHandleType`'s.
-    pub fn code(self) -> u16 {
-        match self {
-            HandleType::PosixFd => 1,
-            HandleType::Fabric => 8,
-        }
-    }
-
-    fn from_code(code: u16) -> Option<HandleType> {
-        [HandleType::PosixFd, HandleType::Fabric].into_iter().find(|t| t.code() == code)
-    }
-}
-
-/// What a frame is: the kind field (bytes 12..14 in version 2; a version-1 frame is a share).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Kind {
-    /// One range of one allocation ([`Header`]), wire value 0.
-    Share,
-    /// Opens a growing region on the connection ([`Region`]), wire value 1.
-    Region,
-    /// One more chunk of the region ([`Grow`]), wire value 2.
-    Grow,
-    /// The region's chunks past a length are gone ([`Message::Shrink`]), wire value 3.
-    Shrink,
-    /// A value of the sender's, ordered with the growth ([`Message::Note`]), wire value 4.
-    Note,
-}
-
-impl Kind {
-    /// The wire value.
-    pub fn code(self) -> u16 {
-        match self {
-            Kind::Share => 0,
-            Kind::Region => 1,
-            Kind::Grow => 2,
-            Kind::Shrink => 3,
-            Kind::Note => 4,
-        }
-    }
-
-    fn from_code(code: u16) -> Option<Kind> {
-        [Kind::Share, Kind::Region, Kind::Grow, Kind::Shrink, Kind::Note]
-            .into_iter()
-            .find(|k| k.code() == code)
-    }
-}
-
-impl fmt::Display for Kind {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            Kind::Share => "share",
-            Kind::Region => "region",
-            Kind::Grow => "grow",
-            Kind::Shrink => "shrink",
-            Kind::Note => "note",
-        })
-    }
-}
+pub use crate::error::values::{HandleType, Kind};
 
 /// Where each field of a frame lies, for encoding and decoding alike (`docs/WIRE.md` draws it).
 mod at {
@@ -772,7 +704,7 @@ mod tests {
         ]
     }
 
-    fn refused<T: fmt::Debug>(r: Result<T>, what: &str) {
+    fn refused<T: std::fmt::Debug>(r: Result<T>, what: &str) {
         assert!(matches!(&r, Err(e) if e.is_protocol()), "{what} was accepted: {r:?}");
     }
 
