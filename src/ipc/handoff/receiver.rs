@@ -571,7 +571,7 @@ fn io_thread(inner: Weak<Inner>) {
         let mut unmap = Vec::new();
         for (c, r) in conns.iter().zip(&ready[1..]) {
             if r.contains(PollFlags::POLLOUT) {
-                flush(c);
+                flush(c, &mut unmap);
             }
             if r.intersects(PollFlags::POLLIN | PollFlags::POLLHUP | PollFlags::POLLERR) {
                 read(&i, c, &mut unmap);
@@ -590,7 +590,7 @@ fn io_thread(inner: Weak<Inner>) {
     }
 }
 
-fn flush(c: &Conn) {
+fn flush(c: &Conn, unmap: &mut Vec<Shared>) {
     let mut st = lock(&c.st);
     while let Some(b) = st.out.front() {
         match link::send(c.sock.as_fd(), b, &[]) {
@@ -599,7 +599,7 @@ fn flush(c: &Conn) {
             }
             Ok(false) => return,
             Err(_) => {
-                close(&mut st);
+                close(&mut st, unmap);
                 return;
             }
         }
@@ -607,8 +607,9 @@ fn flush(c: &Conn) {
 }
 
 /// The sender is gone or out of step: every fetch waiting fails, and kept mappings nobody uses
-/// are dropped (their pages are the sender's no more; leases in use keep theirs).
-fn close(st: &mut ConnState) {
+/// are given up (their pages are the sender's no more; leases in use keep theirs): returned,
+/// for the caller to unmap once it holds no lock.
+fn close(st: &mut ConnState, unmap: &mut Vec<Shared>) {
     st.closed = true;
     st.out.clear();
     st.along.clear();
@@ -618,6 +619,9 @@ fn close(st: &mut ConnState) {
     }
     st.kept.retain(|_, k| {
         k.revoked = true;
+        if k.users == 0 {
+            unmap.push(k.map.clone());
+        }
         k.users > 0
     });
 }
@@ -641,7 +645,7 @@ fn read(i: &Inner, c: &Arc<Conn>, unmap: &mut Vec<Shared>) {
             Ok(Some((frame, fds))) => {
                 if let Err(e) = handle(i, c, &mut st, frame, fds, unmap) {
                     record_drop::<()>(Err(e));
-                    close(&mut st);
+                    close(&mut st, unmap);
                     return;
                 }
             }
@@ -649,11 +653,7 @@ fn read(i: &Inner, c: &Arc<Conn>, unmap: &mut Vec<Shared>) {
                 if !matches!(e, Error::PeerClosed { .. }) {
                     record_drop::<()>(Err(e));
                 }
-                // Kept mappings of a sender that has gone hold memory nobody else can reach.
-                for k in st.kept.values().filter(|k| k.users == 0) {
-                    unmap.push(k.map.clone());
-                }
-                close(&mut st);
+                close(&mut st, unmap);
                 return;
             }
         }
