@@ -4,10 +4,11 @@
 
 mod common;
 
-use common::{count, fake_device};
+use common::{count, fake_device, fake_symbol};
 
 use cuvmm::alloc::{AllocatorConfig, BlockImport, GraphMemory, StreamAllocator};
 use std::os::fd::AsFd;
+use std::time::Duration;
 
 const MIB: usize = 1 << 20;
 
@@ -195,4 +196,54 @@ fn a_block_freed_while_imported_keeps_its_memory_from_later_blocks_until_let_go(
     // Freed now: its pages go back to the driver once idle.
     alloc.empty_cache().unwrap();
     assert_eq!((alloc.stats().mapped, alloc.stats().live), (0, 0));
+}
+
+/// Holds the fake driver's exports (`on`) or lets them go.
+fn hold_exports(lib: &std::path::Path, on: bool) {
+    let f = fake_symbol(lib, "fake_hold_exports");
+    // SAFETY: `fake_hold_exports` is `void (int)` in the fake driver, an atomic store.
+    unsafe { std::mem::transmute::<*mut libc::c_void, unsafe extern "C" fn(i32)>(f)(i32::from(on)) }
+}
+
+#[test]
+fn a_thread_exporting_a_blocks_pages_holds_up_no_allocation_meanwhile() {
+    let (_turn, lib, ctx) = fake_device();
+    let config = AllocatorConfig { page: 2 * MIB, ..AllocatorConfig::default() };
+    let alloc = StreamAllocator::with_config(&ctx, config).unwrap();
+    // SAFETY: the legacy default stream; every block is freed below, before the allocator goes.
+    let big = unsafe { alloc.allocate_raw(5 * MIB, std::ptr::null_mut(), GraphMemory::Keep) }.unwrap();
+    let share = alloc.export_mark(big).unwrap();
+    let exports = count(&lib, "cuMemExportToShareableHandle");
+    hold_exports(&lib, true);
+    let exporter = {
+        let alloc = alloc.clone();
+        std::thread::spawn(move || alloc.exported_fds(share.block))
+    };
+    while count(&lib, "cuMemExportToShareableHandle") == exports {
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    // The exporter waits in the driver now; an allocation on another thread goes on.
+    let (told, done) = std::sync::mpsc::channel();
+    let allocating = {
+        let alloc = alloc.clone();
+        std::thread::spawn(move || {
+            // SAFETY: as above.
+            let p = unsafe { alloc.allocate_raw(64 << 10, std::ptr::null_mut(), GraphMemory::Keep) };
+            told.send(()).unwrap();
+            p
+        })
+    };
+    let went_on = done.recv_timeout(Duration::from_secs(10)).is_ok();
+    hold_exports(&lib, false);
+    let fds = exporter.join().unwrap().unwrap();
+    let small = allocating.join().unwrap().unwrap();
+    assert!(went_on, "an allocation waited for another thread's export");
+    assert_eq!(fds.len(), 3, "the pages under the block");
+    // SAFETY: blocks of this allocator, no work queued on them.
+    unsafe {
+        alloc.free_raw(small, std::ptr::null_mut()).unwrap();
+        alloc.free_raw(big, std::ptr::null_mut()).unwrap();
+    }
+    alloc.unexport(big).unwrap();
+    assert_eq!(alloc.stats().live, 0);
 }

@@ -502,12 +502,20 @@ impl StreamAllocator {
     /// Refused for a block whose tag is asleep, and where the device cannot export POSIX
     /// descriptors.
     pub fn export(&self, ptr: u64) -> Result<BlockExport> {
-        let (mut fds, mut pages) = (Vec::new(), Vec::new());
+        let mut held = Vec::new();
         let at = self.inner.alloc.core().export(ptr, |page| {
-            fds.push(page.export_fd_kept()?);
-            pages.push(page.serial());
+            held.push(page.clone());
             Ok(())
         })?;
+        let fds = match descriptors_of(&held) {
+            Ok(fds) => fds,
+            Err(e) => {
+                // Undoes this call's own mark, which only a broken allocator state refuses.
+                self.unexport(at.block)?;
+                return Err(e);
+            }
+        };
+        let pages = held.iter().map(PhysicalMemory::serial).collect();
         Ok(BlockExport {
             block: at.block,
             len: at.len,
@@ -543,12 +551,12 @@ impl StreamAllocator {
     /// order, as `export` gives them; the block may have been freed since (its mark keeps its
     /// pages). Refused for a block not shared (any more).
     pub fn exported_fds(&self, block: u64) -> Result<Vec<std::os::fd::OwnedFd>> {
-        let mut fds = Vec::new();
+        let mut held = Vec::new();
         self.inner.alloc.core().exported_pages(block, |page| {
-            fds.push(page.export_fd_kept()?);
+            held.push(page.clone());
             Ok(())
         })?;
-        Ok(fds)
+        descriptors_of(&held)
     }
 
     /// One sharing of the block at `block` (as [`export`](Self::export) returned it) is over.
@@ -673,6 +681,13 @@ pub struct BlockShare {
     pub page: usize,
     /// Each page's [`serial`](crate::vmm::PhysicalMemory::serial), in address order.
     pub pages: Vec<u64>,
+}
+
+/// A descriptor of each page, asked of the driver without the allocator's lock (an export takes
+/// tens of microseconds, the first in a process hundreds): allocations and offers on other threads
+/// go on meanwhile. The clones keep the pages alive; the block's mark keeps them out of reuse.
+fn descriptors_of(pages: &[PhysicalMemory]) -> Result<Vec<std::os::fd::OwnedFd>> {
+    pages.iter().map(PhysicalMemory::export_fd_kept).collect()
 }
 
 /// Pages another process exported ([`StreamAllocator::export`]), mapped here side by side as they
