@@ -269,6 +269,17 @@ int cuvmm_let_go(const uint8_t *ticket, size_t len, double timeout_s);
 int cuvmm_ticket_len(const uint8_t *ticket, size_t len, uint64_t *block_len);
 int cuvmm_handoff_stats(cuvmm_handoff_stats_t *out);
 
+/* Memory snapshots. cuvmm_snapshot_json writes every heap and block of `device` (-1: every device
+ * used so far) as JSON into buf (NUL-terminated when it fits): {"<device>": [{"address", "small",
+ * "tag" (name or null), "asleep", "page", "blocks": [{"address", "size", "requested", "graph_pool",
+ * "stream", "state": "live" | "free" | "freed_shared"}]}]}. Returns the length the JSON needs
+ * (without the NUL), or -1. cuvmm_set_alloc_observer: `observer` is called after every allocation
+ * that succeeds and before every free (kind 'a' or 'f'), on the calling thread, with no lock of
+ * cuvmm held, until it is replaced (NULL: none). Returns 0. */
+typedef void (*cuvmm_alloc_observer_t)(int kind, int device, uint64_t ptr, ssize_t size, cuvmm_stream_t stream);
+ssize_t cuvmm_snapshot_json(int device, char *buf, size_t len);
+int cuvmm_set_alloc_observer(cuvmm_alloc_observer_t observer);
+
 /* Writes the allocation trace (trace= in CUVMM_ALLOC_CONF) out now; it is also written at exit. */
 void cuvmm_trace_flush(void);
 

@@ -15,6 +15,7 @@ mod fake;
 mod handoff;
 mod hooks;
 mod limit;
+mod memory_history;
 #[cfg(test)]
 #[path = "pair_tests.rs"]
 mod pair_tests;
@@ -259,6 +260,7 @@ fn malloc_with(function: &str, size: isize, device: c_int, stream: CUstream, cal
     if let Some(Ok(Global { trace: Some(t), .. })) = GLOBAL.get() {
         t.record('a', device, stream as usize, size, ptr);
     }
+    memory_history::observe(b'a', device, ptr, size, stream);
     ptr as usize as *mut c_void
 }
 
@@ -312,6 +314,7 @@ fn free_with(function: &str, ptr: *mut c_void, size: isize, device: c_int, strea
     if let Some(Ok(Global { trace: Some(t), .. })) = GLOBAL.get() {
         t.record('f', device, stream as usize, size, ptr as usize as u64);
     }
+    memory_history::observe(b'f', device, ptr as usize as u64, size, stream);
     guard(function, (), || {
         let a = allocator(device).map_err(plain)?;
         // SAFETY: the C contract: `stream` and the streams `cuvmm_record_stream` named for `ptr`

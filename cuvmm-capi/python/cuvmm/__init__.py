@@ -163,6 +163,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     sigs = {
         "cuvmm_get_stats": (c_int, [c_int, ctypes.POINTER(Stats)]),
         "cuvmm_stats_json": (c_ssize_t, [c_char_p, c_size_t]),
+        "cuvmm_snapshot_json": (c_ssize_t, [c_int, c_char_p, c_size_t]),
+        "cuvmm_set_alloc_observer": (c_int, [ctypes.c_void_p]),
         "cuvmm_reset_peaks": (c_int, [c_int]),
         "cuvmm_empty_cache": (c_int, [c_int]),
         "cuvmm_release_graph_memory": (c_int, [c_int]),

@@ -32,6 +32,7 @@ import warnings
 
 import cuvmm as _core
 from cuvmm import _torch_stats as _stats
+from cuvmm import _torch_tools as _tools
 from cuvmm import *  # noqa: F401,F403  (the torch-free part, so that this module is enough)
 
 try:
@@ -263,9 +264,11 @@ def _change_current_allocator(alloc):
     _original_change(alloc)
     if _is_wired(alloc):
         _stats.answer(_torch, _core.stats, _core.reset_peaks)
+        _tools.answer(_torch, _core.load())
         _current = True
     else:
         _stats.restore(_torch)
+        _tools.restore(_torch)
         _current = False
 
 
@@ -297,9 +300,9 @@ def use_as_current_allocator():
     ``torch.cuda.memory_stats``, ``memory_allocated``, ``max_memory_allocated``,
     ``memory_reserved``, ``max_memory_reserved`` and ``reset_peak_memory_stats`` answer from
     cuvmm's counters in PyTorch's format. Out of memory raises ``torch.OutOfMemoryError`` and the
-    process goes on. CUDA graphs captured by hand work; ``torch.compile(mode="reduce-overhead")``
-    needs ``torch._inductor.config.triton.cudagraph_trees = False`` (README, "What reaches
-    cuvmm").
+    process goes on. CUDA graphs captured by hand and ``torch.compile(mode="reduce-overhead")``
+    work, and so do ``torch.cuda.memory._record_memory_history``, ``_snapshot`` and
+    ``_dump_snapshot`` (docs/torch_tools.md).
     """
     if _torch.cuda.is_initialized():
         raise RuntimeError("use_as_current_allocator() must run before CUDA is initialized")

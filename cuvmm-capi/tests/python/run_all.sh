@@ -104,6 +104,11 @@ run record_stream $PY record_stream.py --json "$OUT_DIR/record_stream.json"
 run memory_fraction $PY memory_fraction.py --json "$OUT_DIR/memory_fraction.json"
 run torch_stats $PY torch_stats.py --json "$OUT_DIR/torch_stats.json"
 run compile_graphs $PY compile_graphs.py --json "$OUT_DIR/compile_graphs.json"
+# CUDA graph trees (the default) under cuvmm and, as the reference, PyTorch's allocator; snapshots.
+for a in cuvmm native; do
+    run "compile_reduce_overhead_$a" $PY compile_reduce_overhead.py --alloc "$a" --json "$OUT_DIR/compile_reduce_overhead_$a.json"
+done
+run memory_snapshot $PY memory_snapshot.py --out "$OUT_DIR/memory_snapshot" --json "$OUT_DIR/memory_snapshot.json"
 # torch_memory_saver's API on cuvmm, beside torch_memory_saver where it is installed.
 run tms_compare $PY tms_compare.py --json "$OUT_DIR/tms_compare.json" ${TMS_ARGS:-}
 run vllm_compare $PY vllm_compare.py --json "$OUT_DIR/vllm_compare.json" ${VLLM_ARGS:-}

@@ -1653,6 +1653,7 @@ mod export;
 #[cfg(test)]
 mod invariants;
 mod sleep;
+mod snapshot;
 mod whole;
 pub use sleep::{SleepMode, TagStats};
 use whole::WHOLE;

@@ -8,6 +8,8 @@ use std::collections::{BTreeSet, HashMap};
 use std::hash::{BuildHasherDefault, Hasher};
 use std::ops::{Index, IndexMut, RangeInclusive};
 
+mod walk;
+
 /// Every block starts and ends on this boundary.
 pub(crate) const ALIGN: u64 = 512;
 

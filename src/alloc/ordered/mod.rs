@@ -100,11 +100,13 @@ mod heap;
 mod host_memory;
 mod ids;
 mod lazy;
+mod snapshot;
 
 pub use self::backup::{
     backup_host_copy, fresh_backup_memory, set_backup_host_copy, BackupKind, BackupOptions,
 };
 pub use self::core::{AllocatorStats, SleepMode, TagStats};
+pub use self::snapshot::{BlockSnapshot, BlockState, SegmentSnapshot};
 
 use self::backend::DriverBackend;
 use self::core::{Capture, Core, Ordered, Settle, Sizes};
