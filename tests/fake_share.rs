@@ -247,3 +247,40 @@ fn a_thread_exporting_a_blocks_pages_holds_up_no_allocation_meanwhile() {
     alloc.unexport(big).unwrap();
     assert_eq!(alloc.stats().live, 0);
 }
+
+#[test]
+fn pages_made_once_exports_go_ahead_carry_their_descriptors_and_a_later_export_asks_nothing() {
+    let (_turn, lib, ctx) = fake_device();
+    let config = AllocatorConfig { page: 2 * MIB, ..AllocatorConfig::default() };
+    let alloc = StreamAllocator::with_config(&ctx, config).unwrap();
+    let exports = count(&lib, "cuMemExportToShareableHandle");
+    // SAFETY: the legacy default stream; every block is freed below, before the allocator goes.
+    let before = unsafe { alloc.allocate_raw(4 * MIB, std::ptr::null_mut(), GraphMemory::Keep) }.unwrap();
+    assert_eq!(count(&lib, "cuMemExportToShareableHandle"), exports, "nothing exported unasked");
+
+    alloc.export_pages_ahead();
+    let created = count(&lib, "cuMemCreate");
+    // SAFETY: as above.
+    let after = unsafe { alloc.allocate_raw(6 * MIB, std::ptr::null_mut(), GraphMemory::Keep) }.unwrap();
+    let made = count(&lib, "cuMemCreate") - created;
+    assert!(made > 0, "new pages");
+    assert_eq!(count(&lib, "cuMemExportToShareableHandle") - exports, made, "each new page exported once");
+
+    let share = alloc.export_mark(after).unwrap();
+    let fds = alloc.exported_fds(share.block).unwrap();
+    assert_eq!(fds.len(), share.pages.len());
+    assert_eq!(count(&lib, "cuMemExportToShareableHandle") - exports, made, "the descriptors were ready");
+    // The block made before still exports when asked.
+    let old = alloc.export(before).unwrap();
+    assert_eq!(old.fds.len(), 2);
+    assert_eq!(count(&lib, "cuMemExportToShareableHandle") - exports, made + 2);
+    drop((fds, old));
+    alloc.unexport(share.block).unwrap();
+    alloc.unexport(before).unwrap();
+    // SAFETY: blocks of this allocator, no work queued on them.
+    unsafe {
+        alloc.free_raw(after, std::ptr::null_mut()).unwrap();
+        alloc.free_raw(before, std::ptr::null_mut()).unwrap();
+    }
+    assert_eq!(alloc.stats().live, 0);
+}

@@ -13,7 +13,9 @@ use crate::kernels::Kernels;
 use crate::memory::{DeviceSlice, DeviceSliceMut};
 use crate::stream::{Event, Stream};
 use crate::vmm::{HandleTypes, PhysicalBuilder, PhysicalMemory, Reservation};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{channel, Receiver, TryRecvError};
+use std::sync::Arc;
 use std::thread::JoinHandle;
 
 pub(crate) struct DriverBackend {
@@ -25,6 +27,8 @@ pub(crate) struct DriverBackend {
     fabric: Option<PhysicalBuilder>,
     fabric_above: usize,
     reservations: Vec<Reservation>,
+    /// Whether each page is exported as it is made (see `StreamAllocator::export_pages_ahead`).
+    exports_ahead: Arc<AtomicBool>,
     /// Two streams for sleep's and wake's copies, made at first use.
     lanes: Vec<Stream>,
     /// The thread that runs staged backups' copies through the staging ring, made at first use.
@@ -111,7 +115,12 @@ impl Copier for StagedCopier {
 }
 
 impl DriverBackend {
-    pub(crate) fn new(ctx: &Context, page: usize, fabric_above: usize) -> DriverBackend {
+    pub(crate) fn new(
+        ctx: &Context,
+        page: usize,
+        fabric_above: usize,
+        exports_ahead: Arc<AtomicBool>,
+    ) -> DriverBackend {
         // Pages are made exportable as POSIX descriptors wherever the device allows it, so that any
         // live block can be shared with another process after the fact (`StreamAllocator::export`).
         let mut builder = PhysicalMemory::builder(ctx);
@@ -130,6 +139,7 @@ impl DriverBackend {
             fabric,
             fabric_above,
             reservations: Vec::new(),
+            exports_ahead,
             mover: None,
             making: None,
             lazy: LazyBackups::default(),
@@ -149,6 +159,18 @@ impl DriverBackend {
         for (a, n) in pages {
             let _ = self.unmap(a, n);
         }
+    }
+
+    fn create(&mut self, size: u64) -> Result<PhysicalMemory> {
+        if let Some(fabric) = self.fabric.as_ref().filter(|_| size as usize >= self.fabric_above) {
+            match fabric.create(size as usize) {
+                Ok(p) => return Ok(p),
+                Err(e) if e.is_out_of_memory() => return Err(e),
+                // No IMEX channel (or another refusal of the handle type): POSIX descriptors only.
+                Err(_) => self.fabric = None,
+            }
+        }
+        self.builder.create(size as usize)
     }
 
     fn mover(&mut self) -> Result<&Mover> {
@@ -196,15 +218,15 @@ impl Backend for DriverBackend {
     }
 
     fn create_page(&mut self, size: u64) -> Result<PhysicalMemory> {
-        if let Some(fabric) = self.fabric.as_ref().filter(|_| size as usize >= self.fabric_above) {
-            match fabric.create(size as usize) {
-                Ok(p) => return Ok(p),
-                Err(e) if e.is_out_of_memory() => return Err(e),
-                // No IMEX channel (or another refusal of the handle type): POSIX descriptors only.
-                Err(_) => self.fabric = None,
-            }
+        let page = self.create(size)?;
+        if self.exports_ahead.load(Ordering::Relaxed)
+            && self.builder.get_handle_types().contains(HandleTypes::POSIX_FD)
+        {
+            // Kept with the page for the hand-offs to come. A refusal here is met again, and
+            // reported, by the export a hand-off asks for; the page itself is good.
+            drop(page.export_fd_kept());
         }
-        self.builder.create(size as usize)
+        Ok(page)
     }
 
     fn map(&mut self, addr: u64, page: &PhysicalMemory, size: u64) -> Result<()> {

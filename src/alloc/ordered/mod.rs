@@ -118,6 +118,7 @@ use crate::stream::order::Tracker;
 use crate::stream::{Event, Stream, StreamInner};
 use crate::vmm::{Access, Mapping, PhysicalMemory, Reservation};
 use crate::Device;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 /// Sizes of a [`StreamAllocator`].
@@ -241,6 +242,8 @@ struct Shared {
     /// The device's memory in bytes: no block can be larger.
     memory: u64,
     alloc: Ordered<DriverBackend>,
+    /// Shared with the backend: whether pages are exported as they are made.
+    exports_ahead: Arc<AtomicBool>,
 }
 
 impl Drop for Shared {
@@ -295,11 +298,17 @@ impl StreamAllocator {
             small_reserve: round((large / 16).max(config.page)) as u64,
             lend: config.lend,
         };
-        let backend = DriverBackend::new(ctx, config.page, config.export_threshold);
+        let exports_ahead = Arc::new(AtomicBool::new(false));
+        let backend = DriverBackend::new(ctx, config.page, config.export_threshold, exports_ahead.clone());
         let mut core = Core::new(backend, sizes);
         core.set_whole_above(config.export_threshold as u64);
         Ok(StreamAllocator {
-            inner: Arc::new(Shared { ctx: ctx.clone(), memory: total as u64, alloc: Ordered::new(core) }),
+            inner: Arc::new(Shared {
+                ctx: ctx.clone(),
+                memory: total as u64,
+                alloc: Ordered::new(core),
+                exports_ahead,
+            }),
         })
     }
 
@@ -546,6 +555,16 @@ impl StreamAllocator {
             page: at.page as usize,
             pages,
         })
+    }
+
+    /// From now on, exports each page as it is made and keeps the descriptor with it (see
+    /// [`export`](Self::export)), for a process that hands its blocks to others: a later export of
+    /// a block on those pages asks nothing of the driver, so the hand-off does not wait for it.
+    /// A page's creation costs one export more (tens of microseconds) and a kept descriptor
+    /// (within the process's budget for them). The hand-off's sender asks for it at its first
+    /// offer.
+    pub fn export_pages_ahead(&self) {
+        self.inner.exports_ahead.store(true, Ordering::Relaxed);
     }
 
     /// One POSIX descriptor for each page under the shared block at `block` (as

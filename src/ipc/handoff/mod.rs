@@ -154,6 +154,9 @@ impl Sender {
     pub fn offer(&self, alloc: &StreamAllocator, ptr: u64, group: Option<u64>) -> Result<Ticket> {
         let device = alloc.context().device().uuid()?.0;
         let share = alloc.export_mark(ptr)?;
+        // A process that hands blocks over does so again: the pages made from now on carry their
+        // descriptors ready.
+        alloc.export_pages_ahead();
         let held = AllocShared { alloc: alloc.clone(), block: share.block, serials: share.pages.clone() };
         // Dropped (the block's mark let go) if the offer fails.
         let token = self.inner.offer(Box::new(held), group)?;
