@@ -19,14 +19,13 @@ mod limit;
 #[path = "pair_tests.rs"]
 mod pair_tests;
 mod ready;
-mod tag_states;
 mod trace;
 mod uses;
 
 use config::Config;
 use cuvmm_lib::alloc::{
     AllocatorConfig, AllocatorStats, BackupKind, BackupOptions, GraphMemory, SleepMode, StreamAllocator, Tag,
-    TagStats,
+    TagPhase, TagStats,
 };
 use cuvmm_lib::driver::sys::CUstream;
 use cuvmm_lib::{Context, Device};
@@ -36,7 +35,6 @@ use std::ffi::{c_char, c_int, c_void, CString};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, OnceLock};
-use tag_states::TagStates;
 use trace::Trace;
 
 struct Global {
@@ -60,11 +58,6 @@ static RETURNED_UNWRITTEN: AtomicBool = AtomicBool::new(false);
 fn unreturned(function: &str) -> bool {
     matches!(function, "cuvmm_free" | "cuvmm_pool_free" | "cuvmm_pool_malloc")
 }
-
-/// The tags asleep, from a `cuvmm_sleep` that succeeded until a `cuvmm_wake` that did: the C
-/// ABI's own record, so that a tag is asleep the same way whichever devices were used before or
-/// after (an allocator made after the sleep does not know of it).
-static TAGS: TagStates<Tag> = TagStates::new();
 
 thread_local! {
     static LAST_ERROR: RefCell<Option<CString>> = const { RefCell::new(None) };
@@ -245,16 +238,12 @@ fn malloc_with(function: &str, size: isize, device: c_int, stream: CUstream, cal
         if size <= 0 {
             return if size == 0 { Ok(0) } else { Err(plain(format!("negative size {size}"))) };
         }
-        match tag() {
-            None => request(function, size, device, stream, caller, None),
-            Some(t) => {
-                // Counted until the allocation returns: a sleep of the tag waits for it.
-                let _allocating = TAGS.begin_allocation(t).ok_or_else(|| {
-                    plain("cannot allocate with a tag that is asleep: wake it first".into())
-                })?;
-                request(function, size, device, stream, caller, Some(t))
-            }
+        let tag = tag();
+        if let Some(t) = tag {
+            // Refused before any device is asked for: a tag asleep is asleep for the process.
+            t.check_awake().map_err(reported)?;
         }
+        request(function, size, device, stream, caller, tag)
     });
     if let Some(Ok(Global { trace: Some(t), .. })) = GLOBAL.get() {
         t.record('a', device, stream as usize, size, ptr);
@@ -526,76 +515,6 @@ pub unsafe extern "C" fn cuvmm_set_tag(tag: *const c_char) -> c_int {
     })
 }
 
-/// Puts a tag to sleep on each of `devices`, all or nothing: when one fails, those this call put
-/// to sleep are woken again (an offload's contents come back; discarded ones do not), and a
-/// failure to wake one is added to the error.
-fn sleep_all<A>(
-    devices: &[A],
-    sleep: impl Fn(&A) -> cuvmm_lib::Result<()>,
-    wake: impl Fn(&A) -> cuvmm_lib::Result<()>,
-) -> Result<(), (String, String)> {
-    for (i, a) in devices.iter().enumerate() {
-        if let Err(e) = sleep(a) {
-            let (kind, mut msg) = reported(e);
-            for b in &devices[..i] {
-                if let Err(w) = wake(b) {
-                    msg.push_str(&format!("; waking a device it had put to sleep failed too: {w}"));
-                }
-            }
-            return Err((kind, msg));
-        }
-    }
-    Ok(())
-}
-
-/// Wakes a tag on each of `devices` where it is asleep (none, for a tag that held nothing there).
-/// A failure stops the call: the devices woken before stay awake, the rest asleep with nothing
-/// lost, and a later call wakes those.
-fn wake_all<A>(
-    devices: &[A],
-    asleep: impl Fn(&A) -> bool,
-    wake: impl Fn(&A) -> cuvmm_lib::Result<()>,
-) -> Result<(), (String, String)> {
-    for a in devices.iter().filter(|a| asleep(a)) {
-        wake(a).map_err(reported)?;
-    }
-    Ok(())
-}
-
-/// `cuvmm_sleep` of `tag` on the `devices` there are once no other sleep or wake of it is under
-/// way (see [`tag_states`]). On a failure the tag is awake again, unless waking a device the call
-/// had put to sleep failed too: then it is recorded asleep, so that `cuvmm_wake` finishes it.
-fn sleep_tag<A>(
-    states: &TagStates<Tag>,
-    t: Tag,
-    devices: impl FnOnce() -> Vec<A>,
-    sleep: impl Fn(&A) -> cuvmm_lib::Result<()>,
-    wake: impl Fn(&A) -> cuvmm_lib::Result<()>,
-    asleep: impl Fn(&A) -> bool,
-) -> Result<(), (String, String)> {
-    let falling = states.begin_sleep(t).map_err(|r| plain(r.message().into()))?;
-    // Not under the lock: the sleep waits for the device.
-    let all = devices();
-    let slept = sleep_all(&all, sleep, wake);
-    falling.finish(slept.is_ok() || all.iter().any(asleep));
-    slept
-}
-
-/// `cuvmm_wake` of `tag` on the `devices` there are once no other sleep or wake of it is under
-/// way; a failure leaves it asleep (see [`wake_all`]).
-fn wake_tag<A>(
-    states: &TagStates<Tag>,
-    t: Tag,
-    devices: impl FnOnce() -> Vec<A>,
-    asleep: impl Fn(&A) -> bool,
-    wake: impl Fn(&A) -> cuvmm_lib::Result<()>,
-) -> Result<(), (String, String)> {
-    let waking = states.begin_wake(t).map_err(|r| plain(r.message().into()))?;
-    let woke = wake_all(&devices(), asleep, wake);
-    waking.finish(woke.is_err());
-    woke
-}
-
 fn all_allocators() -> Vec<&'static StreamAllocator> {
     allocators().into_iter().map(|(_, a)| a).collect()
 }
@@ -611,14 +530,7 @@ pub unsafe extern "C" fn cuvmm_sleep(tag: *const c_char, offload: c_int) -> c_in
         // SAFETY: the caller's contract.
         let t = tag_of(unsafe { c_str(tag) }?)?;
         let mode = if offload != 0 { SleepMode::Offload } else { SleepMode::Discard };
-        sleep_tag(
-            &TAGS,
-            t,
-            all_allocators,
-            |a| a.sleep(t, mode).map(drop),
-            |a| a.wake(t),
-            |a| a.tag_stats(t).asleep,
-        )?;
+        t.sleep_on(all_allocators, mode).map_err(reported)?;
         Ok(0)
     })
 }
@@ -632,7 +544,7 @@ pub unsafe extern "C" fn cuvmm_wake(tag: *const c_char) -> c_int {
     guard("cuvmm_wake", -1, || {
         // SAFETY: the caller's contract.
         let t = tag_of(unsafe { c_str(tag) }?)?;
-        wake_tag(&TAGS, t, all_allocators, |a| a.tag_stats(t).asleep, |a| a.wake(t))?;
+        t.wake_on(all_allocators).map_err(reported)?;
         Ok(0)
     })
 }
@@ -719,7 +631,7 @@ pub unsafe extern "C" fn cuvmm_get_tag_stats(tag: *const c_char, out: *mut Cuvmm
         }
         // SAFETY: the caller's contract.
         let t = tag_of(unsafe { c_str(tag) }?)?;
-        let mut sum = CuvmmTagStats { asleep: i32::from(TAGS.phase(t).is_some()), ..Default::default() };
+        let mut sum = CuvmmTagStats { asleep: i32::from(t.phase() != TagPhase::Awake), ..Default::default() };
         for (_, a) in allocators() {
             let TagStats { live, mapped, offloaded, asleep } = a.tag_stats(t);
             sum.live += live;
@@ -1179,90 +1091,6 @@ pub(crate) mod tests {
         assert_eq!(mine, 2);
     }
 
-    /// A fake device for the sleep and wake of every device: whether the tag is asleep there, and
-    /// how many of its next sleeps or wakes fail.
-    struct Dev {
-        asleep: std::cell::Cell<bool>,
-        fail_sleep: std::cell::Cell<u32>,
-        fail_wake: std::cell::Cell<u32>,
-    }
-
-    fn devs(n: usize) -> Vec<Dev> {
-        (0..n).map(|_| Dev { asleep: false.into(), fail_sleep: 0.into(), fail_wake: 0.into() }).collect()
-    }
-
-    fn refused(d: &std::cell::Cell<u32>) -> bool {
-        let n = d.get();
-        d.set(n.saturating_sub(1));
-        n > 0
-    }
-
-    fn sleep(d: &Dev) -> cuvmm_lib::Result<()> {
-        if d.asleep.get() {
-            return Err(cuvmm_lib::Error::InvalidArgument("the tag is already asleep".into()));
-        }
-        if refused(&d.fail_sleep) {
-            return Err(cuvmm_lib::Error::InvalidArgument("sleep refused".into()));
-        }
-        d.asleep.set(true);
-        Ok(())
-    }
-
-    fn wake(d: &Dev) -> cuvmm_lib::Result<()> {
-        if !d.asleep.get() {
-            return Err(cuvmm_lib::Error::InvalidArgument("the tag is not asleep".into()));
-        }
-        if refused(&d.fail_wake) {
-            return Err(cuvmm_lib::Error::InvalidArgument("out of memory".into()));
-        }
-        d.asleep.set(false);
-        Ok(())
-    }
-
-    fn states(d: &[Dev]) -> Vec<bool> {
-        d.iter().map(|d| d.asleep.get()).collect()
-    }
-
-    #[test]
-    fn a_sleep_that_fails_on_one_device_wakes_the_others_it_put_to_sleep() {
-        let d = devs(3);
-        d[2].fail_sleep.set(1);
-        let e = sleep_all(&d, sleep, wake).unwrap_err();
-        assert!(e.1.contains("sleep refused"), "{e:?}");
-        assert_eq!(states(&d), [false, false, false]);
-        // ...and says so when waking one of them fails as well.
-        d[1].fail_wake.set(1);
-        d[2].fail_sleep.set(1);
-        let e = sleep_all(&d, sleep, wake).unwrap_err();
-        assert!(e.1.contains("waking a device it had put to sleep failed too"), "{e:?}");
-        assert_eq!(states(&d), [false, true, false]);
-    }
-
-    #[test]
-    fn a_wake_skips_devices_where_the_tag_is_awake_and_a_later_wake_finishes_a_failed_one() {
-        let d = devs(3);
-        sleep_all(&d, sleep, wake).unwrap();
-        // A wake that runs out of memory on the second device: the first stays awake, the rest
-        // asleep.
-        d[1].fail_wake.set(1);
-        assert!(wake_all(&d, |d| d.asleep.get(), wake).is_err());
-        assert_eq!(states(&d), [false, true, true]);
-        // Before the fix the next call failed on the first device ("not asleep") for ever.
-        wake_all(&d, |d| d.asleep.get(), wake).unwrap();
-        assert_eq!(states(&d), [false, false, false]);
-        // Awake everywhere, or no device at all: nothing to do (cuvmm_wake refuses a tag that is
-        // not asleep before it comes here).
-        wake_all(&d, |d| d.asleep.get(), wake).unwrap();
-        assert_eq!(states(&d), [false, false, false]);
-        wake_all(&devs(0), |d| d.asleep.get(), wake).unwrap();
-        // A device that appeared after the sleep (an allocator made later) is left alone.
-        let mut d = devs(1);
-        sleep_all(&d, sleep, wake).unwrap();
-        d.extend(devs(1));
-        wake_all(&d, |d| d.asleep.get(), wake).unwrap();
-        assert_eq!(states(&d), [false, false]);
-    }
-
     #[test]
     fn a_refused_tag_name_is_an_error_and_keeps_the_tag_in_force() {
         let a = CString::new("weights").unwrap();
@@ -1477,9 +1305,10 @@ pub(crate) mod tests {
         assert_eq!(
             lines,
             [
-                "cuvmm: cuvmm_wake: the tag is not asleep",
-                "cuvmm: cuvmm_sleep: the tag is already asleep",
-                "cuvmm: cuvmm_pool_malloc: cannot allocate with a tag that is asleep: wake it first",
+                "cuvmm: cuvmm_wake: invalid argument: the tag is not asleep",
+                "cuvmm: cuvmm_sleep: invalid argument: the tag is already asleep",
+                "cuvmm: cuvmm_pool_malloc: invalid argument: cannot allocate with a tag that is asleep: wake \
+                 it first",
             ]
         );
     }

@@ -100,11 +100,13 @@ mod heap;
 mod host_memory;
 mod ids;
 mod lazy;
+mod phase;
 
 pub use self::backup::{
     backup_host_copy, fresh_backup_memory, set_backup_host_copy, BackupKind, BackupOptions,
 };
 pub use self::core::{AllocatorStats, SleepMode, TagStats};
+pub use self::phase::TagPhase;
 
 use self::backend::DriverBackend;
 use self::core::{Capture, Core, Ordered, Settle, Sizes};
@@ -205,6 +207,58 @@ impl Tag {
     /// The options [`set_backup`](Self::set_backup) gave (the default when none).
     pub fn backup(&self) -> BackupOptions {
         backup::options_of(self.0)
+    }
+
+    /// Where this tag stands for the whole process ([`sleep_on`](Self::sleep_on),
+    /// [`wake_on`](Self::wake_on)); a sleep of one allocator alone
+    /// ([`StreamAllocator::sleep`]) leaves it awake.
+    pub fn phase(&self) -> TagPhase {
+        phase::PROCESS.phase(self.0)
+    }
+
+    /// Refused, as an allocation with the tag would be, when the tag is not
+    /// [`Awake`](TagPhase::Awake) for the process: for a caller that has no allocator to ask yet.
+    pub fn check_awake(&self) -> Result<()> {
+        match self.phase().on(phase::Step::Allocate) {
+            phase::Next::Refuse(why) => Err(why.error()),
+            _ => Ok(()),
+        }
+    }
+
+    /// Puts this tag to sleep on every allocator `allocators` lists, for the whole process: until
+    /// [`wake_on`](Self::wake_on), every allocation with it is refused, on those allocators and on
+    /// any made later. All or nothing: when one allocator refuses, those this call put to sleep
+    /// are woken again (a failure there is recorded as a destructor's is,
+    /// [`take_drop_error`](crate::error::take_drop_error), and the tag then stays
+    /// [`Asleep`](TagPhase::Asleep) for a wake to finish).
+    ///
+    /// A sleep or wake of the tag already under way on another thread is waited for, and so are
+    /// the allocations with the tag already past their check; `allocators` is called after those,
+    /// with the tag falling asleep, so an allocator made meanwhile is listed or refuses the tag.
+    /// Refused when the tag is asleep then.
+    pub fn sleep_on<'a>(
+        &self,
+        allocators: impl FnOnce() -> Vec<&'a StreamAllocator>,
+        mode: SleepMode,
+    ) -> Result<()> {
+        let t = *self;
+        phase::sleep_tag(
+            &phase::PROCESS,
+            self.0,
+            allocators,
+            |a| a.sleep(t, mode).map(drop),
+            |a| a.wake(t),
+            |a| a.tag_stats(t).asleep,
+        )
+    }
+
+    /// Wakes this tag on every allocator `allocators` lists where it is asleep, after a
+    /// [`sleep_on`](Self::sleep_on). Refused when the tag is not asleep for the process. A
+    /// failure stops the call: the allocators woken before stay awake, the rest asleep with
+    /// nothing lost, and the tag asleep, so that a later call wakes those.
+    pub fn wake_on<'a>(&self, allocators: impl FnOnce() -> Vec<&'a StreamAllocator>) -> Result<()> {
+        let t = *self;
+        phase::wake_tag(&phase::PROCESS, self.0, allocators, |a| a.tag_stats(t).asleep, |a| a.wake(t))
     }
 }
 
@@ -363,6 +417,8 @@ impl StreamAllocator {
     ) -> Result<u64> {
         self.check_size(size)?;
         let (capture, id) = caller_of(stream, graphs)?;
+        // Counted until the allocation returns: a sleep of the tag for the process waits for it.
+        let _allocating = tag.map(|t| phase::PROCESS.begin_allocation(t.0)).transpose()?;
         // Every driver call the allocator may make binds the context itself: the cached path makes
         // none.
         let tag = tag.map_or(0, |t| t.0);
