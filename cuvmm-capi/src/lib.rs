@@ -14,7 +14,6 @@ mod config;
 mod fake;
 mod handoff;
 mod hooks;
-mod limit;
 #[cfg(test)]
 #[path = "pair_tests.rs"]
 mod pair_tests;
@@ -268,7 +267,6 @@ fn request(
     };
     let a = allocator(device).map_err(plain)?;
     settle_uses(device, false);
-    limit::check(device, size as u64, || a.stats().live).map_err(plain)?;
     // SAFETY: the C contract (cuvmm.h) makes `stream` a live stream of the device's primary
     // context that outlives the blocks freed on it.
     let mut got = unsafe { a.allocate_raw_tagged(size as usize, stream, graphs, tag) };

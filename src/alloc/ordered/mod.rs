@@ -118,6 +118,7 @@ use crate::stream::order::Tracker;
 use crate::stream::{Event, Stream, StreamInner};
 use crate::vmm::{Access, Mapping, PhysicalMemory, Reservation};
 use crate::Device;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 /// Sizes of a [`StreamAllocator`].
@@ -292,7 +293,26 @@ struct Shared {
     ctx: Context,
     /// The device's memory in bytes: no block can be larger.
     memory: u64,
+    /// The most bytes live blocks may hold ([`StreamAllocator::set_memory_fraction`]); `NO_LIMIT`
+    /// for none. Every request reads it: mostly there is none, and the answer is one atomic load.
+    limit: AtomicU64,
     alloc: Ordered<DriverBackend>,
+}
+
+/// [`Shared::limit`] when none is set.
+const NO_LIMIT: u64 = u64::MAX;
+
+/// The limit `fraction` of `memory` bytes sets ([`StreamAllocator::set_memory_fraction`]).
+fn limit_for(fraction: f64, memory: u64) -> Result<u64> {
+    if !(0.0..=1.0).contains(&fraction) {
+        return Err(Error::invalid(format!("memory fraction {fraction} is not between 0 and 1")));
+    }
+    Ok(if fraction < 1.0 { (fraction * memory as f64) as u64 } else { NO_LIMIT })
+}
+
+/// Whether `size` more bytes, `live` being live, pass `limit`.
+fn over_limit(live: u64, size: u64, limit: u64) -> bool {
+    live.saturating_add(size) > limit
 }
 
 impl Drop for Shared {
@@ -351,7 +371,12 @@ impl StreamAllocator {
         let mut core = Core::new(backend, sizes);
         core.set_whole_above(config.export_threshold as u64);
         Ok(StreamAllocator {
-            inner: Arc::new(Shared { ctx: ctx.clone(), memory: total as u64, alloc: Ordered::new(core) }),
+            inner: Arc::new(Shared {
+                ctx: ctx.clone(),
+                memory: total as u64,
+                limit: AtomicU64::new(NO_LIMIT),
+                alloc: Ordered::new(core),
+            }),
         })
     }
 
@@ -367,6 +392,53 @@ impl StreamAllocator {
             return Err(Error::refused(
                 Refusal::LargerThanDevice,
                 format_args!("{size} bytes are more than the device's {} bytes of memory", self.inner.memory),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Limits the bytes live blocks hold to `fraction` of the device's memory (PyTorch's
+    /// `torch.cuda.set_per_process_memory_fraction`): a request that would take them past it is
+    /// refused as out of memory ([`Refusal::OverLimit`]). 1 removes the limit; 0, or a fraction
+    /// that rounds down to 0 bytes, refuses every request, as PyTorch's own allocator does.
+    /// Refused, changing nothing, for a fraction outside 0 to 1.
+    ///
+    /// The limit counts live blocks ([`AllocatorStats::live`]), not the pages kept cached for
+    /// them: cached pages serve later requests or go back to the driver at an empty cache, and
+    /// counting them would refuse requests that cached memory already serves.
+    pub fn set_memory_fraction(&self, fraction: f64) -> Result<()> {
+        let bytes = limit_for(fraction, self.inner.memory)?;
+        self.inner.limit.store(bytes, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// The most bytes live blocks may hold ([`set_memory_fraction`](Self::set_memory_fraction)),
+    /// if limited.
+    pub fn memory_limit(&self) -> Option<u64> {
+        Some(self.inner.limit.load(Ordering::Relaxed)).filter(|&l| l != NO_LIMIT)
+    }
+
+    /// Refuses `size` more bytes past the limit, if one is set (asked only then: it takes the
+    /// allocator's lock to count the live bytes).
+    #[inline]
+    fn check_limit(&self, size: usize) -> Result<()> {
+        match self.memory_limit() {
+            None => Ok(()),
+            Some(limit) => self.check_limit_of(limit, size as u64),
+        }
+    }
+
+    #[cold]
+    fn check_limit_of(&self, limit: u64, size: u64) -> Result<()> {
+        let live = self.stats().live;
+        if over_limit(live, size, limit) {
+            return Err(Error::refused(
+                Refusal::OverLimit,
+                format_args!(
+                    "{size} bytes more than the memory fraction allows on device {} ({live} bytes live, \
+                     limit {limit} bytes)",
+                    self.inner.ctx.device().ordinal()
+                ),
             ));
         }
         Ok(())
@@ -416,6 +488,7 @@ impl StreamAllocator {
         tag: Option<Tag>,
     ) -> Result<u64> {
         self.check_size(size)?;
+        self.check_limit(size)?;
         let (capture, id) = caller_of(stream, graphs)?;
         // Counted until the allocation returns: a sleep of the tag for the process waits for it.
         let _allocating = tag.map(|t| phase::PROCESS.begin_allocation(t.0)).transpose()?;
@@ -929,5 +1002,34 @@ impl Drop for StreamBlock {
             // by the allocator's backend).
             let _ = unsafe { alloc.free_raw(ptr, stream.raw) };
         });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_fraction_limits_live_bytes_and_one_removes_the_limit() {
+        let limit = limit_for(0.5, 1000).unwrap();
+        assert_eq!(limit, 500);
+        assert!(!over_limit(0, 500, limit));
+        assert!(over_limit(400, 101, limit));
+        assert!(over_limit(u64::MAX - 1, u64::MAX, NO_LIMIT - 1), "no overflow past the largest limit");
+        for bad in [-0.1, 1.5, f64::NAN] {
+            let e = limit_for(bad, 1000).unwrap_err();
+            assert!(e.to_string().contains("not between 0 and 1"), "{e}");
+        }
+        assert_eq!(limit_for(1.0, 1000).unwrap(), NO_LIMIT);
+        assert!(!over_limit(1 << 40, 1 << 40, NO_LIMIT));
+    }
+
+    #[test]
+    fn a_fraction_of_zero_or_of_less_than_a_byte_refuses_every_request() {
+        for fraction in [0.0, 1e-4] {
+            let limit = limit_for(fraction, 1000).unwrap();
+            assert_eq!(limit, 0, "fraction {fraction}: a limit of 0 bytes, not none");
+            assert!(over_limit(0, 1, limit));
+        }
     }
 }
