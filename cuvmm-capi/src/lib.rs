@@ -19,7 +19,6 @@ mod hooks;
 mod pair_tests;
 mod ready;
 mod trace;
-mod uses;
 
 use config::Config;
 use cuvmm_lib::alloc::{
@@ -266,16 +265,9 @@ fn request(
         Caller::Pool => GraphMemory::Share,
     };
     let a = allocator(device).map_err(plain)?;
-    settle_uses(device, false);
     // SAFETY: the C contract (cuvmm.h) makes `stream` a live stream of the device's primary
     // context that outlives the blocks freed on it.
-    let mut got = unsafe { a.allocate_raw_tagged(size as usize, stream, graphs, tag) };
-    if got.as_ref().is_err_and(|e| e.is_out_of_memory()) && uses::pending(device) {
-        // Blocks whose frees wait for other streams' work: wait for it, as PyTorch does.
-        settle_uses(device, true);
-        // SAFETY: as above.
-        got = unsafe { a.allocate_raw_tagged(size as usize, stream, graphs, tag) };
-    }
+    let got = unsafe { a.allocate_raw_tagged(size as usize, stream, graphs, tag) };
     got.map_err(|e| {
         if caller == Caller::Tensors
             && e.is_out_of_memory()
@@ -301,43 +293,11 @@ fn free_with(function: &str, ptr: *mut c_void, size: isize, device: c_int, strea
     }
     guard(function, (), || {
         let a = allocator(device).map_err(plain)?;
-        // SAFETY: the C contract: `stream` and the streams `cuvmm_record_stream` named for `ptr`
-        // are live streams of the device's primary context.
-        if unsafe { uses::free(a, device, ptr as usize as u64, stream) }.map_err(plain)? {
-            return Ok(());
-        }
         // SAFETY: the C contract: `ptr` came from this library's malloc for `device` and every use
-        // on other streams is ordered before the work queued on `stream` (or recorded with
-        // `cuvmm_record_stream`, which `uses::free` ordered it after).
+        // on other streams is ordered before the work queued on `stream`, or recorded with
+        // `cuvmm_record_stream` on a stream live until the free is made.
         unsafe { a.free_raw(ptr as usize as u64, stream) }.map_err(reported)
     })
-}
-
-/// Frees the blocks of `device` (-1: all) whose frees waited for other streams' work, once it has
-/// run (with `wait`, waiting for it). A failure is recorded, not returned: the request or empty
-/// cache that settles goes on.
-#[inline]
-fn settle_uses(device: c_int, wait: bool) {
-    // Every request asks: nothing waits, mostly, and the answer is one atomic load.
-    if uses::none_pending() {
-        return;
-    }
-    settle_uses_now(device, wait);
-}
-
-#[cold]
-fn settle_uses_now(device: c_int, wait: bool) {
-    let settled = uses::settle(device, wait, |d, ptr, stream| {
-        let a = allocator(d)?;
-        // SAFETY: `ptr` came from this allocator and its free was deferred, not made; the work of
-        // the other streams that used it has completed, and `stream` is the one it was allocated
-        // and freed on, live by the C contract of cuvmm_record_stream.
-        unsafe { a.free_raw(ptr, stream) }.map_err(|e| e.to_string())
-    });
-    if let Err(e) = settled {
-        let _ =
-            catch_unwind(AssertUnwindSafe(|| fail("cuvmm_free (after cuvmm_record_stream)", e.clone(), e)));
-    }
 }
 
 /// Allocates `size` bytes on `device` for work on `stream`; capture-aware (see cuvmm.h).
@@ -458,7 +418,6 @@ pub extern "C" fn cuvmm_reset_peaks(device: c_int) -> c_int {
 /// Waits for queued work and releases every idle page (device -1: all).
 #[no_mangle]
 pub extern "C" fn cuvmm_empty_cache(device: c_int) -> c_int {
-    settle_uses(device, true);
     each_device("cuvmm_empty_cache", device, |a| a.empty_cache().map(|_| ()))
 }
 

@@ -101,6 +101,7 @@ mod host_memory;
 mod ids;
 mod lazy;
 mod phase;
+mod uses;
 
 pub use self::backup::{
     backup_host_copy, fresh_backup_memory, set_backup_host_copy, BackupKind, BackupOptions,
@@ -296,6 +297,9 @@ struct Shared {
     /// The most bytes live blocks may hold ([`StreamAllocator::set_memory_fraction`]); `NO_LIMIT`
     /// for none. Every request reads it: mostly there is none, and the answer is one atomic load.
     limit: AtomicU64,
+    /// Streams recorded for raw blocks ([`StreamAllocator::record_stream`]), and the frees they
+    /// defer.
+    uses: uses::Uses,
     alloc: Ordered<DriverBackend>,
 }
 
@@ -375,6 +379,7 @@ impl StreamAllocator {
                 ctx: ctx.clone(),
                 memory: total as u64,
                 limit: AtomicU64::new(NO_LIMIT),
+                uses: uses::Uses::default(),
                 alloc: Ordered::new(core),
             }),
         })
@@ -495,8 +500,73 @@ impl StreamAllocator {
         // Every driver call the allocator may make binds the context itself: the cached path makes
         // none.
         let tag = tag.map_or(0, |t| t.0);
-        let wait = || self.inner.ctx.synchronize().is_ok();
-        self.inner.alloc.allocate(size as u64, stream_key(stream), id, capture, tag, wait)
+        self.settle_uses(false);
+        let allocate = || {
+            let wait = || self.inner.ctx.synchronize().is_ok();
+            self.inner.alloc.allocate(size as u64, stream_key(stream), id, capture, tag, wait)
+        };
+        let got = allocate();
+        if got.as_ref().is_err_and(Error::is_out_of_memory) && self.inner.uses.pending() > 0 {
+            // Blocks whose frees wait for other streams' work: wait for it, as PyTorch does.
+            self.settle_uses(true);
+            return allocate();
+        }
+        got
+    }
+
+    /// Frees the blocks whose frees waited for other streams' work ([`record_stream`]) once it
+    /// has run (with `wait`, waiting for it). What goes wrong is recorded as a destructor's
+    /// failure is ([`take_drop_error`](crate::error::take_drop_error)): the request or empty cache
+    /// that settles goes on, and the free it finishes was accepted long before.
+    ///
+    /// [`record_stream`]: Self::record_stream
+    #[inline]
+    fn settle_uses(&self, wait: bool) {
+        // Every request asks: nothing waits, mostly, and the answer is one atomic load.
+        if self.inner.uses.pending() > 0 {
+            self.settle_uses_now(wait);
+        }
+    }
+
+    #[cold]
+    fn settle_uses_now(&self, wait: bool) {
+        let settled = self.inner.uses.settle(wait, |ptr, stream| {
+            // The work of the other streams that used it has completed, and `stream` is the one
+            // it was freed on, live by the contract of `record_stream`.
+            self.inner.alloc.free(ptr, stream_key(stream))
+        });
+        crate::error::record_drop(settled);
+    }
+
+    /// Says that work queued on `stream` uses the raw block at `ptr` too (PyTorch's
+    /// `Tensor.record_stream`): its free ([`free_raw`](Self::free_raw)) then records an event on
+    /// `stream` and keeps the block out of every request until that event has completed (a later
+    /// request, an [`empty_cache`](Self::empty_cache), or a request out of memory, which waits
+    /// for it, gives the block back). A use on the block's own stream changes nothing. Returns
+    /// whether `ptr` is the start of a live block of this allocator: any other pointer is ignored
+    /// (memory another allocator handed out, or a place inside a block).
+    ///
+    /// The free's contract extends to `stream`: it must be a live stream of this allocator's
+    /// context (or null, or the legacy default stream) when the block is freed, and until its
+    /// deferred free is made.
+    pub fn record_stream(&self, ptr: u64, stream: CUstream) -> bool {
+        let ours = self.owner_of(ptr).is_some_and(|(start, _)| start == ptr);
+        if ours {
+            self.inner.uses.record(ptr, stream);
+        }
+        ours
+    }
+
+    /// How many streams [`record_stream`](Self::record_stream) recorded for the live block at
+    /// `ptr`, its own excepted or not.
+    pub fn recorded_streams(&self, ptr: u64) -> usize {
+        self.inner.uses.recorded(ptr)
+    }
+
+    /// How many freed blocks wait for the work of streams [`record_stream`](Self::record_stream)
+    /// recorded before they come back.
+    pub fn deferred_frees(&self) -> usize {
+        self.inner.uses.pending()
     }
 
     /// `size` bytes on `stream` that sleep and wake with `tag`.
@@ -599,14 +669,20 @@ impl StreamAllocator {
     /// # Safety
     /// `ptr` must come from [`allocate_raw`](Self::allocate_raw) of this allocator and not be
     /// freed yet (a wrong address is refused, but a block of someone else's would be freed); every
-    /// use of it on other streams must be ordered before the work queued on `stream` now; and
-    /// `stream` is subject to what `allocate_raw` requires.
+    /// use of it on other streams must be ordered before the work queued on `stream` now, or be
+    /// on a stream [`record_stream`](Self::record_stream) named, live until the block's deferred
+    /// free is made; and `stream` is subject to what `allocate_raw` requires.
     ///
     /// A free on the stream the block was allocated on asks the driver nothing, during a capture
     /// as at any other time (see the module's "Graph capture"), except, once after another
     /// stream found memory short, to record an event after the free.
     pub unsafe fn free_raw(&self, ptr: u64, stream: CUstream) -> Result<()> {
         check_stream(stream)?;
+        // SAFETY: the caller's contract: `stream` and the streams recorded for `ptr` are live
+        // streams of the context.
+        if unsafe { self.inner.uses.defer(&self.inner.ctx, ptr, stream) }? {
+            return Ok(());
+        }
         self.inner.alloc.free(ptr, stream_key(stream))
     }
 
@@ -701,6 +777,7 @@ impl StreamAllocator {
     /// wait for the whole device, which also ends that capture in error: do not empty the cache
     /// during a capture).
     pub fn empty_cache(&self) -> Result<usize> {
+        self.settle_uses(true);
         self.inner.ctx.bind()?;
         let mut core = self.inner.alloc.core();
         core.flush_cached();
