@@ -42,7 +42,7 @@ pub extern "C" fn cuvmm_record_stream(ptr: *mut c_void, stream: CUstream) {
 #[no_mangle]
 pub extern "C" fn cuvmm_set_memory_fraction(fraction: f64, device: c_int) {
     guard("cuvmm_set_memory_fraction", (), || {
-        allocator(device).map_err(plain)?.set_memory_fraction(fraction).map_err(reported)
+        allocator(device)?.set_memory_fraction(fraction).map_err(reported)
     })
 }
 
