@@ -104,15 +104,15 @@ impl<B: Backend> Core<B> {
 
         let in_tables: u64 =
             self.slots.iter().map(|s| s.pages.iter().filter(|p| p.is_some()).count() as u64 * s.page).sum();
-        assert_eq!(self.mapped_bytes, in_tables, "mapped bytes against the pages in the tables");
-        assert!(self.borrowed.is_empty(), "pages lent to a batch are never kept beyond it");
+        assert_eq!(self.held.mapped, in_tables, "mapped bytes against the pages in the tables");
+        assert!(self.lending.borrowed.is_empty(), "pages lent to a batch are never kept beyond it");
         assert_eq!(
             s.mapped,
-            self.mapped_bytes + self.spare.len() as u64 * self.sizes.page,
+            self.held.mapped + self.held.spare.len() as u64 * self.sizes.page,
             "mapped bytes counted"
         );
 
-        for l in &self.lent {
+        for l in &self.lending.lent {
             let slot = &self.slots[l.slot];
             for &p in &l.pages {
                 assert!(

@@ -416,7 +416,7 @@ impl<B: Backend> Core<B> {
                 let page = self.slots[slot].page;
                 let _ = self.backend.unmap(base + p * page, page);
                 drop(self.slots[slot].pages[p as usize].take());
-                self.mapped_bytes -= page;
+                self.held.mapped -= page;
                 self.stats.pages_released += 1;
             }
             self.note_mapped();
@@ -469,7 +469,7 @@ impl<B: Backend> Core<B> {
                     return Err(e);
                 }
                 self.slots[slot].pages[p as usize] = Some(h);
-                self.mapped_bytes += page;
+                self.held.mapped += page;
                 mapped.push((slot, p));
                 self.backend.set_access(base + p * page, page)?;
                 let (Some(host), Some(&at)) = (host.as_deref_mut(), saved.get(&(slot, p))) else { continue };

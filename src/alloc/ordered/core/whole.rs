@@ -116,7 +116,7 @@ impl<B: Backend> Core<B> {
     fn over_bound(&mut self, new: u64, own: u64) -> u64 {
         self.take_counts();
         let peak = (self.stats.live + self.stats.freed_shared + own).max(self.stats.live_peak);
-        let held = self.mapped_bytes + self.spare.len() as u64 * self.sizes.page + new;
+        let held = self.held.mapped + self.held.spare.len() as u64 * self.sizes.page + new;
         held.saturating_sub((peak as f64 * LEND_ABOVE) as u64)
     }
 
