@@ -251,6 +251,20 @@ impl<P> IndexMut<SlotId> for Vec<Slot<P>> {
     }
 }
 
+/// Which heaps serve a request: the small ones (requests up to [`SMALL`]) or the large ones, of a
+/// tag (0: none; [`WHOLE`]: one allocation per block).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct HeapKind {
+    pub small: bool,
+    pub tag: u32,
+}
+
+impl<P> Slot<P> {
+    fn kind(&self) -> HeapKind {
+        HeapKind { small: self.small, tag: self.tag }
+    }
+}
+
 /// One allocation under way.
 #[derive(Clone, Copy)]
 struct Request {
@@ -259,8 +273,8 @@ struct Request {
     /// Bytes asked for.
     size: u64,
     stream: Caller,
-    /// (small, tag): which heaps serve it.
-    kind: (bool, u32),
+    /// Which heaps serve it.
+    kind: HeapKind,
     /// The pool the block goes to: the capture's graph pool, or 0.
     pool: u32,
     capture: Capture,
@@ -301,12 +315,21 @@ struct Settling {
     asked: bool,
 }
 
+/// A block shared with other processes.
+#[derive(Clone, Copy, Debug)]
+struct Exported {
+    /// Sharings not yet over (at least one while recorded).
+    sharings: u32,
+    /// The block's size.
+    len: u64,
+}
+
 /// Blocks shared with other processes, kept apart from the heaps' own state because a shared block
 /// stays live in its heap past its free, until its importers let go.
 #[derive(Default)]
 struct Sharing {
-    /// By address: (sharings not yet over, size).
-    exported: HashMap<u64, (u32, u64)>,
+    /// By address.
+    exported: HashMap<u64, Exported>,
     /// Those of them already freed (see [`AllocatorStats::freed_shared`]): still live in their
     /// heap, as (stream, epoch) of their free, until the last sharing is over.
     freed_shared: HashMap<u64, (StreamId, Epoch)>,
@@ -528,7 +551,7 @@ impl<B: Backend> Core<B> {
                 .slots
                 .iter_mut()
                 .enumerate()
-                .filter(|(_, s)| (s.small, s.tag) == req.kind)
+                .filter(|(_, s)| s.kind() == req.kind)
                 .find_map(|(i, slot)| slot.heap.take_cached(stream, n, size).map(|a| (SlotId::of(i), a)));
             if let Some((slot, addr)) = found {
                 // A block of its own stream's cache: the peak stays where the last search left it.
@@ -582,7 +605,7 @@ impl<B: Backend> Core<B> {
     /// untagged blocks of the shared pool (not one-allocation blocks) outside captures, on
     /// streams the driver named.
     fn register(&mut self, req: &Request, slot: SlotId, addr: u64) {
-        if req.capture != Capture::None || req.kind.1 != 0 || req.pool != 0 || !published(req.stream.id) {
+        if req.capture != Capture::None || req.kind.tag != 0 || req.pool != 0 || !published(req.stream.id) {
             return;
         }
         let entry = Entry { n: req.n, requested: req.size, slot, cached: false, via_core: false };
@@ -613,7 +636,7 @@ impl<B: Backend> Core<B> {
                 return Ok(found);
             }
         }
-        if req.kind.1 == WHOLE {
+        if req.kind.tag == WHOLE {
             if let Some(found) = self.whole_over_bound(req)? {
                 return Ok(found);
             }
@@ -648,13 +671,13 @@ impl<B: Backend> Core<B> {
     fn reuse(&mut self, req: &Request, reuse: StreamId, pool: u32) -> Result<Option<(SlotId, u64)>> {
         // Heaps of one kind are few (more only when one's address space ran out): the first that
         // fits wins. Whole heaps are one per block: the best fit.
-        let found = if req.kind.1 == WHOLE {
+        let found = if req.kind.tag == WHOLE {
             self.find_whole(pool, reuse, req.n)
         } else {
             self.slots
                 .iter()
                 .enumerate()
-                .filter(|(_, s)| (s.small, s.tag) == req.kind)
+                .filter(|(_, s)| s.kind() == req.kind)
                 .find_map(|(i, s)| s.heap.find(pool, reuse, req.n).map(|(_, id)| (SlotId::of(i), id)))
         };
         let Some((slot, id)) = found else { return Ok(None) };
@@ -683,13 +706,13 @@ impl<B: Backend> Core<B> {
     }
 
     fn carve(&mut self, req: &Request) -> Result<(SlotId, u64)> {
-        let (small, tag) = req.kind;
+        let HeapKind { small, tag } = req.kind;
         let Request { n, size, stream, pool, capture, .. } = *req;
         // As in `allocate`: a capture shared with other streams takes only idle blocks.
         let reuse = if matches!(capture, Capture::Shared(_)) { IDLE } else { stream.id };
         let limit = if tag == WHOLE { self.whole_limit(n) } else { u64::MAX };
         for (i, s) in self.slots.iter_mut().enumerate() {
-            if (s.small, s.tag) == req.kind && s.page <= limit {
+            if s.kind() == req.kind && s.page <= limit {
                 if let Some(a) = s.heap.carve(n, stream, size, pool, reuse) {
                     return Ok((SlotId::of(i), a));
                 }

@@ -4,7 +4,7 @@
 
 use super::super::front::Entry;
 use super::super::heap::{Owner, State};
-use super::{Backend, Caller, Core, SlotId};
+use super::{Backend, Caller, Core, Exported, SlotId};
 use std::collections::HashMap;
 
 impl<B: Backend> Core<B> {
@@ -133,7 +133,7 @@ impl<B: Backend> Core<B> {
         }
 
         let mut exported = 0;
-        for (&addr, &(n, len)) in &self.sharing.exported {
+        for (&addr, &Exported { sharings: n, len }) in &self.sharing.exported {
             assert!(n > 0, "{addr:#x} shared by no one is not marked");
             assert!(
                 matches!(blocks.get(&addr), Some(&(_, size, State::Live { .. })) if size == len),
@@ -146,12 +146,8 @@ impl<B: Backend> Core<B> {
         }
         let mut freed_shared = 0;
         for addr in self.sharing.freed_shared.keys() {
-            freed_shared += self
-                .sharing
-                .exported
-                .get(addr)
-                .map(|&(_, len)| len)
-                .expect("a block freed while shared is shared");
+            freed_shared +=
+                self.sharing.exported.get(addr).map(|e| e.len).expect("a block freed while shared is shared");
         }
         assert_eq!((s.exported, s.freed_shared), (exported, freed_shared), "shared bytes counted");
     }
