@@ -212,6 +212,10 @@ pub enum Refusal {
     TooManyDescriptors,
     /// A message's flags are not what its version allows (protocol).
     BadFlags,
+    /// An allocation past the limit set on its allocator
+    /// ([`StreamAllocator::set_memory_fraction`](crate::alloc::StreamAllocator::set_memory_fraction)):
+    /// out of memory as far as its caller is concerned, though the device may have more.
+    OverLimit,
 }
 
 impl Refusal {
@@ -223,6 +227,8 @@ impl Refusal {
     fn category(self) -> &'static str {
         if self.is_protocol() {
             "protocol error"
+        } else if self == Refusal::OverLimit {
+            "out of memory"
         } else {
             "invalid argument"
         }
@@ -496,6 +502,9 @@ mod tests {
         let peer = Error::refused(Refusal::BadFlags, "flags must be zero in version 1");
         assert_eq!(peer.to_string(), "protocol error: flags must be zero in version 1");
         assert!(peer.is_protocol());
+        let over = Error::refused(Refusal::OverLimit, "8 bytes more than the limit");
+        assert_eq!(over.to_string(), "out of memory: 8 bytes more than the limit");
+        assert!(!over.is_protocol() && !over.is_out_of_memory(), "no driver said so");
     }
 
     #[test]

@@ -3,8 +3,9 @@
  * built on the driver's virtual memory management.
  *
  * Every function may be called from any thread. Nothing unwinds out of these functions: a failure
- * is logged once to stderr (when logging is on) and reported by the return value; the text of the
- * calling thread's last error is available from cuvmm_last_error().
+ * is logged once to stderr (when logging is on, once per entry point and code) and reported by the
+ * return value; the calling thread's last error is available as text from cuvmm_last_error() and
+ * as a code from cuvmm_last_error_code().
  *
  * Configuration comes from one environment variable, read at the first call:
  *   CUVMM_ALLOC_CONF="page=128MiB,reserve=160GiB,tag_page=128MiB,log=1,lend=1,trace=/tmp/cuvmm.trace,oom=null"
@@ -128,7 +129,7 @@ void cuvmm_set_memory_fraction(double fraction, int device);
  *   non-zero; addresses stay reserved. 0 on success; -1 when already asleep, during a capture,
  *   or on failure (then the tag is awake, and the devices this call put to sleep are woken again:
  *   an offload's contents come back, discarded ones do not; if waking one of them failed too,
- *   cuvmm_last_error says so and the tag stays asleep until a cuvmm_wake wakes it).
+ *   the tag stays asleep until a cuvmm_wake wakes it).
  * cuvmm_wake: on every device where the tag holds sleeping memory, maps memory again at the same
  *   addresses and restores offloaded contents. 0 on success; -1 when the tag is not asleep
  *   (never put to sleep, or woken already), or on failure (out of memory included): the devices
@@ -293,6 +294,27 @@ int cuvmm_set_error_log(int mode);
 
 /* The calling thread's last error as text (valid until its next cuvmm call), or NULL. */
 const char *cuvmm_last_error(void);
+
+/* What kind of error the calling thread's last one is (the one cuvmm_last_error describes), for
+ * a caller that acts on it rather than on its text. The numbers never change; new codes may be
+ * added (treat an unknown one as CUVMM_ERROR_INTERNAL). */
+typedef enum cuvmm_error {
+  CUVMM_OK = 0,                       /* no error on this thread yet */
+  CUVMM_ERROR_INVALID_ARGUMENT = 1,   /* refused, nothing changed (a tag asleep included) */
+  CUVMM_ERROR_OUT_OF_MEMORY = 2,      /* the driver's, larger than the device, or past the memory fraction */
+  CUVMM_ERROR_DRIVER = 3,             /* another error of a driver call */
+  CUVMM_ERROR_NO_DRIVER = 4,          /* no usable CUDA driver */
+  CUVMM_ERROR_UNSUPPORTED = 5,        /* the driver, device or machine lacks a feature */
+  CUVMM_ERROR_OS = 6,                 /* an operating-system call failed */
+  CUVMM_ERROR_PROTOCOL = 7,           /* a peer's message or connection was malformed or refused */
+  CUVMM_ERROR_PEER_REFUSED = 8,       /* a peer's credentials are not those the policy accepts */
+  CUVMM_ERROR_TIMEOUT = 9,            /* a peer did not answer in time */
+  CUVMM_ERROR_IN_HOST_FUNCTION = 10,  /* a driver call from a stream host function */
+  CUVMM_ERROR_INTERNAL = 11           /* an internal error (a panic caught) */
+} cuvmm_error_t;
+
+/* The code of the calling thread's last error (a cuvmm_error_t), CUVMM_OK when it has met none. */
+int cuvmm_last_error_code(void);
 
 #ifdef __cplusplus
 }

@@ -35,13 +35,13 @@ struct CLease {
     device: c_int,
 }
 
-fn timeout(seconds: f64) -> Result<Duration, (String, String)> {
+fn timeout(seconds: f64) -> Result<Duration, crate::Failure> {
     Duration::try_from_secs_f64(seconds).map_err(|_| plain(format!("timeout {seconds} s")))
 }
 
 /// # Safety
 /// `p` readable for `len` bytes.
-unsafe fn ticket(p: *const u8, len: usize) -> Result<Ticket, (String, String)> {
+unsafe fn ticket(p: *const u8, len: usize) -> Result<Ticket, crate::Failure> {
     if p.is_null() || len == 0 {
         return Err(plain("no ticket".into()));
     }
@@ -50,7 +50,7 @@ unsafe fn ticket(p: *const u8, len: usize) -> Result<Ticket, (String, String)> {
 }
 
 /// The device of this process whose UUID the ticket names.
-fn device_of(t: &Ticket) -> Result<c_int, (String, String)> {
+fn device_of(t: &Ticket) -> Result<c_int, crate::Failure> {
     for d in Device::all().map_err(reported)? {
         if d.uuid().map_err(reported)?.0 == t.device_uuid() {
             return Ok(d.ordinal() as c_int);
@@ -177,7 +177,7 @@ pub unsafe extern "C" fn cuvmm_take(
         let d = device_of(&t)?;
         // SAFETY: the caller's contract: `npeers` readable ints.
         let peers = unsafe { peer_devices(peers, npeers) }?;
-        let a = allocator(d).map_err(plain)?;
+        let a = allocator(d)?;
         let wait = timeout(timeout_s)?;
         let lease =
             Receiver::global().and_then(|r| r.take(a.context(), &t, &peers, wait)).map_err(reported)?;
@@ -216,7 +216,7 @@ pub unsafe extern "C" fn cuvmm_lease_release(
         }
         // SAFETY: the caller's contract: `n` readable handles.
         let streams = unsafe { std::slice::from_raw_parts(streams, n) };
-        let a = allocator(device).map_err(plain)?;
+        let a = allocator(device)?;
         // SAFETY: live streams of this device, per the caller's contract. On failure the lease
         // is dropped, which waits for the whole device instead.
         unsafe { lease.release_after_raw(a.context(), streams) }.map_err(reported)?;

@@ -4,9 +4,8 @@
 //! `torch.cuda.set_per_process_memory_fraction`. They return nothing, as the hooks do; a refusal
 //! is kept for `cuvmm_last_error` and written to stderr once.
 
-use crate::{allocator, guard, plain, uses};
+use crate::{allocator, guard, plain, reported};
 use cuvmm_lib::driver::sys::CUstream;
-use cuvmm_lib::Device;
 use std::ffi::{c_int, c_void};
 
 /// `torch.cuda.empty_cache()`: frees the blocks whose frees waited for other streams once that
@@ -26,12 +25,12 @@ pub extern "C" fn cuvmm_record_stream(ptr: *mut c_void, stream: CUstream) {
             return Err(plain("null pointer".into()));
         }
         let addr = ptr as usize as u64;
-        // PyTorch forwards the call for every tensor, received ones included. An entry for memory
-        // cuvmm did not hand out would never be dropped (no free of it comes here), slow every
-        // later free, and hold back a block cuvmm later hands out at that address. A block's
-        // entry goes at its free.
-        if crate::allocators().iter().any(|(_, a)| a.owner_of(addr).is_some_and(|(start, _)| start == addr)) {
-            uses::record(addr, stream);
+        // PyTorch forwards the call for every tensor, received ones included: the allocator
+        // that handed the block out records it, and every other pointer is ignored.
+        for (_, a) in crate::allocators() {
+            if a.record_stream(addr, stream) {
+                break;
+            }
         }
         Ok(())
     })
@@ -43,10 +42,7 @@ pub extern "C" fn cuvmm_record_stream(ptr: *mut c_void, stream: CUstream) {
 #[no_mangle]
 pub extern "C" fn cuvmm_set_memory_fraction(fraction: f64, device: c_int) {
     guard("cuvmm_set_memory_fraction", (), || {
-        allocator(device).map_err(plain)?;
-        let total =
-            Device::get(device as usize).and_then(|d| d.total_memory()).map_err(|e| plain(e.to_string()))?;
-        crate::limit::set(device, fraction, total as u64).map_err(plain)
+        allocator(device)?.set_memory_fraction(fraction).map_err(reported)
     })
 }
 

@@ -4,7 +4,7 @@
 
 use super::*;
 use crate::tests::{fake_vmm, in_child_with, last_error};
-use crate::{cuvmm_free, cuvmm_get_stats, cuvmm_malloc, CuvmmStats};
+use crate::{allocator, cuvmm_free, cuvmm_get_stats, cuvmm_malloc, CuvmmStats};
 use cuvmm_lib::{Context, Stream};
 use std::sync::mpsc;
 use std::time::Duration;
@@ -44,6 +44,11 @@ fn stats() -> CuvmmStats {
     s
 }
 
+/// Frees of device 0 waiting for other streams' work.
+fn deferred() -> usize {
+    allocator(0).unwrap().deferred_frees()
+}
+
 const SIZE: isize = 4 << 20;
 
 /// A block of the legacy stream read by work on a side stream that still runs, recorded there
@@ -57,7 +62,7 @@ fn freed_while_side_stream_reads() -> (Stream, *mut c_void, mpsc::Sender<()>) {
     let go = busy(&side);
     cuvmm_record_stream(p, side.raw());
     cuvmm_free(p, SIZE, 0, std::ptr::null_mut());
-    assert!(uses::pending(0));
+    assert_eq!(deferred(), 1);
     (side, p, go)
 }
 
@@ -85,7 +90,7 @@ fn record_stream_child() {
     side.synchronize().unwrap();
     let r = cuvmm_malloc(SIZE, 0, null);
     assert!(!r.is_null(), "{}", last_error());
-    assert!(!uses::pending(0));
+    assert_eq!(deferred(), 0);
     assert_eq!(stats().frees, 1);
     assert_eq!(r, p, "freed on its own stream, the block serves that stream at once");
     for x in [q, r] {
@@ -95,8 +100,8 @@ fn record_stream_child() {
     let s = cuvmm_malloc(SIZE, 0, null);
     cuvmm_record_stream(s, null);
     cuvmm_free(s, SIZE, 0, null);
-    assert!(!uses::pending(0));
-    assert!(uses::recorded(s as u64).is_empty());
+    assert_eq!(deferred(), 0);
+    assert_eq!(allocator(0).unwrap().recorded_streams(s as u64), 0);
 }
 
 #[test]
@@ -118,17 +123,17 @@ fn foreign_child() {
     cuvmm_record_stream(inside, side.raw());
     let mut elsewhere = [0u8; 64];
     cuvmm_record_stream(elsewhere.as_mut_ptr().cast(), side.raw());
-    assert!(uses::recorded(inside as u64).is_empty());
-    assert!(uses::recorded(elsewhere.as_ptr() as u64).is_empty());
+    assert_eq!(allocator(0).unwrap().recorded_streams(inside as u64), 0);
+    assert_eq!(allocator(0).unwrap().recorded_streams(elsewhere.as_ptr() as u64), 0);
     cuvmm_free(p, SIZE, 0, null);
     // The freed block's address, recorded while no block is there; the next block lands on it.
     let _go = busy(&side);
     cuvmm_record_stream(p, side.raw());
-    assert!(uses::recorded(p as u64).is_empty());
+    assert_eq!(allocator(0).unwrap().recorded_streams(p as u64), 0);
     let q = cuvmm_malloc(SIZE, 0, null);
     assert_eq!(q, p, "the cached block serves the same stream again");
     cuvmm_free(q, SIZE, 0, null);
-    assert!(!uses::pending(0), "the new block's free waited for uses of the memory before it");
+    assert_eq!(deferred(), 0, "the new block's free waited for uses of the memory before it");
     assert_eq!(stats().frees, 2);
 }
 
@@ -151,7 +156,7 @@ fn record_stream_empty_cache_child() {
     });
     cuvmm_empty_cache_all();
     later.join().unwrap();
-    assert!(!uses::pending(0));
+    assert_eq!(deferred(), 0);
     let s = stats();
     assert_eq!((s.live, s.frees), (0, 1));
     assert_eq!(s.mapped, 0, "the block's pages went back to the driver");

@@ -9,52 +9,84 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 
 mod config;
+mod failure;
 #[cfg(test)]
 #[path = "../../tests/common/fake.rs"]
 mod fake;
 mod handoff;
 mod hooks;
-mod limit;
 mod memory_history;
 #[cfg(test)]
 #[path = "pair_tests.rs"]
 mod pair_tests;
 mod ready;
-mod tag_states;
 mod trace;
-mod uses;
 
 use config::Config;
 use cuvmm_lib::alloc::{
     AllocatorConfig, AllocatorStats, BackupKind, BackupOptions, GraphMemory, SleepMode, StreamAllocator, Tag,
-    TagStats,
+    TagPhase, TagStats,
 };
 use cuvmm_lib::driver::sys::CUstream;
 use cuvmm_lib::{Context, Device};
-use std::cell::RefCell;
+use failure::{ErrorCode, Failure, Group};
+use std::cell::{Cell, RefCell};
 use std::collections::HashSet;
 use std::ffi::{c_char, c_int, c_void, CString};
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Mutex, OnceLock};
-use tag_states::TagStates;
 use trace::Trace;
 
 struct Global {
     config: Config,
     trace: Option<Trace>,
-    devices: Vec<OnceLock<Result<StreamAllocator, String>>>,
+    devices: Vec<OnceLock<Result<StreamAllocator, Failure>>>,
 }
 
-static GLOBAL: OnceLock<Result<Global, String>> = OnceLock::new();
+/// Everything the C ABI keeps for the whole process.
+struct Process {
+    /// The configuration and the devices' allocators, set up at the first call that needs them;
+    /// a failed set-up (a bad `CUVMM_ALLOC_CONF`, no driver) is kept and answers every call.
+    global: OnceLock<Result<Global, Failure>>,
+    /// The allocators of `global` once made, found with one load.
+    ready: ready::Ready,
+    /// The groups of errors already written to stderr. Apart from `global`, so that a set-up that
+    /// failed is written once too, not at every call.
+    logged: Mutex<Option<HashSet<(String, Group)>>>,
+    /// Whether errors that a return value reports go unwritten (`cuvmm_set_error_log`): a caller
+    /// that raises them, as the Python package does, would otherwise show each one twice.
+    returned_unwritten: AtomicBool,
+    /// Whether any thread has set a tag: until then a request reads no thread-local for it (a
+    /// call into the dynamic loader in a shared library, on every request).
+    tagged: AtomicBool,
+    /// The address of the function told of each allocation and free
+    /// (`cuvmm_set_alloc_observer`), 0 for none: the one load every malloc and free pay while no
+    /// memory history is recorded.
+    observer: AtomicUsize,
+}
 
-/// The kinds of error already written to stderr. Apart from `GLOBAL`, so that a set-up that failed
-/// (a bad `CUVMM_ALLOC_CONF`, no driver) is written once too, not at every call.
-static LOGGED: Mutex<Option<HashSet<String>>> = Mutex::new(None);
+static PROCESS: Process = Process {
+    global: OnceLock::new(),
+    ready: ready::Ready::new(),
+    logged: Mutex::new(None),
+    returned_unwritten: AtomicBool::new(false),
+    tagged: AtomicBool::new(false),
+    observer: AtomicUsize::new(0),
+};
 
-/// Whether errors that a return value reports go unwritten (`cuvmm_set_error_log`): a caller that
-/// raises them, as the Python package does, would otherwise show each one twice.
-static RETURNED_UNWRITTEN: AtomicBool = AtomicBool::new(false);
+/// What the C ABI keeps for each thread.
+struct PerThread {
+    /// The last error's code and text (`cuvmm_last_error_code`, `cuvmm_last_error`).
+    last_error: RefCell<Option<(ErrorCode, CString)>>,
+    /// The tag of this thread's next allocations (`cuvmm_set_tag`).
+    tag: Cell<Option<Tag>>,
+}
+
+thread_local! {
+    static THREAD: PerThread =
+        const { PerThread { last_error: RefCell::new(None), tag: Cell::new(None) } };
+}
 
 /// Whether an error of `function` reaches no caller through its return value: the frees return
 /// nothing, and PyTorch answers a pool's NULL with an out-of-memory message of its own.
@@ -62,51 +94,46 @@ fn unreturned(function: &str) -> bool {
     matches!(function, "cuvmm_free" | "cuvmm_pool_free" | "cuvmm_pool_malloc")
 }
 
-/// The tags asleep, from a `cuvmm_sleep` that succeeded until a `cuvmm_wake` that did: the C
-/// ABI's own record, so that a tag is asleep the same way whichever devices were used before or
-/// after (an allocator made after the sleep does not know of it).
-static TAGS: TagStates<Tag> = TagStates::new();
-
-thread_local! {
-    static LAST_ERROR: RefCell<Option<CString>> = const { RefCell::new(None) };
-    /// The tag of this thread's next allocations (`cuvmm_set_tag`).
-    static TAG: std::cell::Cell<Option<Tag>> = const { std::cell::Cell::new(None) };
-}
-
-/// Whether any thread has set a tag: until then a request reads no thread-local for it (a call
-/// into the dynamic loader in a shared library, on every request).
-static TAGGED: AtomicBool = AtomicBool::new(false);
-
 /// The calling thread's tag (`cuvmm_set_tag`), if any.
 #[inline]
 fn tag() -> Option<Tag> {
-    if !TAGGED.load(Ordering::Relaxed) {
+    if !PROCESS.tagged.load(Ordering::Relaxed) {
         return None;
     }
-    TAG.try_with(|t| t.get()).ok().flatten()
+    THREAD.try_with(|t| t.tag.get()).ok().flatten()
+}
+
+/// The set-up, if it was made and succeeded.
+fn set_up() -> Option<&'static Global> {
+    PROCESS.global.get()?.as_ref().ok()
 }
 
 extern "C" fn flush_trace_at_exit() {
-    if let Some(Ok(g)) = GLOBAL.get() {
-        if let Some(t) = &g.trace {
-            t.flush();
-        }
+    if let Some(Global { trace: Some(t), .. }) = set_up() {
+        t.flush();
     }
 }
 
-fn global() -> Result<&'static Global, String> {
-    GLOBAL
+fn global() -> Result<&'static Global, Failure> {
+    let invalid = |msg: String| Failure::new(ErrorCode::InvalidArgument, msg);
+    PROCESS
+        .global
         .get_or_init(|| {
             let var = match std::env::var("CUVMM_ALLOC_CONF") {
                 Ok(v) => Some(v),
                 Err(std::env::VarError::NotPresent) => None,
-                Err(std::env::VarError::NotUnicode(_)) => return Err("CUVMM_ALLOC_CONF: not UTF-8".into()),
+                Err(std::env::VarError::NotUnicode(_)) => {
+                    return Err(invalid("CUVMM_ALLOC_CONF: not UTF-8".into()))
+                }
             };
-            let config = Config::parse(var.as_deref()).map_err(|e| format!("CUVMM_ALLOC_CONF: {e}"))?;
-            let count = Device::count().map_err(|e| e.to_string())?;
+            let config =
+                Config::parse(var.as_deref()).map_err(|e| invalid(format!("CUVMM_ALLOC_CONF: {e}")))?;
+            let count = Device::count()?;
             let trace = match &config.trace {
                 Some(p) => {
-                    let t = Trace::create(p).map_err(|e| format!("trace file {}: {e}", p.display()))?;
+                    let t = Trace::create(p).map_err(|e| {
+                        Failure::new(ErrorCode::Os, format!("trace file {}: {e}", p.display()))
+                    })?;
                     // SAFETY: registers a function without arguments that only flushes a buffer.
                     unsafe { libc::atexit(flush_trace_at_exit) };
                     Some(t)
@@ -122,22 +149,21 @@ fn global() -> Result<&'static Global, String> {
 /// `device`'s allocator, made at its first use. Once made it is found without the set-up's checks
 /// (see [`ready`]): every request and free asks.
 #[inline]
-fn allocator(device: c_int) -> Result<&'static StreamAllocator, String> {
-    match ready::get(device) {
+fn allocator(device: c_int) -> Result<&'static StreamAllocator, Failure> {
+    match PROCESS.ready.get(device) {
         Some(a) => Ok(a),
         None => allocator_slow(device),
     }
 }
 
 #[cold]
-fn allocator_slow(device: c_int) -> Result<&'static StreamAllocator, String> {
+fn allocator_slow(device: c_int) -> Result<&'static StreamAllocator, Failure> {
     let g = global()?;
-    let slot = usize::try_from(device)
-        .ok()
-        .and_then(|d| g.devices.get(d))
-        .ok_or_else(|| format!("no device {device} ({} present)", g.devices.len()))?;
+    let slot = usize::try_from(device).ok().and_then(|d| g.devices.get(d)).ok_or_else(|| {
+        Failure::new(ErrorCode::InvalidArgument, format!("no device {device} ({} present)", g.devices.len()))
+    })?;
     slot.get_or_init(|| {
-        let ctx = Context::for_ordinal(device as usize).map_err(|e| e.to_string())?;
+        let ctx = Context::for_ordinal(device as usize)?;
         let cfg = AllocatorConfig {
             page: g.config.page,
             reserve: g.config.reserve,
@@ -145,89 +171,64 @@ fn allocator_slow(device: c_int) -> Result<&'static StreamAllocator, String> {
             lend: g.config.lend,
             export_threshold: g.config.export_threshold,
         };
-        StreamAllocator::with_config(&ctx, cfg).map_err(|e| e.to_string())
+        Ok(StreamAllocator::with_config(&ctx, cfg)?)
     })
     .as_ref()
-    .inspect(|a| ready::set(device, a))
+    .inspect(|a| PROCESS.ready.set(device, a))
     .map_err(Clone::clone)
 }
 
-/// `msg` with every number (decimal, or hex after `0x`) replaced by `#`: the shape of an error,
-/// so that the same failure with other sizes or addresses is one kind.
-fn shape(msg: &str) -> String {
-    let mut out = String::with_capacity(msg.len());
-    let mut chars = msg.chars().peekable();
-    while let Some(c) = chars.next() {
-        if c.is_ascii_digit() {
-            let hex = c == '0' && chars.peek() == Some(&'x');
-            if hex {
-                chars.next();
-            }
-            while chars.peek().is_some_and(|d| if hex { d.is_ascii_hexdigit() } else { d.is_ascii_digit() }) {
-                chars.next();
-            }
-            out.push('#');
-        } else {
-            out.push(c);
-        }
-    }
-    out
-}
-
-/// Keeps `msg` for `cuvmm_last_error` and writes it to stderr the first time its kind is seen.
-/// Never panics: it runs where nothing may unwind (a failed write to stderr, a thread whose
-/// thread-locals are gone).
-fn fail(function: &str, kind: String, msg: String) {
+/// Keeps the failure for `cuvmm_last_error_code` and `cuvmm_last_error` and writes it to stderr
+/// the first time its group is seen for `function`. Never panics: it runs where nothing may
+/// unwind (a failed write to stderr, a thread whose thread-locals are gone).
+fn fail(function: &str, failure: Failure) {
     use std::io::Write;
-    let text = format!("{function}: {msg}");
-    let enabled = !matches!(GLOBAL.get(), Some(Ok(g)) if !g.config.log)
-        && (unreturned(function) || !RETURNED_UNWRITTEN.load(Ordering::Relaxed));
+    let text = format!("{function}: {}", failure.message);
+    let code = failure.code();
+    let enabled = !matches!(PROCESS.global.get(), Some(Ok(g)) if !g.config.log)
+        && (unreturned(function) || !PROCESS.returned_unwritten.load(Ordering::Relaxed));
     if enabled {
-        let mut logged = LOGGED.lock().unwrap_or_else(|e| e.into_inner());
-        if logged.get_or_insert_with(HashSet::new).insert(format!("{function}: {}", shape(&kind))) {
+        let mut logged = PROCESS.logged.lock().unwrap_or_else(|e| e.into_inner());
+        if logged.get_or_insert_with(HashSet::new).insert((function.to_owned(), failure.group)) {
             let line = format!("cuvmm: {text}");
             #[cfg(test)]
             if tests::captured(&line) {
-                return record_last_error(text);
+                return record_last_error(code, text);
             }
             let _ = writeln!(std::io::stderr(), "{line}");
         }
     }
-    record_last_error(text);
+    record_last_error(code, text);
 }
 
-fn record_last_error(text: String) {
-    let _ = LAST_ERROR.try_with(|e| {
-        if let Ok(mut slot) = e.try_borrow_mut() {
-            *slot = CString::new(text.replace('\0', " ")).ok();
+fn record_last_error(code: ErrorCode, text: String) {
+    let _ = THREAD.try_with(|t| {
+        if let Ok(mut slot) = t.last_error.try_borrow_mut() {
+            *slot = CString::new(text.replace('\0', " ")).ok().map(|s| (code, s));
         }
     });
 }
 
 /// Runs `f`, turning an error or a panic into `on_error` after recording it. Nothing unwinds out
 /// of it: recording the error is guarded too.
-fn guard<T>(function: &str, on_error: T, f: impl FnOnce() -> Result<T, (String, String)>) -> T {
-    let (kind, msg) = match catch_unwind(AssertUnwindSafe(f)) {
+fn guard<T>(function: &str, on_error: T, f: impl FnOnce() -> Result<T, Failure>) -> T {
+    let failure = match catch_unwind(AssertUnwindSafe(f)) {
         Ok(Ok(v)) => return v,
         Ok(Err(e)) => e,
-        Err(_) => ("panic".into(), "internal error (panic caught at the C boundary)".into()),
+        Err(_) => Failure::new(ErrorCode::Internal, "internal error (panic caught at the C boundary)"),
     };
-    let _ = catch_unwind(AssertUnwindSafe(|| fail(function, kind, msg)));
+    let _ = catch_unwind(AssertUnwindSafe(|| fail(function, failure)));
     on_error
 }
 
-/// An error as (kind, message): the kind, for logging once, is the driver's call and code name,
-/// or the message (its numbers do not count: see [`shape`]).
-fn reported(e: cuvmm_lib::Error) -> (String, String) {
-    let kind = match &e {
-        cuvmm_lib::Error::Driver { call, .. } => format!("{call} {}", e.driver_name().unwrap_or_default()),
-        other => other.to_string(),
-    };
-    (kind, e.to_string())
+/// The library's error as the C ABI reports it.
+fn reported(e: cuvmm_lib::Error) -> Failure {
+    e.into()
 }
 
-fn plain(msg: String) -> (String, String) {
-    (msg.clone(), msg)
+/// A refusal of the C ABI's own checks.
+fn plain(msg: String) -> Failure {
+    Failure::new(ErrorCode::InvalidArgument, msg)
 }
 
 /// Who receives a NULL from an allocation entry point.
@@ -246,18 +247,14 @@ fn malloc_with(function: &str, size: isize, device: c_int, stream: CUstream, cal
         if size <= 0 {
             return if size == 0 { Ok(0) } else { Err(plain(format!("negative size {size}"))) };
         }
-        match tag() {
-            None => request(function, size, device, stream, caller, None),
-            Some(t) => {
-                // Counted until the allocation returns: a sleep of the tag waits for it.
-                let _allocating = TAGS.begin_allocation(t).ok_or_else(|| {
-                    plain("cannot allocate with a tag that is asleep: wake it first".into())
-                })?;
-                request(function, size, device, stream, caller, Some(t))
-            }
+        let tag = tag();
+        if let Some(t) = tag {
+            // Refused before any device is asked for: a tag asleep is asleep for the process.
+            t.check_awake().map_err(reported)?;
         }
+        request(function, size, device, stream, caller, tag)
     });
-    if let Some(Ok(Global { trace: Some(t), .. })) = GLOBAL.get() {
+    if let Some(Global { trace: Some(t), .. }) = set_up() {
         t.record('a', device, stream as usize, size, ptr);
     }
     memory_history::observe(b'a', device, ptr, size, stream);
@@ -274,27 +271,19 @@ fn request(
     stream: CUstream,
     caller: Caller,
     tag: Option<Tag>,
-) -> Result<u64, (String, String)> {
+) -> Result<u64, Failure> {
     let graphs = match caller {
         Caller::Tensors => GraphMemory::Keep,
         Caller::Pool => GraphMemory::Share,
     };
-    let a = allocator(device).map_err(plain)?;
-    settle_uses(device, false);
-    limit::check(device, size as u64, || a.stats().live).map_err(plain)?;
+    let a = allocator(device)?;
     // SAFETY: the C contract (cuvmm.h) makes `stream` a live stream of the device's primary
     // context that outlives the blocks freed on it.
-    let mut got = unsafe { a.allocate_raw_tagged(size as usize, stream, graphs, tag) };
-    if got.as_ref().is_err_and(|e| e.is_out_of_memory()) && uses::pending(device) {
-        // Blocks whose frees wait for other streams' work: wait for it, as PyTorch does.
-        settle_uses(device, true);
-        // SAFETY: as above.
-        got = unsafe { a.allocate_raw_tagged(size as usize, stream, graphs, tag) };
-    }
+    let got = unsafe { a.allocate_raw_tagged(size as usize, stream, graphs, tag) };
     got.map_err(|e| {
         if caller == Caller::Tensors
             && e.is_out_of_memory()
-            && matches!(GLOBAL.get(), Some(Ok(g)) if g.config.abort_on_oom)
+            && set_up().is_some_and(|g| g.config.abort_on_oom)
         {
             use std::io::Write;
             let _ = writeln!(
@@ -311,49 +300,17 @@ fn free_with(function: &str, ptr: *mut c_void, size: isize, device: c_int, strea
     if ptr.is_null() {
         return;
     }
-    if let Some(Ok(Global { trace: Some(t), .. })) = GLOBAL.get() {
+    if let Some(Global { trace: Some(t), .. }) = set_up() {
         t.record('f', device, stream as usize, size, ptr as usize as u64);
     }
     memory_history::observe(b'f', device, ptr as usize as u64, size, stream);
     guard(function, (), || {
-        let a = allocator(device).map_err(plain)?;
-        // SAFETY: the C contract: `stream` and the streams `cuvmm_record_stream` named for `ptr`
-        // are live streams of the device's primary context.
-        if unsafe { uses::free(a, device, ptr as usize as u64, stream) }.map_err(plain)? {
-            return Ok(());
-        }
+        let a = allocator(device)?;
         // SAFETY: the C contract: `ptr` came from this library's malloc for `device` and every use
-        // on other streams is ordered before the work queued on `stream` (or recorded with
-        // `cuvmm_record_stream`, which `uses::free` ordered it after).
+        // on other streams is ordered before the work queued on `stream`, or recorded with
+        // `cuvmm_record_stream` on a stream live until the free is made.
         unsafe { a.free_raw(ptr as usize as u64, stream) }.map_err(reported)
     })
-}
-
-/// Frees the blocks of `device` (-1: all) whose frees waited for other streams' work, once it has
-/// run (with `wait`, waiting for it). A failure is recorded, not returned: the request or empty
-/// cache that settles goes on.
-#[inline]
-fn settle_uses(device: c_int, wait: bool) {
-    // Every request asks: nothing waits, mostly, and the answer is one atomic load.
-    if uses::none_pending() {
-        return;
-    }
-    settle_uses_now(device, wait);
-}
-
-#[cold]
-fn settle_uses_now(device: c_int, wait: bool) {
-    let settled = uses::settle(device, wait, |d, ptr, stream| {
-        let a = allocator(d)?;
-        // SAFETY: `ptr` came from this allocator and its free was deferred, not made; the work of
-        // the other streams that used it has completed, and `stream` is the one it was allocated
-        // and freed on, live by the C contract of cuvmm_record_stream.
-        unsafe { a.free_raw(ptr, stream) }.map_err(|e| e.to_string())
-    });
-    if let Err(e) = settled {
-        let _ =
-            catch_unwind(AssertUnwindSafe(|| fail("cuvmm_free (after cuvmm_record_stream)", e.clone(), e)));
-    }
 }
 
 /// Allocates `size` bytes on `device` for work on `stream`; capture-aware (see cuvmm.h).
@@ -393,7 +350,7 @@ pub unsafe extern "C" fn cuvmm_get_stats(device: c_int, out: *mut CuvmmStats) ->
         if out.is_null() {
             return Err(plain("null output pointer".into()));
         }
-        let s = allocator(device).map_err(plain)?.stats();
+        let s = allocator(device)?.stats();
         // SAFETY: the caller gives a writable `cuvmm_stats_t`; checked non-null.
         unsafe { out.write(s) };
         Ok(0)
@@ -402,8 +359,8 @@ pub unsafe extern "C" fn cuvmm_get_stats(device: c_int, out: *mut CuvmmStats) ->
 
 /// The allocators made so far, with their device ordinals.
 fn allocators() -> Vec<(usize, &'static StreamAllocator)> {
-    match GLOBAL.get() {
-        Some(Ok(g)) => {
+    match set_up() {
+        Some(g) => {
             g.devices.iter().enumerate().filter_map(|(d, s)| Some((d, s.get()?.as_ref().ok()?))).collect()
         }
         _ => Vec::new(),
@@ -457,7 +414,7 @@ fn each_device(
             }
             return Ok(0);
         }
-        f(allocator(device).map_err(plain)?).map_err(reported)?;
+        f(allocator(device)?).map_err(reported)?;
         Ok(0)
     })
 }
@@ -474,7 +431,6 @@ pub extern "C" fn cuvmm_reset_peaks(device: c_int) -> c_int {
 /// Waits for queued work and releases every idle page (device -1: all).
 #[no_mangle]
 pub extern "C" fn cuvmm_empty_cache(device: c_int) -> c_int {
-    settle_uses(device, true);
     each_device("cuvmm_empty_cache", device, |a| a.empty_cache().map(|_| ()))
 }
 
@@ -492,7 +448,7 @@ pub extern "C" fn cuvmm_release_graph_memory(device: c_int) -> c_int {
 ///
 /// # Safety
 /// `s` must be null or a NUL-terminated string.
-unsafe fn c_str<'a>(s: *const c_char) -> Result<Option<&'a str>, (String, String)> {
+unsafe fn c_str<'a>(s: *const c_char) -> Result<Option<&'a str>, Failure> {
     if s.is_null() {
         return Ok(None);
     }
@@ -501,9 +457,9 @@ unsafe fn c_str<'a>(s: *const c_char) -> Result<Option<&'a str>, (String, String
     c.to_str().map(Some).map_err(|_| plain("the tag is not UTF-8".into()))
 }
 
-fn tag_of(name: Option<&str>) -> Result<Tag, (String, String)> {
+fn tag_of(name: Option<&str>) -> Result<Tag, Failure> {
     let name = name.ok_or_else(|| plain("no tag given".into()))?;
-    Tag::new(name).map_err(|e| plain(e.to_string()))
+    Ok(Tag::new(name)?)
 }
 
 /// Tags the calling thread's later allocations with `tag` (NULL: none). 0, or -1 (a name that is
@@ -522,81 +478,11 @@ pub unsafe extern "C" fn cuvmm_set_tag(tag: *const c_char) -> c_int {
         };
         if t.is_some() {
             // Before the thread's own tag: its next request, which reads the flag first, sees it.
-            TAGGED.store(true, Ordering::Relaxed);
+            PROCESS.tagged.store(true, Ordering::Relaxed);
         }
-        TAG.try_with(|c| c.set(t)).map_err(|_| plain("the thread is exiting".into()))?;
+        THREAD.try_with(|c| c.tag.set(t)).map_err(|_| plain("the thread is exiting".into()))?;
         Ok(0)
     })
-}
-
-/// Puts a tag to sleep on each of `devices`, all or nothing: when one fails, those this call put
-/// to sleep are woken again (an offload's contents come back; discarded ones do not), and a
-/// failure to wake one is added to the error.
-fn sleep_all<A>(
-    devices: &[A],
-    sleep: impl Fn(&A) -> cuvmm_lib::Result<()>,
-    wake: impl Fn(&A) -> cuvmm_lib::Result<()>,
-) -> Result<(), (String, String)> {
-    for (i, a) in devices.iter().enumerate() {
-        if let Err(e) = sleep(a) {
-            let (kind, mut msg) = reported(e);
-            for b in &devices[..i] {
-                if let Err(w) = wake(b) {
-                    msg.push_str(&format!("; waking a device it had put to sleep failed too: {w}"));
-                }
-            }
-            return Err((kind, msg));
-        }
-    }
-    Ok(())
-}
-
-/// Wakes a tag on each of `devices` where it is asleep (none, for a tag that held nothing there).
-/// A failure stops the call: the devices woken before stay awake, the rest asleep with nothing
-/// lost, and a later call wakes those.
-fn wake_all<A>(
-    devices: &[A],
-    asleep: impl Fn(&A) -> bool,
-    wake: impl Fn(&A) -> cuvmm_lib::Result<()>,
-) -> Result<(), (String, String)> {
-    for a in devices.iter().filter(|a| asleep(a)) {
-        wake(a).map_err(reported)?;
-    }
-    Ok(())
-}
-
-/// `cuvmm_sleep` of `tag` on the `devices` there are once no other sleep or wake of it is under
-/// way (see [`tag_states`]). On a failure the tag is awake again, unless waking a device the call
-/// had put to sleep failed too: then it is recorded asleep, so that `cuvmm_wake` finishes it.
-fn sleep_tag<A>(
-    states: &TagStates<Tag>,
-    t: Tag,
-    devices: impl FnOnce() -> Vec<A>,
-    sleep: impl Fn(&A) -> cuvmm_lib::Result<()>,
-    wake: impl Fn(&A) -> cuvmm_lib::Result<()>,
-    asleep: impl Fn(&A) -> bool,
-) -> Result<(), (String, String)> {
-    let falling = states.begin_sleep(t).map_err(|r| plain(r.message().into()))?;
-    // Not under the lock: the sleep waits for the device.
-    let all = devices();
-    let slept = sleep_all(&all, sleep, wake);
-    falling.finish(slept.is_ok() || all.iter().any(asleep));
-    slept
-}
-
-/// `cuvmm_wake` of `tag` on the `devices` there are once no other sleep or wake of it is under
-/// way; a failure leaves it asleep (see [`wake_all`]).
-fn wake_tag<A>(
-    states: &TagStates<Tag>,
-    t: Tag,
-    devices: impl FnOnce() -> Vec<A>,
-    asleep: impl Fn(&A) -> bool,
-    wake: impl Fn(&A) -> cuvmm_lib::Result<()>,
-) -> Result<(), (String, String)> {
-    let waking = states.begin_wake(t).map_err(|r| plain(r.message().into()))?;
-    let woke = wake_all(&devices(), asleep, wake);
-    waking.finish(woke.is_err());
-    woke
 }
 
 fn all_allocators() -> Vec<&'static StreamAllocator> {
@@ -614,14 +500,7 @@ pub unsafe extern "C" fn cuvmm_sleep(tag: *const c_char, offload: c_int) -> c_in
         // SAFETY: the caller's contract.
         let t = tag_of(unsafe { c_str(tag) }?)?;
         let mode = if offload != 0 { SleepMode::Offload } else { SleepMode::Discard };
-        sleep_tag(
-            &TAGS,
-            t,
-            all_allocators,
-            |a| a.sleep(t, mode).map(drop),
-            |a| a.wake(t),
-            |a| a.tag_stats(t).asleep,
-        )?;
+        t.sleep_on(all_allocators, mode).map_err(reported)?;
         Ok(0)
     })
 }
@@ -635,7 +514,7 @@ pub unsafe extern "C" fn cuvmm_wake(tag: *const c_char) -> c_int {
     guard("cuvmm_wake", -1, || {
         // SAFETY: the caller's contract.
         let t = tag_of(unsafe { c_str(tag) }?)?;
-        wake_tag(&TAGS, t, all_allocators, |a| a.tag_stats(t).asleep, |a| a.wake(t))?;
+        t.wake_on(all_allocators).map_err(reported)?;
         Ok(0)
     })
 }
@@ -722,7 +601,7 @@ pub unsafe extern "C" fn cuvmm_get_tag_stats(tag: *const c_char, out: *mut Cuvmm
         }
         // SAFETY: the caller's contract.
         let t = tag_of(unsafe { c_str(tag) }?)?;
-        let mut sum = CuvmmTagStats { asleep: i32::from(TAGS.phase(t).is_some()), ..Default::default() };
+        let mut sum = CuvmmTagStats { asleep: i32::from(t.phase() != TagPhase::Awake), ..Default::default() };
         for (_, a) in allocators() {
             let TagStats { live, mapped, offloaded, asleep } = a.tag_stats(t);
             sum.live += live;
@@ -739,7 +618,7 @@ pub unsafe extern "C" fn cuvmm_get_tag_stats(tag: *const c_char, out: *mut Cuvmm
 /// The allocator of `device` if one was made already: asking whether a pointer is cuvmm's must
 /// not make one (nor read `CUVMM_ALLOC_CONF`) in a process that never allocated through cuvmm.
 fn existing_allocator(device: c_int) -> Option<&'static StreamAllocator> {
-    let g = GLOBAL.get()?.as_ref().ok()?;
+    let g = set_up()?;
     g.devices.get(usize::try_from(device).ok()?)?.get()?.as_ref().ok()
 }
 
@@ -989,7 +868,7 @@ pub unsafe extern "C" fn cuvmm_import(
             raw.iter().map(|&fd| unsafe { BorrowedFd::borrow_raw(fd) }).collect();
         // SAFETY: the caller's contract: `npeers` readable ints.
         let peers = unsafe { peer_devices(peers, npeers) }?;
-        let a = allocator(device).map_err(plain)?;
+        let a = allocator(device)?;
         let imported =
             cuvmm_lib::alloc::BlockImport::import(a.context(), &borrowed, page, &peers).map_err(reported)?;
         // SAFETY: checked non-null; the caller gives a writable u64.
@@ -1002,7 +881,7 @@ pub unsafe extern "C" fn cuvmm_import(
 ///
 /// # Safety
 /// `peers` readable for `n` ints.
-unsafe fn peer_devices(peers: *const c_int, n: usize) -> Result<Vec<Device>, (String, String)> {
+unsafe fn peer_devices(peers: *const c_int, n: usize) -> Result<Vec<Device>, Failure> {
     if n == 0 {
         return Ok(Vec::new());
     }
@@ -1056,7 +935,7 @@ pub extern "C" fn cuvmm_set_error_log(mode: c_int) -> c_int {
             1 => true,
             other => return Err(plain(format!("unknown error log mode {other} (0 or 1)"))),
         };
-        RETURNED_UNWRITTEN.store(quiet, Ordering::Relaxed);
+        PROCESS.returned_unwritten.store(quiet, Ordering::Relaxed);
         Ok(0)
     })
 }
@@ -1064,16 +943,25 @@ pub extern "C" fn cuvmm_set_error_log(mode: c_int) -> c_int {
 /// The calling thread's last error, or NULL.
 #[no_mangle]
 pub extern "C" fn cuvmm_last_error() -> *const c_char {
-    LAST_ERROR
-        .try_with(|e| e.try_borrow().ok().and_then(|s| s.as_ref().map(|s| s.as_ptr())))
+    THREAD
+        .try_with(|t| t.last_error.try_borrow().ok().and_then(|s| s.as_ref().map(|(_, s)| s.as_ptr())))
         .ok()
         .flatten()
         .unwrap_or(std::ptr::null())
 }
 
+/// The code of the calling thread's last error, the one [`cuvmm_last_error`] describes
+/// (`cuvmm_error_t` of cuvmm.h); `CUVMM_OK` (0) when it has met none.
+#[no_mangle]
+pub extern "C" fn cuvmm_last_error_code() -> c_int {
+    let code = THREAD.try_with(|t| t.last_error.try_borrow().ok().and_then(|s| s.as_ref().map(|(c, _)| *c)));
+    code.ok().flatten().unwrap_or(ErrorCode::None) as c_int
+}
+
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
+    use cuvmm_lib::driver::sys::CUresult;
 
     thread_local! {
         /// The lines `fail` writes to stderr, kept instead while a test of this thread captures.
@@ -1147,20 +1035,12 @@ pub(crate) mod tests {
 
     #[test]
     fn a_panic_inside_becomes_the_error_value_and_a_message() {
-        let (v, lines) =
-            stderr_of(|| guard("test_fn", -7, || -> Result<i32, (String, String)> { panic!("boom") }));
+        let (v, lines) = stderr_of(|| guard("test_fn", -7, || -> Result<i32, Failure> { panic!("boom") }));
         assert_eq!(v, -7);
+        assert_eq!(cuvmm_last_error_code(), ErrorCode::Internal as c_int);
         let msg = last_error();
         assert!(msg.contains("test_fn") && msg.contains("panic"), "{msg}");
         assert_eq!(lines, ["cuvmm: test_fn: internal error (panic caught at the C boundary)"]);
-    }
-
-    #[test]
-    fn an_error_is_shaped_without_its_numbers() {
-        assert_eq!(shape("0x7f00a000 was not allocated here"), "# was not allocated here");
-        assert_eq!(shape("negative size -4096"), "negative size -#");
-        assert_eq!(shape("cuMemMap CUDA_ERROR_OUT_OF_MEMORY"), "cuMemMap CUDA_ERROR_OUT_OF_MEMORY");
-        assert_eq!(shape("no device 3 (2 present)"), "no device # (# present)");
     }
 
     #[test]
@@ -1168,102 +1048,29 @@ pub(crate) mod tests {
         // Without a driver GLOBAL holds an error here, which must not make every call write.
         let _ = global();
         let f = "test_written_once";
+        let oom = |n: u64| {
+            let mut e = Failure::from(cuvmm_lib::Error::driver("cuMemCreate", CUresult::ERROR_OUT_OF_MEMORY));
+            e.message = format!("size {n} at {n:#x}0");
+            e
+        };
         let ((), lines) = stderr_of(|| {
             for n in [1, 22, 333] {
-                fail(f, format!("size {n} at 0x{n:x}0"), format!("size {n}"));
+                fail(f, oom(n));
             }
-            fail(f, "another kind".into(), "x".into());
+            fail(f, Failure::from(cuvmm_lib::Error::driver("cuMemMap", CUresult::ERROR_OUT_OF_MEMORY)));
+            fail(f, plain("x".into()));
+            fail(f, plain("y".into()));
         });
-        assert_eq!(lines, ["cuvmm: test_written_once: size 1", "cuvmm: test_written_once: x"]);
-        // Each call keeps its own text for cuvmm_last_error, written or not.
-        assert_eq!(last_error(), "test_written_once: x");
-        let logged = LOGGED.lock().unwrap();
-        let mine = logged.as_ref().unwrap().iter().filter(|k| k.starts_with(f)).count();
-        assert_eq!(mine, 2);
-    }
-
-    /// A fake device for the sleep and wake of every device: whether the tag is asleep there, and
-    /// how many of its next sleeps or wakes fail.
-    struct Dev {
-        asleep: std::cell::Cell<bool>,
-        fail_sleep: std::cell::Cell<u32>,
-        fail_wake: std::cell::Cell<u32>,
-    }
-
-    fn devs(n: usize) -> Vec<Dev> {
-        (0..n).map(|_| Dev { asleep: false.into(), fail_sleep: 0.into(), fail_wake: 0.into() }).collect()
-    }
-
-    fn refused(d: &std::cell::Cell<u32>) -> bool {
-        let n = d.get();
-        d.set(n.saturating_sub(1));
-        n > 0
-    }
-
-    fn sleep(d: &Dev) -> cuvmm_lib::Result<()> {
-        if d.asleep.get() {
-            return Err(cuvmm_lib::Error::InvalidArgument("the tag is already asleep".into()));
-        }
-        if refused(&d.fail_sleep) {
-            return Err(cuvmm_lib::Error::InvalidArgument("sleep refused".into()));
-        }
-        d.asleep.set(true);
-        Ok(())
-    }
-
-    fn wake(d: &Dev) -> cuvmm_lib::Result<()> {
-        if !d.asleep.get() {
-            return Err(cuvmm_lib::Error::InvalidArgument("the tag is not asleep".into()));
-        }
-        if refused(&d.fail_wake) {
-            return Err(cuvmm_lib::Error::InvalidArgument("out of memory".into()));
-        }
-        d.asleep.set(false);
-        Ok(())
-    }
-
-    fn states(d: &[Dev]) -> Vec<bool> {
-        d.iter().map(|d| d.asleep.get()).collect()
-    }
-
-    #[test]
-    fn a_sleep_that_fails_on_one_device_wakes_the_others_it_put_to_sleep() {
-        let d = devs(3);
-        d[2].fail_sleep.set(1);
-        let e = sleep_all(&d, sleep, wake).unwrap_err();
-        assert!(e.1.contains("sleep refused"), "{e:?}");
-        assert_eq!(states(&d), [false, false, false]);
-        // ...and says so when waking one of them fails as well.
-        d[1].fail_wake.set(1);
-        d[2].fail_sleep.set(1);
-        let e = sleep_all(&d, sleep, wake).unwrap_err();
-        assert!(e.1.contains("waking a device it had put to sleep failed too"), "{e:?}");
-        assert_eq!(states(&d), [false, true, false]);
-    }
-
-    #[test]
-    fn a_wake_skips_devices_where_the_tag_is_awake_and_a_later_wake_finishes_a_failed_one() {
-        let d = devs(3);
-        sleep_all(&d, sleep, wake).unwrap();
-        // A wake that runs out of memory on the second device: the first stays awake, the rest
-        // asleep.
-        d[1].fail_wake.set(1);
-        assert!(wake_all(&d, |d| d.asleep.get(), wake).is_err());
-        assert_eq!(states(&d), [false, true, true]);
-        // Before the fix the next call failed on the first device ("not asleep") for ever.
-        wake_all(&d, |d| d.asleep.get(), wake).unwrap();
-        assert_eq!(states(&d), [false, false, false]);
-        // Awake everywhere, or no device at all: nothing to do (cuvmm_wake refuses a tag that is
-        // not asleep before it comes here).
-        wake_all(&d, |d| d.asleep.get(), wake).unwrap();
-        assert_eq!(states(&d), [false, false, false]);
-        wake_all(&devs(0), |d| d.asleep.get(), wake).unwrap();
-        // A device that appeared after the sleep (an allocator made later) is left alone.
-        let mut d = devs(1);
-        sleep_all(&d, sleep, wake).unwrap();
-        d.extend(devs(1));
-        wake_all(&d, |d| d.asleep.get(), wake).unwrap();
-        assert_eq!(states(&d), [false, false]);
+        assert_eq!(lines.len(), 3, "{lines:?}");
+        assert_eq!(lines[0], "cuvmm: test_written_once: size 1 at 0x10");
+        assert!(lines[1].contains("cuMemMap"), "another call is another group: {lines:?}");
+        assert_eq!(lines[2], "cuvmm: test_written_once: x");
+        // Each call keeps its own text and code for cuvmm_last_error, written or not.
+        assert_eq!(last_error(), "test_written_once: y");
+        assert_eq!(cuvmm_last_error_code(), ErrorCode::InvalidArgument as c_int);
+        let logged = PROCESS.logged.lock().unwrap();
+        let mine = logged.as_ref().unwrap().iter().filter(|(g, _)| g == f).count();
+        assert_eq!(mine, 3);
     }
 
     #[test]
@@ -1276,10 +1083,10 @@ pub(crate) mod tests {
             assert_eq!(rc, -1);
             assert_eq!(lines, ["cuvmm: cuvmm_set_tag: invalid argument: a tag needs a name"]);
             assert!(last_error().contains("cuvmm_set_tag"));
-            assert_eq!(TAG.with(|t| t.get()), Some(Tag::new("weights").unwrap()));
+            assert_eq!(THREAD.with(|t| t.tag.get()), Some(Tag::new("weights").unwrap()));
             assert_eq!(cuvmm_set_tag(std::ptr::null()), 0);
         }
-        assert_eq!(TAG.with(|t| t.get()), None);
+        assert_eq!(THREAD.with(|t| t.tag.get()), None);
     }
 
     const CHILD: &str = "CUVMM_CAPI_TEST_CHILD";
@@ -1368,11 +1175,11 @@ pub(crate) mod tests {
         assert!(lines.is_empty(), "{lines:?}");
         assert!(last_error().contains("unknown backup backend"), "{}", last_error());
         for f in ["cuvmm_free", "cuvmm_pool_free", "cuvmm_pool_malloc"] {
-            let ((), lines) = stderr_of(|| fail(f, "k".into(), "lost".into()));
+            let ((), lines) = stderr_of(|| fail(f, plain("lost".into())));
             assert_eq!(lines, [format!("cuvmm: {f}: lost")]);
         }
         assert_eq!(cuvmm_set_error_log(0), 0);
-        let ((), lines) = stderr_of(|| fail("cuvmm_sleep", "k".into(), "written".into()));
+        let ((), lines) = stderr_of(|| fail("cuvmm_sleep", plain("written".into())));
         assert_eq!(lines, ["cuvmm: cuvmm_sleep: written"]);
     }
 
@@ -1480,9 +1287,10 @@ pub(crate) mod tests {
         assert_eq!(
             lines,
             [
-                "cuvmm: cuvmm_wake: the tag is not asleep",
-                "cuvmm: cuvmm_sleep: the tag is already asleep",
-                "cuvmm: cuvmm_pool_malloc: cannot allocate with a tag that is asleep: wake it first",
+                "cuvmm: cuvmm_wake: invalid argument: the tag is not asleep",
+                "cuvmm: cuvmm_sleep: invalid argument: the tag is already asleep",
+                "cuvmm: cuvmm_pool_malloc: invalid argument: cannot allocate with a tag that is asleep: wake \
+                 it first",
             ]
         );
     }

@@ -3,24 +3,20 @@
 //! recorded (`cuvmm_set_alloc_observer`), through which the Python package keeps the stack that
 //! allocated each block.
 
-use crate::{allocator, allocators, guard, plain};
+use crate::{allocator, allocators, guard, PROCESS};
 use cuvmm_lib::alloc::{BlockState, SegmentSnapshot};
 use cuvmm_lib::driver::sys::CUstream;
 use std::ffi::{c_char, c_int};
 use std::fmt::Write;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::Ordering;
 
 /// Told of an allocation (`kind` 'a') or a free ('f'): device, address, size and stream handle.
 pub type Observer = extern "C" fn(kind: c_int, device: c_int, ptr: u64, size: isize, stream: CUstream);
 
-/// The observer's address, 0 for none: the one load every malloc and free pay while no history
-/// is recorded.
-static OBSERVER: AtomicUsize = AtomicUsize::new(0);
-
 /// Tells the observer, if any, of an allocation or free.
 #[inline(always)]
 pub(crate) fn observe(kind: u8, device: c_int, ptr: u64, size: isize, stream: CUstream) {
-    let f = OBSERVER.load(Ordering::Acquire);
+    let f = PROCESS.observer.load(Ordering::Acquire);
     if f != 0 && ptr != 0 {
         observe_now(f, kind, device, ptr, size, stream);
     }
@@ -41,7 +37,7 @@ fn observe_now(f: usize, kind: u8, device: c_int, ptr: u64, size: isize, stream:
 /// `observer` must stay callable, from any thread, until it is replaced; it must not unwind.
 #[no_mangle]
 pub unsafe extern "C" fn cuvmm_set_alloc_observer(observer: Option<Observer>) -> c_int {
-    OBSERVER.store(observer.map_or(0, |f| f as usize), Ordering::Release);
+    PROCESS.observer.store(observer.map_or(0, |f| f as usize), Ordering::Release);
     0
 }
 
@@ -115,7 +111,7 @@ pub unsafe extern "C" fn cuvmm_snapshot_json(device: c_int, buf: *mut c_char, le
         let devices = if device == -1 {
             allocators().into_iter().map(|(d, a)| (d as c_int, a)).collect()
         } else {
-            vec![(device, allocator(device).map_err(plain)?)]
+            vec![(device, allocator(device)?)]
         };
         let mut json = String::from("{");
         for (i, (d, a)) in devices.into_iter().enumerate() {

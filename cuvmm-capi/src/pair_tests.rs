@@ -97,9 +97,9 @@ fn cached_pair() {
     assert!(last_error().contains("per-thread default stream"), "{}", last_error());
     // Found without the set-up's checks once made, and only for devices that have one.
     let a = allocator(0).unwrap();
-    assert!(ready::get(0).is_some_and(|r| std::ptr::eq(r, a)));
+    assert!(PROCESS.ready.get(0).is_some_and(|r| std::ptr::eq(r, a)));
     for d in [-1, 1, 63, 64, c_int::MAX] {
-        assert!(ready::get(d).is_none());
+        assert!(PROCESS.ready.get(d).is_none());
         assert!(cuvmm_malloc(4096, d, std::ptr::null_mut()).is_null());
         assert!(last_error().contains(&format!("no device {d}")), "{}", last_error());
     }

@@ -39,7 +39,8 @@ __version__ = "0.1.0"
 __all__ = [
     "find_library", "load", "library_path", "stats", "stats_json", "reset_peaks", "empty_cache",
     "release_graph_memory", "trace_flush", "last_error", "has_sleep", "set_tag", "tag", "sleep", "wake",
-    "tag_stats", "has_backup", "set_backup", "prepare_backup", "handoff_stats",
+    "tag_stats", "has_backup", "set_backup", "prepare_backup", "handoff_stats", "last_error_code",
+    "OutOfMemoryError",
 ]
 
 _HERE = Path(__file__).resolve().parent
@@ -151,6 +152,9 @@ _REQUIRED = ("cuvmm_malloc", "cuvmm_free", "cuvmm_pool_malloc", "cuvmm_pool_free
              "cuvmm_last_error")
 _SLEEP = ("cuvmm_set_tag", "cuvmm_sleep", "cuvmm_wake", "cuvmm_get_tag_stats")
 _LOG_ALL, _LOG_UNRETURNED = 0, 1  # cuvmm.h's CUVMM_LOG_ALL and CUVMM_LOG_UNRETURNED
+# cuvmm.h's cuvmm_error_t, the codes cuvmm_last_error_code returns (the rest: see the header).
+ERROR_OK, ERROR_INVALID_ARGUMENT, ERROR_OUT_OF_MEMORY = 0, 1, 2
+ERROR_PEER_REFUSED, ERROR_TIMEOUT = 8, 9
 # Where each backup of a sleeping tag's contents lives (cuvmm_set_backup's `backend`).
 BACKUP_BACKENDS = {"pageable": 0, "pinned": 1, "disk": 2}
 
@@ -172,6 +176,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "cuvmm_record_stream": (None, [ctypes.c_void_p, ctypes.c_void_p]),
         "cuvmm_set_memory_fraction": (None, [ctypes.c_double, c_int]),
         "cuvmm_last_error": (c_char_p, []),
+        "cuvmm_last_error_code": (c_int, []),
         "cuvmm_set_error_log": (c_int, [c_int]),
         "cuvmm_trace_flush": (None, []),
         "cuvmm_set_tag": (c_int, [c_char_p]),
@@ -272,12 +277,25 @@ def last_error() -> str | None:
     return None if msg is None else msg.decode(errors="replace")
 
 
+def last_error_code() -> int | None:
+    """The code of the calling thread's last cuvmm error (``ERROR_OUT_OF_MEMORY``, ...; cuvmm.h's
+    ``cuvmm_error_t``), ``ERROR_OK`` when it has met none, or None for a library without codes."""
+    lib = load()
+    return lib.cuvmm_last_error_code() if hasattr(lib, "cuvmm_last_error_code") else None
+
+
+class OutOfMemoryError(RuntimeError):
+    """A cuvmm call failed out of memory (a wake, say): the device's memory, or the memory
+    fraction. Later calls may succeed once memory is freed."""
+
+
 def _check(rc: int, what: str, ok=lambda rc: rc == 0) -> int:
     if not ok(rc):
         text = last_error() or "no error text"
         # The library's text starts with the C function's name, which `what` names already.
         name = what.split("(", 1)[0] + ": "
-        raise RuntimeError(f"{what} failed: {text[len(name):] if text.startswith(name) else text}")
+        error = OutOfMemoryError if last_error_code() == ERROR_OUT_OF_MEMORY else RuntimeError
+        raise error(f"{what} failed: {text[len(name):] if text.startswith(name) else text}")
     return rc
 
 
@@ -287,9 +305,10 @@ def error_from(what: str) -> Exception:
     text = last_error() or "no error text"
     name = what + ": "
     text = text[len(name):] if text.startswith(name) else text
-    if "timed out" in text:
+    code = last_error_code()
+    if code == ERROR_TIMEOUT or "timed out" in text:
         return TimeoutError(f"{what}: the sending process did not answer in time ({text})")
-    if "refusing" in text:
+    if code == ERROR_PEER_REFUSED or "refusing" in text:
         return PermissionError(f"{what}: {text}")
     return RuntimeError(f"{what} failed: {text}")
 

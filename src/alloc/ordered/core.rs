@@ -9,6 +9,7 @@ use super::front::{lock, Entry, Front, Fronts};
 use super::heap::{BlockId, Freed, Heap, KeyMap, Owner, PendingFree, ALIGN};
 use super::ids::{Caller, Epoch, Handle, SlotId, StreamId, IDLE, LEGACY, SYNTHETIC};
 use crate::error::{Error, Result};
+use parts::{Held, Identities, Lending, Lent, Pools};
 use std::collections::{HashMap, VecDeque};
 use std::ops::{Index, IndexMut};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -227,16 +228,6 @@ struct FreeAt {
     demand: u64,
 }
 
-/// Pages of a lent block (see [`super::heap::State::Lent`]): still mapped at its address (as
-/// well as where they now serve) until the work queued on `stream` before the block's free has run.
-struct Lent {
-    slot: SlotId,
-    stream: StreamId,
-    epoch: Epoch,
-    /// Page indexes in the slot.
-    pages: Vec<u64>,
-}
-
 struct Slot<P> {
     heap: Heap,
     small: bool,
@@ -260,6 +251,20 @@ impl<P> IndexMut<SlotId> for Vec<Slot<P>> {
     }
 }
 
+/// Which heaps serve a request: the small ones (requests up to [`SMALL`]) or the large ones, of a
+/// tag (0: none; [`WHOLE`]: one allocation per block).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct HeapKind {
+    pub small: bool,
+    pub tag: u32,
+}
+
+impl<P> Slot<P> {
+    fn kind(&self) -> HeapKind {
+        HeapKind { small: self.small, tag: self.tag }
+    }
+}
+
 /// One allocation under way.
 #[derive(Clone, Copy)]
 struct Request {
@@ -268,8 +273,8 @@ struct Request {
     /// Bytes asked for.
     size: u64,
     stream: Caller,
-    /// (small, tag): which heaps serve it.
-    kind: (bool, u32),
+    /// Which heaps serve it.
+    kind: HeapKind,
     /// The pool the block goes to: the capture's graph pool, or 0.
     pool: u32,
     capture: Capture,
@@ -310,12 +315,21 @@ struct Settling {
     asked: bool,
 }
 
+/// A block shared with other processes.
+#[derive(Clone, Copy, Debug)]
+struct Exported {
+    /// Sharings not yet over (at least one while recorded).
+    sharings: u32,
+    /// The block's size.
+    len: u64,
+}
+
 /// Blocks shared with other processes, kept apart from the heaps' own state because a shared block
 /// stays live in its heap past its free, until its importers let go.
 #[derive(Default)]
 struct Sharing {
-    /// By address: (sharings not yet over, size).
-    exported: HashMap<u64, (u32, u64)>,
+    /// By address.
+    exported: HashMap<u64, Exported>,
     /// Those of them already freed (see [`AllocatorStats::freed_shared`]): still live in their
     /// heap, as (stream, epoch) of their free, until the last sharing is over.
     freed_shared: HashMap<u64, (StreamId, Epoch)>,
@@ -339,30 +353,19 @@ pub(crate) struct Core<B: Backend> {
     backend: B,
     sizes: Sizes,
     slots: Vec<Slot<B::Page>>,
-    spare: Vec<B::Page>,
+    /// Pages held beyond the heaps' tables: spare ones, and the bytes mapped.
+    held: Held<B::Page>,
     /// By stream identity (see [`Caller`]).
     streams: KeyMap<StreamId, Stream<B::Event>>,
     idle_events: Vec<B::Event>,
-    pools: HashMap<u64, u32>,
-    next_pool: u32,
-    /// Identities made up for streams the driver could not name during a capture, by (capture,
-    /// handle): within one capture a handle names one stream. At most [`CAPTURE_IDS`].
-    capture_ids: HashMap<(u64, Handle), StreamId>,
-    /// The next made-up identity.
-    next_synthetic: StreamId,
+    pools: Pools,
+    /// Identities made up for streams the driver could not name.
+    ids: Identities,
     /// Every stream's front, and the demand counter the fast paths read (see [`Core::free`]).
     fronts: Arc<Fronts>,
-    /// Bytes of pages mapped (spare ones apart).
-    mapped_bytes: u64,
     stats: AllocatorStats,
     sleepers: HashMap<u32, sleep::Tag<B::Host>>,
-    /// Blocks whose pages were lent, until their stream's work has caught up.
-    lent: Vec<Lent>,
-    /// Pages lent to the batch being mapped: for it alone (they are still mapped where they came
-    /// from), never kept beyond it.
-    borrowed: Vec<B::Page>,
-    /// The latest free among the blocks that lent `borrowed`.
-    borrowed_epoch: Epoch,
+    lending: Lending<B::Page>,
     settle: Settling,
     sharing: Sharing,
     /// Blocks of at least this many bytes (untagged) are one physical allocation each; 0: off.
@@ -382,20 +385,15 @@ impl<B: Backend> Core<B> {
             backend,
             sizes,
             slots: Vec::new(),
-            spare: Vec::new(),
+            held: Held::default(),
             streams: KeyMap::default(),
             idle_events: Vec::new(),
-            pools: HashMap::new(),
-            next_pool: 1,
-            capture_ids: HashMap::new(),
-            next_synthetic: StreamId(LEGACY.0 + 1),
+            pools: Pools::default(),
+            ids: Identities::default(),
             fronts: Arc::new(Fronts::default()),
-            mapped_bytes: 0,
             stats: AllocatorStats::default(),
             sleepers: HashMap::new(),
-            lent: Vec::new(),
-            borrowed: Vec::new(),
-            borrowed_epoch: Epoch::NONE,
+            lending: Lending::default(),
             settle: Settling::default(),
             sharing: Sharing::default(),
             whole_above: 0,
@@ -452,7 +450,7 @@ impl<B: Backend> Core<B> {
                     .map(|(i, _)| (base + i as u64 * s.page, s.page)),
             );
         }
-        for l in &self.lent {
+        for l in &self.lending.lent {
             let s = &self.slots[l.slot];
             out.extend(l.pages.iter().map(|&p| (s.heap.base() + p * s.page, s.page)));
         }
@@ -469,7 +467,7 @@ impl<B: Backend> Core<B> {
     }
 
     fn note_mapped(&mut self) {
-        self.stats.mapped = self.mapped_bytes + self.spare.len() as u64 * self.sizes.page;
+        self.stats.mapped = self.held.mapped + self.held.spare.len() as u64 * self.sizes.page;
         self.stats.mapped_peak = self.stats.mapped_peak.max(self.stats.mapped);
     }
 
@@ -482,32 +480,10 @@ impl<B: Backend> Core<B> {
             return Caller { id, raw };
         }
         let id = match capture.id() {
-            Some(c) => match self.capture_ids.get(&(c, raw)) {
-                Some(&id) => id,
-                None => {
-                    if self.capture_ids.len() >= CAPTURE_IDS {
-                        // Captures end without telling the allocator: past the bound, those of
-                        // other captures go (a capture still running then gives its stream a new
-                        // identity, taken as another stream's: less reuse, never unsound).
-                        self.capture_ids.retain(|&(other, _), _| other == c);
-                        if self.capture_ids.len() >= CAPTURE_IDS {
-                            self.capture_ids.clear();
-                        }
-                    }
-                    let id = self.fresh_id();
-                    self.capture_ids.insert((c, raw), id);
-                    id
-                }
-            },
-            None => self.fresh_id(),
+            Some(c) => self.ids.in_capture(c, raw),
+            None => self.ids.fresh(),
         };
         Caller { id, raw }
-    }
-
-    fn fresh_id(&mut self) -> StreamId {
-        let id = self.next_synthetic;
-        self.next_synthetic = StreamId(id.0 + 1);
-        id
     }
 
     /// `size` bytes for use on `stream`, waiting for the whole device when out of memory (the
@@ -566,7 +542,7 @@ impl<B: Backend> Core<B> {
             .map(|s| s & !(ALIGN - 1))
             .ok_or_else(|| Error::invalid(format!("{size} bytes cannot be allocated")))?;
         let pool = match capture {
-            Capture::Private(id) => self.pool_of(id),
+            Capture::Private(id) => self.pools.of(id),
             _ => 0,
         };
         let req = Request { n, size, stream, kind: self.kind_of(n, tag), pool, capture };
@@ -575,7 +551,7 @@ impl<B: Backend> Core<B> {
                 .slots
                 .iter_mut()
                 .enumerate()
-                .filter(|(_, s)| (s.small, s.tag) == req.kind)
+                .filter(|(_, s)| s.kind() == req.kind)
                 .find_map(|(i, slot)| slot.heap.take_cached(stream, n, size).map(|a| (SlotId::of(i), a)));
             if let Some((slot, addr)) = found {
                 // A block of its own stream's cache: the peak stays where the last search left it.
@@ -629,7 +605,7 @@ impl<B: Backend> Core<B> {
     /// untagged blocks of the shared pool (not one-allocation blocks) outside captures, on
     /// streams the driver named.
     fn register(&mut self, req: &Request, slot: SlotId, addr: u64) {
-        if req.capture != Capture::None || req.kind.1 != 0 || req.pool != 0 || !published(req.stream.id) {
+        if req.capture != Capture::None || req.kind.tag != 0 || req.pool != 0 || !published(req.stream.id) {
             return;
         }
         let entry = Entry { n: req.n, requested: req.size, slot, cached: false, via_core: false };
@@ -647,8 +623,8 @@ impl<B: Backend> Core<B> {
 
     /// Gives every spare page back to the driver.
     fn release_spare(&mut self) {
-        self.stats.pages_released += self.spare.len() as u64;
-        self.spare.clear();
+        self.stats.pages_released += self.held.spare.len() as u64;
+        self.held.spare.clear();
         self.note_mapped();
     }
 
@@ -660,7 +636,7 @@ impl<B: Backend> Core<B> {
                 return Ok(found);
             }
         }
-        if req.kind.1 == WHOLE {
+        if req.kind.tag == WHOLE {
             if let Some(found) = self.whole_over_bound(req)? {
                 return Ok(found);
             }
@@ -695,13 +671,13 @@ impl<B: Backend> Core<B> {
     fn reuse(&mut self, req: &Request, reuse: StreamId, pool: u32) -> Result<Option<(SlotId, u64)>> {
         // Heaps of one kind are few (more only when one's address space ran out): the first that
         // fits wins. Whole heaps are one per block: the best fit.
-        let found = if req.kind.1 == WHOLE {
+        let found = if req.kind.tag == WHOLE {
             self.find_whole(pool, reuse, req.n)
         } else {
             self.slots
                 .iter()
                 .enumerate()
-                .filter(|(_, s)| (s.small, s.tag) == req.kind)
+                .filter(|(_, s)| s.kind() == req.kind)
                 .find_map(|(i, s)| s.heap.find(pool, reuse, req.n).map(|(_, id)| (SlotId::of(i), id)))
         };
         let Some((slot, id)) = found else { return Ok(None) };
@@ -711,12 +687,12 @@ impl<B: Backend> Core<B> {
     /// Hands out `req.n` bytes at the start of free block `id` of `slot`, its pages mapped.
     fn take_found(&mut self, req: &Request, slot: SlotId, id: BlockId) -> Result<(SlotId, u64)> {
         let addr = self.slots[slot].heap.take(id, req.n, req.stream, req.size, req.pool);
-        let mapped_before = self.mapped_bytes;
+        let mapped_before = self.held.mapped;
         if let Err(e) = self.ensure_pages(slot, addr, req.n, req.capture, req.stream.id) {
             self.give_back_block(slot, addr, req.stream);
             return Err(e);
         }
-        self.count_alloc(req.n, req.size, self.mapped_bytes == mapped_before);
+        self.count_alloc(req.n, req.size, self.held.mapped == mapped_before);
         Ok((slot, addr))
     }
 
@@ -730,13 +706,13 @@ impl<B: Backend> Core<B> {
     }
 
     fn carve(&mut self, req: &Request) -> Result<(SlotId, u64)> {
-        let (small, tag) = req.kind;
+        let HeapKind { small, tag } = req.kind;
         let Request { n, size, stream, pool, capture, .. } = *req;
         // As in `allocate`: a capture shared with other streams takes only idle blocks.
         let reuse = if matches!(capture, Capture::Shared(_)) { IDLE } else { stream.id };
         let limit = if tag == WHOLE { self.whole_limit(n) } else { u64::MAX };
         for (i, s) in self.slots.iter_mut().enumerate() {
-            if (s.small, s.tag) == req.kind && s.page <= limit {
+            if s.kind() == req.kind && s.page <= limit {
                 if let Some(a) = s.heap.carve(n, stream, size, pool, reuse) {
                     return Ok((SlotId::of(i), a));
                 }
@@ -801,9 +777,9 @@ impl<B: Backend> Core<B> {
         let r = self.map_pages(slot, (addr, n), &missing, capture, stream);
         // Lent pages left over (a failure part-way) are released: the memory stays mapped where
         // it came from until that mapping is undone.
-        self.stats.pages_released += self.borrowed.len() as u64;
-        self.borrowed.clear();
-        self.borrowed_epoch = Epoch::NONE;
+        self.stats.pages_released += self.lending.borrowed.len() as u64;
+        self.lending.borrowed.clear();
+        self.lending.borrowed_epoch = Epoch::NONE;
         if matches!(&r, Err(e) if e.is_out_of_memory()) {
             // The pages made or moved for a block that could not have them all would hold the
             // device's memory for nothing: even a kernel's first launch needs some.
@@ -841,12 +817,12 @@ impl<B: Backend> Core<B> {
             !whole(p)
                 && c.slots[slot].heap.edges_claimable(addr, base + p * page, base + (p + 1) * page, stream)
         };
-        if self.spare.len() < missing.len() && page == self.sizes.page {
-            self.reclaim(missing.len() - self.spare.len())?;
+        if self.held.spare.len() < missing.len() && page == self.sizes.page {
+            self.reclaim(missing.len() - self.held.spare.len())?;
             // Lending moves pages back and forth (a map, an access grant and later an unmap each),
             // so it is kept for when new pages would take the memory held past LEND_ABOVE times
             // the largest live total so far.
-            let short = missing.len().saturating_sub(self.spare.len());
+            let short = missing.len().saturating_sub(self.held.spare.len());
             let after = self.stats.mapped + short as u64 * page;
             let peak = (self.stats.live + n).max(self.stats.live_peak);
             if self.sizes.lend
@@ -865,8 +841,8 @@ impl<B: Backend> Core<B> {
             let mut done = 0;
             let mut r = Ok(());
             for &p in run {
-                let lend_edge = !self.borrowed.is_empty() && edge(self, p);
-                let borrowed = if whole(p) || lend_edge { self.borrowed.pop() } else { None };
+                let lend_edge = !self.lending.borrowed.is_empty() && edge(self, p);
+                let borrowed = if whole(p) || lend_edge { self.lending.borrowed.pop() } else { None };
                 let is_lent = borrowed.is_some();
                 let handle = match borrowed.map_or_else(|| self.page_for(0, capture, page), Ok) {
                     Ok(h) => h,
@@ -885,10 +861,10 @@ impl<B: Backend> Core<B> {
                 }
                 if lend_edge {
                     let (lo, hi) = (base + p * page, base + (p + 1) * page);
-                    self.slots[slot].heap.claim_edges(addr, lo, hi, stream, self.borrowed_epoch);
+                    self.slots[slot].heap.claim_edges(addr, lo, hi, stream, self.lending.borrowed_epoch);
                 }
                 self.slots[slot].pages[p as usize] = Some(handle);
-                self.mapped_bytes += page;
+                self.held.mapped += page;
                 done += 1;
             }
             if r.is_ok() {
@@ -898,7 +874,7 @@ impl<B: Backend> Core<B> {
                 for &q in &run[..done] {
                     let _ = self.backend.unmap(base + q * page, page);
                     let h = self.slots[slot].pages[q as usize].take().expect("just mapped");
-                    self.mapped_bytes -= page;
+                    self.held.mapped -= page;
                     self.give_back_unless_lent(h, page, lent_here.contains(&q));
                 }
                 return Err(e);
@@ -914,10 +890,10 @@ impl<B: Backend> Core<B> {
         if size != self.sizes.page {
             return self.large_page(size, capture);
         }
-        if want > 0 && self.spare.len() < want {
-            self.reclaim(want - self.spare.len())?;
+        if want > 0 && self.held.spare.len() < want {
+            self.reclaim(want - self.held.spare.len())?;
         }
-        if let Some(p) = self.spare.pop() {
+        if let Some(p) = self.held.spare.pop() {
             return Ok(p);
         }
         match self.backend.create_page(size) {
@@ -934,7 +910,7 @@ impl<B: Backend> Core<B> {
                 }
                 // All of them: the rest of the batch takes the spares instead of asking again.
                 if self.reclaim(usize::MAX)? > 0 {
-                    return Ok(self.spare.pop().expect("reclaimed"));
+                    return Ok(self.held.spare.pop().expect("reclaimed"));
                 }
                 self.release_small_idle()?;
                 self.backend.create_page(size).inspect(|_| self.stats.pages_created += 1)
@@ -970,13 +946,13 @@ impl<B: Backend> Core<B> {
                 self.slots[slot].heap.lend(id, span.0, span.1);
                 for &p in &pages {
                     let h = self.slots[slot].pages[p as usize].take().expect("mapped");
-                    self.borrowed.push(h);
-                    self.mapped_bytes -= page;
+                    self.lending.borrowed.push(h);
+                    self.held.mapped -= page;
                 }
                 got += pages.len();
-                self.borrowed_epoch = self.borrowed_epoch.max(epoch);
+                self.lending.borrowed_epoch = self.lending.borrowed_epoch.max(epoch);
                 self.stats.pages_remapped += pages.len() as u64;
-                self.lent.push(Lent { slot: SlotId::of(slot), stream, epoch, pages });
+                self.lending.lent.push(Lent { slot: SlotId::of(slot), stream, epoch, pages });
             }
         }
     }
@@ -988,7 +964,7 @@ impl<B: Backend> Core<B> {
         let mut slots = Vec::new();
         let backend = &mut self.backend;
         let all = &self.slots;
-        self.lent.retain(|l| {
+        self.lending.lent.retain(|l| {
             if l.stream != stream || l.epoch > epoch {
                 return true;
             }
@@ -1031,7 +1007,7 @@ impl<B: Backend> Core<B> {
     /// A page that was not mapped after all: kept if it is an ordinary one.
     fn give_back(&mut self, handle: B::Page, size: u64) {
         if size == self.sizes.page {
-            self.spare.push(handle);
+            self.held.spare.push(handle);
         } else {
             self.stats.pages_released += 1;
         }
@@ -1069,8 +1045,8 @@ impl<B: Backend> Core<B> {
                 }
                 self.backend.unmap(base + p * page, page)?;
                 let h = self.slots[slot].pages[p as usize].take().expect("mapped");
-                self.spare.push(h);
-                self.mapped_bytes -= page;
+                self.held.spare.push(h);
+                self.held.mapped -= page;
                 self.stats.pages_remapped += 1;
                 got += 1;
             }
@@ -1321,7 +1297,6 @@ impl<B: Backend> Core<B> {
         if shared {
             self.hold_freed(addr, stream.id, epoch);
         }
-        let freed = self.count_free(freed);
         #[cfg(test)]
         if self.check_calls {
             self.check();
@@ -1401,8 +1376,8 @@ impl<B: Backend> Core<B> {
         }
         f.last_free = epoch;
         let freed = match entry {
-            // Its own front's block, freed there: cached in the front, as a fast free would.
-            Some(e) if same && !shared && f.cache_free(addr, epoch).is_some() => {
+            // Its own front's block, freed there and counted there, as a fast free is.
+            Some(e) if same && !shared && f.cache_free(addr).is_some() => {
                 Freed { size: e.n, requested: e.requested, pool: 0 }
             }
             _ => {
@@ -1414,7 +1389,7 @@ impl<B: Backend> Core<B> {
                 } else {
                     self.slots[slot].heap.free_cached(block, stream.id, epoch)
                 };
-                Freed { requested: entry.map_or(freed.requested, |e| e.requested), ..freed }
+                self.count_free(Freed { requested: entry.map_or(freed.requested, |e| e.requested), ..freed })
             }
         };
         let ask = f.seen_demand < demand;
@@ -1429,8 +1404,16 @@ impl<B: Backend> Core<B> {
     /// device-wide wait, so the free itself has succeeded either way; what the driver refused is
     /// recorded. Relaxed, as a capture elsewhere in global mode forbids the event.
     fn cover_frees(&mut self, stream: Caller) {
-        let Ok(old) = self.backend.relax() else { return };
-        if !matches!(self.caught_up(stream, false), Ok(true)) {
+        let old = match self.backend.relax() {
+            Ok(old) => old,
+            Err(e) => return record_missed(e),
+        };
+        // A stream whose idleness cannot be asked may still take an event.
+        let idle = self.caught_up(stream, false).unwrap_or_else(|e| {
+            record_missed(e);
+            false
+        });
+        if !idle {
             if let Err(e) = self.fence(stream) {
                 record_missed(e);
             }
@@ -1503,17 +1486,6 @@ impl<B: Backend> Core<B> {
         }
     }
 
-    /// The graph pool of a capture.
-    fn pool_of(&mut self, capture: u64) -> u32 {
-        if let Some(&p) = self.pools.get(&capture) {
-            return p;
-        }
-        let p = self.next_pool;
-        self.next_pool += 1;
-        self.pools.insert(capture, p);
-        p
-    }
-
     /// Waits for queued work, then releases every idle page and every spare page. Returns the
     /// bytes given back. (The tests' path: the allocator waits without its lock, between
     /// [`settle_begin`](Self::settle_begin) and [`settled`](Self::settled), then calls
@@ -1537,7 +1509,7 @@ impl<B: Backend> Core<B> {
         let r = self.reclaim(usize::MAX).and_then(|_| Ok(self.release_whole()? + self.release_small_idle()?));
         self.backend.restore(old);
         let other = r?;
-        let n = self.spare.len() as u64;
+        let n = self.held.spare.len() as u64;
         self.release_spare();
         Ok(n * self.sizes.page + other)
     }
@@ -1569,7 +1541,7 @@ impl<B: Backend> Core<B> {
         let page = self.slots[slot].page;
         self.backend.unmap(self.slots[slot].heap.base() + p * page, page)?;
         drop(self.slots[slot].pages[p as usize].take());
-        self.mapped_bytes -= page;
+        self.held.mapped -= page;
         self.stats.pages_released += 1;
         Ok(page)
     }
@@ -1652,6 +1624,7 @@ impl<B: Backend> Ordered<B> {
 mod export;
 #[cfg(test)]
 mod invariants;
+mod parts;
 mod sleep;
 mod snapshot;
 mod whole;

@@ -153,28 +153,30 @@ impl Front {
         if !matches!(s.blocks.get(&addr), Some(e) if !e.cached && !e.via_core) {
             return false;
         }
-        let epoch = s.next;
-        let Some(e) = s.cache_free(addr, epoch) else { return false };
-        s.last_free = epoch;
-        s.counts.frees += 1;
-        s.counts.live -= e.n as i64;
-        s.counts.requested -= e.requested as i64;
-        true
+        s.cache_free(addr).is_some()
     }
 }
 
 impl State {
-    /// Caches the live block at `addr` stamped `epoch`, for the fast path ([`Front::give`]) and the
-    /// core's alike, each of which counts the free where its counts are kept; its entry, or
-    /// `None` when the block is not the front's or the cache of its size is full.
-    pub(crate) fn cache_free(&mut self, addr: u64, epoch: Epoch) -> Option<Entry> {
+    /// Frees the live block at `addr` into the cache, for the fast path ([`Front::give`]) and the
+    /// core's alike: stamped with the next event's number, the stream's latest free, and counted
+    /// in the front's counts, which the core takes in. Its entry, or `None`, changing nothing,
+    /// when the block is not the front's or the cache of its size is full.
+    pub(crate) fn cache_free(&mut self, addr: u64) -> Option<Entry> {
+        let epoch = self.next;
         let e = self.blocks.get_mut(&addr)?;
         if !self.cache.push(e.n, (addr, epoch)) {
             return None;
         }
         e.cached = true;
         e.via_core = false;
-        Some(*e)
+        let e = *e;
+        self.last_free = epoch;
+        let c = &mut self.counts;
+        c.frees += 1;
+        c.live -= e.n as i64;
+        c.requested -= e.requested as i64;
+        Some(e)
     }
 
     /// Every cached block, taken out: (address, stamp, entry).

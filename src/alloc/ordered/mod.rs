@@ -100,12 +100,15 @@ mod heap;
 mod host_memory;
 mod ids;
 mod lazy;
+mod phase;
 mod snapshot;
+mod uses;
 
 pub use self::backup::{
     backup_host_copy, fresh_backup_memory, set_backup_host_copy, BackupKind, BackupOptions,
 };
 pub use self::core::{AllocatorStats, SleepMode, TagStats};
+pub use self::phase::TagPhase;
 pub use self::snapshot::{BlockSnapshot, BlockState, SegmentSnapshot};
 
 use self::backend::DriverBackend;
@@ -118,7 +121,7 @@ use crate::stream::order::Tracker;
 use crate::stream::{Event, Stream, StreamInner};
 use crate::vmm::{Access, Mapping, PhysicalMemory, Reservation};
 use crate::Device;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 /// Sizes of a [`StreamAllocator`].
@@ -209,6 +212,58 @@ impl Tag {
     pub fn backup(&self) -> BackupOptions {
         backup::options_of(self.0)
     }
+
+    /// Where this tag stands for the whole process ([`sleep_on`](Self::sleep_on),
+    /// [`wake_on`](Self::wake_on)); a sleep of one allocator alone
+    /// ([`StreamAllocator::sleep`]) leaves it awake.
+    pub fn phase(&self) -> TagPhase {
+        phase::PROCESS.phase(self.0)
+    }
+
+    /// Refused, as an allocation with the tag would be, when the tag is not
+    /// [`Awake`](TagPhase::Awake) for the process: for a caller that has no allocator to ask yet.
+    pub fn check_awake(&self) -> Result<()> {
+        match self.phase().on(phase::Step::Allocate) {
+            phase::Next::Refuse(why) => Err(why.error()),
+            _ => Ok(()),
+        }
+    }
+
+    /// Puts this tag to sleep on every allocator `allocators` lists, for the whole process: until
+    /// [`wake_on`](Self::wake_on), every allocation with it is refused, on those allocators and on
+    /// any made later. All or nothing: when one allocator refuses, those this call put to sleep
+    /// are woken again (a failure there is recorded as a destructor's is,
+    /// [`take_drop_error`](crate::error::take_drop_error), and the tag then stays
+    /// [`Asleep`](TagPhase::Asleep) for a wake to finish).
+    ///
+    /// A sleep or wake of the tag already under way on another thread is waited for, and so are
+    /// the allocations with the tag already past their check; `allocators` is called after those,
+    /// with the tag falling asleep, so an allocator made meanwhile is listed or refuses the tag.
+    /// Refused when the tag is asleep then.
+    pub fn sleep_on<'a>(
+        &self,
+        allocators: impl FnOnce() -> Vec<&'a StreamAllocator>,
+        mode: SleepMode,
+    ) -> Result<()> {
+        let t = *self;
+        phase::sleep_tag(
+            &phase::PROCESS,
+            self.0,
+            allocators,
+            |a| a.sleep(t, mode).map(drop),
+            |a| a.wake(t),
+            |a| a.tag_stats(t).asleep,
+        )
+    }
+
+    /// Wakes this tag on every allocator `allocators` lists where it is asleep, after a
+    /// [`sleep_on`](Self::sleep_on). Refused when the tag is not asleep for the process. A
+    /// failure stops the call: the allocators woken before stay awake, the rest asleep with
+    /// nothing lost, and the tag asleep, so that a later call wakes those.
+    pub fn wake_on<'a>(&self, allocators: impl FnOnce() -> Vec<&'a StreamAllocator>) -> Result<()> {
+        let t = *self;
+        phase::wake_tag(&phase::PROCESS, self.0, allocators, |a| a.tag_stats(t).asleep, |a| a.wake(t))
+    }
 }
 
 /// What becomes of memory handed out on a stream while it is being captured into a CUDA graph.
@@ -241,9 +296,31 @@ struct Shared {
     ctx: Context,
     /// The device's memory in bytes: no block can be larger.
     memory: u64,
+    /// The most bytes live blocks may hold ([`StreamAllocator::set_memory_fraction`]); `NO_LIMIT`
+    /// for none. Every request reads it: mostly there is none, and the answer is one atomic load.
+    limit: AtomicU64,
+    /// Streams recorded for raw blocks ([`StreamAllocator::record_stream`]), and the frees they
+    /// defer.
+    uses: uses::Uses,
     alloc: Ordered<DriverBackend>,
     /// Shared with the backend: whether pages are exported as they are made.
     exports_ahead: Arc<AtomicBool>,
+}
+
+/// [`Shared::limit`] when none is set.
+const NO_LIMIT: u64 = u64::MAX;
+
+/// The limit `fraction` of `memory` bytes sets ([`StreamAllocator::set_memory_fraction`]).
+fn limit_for(fraction: f64, memory: u64) -> Result<u64> {
+    if !(0.0..=1.0).contains(&fraction) {
+        return Err(Error::invalid(format!("memory fraction {fraction} is not between 0 and 1")));
+    }
+    Ok(if fraction < 1.0 { (fraction * memory as f64) as u64 } else { NO_LIMIT })
+}
+
+/// Whether `size` more bytes, `live` being live, pass `limit`.
+fn over_limit(live: u64, size: u64, limit: u64) -> bool {
+    live.saturating_add(size) > limit
 }
 
 impl Drop for Shared {
@@ -306,6 +383,8 @@ impl StreamAllocator {
             inner: Arc::new(Shared {
                 ctx: ctx.clone(),
                 memory: total as u64,
+                limit: AtomicU64::new(NO_LIMIT),
+                uses: uses::Uses::default(),
                 alloc: Ordered::new(core),
                 exports_ahead,
             }),
@@ -324,6 +403,53 @@ impl StreamAllocator {
             return Err(Error::refused(
                 Refusal::LargerThanDevice,
                 format_args!("{size} bytes are more than the device's {} bytes of memory", self.inner.memory),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Limits the bytes live blocks hold to `fraction` of the device's memory (PyTorch's
+    /// `torch.cuda.set_per_process_memory_fraction`): a request that would take them past it is
+    /// refused as out of memory ([`Refusal::OverLimit`]). 1 removes the limit; 0, or a fraction
+    /// that rounds down to 0 bytes, refuses every request, as PyTorch's own allocator does.
+    /// Refused, changing nothing, for a fraction outside 0 to 1.
+    ///
+    /// The limit counts live blocks ([`AllocatorStats::live`]), not the pages kept cached for
+    /// them: cached pages serve later requests or go back to the driver at an empty cache, and
+    /// counting them would refuse requests that cached memory already serves.
+    pub fn set_memory_fraction(&self, fraction: f64) -> Result<()> {
+        let bytes = limit_for(fraction, self.inner.memory)?;
+        self.inner.limit.store(bytes, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// The most bytes live blocks may hold ([`set_memory_fraction`](Self::set_memory_fraction)),
+    /// if limited.
+    pub fn memory_limit(&self) -> Option<u64> {
+        Some(self.inner.limit.load(Ordering::Relaxed)).filter(|&l| l != NO_LIMIT)
+    }
+
+    /// Refuses `size` more bytes past the limit, if one is set (asked only then: it takes the
+    /// allocator's lock to count the live bytes).
+    #[inline]
+    fn check_limit(&self, size: usize) -> Result<()> {
+        match self.memory_limit() {
+            None => Ok(()),
+            Some(limit) => self.check_limit_of(limit, size as u64),
+        }
+    }
+
+    #[cold]
+    fn check_limit_of(&self, limit: u64, size: u64) -> Result<()> {
+        let live = self.stats().live;
+        if over_limit(live, size, limit) {
+            return Err(Error::refused(
+                Refusal::OverLimit,
+                format_args!(
+                    "{size} bytes more than the memory fraction allows on device {} ({live} bytes live, \
+                     limit {limit} bytes)",
+                    self.inner.ctx.device().ordinal()
+                ),
             ));
         }
         Ok(())
@@ -373,12 +499,80 @@ impl StreamAllocator {
         tag: Option<Tag>,
     ) -> Result<u64> {
         self.check_size(size)?;
+        self.check_limit(size)?;
         let (capture, id) = caller_of(stream, graphs)?;
+        // Counted until the allocation returns: a sleep of the tag for the process waits for it.
+        let _allocating = tag.map(|t| phase::PROCESS.begin_allocation(t.0)).transpose()?;
         // Every driver call the allocator may make binds the context itself: the cached path makes
         // none.
         let tag = tag.map_or(0, |t| t.0);
-        let wait = || self.inner.ctx.synchronize().is_ok();
-        self.inner.alloc.allocate(size as u64, stream_key(stream), id, capture, tag, wait)
+        self.settle_uses(false);
+        let allocate = || {
+            let wait = || self.inner.ctx.synchronize().is_ok();
+            self.inner.alloc.allocate(size as u64, stream_key(stream), id, capture, tag, wait)
+        };
+        let got = allocate();
+        if got.as_ref().is_err_and(Error::is_out_of_memory) && self.inner.uses.pending() > 0 {
+            // Blocks whose frees wait for other streams' work: wait for it, as PyTorch does.
+            self.settle_uses(true);
+            return allocate();
+        }
+        got
+    }
+
+    /// Frees the blocks whose frees waited for other streams' work ([`record_stream`]) once it
+    /// has run (with `wait`, waiting for it). What goes wrong is recorded as a destructor's
+    /// failure is ([`take_drop_error`](crate::error::take_drop_error)): the request or empty cache
+    /// that settles goes on, and the free it finishes was accepted long before.
+    ///
+    /// [`record_stream`]: Self::record_stream
+    #[inline]
+    fn settle_uses(&self, wait: bool) {
+        // Every request asks: nothing waits, mostly, and the answer is one atomic load.
+        if self.inner.uses.pending() > 0 {
+            self.settle_uses_now(wait);
+        }
+    }
+
+    #[cold]
+    fn settle_uses_now(&self, wait: bool) {
+        let settled = self.inner.uses.settle(wait, |ptr, stream| {
+            // The work of the other streams that used it has completed, and `stream` is the one
+            // it was freed on, live by the contract of `record_stream`.
+            self.inner.alloc.free(ptr, stream_key(stream))
+        });
+        crate::error::record_drop(settled);
+    }
+
+    /// Says that work queued on `stream` uses the raw block at `ptr` too (PyTorch's
+    /// `Tensor.record_stream`): its free ([`free_raw`](Self::free_raw)) then records an event on
+    /// `stream` and keeps the block out of every request until that event has completed (a later
+    /// request, an [`empty_cache`](Self::empty_cache), or a request out of memory, which waits
+    /// for it, gives the block back). A use on the block's own stream changes nothing. Returns
+    /// whether `ptr` is the start of a live block of this allocator: any other pointer is ignored
+    /// (memory another allocator handed out, or a place inside a block).
+    ///
+    /// The free's contract extends to `stream`: it must be a live stream of this allocator's
+    /// context (or null, or the legacy default stream) when the block is freed, and until its
+    /// deferred free is made.
+    pub fn record_stream(&self, ptr: u64, stream: CUstream) -> bool {
+        let ours = self.owner_of(ptr).is_some_and(|(start, _)| start == ptr);
+        if ours {
+            self.inner.uses.record(ptr, stream);
+        }
+        ours
+    }
+
+    /// How many streams [`record_stream`](Self::record_stream) recorded for the live block at
+    /// `ptr`, its own excepted or not.
+    pub fn recorded_streams(&self, ptr: u64) -> usize {
+        self.inner.uses.recorded(ptr)
+    }
+
+    /// How many freed blocks wait for the work of streams [`record_stream`](Self::record_stream)
+    /// recorded before they come back.
+    pub fn deferred_frees(&self) -> usize {
+        self.inner.uses.pending()
     }
 
     /// `size` bytes on `stream` that sleep and wake with `tag`.
@@ -481,14 +675,20 @@ impl StreamAllocator {
     /// # Safety
     /// `ptr` must come from [`allocate_raw`](Self::allocate_raw) of this allocator and not be
     /// freed yet (a wrong address is refused, but a block of someone else's would be freed); every
-    /// use of it on other streams must be ordered before the work queued on `stream` now; and
-    /// `stream` is subject to what `allocate_raw` requires.
+    /// use of it on other streams must be ordered before the work queued on `stream` now, or be
+    /// on a stream [`record_stream`](Self::record_stream) named, live until the block's deferred
+    /// free is made; and `stream` is subject to what `allocate_raw` requires.
     ///
     /// A free on the stream the block was allocated on asks the driver nothing, during a capture
     /// as at any other time (see the module's "Graph capture"), except, once after another
     /// stream found memory short, to record an event after the free.
     pub unsafe fn free_raw(&self, ptr: u64, stream: CUstream) -> Result<()> {
         check_stream(stream)?;
+        // SAFETY: the caller's contract: `stream` and the streams recorded for `ptr` are live
+        // streams of the context.
+        if unsafe { self.inner.uses.defer(&self.inner.ctx, ptr, stream) }? {
+            return Ok(());
+        }
         self.inner.alloc.free(ptr, stream_key(stream))
     }
 
@@ -601,6 +801,7 @@ impl StreamAllocator {
     /// wait for the whole device, which also ends that capture in error: do not empty the cache
     /// during a capture).
     pub fn empty_cache(&self) -> Result<usize> {
+        self.settle_uses(true);
         self.inner.ctx.bind()?;
         let mut core = self.inner.alloc.core();
         core.flush_cached();
@@ -909,5 +1110,34 @@ impl Drop for StreamBlock {
             // by the allocator's backend).
             let _ = unsafe { alloc.free_raw(ptr, stream.raw) };
         });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_fraction_limits_live_bytes_and_one_removes_the_limit() {
+        let limit = limit_for(0.5, 1000).unwrap();
+        assert_eq!(limit, 500);
+        assert!(!over_limit(0, 500, limit));
+        assert!(over_limit(400, 101, limit));
+        assert!(over_limit(u64::MAX - 1, u64::MAX, NO_LIMIT - 1), "no overflow past the largest limit");
+        for bad in [-0.1, 1.5, f64::NAN] {
+            let e = limit_for(bad, 1000).unwrap_err();
+            assert!(e.to_string().contains("not between 0 and 1"), "{e}");
+        }
+        assert_eq!(limit_for(1.0, 1000).unwrap(), NO_LIMIT);
+        assert!(!over_limit(1 << 40, 1 << 40, NO_LIMIT));
+    }
+
+    #[test]
+    fn a_fraction_of_zero_or_of_less_than_a_byte_refuses_every_request() {
+        for fraction in [0.0, 1e-4] {
+            let limit = limit_for(fraction, 1000).unwrap();
+            assert_eq!(limit, 0, "fraction {fraction}: a limit of 0 bytes, not none");
+            assert!(over_limit(0, 1, limit));
+        }
     }
 }

@@ -7,7 +7,7 @@
 //! importers let go stays live in its heap, out of every later allocation, until the last
 //! [`Core::unexport`], as PyTorch defers the free of a block lent through CUDA IPC.
 
-use super::{Backend, Core, Epoch, Owner, SlotId, StreamId};
+use super::{Backend, Core, Epoch, Exported, Owner, SlotId, StreamId};
 use crate::error::{Error, Result};
 
 /// Where a live block lies on its pages.
@@ -63,9 +63,9 @@ impl<B: Backend> Core<B> {
         let at = self.pages_under(slot, block, len, &mut each)?;
         // Its free must drop the mark: the front's fast path leaves it to the core.
         self.free_via_core(slot, block);
-        let mark = self.sharing.exported.entry(block).or_insert((0, len));
-        mark.0 += 1;
-        if mark.0 == 1 {
+        let mark = self.sharing.exported.entry(block).or_insert(Exported { sharings: 0, len });
+        mark.sharings += 1;
+        if mark.sharings == 1 {
             self.stats.exported += len;
         }
         Ok(at)
@@ -80,7 +80,7 @@ impl<B: Backend> Core<B> {
         block: u64,
         mut each: impl FnMut(&B::Page) -> Result<()>,
     ) -> Result<BlockPages> {
-        let &(_, len) = self
+        let &Exported { len, .. } = self
             .sharing
             .exported
             .get(&block)
@@ -120,11 +120,11 @@ impl<B: Backend> Core<B> {
         let Some(mark) = self.sharing.exported.get_mut(&block) else {
             return Err(Error::invalid(format!("{block:#x} is not shared")));
         };
-        mark.0 -= 1;
-        if mark.0 > 0 {
+        mark.sharings -= 1;
+        if mark.sharings > 0 {
             return Ok(());
         }
-        let len = mark.1;
+        let len = mark.len;
         self.sharing.exported.remove(&block);
         let Some((stream, epoch)) = self.sharing.freed_shared.remove(&block) else {
             self.stats.exported -= len;
@@ -158,7 +158,7 @@ impl<B: Backend> Core<B> {
     /// Keeps the shared block at `block`, which its owner has just freed on `stream` at `epoch`,
     /// live in its heap until its last sharing is over.
     pub(super) fn hold_freed(&mut self, block: u64, stream: StreamId, epoch: Epoch) {
-        if let Some(&(_, len)) = self.sharing.exported.get(&block) {
+        if let Some(&Exported { len, .. }) = self.sharing.exported.get(&block) {
             self.sharing.freed_shared.insert(block, (stream, epoch));
             self.stats.exported -= len;
             self.stats.freed_shared += len;

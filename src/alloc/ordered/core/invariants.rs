@@ -4,7 +4,7 @@
 
 use super::super::front::Entry;
 use super::super::heap::{Owner, State};
-use super::{Backend, Caller, Core, SlotId};
+use super::{Backend, Caller, Core, Exported, SlotId};
 use std::collections::HashMap;
 
 impl<B: Backend> Core<B> {
@@ -104,15 +104,15 @@ impl<B: Backend> Core<B> {
 
         let in_tables: u64 =
             self.slots.iter().map(|s| s.pages.iter().filter(|p| p.is_some()).count() as u64 * s.page).sum();
-        assert_eq!(self.mapped_bytes, in_tables, "mapped bytes against the pages in the tables");
-        assert!(self.borrowed.is_empty(), "pages lent to a batch are never kept beyond it");
+        assert_eq!(self.held.mapped, in_tables, "mapped bytes against the pages in the tables");
+        assert!(self.lending.borrowed.is_empty(), "pages lent to a batch are never kept beyond it");
         assert_eq!(
             s.mapped,
-            self.mapped_bytes + self.spare.len() as u64 * self.sizes.page,
+            self.held.mapped + self.held.spare.len() as u64 * self.sizes.page,
             "mapped bytes counted"
         );
 
-        for l in &self.lent {
+        for l in &self.lending.lent {
             let slot = &self.slots[l.slot];
             for &p in &l.pages {
                 assert!(
@@ -133,7 +133,7 @@ impl<B: Backend> Core<B> {
         }
 
         let mut exported = 0;
-        for (&addr, &(n, len)) in &self.sharing.exported {
+        for (&addr, &Exported { sharings: n, len }) in &self.sharing.exported {
             assert!(n > 0, "{addr:#x} shared by no one is not marked");
             assert!(
                 matches!(blocks.get(&addr), Some(&(_, size, State::Live { .. })) if size == len),
@@ -146,12 +146,8 @@ impl<B: Backend> Core<B> {
         }
         let mut freed_shared = 0;
         for addr in self.sharing.freed_shared.keys() {
-            freed_shared += self
-                .sharing
-                .exported
-                .get(addr)
-                .map(|&(_, len)| len)
-                .expect("a block freed while shared is shared");
+            freed_shared +=
+                self.sharing.exported.get(addr).map(|e| e.len).expect("a block freed while shared is shared");
         }
         assert_eq!((s.exported, s.freed_shared), (exported, freed_shared), "shared bytes counted");
     }

@@ -4,8 +4,9 @@
 //!
 //! A tag is [`Awake`](State::Awake), [`Falling`](State::Falling) asleep (a sleep waits for the
 //! device, without the allocator's lock: a host function the device waits for may need it) or
-//! [`Asleep`](State::Asleep); every other request is refused with a typed error and changes
-//! nothing: sleeping twice, waking a tag that is not asleep, allocating with a tag that is not
+//! [`Asleep`](State::Asleep), moving as [`TagPhase::on`] says (a wake runs under the lock, so
+//! no other call sees a tag waking here); every other request is refused with a typed error and
+//! changes nothing: sleeping twice, waking a tag that is not asleep, allocating with a tag that is not
 //! awake, sleeping while a stream is being captured. Frees are allowed while
 //! asleep (the block's pages are simply not brought back). Memory of captured graphs in the tag's
 //! heaps is kept like live blocks: saved, and mapped again at wake. A wake that runs out of memory
@@ -13,6 +14,7 @@
 //! can succeed; a sleep that fails while releasing wakes the tag again.
 
 use super::{Backend, Core, SlotId};
+use crate::alloc::ordered::phase::{Next, Step, TagPhase};
 use crate::error::{Error, Result};
 use std::collections::HashMap;
 use std::ops::Range;
@@ -59,6 +61,16 @@ pub(crate) enum State {
     },
 }
 
+impl State {
+    fn phase(&self) -> TagPhase {
+        match self {
+            State::Awake => TagPhase::Awake,
+            State::Falling => TagPhase::Falling,
+            State::Asleep { .. } => TagPhase::Asleep,
+        }
+    }
+}
+
 pub(crate) struct Tag<H> {
     state: State,
     /// While asleep, the saved contents; while awake, a backup its options retain for the next
@@ -67,12 +79,24 @@ pub(crate) struct Tag<H> {
 }
 
 impl<B: Backend> Core<B> {
+    /// Where `tag` stands on this allocator (untagged memory is always awake).
+    fn phase_of(&self, tag: u32) -> TagPhase {
+        self.sleepers.get(&tag).map_or(TagPhase::Awake, |t| t.state.phase())
+    }
+
+    /// Whether `step` may begin for `tag` now: the core never waits for another sleep or wake
+    /// (each runs under its lock but for a sleep's wait, during which the tag is falling asleep),
+    /// so a step that would wait is refused too.
+    fn may(&self, tag: u32, step: Step) -> bool {
+        matches!(self.phase_of(tag).on(step), Next::Go(_))
+    }
+
     pub(crate) fn is_asleep(&self, tag: u32) -> bool {
-        tag != 0 && self.sleepers.get(&tag).is_some_and(|t| matches!(t.state, State::Asleep { .. }))
+        tag != 0 && self.phase_of(tag) == TagPhase::Asleep
     }
 
     pub(crate) fn is_awake(&self, tag: u32) -> bool {
-        tag == 0 || self.sleepers.get(&tag).map_or(true, |t| matches!(t.state, State::Awake))
+        tag == 0 || self.may(tag, Step::Allocate)
     }
 
     /// The heaps of `tag`.
@@ -114,7 +138,7 @@ impl<B: Backend> Core<B> {
         if tag == 0 {
             return Err(Error::invalid("only tagged memory can sleep"));
         }
-        if !self.is_awake(tag) {
+        if !self.may(tag, Step::Sleep) {
             return Err(Error::invalid("the tag is already asleep or going to sleep"));
         }
         if self.tag_shared(tag) {
@@ -140,7 +164,7 @@ impl<B: Backend> Core<B> {
         let r = waited.and(settled).and_then(|()| self.fall_asleep(tag, mode));
         if r.is_err() {
             let t = self.sleepers.get_mut(&tag).expect("marked falling");
-            if matches!(t.state, State::Falling) {
+            if t.state.phase().on(Step::Slept { asleep: false }) == Next::Go(TagPhase::Awake) {
                 t.state = State::Awake;
             }
         }
@@ -341,7 +365,7 @@ impl<B: Backend> Core<B> {
     /// the flag an earlier allocation left: a wake must not take an exit nothing retries.
     pub(crate) fn wake_with(&mut self, tag: u32, may_settle: bool) -> Result<()> {
         self.settle.asked = false;
-        if !self.is_asleep(tag) {
+        if tag == 0 || !self.may(tag, Step::Wake) {
             return Err(Error::invalid("the tag is not asleep"));
         }
         self.settle.may_ask = may_settle;
@@ -392,7 +416,7 @@ impl<B: Backend> Core<B> {
                 let page = self.slots[slot].page;
                 let _ = self.backend.unmap(base + p * page, page);
                 drop(self.slots[slot].pages[p as usize].take());
-                self.mapped_bytes -= page;
+                self.held.mapped -= page;
                 self.stats.pages_released += 1;
             }
             self.note_mapped();
@@ -445,7 +469,7 @@ impl<B: Backend> Core<B> {
                     return Err(e);
                 }
                 self.slots[slot].pages[p as usize] = Some(h);
-                self.mapped_bytes += page;
+                self.held.mapped += page;
                 mapped.push((slot, p));
                 self.backend.set_access(base + p * page, page)?;
                 let (Some(host), Some(&at)) = (host.as_deref_mut(), saved.get(&(slot, p))) else { continue };

@@ -1429,13 +1429,13 @@ fn the_identities_made_up_for_captured_streams_are_bounded() {
             c.caller(Handle(7), None, Capture::Private(capture)),
             "one handle, one stream in a capture"
         );
-        assert!(c.capture_ids.len() <= super::CAPTURE_IDS, "{} identities kept", c.capture_ids.len());
+        assert!(c.ids.by_capture.len() <= super::CAPTURE_IDS, "{} identities kept", c.ids.by_capture.len());
     }
     // One capture with more streams than the bound: still bounded.
     for raw in 0..2 * super::CAPTURE_IDS as u64 {
         c.caller(Handle(raw), None, Capture::Shared(u64::MAX));
     }
-    assert!(c.capture_ids.len() <= super::CAPTURE_IDS);
+    assert!(c.ids.by_capture.len() <= super::CAPTURE_IDS);
 }
 
 #[test]
@@ -1545,7 +1545,7 @@ fn lent_pages_released_after_a_failure_free_their_memory_when_the_lenders_come_b
     // miss, too large for the lenders' space, sees it complete.
     c.backend().run_all();
     alloc(&mut c, &mut held, 100 * PAGE, 2).unwrap();
-    assert!(c.lent.is_empty(), "the lending blocks came back");
+    assert!(c.lending.lent.is_empty(), "the lending blocks came back");
     assert_eq!(c.backend().units.get() as u64 * PAGE, c.stats().mapped, "released memory is freed");
 }
 

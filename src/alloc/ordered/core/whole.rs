@@ -10,7 +10,7 @@
 
 use super::super::heap::BlockId;
 use super::super::ids::IDLE;
-use super::{Backend, Capture, Core, Request, SlotId, StreamId, LEND_ABOVE, SMALL};
+use super::{Backend, Capture, Core, HeapKind, Request, SlotId, StreamId, LEND_ABOVE, SMALL};
 use crate::error::{Error, Result};
 
 /// The heap kind (in place of a tag) of blocks that are one physical allocation each. Interned
@@ -34,12 +34,12 @@ impl<B: Backend> Core<B> {
         self.whole_above = bytes;
     }
 
-    /// (small, tag) of the heaps that serve `n` bytes tagged `tag`.
-    pub(super) fn kind_of(&self, n: u64, tag: u32) -> (bool, u32) {
+    /// The heaps that serve `n` bytes tagged `tag`.
+    pub(super) fn kind_of(&self, n: u64, tag: u32) -> HeapKind {
         if tag == 0 && self.whole_above != 0 && n >= self.whole_above.max(SMALL + 1) {
-            (false, WHOLE)
+            HeapKind { small: false, tag: WHOLE }
         } else {
-            (n <= SMALL, tag)
+            HeapKind { small: n <= SMALL, tag }
         }
     }
 
@@ -116,7 +116,7 @@ impl<B: Backend> Core<B> {
     fn over_bound(&mut self, new: u64, own: u64) -> u64 {
         self.take_counts();
         let peak = (self.stats.live + self.stats.freed_shared + own).max(self.stats.live_peak);
-        let held = self.mapped_bytes + self.spare.len() as u64 * self.sizes.page + new;
+        let held = self.held.mapped + self.held.spare.len() as u64 * self.sizes.page + new;
         held.saturating_sub((peak as f64 * LEND_ABOVE) as u64)
     }
 
@@ -158,7 +158,7 @@ impl<B: Backend> Core<B> {
         if room {
             return Ok(None);
         }
-        let ordinary = Request { kind: (false, 0), ..*req };
+        let ordinary = Request { kind: HeapKind { small: false, tag: 0 }, ..*req };
         self.allocate_slow(&ordinary).map(Some)
     }
 
