@@ -208,10 +208,7 @@ class FindLibrary(unittest.TestCase):
         self.assertGreaterEqual(cuvmm.ctypes.sizeof(cuvmm_torch.Stats), 2 * n * 8)
         self.assertEqual(cuvmm_torch.Stats.graph_held.offset, 8 * cuvmm_torch.STAT_FIELDS.index("graph_held"))
         self.assertEqual(cuvmm.ctypes.sizeof(cuvmm_torch.TagStats), 3 * 8 + 2 * 4)
-        header = (Path(__file__).resolve().parents[2] / "include" / "cuvmm.h").read_text()
-        body = header.split("typedef struct cuvmm_stats {")[1].split("}")[0]
-        names = re.findall(r"uint64_t\s+(\w+)\s*;", body)
-        self.assertEqual(tuple(names), cuvmm_torch.STAT_FIELDS)
+        # Against cuvmm.h itself: test_header.py.
 
 
 FAKE_LIB = r"""
