@@ -262,8 +262,8 @@ fn malloc_with(function: &str, size: isize, device: c_int, stream: CUstream, cal
     ptr as usize as *mut c_void
 }
 
-/// The request of [`malloc_with`], `size` positive (inlined in both its places: a call of its own
-/// costs the cached pair a tenth more instructions).
+/// The request of [`malloc_with`], `size` positive (inlined in both its places: it is on the cached
+/// pair's path, where a call of its own shows in the pair's instruction count).
 #[inline(always)]
 fn request(
     function: &str,
