@@ -133,6 +133,50 @@ mod tests {
         assert_eq!(Failure::new(ErrorCode::InvalidArgument, "x").code(), ErrorCode::InvalidArgument);
     }
 
+    /// The header's `cuvmm_error_t` is written by hand (cbindgen cannot give its constants their C
+    /// names): every code must be there under its name, with its number.
+    #[test]
+    fn the_header_declares_every_code_with_its_number() {
+        let header = include_str!("../include/cuvmm.h");
+        let name = |c: ErrorCode| match c {
+            ErrorCode::None => "CUVMM_OK",
+            ErrorCode::InvalidArgument => "CUVMM_ERROR_INVALID_ARGUMENT",
+            ErrorCode::OutOfMemory => "CUVMM_ERROR_OUT_OF_MEMORY",
+            ErrorCode::Driver => "CUVMM_ERROR_DRIVER",
+            ErrorCode::NoDriver => "CUVMM_ERROR_NO_DRIVER",
+            ErrorCode::Unsupported => "CUVMM_ERROR_UNSUPPORTED",
+            ErrorCode::Os => "CUVMM_ERROR_OS",
+            ErrorCode::Protocol => "CUVMM_ERROR_PROTOCOL",
+            ErrorCode::PeerRefused => "CUVMM_ERROR_PEER_REFUSED",
+            ErrorCode::Timeout => "CUVMM_ERROR_TIMEOUT",
+            ErrorCode::InHostFunction => "CUVMM_ERROR_IN_HOST_FUNCTION",
+            ErrorCode::Internal => "CUVMM_ERROR_INTERNAL",
+        };
+        let all = [
+            ErrorCode::None,
+            ErrorCode::InvalidArgument,
+            ErrorCode::OutOfMemory,
+            ErrorCode::Driver,
+            ErrorCode::NoDriver,
+            ErrorCode::Unsupported,
+            ErrorCode::Os,
+            ErrorCode::Protocol,
+            ErrorCode::PeerRefused,
+            ErrorCode::Timeout,
+            ErrorCode::InHostFunction,
+            ErrorCode::Internal,
+        ];
+        for c in all {
+            let line = format!("{} = {}", name(c), c as i32);
+            assert!(header.contains(&line), "cuvmm.h lacks `{line}`");
+        }
+        let in_header = header
+            .lines()
+            .filter(|l| l.trim_start().starts_with("CUVMM_ERROR_") || l.trim_start().starts_with("CUVMM_OK"))
+            .count();
+        assert_eq!(in_header, all.len(), "a code in cuvmm.h that the library does not have");
+    }
+
     fn refused(why: Refusal) -> Error {
         Error::Refused { why, detail: "detail".into() }
     }

@@ -10,22 +10,35 @@ use cuvmm_lib::Device;
 use std::ffi::{c_int, c_void};
 use std::time::Duration;
 
-/// `cuvmm_handoff_stats_t` of cuvmm.h: the sender's counters, then the receiver's.
+/// The hand-off's counters in this process (cuvmm_handoff_stats): the sender's, then the receiver's.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
 pub struct CuvmmHandoffStats {
+    /// Sender: offers not taken yet.
     pub offered: u64,
+    /// Sender: offers taken and not let go.
     pub held: u64,
+    /// Sender: receiving processes connected.
     pub connections: u64,
+    /// Sender: offers let go untaken after their time to live.
     pub expired: u64,
+    /// Sender: pages revoked from receivers (given back while mapped there).
     pub revocations: u64,
+    /// Sender: offers let go.
     pub let_go: u64,
+    /// Receiver: leases not released.
     pub leases: u64,
+    /// Receiver: mappings kept (in use, or idle while the sender keeps them).
     pub kept: u64,
+    /// Receiver: their bytes.
     pub kept_bytes: u64,
+    /// Receiver: releases waiting for the work that used their memory.
     pub releasing: u64,
+    /// Receiver: releases whose wait failed, held until exit.
     pub held_for_good: u64,
+    /// Receiver: mappings unmapped because their sender gave the pages back.
     pub revoked: u64,
+    /// Receiver: connections to sending processes.
     pub senders: u64,
 }
 
@@ -61,8 +74,8 @@ fn device_of(t: &Ticket) -> Result<c_int, crate::Failure> {
     ))
 }
 
-/// The size of the block a ticket (`len` bytes at `ticket`) offers, into `*block_len`, its
-/// fields checked. 0, or -1 for something that is not a ticket.
+/// The size of the block a ticket (`len` bytes at `ticket`) offers, its fields checked, in
+/// `*block_len`. 0, or -1 for something that is not a ticket.
 ///
 /// # Safety
 /// `ticket` readable for `len` bytes; `block_len` writable.
@@ -80,9 +93,8 @@ pub unsafe extern "C" fn cuvmm_ticket_len(ticket: *const u8, len: usize, block_l
     })
 }
 
-/// Starts the process's sender and receiver (their threads, and room in the descriptor table for
-/// a hand-off's page descriptors) ahead of a first hand-off, which would otherwise pay for them.
-/// 0, or -1 on failure.
+/// Starts the hand-off's threads (and room in the descriptor table for a hand-off's page
+/// descriptors) now, so that a first hand-off does not wait for them. 0, or -1 on failure.
 #[no_mangle]
 pub extern "C" fn cuvmm_handoff_prepare() -> c_int {
     guard("cuvmm_handoff_prepare", -1, || {
@@ -92,8 +104,8 @@ pub extern "C" fn cuvmm_handoff_prepare() -> c_int {
     })
 }
 
-/// Lets go of the offer of a ticket if nobody has taken it yet (a message that carried it was
-/// never sent). 1 if it was let go, 0 if it was taken (or let go) already, -1 on failure.
+/// Lets go of an offer nobody has taken (its ticket was never sent). 1 if it did, 0 if it was
+/// taken (or let go) already, -1 on failure.
 ///
 /// # Safety
 /// `ticket` readable for `len` bytes.
@@ -107,12 +119,15 @@ pub unsafe extern "C" fn cuvmm_withdraw(ticket: *const u8, len: usize) -> c_int 
     })
 }
 
-/// Offers the live block of `device` holding `ptr` to one receiver and writes its ticket into
-/// `ticket` (`cap` bytes): whoever presents it takes the block. The block stays out of every
-/// later allocation until the receiver lets go, or exits, even once this process frees it.
-/// Offers of the same non-zero `group` go together to the receiver that fetches any of them.
-/// Writes the block's address into `*block` when not NULL. Returns the ticket's length; when it
-/// exceeds `cap`, nothing is offered (call again with room). -1 on failure.
+/// The hand-off: a block handed to another process as PyTorch's CUDA IPC hands a tensor over,
+/// without pidfd_getfd or privileges (docs/WIRE.md, "The hand-off"; what cuvmm.torch uses).
+///
+/// cuvmm_offer: offers the live block of `device` holding `ptr` to one receiver; its ticket (the
+/// bytes that take it: send them to that receiver only) goes into `ticket` (`cap` bytes) and the
+/// block's address into `*block` (may be NULL). Offers of one non-zero `group` go together to the
+/// first receiver that takes any of them. The block stays out of every later allocation, even once
+/// freed here, until its receiver lets go or exits. Returns the ticket's length; more than `cap`:
+/// nothing offered, call again with room enough. -1 on failure.
 ///
 /// # Safety
 /// `ticket` writable for `cap` bytes; `block` NULL or writable.
@@ -149,12 +164,13 @@ pub unsafe extern "C" fn cuvmm_offer(
     })
 }
 
-/// Takes the offer of a ticket (`len` bytes at `ticket`), waiting at most `timeout` seconds for
-/// its sender, and maps the block on the device it lives on, granting `peers` (`npeers` device
-/// ordinals) access too. Writes that device's ordinal into `*device` and the block's address in
-/// this process into `*block` (the sender's address `p` inside the block is `*block + p - b`,
-/// `b` the block's address there). Returns the lease, held until [`cuvmm_lease_release`]; NULL
-/// on failure.
+/// Takes a ticket's offer (`len` bytes at `ticket`), waiting at most `timeout_s` seconds for its
+/// sender, and maps the block on the device that holds it (its ordinal written to `*device`),
+/// granting the `npeers` devices in `peers` access too; `*block` gets its address here (the
+/// sender's address `p` inside the block is `*block + p - b`, `b` the block's address there). The
+/// same block handed over again is claimed with one message: the mapping is kept while the sender
+/// keeps the pages, and unmapped as soon as the sender gives them back to the device. Returns a
+/// lease, held until cuvmm_lease_release, or NULL.
 ///
 /// # Safety
 /// `ticket` readable for `len` bytes; `peers` for `npeers` ints; `device` and `block` writable.
@@ -190,10 +206,10 @@ pub unsafe extern "C" fn cuvmm_take(
     })
 }
 
-/// Lets go of a lease once the work queued so far on each of the `n` streams at `streams` is
-/// done (with none, once the device's work is): returns at once; the library's thread waits and
-/// then tells the sender. 0, or -1 on failure (the lease is released all the same, waiting for
-/// the device).
+/// Lets go of a lease once the work queued so far on the `n` streams at `streams` is done (n == 0:
+/// the device's work). Never blocks: the library's thread waits on events, then tells the sender.
+/// If that wait fails, the memory stays held and mapped. 0, or -1 on failure (the lease is released
+/// all the same, waiting for the device).
 ///
 /// # Safety
 /// `lease` a handle [`cuvmm_take`] returned, released once; `streams` readable for `n` handles,
@@ -224,7 +240,7 @@ pub unsafe extern "C" fn cuvmm_lease_release(
     })
 }
 
-/// Tells the sender of a ticket that this process will not take it. 0, or -1 on failure.
+/// Tells a ticket's sender it will not be taken. 0, or -1 on failure.
 ///
 /// # Safety
 /// `ticket` readable for `len` bytes.

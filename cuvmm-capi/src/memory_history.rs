@@ -11,7 +11,8 @@ use std::fmt::Write;
 use std::sync::atomic::Ordering;
 
 /// Told of an allocation (`kind` 'a') or a free ('f'): device, address, size and stream handle.
-pub type Observer = extern "C" fn(kind: c_int, device: c_int, ptr: u64, size: isize, stream: CUstream);
+pub type Observer =
+    Option<extern "C" fn(kind: c_int, device: c_int, ptr: u64, size: isize, stream: CUstream)>;
 
 /// Tells the observer, if any, of an allocation or free.
 #[inline(always)]
@@ -26,7 +27,7 @@ pub(crate) fn observe(kind: u8, device: c_int, ptr: u64, size: isize, stream: CU
 fn observe_now(f: usize, kind: u8, device: c_int, ptr: u64, size: isize, stream: CUstream) {
     // SAFETY: `f` was stored from an `Observer` by `cuvmm_set_alloc_observer`, whose contract
     // keeps it callable until it is replaced.
-    let f: Observer = unsafe { std::mem::transmute::<usize, Observer>(f) };
+    let f = unsafe { std::mem::transmute::<usize, extern "C" fn(c_int, c_int, u64, isize, CUstream)>(f) };
     f(c_int::from(kind), device, ptr, size, stream);
 }
 
@@ -36,7 +37,7 @@ fn observe_now(f: usize, kind: u8, device: c_int, ptr: u64, size: isize, stream:
 /// # Safety
 /// `observer` must stay callable, from any thread, until it is replaced; it must not unwind.
 #[no_mangle]
-pub unsafe extern "C" fn cuvmm_set_alloc_observer(observer: Option<Observer>) -> c_int {
+pub unsafe extern "C" fn cuvmm_set_alloc_observer(observer: Observer) -> c_int {
     PROCESS.observer.store(observer.map_or(0, |f| f as usize), Ordering::Release);
     0
 }

@@ -1,6 +1,6 @@
-//! Sharing a growing vector: the exporting side's bookkeeping ([`VmmVec::share_growth`] and its
-//! growth and shrink call it) and [`GrowableImport`], which follows the vector from another
-//! process.
+//! Sharing a growing vector: [`VmmVec::share_growth`] and the exporting side's bookkeeping (the
+//! vector's growth and shrink tell it, as the followers of its range) and [`GrowableImport`],
+//! which follows the vector from another process.
 //!
 //! The importer reserves the exporter's whole reservation once, when the connection opens, and
 //! maps each chunk, as it is announced, at the offset it has in the exporter's vector. Nothing it
@@ -8,8 +8,6 @@
 //! room for the largest possible growth anew with every segment it imports (PyTorch issue 186213
 //! describes the address space running out that way), one connection reserves exactly one
 //! region of the size the exporter announces, bounded by a limit the importer sets.
-//!
-//! [`VmmVec::share_growth`]: crate::VmmVec::share_growth
 
 use super::region::{RegionLayout, RegionRefusal, Step};
 use super::shared::{host_read, host_write, import_and_map, local_granularity, range_at};
@@ -19,21 +17,24 @@ use crate::context::Context;
 use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::memory::{DeviceCopy, DeviceSlice, DeviceSliceMut};
-use crate::stream::order::Tracker;
-use crate::vmm::{Access, HandleTypes, Location, Mapping, PhysicalBuilder, Reservation};
+use crate::stream::order::{Tracker, Use};
+use crate::vmm::{Access, Followers, HandleTypes, Location, Mapping, PhysicalBuilder, Reservation, VmmVec};
+use std::any::Any;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 
-/// The importers of one growing vector and what every message to them carries. Lives in the
-/// vector's `RawVmm`, whose growth and shrink report to it.
+/// The importers of one growing vector and what every message to them carries. The vector's
+/// range holds it as its followers, and tells it of each growth and shrink.
 pub(crate) struct Exports {
     importers: Vec<OwnedFd>,
     handle: HandleType,
     granularity: u64,
     device_uuid: [u8; 16],
+    /// The grow messages of a growth not committed yet, their handles exported.
+    pending: Outgoing,
 }
 
 /// A message for every importer, with the fd it carries.
-pub(crate) type Outgoing = Vec<(Message, Option<OwnedFd>)>;
+type Outgoing = Vec<(Message, Option<OwnedFd>)>;
 
 /// How long the exporter waits for an importer's socket to take a message, unless the socket
 /// came with a send timeout of its own: a few thousand messages fit in a socket's buffer, so an
@@ -65,12 +66,8 @@ impl Exports {
             handle,
             granularity: granularity as u64,
             device_uuid: dev.uuid()?.0,
+            pending: Vec::new(),
         })
-    }
-
-    /// Importers still connected, as far as the last message sent to them tells.
-    pub(crate) fn importers(&self) -> usize {
-        self.importers.len()
     }
 
     /// The grow message for `chunk`, its handle exported.
@@ -89,16 +86,6 @@ impl Exports {
             0,
         )?;
         Ok((Message::Grow(g), fd))
-    }
-
-    /// The grow messages for `fresh` chunks, their handles exported: called before a growth is
-    /// committed, so that an export that fails fails the growth rather than leaving importers
-    /// behind. Nothing is exported while no importer is connected.
-    pub(crate) fn prepare(&self, fresh: &[Mapping]) -> Result<Outgoing> {
-        if self.importers.is_empty() {
-            return Ok(Vec::new());
-        }
-        fresh.iter().map(|c| self.grow(c)).collect()
     }
 
     /// Connects an importer: sends it the region (`capacity` bytes, `tag`) and a grow message for
@@ -132,10 +119,109 @@ impl Exports {
     /// Sends `messages` to every importer, in order. An importer that cannot be sent to (it
     /// exited, or its socket's send timeout expired: it stopped reading) is disconnected: its
     /// socket is closed, and it keeps what it has mapped.
-    pub(crate) fn send(&mut self, messages: &[(Message, Option<OwnedFd>)]) {
+    fn send(&mut self, messages: &[(Message, Option<OwnedFd>)]) {
         self.importers.retain(|sock| {
             messages.iter().all(|(m, fd)| send_message(sock.as_fd(), m, fd.as_ref().map(AsFd::as_fd)).is_ok())
         });
+    }
+}
+
+impl Followers for Exports {
+    /// The grow messages for `fresh` chunks, their handles exported before the growth is
+    /// committed, so that an export that fails fails the growth rather than leaving importers
+    /// behind. Nothing is exported while no importer is connected.
+    fn prepare(&mut self, fresh: &[Mapping]) -> Result<()> {
+        self.pending = if self.importers.is_empty() {
+            Vec::new()
+        } else {
+            fresh.iter().map(|c| self.grow(c)).collect::<Result<_>>()?
+        };
+        Ok(())
+    }
+
+    fn grew(&mut self) {
+        let announce = std::mem::take(&mut self.pending);
+        self.send(&announce);
+    }
+
+    fn shrank(&mut self, length: usize) {
+        self.send(&[(Message::Shrink { length: length as u64, tag: 0 }, None)]);
+    }
+
+    /// Importers still connected, as far as the last message sent to them tells.
+    fn count(&self) -> usize {
+        self.importers.len()
+    }
+
+    fn as_any_mut(&mut self) -> &mut dyn Any {
+        self
+    }
+}
+
+impl<T: DeviceCopy> VmmVec<T> {
+    /// Shares this vector, and from now on every growth and shrink of it, with the process at the
+    /// other end of `sock`, which follows it with [`GrowableImport`].
+    ///
+    /// Sends a region message (the reservation's size, to be reserved by the importer once, and
+    /// `tag`) and a grow message for each chunk mapped so far; then each chunk the vector maps is
+    /// exported and announced before the growth returns, and a shrink that unmaps chunks
+    /// announces the new length. The vector must have been built with exportable chunks
+    /// ([`VmmVecBuilder::handle_types`](crate::VmmVecBuilder::handle_types) with [`HandleTypes::POSIX_FD`] or
+    /// [`FABRIC`](HandleTypes::FABRIC)), else [`Error::InvalidArgument`]. Call it again to add
+    /// importers; a failure closes `sock` and leaves the others as they were.
+    ///
+    /// While an importer is connected the vector never moves: a growth past the reservation is
+    /// refused with [`Error::InvalidArgument`] (and changes nothing), so reserve enough address
+    /// space up front ([`VmmVecBuilder::reserve_address_space`](crate::VmmVecBuilder::reserve_address_space)). Once every importer has gone it
+    /// may move again, and a later importer reserves the new size.
+    ///
+    /// Messages are sent on the caller's thread, blocking while an importer's socket buffer is
+    /// full (after some hundreds of messages it has not read), for at most the socket's send
+    /// timeout: its own `SO_SNDTIMEO`, or [`SEND_TIMEOUT`] where
+    /// it had none. An importer that cannot be sent to any more (it exited, or stopped reading) is
+    /// disconnected, without failing the growth: its socket is closed and it keeps what it had
+    /// mapped. [`importer_count`](Self::importer_count) says how many remain.
+    ///
+    /// The importer's memory stays valid whatever happens to this process: it holds its own
+    /// handle on every chunk it has mapped, until it unmaps it (on a shrink) or drops the import.
+    /// ```no_run
+    /// # fn f(sock: std::os::unix::net::UnixStream) -> cuvmm::Result<()> {
+    /// use cuvmm::vmm::HandleTypes;
+    /// let ctx = cuvmm::Context::for_ordinal(0)?;
+    /// let mut v = cuvmm::VmmVec::<f32>::builder(&ctx)
+    ///     .handle_types(HandleTypes::POSIX_FD)
+    ///     .reserve_address_space(16 << 30)
+    ///     .build()?;
+    /// v.share_growth(sock, 0)?;
+    /// v.resize(1 << 28, 0.0)?; // 1 GiB: the importer maps each new chunk
+    /// v.notify_importers(v.len() as u64)?;
+    /// v.truncate(0);
+    /// v.shrink_to_fit()?; // and unmaps them again
+    /// # Ok(()) }
+    /// ```
+    pub fn share_growth(&mut self, sock: impl Into<OwnedFd>, tag: u64) -> Result<()> {
+        let (exports, chunks, capacity) = self.raw_mut().follow(Exports::new)?;
+        exports.add(sock.into(), capacity, tag, chunks)
+    }
+
+    /// Sends every importer a note with `tag` (the number of elements written, say), once all
+    /// writes to the elements queued on streams the vector knows of have completed: an importer
+    /// that receives it sees every chunk announced before it mapped, and the elements written
+    /// before it. Disconnects importers that cannot be sent to, as growth does.
+    pub fn notify_importers(&mut self, tag: u64) -> Result<()> {
+        {
+            let _turn = self.host(0, self.len(), Use::Read)?;
+        }
+        if let Some(e) = self.raw_mut().followers_as::<Exports>() {
+            e.send(&[(Message::Note { tag }, None)]);
+        }
+        Ok(())
+    }
+
+    /// Processes following this vector's growth (see [`share_growth`](Self::share_growth)), as far
+    /// as the last message sent to them tells.
+    pub fn importer_count(&self) -> usize {
+        self.raw().importers()
     }
 }
 

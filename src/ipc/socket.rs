@@ -3,7 +3,8 @@
 
 use super::wire::{Header, Message, HEADER_LEN};
 use crate::error::{Error, Refusal, Result};
-use nix::sys::socket::{getsockopt, sockopt::PeerCredentials};
+use nix::sys::socket::{getsockopt, recvmsg, sendmsg, sockopt::PeerCredentials, ControlMessage, MsgFlags};
+use std::io::{IoSlice, IoSliceMut};
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 use std::time::Instant;
 
@@ -65,40 +66,11 @@ pub fn send_message(sock: BorrowedFd<'_>, message: &Message, fd: Option<Borrowed
 }
 
 /// One `sendmsg` of `bytes`, with `fd` as SCM_RIGHTS if given (`MSG_NOSIGNAL`: a peer that has
-/// gone is `EPIPE`, never a signal). The control data is built on the stack: nothing is allocated.
+/// gone is `EPIPE`, never a signal).
 fn send_chunk(sock: BorrowedFd<'_>, bytes: &[u8], fd: Option<BorrowedFd<'_>>) -> nix::Result<usize> {
-    const FD_SPACE: usize = cmsg_space(std::mem::size_of::<RawFd>());
-    // `cmsghdr` holds a `size_t`: the buffer is aligned for it.
-    #[repr(C, align(8))]
-    struct Control([u8; FD_SPACE]);
-    let mut control = Control([0; FD_SPACE]);
-    let mut iov = libc::iovec { iov_base: bytes.as_ptr() as *mut libc::c_void, iov_len: bytes.len() };
-    // SAFETY: msghdr is plain data; all zeroes is a valid value (null pointers, zero lengths).
-    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-    msg.msg_iov = &mut iov;
-    msg.msg_iovlen = 1;
-    if let Some(fd) = fd {
-        // SAFETY: cmsghdr is plain data (integers, and padding on some libcs); zeroes are valid.
-        let mut hdr: libc::cmsghdr = unsafe { std::mem::zeroed() };
-        hdr.cmsg_len = (CMSG_HDR + std::mem::size_of::<RawFd>()) as _;
-        hdr.cmsg_level = libc::SOL_SOCKET;
-        hdr.cmsg_type = libc::SCM_RIGHTS;
-        // SAFETY: `control` has room for a header and one fd (FD_SPACE = CMSG_SPACE(sizeof(int)))
-        // and is aligned for cmsghdr; the fd's bytes go where CMSG_DATA points, CMSG_HDR bytes in.
-        unsafe {
-            std::ptr::write(control.0.as_mut_ptr().cast::<libc::cmsghdr>(), hdr);
-            std::ptr::write_unaligned(control.0.as_mut_ptr().add(CMSG_HDR).cast::<RawFd>(), fd.as_raw_fd());
-        }
-        msg.msg_control = control.0.as_mut_ptr().cast();
-        msg.msg_controllen = FD_SPACE as _;
-    }
-    // SAFETY: `msg` points at `iov` (which describes `bytes`, only read) and at `control`, alive
-    // for the call; the fd in the control data is open (borrowed) and the kernel duplicates it.
-    let n = unsafe { libc::sendmsg(sock.as_raw_fd(), &msg, libc::MSG_NOSIGNAL) };
-    if n < 0 {
-        return Err(nix::errno::Errno::last());
-    }
-    Ok(n as usize)
+    let raw = fd.map(|fd| [fd.as_raw_fd()]);
+    let rights = raw.as_ref().map(|raw| ControlMessage::ScmRights(raw));
+    sendmsg::<()>(sock.as_raw_fd(), &[IoSlice::new(bytes)], rights.as_slice(), MsgFlags::MSG_NOSIGNAL, None)
 }
 
 /// `SCM_PIDFD` (Linux 6.5): a pidfd of the sender, installed in the receiver when it set
@@ -172,35 +144,34 @@ fn own_descriptors(control: &[u8], fds: &mut Vec<OwnedFd>) {
     }
 }
 
-/// One `recvmsg` into `buf` (close-on-exec descriptors, `flags` added), owning every descriptor that came with
-/// it before returning, whatever else happened.
+/// Room for the control data of one `recvmsg`, its length its capacity: nix hands the kernel the
+/// whole capacity, and [`own_descriptors`] walks all of it.
+fn control_buffer() -> Vec<u8> {
+    let mut control = vec![0; CONTROL_LEN];
+    control.resize(control.capacity(), 0);
+    control
+}
+
+/// One `recvmsg` into `buf` (close-on-exec descriptors, `flags` added), owning every descriptor
+/// that came with it before returning, whatever else happened. `control` is a
+/// [`control_buffer`].
 fn recv_chunk(
     sock: BorrowedFd<'_>,
     buf: &mut [u8],
+    control: &mut Vec<u8>,
     fds: &mut Vec<OwnedFd>,
-    flags: libc::c_int,
+    flags: MsgFlags,
 ) -> nix::Result<Chunk> {
-    // nix's iterator refuses truncated control data outright, leaving the fds that did arrive
-    // unowned; so this reads the control data itself. Plain bytes need no alignment: the kernel
-    // copies bytes in, and the walk reads headers unaligned.
-    let mut control = [0u8; CONTROL_LEN];
-    let mut iov = libc::iovec { iov_base: buf.as_mut_ptr().cast(), iov_len: buf.len() };
-    // SAFETY: msghdr is plain data; all zeroes is a valid value (null pointers, zero lengths).
-    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-    msg.msg_iov = &mut iov;
-    msg.msg_iovlen = 1;
-    msg.msg_control = control.as_mut_ptr().cast();
-    msg.msg_controllen = CONTROL_LEN as _;
-    // SAFETY: `msg` points at `iov` (which describes `buf`) and at `control`, all alive and
-    // exclusively ours for the call; the kernel writes at most their stated lengths.
-    let n = unsafe { libc::recvmsg(sock.as_raw_fd(), &mut msg, libc::MSG_CMSG_CLOEXEC | flags) };
-    if n < 0 {
-        return Err(nix::errno::Errno::last());
-    }
-    // The kernel set msg_controllen to what it wrote, never more than the buffer.
-    let written = (msg.msg_controllen as usize).min(CONTROL_LEN);
-    own_descriptors(&control[..written], fds);
-    Ok(Chunk { bytes: n as usize, control_truncated: msg.msg_flags & libc::MSG_CTRUNC != 0 })
+    // The control data is walked here, not by nix's iterator: that refuses truncated control data
+    // outright, leaving the descriptors that did arrive unowned, and hands a pidfd over as an
+    // opaque message that nobody could close. nix does not say how much the kernel wrote; the
+    // walk stops at the first header of length zero, so the buffer is zeroed for every call.
+    control.fill(0);
+    let mut iov = [IoSliceMut::new(buf)];
+    let got = recvmsg::<()>(sock.as_raw_fd(), &mut iov, Some(control), MsgFlags::MSG_CMSG_CLOEXEC | flags)
+        .map(|m| Chunk { bytes: m.bytes, control_truncated: m.flags.contains(MsgFlags::MSG_CTRUNC) });
+    own_descriptors(control, fds);
+    got
 }
 
 /// Any received message, validated on its own, with the fd it carried if any and its sender.
@@ -326,6 +297,8 @@ pub struct FrameReader {
     got: usize,
     // Every descriptor that arrives lands here first, so it is owned on every path.
     fds: Vec<OwnedFd>,
+    /// The control data of each `recvmsg` (see [`control_buffer`]).
+    control: Vec<u8>,
 }
 
 impl Default for FrameReader {
@@ -337,7 +310,7 @@ impl Default for FrameReader {
 impl FrameReader {
     /// A reader between frames.
     pub fn new() -> FrameReader {
-        FrameReader { buf: [0; HEADER_LEN], got: 0, fds: Vec::new() }
+        FrameReader { buf: [0; HEADER_LEN], got: 0, fds: Vec::new(), control: control_buffer() }
     }
 
     /// Bytes of a begun frame held: 0 between frames.
@@ -379,11 +352,12 @@ impl FrameReader {
                         return Err(Error::Timeout { received: self.got, expected: HEADER_LEN });
                     }
                     // poll said readable; never block past the deadline if another reader won.
-                    libc::MSG_DONTWAIT
+                    MsgFlags::MSG_DONTWAIT
                 }
-                None => 0,
+                None => MsgFlags::empty(),
             };
-            let chunk = match recv_chunk(sock, &mut self.buf[self.got..], &mut self.fds, flags) {
+            let into = &mut self.buf[self.got..];
+            let chunk = match recv_chunk(sock, into, &mut self.control, &mut self.fds, flags) {
                 Ok(c) => c,
                 Err(nix::errno::Errno::EINTR) => continue,
                 Err(nix::errno::Errno::EAGAIN) if deadline.is_some() => continue,
@@ -441,31 +415,25 @@ impl FrameReader {
 }
 
 fn is_nonblocking(sock: BorrowedFd<'_>) -> Result<bool> {
-    // SAFETY: F_GETFL reads the open file's status flags; it changes nothing.
-    let flags = unsafe { libc::fcntl(sock.as_raw_fd(), libc::F_GETFL) };
-    if flags < 0 {
-        return Err(Error::Os { call: "fcntl(F_GETFL)", errno: nix::errno::Errno::last() });
-    }
-    Ok(flags & libc::O_NONBLOCK != 0)
+    use nix::fcntl::{fcntl, FcntlArg, OFlag};
+    let flags = fcntl(sock.as_raw_fd(), FcntlArg::F_GETFL)
+        .map_err(|errno| Error::Os { call: "fcntl(F_GETFL)", errno })?;
+    Ok(OFlag::from_bits_retain(flags).contains(OFlag::O_NONBLOCK))
 }
 
 /// Waits until `sock` has something to read (or has been closed), or `deadline` passes: `false`
 /// then. A deadline already past still looks once.
 fn wait_readable(sock: BorrowedFd<'_>, deadline: Instant) -> Result<bool> {
-    let mut p = libc::pollfd { fd: sock.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+    use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
     loop {
         let left = deadline.saturating_duration_since(Instant::now());
         // Rounded up, so that a wait never ends just before the deadline.
-        let ms = left.as_micros().div_ceil(1000).min(i32::MAX as u128) as libc::c_int;
-        // SAFETY: one valid pollfd, for the length of the call.
-        match unsafe { libc::poll(&mut p, 1, ms) } {
-            n if n > 0 => return Ok(true),
-            0 if Instant::now() >= deadline => return Ok(false),
-            0 => continue,
-            _ => match nix::errno::Errno::last() {
-                nix::errno::Errno::EINTR => continue,
-                errno => return Err(Error::Os { call: "poll", errno }),
-            },
+        let ms = PollTimeout::try_from(left.as_micros().div_ceil(1000)).unwrap_or(PollTimeout::MAX);
+        match poll(&mut [PollFd::new(sock, PollFlags::POLLIN)], ms) {
+            Ok(n) if n > 0 => return Ok(true),
+            Ok(_) if Instant::now() >= deadline => return Ok(false),
+            Ok(_) | Err(nix::errno::Errno::EINTR) => continue,
+            Err(errno) => return Err(Error::Os { call: "poll", errno }),
         }
     }
 }
@@ -552,6 +520,15 @@ mod tests {
             &mut fds,
         );
         assert!(fds.is_empty());
+    }
+
+    #[test]
+    fn the_control_buffer_is_as_long_as_the_room_the_kernel_is_given() {
+        let control = control_buffer();
+        // nix hands the kernel the capacity; the walk reads the length.
+        assert_eq!(control.len(), control.capacity());
+        assert!(control.len() >= CONTROL_LEN);
+        assert!(control.iter().all(|&b| b == 0), "a zero header ends the walk");
     }
 
     #[test]

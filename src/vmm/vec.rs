@@ -4,17 +4,16 @@
 use crate::context::Context;
 use crate::driver::{driver, result, sys::CUdeviceptr};
 use crate::error::{Error, Refusal, Result};
-use crate::ipc::growth::Exports;
 use crate::memory::{DeviceCopy, DeviceSlice, DeviceSliceMut};
 use crate::stream::order::{Tracker, Turn, Use};
 use crate::vmm::{
     bytes_for, Access, ChunkPolicy, HandleTypes, Location, Mapping, PhysicalBuilder, PhysicalMemory,
     Reservation,
 };
+use std::any::Any;
 use std::collections::VecDeque;
 use std::marker::PhantomData;
 use std::ops::Range;
-use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
 use std::sync::Arc;
@@ -40,8 +39,27 @@ pub struct RawVmm {
     worker: Option<AheadWorker>,
     /// Bytes the last growth mapped: sets the size of the chunk made ahead.
     last_growth: usize,
-    /// With [`VmmVec::share_growth`]: the processes that follow the growth.
-    exports: Option<Exports>,
+    /// Whoever follows the growth from outside the vector (the processes of
+    /// [`VmmVec::share_growth`]).
+    followers: Option<Box<dyn Followers>>,
+}
+
+/// What follows a vector's mapped range from outside it. Told of each growth before it is
+/// committed, so that a failure to tell fails the growth and leaves everything as it was; then
+/// once it is; and of each shrink that unmaps chunks. The sharing layer keeps a vector's importers
+/// behind it: the vector knows only that someone follows, and that while anyone does its range
+/// cannot move.
+pub(crate) trait Followers: Any + Send + Sync {
+    /// Readies the news of `fresh` chunks, about to be mapped where the mapped part ends.
+    fn prepare(&mut self, fresh: &[Mapping]) -> Result<()>;
+    /// Tells what [`prepare`](Self::prepare) readied: the growth is committed.
+    fn grew(&mut self);
+    /// Tells that the chunks from `length` bytes on are unmapped.
+    fn shrank(&mut self, length: usize);
+    /// How many follow.
+    fn count(&self) -> usize;
+    /// Itself, for the layer that made it to find its own type again.
+    fn as_any_mut(&mut self) -> &mut dyn Any;
 }
 
 /// Chunks made ahead at once: while the appends use one, the next are on their way, so that a
@@ -216,7 +234,7 @@ impl RawVmm {
             ahead_mode,
             worker: None,
             last_growth: 0,
-            exports: None,
+            followers: None,
         };
         if ahead_mode == AheadMode::Eager {
             // The first chunk is mapped while building (the first append would otherwise wait for
@@ -426,16 +444,15 @@ impl RawVmm {
             fresh.push(map_chunk(&self.phys, &self.reservation, offset, &phys)?);
             offset += size;
         }
-        // Exported before the growth is committed, so that a failure leaves everything as it was.
-        let announce = match &self.exports {
-            Some(e) => e.prepare(&fresh)?,
-            None => Vec::new(),
-        };
+        // Told before the growth is committed, so that a failure leaves everything as it was.
+        if let Some(f) = &mut self.followers {
+            f.prepare(&fresh)?;
+        }
         self.chunks.extend(fresh);
         self.last_growth = need - self.mapped;
         self.mapped = offset;
-        if let Some(e) = &mut self.exports {
-            e.send(&announce);
+        if let Some(f) = &mut self.followers {
+            f.grew();
         }
         self.start_ahead();
         Ok(())
@@ -479,23 +496,37 @@ impl RawVmm {
             self.mapped = last.offset();
             self.chunks.pop();
         }
-        if let Some(e) = self.exports.as_mut().filter(|_| self.mapped != before) {
-            e.send(&[(crate::ipc::Message::Shrink { length: self.mapped as u64, tag: 0 }, None)]);
+        if let Some(f) = self.followers.as_mut().filter(|_| self.mapped != before) {
+            f.shrank(self.mapped);
         }
     }
 
-    /// Connects an importer (see [`VmmVec::share_growth`]).
-    fn share_growth(&mut self, sock: OwnedFd, tag: u64) -> Result<()> {
-        let exports = match &mut self.exports {
-            Some(e) => e,
-            None => self.exports.insert(Exports::new(&self.phys, self.granularity)?),
-        };
-        exports.add(sock, self.reservation.size(), tag, &self.chunks)
+    /// The followers of type `F`, made by `make` (from the chunks' builder and granularity) where
+    /// the range has none yet, with the chunks mapped and the bytes reserved. A failure to make
+    /// them changes nothing.
+    pub(crate) fn follow<F: Followers>(
+        &mut self,
+        make: impl FnOnce(&PhysicalBuilder, usize) -> Result<F>,
+    ) -> Result<(&mut F, &[Mapping], usize)> {
+        if self.followers.is_none() {
+            self.followers = Some(Box::new(make(&self.phys, self.granularity)?));
+        }
+        let RawVmm { followers, chunks, reservation, .. } = self;
+        let followers =
+            followers.as_mut().and_then(|f| f.as_any_mut().downcast_mut::<F>()).ok_or_else(|| {
+                Error::invalid("the vector is followed already, through something other than this")
+            })?;
+        Ok((followers, chunks, reservation.size()))
+    }
+
+    /// The followers, where they are of type `F`.
+    pub(crate) fn followers_as<F: Followers>(&mut self) -> Option<&mut F> {
+        self.followers.as_mut()?.as_any_mut().downcast_mut::<F>()
     }
 
     /// Processes following this range's growth (see [`VmmVec::share_growth`]).
     pub fn importers(&self) -> usize {
-        self.exports.as_ref().map_or(0, Exports::importers)
+        self.followers.as_ref().map_or(0, |f| f.count())
     }
 }
 
@@ -671,6 +702,11 @@ impl<T: DeviceCopy> VmmVec<T> {
         &self.raw
     }
 
+    /// The capacity half, to be followed from another layer (see [`RawVmm::follow`]).
+    pub(crate) fn raw_mut(&mut self) -> &mut RawVmm {
+        &mut self.raw
+    }
+
     /// The first element's address. Stable while growth fits the reservation.
     pub fn device_ptr(&self) -> CUdeviceptr {
         self.raw.base()
@@ -699,7 +735,7 @@ impl<T: DeviceCopy> VmmVec<T> {
 
     /// Waits on the host for other streams' conflicting work on elements `[start, start+count)`
     /// (mapped memory past `len` included), before a synchronous access.
-    fn host(&self, start: usize, count: usize, access: Use) -> Result<Turn<'_>> {
+    pub(crate) fn host(&self, start: usize, count: usize, access: Use) -> Result<Turn<'_>> {
         let (a, b) = (self.addr(start), self.addr(start + count));
         self.order.host_access(a, b, access)
     }
@@ -780,70 +816,6 @@ impl<T: DeviceCopy> VmmVec<T> {
     pub fn shrink_to_fit(&mut self) -> Result<()> {
         self.raw.shrink_to(bytes_for(self.len, Self::elem())?);
         Ok(())
-    }
-
-    /// Shares this vector, and from now on every growth and shrink of it, with the process at the
-    /// other end of `sock`, which follows it with [`GrowableImport`](crate::ipc::GrowableImport).
-    ///
-    /// Sends a region message (the reservation's size, to be reserved by the importer once, and
-    /// `tag`) and a grow message for each chunk mapped so far; then each chunk the vector maps is
-    /// exported and announced before the growth returns, and a shrink that unmaps chunks
-    /// announces the new length. The vector must have been built with exportable chunks
-    /// ([`VmmVecBuilder::handle_types`] with [`HandleTypes::POSIX_FD`] or
-    /// [`FABRIC`](HandleTypes::FABRIC)), else [`Error::InvalidArgument`]. Call it again to add
-    /// importers; a failure closes `sock` and leaves the others as they were.
-    ///
-    /// While an importer is connected the vector never moves: a growth past the reservation is
-    /// refused with [`Error::InvalidArgument`] (and changes nothing), so reserve enough address
-    /// space up front ([`VmmVecBuilder::reserve_address_space`]). Once every importer has gone it
-    /// may move again, and a later importer reserves the new size.
-    ///
-    /// Messages are sent on the caller's thread, blocking while an importer's socket buffer is
-    /// full (after some hundreds of messages it has not read), for at most the socket's send
-    /// timeout: its own `SO_SNDTIMEO`, or [`SEND_TIMEOUT`](crate::ipc::growth::SEND_TIMEOUT) where
-    /// it had none. An importer that cannot be sent to any more (it exited, or stopped reading) is
-    /// disconnected, without failing the growth: its socket is closed and it keeps what it had
-    /// mapped. [`importer_count`](Self::importer_count) says how many remain.
-    ///
-    /// The importer's memory stays valid whatever happens to this process: it holds its own
-    /// handle on every chunk it has mapped, until it unmaps it (on a shrink) or drops the import.
-    /// ```no_run
-    /// # fn f(sock: std::os::unix::net::UnixStream) -> cuvmm::Result<()> {
-    /// use cuvmm::vmm::HandleTypes;
-    /// let ctx = cuvmm::Context::for_ordinal(0)?;
-    /// let mut v = cuvmm::VmmVec::<f32>::builder(&ctx)
-    ///     .handle_types(HandleTypes::POSIX_FD)
-    ///     .reserve_address_space(16 << 30)
-    ///     .build()?;
-    /// v.share_growth(sock, 0)?;
-    /// v.resize(1 << 28, 0.0)?; // 1 GiB: the importer maps each new chunk
-    /// v.notify_importers(v.len() as u64)?;
-    /// v.truncate(0);
-    /// v.shrink_to_fit()?; // and unmaps them again
-    /// # Ok(()) }
-    /// ```
-    pub fn share_growth(&mut self, sock: impl Into<OwnedFd>, tag: u64) -> Result<()> {
-        self.raw.share_growth(sock.into(), tag)
-    }
-
-    /// Sends every importer a note with `tag` (the number of elements written, say), once all
-    /// writes to the elements queued on streams the vector knows of have completed: an importer
-    /// that receives it sees every chunk announced before it mapped, and the elements written
-    /// before it. Disconnects importers that cannot be sent to, as growth does.
-    pub fn notify_importers(&mut self, tag: u64) -> Result<()> {
-        {
-            let _turn = self.host(0, self.len, Use::Read)?;
-        }
-        if let Some(e) = &mut self.raw.exports {
-            e.send(&[(crate::ipc::Message::Note { tag }, None)]);
-        }
-        Ok(())
-    }
-
-    /// Processes following this vector's growth (see [`share_growth`](Self::share_growth)), as far
-    /// as the last message sent to them tells.
-    pub fn importer_count(&self) -> usize {
-        self.raw.importers()
     }
 
     /// A read-only view of the elements, for kernels and copies.

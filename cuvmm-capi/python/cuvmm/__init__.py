@@ -112,9 +112,62 @@ class HandoffStats(ctypes.Structure):
 
 
 class Export(ctypes.Structure):
-    """``cuvmm_export_t``."""
+    """``cuvmm_export_t``: where a shared block lies."""
 
     _fields_ = [(name, ctypes.c_uint64) for name in ("block", "len", "first_page", "page", "count")]
+
+
+# (restype, argtypes) of every function of cuvmm.h this package calls through ctypes, set on the
+# library when it is loaded (tests/python/test_header.py checks each against the header).
+SIGNATURES = {
+    "cuvmm_get_stats": (ctypes.c_int, [ctypes.c_int, ctypes.POINTER(Stats)]),
+    "cuvmm_stats_json": (ctypes.c_ssize_t, [ctypes.c_char_p, ctypes.c_size_t]),
+    "cuvmm_snapshot_json": (ctypes.c_ssize_t, [ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t]),
+    "cuvmm_set_alloc_observer": (ctypes.c_int, [ctypes.c_void_p]),
+    "cuvmm_reset_peaks": (ctypes.c_int, [ctypes.c_int]),
+    "cuvmm_empty_cache": (ctypes.c_int, [ctypes.c_int]),
+    "cuvmm_release_graph_memory": (ctypes.c_int, [ctypes.c_int]),
+    "cuvmm_empty_cache_all": (None, []),
+    "cuvmm_record_stream": (None, [ctypes.c_void_p, ctypes.c_void_p]),
+    "cuvmm_set_memory_fraction": (None, [ctypes.c_double, ctypes.c_int]),
+    "cuvmm_last_error": (ctypes.c_char_p, []),
+    "cuvmm_last_error_code": (ctypes.c_int, []),
+    "cuvmm_set_error_log": (ctypes.c_int, [ctypes.c_int]),
+    "cuvmm_trace_flush": (None, []),
+    "cuvmm_set_tag": (ctypes.c_int, [ctypes.c_char_p]),
+    "cuvmm_sleep": (ctypes.c_int, [ctypes.c_char_p, ctypes.c_int]),
+    "cuvmm_wake": (ctypes.c_int, [ctypes.c_char_p]),
+    "cuvmm_get_tag_stats": (ctypes.c_int, [ctypes.c_char_p, ctypes.POINTER(TagStats)]),
+    "cuvmm_set_backup": (ctypes.c_int, [ctypes.c_char_p, ctypes.c_int, ctypes.c_int, ctypes.c_char_p]),
+    "cuvmm_prepare_backup": (ctypes.c_int64, [ctypes.c_char_p]),
+    "cuvmm_owner": (ctypes.c_int, [ctypes.c_int, ctypes.c_void_p, ctypes.POINTER(ctypes.c_uint64),
+                                   ctypes.POINTER(ctypes.c_uint64)]),
+    "cuvmm_export": (ctypes.c_ssize_t, [ctypes.c_int, ctypes.c_void_p, ctypes.POINTER(Export),
+                                        ctypes.POINTER(ctypes.c_int), ctypes.c_size_t]),
+    "cuvmm_export_pages": (ctypes.c_ssize_t, [ctypes.c_int, ctypes.c_void_p, ctypes.POINTER(Export),
+                                              ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_uint64),
+                                              ctypes.c_size_t]),
+    "cuvmm_export_mark": (ctypes.c_ssize_t, [ctypes.c_int, ctypes.c_void_p, ctypes.POINTER(Export),
+                                             ctypes.POINTER(ctypes.c_uint64), ctypes.c_size_t]),
+    "cuvmm_export_fds": (ctypes.c_ssize_t, [ctypes.c_int, ctypes.c_uint64, ctypes.POINTER(ctypes.c_int),
+                                            ctypes.c_size_t]),
+    "cuvmm_unexport": (ctypes.c_int, [ctypes.c_int, ctypes.c_uint64]),
+    "cuvmm_import": (ctypes.c_void_p, [ctypes.c_int, ctypes.POINTER(ctypes.c_int), ctypes.c_size_t,
+                                       ctypes.c_uint64, ctypes.POINTER(ctypes.c_int), ctypes.c_size_t,
+                                       ctypes.POINTER(ctypes.c_uint64)]),
+    "cuvmm_import_release": (ctypes.c_int, [ctypes.c_void_p]),
+    "cuvmm_handoff_prepare": (ctypes.c_int, []),
+    "cuvmm_offer": (ctypes.c_ssize_t, [ctypes.c_int, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_char_p,
+                                       ctypes.c_size_t, ctypes.POINTER(ctypes.c_uint64)]),
+    "cuvmm_withdraw": (ctypes.c_int, [ctypes.c_char_p, ctypes.c_size_t]),
+    "cuvmm_take": (ctypes.c_void_p, [ctypes.c_char_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_int),
+                                     ctypes.c_size_t, ctypes.c_double, ctypes.POINTER(ctypes.c_int),
+                                     ctypes.POINTER(ctypes.c_uint64)]),
+    "cuvmm_lease_release": (ctypes.c_int, [ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t]),
+    "cuvmm_let_go": (ctypes.c_int, [ctypes.c_char_p, ctypes.c_size_t, ctypes.c_double]),
+    "cuvmm_ticket_len": (ctypes.c_int, [ctypes.c_char_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_uint64)]),
+    "cuvmm_handoff_stats": (ctypes.c_int, [ctypes.POINTER(HandoffStats)]),
+}
 
 
 _lock = threading.Lock()
@@ -163,53 +216,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     missing = [n for n in _REQUIRED if not hasattr(lib, n)]
     if missing:
         raise RuntimeError(f"not a libcuvmm.so: {', '.join(missing)} missing")
-    c_int, c_char_p, c_size_t, c_ssize_t = ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_ssize_t
-    sigs = {
-        "cuvmm_get_stats": (c_int, [c_int, ctypes.POINTER(Stats)]),
-        "cuvmm_stats_json": (c_ssize_t, [c_char_p, c_size_t]),
-        "cuvmm_snapshot_json": (c_ssize_t, [c_int, c_char_p, c_size_t]),
-        "cuvmm_set_alloc_observer": (c_int, [ctypes.c_void_p]),
-        "cuvmm_reset_peaks": (c_int, [c_int]),
-        "cuvmm_empty_cache": (c_int, [c_int]),
-        "cuvmm_release_graph_memory": (c_int, [c_int]),
-        "cuvmm_empty_cache_all": (None, []),
-        "cuvmm_record_stream": (None, [ctypes.c_void_p, ctypes.c_void_p]),
-        "cuvmm_set_memory_fraction": (None, [ctypes.c_double, c_int]),
-        "cuvmm_last_error": (c_char_p, []),
-        "cuvmm_last_error_code": (c_int, []),
-        "cuvmm_set_error_log": (c_int, [c_int]),
-        "cuvmm_trace_flush": (None, []),
-        "cuvmm_set_tag": (c_int, [c_char_p]),
-        "cuvmm_sleep": (c_int, [c_char_p, c_int]),
-        "cuvmm_wake": (c_int, [c_char_p]),
-        "cuvmm_get_tag_stats": (c_int, [c_char_p, ctypes.POINTER(TagStats)]),
-        "cuvmm_set_backup": (c_int, [c_char_p, c_int, c_int, c_char_p]),
-        "cuvmm_prepare_backup": (ctypes.c_int64, [c_char_p]),
-        "cuvmm_owner": (c_int, [c_int, ctypes.c_void_p, ctypes.POINTER(ctypes.c_uint64),
-                                ctypes.POINTER(ctypes.c_uint64)]),
-        "cuvmm_export": (c_ssize_t, [c_int, ctypes.c_void_p, ctypes.POINTER(Export), ctypes.POINTER(c_int),
-                                     c_size_t]),
-        "cuvmm_export_pages": (c_ssize_t, [c_int, ctypes.c_void_p, ctypes.POINTER(Export), ctypes.POINTER(c_int),
-                                           ctypes.POINTER(ctypes.c_uint64), c_size_t]),
-        "cuvmm_export_mark": (c_ssize_t, [c_int, ctypes.c_void_p, ctypes.POINTER(Export),
-                                          ctypes.POINTER(ctypes.c_uint64), c_size_t]),
-        "cuvmm_export_fds": (c_ssize_t, [c_int, ctypes.c_uint64, ctypes.POINTER(c_int), c_size_t]),
-        "cuvmm_unexport": (c_int, [c_int, ctypes.c_uint64]),
-        "cuvmm_import": (ctypes.c_void_p, [c_int, ctypes.POINTER(c_int), c_size_t, ctypes.c_uint64,
-                                           ctypes.POINTER(c_int), c_size_t, ctypes.POINTER(ctypes.c_uint64)]),
-        "cuvmm_import_release": (c_int, [ctypes.c_void_p]),
-        "cuvmm_handoff_prepare": (c_int, []),
-        "cuvmm_offer": (c_ssize_t, [c_int, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_char_p, c_size_t,
-                                    ctypes.POINTER(ctypes.c_uint64)]),
-        "cuvmm_withdraw": (c_int, [ctypes.c_char_p, c_size_t]),
-        "cuvmm_take": (ctypes.c_void_p, [ctypes.c_char_p, c_size_t, ctypes.POINTER(c_int), c_size_t,
-                                         ctypes.c_double, ctypes.POINTER(c_int), ctypes.POINTER(ctypes.c_uint64)]),
-        "cuvmm_lease_release": (c_int, [ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p), c_size_t]),
-        "cuvmm_let_go": (c_int, [ctypes.c_char_p, c_size_t, ctypes.c_double]),
-        "cuvmm_ticket_len": (c_int, [ctypes.c_char_p, c_size_t, ctypes.POINTER(ctypes.c_uint64)]),
-        "cuvmm_handoff_stats": (c_int, [ctypes.POINTER(HandoffStats)]),
-    }
-    for name, (res, args) in sigs.items():
+    for name, (res, args) in SIGNATURES.items():
         if hasattr(lib, name):
             fn = getattr(lib, name)
             fn.restype, fn.argtypes = res, args

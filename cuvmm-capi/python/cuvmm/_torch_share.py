@@ -4,6 +4,7 @@ as the library's hand-off tickets instead of legacy CUDA IPC; see :func:`share_t
 from __future__ import annotations
 
 import ctypes
+import importlib.util
 import itertools
 import multiprocessing.reduction as _mpr
 import threading
@@ -19,6 +20,8 @@ FETCH_TIMEOUT = 60.0
 # torch.multiprocessing's reductions, imported (which registers them) by share_tensors before ours.
 _torch_reductions = None
 _installed = False
+# Whether share_tensors was called, either way: share_by_default then leaves its choice alone.
+_chosen = False
 _lock = threading.Lock()
 # The pickle this thread is writing, if any (see _grouped): its tensors are offered as one group,
 # and withdrawn if the pickle fails.
@@ -182,10 +185,10 @@ def _rebuild(desc, ticket):
         n = ctypes.c_uint64()
         _core._check(_core.load().cuvmm_ticket_len(ticket, len(ticket), ctypes.byref(n)), "cuvmm_ticket_len")
         f = _share.decode(desc, n.value)
-        dtype = getattr(_torch, f["dtype"], None)
+        dtype = getattr(_torch, f.dtype, None)
         if not isinstance(dtype, _torch.dtype):
-            raise ValueError(f"descriptor field dtype: {f['dtype']!r} is not a torch dtype")
-        if _share.extent(f["size"], f["stride"], f["storage_offset"]) * dtype.itemsize > f["nbytes"]:
+            raise ValueError(f"descriptor field dtype: {f.dtype!r} is not a torch dtype")
+        if _share.extent(f.size, f.stride, f.storage_offset) * dtype.itemsize > f.nbytes:
             raise ValueError("the tensor reaches past its storage")
     except BaseException:
         # Whatever went wrong, the offer is let go: the sender frees the block.
@@ -194,7 +197,7 @@ def _rebuild(desc, ticket):
     lease, index, block = _take(ticket, _torch.cuda.current_device())
     device = _torch.device("cuda", index)
     try:
-        m = _Lease(lease, index, block + f["offset"], f["nbytes"])
+        m = _Lease(lease, index, block + f.offset, f.nbytes)
     except BaseException:
         _core.load().cuvmm_lease_release(lease, None, 0)
         raise
@@ -202,16 +205,17 @@ def _rebuild(desc, ticket):
         storage = _torch.as_tensor(m, device=device).untyped_storage()
     del m  # PyTorch holds it now: the storage's last reference releases the lease
     t = _torch.empty((0,), dtype=dtype, device=device)
-    t.set_(storage, f["storage_offset"], f["size"], f["stride"])
-    if f["parameter"]:
-        return _torch.nn.Parameter(t, requires_grad=f["requires_grad"])
-    return t.requires_grad_(f["requires_grad"])
+    t.set_(storage, f.storage_offset, f.size, f.stride)
+    if f.parameter:
+        return _torch.nn.Parameter(t, requires_grad=f.requires_grad)
+    return t.requires_grad_(f.requires_grad)
 
 
 def share_tensors(enable: bool = True) -> None:
     """Send CUDA tensors on cuvmm memory through ``torch.multiprocessing`` (``Queue.put``, ``Pipe``,
-    ``Process`` arguments) as cuvmm exports. ``import cuvmm.torch`` calls it; ``enable=False`` puts
-    PyTorch's own reductions back.
+    ``Process`` arguments) as cuvmm exports. The first :func:`cuvmm.torch.allocator` (and so
+    ``use_as_current_allocator`` and ``mem_pool``) calls it unless it was called before;
+    ``enable=False`` puts PyTorch's own reductions back, and keeps them there.
 
     The receiver gets a tensor over the same device memory (zero copy) with the same dtype, size,
     strides and storage offset (``requires_grad`` and ``nn.Parameter`` kept). The sender keeps the
@@ -224,10 +228,11 @@ def share_tensors(enable: bool = True) -> None:
     no descriptor, no import and no mapping. No
     ``pidfd_getfd``, no ``CAP_SYS_PTRACE``: descriptors travel over Unix sockets. Tensors
     PyTorch's own allocator made keep PyTorch's path."""
-    global _installed, _torch_reductions
+    global _installed, _torch_reductions, _chosen
     with _lock:
         from torch.multiprocessing import reductions
 
+        _chosen = True
         _torch_reductions = reductions
         reducer = reduce_tensor if enable else _torch_reductions.reduce_tensor
         for cls in (_torch.Tensor, _torch.nn.Parameter):
@@ -237,6 +242,14 @@ def share_tensors(enable: bool = True) -> None:
         if enable and hasattr(_core.load(), "cuvmm_handoff_prepare"):
             # The hand-off's threads start now rather than on a first hand-off's path.
             _core.load().cuvmm_handoff_prepare()
+
+
+def share_by_default() -> None:
+    """:func:`share_tensors` where nobody has called it yet and PyTorch has its multiprocessing
+    part: what putting cuvmm under PyTorch's memory does, since a tensor on cuvmm memory cannot
+    travel through PyTorch's CUDA IPC."""
+    if not _chosen and importlib.util.find_spec("torch.multiprocessing") is not None:
+        share_tensors()
 
 
 def release_kept_mappings() -> int:

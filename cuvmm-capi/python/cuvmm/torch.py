@@ -13,19 +13,22 @@ Only the tensors made inside a ``torch.cuda.MemPool``::
         x = torch.randn(1 << 20, device="cuda")
 
 CUDA tensors on cuvmm memory go through ``torch.multiprocessing`` as exported pages, zero copy,
-from the moment this module is imported (:func:`share_tensors`; docs/multiprocessing.md);
+from the first :func:`allocator` on (:func:`share_tensors`; docs/multiprocessing.md);
 :class:`SharedEvent` orders a reader after a writer's in-place update.
 
 Importing this module imports PyTorch and checks its version (``cuvmm.TORCH_MINIMUM`` to
 ``cuvmm.TORCH_TESTED``): an older or unreadable one is an ImportError, a newer one a warning.
-Every name of :mod:`cuvmm` (stats, tags, sleep and wake) is available here too.
+Nothing else happens at import: PyTorch is changed (its pickling of tensors, its
+``change_current_allocator`` and statistics functions) and the library loaded only by the calls
+that put cuvmm under PyTorch's memory (:func:`allocator`, and so :func:`use_as_current_allocator`
+and :func:`mem_pool`; :func:`wire_hooks`; :func:`share_tensors`). Every name of :mod:`cuvmm`
+(stats, tags, sleep and wake) is available here too.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
-import importlib.util
 import os
 import threading
 import warnings
@@ -48,6 +51,8 @@ if _problem is not None:
     if _problem[0] == "error":
         raise ImportError(_problem[1])
     warnings.warn(_problem[1], RuntimeWarning, stacklevel=2)
+
+from cuvmm import _torch_share as _share  # noqa: E402  (needs the PyTorch checked above)
 
 __all__ = list(_core.__all__) + [
     "allocator", "use_as_current_allocator", "is_current_allocator", "mem_pool",
@@ -208,6 +213,8 @@ def allocator(pool: bool = False):
             if not pool:
                 wire_hooks(alloc)
             _allocators[key] = alloc
+        # Tensors on its memory cannot take PyTorch's CUDA IPC: from now on they take cuvmm's.
+        _share.share_by_default()
         return _allocators[key]
 
 
@@ -248,6 +255,8 @@ def wire_hooks(alloc):
     with _wired_lock:  # not _lock: allocator() holds that one while it calls this
         if not any(w is native for w in _wired):
             _wired.append(native)
+    _wrap_change_current_allocator()
+    _share.share_by_default()
     return used
 
 
@@ -273,20 +282,22 @@ def _change_current_allocator(alloc):
 
 
 def _wrap_change_current_allocator():
+    """Puts :func:`_change_current_allocator` in PyTorch's place, once: by the first allocator
+    wired to cuvmm, which only a later ``change_current_allocator`` makes current."""
     global _original_change
-    memory = getattr(getattr(_torch, "cuda", None), "memory", None)
-    change = getattr(memory, "change_current_allocator", None)
-    if change is None:  # a stand-in for torch without its CUDA part
-        return
-    _original_change = getattr(change, "__wrapped__", change)
-    _change_current_allocator.__wrapped__ = _original_change
-    memory.change_current_allocator = _change_current_allocator
-    if hasattr(_torch.cuda, "change_current_allocator"):
-        _torch.cuda.change_current_allocator = _change_current_allocator
+    with _wired_lock:
+        memory = getattr(getattr(_torch, "cuda", None), "memory", None)
+        change = getattr(memory, "change_current_allocator", None)
+        if change is None or change is _change_current_allocator:  # a stand-in without CUDA; done
+            return
+        _original_change = getattr(change, "__wrapped__", change)
+        _change_current_allocator.__wrapped__ = _original_change
+        memory.change_current_allocator = _change_current_allocator
+        if hasattr(_torch.cuda, "change_current_allocator"):
+            _torch.cuda.change_current_allocator = _change_current_allocator
 
 
 _original_change = None
-_wrap_change_current_allocator()
 
 
 def use_as_current_allocator():
@@ -349,7 +360,5 @@ def use_mem_pool_all_threads(pool, device=None):
         _torch._C._cuda_releasePool(dev, pool.id)
 
 
-from cuvmm._torch_share import SharedEvent, pending_shares, release_kept_mappings, share_tensors  # noqa: E402
-
-if importlib.util.find_spec("torch.multiprocessing") is not None:
-    share_tensors()
+SharedEvent, pending_shares = _share.SharedEvent, _share.pending_shares
+release_kept_mappings, share_tensors = _share.release_kept_mappings, _share.share_tensors

@@ -211,6 +211,14 @@ class HandOff(unittest.TestCase):
             cuda.current_stream = stream
         self.assertEqual(self.lib.released, [(1, None)])
 
+    def test_a_descriptor_decodes_to_its_fields_frozen(self):
+        d = _share.decode(_share.encode(offset=512, nbytes=1024, dtype="float32", size=(2, 3), stride=(3, 1),
+                                        storage_offset=4, requires_grad=True, parameter=False), 4096)
+        self.assertEqual((d.offset, d.nbytes, d.dtype, d.size, d.stride, d.storage_offset, d.requires_grad),
+                         (512, 1024, "float32", (2, 3), (3, 1), 4, True))
+        with self.assertRaises(AttributeError):  # dataclasses.FrozenInstanceError
+            d.nbytes = 1 << 20
+
     def test_a_refused_descriptor_lets_the_offer_go_and_takes_nothing(self):
         fn, (desc, ticket) = ts.reduce_tensor(self.tensor())
         for field, bad in (("dtype", "no_such_dtype"), ("nbytes", LEN + 1), ("size", (1 << 40, 8))):
