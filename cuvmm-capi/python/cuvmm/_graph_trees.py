@@ -62,7 +62,7 @@ class Trees:
 
     def __init__(self, original: dict, graph_blocks):
         self._orig = original
-        # (device) -> addresses of blocks cuvmm holds free for a graph, read at a checkpoint's
+        # (device, ranges of the blocks cuvmm holds free for a graph), read at a checkpoint's
         # first raw_delete: the blocks of outputs given back before their graph's replay.
         self._graph_blocks = graph_blocks
         self._kept = None
@@ -90,7 +90,8 @@ class Trees:
             if kept is None:
                 kept = self._graph_blocks(device)
                 self._kept = (device, kept)
-            if int(ptr) not in kept:
+            # A freed block may have joined free neighbours of its graph's memory since.
+            if not any(start <= int(ptr) < end for start, end in kept):
                 raise
 
     def free_and_remove_deleter(self, storage):
@@ -103,11 +104,11 @@ class Trees:
         return bool(self._orig["_has_Standard_Deleter"](storage)) or int(storage) in self.adopted
 
 
-def free_graph_blocks(raw: dict, device: int) -> set:
-    """Addresses of the blocks of ``device`` that cuvmm holds free for a captured graph, from
+def free_graph_blocks(raw: dict, device: int) -> list:
+    """(start, end) of each free block of ``device`` that cuvmm holds for a captured graph, from
     cuvmm_snapshot_json's parsed output."""
-    return {b["address"] for s in raw.get(str(device), ()) for b in s["blocks"]
-            if b["graph_pool"] != 0 and b["state"] == "free"}
+    return [(b["address"], b["address"] + b["size"]) for s in raw.get(str(device), ()) for b in s["blocks"]
+            if b["graph_pool"] != 0 and b["state"] == "free"]
 
 
 _saved = {}

@@ -73,7 +73,8 @@ class History:
             self.max_entries = max(int(max_entries), 0)
             for d in list(self.traces):
                 self.traces[d] = collections.deque(self.traces[d], maxlen=self.max_entries)
-        fn = None if enabled is None else self._callback
+        # The callback object stays referenced by this recorder for as long as the library may call it.
+        fn = None if enabled is None else ctypes.cast(self._callback, ctypes.c_void_p)
         self._lib.cuvmm_set_alloc_observer(fn)
 
     def _observe(self, kind, device, ptr, size, stream):
@@ -159,14 +160,8 @@ def snapshot(lib, history: History, pool=None, include_traces: bool = True) -> d
 
 
 def declare(lib) -> bool:
-    """Gives the library's snapshot functions their C types; False where the library lacks them."""
-    if not (hasattr(lib, "cuvmm_snapshot_json") and hasattr(lib, "cuvmm_set_alloc_observer")):
-        return False
-    lib.cuvmm_snapshot_json.restype = ctypes.c_ssize_t
-    lib.cuvmm_snapshot_json.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t]
-    lib.cuvmm_set_alloc_observer.restype = ctypes.c_int
-    lib.cuvmm_set_alloc_observer.argtypes = [_OBSERVER]
-    return True
+    """Whether the library has the snapshot functions (their C types are cuvmm.SIGNATURES')."""
+    return hasattr(lib, "cuvmm_snapshot_json") and hasattr(lib, "cuvmm_set_alloc_observer")
 
 
 _saved = {}

@@ -19,6 +19,7 @@ Exit 1 on any mismatch or error, or when a graph was skipped.
 import argparse
 import copy
 import sys
+import traceback
 
 from _common import env_info, finish
 
@@ -53,6 +54,7 @@ def main():
             fn()
         except Exception as e:  # noqa: BLE001 - what it is, is the point
             errors.append(f"{what}: {type(e).__name__}: {str(e).splitlines()[0][:300]}")
+            traceback.print_exc()
 
     mlp = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 256)).cuda()
 

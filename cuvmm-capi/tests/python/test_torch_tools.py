@@ -58,7 +58,8 @@ class FakeLib:
             return len(text)
 
         def set_observer(fn):
-            lib.observer = fn
+            # The address the library would keep (c_void_p, or None), called as the C function.
+            lib.observer = None if fn is None else _snapshot._OBSERVER(fn.value)
             return 0
 
         self.cuvmm_snapshot_json = snapshot_json
