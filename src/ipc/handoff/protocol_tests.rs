@@ -1,7 +1,7 @@
 //! The hand-off's protocol on the CPU: pages are memfds, mappings are the descriptors kept open,
 //! and the waits before a release are closures the tests control.
 
-use super::frame::Token;
+use super::frame::{Frame, Token};
 use super::receiver::{self, Mapped};
 use super::sender::{self, Shared};
 use super::{link, Ticket};
@@ -574,4 +574,44 @@ fn a_receiver_that_ends_its_connection_is_let_go_only_once_its_process_is_gone()
     let spent = handoff_threads_cpu() - cpu;
     assert!(spent < 100, "the hand-off's threads spent {spent} ms of CPU while a connection had ended");
     assert_eq!(w.counts.let_go.load(Ordering::SeqCst), 1);
+}
+
+#[test]
+fn the_most_descriptors_a_message_can_bring_on_a_frame_that_carries_none_are_all_closed() {
+    use nix::sys::socket::{
+        sendmsg, socketpair, AddressFamily, ControlMessage, MsgFlags, SockFlag, SockType,
+    };
+    let (a, b) = socketpair(
+        AddressFamily::Unix,
+        SockType::SeqPacket,
+        None,
+        SockFlag::SOCK_CLOEXEC | SockFlag::SOCK_NONBLOCK,
+    )
+    .unwrap();
+    let name = c"cuvmm-test-overflow";
+    let sent: Vec<OwnedFd> = (0..253)
+        .map(|_| nix::sys::memfd::memfd_create(name, nix::sys::memfd::MemFdCreateFlag::MFD_CLOEXEC).unwrap())
+        .collect();
+    let raw: Vec<i32> = sent.iter().map(|f| f.as_raw_fd()).collect();
+    let copies = || {
+        std::fs::read_dir("/proc/self/fd")
+            .unwrap()
+            .flatten()
+            .filter(|e| {
+                std::fs::read_link(e.path())
+                    .is_ok_and(|l| l.to_string_lossy().contains("cuvmm-test-overflow"))
+            })
+            .count()
+    };
+    let frame = Frame::Release(vec![Token([7; 16])]).encode().unwrap();
+    sendmsg::<()>(
+        a.as_raw_fd(),
+        &[std::io::IoSlice::new(&frame)],
+        &[ControlMessage::ScmRights(&raw)],
+        MsgFlags::empty(),
+        None,
+    )
+    .unwrap();
+    assert!(link::recv(b.as_fd()).is_err(), "a release carries no descriptor");
+    assert_eq!(copies(), sent.len(), "every descriptor that arrived was closed");
 }
