@@ -25,6 +25,8 @@ import subprocess
 import sys
 import time
 
+import _common  # noqa: F401  (puts the package of this checkout or bundle on the path)
+
 SIZES = [512 << k for k in range(0, 15)]  # 512 B .. 8 MiB
 
 
