@@ -489,8 +489,9 @@ class InstalledWheel(unittest.TestCase):
                 h = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
                 self.assertEqual((digest, int(size)), ("sha256=" + h, len(data)), name)
             self.assertEqual({n for n in names if not n.startswith(info)},
-                             {"cuvmm/__init__.py", "cuvmm/_share.py",
-                              "cuvmm/_tag_pools.py", "cuvmm/_torch_share.py", "cuvmm/_torch_stats.py", "cuvmm/torch.py",
+                             {"cuvmm/__init__.py", "cuvmm/_graph_trees.py", "cuvmm/_share.py", "cuvmm/_snapshot.py",
+                              "cuvmm/_tag_pools.py", "cuvmm/_torch_share.py", "cuvmm/_torch_stats.py",
+                              "cuvmm/_torch_tools.py", "cuvmm/torch.py",
                               "cuvmm/torch_memory_saver.py", "cuvmm/vllm.py", "cuvmm_torch.py", "cuvmm/libcuvmm.so",
                               "cuvmm/libcuvmm_torch.so"})
             self.assertIn(info + "licenses/LICENSE-MIT", names)
