@@ -43,12 +43,12 @@ fn a_block_exports_the_pages_under_it_and_a_thousand_round_trips_leave_nothing_b
     let (reserves, frees) = (count(&lib, "cuMemAddressReserve"), count(&lib, "cuMemAddressFree"));
     for round in 0..1000 {
         let e = alloc.export(big + 100).unwrap();
-        assert_eq!((e.block, e.len, e.page), (big, 5 * MIB as u64, 2 * MIB));
+        assert_eq!((e.share.block, e.share.len, e.share.page), (big, 5 * MIB as u64, 2 * MIB));
         // 5 MiB from a page boundary: three pages.
-        assert_eq!((e.fds.len(), e.first_page), (3, big / (2 * MIB as u64) * (2 * MIB as u64)));
+        assert_eq!((e.fds.len(), e.share.first_page), (3, big / (2 * MIB as u64) * (2 * MIB as u64)));
         assert_eq!(alloc.stats().exported, 5 * MIB as u64);
         let borrowed: Vec<_> = e.fds.iter().map(|f| f.as_fd()).collect();
-        let imported = BlockImport::import(&ctx, &borrowed, e.page, &[]).unwrap();
+        let imported = BlockImport::import(&ctx, &borrowed, e.share.page, &[]).unwrap();
         assert_eq!(imported.len(), 6 * MIB);
         if round == 0 {
             assert_eq!(count(&lib, "cuMemImportFromShareableHandle"), 3);
@@ -73,7 +73,10 @@ fn a_block_exports_the_pages_under_it_and_a_thousand_round_trips_leave_nothing_b
     let borrowed: Vec<_> = e.fds.iter().map(|f| f.as_fd()).collect();
     let maps = count(&lib, "cuMemMap") - count(&lib, "cuMemUnmap");
     let peer = cuvmm::Device::get(0).unwrap();
-    assert!(BlockImport::import(&ctx, &borrowed, e.page, &[peer]).is_ok(), "the owner itself is no peer");
+    assert!(
+        BlockImport::import(&ctx, &borrowed, e.share.page, &[peer]).is_ok(),
+        "the owner itself is no peer"
+    );
     assert_eq!(count(&lib, "cuMemMap") - count(&lib, "cuMemUnmap"), maps);
     drop(e);
     alloc.unexport(big).unwrap();
@@ -99,7 +102,7 @@ fn a_block_at_the_address_of_a_freed_one_exports_its_own_pages() {
     let first: Vec<String> = e1.fds.iter().map(handle_of).collect();
     let again: Vec<String> = e2.fds.iter().map(handle_of).collect();
     assert_eq!(first, again, "the same pages, their exports kept");
-    assert_eq!((e1.pages.len(), &e1.pages), (2, &e2.pages), "the same serials");
+    assert_eq!((e1.share.pages.len(), &e1.share.pages), (2, &e2.share.pages), "the same serials");
     drop((e1.fds, e2.fds));
     alloc.unexport(a).unwrap();
     alloc.unexport(a).unwrap();
@@ -114,7 +117,11 @@ fn a_block_at_the_address_of_a_freed_one_exports_its_own_pages() {
     let e3 = alloc.export(b).unwrap();
     let fresh: Vec<String> = e3.fds.iter().map(handle_of).collect();
     assert_eq!(count(&lib, "cuMemExportToShareableHandle") - exports, 2);
-    assert!(e3.pages.iter().all(|s| !e1.pages.contains(s)), "new pages, new serials: {:?}", e3.pages);
+    assert!(
+        e3.share.pages.iter().all(|s| !e1.share.pages.contains(s)),
+        "new pages, new serials: {:?}",
+        e3.share.pages
+    );
     assert!(fresh.iter().all(|h| !first.contains(h)), "{fresh:?} names a released page of {first:?}");
     alloc.unexport(b).unwrap();
     // SAFETY: as above.
@@ -131,10 +138,10 @@ fn above_the_export_threshold_a_block_is_one_exportable_allocation() {
     let big = unsafe { alloc.allocate_raw(19 * MIB, std::ptr::null_mut(), GraphMemory::Keep) }.unwrap();
     assert_eq!(count(&lib, "cuMemCreate") - created, 1, "one physical allocation");
     let e = alloc.export(big).unwrap();
-    assert_eq!((e.fds.len(), e.page, e.first_page), (1, 20 * MIB, big));
+    assert_eq!((e.fds.len(), e.share.page, e.share.first_page), (1, 20 * MIB, big));
     // Its one page is 20 MiB, no power of two: the import aligns to what divides it.
     let borrowed: Vec<_> = e.fds.iter().map(|f| f.as_fd()).collect();
-    let imported = BlockImport::import(&ctx, &borrowed, e.page, &[]).unwrap();
+    let imported = BlockImport::import(&ctx, &borrowed, e.share.page, &[]).unwrap();
     assert_eq!(imported.len(), 20 * MIB);
     assert_eq!(imported.ptr() % (4 * MIB as u64), 0, "aligned to 4 MiB, the power of two dividing 20 MiB");
     drop(imported);
@@ -164,7 +171,7 @@ fn a_block_freed_while_imported_keeps_its_memory_from_later_blocks_until_let_go(
     let big = unsafe { alloc.allocate_raw(len as usize, std::ptr::null_mut(), GraphMemory::Keep) }.unwrap();
     let e = alloc.export(big).unwrap();
     let borrowed: Vec<_> = e.fds.iter().map(|f| f.as_fd()).collect();
-    let imported = BlockImport::import(&ctx, &borrowed, e.page, &[]).unwrap();
+    let imported = BlockImport::import(&ctx, &borrowed, e.share.page, &[]).unwrap();
     drop(e);
     // What FSDP's `storage.resize_(0)` does to a parameter a reader still maps.
     // SAFETY: from this allocator on the legacy stream, freed once.

@@ -30,11 +30,11 @@ fn an_imported_block_is_the_same_memory_and_outlives_the_exporters_free() {
     k.fill_u32(&s, &mut words_mut(big.ptr(), N), 0xabcd_0001).unwrap();
     s.synchronize().unwrap();
     let e = alloc.export(big.ptr() + 4096).unwrap();
-    assert_eq!(e.block, big.ptr());
-    assert!(e.first_page < big.ptr() && e.fds.len() == 4, "{e:?}");
+    assert_eq!(e.share.block, big.ptr());
+    assert!(e.share.first_page < big.ptr() && e.fds.len() == 4, "{e:?}");
     let fds: Vec<_> = e.fds.iter().map(|f| f.as_fd()).collect();
-    let imported = BlockImport::import(&ctx, &fds, e.page, &[]).unwrap();
-    let at = imported.ptr() + (big.ptr() - e.first_page);
+    let imported = BlockImport::import(&ctx, &fds, e.share.page, &[]).unwrap();
+    let at = imported.ptr() + (big.ptr() - e.share.first_page);
     drop(e);
     assert!(read(&ctx, at, N).iter().all(|&v| v == 0xabcd_0001), "the importer sees the exporter's bytes");
     // A write through the import is seen at the block's own address.
@@ -63,10 +63,10 @@ fn above_the_export_threshold_a_block_exports_as_one_descriptor() {
     // SAFETY: a live stream of the context, alive past the free below.
     let p = unsafe { alloc.allocate_raw(100 << 20, s.raw(), GraphMemory::Keep) }.unwrap();
     let e = alloc.export(p).unwrap();
-    assert_eq!((e.fds.len(), e.page, e.first_page), (1, 100 << 20, p));
+    assert_eq!((e.fds.len(), e.share.page, e.share.first_page), (1, 100 << 20, p));
     // 100 MiB is no power of two: the import is aligned to what divides it, and is the same memory.
     let fds: Vec<_> = e.fds.iter().map(|f| f.as_fd()).collect();
-    let imported = BlockImport::import(&ctx, &fds, e.page, &[]).unwrap();
+    let imported = BlockImport::import(&ctx, &fds, e.share.page, &[]).unwrap();
     drop(e);
     let k = Kernels::load(&ctx).unwrap();
     let words = (100 << 20) / 4;
@@ -96,9 +96,9 @@ fn a_block_freed_while_imported_keeps_its_memory_and_a_kept_export_imports_the_s
     let (e1, e2) = (alloc.export(p).unwrap(), alloc.export(p).unwrap());
     let fds1: Vec<_> = e1.fds.iter().map(|f| f.as_fd()).collect();
     let fds2: Vec<_> = e2.fds.iter().map(|f| f.as_fd()).collect();
-    let one = BlockImport::import(&ctx, &fds1, e1.page, &[]).unwrap();
-    let two = BlockImport::import(&ctx, &fds2, e2.page, &[]).unwrap();
-    let (at1, at2) = (one.ptr() + (p - e1.first_page), two.ptr() + (p - e2.first_page));
+    let one = BlockImport::import(&ctx, &fds1, e1.share.page, &[]).unwrap();
+    let two = BlockImport::import(&ctx, &fds2, e2.share.page, &[]).unwrap();
+    let (at1, at2) = (one.ptr() + (p - e1.share.first_page), two.ptr() + (p - e2.share.first_page));
     drop((e1, e2));
     k.fill_u32(&s, &mut words_mut(at2, 1024), 0x5eed).unwrap();
     s.synchronize().unwrap();
@@ -145,10 +145,7 @@ fn a_block_marked_shared_gives_its_descriptors_on_request_after_its_free() {
     let full = alloc.export(big.ptr()).unwrap();
     alloc.unexport(big.ptr()).unwrap();
     let m = alloc.export_mark(big.ptr() + 512).unwrap();
-    assert_eq!(
-        (m.block, m.first_page, m.page, &m.pages),
-        (full.block, full.first_page, full.page, &full.pages)
-    );
+    assert_eq!(m, full.share, "the same block on the same pages");
     assert_eq!(alloc.stats().exported, (N * 4) as u64);
     // Freed before any importer asked: the mark keeps the pages whose descriptors come later.
     let block = big.ptr();

@@ -397,12 +397,12 @@ int cuvmm_set_backup(const char *tag, int backend, int retain, const char *dir);
  * memory available), or -1 (the tag asleep, a bad name).
  * Where it pays: the first offloading sleep of a process into pageable memory. Unprepared, that
  * sleep faults fresh host memory in (the kernel zeroes every page) and pins the ring while it
- * copies: 1.9-2.3x the pinned copy of the same bytes on a 16-core H200 host, against 1.15-1.22x
- * prepared and about 1.1x for later sleeps, which write into the backup the last wake released
- * lazily. It pins nothing beyond the ring; until the first sleep the process holds the memory as a lazily released
- * backup, counted as resident, which the kernel takes back first when it needs memory. Nothing
- * is gained for a tag only ever discarded, a pinned backup, or a retained one after its first
- * sleep.
+ * copies, where later sleeps write into the backup the last wake released lazily into a ring
+ * already pinned; prepared, it starts as they do (docs/DECISIONS.md, "Preparing the first
+ * sleep's backup"). It pins nothing beyond the ring; until the first sleep the process holds the
+ * memory as a lazily released backup, counted as resident, which the kernel takes back first
+ * when it needs memory. Nothing is gained for a tag only ever discarded, a pinned backup, or a
+ * retained one after its first sleep.
  *
  * # Safety
  * `tag` must be a NUL-terminated string.

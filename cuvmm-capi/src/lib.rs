@@ -24,8 +24,8 @@ mod trace;
 
 use config::Config;
 use cuvmm_lib::alloc::{
-    AllocatorConfig, AllocatorStats, BackupKind, BackupOptions, GraphMemory, SleepMode, StreamAllocator, Tag,
-    TagPhase, TagStats,
+    AllocatorConfig, AllocatorStats, BackupKind, BackupOptions, BlockShare, GraphMemory, SleepMode,
+    StreamAllocator, Tag, TagPhase, TagStats,
 };
 use cuvmm_lib::driver::sys::CUstream;
 use cuvmm_lib::{Context, Device};
@@ -606,12 +606,12 @@ pub unsafe extern "C" fn cuvmm_set_backup(
 /// memory available), or -1 (the tag asleep, a bad name).
 /// Where it pays: the first offloading sleep of a process into pageable memory. Unprepared, that
 /// sleep faults fresh host memory in (the kernel zeroes every page) and pins the ring while it
-/// copies: 1.9-2.3x the pinned copy of the same bytes on a 16-core H200 host, against 1.15-1.22x
-/// prepared and about 1.1x for later sleeps, which write into the backup the last wake released
-/// lazily. It pins nothing beyond the ring; until the first sleep the process holds the memory as a lazily released
-/// backup, counted as resident, which the kernel takes back first when it needs memory. Nothing
-/// is gained for a tag only ever discarded, a pinned backup, or a retained one after its first
-/// sleep.
+/// copies, where later sleeps write into the backup the last wake released lazily into a ring
+/// already pinned; prepared, it starts as they do (docs/DECISIONS.md, "Preparing the first
+/// sleep's backup"). It pins nothing beyond the ring; until the first sleep the process holds the
+/// memory as a lazily released backup, counted as resident, which the kernel takes back first
+/// when it needs memory. Nothing is gained for a tag only ever discarded, a pinned backup, or a
+/// retained one after its first sleep.
 ///
 /// # Safety
 /// `tag` must be a NUL-terminated string.
@@ -732,6 +732,18 @@ pub struct CuvmmExport {
     pub count: u64,
 }
 
+impl From<&BlockShare> for CuvmmExport {
+    fn from(s: &BlockShare) -> CuvmmExport {
+        CuvmmExport {
+            block: s.block,
+            len: s.len,
+            first_page: s.first_page,
+            page: s.page as u64,
+            count: s.pages.len() as u64,
+        }
+    }
+}
+
 /// Shares the live block of `device` holding `ptr`: one POSIX file descriptor per physical page
 /// under it in `fds` (the caller owns and closes them; pages also hold the block's neighbours, as
 /// legacy CUDA IPC shares a whole segment) and the layout in `*out`. Each page's first export is
@@ -798,21 +810,14 @@ unsafe fn export_with(
         let a = existing_allocator(device)
             .ok_or_else(|| plain(format!("no cuvmm allocation on device {device}")))?;
         let e = a.export(ptr as usize as u64).map_err(reported)?;
-        let layout = CuvmmExport {
-            block: e.block,
-            len: e.len,
-            first_page: e.first_page,
-            page: e.page as u64,
-            count: e.fds.len() as u64,
-        };
         // SAFETY: checked non-null; the caller gives a writable struct.
-        unsafe { out.write(layout) };
+        unsafe { out.write(CuvmmExport::from(&e.share)) };
         let n = e.fds.len();
         if n > cap {
-            a.unexport(e.block).map_err(reported)?;
+            a.unexport(e.share.block).map_err(reported)?;
             return Ok(n as isize);
         }
-        for (i, (fd, serial)) in e.fds.into_iter().zip(e.pages).enumerate() {
+        for (i, (fd, serial)) in e.fds.into_iter().zip(e.share.pages).enumerate() {
             // SAFETY: i < n <= cap, inside the caller's arrays (checked non-null).
             unsafe {
                 fds.add(i).write(fd.into_raw_fd());
@@ -849,15 +854,8 @@ pub unsafe extern "C" fn cuvmm_export_mark(
             .ok_or_else(|| plain(format!("no cuvmm allocation on device {device}")))?;
         let m = a.export_mark(ptr as usize as u64).map_err(reported)?;
         let n = m.pages.len();
-        let layout = CuvmmExport {
-            block: m.block,
-            len: m.len,
-            first_page: m.first_page,
-            page: m.page as u64,
-            count: n as u64,
-        };
         // SAFETY: checked non-null; the caller gives a writable struct.
-        unsafe { out.write(layout) };
+        unsafe { out.write(CuvmmExport::from(&m)) };
         if n > cap {
             a.unexport(m.block).map_err(reported)?;
             return Ok(n as isize);

@@ -13,7 +13,7 @@ allocator's host time counts) and the driver-level memory in use (total - free) 
 taken before the first tensor. The defaults (d_model 2048, 10 layers, 571 M parameters, up to
 16384 tokens a step, bf16 autocast over fp32 weights, AdamW, 40 steps): under
 PyTorch's native allocator they peak near 23 GiB allocated and 31 GiB reserved, and the loss
-falls from about 10.9 to 9.5 (docs/PERFORMANCE.md, "The stream-ordered allocator under PyTorch",
+falls from about 10.9 to 9.5 (docs/DECISIONS.md, "Training and its trace replayed on 4 MiB pages",
 has the measured runs).
 
 cuvmm-pool runs the whole training inside the pool, on every thread: torch.cuda.use_mem_pool

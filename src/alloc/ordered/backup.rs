@@ -146,10 +146,10 @@ const BACKUP_SLOTS: usize = 4;
 
 /// The shape of a backup's ring: [`BACKUP_SLOTS`] chunks of [`BACKUP_CHUNK`] (64 MiB pinned)
 /// unless the two values (chunk KiB, at least 64; slots, 2 to 256) say otherwise; anything else
-/// keeps the default. A sleep moves tens of GiB through it, one chunk per DMA: with the general
-/// ring's 4 MiB chunks, whole sleeps ran at either 1.1x or 2.2x the pinned copy from one cycle
-/// to the next, with 16 MiB chunks in four slots at 1.08-1.09x, and with four processes sleeping
-/// at once faster too (docs/DECISIONS.md, "The backup ring's shape").
+/// keeps the default. A sleep moves tens of GiB through it, one chunk per DMA: chunks this large
+/// keep every cycle near the pinned copy's speed, alone or with other processes sleeping at once,
+/// where the general ring's smaller ones let whole sleeps halve from one cycle to the next
+/// (docs/DECISIONS.md, "The backup ring's shape").
 fn backup_ring(chunk_kib: Option<String>, slots: Option<String>) -> crate::host::StagingConfig {
     let mut config = crate::host::StagingConfig::default();
     let chunk_kib =

@@ -727,14 +727,7 @@ impl StreamAllocator {
             }
         };
         let pages = held.iter().map(PhysicalMemory::serial).collect();
-        Ok(BlockExport {
-            block: at.block,
-            len: at.len,
-            first_page: at.first_page,
-            page: at.page as usize,
-            fds,
-            pages,
-        })
+        Ok(BlockExport { share: at.share(pages), fds })
     }
 
     /// [`export`](Self::export) without the descriptors: marks the block shared (as `export`
@@ -748,13 +741,7 @@ impl StreamAllocator {
             pages.push(page.serial());
             Ok(())
         })?;
-        Ok(BlockShare {
-            block: at.block,
-            len: at.len,
-            first_page: at.first_page,
-            page: at.page as usize,
-            pages,
-        })
+        Ok(at.share(pages))
     }
 
     /// From now on, exports each page as it is made and keeps the descriptor with it (see
@@ -874,23 +861,14 @@ fn stream_key(stream: CUstream) -> ids::Handle {
 /// A live block of a [`StreamAllocator`] shared with another process ([`StreamAllocator::export`]).
 #[derive(Debug)]
 pub struct BlockExport {
-    /// The block's address.
-    pub block: u64,
-    /// The block's size.
-    pub len: u64,
-    /// The address of the first page under the block; the pages follow it without gaps.
-    pub first_page: u64,
-    /// Bytes per page.
-    pub page: usize,
+    /// Where the block lies and which pages are under it.
+    pub share: BlockShare,
     /// One descriptor per page, in address order.
     pub fds: Vec<std::os::fd::OwnedFd>,
-    /// Each page's [`serial`](crate::vmm::PhysicalMemory::serial), in address order: an importer
-    /// that kept a mapping of pages with these numbers from this process may use it again.
-    pub pages: Vec<u64>,
 }
 
-/// A live block of a [`StreamAllocator`] marked shared without its descriptors
-/// ([`StreamAllocator::export_mark`]).
+/// Where a live block of a [`StreamAllocator`] marked shared lies and which pages are under it
+/// ([`StreamAllocator::export_mark`]; [`BlockExport`] adds the pages' descriptors).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct BlockShare {
     /// The block's address.
@@ -901,7 +879,8 @@ pub struct BlockShare {
     pub first_page: u64,
     /// Bytes per page.
     pub page: usize,
-    /// Each page's [`serial`](crate::vmm::PhysicalMemory::serial), in address order.
+    /// Each page's [`serial`](crate::vmm::PhysicalMemory::serial), in address order: an importer
+    /// that kept a mapping of pages with these numbers from this process may use it again.
     pub pages: Vec<u64>,
 }
 

@@ -160,17 +160,7 @@ impl Sender {
         let held = AllocShared { alloc: alloc.clone(), block: share.block, serials: share.pages.clone() };
         // Dropped (the block's mark let go) if the offer fails.
         let token = self.inner.offer(Box::new(held), group)?;
-        Ok(Ticket {
-            address: self.inner.address.clone(),
-            pid: self.inner.pid,
-            token,
-            device,
-            block: share.block,
-            len: share.len,
-            first_page: share.first_page,
-            page: share.page as u64,
-            serials: share.pages,
-        })
+        Ok(Ticket { address: self.inner.address.clone(), pid: self.inner.pid, token, device, share })
     }
 
     /// The process's sender if it has started, without starting it.
@@ -247,7 +237,7 @@ impl Receiver {
                 ctx.device().ordinal()
             )));
         }
-        let page = usize::try_from(ticket.page).map_err(|_| Error::invalid("page size"))?;
+        let page = ticket.share.page;
         let peers = peers.to_vec();
         self.inner.take(ticket, timeout, |fds| {
             let borrowed: Vec<_> = fds.iter().map(|f| f.as_fd()).collect();

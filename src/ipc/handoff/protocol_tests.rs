@@ -5,6 +5,7 @@ use super::frame::{Frame, Token};
 use super::receiver::{self, Mapped};
 use super::sender::{self, Shared};
 use super::{link, Ticket};
+use crate::alloc::BlockShare;
 use crate::error::{Error, Result};
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -109,18 +110,15 @@ impl World {
         let serials: Vec<u64> = (first..first + n as u64).collect();
         let shared = FakeShared { pages, serials: serials.clone(), counts: self.counts.clone(), gate };
         let token = self.s.offer(Box::new(shared), group).unwrap();
-        let page = 2 << 20;
-        let t = Ticket {
-            address: self.s.address.clone(),
-            pid: self.s.pid,
-            token,
-            device: [0; 16],
+        let page: usize = 2 << 20;
+        let share = BlockShare {
             block: 0x1000_0000,
-            len: page * n as u64,
+            len: (page * n) as u64,
             first_page: 0x1000_0000,
             page,
-            serials,
+            pages: serials,
         };
+        let t = Ticket { address: self.s.address.clone(), pid: self.s.pid, token, device: [0; 16], share };
         (t, inodes)
     }
 
@@ -191,7 +189,7 @@ fn the_same_pages_again_are_claimed_without_descriptors_or_a_wait() {
             .offer(
                 Box::new(FakeShared {
                     pages: vec![memfd(), memfd()],
-                    serials: t.serials.clone(),
+                    serials: t.share.pages.clone(),
                     counts: w.counts.clone(),
                     gate: None,
                 }),
@@ -242,7 +240,7 @@ fn a_kept_mapping_is_used_only_once_the_sender_grants_the_hold() {
     let again = |w: &World| {
         let shared = FakeShared {
             pages: vec![memfd()],
-            serials: t.serials.clone(),
+            serials: t.share.pages.clone(),
             counts: w.counts.clone(),
             gate: None,
         };
@@ -274,7 +272,7 @@ fn a_group_over_kept_mappings_is_claimed_with_one_hold_and_a_member_without_one_
     let again = |t: &Ticket| {
         let shared = FakeShared {
             pages: vec![memfd()],
-            serials: t.serials.clone(),
+            serials: t.share.pages.clone(),
             counts: w.counts.clone(),
             gate: None,
         };

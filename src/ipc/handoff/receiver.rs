@@ -263,13 +263,13 @@ impl Inner {
                 return Err(gone());
             }
             let along = st.along.remove(&token);
-            if let Some(k) = st.kept.get_mut(&ticket.serials).filter(|k| !k.revoked) {
+            if let Some(k) = st.kept.get_mut(&ticket.share.pages).filter(|k| !k.revoked) {
                 k.users += 1;
                 let map = k.map.clone();
                 if along.is_some() {
                     // Taken along: the sender holds it for us already.
                     drop(st);
-                    return Ok(self.lease(conn, ticket, Some(ticket.serials.clone()), map));
+                    return Ok(self.lease(conn, ticket, Some(ticket.share.pages.clone()), map));
                 }
                 // Claimed with no descriptor; used only once the sender grants it (the offer
                 // may be gone: taken by another, let go, expired).
@@ -299,11 +299,11 @@ impl Inner {
         }
         match kept {
             Some(map) => match answer {
-                Ok(_) => Ok(self.lease(conn, ticket, Some(ticket.serials.clone()), map)),
+                Ok(_) => Ok(self.lease(conn, ticket, Some(ticket.share.pages.clone()), map)),
                 Err(e) => {
                     let unmap = {
                         let mut st = lock(&conn.st);
-                        self.unuse(&mut st, &ticket.serials)
+                        self.unuse(&mut st, &ticket.share.pages)
                     };
                     drop(map);
                     if let Some(m) = unmap {
@@ -335,13 +335,13 @@ impl Inner {
         fds: Vec<OwnedFd>,
         map: impl FnOnce(Vec<OwnedFd>) -> Result<Box<dyn Mapped>>,
     ) -> Result<Lease> {
-        let r = if fds.len() == ticket.serials.len() {
+        let r = if fds.len() == ticket.share.pages.len() {
             map(fds)
         } else {
             Err(Error::Protocol(format!(
                 "{} page descriptors for a ticket of {} pages",
                 fds.len(),
-                ticket.serials.len()
+                ticket.share.pages.len()
             )))
         };
         let m = match r {
@@ -353,13 +353,15 @@ impl Inner {
             }
         };
         let mut st = lock(&conn.st);
-        let key = if st.kept.contains_key(&ticket.serials) || st.closed {
+        let key = if st.kept.contains_key(&ticket.share.pages) || st.closed {
             None // mapped by another thread meanwhile (this one is not kept), or the sender gone
         } else {
-            let bytes = ticket.page * ticket.serials.len() as u64;
-            st.kept
-                .insert(ticket.serials.clone(), KeptMap { map: m.clone(), bytes, users: 1, revoked: false });
-            Some(ticket.serials.clone())
+            let bytes = ticket.page() * ticket.share.pages.len() as u64;
+            st.kept.insert(
+                ticket.share.pages.clone(),
+                KeptMap { map: m.clone(), bytes, users: 1, revoked: false },
+            );
+            Some(ticket.share.pages.clone())
         };
         drop(st);
         Ok(self.lease(conn, ticket, key, m))
@@ -381,7 +383,7 @@ impl Inner {
             key,
             map,
             ptr: base + ticket.offset(),
-            len: ticket.len,
+            len: ticket.share.len,
         }
     }
 

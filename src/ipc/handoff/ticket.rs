@@ -4,6 +4,7 @@
 //! receiver.
 
 use super::frame::{Token, MAX_PAGES, TOKEN};
+use crate::alloc::BlockShare;
 use crate::error::{Error, Result};
 
 const MAGIC: [u8; 4] = *b"CVHT";
@@ -19,21 +20,18 @@ pub struct Ticket {
     pub(crate) pid: u32,
     pub(crate) token: Token,
     pub(crate) device: [u8; 16],
-    pub(crate) block: u64,
-    pub(crate) len: u64,
-    pub(crate) first_page: u64,
-    pub(crate) page: u64,
-    pub(crate) serials: Vec<u64>,
+    /// Where the block lies in the sender, on which of its pages.
+    pub(crate) share: BlockShare,
 }
 
 impl std::fmt::Debug for Ticket {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Ticket")
             .field("pid", &self.pid)
-            .field("block", &format_args!("{:#x}", self.block))
-            .field("len", &self.len)
-            .field("page", &self.page)
-            .field("pages", &self.serials.len())
+            .field("block", &format_args!("{:#x}", self.share.block))
+            .field("len", &self.share.len)
+            .field("page", &self.share.page)
+            .field("pages", &self.share.pages.len())
             .finish()
     }
 }
@@ -51,34 +49,34 @@ impl Ticket {
 
     /// The block's size in bytes.
     pub fn len(&self) -> u64 {
-        self.len
+        self.share.len
     }
 
     /// Whether the block is empty (never: no empty block is offered).
     pub fn is_empty(&self) -> bool {
-        self.len == 0
+        self.share.len == 0
     }
 
     /// Where the block starts past the first page under it: the receiver's mapping of the pages
     /// holds the block this far into it.
     pub fn offset(&self) -> u64 {
-        self.block - self.first_page
+        self.share.block - self.share.first_page
     }
 
     /// The block's address in the sender (the storage's address there, for a caller that names
     /// a place inside the block by its address).
     pub fn block(&self) -> u64 {
-        self.block
+        self.share.block
     }
 
     /// Bytes per page under the block.
     pub fn page(&self) -> u64 {
-        self.page
+        self.share.page as u64
     }
 
     /// The sender's serials of the pages under the block, in address order.
     pub fn serials(&self) -> &[u64] {
-        &self.serials
+        &self.share.pages
     }
 
     /// Bytes of a ticket of `pages` pages from a sender listening at an address of `address`
@@ -89,20 +87,21 @@ impl Ticket {
 
     /// The ticket as bytes (`docs/WIRE.md`, "The ticket").
     pub fn to_bytes(&self) -> Vec<u8> {
-        let mut b = Vec::with_capacity(FIXED + 8 * self.serials.len() + self.address.len());
+        let BlockShare { block, len, first_page, page, pages: ref serials } = self.share;
+        let mut b = Vec::with_capacity(FIXED + 8 * serials.len() + self.address.len());
         b.extend_from_slice(&MAGIC);
         b.extend_from_slice(&VERSION.to_le_bytes());
         b.extend_from_slice(&0u16.to_le_bytes());
         b.extend_from_slice(&self.pid.to_le_bytes());
         b.extend_from_slice(&self.token.0);
         b.extend_from_slice(&self.device);
-        for v in [self.block, self.len, self.first_page, self.page] {
+        for v in [block, len, first_page, page as u64] {
             b.extend_from_slice(&v.to_le_bytes());
         }
-        b.extend_from_slice(&(self.serials.len() as u32).to_le_bytes());
+        b.extend_from_slice(&(serials.len() as u32).to_le_bytes());
         b.extend_from_slice(&(self.address.len() as u16).to_le_bytes());
         b.extend_from_slice(&0u16.to_le_bytes());
-        for s in &self.serials {
+        for s in serials {
             b.extend_from_slice(&s.to_le_bytes());
         }
         b.extend_from_slice(&self.address);
@@ -151,12 +150,14 @@ impl Ticket {
         if !ok {
             return Err(bad("the block does not lie on its pages"));
         }
+        let page = usize::try_from(page).map_err(|_| bad("pages larger than this process maps"))?;
         let mut serials = Vec::with_capacity(count as usize);
         for i in 0..count as usize {
             serials.push(u64_at(FIXED + 8 * i));
         }
         let address = b[FIXED + 8 * count as usize..].to_vec();
-        Ok(Ticket { address, pid, token, device, block, len, first_page, page, serials })
+        let share = BlockShare { block, len, first_page, page, pages: serials };
+        Ok(Ticket { address, pid, token, device, share })
     }
 }
 
@@ -171,11 +172,13 @@ mod tests {
             pid: 7,
             token: Token([9; 16]),
             device: [3; 16],
-            block: (128 << 20) + 4096,
-            len: 200 << 20,
-            first_page: 128 << 20,
-            page: 128 << 20,
-            serials: vec![11, 12],
+            share: BlockShare {
+                block: (128 << 20) + 4096,
+                len: 200 << 20,
+                first_page: 128 << 20,
+                page: 128 << 20,
+                pages: vec![11, 12],
+            },
         }
     }
 
@@ -189,15 +192,15 @@ mod tests {
     #[test]
     fn a_block_off_its_pages_is_refused() {
         for change in [
-            |t: &mut Ticket| t.len = 300 << 20,          // past the last page
-            |t: &mut Ticket| t.len = 100 << 20,          // the last page unused
-            |t: &mut Ticket| t.first_page = t.block + 1, // starts before its first page
-            |t: &mut Ticket| t.page = 3 << 20 | 1,       // no page size
-            |t: &mut Ticket| t.serials.clear(),
+            |t: &mut Ticket| t.share.len = 300 << 20, // past the last page
+            |t: &mut Ticket| t.share.len = 100 << 20, // the last page unused
+            |t: &mut Ticket| t.share.first_page = t.share.block + 1, // starts before its first page
+            |t: &mut Ticket| t.share.page = 3 << 20 | 1, // no page size
+            |t: &mut Ticket| t.share.pages.clear(),
             |t: &mut Ticket| t.pid = 0,
             |t: &mut Ticket| t.address.clear(),
             // The block's end past 2^64, wrapping back onto its one page.
-            |t: &mut Ticket| (t.serials, t.len) = (vec![11], u64::MAX - 1),
+            |t: &mut Ticket| (t.share.pages, t.share.len) = (vec![11], u64::MAX - 1),
         ] {
             let mut t = ticket();
             change(&mut t);

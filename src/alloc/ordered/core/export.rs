@@ -8,6 +8,7 @@
 //! [`Core::unexport`], as PyTorch defers the free of a block lent through CUDA IPC.
 
 use super::{Backend, Core, Epoch, Exported, Owner, SlotId, StreamId};
+use crate::alloc::BlockShare;
 use crate::error::{Error, Result};
 
 /// Where a live block lies on its pages.
@@ -22,6 +23,19 @@ pub(crate) struct BlockPages {
     pub page: u64,
     /// How many pages, adjacent from `first_page`.
     pub count: u64,
+}
+
+impl BlockPages {
+    /// The block as its exports give it, on pages of these serials (one per page).
+    pub fn share(self, pages: Vec<u64>) -> BlockShare {
+        BlockShare {
+            block: self.block,
+            len: self.len,
+            first_page: self.first_page,
+            page: self.page as usize,
+            pages,
+        }
+    }
 }
 
 impl<B: Backend> Core<B> {

@@ -45,9 +45,9 @@ pub struct TagStats {
 const CHUNK: u64 = 64 << 20;
 
 /// Bytes of an offloading sleep's copies after which the pages they read go back to the driver
-/// while the next ones copy: unmapping and releasing a page costs the driver microseconds (16 GiB
-/// of 4 MiB pages about 20 ms, a sixteenth of the copy), which a sleep would otherwise add after
-/// its last copy. Each batch ends a staged transfer, whose start and end cost a chunk's time.
+/// while the next ones copy: unmapping and releasing a page costs the driver microseconds, which a
+/// sleep would otherwise add after its last copy (docs/DECISIONS.md, "A sleep releases pages while
+/// it copies"). Each batch ends a staged transfer, whose start and end cost a chunk's time.
 pub(crate) const SLEEP_BATCH: u64 = 2 << 30;
 
 pub(crate) enum State {
