@@ -121,6 +121,7 @@ use crate::stream::order::Tracker;
 use crate::stream::{Event, Stream, StreamInner};
 use crate::vmm::{Access, Mapping, PhysicalMemory, Reservation};
 use crate::Device;
+use std::num::NonZeroU32;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -173,7 +174,7 @@ impl Default for AllocatorConfig {
 /// A name for allocations that sleep and wake together ([`StreamAllocator::sleep`]). Names are
 /// interned for the life of the process; the same name gives the same tag on every allocator.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct Tag(u32);
+pub struct Tag(NonZeroU32);
 
 static TAGS: Mutex<Vec<String>> = Mutex::new(Vec::new());
 
@@ -191,12 +192,26 @@ impl Tag {
                 tags.len() - 1
             }
         };
-        Ok(Tag(i as u32 + 1))
+        Ok(Tag(NonZeroU32::new(i as u32 + 1).expect("fewer than u32::MAX names")))
+    }
+
+    /// The tag numbered `n` without a name, for the core's tests, which never ask for one.
+    #[cfg(test)]
+    pub(crate) const fn of(n: u32) -> Tag {
+        match NonZeroU32::new(n) {
+            Some(n) => Tag(n),
+            None => panic!("tags count from 1"),
+        }
+    }
+
+    /// Its number for the whole process, from 1 up.
+    pub(crate) fn get(self) -> u32 {
+        self.0.get()
     }
 
     /// Its name.
     pub fn name(&self) -> String {
-        lock(&TAGS)[self.0 as usize - 1].clone()
+        lock(&TAGS)[self.get() as usize - 1].clone()
     }
 
     /// Where this tag's later offloading sleeps keep its contents, on every allocator: pageable
@@ -205,19 +220,19 @@ impl Tag {
     /// Refused, changing
     /// nothing, for a disk backup whose directory is not one.
     pub fn set_backup(&self, options: BackupOptions) -> Result<()> {
-        backup::set_options(self.0, options)
+        backup::set_options(*self, options)
     }
 
     /// The options [`set_backup`](Self::set_backup) gave (the default when none).
     pub fn backup(&self) -> BackupOptions {
-        backup::options_of(self.0)
+        backup::options_of(*self)
     }
 
     /// Where this tag stands for the whole process ([`sleep_on`](Self::sleep_on),
     /// [`wake_on`](Self::wake_on)); a sleep of one allocator alone
     /// ([`StreamAllocator::sleep`]) leaves it awake.
     pub fn phase(&self) -> TagPhase {
-        phase::PROCESS.phase(self.0)
+        phase::PROCESS.phase(self.get())
     }
 
     /// Refused, as an allocation with the tag would be, when the tag is not
@@ -248,7 +263,7 @@ impl Tag {
         let t = *self;
         phase::sleep_tag(
             &phase::PROCESS,
-            self.0,
+            self.get(),
             allocators,
             |a| a.sleep(t, mode).map(drop),
             |a| a.wake(t),
@@ -262,7 +277,7 @@ impl Tag {
     /// nothing lost, and the tag asleep, so that a later call wakes those.
     pub fn wake_on<'a>(&self, allocators: impl FnOnce() -> Vec<&'a StreamAllocator>) -> Result<()> {
         let t = *self;
-        phase::wake_tag(&phase::PROCESS, self.0, allocators, |a| a.tag_stats(t).asleep, |a| a.wake(t))
+        phase::wake_tag(&phase::PROCESS, self.get(), allocators, |a| a.tag_stats(t).asleep, |a| a.wake(t))
     }
 }
 
@@ -502,10 +517,9 @@ impl StreamAllocator {
         self.check_limit(size)?;
         let (capture, id) = caller_of(stream, graphs)?;
         // Counted until the allocation returns: a sleep of the tag for the process waits for it.
-        let _allocating = tag.map(|t| phase::PROCESS.begin_allocation(t.0)).transpose()?;
+        let _allocating = tag.map(|t| phase::PROCESS.begin_allocation(t.get())).transpose()?;
         // Every driver call the allocator may make binds the context itself: the cached path makes
         // none.
-        let tag = tag.map_or(0, |t| t.0);
         self.settle_uses(false);
         let allocate = || {
             let wait = || self.inner.ctx.synchronize().is_ok();
@@ -593,10 +607,10 @@ impl StreamAllocator {
     /// block faults the context: sleep only what nothing queued will use before
     /// [`wake`](Self::wake).
     pub fn sleep(&self, tag: Tag, mode: SleepMode) -> Result<usize> {
-        let settle = self.inner.alloc.core().sleep_begin(tag.0)?;
+        let settle = self.inner.alloc.core().sleep_begin(tag)?;
         // Not under the lock: a host function the device waits for may take it (`stats`).
         let waited = self.inner.ctx.synchronize();
-        self.inner.alloc.core().sleep_finish(tag.0, mode, settle, waited).map(|b| b as usize)
+        self.inner.alloc.core().sleep_finish(tag, mode, settle, waited).map(|b| b as usize)
     }
 
     /// Maps memory again under every live block tagged `tag`, at the same addresses with the same
@@ -609,7 +623,7 @@ impl StreamAllocator {
     /// gives the idle and spare pages back to the driver, as [`empty_cache`](Self::empty_cache).
     pub fn wake(&self, tag: Tag) -> Result<()> {
         let mut core = self.inner.alloc.core();
-        let r = core.wake_with(tag.0, true);
+        let r = core.wake_with(tag, true);
         if r.is_err() && core.wants_settle() {
             core.flush_cached();
             let settle = core.settle_begin();
@@ -617,7 +631,7 @@ impl StreamAllocator {
             // A failed wait (a capture elsewhere) still leaves what was known idle to give back.
             let _ = waited;
             core.release_idle()?;
-            return core.wake_with(tag.0, false);
+            return core.wake_with(tag, false);
         }
         r
     }
@@ -655,7 +669,7 @@ impl StreamAllocator {
     /// # }
     /// ```
     pub fn prepare_backup(&self, tag: Tag) -> Result<usize> {
-        self.inner.alloc.core().prepare_backup(tag.0).map(|b| b as usize)
+        self.inner.alloc.core().prepare_backup(tag).map(|b| b as usize)
     }
 
     /// Whether every backup [`prepare_backup`](Self::prepare_backup) started is ready (faulted in
@@ -666,7 +680,7 @@ impl StreamAllocator {
 
     /// What `tag` holds.
     pub fn tag_stats(&self, tag: Tag) -> TagStats {
-        self.inner.alloc.core().tag_stats(tag.0)
+        self.inner.alloc.core().tag_stats(tag)
     }
 
     /// Frees the block at `ptr` on the raw stream `stream`: work queued on `stream` before this
