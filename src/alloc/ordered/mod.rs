@@ -101,6 +101,7 @@ mod host_memory;
 mod ids;
 mod lazy;
 mod phase;
+mod ptr;
 mod snapshot;
 mod uses;
 
@@ -109,6 +110,7 @@ pub use self::backup::{
 };
 pub use self::core::{AllocatorStats, SleepMode, TagStats};
 pub use self::phase::TagPhase;
+pub use self::ptr::{BlockRange, DevicePtr};
 pub use self::snapshot::{BlockSnapshot, BlockState, SegmentSnapshot};
 
 use self::backend::DriverBackend;
@@ -487,7 +489,7 @@ impl StreamAllocator {
         // SAFETY: `stream` is alive for the call (borrowed), and the block keeps it alive until
         // its free.
         let ptr = unsafe { self.allocate_raw_tagged(size, stream.raw(), GraphMemory::Keep, tag) }?;
-        Ok(StreamBlock::new(self, ptr, size, stream))
+        Ok(StreamBlock::new(self, ptr.get(), size, stream))
     }
 
     /// Allocates `size` bytes for work on the raw stream `stream` and returns the address.
@@ -497,7 +499,12 @@ impl StreamAllocator {
     /// stream) for the duration of the call. It may be destroyed afterwards, blocks freed on it
     /// or not: the allocator keys streams by the driver's stream id, never reused, and passes a
     /// handle to the driver only during a call that passes it.
-    pub unsafe fn allocate_raw(&self, size: usize, stream: CUstream, graphs: GraphMemory) -> Result<u64> {
+    pub unsafe fn allocate_raw(
+        &self,
+        size: usize,
+        stream: CUstream,
+        graphs: GraphMemory,
+    ) -> Result<DevicePtr> {
         // SAFETY: the caller's contract, the same.
         unsafe { self.allocate_raw_tagged(size, stream, graphs, None) }
     }
@@ -512,7 +519,7 @@ impl StreamAllocator {
         stream: CUstream,
         graphs: GraphMemory,
         tag: Option<Tag>,
-    ) -> Result<u64> {
+    ) -> Result<DevicePtr> {
         self.check_size(size)?;
         self.check_limit(size)?;
         let (capture, id) = caller_of(stream, graphs)?;
@@ -523,7 +530,10 @@ impl StreamAllocator {
         self.settle_uses(false);
         let allocate = || {
             let wait = || self.inner.ctx.synchronize().is_ok();
-            self.inner.alloc.allocate(size as u64, stream_key(stream), id, capture, tag, wait)
+            self.inner
+                .alloc
+                .allocate(size as u64, stream_key(stream), id, capture, tag, wait)
+                .map(DevicePtr::new)
         };
         let got = allocate();
         if got.as_ref().is_err_and(Error::is_out_of_memory) && self.inner.uses.pending() > 0 {
@@ -570,7 +580,7 @@ impl StreamAllocator {
     /// context (or null, or the legacy default stream) when the block is freed, and until its
     /// deferred free is made.
     pub fn record_stream(&self, ptr: u64, stream: CUstream) -> bool {
-        let ours = self.owner_of(ptr).is_some_and(|(start, _)| start == ptr);
+        let ours = self.inner.alloc.core().owner_of(ptr).is_some_and(|(start, _)| start == ptr);
         if ours {
             self.inner.uses.record(ptr, stream);
         }
@@ -696,7 +706,8 @@ impl StreamAllocator {
     /// A free on the stream the block was allocated on asks the driver nothing, during a capture
     /// as at any other time (see the module's "Graph capture"), except, once after another
     /// stream found memory short, to record an event after the free.
-    pub unsafe fn free_raw(&self, ptr: u64, stream: CUstream) -> Result<()> {
+    pub unsafe fn free_raw(&self, ptr: DevicePtr, stream: CUstream) -> Result<()> {
+        let ptr = ptr.get();
         check_stream(stream)?;
         // SAFETY: the caller's contract: `stream` and the streams recorded for `ptr` are live
         // streams of the context.
@@ -706,10 +717,10 @@ impl StreamAllocator {
         self.inner.alloc.free(ptr, stream_key(stream))
     }
 
-    /// The live block holding `ptr` (anywhere inside it), as (address, size), if this allocator
-    /// handed it out.
-    pub fn owner_of(&self, ptr: u64) -> Option<(u64, u64)> {
-        self.inner.alloc.core().owner_of(ptr)
+    /// The live block holding `ptr` (anywhere inside it), if this allocator handed it out.
+    pub fn owner_of(&self, ptr: DevicePtr) -> Option<BlockRange> {
+        let (start, len) = self.inner.alloc.core().owner_of(ptr.get())?;
+        Some(BlockRange { start: DevicePtr::new(start), len })
     }
 
     /// Shares the live block holding `ptr` with another process: a POSIX descriptor for each page
@@ -726,9 +737,9 @@ impl StreamAllocator {
     /// frees it, so that no new block lands on memory an importer still reads and writes.
     /// Refused for a block whose tag is asleep, and where the device cannot export POSIX
     /// descriptors.
-    pub fn export(&self, ptr: u64) -> Result<BlockExport> {
+    pub fn export(&self, ptr: DevicePtr) -> Result<BlockExport> {
         let mut held = Vec::new();
-        let at = self.inner.alloc.core().export(ptr, |page| {
+        let at = self.inner.alloc.core().export(ptr.get(), |page| {
             held.push(page.clone());
             Ok(())
         })?;
@@ -736,13 +747,13 @@ impl StreamAllocator {
             Ok(fds) => fds,
             Err(e) => {
                 // Undoes this call's own mark, which only a broken allocator state refuses.
-                self.unexport(at.block)?;
+                self.unexport(DevicePtr::new(at.block))?;
                 return Err(e);
             }
         };
         let pages = held.iter().map(PhysicalMemory::serial).collect();
         Ok(BlockExport {
-            block: at.block,
+            block: DevicePtr::new(at.block),
             len: at.len,
             first_page: at.first_page,
             page: at.page as usize,
@@ -756,14 +767,14 @@ impl StreamAllocator {
     /// pages are under it, costing no descriptor and no driver call. An importer that already
     /// maps pages with these serials from this process needs nothing more; one that does not
     /// gets their descriptors from [`exported_fds`](Self::exported_fds).
-    pub fn export_mark(&self, ptr: u64) -> Result<BlockShare> {
+    pub fn export_mark(&self, ptr: DevicePtr) -> Result<BlockShare> {
         let mut pages = Vec::new();
-        let at = self.inner.alloc.core().export(ptr, |page| {
+        let at = self.inner.alloc.core().export(ptr.get(), |page| {
             pages.push(page.serial());
             Ok(())
         })?;
         Ok(BlockShare {
-            block: at.block,
+            block: DevicePtr::new(at.block),
             len: at.len,
             first_page: at.first_page,
             page: at.page as usize,
@@ -785,9 +796,9 @@ impl StreamAllocator {
     /// [`export_mark`](Self::export_mark) or [`export`](Self::export) returned it), in address
     /// order, as `export` gives them; the block may have been freed since (its mark keeps its
     /// pages). Refused for a block not shared (any more).
-    pub fn exported_fds(&self, block: u64) -> Result<Vec<std::os::fd::OwnedFd>> {
+    pub fn exported_fds(&self, block: DevicePtr) -> Result<Vec<std::os::fd::OwnedFd>> {
         let mut held = Vec::new();
-        self.inner.alloc.core().exported_pages(block, |page| {
+        self.inner.alloc.core().exported_pages(block.get(), |page| {
             held.push(page.clone());
             Ok(())
         })?;
@@ -796,8 +807,8 @@ impl StreamAllocator {
 
     /// One sharing of the block at `block` (as [`export`](Self::export) returned it) is over.
     /// Refused for a block not shared.
-    pub fn unexport(&self, block: u64) -> Result<()> {
-        self.inner.alloc.core().unexport(block)
+    pub fn unexport(&self, block: DevicePtr) -> Result<()> {
+        self.inner.alloc.core().unexport(block.get())
     }
 
     /// Counters of this allocator.
@@ -889,7 +900,7 @@ fn stream_key(stream: CUstream) -> ids::Handle {
 #[derive(Debug)]
 pub struct BlockExport {
     /// The block's address.
-    pub block: u64,
+    pub block: DevicePtr,
     /// The block's size.
     pub len: u64,
     /// The address of the first page under the block; the pages follow it without gaps.
@@ -908,7 +919,7 @@ pub struct BlockExport {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct BlockShare {
     /// The block's address.
-    pub block: u64,
+    pub block: DevicePtr,
     /// The block's size.
     pub len: u64,
     /// The address of the first page under the block; the pages follow it without gaps.
@@ -1122,7 +1133,7 @@ impl Drop for StreamBlock {
             // SAFETY: the block came from this allocator and is freed once, here; uses on other
             // streams were ordered before the free just above; the stream is alive (held here and
             // by the allocator's backend).
-            let _ = unsafe { alloc.free_raw(ptr, stream.raw) };
+            let _ = unsafe { alloc.free_raw(DevicePtr::new(ptr), stream.raw) };
         });
     }
 }
