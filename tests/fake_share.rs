@@ -6,7 +6,7 @@ mod common;
 
 use common::{count, fake_device, fake_symbol};
 
-use cuvmm::alloc::{AllocatorConfig, BlockImport, GraphMemory, StreamAllocator};
+use cuvmm::alloc::{AllocatorConfig, BlockImport, BlockRange, GraphMemory, StreamAllocator};
 use std::os::fd::AsFd;
 use std::time::Duration;
 
@@ -33,7 +33,7 @@ fn a_block_exports_the_pages_under_it_and_a_thousand_round_trips_leave_nothing_b
     let small = unsafe { alloc.allocate_raw(4096, std::ptr::null_mut(), GraphMemory::Keep) }.unwrap();
     // SAFETY: as above.
     let big = unsafe { alloc.allocate_raw(5 * MIB, std::ptr::null_mut(), GraphMemory::Keep) }.unwrap();
-    assert_eq!(alloc.owner_of(big + 12345), Some((big, 5 * MIB as u64)));
+    assert_eq!(alloc.owner_of(big + 12345), Some(BlockRange { start: big, len: 5 * MIB as u64 }));
     assert_eq!(alloc.owner_of(small + 4096), None, "past the small block");
 
     let fds0 = open_fds();
@@ -45,7 +45,7 @@ fn a_block_exports_the_pages_under_it_and_a_thousand_round_trips_leave_nothing_b
         let e = alloc.export(big + 100).unwrap();
         assert_eq!((e.share.block, e.share.len, e.share.page), (big, 5 * MIB as u64, 2 * MIB));
         // 5 MiB from a page boundary: three pages.
-        assert_eq!((e.fds.len(), e.share.first_page), (3, big / (2 * MIB as u64) * (2 * MIB as u64)));
+        assert_eq!((e.fds.len(), e.share.first_page), (3, big.get() / (2 * MIB as u64) * (2 * MIB as u64)));
         assert_eq!(alloc.stats().exported, 5 * MIB as u64);
         let borrowed: Vec<_> = e.fds.iter().map(|f| f.as_fd()).collect();
         let imported = BlockImport::import(&ctx, &borrowed, e.share.page, &[]).unwrap();
@@ -138,7 +138,7 @@ fn above_the_export_threshold_a_block_is_one_exportable_allocation() {
     let big = unsafe { alloc.allocate_raw(19 * MIB, std::ptr::null_mut(), GraphMemory::Keep) }.unwrap();
     assert_eq!(count(&lib, "cuMemCreate") - created, 1, "one physical allocation");
     let e = alloc.export(big).unwrap();
-    assert_eq!((e.fds.len(), e.share.page, e.share.first_page), (1, 20 * MIB, big));
+    assert_eq!((e.fds.len(), e.share.page, e.share.first_page), (1, 20 * MIB, big.get()));
     // Its one page is 20 MiB, no power of two: the import aligns to what divides it.
     let borrowed: Vec<_> = e.fds.iter().map(|f| f.as_fd()).collect();
     let imported = BlockImport::import(&ctx, &borrowed, e.share.page, &[]).unwrap();

@@ -7,7 +7,7 @@ mod common;
 
 use common::{count, fake_symbol};
 
-use cuvmm::alloc::{AllocatorConfig, SleepMode, StreamAllocator, Tag};
+use cuvmm::alloc::{AllocatorConfig, DevicePtr, SleepMode, StreamAllocator, Tag};
 use cuvmm::{Context, Stream};
 use std::ffi::c_int;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -464,7 +464,7 @@ fn a_block_let_go_after_its_stream_was_forgotten_goes_back_at_the_next_emptying(
         let st = &streams[round % 2];
         let n = [4096, 100_000, 1 << 20, 3 << 20, 9 << 20][round % 5];
         let b = alloc.allocate(n, st).unwrap();
-        let shared = alloc.export_mark(b.ptr()).unwrap();
+        let shared = alloc.export_mark(DevicePtr::new(b.ptr())).unwrap();
         drop(b);
         pending.push(shared.block);
         if pending.len() > 2 {

@@ -7,7 +7,7 @@
 
 mod common;
 
-use cuvmm::alloc::{SleepMode, StreamAllocator, Tag};
+use cuvmm::alloc::{DevicePtr, SleepMode, StreamAllocator, Tag};
 use cuvmm::ipc::handoff::{Lease, Receiver, Sender, Ticket};
 use cuvmm::kernels::Kernels;
 use cuvmm::{Context, DeviceSlice, Stream};
@@ -431,8 +431,8 @@ fn ten_thousand_hand_offs_to_receivers_killed_at_random_leave_nothing_behind() {
     {
         let st = Stream::non_blocking(&ctx).unwrap();
         let b = alloc.allocate(MIB, &st).unwrap();
-        drop(alloc.export(b.ptr()).unwrap());
-        alloc.unexport(b.ptr()).unwrap();
+        drop(alloc.export(DevicePtr::new(b.ptr())).unwrap());
+        alloc.unexport(DevicePtr::new(b.ptr())).unwrap();
         drop(b);
         alloc.empty_cache().unwrap();
     }

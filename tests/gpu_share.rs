@@ -8,7 +8,7 @@
 mod common;
 
 use common::{read, words_mut};
-use cuvmm::alloc::{AllocatorConfig, BlockImport, GraphMemory, StreamAllocator};
+use cuvmm::alloc::{AllocatorConfig, BlockImport, DevicePtr, GraphMemory, StreamAllocator};
 use cuvmm::kernels::Kernels;
 use cuvmm::{Context, Stream};
 use std::os::fd::AsFd;
@@ -29,8 +29,8 @@ fn an_imported_block_is_the_same_memory_and_outlives_the_exporters_free() {
     let big = alloc.allocate(N * 4, &s).unwrap();
     k.fill_u32(&s, &mut words_mut(big.ptr(), N), 0xabcd_0001).unwrap();
     s.synchronize().unwrap();
-    let e = alloc.export(big.ptr() + 4096).unwrap();
-    assert_eq!(e.share.block, big.ptr());
+    let e = alloc.export(DevicePtr::new(big.ptr() + 4096)).unwrap();
+    assert_eq!(e.share.block.get(), big.ptr());
     assert!(e.share.first_page < big.ptr() && e.fds.len() == 4, "{e:?}");
     let fds: Vec<_> = e.fds.iter().map(|f| f.as_fd()).collect();
     let imported = BlockImport::import(&ctx, &fds, e.share.page, &[]).unwrap();
@@ -42,7 +42,7 @@ fn an_imported_block_is_the_same_memory_and_outlives_the_exporters_free() {
     s.synchronize().unwrap();
     assert!(read(&ctx, big.ptr(), 1024).iter().all(|&v| v == 0x5eed));
     // The exporter lets go and empties its cache: the import still holds the memory.
-    alloc.unexport(big.ptr()).unwrap();
+    alloc.unexport(DevicePtr::new(big.ptr())).unwrap();
     assert_eq!(alloc.stats().exported, 0);
     drop(big);
     drop(small);
@@ -61,8 +61,8 @@ fn above_the_export_threshold_a_block_exports_as_one_descriptor() {
     let config = AllocatorConfig { export_threshold: 64 << 20, ..AllocatorConfig::default() };
     let alloc = StreamAllocator::with_config(&ctx, config).unwrap();
     // SAFETY: a live stream of the context, alive past the free below.
-    let p = unsafe { alloc.allocate_raw(100 << 20, s.raw(), GraphMemory::Keep) }.unwrap();
-    let e = alloc.export(p).unwrap();
+    let p = unsafe { alloc.allocate_raw(100 << 20, s.raw(), GraphMemory::Keep) }.unwrap().get();
+    let e = alloc.export(DevicePtr::new(p)).unwrap();
     assert_eq!((e.fds.len(), e.share.page, e.share.first_page), (1, 100 << 20, p));
     // 100 MiB is no power of two: the import is aligned to what divides it, and is the same memory.
     let fds: Vec<_> = e.fds.iter().map(|f| f.as_fd()).collect();
@@ -74,9 +74,9 @@ fn above_the_export_threshold_a_block_exports_as_one_descriptor() {
     s.synchronize().unwrap();
     assert!(read(&ctx, p, words).iter().all(|&v| v == 0x19_0019), "the exporter sees the importer's write");
     drop(imported);
-    alloc.unexport(p).unwrap();
+    alloc.unexport(DevicePtr::new(p)).unwrap();
     // SAFETY: from this allocator, freed once on its stream.
-    unsafe { alloc.free_raw(p, s.raw()) }.unwrap();
+    unsafe { alloc.free_raw(DevicePtr::new(p), s.raw()) }.unwrap();
     s.synchronize().unwrap();
     assert_eq!(alloc.empty_cache().unwrap(), 100 << 20);
 }
@@ -89,11 +89,11 @@ fn a_block_freed_while_imported_keeps_its_memory_and_a_kept_export_imports_the_s
     let s = Stream::non_blocking(&ctx).unwrap();
     let alloc = StreamAllocator::new(&ctx).unwrap();
     // SAFETY: a live stream of the context, alive past every free below.
-    let p = unsafe { alloc.allocate_raw(N * 4, s.raw(), GraphMemory::Keep) }.unwrap();
+    let p = unsafe { alloc.allocate_raw(N * 4, s.raw(), GraphMemory::Keep) }.unwrap().get();
     k.fill_u32(&s, &mut words_mut(p, N), 0x1111_1111).unwrap();
     s.synchronize().unwrap();
     // Shared twice: the second export hands out the descriptors the first one kept.
-    let (e1, e2) = (alloc.export(p).unwrap(), alloc.export(p).unwrap());
+    let (e1, e2) = (alloc.export(DevicePtr::new(p)).unwrap(), alloc.export(DevicePtr::new(p)).unwrap());
     let fds1: Vec<_> = e1.fds.iter().map(|f| f.as_fd()).collect();
     let fds2: Vec<_> = e2.fds.iter().map(|f| f.as_fd()).collect();
     let one = BlockImport::import(&ctx, &fds1, e1.share.page, &[]).unwrap();
@@ -105,12 +105,12 @@ fn a_block_freed_while_imported_keeps_its_memory_and_a_kept_export_imports_the_s
     assert!(read(&ctx, at1, 1024).iter().all(|&v| v == 0x5eed), "both imports map the block's pages");
     // Freed while imported: the next blocks of its size, on its stream, lie elsewhere.
     // SAFETY: from this allocator, freed once on its stream.
-    unsafe { alloc.free_raw(p, s.raw()) }.unwrap();
+    unsafe { alloc.free_raw(DevicePtr::new(p), s.raw()) }.unwrap();
     assert_eq!(alloc.stats().freed_shared, (N * 4) as u64);
     let mut later = Vec::new();
     for _ in 0..4 {
         // SAFETY: as above.
-        let b = unsafe { alloc.allocate_raw(N * 4, s.raw(), GraphMemory::Keep) }.unwrap();
+        let b = unsafe { alloc.allocate_raw(N * 4, s.raw(), GraphMemory::Keep) }.unwrap().get();
         assert!(b + (N * 4) as u64 <= p || b >= p + (N * 4) as u64, "{b:#x} lies on the freed shared block");
         k.fill_u32(&s, &mut words_mut(b, N), 0x2222_2222).unwrap();
         later.push(b);
@@ -119,13 +119,13 @@ fn a_block_freed_while_imported_keeps_its_memory_and_a_kept_export_imports_the_s
     let got = read(&ctx, at1, N);
     assert!(got[..1024].iter().all(|&v| v == 0x5eed) && got[1024..].iter().all(|&v| v == 0x1111_1111));
     drop((one, two));
-    alloc.unexport(p).unwrap();
+    alloc.unexport(DevicePtr::new(p)).unwrap();
     assert_eq!(alloc.stats().freed_shared, (N * 4) as u64, "one sharing left");
-    alloc.unexport(p).unwrap();
+    alloc.unexport(DevicePtr::new(p)).unwrap();
     assert_eq!(alloc.stats().freed_shared, 0);
     for b in later {
         // SAFETY: as above.
-        unsafe { alloc.free_raw(b, s.raw()) }.unwrap();
+        unsafe { alloc.free_raw(DevicePtr::new(b), s.raw()) }.unwrap();
     }
     s.synchronize().unwrap();
     alloc.empty_cache().unwrap();
@@ -142,16 +142,16 @@ fn a_block_marked_shared_gives_its_descriptors_on_request_after_its_free() {
     let big = alloc.allocate(N * 4, &s).unwrap();
     k.fill_u32(&s, &mut words_mut(big.ptr(), N), 0x3a5e_0003).unwrap();
     s.synchronize().unwrap();
-    let full = alloc.export(big.ptr()).unwrap();
-    alloc.unexport(big.ptr()).unwrap();
-    let m = alloc.export_mark(big.ptr() + 512).unwrap();
+    let full = alloc.export(DevicePtr::new(big.ptr())).unwrap();
+    alloc.unexport(DevicePtr::new(big.ptr())).unwrap();
+    let m = alloc.export_mark(DevicePtr::new(big.ptr() + 512)).unwrap();
     assert_eq!(m, full.share, "the same block on the same pages");
     assert_eq!(alloc.stats().exported, (N * 4) as u64);
     // Freed before any importer asked: the mark keeps the pages whose descriptors come later.
     let block = big.ptr();
     drop(big);
     s.synchronize().unwrap();
-    let fds = alloc.exported_fds(block).unwrap();
+    let fds = alloc.exported_fds(DevicePtr::new(block)).unwrap();
     assert_eq!(fds.len(), m.pages.len());
     let borrowed: Vec<_> = fds.iter().map(|f| f.as_fd()).collect();
     let imported = BlockImport::import(&ctx, &borrowed, m.page, &[]).unwrap();
@@ -159,7 +159,7 @@ fn a_block_marked_shared_gives_its_descriptors_on_request_after_its_free() {
     let at = imported.ptr() + (block - m.first_page);
     assert!(read(&ctx, at, N).iter().all(|&v| v == 0x3a5e_0003), "the block's own bytes");
     drop(imported);
-    alloc.unexport(block).unwrap();
-    assert!(alloc.exported_fds(block).is_err(), "let go: no descriptor any more");
+    alloc.unexport(DevicePtr::new(block)).unwrap();
+    assert!(alloc.exported_fds(DevicePtr::new(block)).is_err(), "let go: no descriptor any more");
     assert_eq!((alloc.stats().exported, alloc.stats().freed_shared), (0, 0));
 }

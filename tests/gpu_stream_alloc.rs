@@ -4,7 +4,7 @@
 mod common;
 
 use common::{read, words_mut};
-use cuvmm::alloc::{AllocatorConfig, SleepMode, StreamAllocator, Tag};
+use cuvmm::alloc::{AllocatorConfig, DevicePtr, SleepMode, StreamAllocator, Tag};
 use cuvmm::kernels::Kernels;
 use cuvmm::{Context, DeviceSlice, DeviceSliceMut, Stream};
 
@@ -155,7 +155,7 @@ fn the_per_thread_default_stream_and_wrong_contexts_are_refused() {
     let s = Stream::new(&ctx).unwrap();
     let x = alloc.allocate(4096, &s).unwrap();
     // SAFETY: a wrong address is refused without touching memory.
-    let r = unsafe { alloc.free_raw(x.ptr() + 512, s.raw()) };
+    let r = unsafe { alloc.free_raw(DevicePtr::new(x.ptr() + 512), s.raw()) };
     assert!(matches!(r, Err(cuvmm::Error::InvalidArgument(_))), "{r:?}");
 }
 
@@ -309,10 +309,10 @@ fn a_graph_captured_through_the_allocator_keeps_its_memory_and_replays() {
     unsafe { api.cuStreamBeginCapture(s.raw(), 0) }.unwrap();
     // SAFETY: the stream is live for the calls; the blocks are freed once, on it.
     let (g1, g2) = unsafe {
-        let g1 = alloc.allocate_raw(N * 4, s.raw(), GraphMemory::Keep).unwrap();
+        let g1 = alloc.allocate_raw(N * 4, s.raw(), GraphMemory::Keep).unwrap().get();
         k.fill_u32(&s, &mut words_mut(g1, N), 1).unwrap();
-        alloc.free_raw(g1, s.raw()).unwrap();
-        let g2 = alloc.allocate_raw(N * 4, s.raw(), GraphMemory::Keep).unwrap();
+        alloc.free_raw(DevicePtr::new(g1), s.raw()).unwrap();
+        let g2 = alloc.allocate_raw(N * 4, s.raw(), GraphMemory::Keep).unwrap().get();
         k.fill_u32(&s, &mut words_mut(g2, N), 0xbeef).unwrap();
         (g1, g2)
     };
@@ -346,7 +346,7 @@ fn a_graph_captured_through_the_allocator_keeps_its_memory_and_replays() {
         // longer kept for graphs (its free returns it to everyone).
         assert_eq!(alloc.release_graph_memory(), 0);
         assert_eq!(alloc.stats().graph_held, 0);
-        alloc.free_raw(g2, s.raw()).unwrap();
+        alloc.free_raw(DevicePtr::new(g2), s.raw()).unwrap();
     }
     drop(after);
     drop(s); // destroyed with blocks it freed: the allocator never asks about it again

@@ -24,8 +24,8 @@ mod trace;
 
 use config::Config;
 use cuvmm_lib::alloc::{
-    AllocatorConfig, AllocatorStats, BackupKind, BackupOptions, BlockShare, GraphMemory, SleepMode,
-    StreamAllocator, Tag, TagPhase, TagStats,
+    AllocatorConfig, AllocatorStats, BackupKind, BackupOptions, BlockRange, BlockShare, DevicePtr,
+    GraphMemory, SleepMode, StreamAllocator, Tag, TagPhase, TagStats,
 };
 use cuvmm_lib::driver::sys::CUstream;
 use cuvmm_lib::{Context, Device};
@@ -280,7 +280,7 @@ fn request(
     // SAFETY: the C contract (cuvmm.h) makes `stream` a live stream of the device's primary
     // context that outlives the blocks freed on it.
     let got = unsafe { a.allocate_raw_tagged(size as usize, stream, graphs, tag) };
-    got.map_err(|e| {
+    got.map(u64::from).map_err(|e| {
         if caller == Caller::Tensors
             && e.is_out_of_memory()
             && set_up().is_some_and(|g| g.config.abort_on_oom)
@@ -309,7 +309,7 @@ fn free_with(function: &str, ptr: *mut c_void, size: isize, device: c_int, strea
         // SAFETY: the C contract: `ptr` came from this library's malloc for `device` and every use
         // on other streams is ordered before the work queued on `stream`, or recorded with
         // `cuvmm_record_stream` on a stream live until the free is made.
-        unsafe { a.free_raw(ptr as usize as u64, stream) }.map_err(reported)
+        unsafe { a.free_raw(DevicePtr::new(ptr as usize as u64), stream) }.map_err(reported)
     })
 }
 
@@ -700,13 +700,15 @@ pub unsafe extern "C" fn cuvmm_owner(
     len: *mut u64,
 ) -> c_int {
     guard("cuvmm_owner", -1, || {
-        let Some((b, n)) = existing_allocator(device).and_then(|a| a.owner_of(ptr as usize as u64)) else {
+        let Some(BlockRange { start, len: n }) =
+            existing_allocator(device).and_then(|a| a.owner_of(DevicePtr::new(ptr as usize as u64)))
+        else {
             return Ok(0);
         };
         // SAFETY: the caller's contract: null or writable.
         unsafe {
             if !block.is_null() {
-                block.write(b);
+                block.write(start.get());
             }
             if !len.is_null() {
                 len.write(n);
@@ -735,7 +737,7 @@ pub struct CuvmmExport {
 impl From<&BlockShare> for CuvmmExport {
     fn from(s: &BlockShare) -> CuvmmExport {
         CuvmmExport {
-            block: s.block,
+            block: s.block.get(),
             len: s.len,
             first_page: s.first_page,
             page: s.page as u64,
@@ -809,7 +811,7 @@ unsafe fn export_with(
         }
         let a = existing_allocator(device)
             .ok_or_else(|| plain(format!("no cuvmm allocation on device {device}")))?;
-        let e = a.export(ptr as usize as u64).map_err(reported)?;
+        let e = a.export(DevicePtr::new(ptr as usize as u64)).map_err(reported)?;
         // SAFETY: checked non-null; the caller gives a writable struct.
         unsafe { out.write(CuvmmExport::from(&e.share)) };
         let n = e.fds.len();
@@ -852,7 +854,7 @@ pub unsafe extern "C" fn cuvmm_export_mark(
         }
         let a = existing_allocator(device)
             .ok_or_else(|| plain(format!("no cuvmm allocation on device {device}")))?;
-        let m = a.export_mark(ptr as usize as u64).map_err(reported)?;
+        let m = a.export_mark(DevicePtr::new(ptr as usize as u64)).map_err(reported)?;
         let n = m.pages.len();
         // SAFETY: checked non-null; the caller gives a writable struct.
         unsafe { out.write(CuvmmExport::from(&m)) };
@@ -882,7 +884,7 @@ pub unsafe extern "C" fn cuvmm_export_fds(device: c_int, block: u64, fds: *mut c
         }
         let a =
             existing_allocator(device).ok_or_else(|| plain(format!("nothing shared on device {device}")))?;
-        let got = a.exported_fds(block).map_err(reported)?;
+        let got = a.exported_fds(DevicePtr::new(block)).map_err(reported)?;
         let n = got.len();
         if n > cap {
             // Dropped: closed here.
@@ -903,7 +905,7 @@ pub extern "C" fn cuvmm_unexport(device: c_int, block: u64) -> c_int {
     guard("cuvmm_unexport", -1, || {
         let a =
             existing_allocator(device).ok_or_else(|| plain(format!("nothing shared on device {device}")))?;
-        a.unexport(block).map_err(reported)?;
+        a.unexport(DevicePtr::new(block)).map_err(reported)?;
         Ok(0)
     })
 }

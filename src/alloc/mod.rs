@@ -18,7 +18,7 @@ mod peer;
 pub use cache::{CacheStats, CachingAllocator, SubAllocation, MIN_CLASS};
 pub use ordered::{
     backup_host_copy, fresh_backup_memory, set_backup_host_copy, AllocatorConfig, AllocatorStats, BackupKind,
-    BackupOptions, BlockExport, BlockImport, BlockShare, BlockSnapshot, BlockState, GraphMemory,
-    SegmentSnapshot, SleepMode, StreamAllocator, StreamBlock, Tag, TagPhase, TagStats,
+    BackupOptions, BlockExport, BlockImport, BlockRange, BlockShare, BlockSnapshot, BlockState, DevicePtr,
+    GraphMemory, SegmentSnapshot, SleepMode, StreamAllocator, StreamBlock, Tag, TagPhase, TagStats,
 };
 pub use peer::{ExportMode, PeerAllocation, PeerAllocator};

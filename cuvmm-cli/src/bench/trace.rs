@@ -25,7 +25,7 @@
 use super::median;
 use crate::common::size::{parse_sizes, show};
 use crate::common::CliResult;
-use cuvmm::alloc::{GraphMemory, StreamAllocator};
+use cuvmm::alloc::{DevicePtr, GraphMemory, StreamAllocator};
 use cuvmm::context::Context;
 use cuvmm::driver::result::{self, pool};
 use cuvmm::driver::{driver, sys::*, Api};
@@ -787,12 +787,12 @@ impl Side for CuvmmSide {
     fn alloc(&mut self, size: usize, stream: CUstream) -> Result<u64> {
         // SAFETY: `stream` is one of the replay's streams of this allocator's context, created
         // before the allocator and destroyed after it (see `run`).
-        unsafe { self.alloc.allocate_raw(size, stream, GraphMemory::Keep) }
+        unsafe { self.alloc.allocate_raw(size, stream, GraphMemory::Keep) }.map(u64::from)
     }
     fn free(&mut self, ptr: u64, stream: CUstream) -> Result<()> {
         // SAFETY: `ptr` came from `alloc` and is freed once (the trace is checked); no kernel
         // uses it on any stream; `stream` as in `alloc`.
-        unsafe { self.alloc.free_raw(ptr, stream) }
+        unsafe { self.alloc.free_raw(DevicePtr::new(ptr), stream) }
     }
     fn reset_peak(&mut self) -> Result<()> {
         self.alloc.reset_peaks();

@@ -5,6 +5,7 @@ use super::backup::{self, BackupKind, BackupOptions, Copier, Mover, Staged};
 use super::core::Backend;
 use super::ids::{Handle, StreamId, LEGACY, SYNTHETIC};
 use super::lazy::LazyBackups;
+use super::Tag;
 use crate::context::Context;
 use crate::driver::{driver, result, sys::*};
 use crate::error::{Error, Result};
@@ -305,7 +306,7 @@ impl Backend for DriverBackend {
 
     type Host = HostBackup;
 
-    fn host_alloc(&mut self, tag: u32, bytes: u64, old: Option<HostBackup>) -> Result<HostBackup> {
+    fn host_alloc(&mut self, tag: Tag, bytes: u64, old: Option<HostBackup>) -> Result<HostBackup> {
         let options = backup::options_of(tag);
         match old {
             Some(h) if h.options() == &options && h.len() >= bytes => return Ok(h),
@@ -330,7 +331,7 @@ impl Backend for DriverBackend {
         host.options().retain
     }
 
-    fn host_prepare(&mut self, tag: u32, bytes: u64) -> bool {
+    fn host_prepare(&mut self, tag: Tag, bytes: u64) -> bool {
         let kind = backup::options_of(tag).kind;
         // Pageable memory and files go through the ring; a pinned backup does not.
         if kind != BackupKind::Pinned {

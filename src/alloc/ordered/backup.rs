@@ -15,6 +15,7 @@
 //! kernel has not needed meanwhile. A retained backup serves the next sleep without faulting or
 //! pinning anything, whatever the kernel needs.
 
+use super::Tag;
 use crate::error::{Error, Result};
 use std::collections::HashMap;
 use std::fs::File;
@@ -59,17 +60,17 @@ impl BackupOptions {
     }
 }
 
-static OPTIONS: Mutex<Option<HashMap<u32, BackupOptions>>> = Mutex::new(None);
+static OPTIONS: Mutex<Option<HashMap<Tag, BackupOptions>>> = Mutex::new(None);
 
 /// Sets the options of tag `tag` (its process-wide number) for its later sleeps on every allocator.
-pub(crate) fn set_options(tag: u32, options: BackupOptions) -> Result<()> {
+pub(crate) fn set_options(tag: Tag, options: BackupOptions) -> Result<()> {
     options.check()?;
     OPTIONS.lock().unwrap_or_else(|e| e.into_inner()).get_or_insert_with(HashMap::new).insert(tag, options);
     Ok(())
 }
 
 /// The options of tag `tag`: the default when none were set.
-pub(crate) fn options_of(tag: u32) -> BackupOptions {
+pub(crate) fn options_of(tag: Tag) -> BackupOptions {
     let g = OPTIONS.lock().unwrap_or_else(|e| e.into_inner());
     g.as_ref().and_then(|m| m.get(&tag).cloned()).unwrap_or_default()
 }

@@ -8,6 +8,7 @@
 use super::front::{lock, Entry, Front, Fronts};
 use super::heap::{BlockId, Freed, Heap, KeyMap, Owner, PendingFree, ALIGN};
 use super::ids::{Caller, Epoch, Handle, SlotId, StreamId, IDLE, LEGACY, SYNTHETIC};
+use super::Tag;
 use crate::error::{Error, Result};
 use parts::{Held, Identities, Lending, Lent, Pools};
 use std::collections::{HashMap, VecDeque};
@@ -51,12 +52,12 @@ pub(crate) trait Backend {
     type Host;
     /// A backup of at least `bytes` for `tag`, as its options ask: `old` (the tag's retained
     /// backup) when it still fits them, else a new one (`old` is released).
-    fn host_alloc(&mut self, tag: u32, bytes: u64, old: Option<Self::Host>) -> Result<Self::Host>;
+    fn host_alloc(&mut self, tag: Tag, bytes: u64, old: Option<Self::Host>) -> Result<Self::Host>;
     /// Whether the backup is kept after a wake.
     fn host_retained(host: &Self::Host) -> bool;
     /// Starts getting a backup of `bytes` for `tag` ready ahead of its first sleep, in the
     /// background, where its options make that worth it; whether it started.
-    fn host_prepare(&mut self, tag: u32, bytes: u64) -> bool;
+    fn host_prepare(&mut self, tag: Tag, bytes: u64) -> bool;
     /// Whether every backup [`host_prepare`](Self::host_prepare) started is ready.
     fn host_prepared(&self) -> bool {
         true
@@ -194,8 +195,8 @@ fn published(id: StreamId) -> bool {
 
 /// A request served by a block its stream's front cached with that size, without the core:
 /// untagged, outside captures, on a stream the driver named.
-fn take_fast(fronts: &Fronts, id: StreamId, size: u64, capture: Capture, tag: u32) -> Option<u64> {
-    if capture != Capture::None || tag != 0 || !published(id) {
+fn take_fast(fronts: &Fronts, id: StreamId, size: u64, capture: Capture, tag: Option<Tag>) -> Option<u64> {
+    if capture != Capture::None || tag.is_some() || !published(id) {
         return None;
     }
     let n = size.checked_add(ALIGN - 1).map(|s| s & !(ALIGN - 1)).filter(|&n| n > 0)?;
@@ -230,9 +231,8 @@ struct FreeAt {
 
 struct Slot<P> {
     heap: Heap,
-    small: bool,
-    /// The tag of every block in the heap (0: none).
-    tag: u32,
+    /// Which requests its blocks serve.
+    kind: HeapKind,
     /// Bytes per page of this heap.
     page: u64,
     pages: Vec<Option<P>>,
@@ -251,17 +251,38 @@ impl<P> IndexMut<SlotId> for Vec<Slot<P>> {
     }
 }
 
-/// Which heaps serve a request: the small ones (requests up to [`SMALL`]) or the large ones, of a
-/// tag (0: none; [`WHOLE`]: one allocation per block).
+/// Which heaps serve a request: the small ones (requests up to [`SMALL`]) or the large ones,
+/// untagged or of a tag, or those of one allocation per block (see [`Core::set_whole_above`]),
+/// which are never tagged.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct HeapKind {
-    pub small: bool,
-    pub tag: u32,
+pub(crate) enum HeapKind {
+    Small(Option<Tag>),
+    Large(Option<Tag>),
+    Whole,
+}
+
+impl HeapKind {
+    fn small(self) -> bool {
+        matches!(self, HeapKind::Small(_))
+    }
+
+    /// The tag its blocks sleep and wake with.
+    fn tag(self) -> Option<Tag> {
+        match self {
+            HeapKind::Small(tag) | HeapKind::Large(tag) => tag,
+            HeapKind::Whole => None,
+        }
+    }
+
+    /// Untagged and of many blocks a page: the heaps whose pages are spare, lent and moved.
+    fn ordinary(self) -> bool {
+        matches!(self, HeapKind::Small(None) | HeapKind::Large(None))
+    }
 }
 
 impl<P> Slot<P> {
     fn kind(&self) -> HeapKind {
-        HeapKind { small: self.small, tag: self.tag }
+        self.kind
     }
 }
 
@@ -364,7 +385,7 @@ pub(crate) struct Core<B: Backend> {
     /// Every stream's front, and the demand counter the fast paths read (see [`Core::free`]).
     fronts: Arc<Fronts>,
     stats: AllocatorStats,
-    sleepers: HashMap<u32, sleep::Tag<B::Host>>,
+    sleepers: HashMap<Tag, sleep::Sleeper<B::Host>>,
     lending: Lending<B::Page>,
     settle: Settling,
     sharing: Sharing,
@@ -494,7 +515,7 @@ impl<B: Backend> Core<B> {
         size: u64,
         stream: impl Into<Caller>,
         capture: Capture,
-        tag: u32,
+        tag: Option<Tag>,
     ) -> Result<u64> {
         let stream = stream.into();
         let mut r = match take_fast(&self.fronts, stream.id, size, capture, tag) {
@@ -525,7 +546,7 @@ impl<B: Backend> Core<B> {
         size: u64,
         stream: Caller,
         capture: Capture,
-        tag: u32,
+        tag: Option<Tag>,
         may_settle: bool,
     ) -> Result<u64> {
         self.settle.asked = false;
@@ -605,7 +626,8 @@ impl<B: Backend> Core<B> {
     /// untagged blocks of the shared pool (not one-allocation blocks) outside captures, on
     /// streams the driver named.
     fn register(&mut self, req: &Request, slot: SlotId, addr: u64) {
-        if req.capture != Capture::None || req.kind.tag != 0 || req.pool != 0 || !published(req.stream.id) {
+        if req.capture != Capture::None || !req.kind.ordinary() || req.pool != 0 || !published(req.stream.id)
+        {
             return;
         }
         let entry = Entry { n: req.n, requested: req.size, slot, cached: false, via_core: false };
@@ -636,7 +658,7 @@ impl<B: Backend> Core<B> {
                 return Ok(found);
             }
         }
-        if req.kind.tag == WHOLE {
+        if req.kind == HeapKind::Whole {
             if let Some(found) = self.whole_over_bound(req)? {
                 return Ok(found);
             }
@@ -671,7 +693,7 @@ impl<B: Backend> Core<B> {
     fn reuse(&mut self, req: &Request, reuse: StreamId, pool: u32) -> Result<Option<(SlotId, u64)>> {
         // Heaps of one kind are few (more only when one's address space ran out): the first that
         // fits wins. Whole heaps are one per block: the best fit.
-        let found = if req.kind.tag == WHOLE {
+        let found = if req.kind == HeapKind::Whole {
             self.find_whole(pool, reuse, req.n)
         } else {
             self.slots
@@ -706,11 +728,11 @@ impl<B: Backend> Core<B> {
     }
 
     fn carve(&mut self, req: &Request) -> Result<(SlotId, u64)> {
-        let HeapKind { small, tag } = req.kind;
+        let small = req.kind.small();
         let Request { n, size, stream, pool, capture, .. } = *req;
         // As in `allocate`: a capture shared with other streams takes only idle blocks.
         let reuse = if matches!(capture, Capture::Shared(_)) { IDLE } else { stream.id };
-        let limit = if tag == WHOLE { self.whole_limit(n) } else { u64::MAX };
+        let limit = if req.kind == HeapKind::Whole { self.whole_limit(n) } else { u64::MAX };
         for (i, s) in self.slots.iter_mut().enumerate() {
             if s.kind() == req.kind && s.page <= limit {
                 if let Some(a) = s.heap.carve(n, stream, size, pool, reuse) {
@@ -719,16 +741,13 @@ impl<B: Backend> Core<B> {
             }
         }
         let want = if small { self.sizes.small_reserve } else { self.sizes.large_reserve };
-        let page = if small {
-            self.sizes.small_page
-        } else if tag != 0 {
-            self.sizes.tag_page
-        } else {
-            self.sizes.page
+        let (want, page) = match req.kind {
+            HeapKind::Small(_) => (want, self.sizes.small_page),
+            HeapKind::Large(Some(_)) => (want, self.sizes.tag_page),
+            HeapKind::Large(None) => (want, self.sizes.page),
+            // A heap of one page, for a block that must be one physical allocation.
+            HeapKind::Whole => (self.whole_page(n)?, self.whole_page(n)?),
         };
-        // A heap of one page, for a block that must be one physical allocation.
-        let (want, page) =
-            if tag == WHOLE { (self.whole_page(n)?, self.whole_page(n)?) } else { (want, page) };
         let pages = n
             .div_ceil(page)
             .checked_mul(page)
@@ -748,7 +767,7 @@ impl<B: Backend> Core<B> {
         table.resize_with((reserve / page) as usize, || None);
         let base = self.backend.reserve(reserve)?;
         self.stats.reserved += reserve;
-        self.slots.push(Slot { heap: Heap::new(base, reserve), small, tag, page, pages: table });
+        self.slots.push(Slot { heap: Heap::new(base, reserve), kind: req.kind, page, pages: table });
         let i = SlotId::of(self.slots.len() - 1);
         let a =
             self.slots[i].heap.carve(n, stream, size, pool, reuse).expect("a new heap holds its first block");
@@ -827,7 +846,7 @@ impl<B: Backend> Core<B> {
             let peak = (self.stats.live + n).max(self.stats.live_peak);
             if self.sizes.lend
                 && capture == Capture::None
-                && self.slots[slot].tag == 0
+                && self.slots[slot].kind.ordinary()
                 && after as f64 > peak as f64 * LEND_ABOVE
             {
                 let lendable = missing.iter().filter(|&&p| whole(p) || edge(self, p)).count();
@@ -929,7 +948,7 @@ impl<B: Backend> Core<B> {
             if got >= want {
                 return;
             }
-            if self.slots[slot].page != page || self.slots[slot].tag != 0 {
+            if self.slots[slot].page != page || !self.slots[slot].kind.ordinary() {
                 continue;
             }
             let base = self.slots[slot].heap.base();
@@ -1520,7 +1539,7 @@ impl<B: Backend> Core<B> {
     fn release_small_idle(&mut self) -> Result<u64> {
         let mut bytes = 0;
         for slot in 0..self.slots.len() {
-            let (small, page) = (self.slots[slot].small, self.slots[slot].page);
+            let (small, page) = (self.slots[slot].kind.small(), self.slots[slot].page);
             if !small || page == self.sizes.page {
                 continue;
             }
@@ -1588,7 +1607,7 @@ impl<B: Backend> Ordered<B> {
         raw: Handle,
         id: Option<StreamId>,
         capture: Capture,
-        tag: u32,
+        tag: Option<Tag>,
         wait: impl FnOnce() -> bool,
     ) -> Result<u64> {
         if let Some(addr) = id.and_then(|id| take_fast(&self.fronts, id, size, capture, tag)) {
@@ -1629,7 +1648,6 @@ mod sleep;
 mod snapshot;
 mod whole;
 pub use sleep::{SleepMode, TagStats};
-use whole::WHOLE;
 
 #[cfg(test)]
 mod tests;

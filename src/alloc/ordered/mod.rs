@@ -101,6 +101,7 @@ mod host_memory;
 mod ids;
 mod lazy;
 mod phase;
+mod ptr;
 mod snapshot;
 mod uses;
 
@@ -109,6 +110,7 @@ pub use self::backup::{
 };
 pub use self::core::{AllocatorStats, SleepMode, TagStats};
 pub use self::phase::TagPhase;
+pub use self::ptr::{BlockRange, DevicePtr};
 pub use self::snapshot::{BlockSnapshot, BlockState, SegmentSnapshot};
 
 use self::backend::DriverBackend;
@@ -121,6 +123,7 @@ use crate::stream::order::Tracker;
 use crate::stream::{Event, Stream, StreamInner};
 use crate::vmm::{Access, Mapping, PhysicalMemory, Reservation};
 use crate::Device;
+use std::num::NonZeroU32;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -173,7 +176,7 @@ impl Default for AllocatorConfig {
 /// A name for allocations that sleep and wake together ([`StreamAllocator::sleep`]). Names are
 /// interned for the life of the process; the same name gives the same tag on every allocator.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct Tag(u32);
+pub struct Tag(NonZeroU32);
 
 static TAGS: Mutex<Vec<String>> = Mutex::new(Vec::new());
 
@@ -191,12 +194,26 @@ impl Tag {
                 tags.len() - 1
             }
         };
-        Ok(Tag(i as u32 + 1))
+        Ok(Tag(NonZeroU32::new(i as u32 + 1).expect("fewer than u32::MAX names")))
+    }
+
+    /// The tag numbered `n` without a name, for the core's tests, which never ask for one.
+    #[cfg(test)]
+    pub(crate) const fn of(n: u32) -> Tag {
+        match NonZeroU32::new(n) {
+            Some(n) => Tag(n),
+            None => panic!("tags count from 1"),
+        }
+    }
+
+    /// Its number for the whole process, from 1 up.
+    pub(crate) fn get(self) -> u32 {
+        self.0.get()
     }
 
     /// Its name.
     pub fn name(&self) -> String {
-        lock(&TAGS)[self.0 as usize - 1].clone()
+        lock(&TAGS)[self.get() as usize - 1].clone()
     }
 
     /// Where this tag's later offloading sleeps keep its contents, on every allocator: pageable
@@ -205,19 +222,19 @@ impl Tag {
     /// Refused, changing
     /// nothing, for a disk backup whose directory is not one.
     pub fn set_backup(&self, options: BackupOptions) -> Result<()> {
-        backup::set_options(self.0, options)
+        backup::set_options(*self, options)
     }
 
     /// The options [`set_backup`](Self::set_backup) gave (the default when none).
     pub fn backup(&self) -> BackupOptions {
-        backup::options_of(self.0)
+        backup::options_of(*self)
     }
 
     /// Where this tag stands for the whole process ([`sleep_on`](Self::sleep_on),
     /// [`wake_on`](Self::wake_on)); a sleep of one allocator alone
     /// ([`StreamAllocator::sleep`]) leaves it awake.
     pub fn phase(&self) -> TagPhase {
-        phase::PROCESS.phase(self.0)
+        phase::PROCESS.phase(self.get())
     }
 
     /// Refused, as an allocation with the tag would be, when the tag is not
@@ -248,7 +265,7 @@ impl Tag {
         let t = *self;
         phase::sleep_tag(
             &phase::PROCESS,
-            self.0,
+            self.get(),
             allocators,
             |a| a.sleep(t, mode).map(drop),
             |a| a.wake(t),
@@ -262,7 +279,7 @@ impl Tag {
     /// nothing lost, and the tag asleep, so that a later call wakes those.
     pub fn wake_on<'a>(&self, allocators: impl FnOnce() -> Vec<&'a StreamAllocator>) -> Result<()> {
         let t = *self;
-        phase::wake_tag(&phase::PROCESS, self.0, allocators, |a| a.tag_stats(t).asleep, |a| a.wake(t))
+        phase::wake_tag(&phase::PROCESS, self.get(), allocators, |a| a.tag_stats(t).asleep, |a| a.wake(t))
     }
 }
 
@@ -472,7 +489,7 @@ impl StreamAllocator {
         // SAFETY: `stream` is alive for the call (borrowed), and the block keeps it alive until
         // its free.
         let ptr = unsafe { self.allocate_raw_tagged(size, stream.raw(), GraphMemory::Keep, tag) }?;
-        Ok(StreamBlock::new(self, ptr, size, stream))
+        Ok(StreamBlock::new(self, ptr.get(), size, stream))
     }
 
     /// Allocates `size` bytes for work on the raw stream `stream` and returns the address.
@@ -482,7 +499,12 @@ impl StreamAllocator {
     /// stream) for the duration of the call. It may be destroyed afterwards, blocks freed on it
     /// or not: the allocator keys streams by the driver's stream id, never reused, and passes a
     /// handle to the driver only during a call that passes it.
-    pub unsafe fn allocate_raw(&self, size: usize, stream: CUstream, graphs: GraphMemory) -> Result<u64> {
+    pub unsafe fn allocate_raw(
+        &self,
+        size: usize,
+        stream: CUstream,
+        graphs: GraphMemory,
+    ) -> Result<DevicePtr> {
         // SAFETY: the caller's contract, the same.
         unsafe { self.allocate_raw_tagged(size, stream, graphs, None) }
     }
@@ -497,19 +519,21 @@ impl StreamAllocator {
         stream: CUstream,
         graphs: GraphMemory,
         tag: Option<Tag>,
-    ) -> Result<u64> {
+    ) -> Result<DevicePtr> {
         self.check_size(size)?;
         self.check_limit(size)?;
         let (capture, id) = caller_of(stream, graphs)?;
         // Counted until the allocation returns: a sleep of the tag for the process waits for it.
-        let _allocating = tag.map(|t| phase::PROCESS.begin_allocation(t.0)).transpose()?;
+        let _allocating = tag.map(|t| phase::PROCESS.begin_allocation(t.get())).transpose()?;
         // Every driver call the allocator may make binds the context itself: the cached path makes
         // none.
-        let tag = tag.map_or(0, |t| t.0);
         self.settle_uses(false);
         let allocate = || {
             let wait = || self.inner.ctx.synchronize().is_ok();
-            self.inner.alloc.allocate(size as u64, stream_key(stream), id, capture, tag, wait)
+            self.inner
+                .alloc
+                .allocate(size as u64, stream_key(stream), id, capture, tag, wait)
+                .map(DevicePtr::new)
         };
         let got = allocate();
         if got.as_ref().is_err_and(Error::is_out_of_memory) && self.inner.uses.pending() > 0 {
@@ -556,7 +580,7 @@ impl StreamAllocator {
     /// context (or null, or the legacy default stream) when the block is freed, and until its
     /// deferred free is made.
     pub fn record_stream(&self, ptr: u64, stream: CUstream) -> bool {
-        let ours = self.owner_of(ptr).is_some_and(|(start, _)| start == ptr);
+        let ours = self.inner.alloc.core().owner_of(ptr).is_some_and(|(start, _)| start == ptr);
         if ours {
             self.inner.uses.record(ptr, stream);
         }
@@ -593,10 +617,10 @@ impl StreamAllocator {
     /// block faults the context: sleep only what nothing queued will use before
     /// [`wake`](Self::wake).
     pub fn sleep(&self, tag: Tag, mode: SleepMode) -> Result<usize> {
-        let settle = self.inner.alloc.core().sleep_begin(tag.0)?;
+        let settle = self.inner.alloc.core().sleep_begin(tag)?;
         // Not under the lock: a host function the device waits for may take it (`stats`).
         let waited = self.inner.ctx.synchronize();
-        self.inner.alloc.core().sleep_finish(tag.0, mode, settle, waited).map(|b| b as usize)
+        self.inner.alloc.core().sleep_finish(tag, mode, settle, waited).map(|b| b as usize)
     }
 
     /// Maps memory again under every live block tagged `tag`, at the same addresses with the same
@@ -609,7 +633,7 @@ impl StreamAllocator {
     /// gives the idle and spare pages back to the driver, as [`empty_cache`](Self::empty_cache).
     pub fn wake(&self, tag: Tag) -> Result<()> {
         let mut core = self.inner.alloc.core();
-        let r = core.wake_with(tag.0, true);
+        let r = core.wake_with(tag, true);
         if r.is_err() && core.wants_settle() {
             core.flush_cached();
             let settle = core.settle_begin();
@@ -617,7 +641,7 @@ impl StreamAllocator {
             // A failed wait (a capture elsewhere) still leaves what was known idle to give back.
             let _ = waited;
             core.release_idle()?;
-            return core.wake_with(tag.0, false);
+            return core.wake_with(tag, false);
         }
         r
     }
@@ -655,7 +679,7 @@ impl StreamAllocator {
     /// # }
     /// ```
     pub fn prepare_backup(&self, tag: Tag) -> Result<usize> {
-        self.inner.alloc.core().prepare_backup(tag.0).map(|b| b as usize)
+        self.inner.alloc.core().prepare_backup(tag).map(|b| b as usize)
     }
 
     /// Whether every backup [`prepare_backup`](Self::prepare_backup) started is ready (faulted in
@@ -666,7 +690,7 @@ impl StreamAllocator {
 
     /// What `tag` holds.
     pub fn tag_stats(&self, tag: Tag) -> TagStats {
-        self.inner.alloc.core().tag_stats(tag.0)
+        self.inner.alloc.core().tag_stats(tag)
     }
 
     /// Frees the block at `ptr` on the raw stream `stream`: work queued on `stream` before this
@@ -682,7 +706,8 @@ impl StreamAllocator {
     /// A free on the stream the block was allocated on asks the driver nothing, during a capture
     /// as at any other time (see the module's "Graph capture"), except, once after another
     /// stream found memory short, to record an event after the free.
-    pub unsafe fn free_raw(&self, ptr: u64, stream: CUstream) -> Result<()> {
+    pub unsafe fn free_raw(&self, ptr: DevicePtr, stream: CUstream) -> Result<()> {
+        let ptr = ptr.get();
         check_stream(stream)?;
         // SAFETY: the caller's contract: `stream` and the streams recorded for `ptr` are live
         // streams of the context.
@@ -692,10 +717,10 @@ impl StreamAllocator {
         self.inner.alloc.free(ptr, stream_key(stream))
     }
 
-    /// The live block holding `ptr` (anywhere inside it), as (address, size), if this allocator
-    /// handed it out.
-    pub fn owner_of(&self, ptr: u64) -> Option<(u64, u64)> {
-        self.inner.alloc.core().owner_of(ptr)
+    /// The live block holding `ptr` (anywhere inside it), if this allocator handed it out.
+    pub fn owner_of(&self, ptr: DevicePtr) -> Option<BlockRange> {
+        let (start, len) = self.inner.alloc.core().owner_of(ptr.get())?;
+        Some(BlockRange { start: DevicePtr::new(start), len })
     }
 
     /// Shares the live block holding `ptr` with another process: a POSIX descriptor for each page
@@ -712,9 +737,9 @@ impl StreamAllocator {
     /// frees it, so that no new block lands on memory an importer still reads and writes.
     /// Refused for a block whose tag is asleep, and where the device cannot export POSIX
     /// descriptors.
-    pub fn export(&self, ptr: u64) -> Result<BlockExport> {
+    pub fn export(&self, ptr: DevicePtr) -> Result<BlockExport> {
         let mut held = Vec::new();
-        let at = self.inner.alloc.core().export(ptr, |page| {
+        let at = self.inner.alloc.core().export(ptr.get(), |page| {
             held.push(page.clone());
             Ok(())
         })?;
@@ -722,7 +747,7 @@ impl StreamAllocator {
             Ok(fds) => fds,
             Err(e) => {
                 // Undoes this call's own mark, which only a broken allocator state refuses.
-                self.unexport(at.block)?;
+                self.unexport(DevicePtr::new(at.block))?;
                 return Err(e);
             }
         };
@@ -735,9 +760,9 @@ impl StreamAllocator {
     /// pages are under it, costing no descriptor and no driver call. An importer that already
     /// maps pages with these serials from this process needs nothing more; one that does not
     /// gets their descriptors from [`exported_fds`](Self::exported_fds).
-    pub fn export_mark(&self, ptr: u64) -> Result<BlockShare> {
+    pub fn export_mark(&self, ptr: DevicePtr) -> Result<BlockShare> {
         let mut pages = Vec::new();
-        let at = self.inner.alloc.core().export(ptr, |page| {
+        let at = self.inner.alloc.core().export(ptr.get(), |page| {
             pages.push(page.serial());
             Ok(())
         })?;
@@ -758,9 +783,9 @@ impl StreamAllocator {
     /// [`export_mark`](Self::export_mark) or [`export`](Self::export) returned it), in address
     /// order, as `export` gives them; the block may have been freed since (its mark keeps its
     /// pages). Refused for a block not shared (any more).
-    pub fn exported_fds(&self, block: u64) -> Result<Vec<std::os::fd::OwnedFd>> {
+    pub fn exported_fds(&self, block: DevicePtr) -> Result<Vec<std::os::fd::OwnedFd>> {
         let mut held = Vec::new();
-        self.inner.alloc.core().exported_pages(block, |page| {
+        self.inner.alloc.core().exported_pages(block.get(), |page| {
             held.push(page.clone());
             Ok(())
         })?;
@@ -769,8 +794,8 @@ impl StreamAllocator {
 
     /// One sharing of the block at `block` (as [`export`](Self::export) returned it) is over.
     /// Refused for a block not shared.
-    pub fn unexport(&self, block: u64) -> Result<()> {
-        self.inner.alloc.core().unexport(block)
+    pub fn unexport(&self, block: DevicePtr) -> Result<()> {
+        self.inner.alloc.core().unexport(block.get())
     }
 
     /// Counters of this allocator.
@@ -872,7 +897,7 @@ pub struct BlockExport {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct BlockShare {
     /// The block's address.
-    pub block: u64,
+    pub block: DevicePtr,
     /// The block's size.
     pub len: u64,
     /// The address of the first page under the block; the pages follow it without gaps.
@@ -1087,7 +1112,7 @@ impl Drop for StreamBlock {
             // SAFETY: the block came from this allocator and is freed once, here; uses on other
             // streams were ordered before the free just above; the stream is alive (held here and
             // by the allocator's backend).
-            let _ = unsafe { alloc.free_raw(ptr, stream.raw) };
+            let _ = unsafe { alloc.free_raw(DevicePtr::new(ptr), stream.raw) };
         });
     }
 }

@@ -2,7 +2,7 @@
 //! handed out, free, or freed while another process still maps it. What PyTorch's memory
 //! snapshots show of its caching allocator, for cuvmm's own heaps.
 
-use super::{lock, StreamAllocator, TAGS};
+use super::{lock, StreamAllocator, Tag, TAGS};
 
 /// What a block is doing.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -63,7 +63,7 @@ impl SegmentSnapshot {
 pub(crate) struct RawSegment {
     pub address: u64,
     pub small: bool,
-    pub tag: u32,
+    pub tag: Option<Tag>,
     pub asleep: bool,
     pub page: u64,
     pub blocks: Vec<RawBlock>,
@@ -93,7 +93,7 @@ fn segment(s: RawSegment, names: &[String]) -> SegmentSnapshot {
     SegmentSnapshot {
         address: s.address,
         small: s.small,
-        tag: (s.tag != 0).then(|| names.get(s.tag as usize - 1).cloned()).flatten(),
+        tag: s.tag.and_then(|t| names.get(t.get() as usize - 1).cloned()),
         asleep: s.asleep,
         page: s.page,
         blocks: s

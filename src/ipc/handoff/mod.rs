@@ -55,7 +55,7 @@ pub use receiver::{Lease, ReceiverStats, ALONG_FOR};
 pub use sender::SenderStats;
 pub use ticket::Ticket;
 
-use crate::alloc::{BlockImport, StreamAllocator};
+use crate::alloc::{BlockImport, DevicePtr, StreamAllocator};
 use crate::context::Context;
 use crate::device::Device;
 use crate::driver::sys::CUstream;
@@ -153,7 +153,7 @@ impl Sender {
     /// in one answer (the tensors of one message).
     pub fn offer(&self, alloc: &StreamAllocator, ptr: u64, group: Option<u64>) -> Result<Ticket> {
         let device = alloc.context().device().uuid()?.0;
-        let share = alloc.export_mark(ptr)?;
+        let share = alloc.export_mark(DevicePtr::new(ptr))?;
         // A process that hands blocks over does so again: the pages made from now on carry their
         // descriptors ready.
         alloc.export_pages_ahead();
@@ -193,7 +193,7 @@ impl Sender {
 /// One sharing of an allocator's block, ended when dropped.
 struct AllocShared {
     alloc: StreamAllocator,
-    block: u64,
+    block: DevicePtr,
     serials: Vec<u64>,
 }
 

@@ -112,7 +112,7 @@ impl World {
         let token = self.s.offer(Box::new(shared), group).unwrap();
         let page: usize = 2 << 20;
         let share = BlockShare {
-            block: 0x1000_0000,
+            block: crate::alloc::DevicePtr::new(0x1000_0000),
             len: (page * n) as u64,
             first_page: 0x1000_0000,
             page,

@@ -4,7 +4,7 @@
 //! receiver.
 
 use super::frame::{Token, MAX_PAGES, TOKEN};
-use crate::alloc::BlockShare;
+use crate::alloc::{BlockShare, DevicePtr};
 use crate::error::{Error, Result};
 
 const MAGIC: [u8; 4] = *b"CVHT";
@@ -60,13 +60,13 @@ impl Ticket {
     /// Where the block starts past the first page under it: the receiver's mapping of the pages
     /// holds the block this far into it.
     pub fn offset(&self) -> u64 {
-        self.share.block - self.share.first_page
+        self.share.block.get() - self.share.first_page
     }
 
     /// The block's address in the sender (the storage's address there, for a caller that names
     /// a place inside the block by its address).
     pub fn block(&self) -> u64 {
-        self.share.block
+        self.share.block.get()
     }
 
     /// Bytes per page under the block.
@@ -95,7 +95,7 @@ impl Ticket {
         b.extend_from_slice(&self.pid.to_le_bytes());
         b.extend_from_slice(&self.token.0);
         b.extend_from_slice(&self.device);
-        for v in [block, len, first_page, page as u64] {
+        for v in [block.get(), len, first_page, page as u64] {
             b.extend_from_slice(&v.to_le_bytes());
         }
         b.extend_from_slice(&(serials.len() as u32).to_le_bytes());
@@ -156,7 +156,7 @@ impl Ticket {
             serials.push(u64_at(FIXED + 8 * i));
         }
         let address = b[FIXED + 8 * count as usize..].to_vec();
-        let share = BlockShare { block, len, first_page, page, pages: serials };
+        let share = BlockShare { block: DevicePtr::new(block), len, first_page, page, pages: serials };
         Ok(Ticket { address, pid, token, device, share })
     }
 }
@@ -173,7 +173,7 @@ mod tests {
             token: Token([9; 16]),
             device: [3; 16],
             share: BlockShare {
-                block: (128 << 20) + 4096,
+                block: DevicePtr::new((128 << 20) + 4096),
                 len: 200 << 20,
                 first_page: 128 << 20,
                 page: 128 << 20,
@@ -194,7 +194,7 @@ mod tests {
         for change in [
             |t: &mut Ticket| t.share.len = 300 << 20, // past the last page
             |t: &mut Ticket| t.share.len = 100 << 20, // the last page unused
-            |t: &mut Ticket| t.share.first_page = t.share.block + 1, // starts before its first page
+            |t: &mut Ticket| t.share.first_page = t.share.block.get() + 1, // starts before its first page
             |t: &mut Ticket| t.share.page = 3 << 20 | 1, // no page size
             |t: &mut Ticket| t.share.pages.clear(),
             |t: &mut Ticket| t.pid = 0,

@@ -7,8 +7,8 @@
 //! importers let go stays live in its heap, out of every later allocation, until the last
 //! [`Core::unexport`], as PyTorch defers the free of a block lent through CUDA IPC.
 
-use super::{Backend, Core, Epoch, Exported, Owner, SlotId, StreamId};
-use crate::alloc::BlockShare;
+use super::{Backend, Core, Epoch, Exported, Owner, SlotId, StreamId, Tag};
+use crate::alloc::{BlockShare, DevicePtr};
 use crate::error::{Error, Result};
 
 /// Where a live block lies on its pages.
@@ -29,7 +29,7 @@ impl BlockPages {
     /// The block as its exports give it, on pages of these serials (one per page).
     pub fn share(self, pages: Vec<u64>) -> BlockShare {
         BlockShare {
-            block: self.block,
+            block: DevicePtr::new(self.block),
             len: self.len,
             first_page: self.first_page,
             page: self.page as usize,
@@ -69,7 +69,7 @@ impl<B: Backend> Core<B> {
         let (slot, block, len) = self
             .live_block_at(addr)
             .ok_or_else(|| Error::invalid(format!("{addr:#x} is not a live allocation")))?;
-        if !self.is_awake(self.slots[slot].tag) {
+        if !self.is_awake(self.slots[slot].kind.tag()) {
             return Err(Error::invalid(
                 "the block's tag is asleep or going to sleep: wake it before sharing",
             ));
@@ -180,8 +180,11 @@ impl<B: Backend> Core<B> {
     }
 
     /// Whether a live block of `tag` is shared.
-    pub(crate) fn tag_shared(&self, tag: u32) -> bool {
-        self.sharing.exported.keys().any(|&a| self.slots.iter().any(|s| s.tag == tag && s.heap.contains(a)))
+    pub(crate) fn tag_shared(&self, tag: Tag) -> bool {
+        self.sharing
+            .exported
+            .keys()
+            .any(|&a| self.slots.iter().any(|s| s.kind.tag() == Some(tag) && s.heap.contains(a)))
     }
 }
 
@@ -194,9 +197,9 @@ mod tests {
     #[test]
     fn a_block_is_shared_with_the_pages_under_it_from_any_address_inside() {
         let mut c = core(1000);
-        let a = c.allocate(PAGE / 2, 1, Capture::None, 0).unwrap();
+        let a = c.allocate(PAGE / 2, 1, Capture::None, None).unwrap();
         // Large: three pages and a half, starting on a page of its own heap.
-        let b = c.allocate(3 * PAGE + PAGE / 2, 1, Capture::None, 0).unwrap();
+        let b = c.allocate(3 * PAGE + PAGE / 2, 1, Capture::None, None).unwrap();
         let mut ids = Vec::new();
         let at = c
             .export(b + PAGE + 4096, |p| {
@@ -225,7 +228,7 @@ mod tests {
     #[test]
     fn a_failed_export_marks_nothing_and_free_or_missing_blocks_are_refused() {
         let mut c = core(1000);
-        let b = c.allocate(2 * PAGE, 1, Capture::None, 0).unwrap();
+        let b = c.allocate(2 * PAGE, 1, Capture::None, None).unwrap();
         let mut calls = 0;
         let r = c.export(b, |_| {
             calls += 1;
@@ -255,7 +258,7 @@ mod tests {
     fn a_block_freed_while_shared_stays_out_of_every_allocation_until_its_importers_let_go() {
         for stream in [1, 2] {
             let mut c = core(1000);
-            let b = c.allocate(4 * PAGE, 1, Capture::None, 0).unwrap();
+            let b = c.allocate(4 * PAGE, 1, Capture::None, None).unwrap();
             let shared = shared_ids(&mut c, b);
             c.export(b, |_| Ok(())).unwrap();
             let live = c.stats().live;
@@ -271,7 +274,7 @@ mod tests {
             let mut held = Vec::new();
             for n in [4 * PAGE, 4 * PAGE, PAGE, 2 * PAGE + 512, 4 * PAGE] {
                 for s in [1, 2] {
-                    let a = c.allocate(n, s, Capture::None, 0).unwrap();
+                    let a = c.allocate(n, s, Capture::None, None).unwrap();
                     assert!(a + n <= b || a >= b + 4 * PAGE, "{a:#x} lies on the freed shared block");
                     if n % PAGE == 0 && a % PAGE == 0 {
                         assert!(page_ids(&mut c, a).iter().all(|id| !shared.contains(id)));
@@ -289,7 +292,7 @@ mod tests {
             assert!(c.unexport(b).is_err(), "nothing shared any more");
             // Given back: its memory serves the next request of its size again.
             c.empty_cache().unwrap();
-            let again = c.allocate(4 * PAGE, 1, Capture::None, 0).unwrap();
+            let again = c.allocate(4 * PAGE, 1, Capture::None, None).unwrap();
             assert_eq!(again, b);
             c.free(again, Handle(1)).unwrap();
             assert_eq!(c.stats().live, 0);
@@ -299,7 +302,7 @@ mod tests {
     #[test]
     fn a_cache_emptied_while_a_freed_block_was_shared_gives_its_pages_back_when_its_sharing_ends() {
         let mut c = core(1000);
-        let b = c.allocate(4 * PAGE, 1, Capture::None, 0).unwrap();
+        let b = c.allocate(4 * PAGE, 1, Capture::None, None).unwrap();
         c.export(b, |_| Ok(())).unwrap();
         c.free(b, Handle(1)).unwrap();
         c.empty_cache().unwrap();
@@ -308,7 +311,7 @@ mod tests {
         c.unexport(b).unwrap();
         assert_eq!(c.stats().mapped, mapped - 4 * PAGE, "given back as the emptying would have");
         // Without an emptying meanwhile, a block let go stays cached as any freed block does.
-        let b = c.allocate(4 * PAGE, 1, Capture::None, 0).unwrap();
+        let b = c.allocate(4 * PAGE, 1, Capture::None, None).unwrap();
         c.export(b, |_| Ok(())).unwrap();
         c.free(b, Handle(1)).unwrap();
         let mapped = c.stats().mapped;
@@ -320,7 +323,7 @@ mod tests {
     fn a_block_let_go_while_its_stream_still_runs_goes_back_at_the_next_emptying() {
         use super::super::tests::Op;
         let mut c = core(1000);
-        let b = c.allocate(4 * PAGE, 1, Capture::None, 0).unwrap();
+        let b = c.allocate(4 * PAGE, 1, Capture::None, None).unwrap();
         c.export(b, |_| Ok(())).unwrap();
         // Work still queued on the block's stream when it is freed and when its sharing ends.
         c.backend().queues.entry(1).or_default().push_back(Op::Use { addr: b, len: 4096 });
@@ -339,7 +342,7 @@ mod tests {
             let s = 2 + (round % 2) as u64;
             let n = [4096, 100_000, 1 << 20, 3 << 20, 9 << 20][round % 5];
             c.backend().in_call = Some(s);
-            let b = c.allocate(n, s, Capture::None, 0).unwrap();
+            let b = c.allocate(n, s, Capture::None, None).unwrap();
             c.export(b, |_| Ok(())).unwrap();
             c.free(b, Handle(s)).unwrap();
             c.backend().in_call = None;
@@ -359,24 +362,24 @@ mod tests {
     #[test]
     fn a_block_freed_before_its_sharing_ends_goes_back_to_its_stream_once_let_go() {
         let mut c = core(1000);
-        let b = c.allocate(2 * PAGE, 1, Capture::None, 0).unwrap();
+        let b = c.allocate(2 * PAGE, 1, Capture::None, None).unwrap();
         c.export(b, |_| Ok(())).unwrap();
         c.free(b, Handle(1)).unwrap();
         c.unexport(b).unwrap();
         // Its stream's next block of that size is this one, as after any free on the stream.
-        assert_eq!(c.allocate(2 * PAGE, 1, Capture::None, 0).unwrap(), b);
+        assert_eq!(c.allocate(2 * PAGE, 1, Capture::None, None).unwrap(), b);
         // A block let go before its free is freed as any other.
         c.export(b, |_| Ok(())).unwrap();
         c.unexport(b).unwrap();
         c.free(b, Handle(1)).unwrap();
         assert_eq!(c.stats().freed_shared, 0);
-        assert_eq!(c.allocate(2 * PAGE, 1, Capture::None, 0).unwrap(), b);
+        assert_eq!(c.allocate(2 * PAGE, 1, Capture::None, None).unwrap(), b);
     }
 
     #[test]
     fn a_marked_block_gives_its_pages_later_even_freed_and_not_once_let_go() {
         let mut c = core(1000);
-        let b = c.allocate(3 * PAGE, 1, Capture::None, 0).unwrap();
+        let b = c.allocate(3 * PAGE, 1, Capture::None, None).unwrap();
         let mut marked = Vec::new();
         // Marked without asking for anything of its pages but their ids.
         let at = c
@@ -398,15 +401,15 @@ mod tests {
         assert!(c.exported_pages(b + 512, |_| Ok(())).is_err(), "by the block's address only");
         c.unexport(b).unwrap();
         assert!(c.exported_pages(b, |_| Ok(())).is_err(), "no longer shared");
-        let never = c.allocate(PAGE, 1, Capture::None, 0).unwrap();
+        let never = c.allocate(PAGE, 1, Capture::None, None).unwrap();
         assert!(c.exported_pages(never, |_| Ok(())).is_err(), "never shared");
     }
 
     #[test]
     fn a_tag_with_a_shared_block_refuses_to_sleep_until_it_is_let_go() {
         let mut c = core(1000);
-        let a = c.allocate(2 * TPAGE, 1, Capture::None, TAG).unwrap();
-        let other = c.allocate(PAGE, 1, Capture::None, 0).unwrap();
+        let a = c.allocate(2 * TPAGE, 1, Capture::None, Some(TAG)).unwrap();
+        let other = c.allocate(PAGE, 1, Capture::None, None).unwrap();
         c.export(a, |_| Ok(())).unwrap();
         c.export(other, |_| Ok(())).unwrap();
         let before = c.tag_stats(TAG);

@@ -13,7 +13,7 @@
 //! gives back what it had mapped and leaves the tag asleep with its saved contents, so a later wake
 //! can succeed; a sleep that fails while releasing wakes the tag again.
 
-use super::{Backend, Core, SlotId};
+use super::{Backend, Core, SlotId, Tag};
 use crate::alloc::ordered::phase::{Next, Step, TagPhase};
 use crate::error::{Error, Result};
 use std::collections::HashMap;
@@ -71,7 +71,7 @@ impl State {
     }
 }
 
-pub(crate) struct Tag<H> {
+pub(crate) struct Sleeper<H> {
     state: State,
     /// While asleep, the saved contents; while awake, a backup its options retain for the next
     /// sleep.
@@ -80,28 +80,34 @@ pub(crate) struct Tag<H> {
 
 impl<B: Backend> Core<B> {
     /// Where `tag` stands on this allocator (untagged memory is always awake).
-    fn phase_of(&self, tag: u32) -> TagPhase {
+    fn phase_of(&self, tag: Tag) -> TagPhase {
         self.sleepers.get(&tag).map_or(TagPhase::Awake, |t| t.state.phase())
     }
 
     /// Whether `step` may begin for `tag` now: the core never waits for another sleep or wake
     /// (each runs under its lock but for a sleep's wait, during which the tag is falling asleep),
     /// so a step that would wait is refused too.
-    fn may(&self, tag: u32, step: Step) -> bool {
+    fn may(&self, tag: Tag, step: Step) -> bool {
         matches!(self.phase_of(tag).on(step), Next::Go(_))
     }
 
-    pub(crate) fn is_asleep(&self, tag: u32) -> bool {
-        tag != 0 && self.phase_of(tag) == TagPhase::Asleep
+    pub(crate) fn is_asleep(&self, tag: Option<Tag>) -> bool {
+        match tag {
+            Some(tag) => self.phase_of(tag) == TagPhase::Asleep,
+            None => false,
+        }
     }
 
-    pub(crate) fn is_awake(&self, tag: u32) -> bool {
-        tag == 0 || self.may(tag, Step::Allocate)
+    pub(crate) fn is_awake(&self, tag: Option<Tag>) -> bool {
+        match tag {
+            Some(tag) => self.may(tag, Step::Allocate),
+            None => true,
+        }
     }
 
     /// The heaps of `tag`.
-    fn slots_of(&self, tag: u32) -> Vec<SlotId> {
-        (0..self.slots.len()).filter(|&i| self.slots[i].tag == tag).map(SlotId::of).collect()
+    fn slots_of(&self, tag: Tag) -> Vec<SlotId> {
+        (0..self.slots.len()).filter(|&i| self.slots[i].kind.tag() == Some(tag)).map(SlotId::of).collect()
     }
 
     /// Pages of `slot` under live blocks and graph memory, in order: what a sleep saves and a
@@ -125,7 +131,7 @@ impl<B: Backend> Core<B> {
     /// allocator waits for the device without its lock, between [`sleep_begin`](Self::sleep_begin)
     /// and [`sleep_finish`](Self::sleep_finish).)
     #[cfg(test)]
-    pub(crate) fn sleep(&mut self, tag: u32, mode: SleepMode) -> Result<u64> {
+    pub(crate) fn sleep(&mut self, tag: Tag, mode: SleepMode) -> Result<u64> {
         let settle = self.sleep_begin(tag)?;
         let waited = self.backend.synchronize();
         self.sleep_finish(tag, mode, settle, waited)
@@ -134,10 +140,7 @@ impl<B: Backend> Core<B> {
     /// Starts a sleep of `tag`: refused unless it is awake; else it is falling asleep (no
     /// allocation with it, no other sleep or wake) until [`sleep_finish`](Self::sleep_finish),
     /// and what the caller's wait for the whole device covers is returned.
-    pub(crate) fn sleep_begin(&mut self, tag: u32) -> Result<super::Settle> {
-        if tag == 0 {
-            return Err(Error::invalid("only tagged memory can sleep"));
-        }
+    pub(crate) fn sleep_begin(&mut self, tag: Tag) -> Result<super::Settle> {
         if !self.may(tag, Step::Sleep) {
             return Err(Error::invalid("the tag is already asleep or going to sleep"));
         }
@@ -146,7 +149,8 @@ impl<B: Backend> Core<B> {
                 "a block of the tag is shared with another process: its importers must let go first",
             ));
         }
-        self.sleepers.entry(tag).or_insert(Tag { state: State::Awake, backup: None }).state = State::Falling;
+        self.sleepers.entry(tag).or_insert(Sleeper { state: State::Awake, backup: None }).state =
+            State::Falling;
         Ok(self.settle_begin())
     }
 
@@ -155,7 +159,7 @@ impl<B: Backend> Core<B> {
     /// failed wait (the driver refuses one while a stream is being captured) leaves the tag awake.
     pub(crate) fn sleep_finish(
         &mut self,
-        tag: u32,
+        tag: Tag,
         mode: SleepMode,
         settle: super::Settle,
         waited: Result<()>,
@@ -171,7 +175,7 @@ impl<B: Backend> Core<B> {
         r
     }
 
-    fn fall_asleep(&mut self, tag: u32, mode: SleepMode) -> Result<u64> {
+    fn fall_asleep(&mut self, tag: Tag, mode: SleepMode) -> Result<u64> {
         self.flush_cached();
         let slots = self.slots_of(tag);
         let mut saved = Vec::new();
@@ -186,7 +190,7 @@ impl<B: Backend> Core<B> {
                     at += page;
                 }
             }
-            let entry = self.sleepers.entry(tag).or_insert(Tag { state: State::Awake, backup: None });
+            let entry = self.sleepers.entry(tag).or_insert(Sleeper { state: State::Awake, backup: None });
             let mut host = entry.backup.take();
             if at > 0 {
                 // The backup the tag's options ask for: a retained one when it still fits.
@@ -212,7 +216,7 @@ impl<B: Backend> Core<B> {
             }
         }
         self.note_mapped();
-        let t = self.sleepers.entry(tag).or_insert(Tag { state: State::Awake, backup: None });
+        let t = self.sleepers.entry(tag).or_insert(Sleeper { state: State::Awake, backup: None });
         t.state = State::Asleep { mode, saved };
         if let Some(e) = failed {
             // All or nothing: the pages released so far come back (with their contents when
@@ -291,7 +295,7 @@ impl<B: Backend> Core<B> {
     /// A sleep that failed after its copies began, with `released` bytes given back already: the
     /// tag wakes again (those pages come back with their saved contents) and keeps or lets go of
     /// its backup as after a wake; the error to return.
-    fn undo_sleep(&mut self, tag: u32, saved: Vec<(SlotId, u64, u64)>, released: u64, e: Error) -> Error {
+    fn undo_sleep(&mut self, tag: Tag, saved: Vec<(SlotId, u64, u64)>, released: u64, e: Error) -> Error {
         if released == 0 {
             // Nothing released: the tag is awake with its contents; a backup it would not keep goes.
             let host = self.sleepers.get_mut(&tag).and_then(|t| t.backup.take());
@@ -304,7 +308,7 @@ impl<B: Backend> Core<B> {
     }
 
     /// Wakes `tag` after its sleep failed half way with `e`: the error to return.
-    fn wake_again(&mut self, tag: u32, e: Error) -> Error {
+    fn wake_again(&mut self, tag: Tag, e: Error) -> Error {
         match self.wake(tag) {
             Ok(()) => e,
             Err(w) => {
@@ -354,7 +358,7 @@ impl<B: Backend> Core<B> {
     ///
     /// Out of memory, it takes back every page known idle before it fails (see
     /// [`wake_with`](Self::wake_with) for the wake that may also wait for the device).
-    pub(crate) fn wake(&mut self, tag: u32) -> Result<()> {
+    pub(crate) fn wake(&mut self, tag: Tag) -> Result<()> {
         self.wake_with(tag, false)
     }
 
@@ -363,9 +367,9 @@ impl<B: Backend> Core<B> {
     /// [`try_allocate`](Self::try_allocate) does: the caller waits without the lock, gives back
     /// every idle page ([`release_idle`](Self::release_idle)) and wakes again without it. Never
     /// the flag an earlier allocation left: a wake must not take an exit nothing retries.
-    pub(crate) fn wake_with(&mut self, tag: u32, may_settle: bool) -> Result<()> {
+    pub(crate) fn wake_with(&mut self, tag: Tag, may_settle: bool) -> Result<()> {
         self.settle.asked = false;
-        if tag == 0 || !self.may(tag, Step::Wake) {
+        if !self.may(tag, Step::Wake) {
             return Err(Error::invalid("the tag is not asleep"));
         }
         self.settle.may_ask = may_settle;
@@ -381,7 +385,7 @@ impl<B: Backend> Core<B> {
     /// A wake that waits for the whole device when out of memory and gives back every idle
     /// page before it asks again (the tests' path: the allocator waits without its lock).
     #[cfg(test)]
-    pub(crate) fn wake_settling(&mut self, tag: u32) -> Result<()> {
+    pub(crate) fn wake_settling(&mut self, tag: Tag) -> Result<()> {
         let r = self.wake_with(tag, true);
         if r.is_err() && self.wants_settle() {
             self.flush_cached();
@@ -394,7 +398,7 @@ impl<B: Backend> Core<B> {
         r
     }
 
-    fn wake_relaxed(&mut self, tag: u32) -> Result<()> {
+    fn wake_relaxed(&mut self, tag: Tag) -> Result<()> {
         self.flush_cached();
         let slots = self.slots_of(tag);
         let saved: HashMap<(SlotId, u64), u64> = match &self.sleepers[&tag].state {
@@ -429,7 +433,7 @@ impl<B: Backend> Core<B> {
     }
 
     /// Keeps `host` as `tag`'s backup when its options say so, else gives it back.
-    fn keep_or_release(&mut self, tag: u32, host: Option<B::Host>) {
+    fn keep_or_release(&mut self, tag: Tag, host: Option<B::Host>) {
         match host {
             Some(h) if B::host_retained(&h) => {
                 if let Some(t) = self.sleepers.get_mut(&tag) {
@@ -492,11 +496,8 @@ impl<B: Backend> Core<B> {
     /// would copy now (see [`Backend::host_prepare`]); returns those bytes, 0 when nothing was
     /// started (nothing to copy, a retained backup, or the backend declined). Refused for a tag
     /// not awake.
-    pub(crate) fn prepare_backup(&mut self, tag: u32) -> Result<u64> {
-        if tag == 0 {
-            return Err(Error::invalid("only tagged memory can sleep"));
-        }
-        if !self.is_awake(tag) {
+    pub(crate) fn prepare_backup(&mut self, tag: Tag) -> Result<u64> {
+        if !self.is_awake(Some(tag)) {
             return Err(Error::invalid("the tag is asleep or going to sleep: its backup is in use"));
         }
         if self.sleepers.get(&tag).is_some_and(|t| t.backup.is_some()) {
@@ -516,13 +517,13 @@ impl<B: Backend> Core<B> {
         self.backend.host_prepared()
     }
 
-    pub(crate) fn tag_stats(&self, tag: u32) -> TagStats {
-        let mut s = TagStats { asleep: self.is_asleep(tag), ..TagStats::default() };
-        for slot in self.slots.iter().filter(|x| x.tag == tag) {
+    pub(crate) fn tag_stats(&self, tag: Tag) -> TagStats {
+        let mut s = TagStats { asleep: self.is_asleep(Some(tag)), ..TagStats::default() };
+        for slot in self.slots.iter().filter(|x| x.kind.tag() == Some(tag)) {
             s.live += slot.heap.live_blocks().map(|(_, n)| n).sum::<u64>();
             s.mapped += slot.pages.iter().filter(|p| p.is_some()).count() as u64 * slot.page;
         }
-        if let Some(Tag { state: State::Asleep { mode: SleepMode::Offload, saved }, .. }) =
+        if let Some(Sleeper { state: State::Asleep { mode: SleepMode::Offload, saved }, .. }) =
             self.sleepers.get(&tag)
         {
             s.offloaded = saved.iter().map(|&(slot, ..)| self.slots[slot].page).sum();

@@ -32,9 +32,9 @@ impl<B: Backend> Core<B> {
                 .collect();
             out.push(RawSegment {
                 address: s.heap.base(),
-                small: s.small,
-                tag: s.tag,
-                asleep: self.is_asleep(s.tag),
+                small: s.kind.small(),
+                tag: s.kind.tag(),
+                asleep: self.is_asleep(s.kind.tag()),
                 page: s.page,
                 blocks,
             });
@@ -46,7 +46,7 @@ impl<B: Backend> Core<B> {
 #[cfg(test)]
 mod tests {
     use super::super::tests::core;
-    use super::super::{Capture, SleepMode};
+    use super::super::{Capture, SleepMode, Tag};
     use crate::alloc::ordered::heap::ALIGN;
     use crate::alloc::ordered::ids::Handle;
     use crate::alloc::ordered::snapshot::BlockState;
@@ -54,13 +54,13 @@ mod tests {
     #[test]
     fn a_snapshot_shows_each_block_live_free_kept_for_a_graph_or_freed_while_shared() {
         let mut c = core(1000);
-        let a = c.allocate(5000, 1, Capture::None, 0).unwrap();
-        let b = c.allocate(8192, 1, Capture::None, 0).unwrap();
-        let shared = c.allocate(4096, 1, Capture::None, 0).unwrap();
+        let a = c.allocate(5000, 1, Capture::None, None).unwrap();
+        let b = c.allocate(8192, 1, Capture::None, None).unwrap();
+        let shared = c.allocate(4096, 1, Capture::None, None).unwrap();
         c.free(b, Handle(1)).unwrap();
         c.export(shared, |_| Ok(())).unwrap();
         c.free(shared, Handle(1)).unwrap();
-        let g = c.allocate(1024, 5, Capture::Private(77), 0).unwrap();
+        let g = c.allocate(1024, 5, Capture::Private(77), None).unwrap();
 
         let segments = c.snapshot();
         let all: Vec<_> = segments.iter().flat_map(|s| s.blocks.iter()).collect();
@@ -86,10 +86,10 @@ mod tests {
                 assert_eq!(x.size % ALIGN, 0);
                 at += x.size;
             }
-            assert!(!s.asleep && s.tag == 0);
+            assert!(!s.asleep && s.tag.is_none());
         }
         // The snapshot changed nothing: the freed block serves its stream's next request again.
-        assert_eq!(c.allocate(8192, 1, Capture::None, 0).unwrap(), b);
+        assert_eq!(c.allocate(8192, 1, Capture::None, None).unwrap(), b);
         c.unexport(shared).unwrap();
         assert!(c
             .snapshot()
@@ -100,15 +100,15 @@ mod tests {
 
     #[test]
     fn a_snapshot_says_which_heaps_belong_to_a_tag_and_whether_it_sleeps() {
-        const TAG: u32 = 3;
+        const TAG: Tag = Tag::of(3);
         let mut c = core(1000);
-        let t = c.allocate(4096, 1, Capture::None, TAG).unwrap();
-        let u = c.allocate(4096, 1, Capture::None, 0).unwrap();
+        let t = c.allocate(4096, 1, Capture::None, Some(TAG)).unwrap();
+        let u = c.allocate(4096, 1, Capture::None, None).unwrap();
         c.sleep(TAG, SleepMode::Discard).unwrap();
         let segments = c.snapshot();
         let of = |addr: u64| segments.iter().find(|s| s.blocks.iter().any(|x| x.address == addr)).unwrap();
-        assert_eq!((of(t).tag, of(t).asleep), (TAG, true));
-        assert_eq!((of(u).tag, of(u).asleep), (0, false));
+        assert_eq!((of(t).tag, of(t).asleep), (Some(TAG), true));
+        assert_eq!((of(u).tag, of(u).asleep), (None, false));
         c.wake(TAG).unwrap();
         assert!(!c.snapshot().iter().any(|s| s.asleep));
     }

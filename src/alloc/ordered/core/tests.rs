@@ -94,7 +94,7 @@ pub(super) struct Gpu {
     /// Captured streams whose graphs may run on any stream (`Capture::Shared`).
     shared_captures: HashSet<u64>,
     /// Each tag's backup options (the default when absent).
-    backup_options: HashMap<u32, BackupOptions>,
+    backup_options: HashMap<Tag, BackupOptions>,
     /// Backups alive now, and made so far.
     hosts_alive: Count,
     hosts_made: usize,
@@ -104,7 +104,7 @@ pub(super) struct Gpu {
     /// Makes `host_alloc` fail (no host memory, an unwritable directory).
     fail_host: bool,
     /// Backups asked to be prepared: (tag, bytes).
-    prepared: Vec<(u32, u64)>,
+    prepared: Vec<(Tag, u64)>,
     /// Marks of copies made (see `Backend::mark_copies`).
     marks: u64,
     /// Pages copied out whose copy is not known to have landed: the mark after which it counts
@@ -372,7 +372,7 @@ impl Backend for Gpu {
 
     type Host = ModelHost;
 
-    fn host_alloc(&mut self, tag: u32, bytes: u64, old: Option<ModelHost>) -> Result<ModelHost> {
+    fn host_alloc(&mut self, tag: Tag, bytes: u64, old: Option<ModelHost>) -> Result<ModelHost> {
         let options = self.backup_options.get(&tag).cloned().unwrap_or_default();
         match old {
             Some(h) if h.options == options && h.len >= bytes => return Ok(h),
@@ -388,7 +388,7 @@ impl Backend for Gpu {
     fn host_retained(host: &ModelHost) -> bool {
         host.options.retain
     }
-    fn host_prepare(&mut self, tag: u32, bytes: u64) -> bool {
+    fn host_prepare(&mut self, tag: Tag, bytes: u64) -> bool {
         self.prepared.push((tag, bytes));
         true
     }
@@ -555,7 +555,7 @@ fn alloc_on(c: &mut Core<Gpu>, held: &mut Vec<Held>, size: u64, caller: Caller) 
     // queued work on every stream, the capturing one included.
     let except = if matches!(capture, Capture::Shared(_)) { None } else { Some(stream) };
     c.backend().in_call = Some(caller.raw.0);
-    let r = c.allocate(size, caller, capture, 0);
+    let r = c.allocate(size, caller, capture, None);
     c.backend().in_call = None;
     let addr = handed_out(r)?;
     let n = size.div_ceil(ALIGN) * ALIGN;
@@ -853,17 +853,17 @@ fn a_forgotten_streams_next_front_serves_its_cached_pairs() {
 #[test]
 fn a_free_through_a_reused_handle_leaves_the_new_streams_front_in_place() {
     let mut c = core(1000);
-    let tagged = c.allocate(8192, 1, Capture::None, 5).unwrap();
+    let tagged = c.allocate(8192, 1, Capture::None, Some(Tag::of(5))).unwrap();
     // Stream 1 is destroyed; handle 1 now names stream 3.
     c.backend().handles.insert(1, 3);
     let new = Caller { id: StreamId(3), raw: Handle(1) };
-    let a = c.allocate(4096, new, Capture::None, 0).unwrap();
+    let a = c.allocate(4096, new, Capture::None, None).unwrap();
     c.free(a, Handle(1)).unwrap(); // the first free after a miss goes through the core
-    assert_eq!(c.allocate(4096, new, Capture::None, 0).unwrap(), a);
+    assert_eq!(c.allocate(4096, new, Capture::None, None).unwrap(), a);
     assert!(c.fronts.give(a, Handle(1)), "the new stream's free, through its front");
     c.free(tagged, Handle(1)).unwrap(); // stream 1's, through the core
     let before = (c.stats.allocations, c.stats.frees);
-    assert_eq!(c.allocate(4096, new, Capture::None, 0).unwrap(), a);
+    assert_eq!(c.allocate(4096, new, Capture::None, None).unwrap(), a);
     // From a thread that remembers no front: the registry's answer.
     let fronts = c.fronts.clone();
     let given = std::thread::spawn(move || fronts.give(a, Handle(1))).join().unwrap();
@@ -877,7 +877,7 @@ fn a_free_through_a_reused_handle_leaves_the_new_streams_front_in_place() {
 #[test]
 fn a_second_free_is_refused_whether_the_block_is_cached_or_indexed() {
     let mut c = core(1000);
-    let a = c.allocate(4096, 7, Capture::None, 0).unwrap();
+    let a = c.allocate(4096, 7, Capture::None, None).unwrap();
     c.free(a, Handle(7)).unwrap(); // kept whole for stream 7
     assert!(c.free(a, Handle(7)).is_err(), "freed twice while cached");
     assert!(c.free(a, Handle(8)).is_err(), "freed twice while cached, on another stream");
@@ -886,8 +886,8 @@ fn a_second_free_is_refused_whether_the_block_is_cached_or_indexed() {
     assert!(!c.fronts.give(a, Handle(7)), "the fast path refuses it too");
     assert_eq!(c.owner_of(a), None, "a cached block is not live");
     // Handed out once, then again after its free.
-    assert_eq!(c.allocate(4096, 7, Capture::None, 0).unwrap(), a);
-    assert_ne!(c.allocate(4096, 7, Capture::None, 0).unwrap(), a);
+    assert_eq!(c.allocate(4096, 7, Capture::None, None).unwrap(), a);
+    assert_ne!(c.allocate(4096, 7, Capture::None, None).unwrap(), a);
     assert_eq!(c.slots[0].heap.live_blocks().count(), 2);
     c.free(a, Handle(7)).unwrap();
     c.flush_cached(); // into the index
@@ -1063,15 +1063,15 @@ proptest! {
     }
 }
 
-pub(super) const TAG: u32 = 3;
+pub(super) const TAG: Tag = Tag::of(3);
 pub(super) const TPAGE: u64 = 4 * PAGE;
 
 #[test]
 fn an_offloaded_tag_comes_back_at_the_same_addresses_with_its_contents() {
     let mut c = core(1000);
-    let a = c.allocate(8 * TPAGE, 1, Capture::None, TAG).unwrap();
-    let b = c.allocate(SMALL + 512, 1, Capture::None, TAG).unwrap();
-    let other = c.allocate(4096, 1, Capture::None, 0).unwrap();
+    let a = c.allocate(8 * TPAGE, 1, Capture::None, Some(TAG)).unwrap();
+    let b = c.allocate(SMALL + 512, 1, Capture::None, Some(TAG)).unwrap();
+    let other = c.allocate(4096, 1, Capture::None, None).unwrap();
     for k in 0..8 {
         c.backend().write(a + k * TPAGE, 100 + k);
     }
@@ -1101,14 +1101,13 @@ fn an_offloaded_tag_comes_back_at_the_same_addresses_with_its_contents() {
 #[test]
 fn every_other_transition_is_refused_and_changes_nothing() {
     let mut c = core(1000);
-    assert!(c.sleep(0, SleepMode::Discard).is_err(), "untagged memory cannot sleep");
     assert!(c.wake(TAG).is_err(), "waking a tag that never slept");
-    let a = c.allocate(2 * TPAGE, 1, Capture::None, TAG).unwrap();
-    let b = c.allocate(TPAGE, 1, Capture::None, TAG).unwrap();
+    let a = c.allocate(2 * TPAGE, 1, Capture::None, Some(TAG)).unwrap();
+    let b = c.allocate(TPAGE, 1, Capture::None, Some(TAG)).unwrap();
     c.sleep(TAG, SleepMode::Discard).unwrap();
     let s = c.stats();
     assert!(c.sleep(TAG, SleepMode::Offload).is_err(), "sleeping twice");
-    assert!(c.allocate(512, 1, Capture::None, TAG).is_err(), "allocating while asleep");
+    assert!(c.allocate(512, 1, Capture::None, Some(TAG)).is_err(), "allocating while asleep");
     assert_eq!(c.stats(), s);
     assert_eq!(c.tag_stats(TAG).offloaded, 0, "a discarding sleep keeps nothing");
     // Freeing while asleep is allowed; the freed block's pages do not come back.
@@ -1119,7 +1118,7 @@ fn every_other_transition_is_refused_and_changes_nothing() {
     assert!(c.wake(TAG).is_err(), "waking an awake tag");
     // A capture seen by the allocator forbids sleeping.
     c.backend().captures.insert(9, 1);
-    let _ = c.allocate(512, 9, Capture::Private(1), 0).unwrap();
+    let _ = c.allocate(512, 9, Capture::Private(1), None).unwrap();
     assert!(c.sleep(TAG, SleepMode::Discard).is_err());
     assert!(!c.tag_stats(TAG).asleep);
 }
@@ -1127,13 +1126,13 @@ fn every_other_transition_is_refused_and_changes_nothing() {
 #[test]
 fn a_wake_out_of_memory_stays_asleep_with_nothing_lost_and_a_retry_works() {
     let mut c = core(48);
-    let a = c.allocate(8 * TPAGE, 1, Capture::None, TAG).unwrap();
+    let a = c.allocate(8 * TPAGE, 1, Capture::None, Some(TAG)).unwrap();
     for k in 0..8 {
         c.backend().write(a + k * TPAGE, 50 + k);
     }
     c.sleep(TAG, SleepMode::Offload).unwrap();
     // Something else takes the memory the tag gave back.
-    let hog = c.allocate(SMALL + 12 * PAGE, 2, Capture::None, 0).unwrap();
+    let hog = c.allocate(SMALL + 12 * PAGE, 2, Capture::None, None).unwrap();
     let err = c.wake(TAG).unwrap_err();
     assert!(err.is_out_of_memory(), "{err}");
     let st = c.tag_stats(TAG);
@@ -1155,12 +1154,12 @@ fn a_wake_out_of_memory_stays_asleep_with_nothing_lost_and_a_retry_works() {
 #[test]
 fn a_wake_out_of_memory_waits_for_the_device_and_takes_back_the_idle_cache() {
     let mut c = core(48);
-    let a = c.allocate(8 * TPAGE, 1, Capture::None, TAG).unwrap();
+    let a = c.allocate(8 * TPAGE, 1, Capture::None, Some(TAG)).unwrap();
     for k in 0..8 {
         c.backend().write(a + k * TPAGE, 70 + k);
     }
     c.sleep(TAG, SleepMode::Offload).unwrap();
-    let hog = c.allocate(SMALL + 12 * PAGE, 2, Capture::None, 0).unwrap();
+    let hog = c.allocate(SMALL + 12 * PAGE, 2, Capture::None, None).unwrap();
     c.backend().queues.entry(2).or_default().push_back(Op::Use { addr: hog, len: SMALL + 12 * PAGE });
     c.free(hog, Handle(2)).unwrap();
     let synchronized = c.backend().synchronized;
@@ -1177,14 +1176,14 @@ fn a_wake_out_of_memory_waits_for_the_device_and_takes_back_the_idle_cache() {
 #[test]
 fn a_wake_takes_back_pages_known_idle_whatever_the_last_allocation_left() {
     let mut c = core(48);
-    let a = c.allocate(8 * TPAGE, 1, Capture::None, TAG).unwrap();
+    let a = c.allocate(8 * TPAGE, 1, Capture::None, Some(TAG)).unwrap();
     c.backend().write(a, 7);
     c.sleep(TAG, SleepMode::Offload).unwrap();
-    let hog = c.allocate(SMALL + 12 * PAGE, 2, Capture::None, 0).unwrap();
+    let hog = c.allocate(SMALL + 12 * PAGE, 2, Capture::None, None).unwrap();
     c.free(hog, Handle(2)).unwrap();
     c.backend().run_all();
     // An allocation that searched and found memory: it leaves the settle flag as it was.
-    let small = c.allocate(4096, 3, Capture::None, 0).unwrap();
+    let small = c.allocate(4096, 3, Capture::None, None).unwrap();
     c.wake(TAG).unwrap();
     assert_eq!(c.backend().read(a), 7);
     c.free(small, Handle(3)).unwrap();
@@ -1202,7 +1201,7 @@ fn training_steps(c: &mut Core<Gpu>, seed: u64, steps: usize, lag: usize) {
         rng
     };
     let alloc = |c: &mut Core<Gpu>, size: u64| {
-        let a = c.allocate(size, 1, Capture::None, 0).unwrap();
+        let a = c.allocate(size, 1, Capture::None, None).unwrap();
         c.backend().queues.entry(1).or_default().push_back(Op::Use { addr: a, len: size });
         a
     };
@@ -1244,7 +1243,7 @@ fn training_core(lend: bool) -> Core<Gpu> {
     let mut c = Core::new(gpu, sizes);
     c.check_calls = false;
     for _ in 0..20 {
-        let a = c.allocate(3 << 20, 1, Capture::None, 0).unwrap();
+        let a = c.allocate(3 << 20, 1, Capture::None, None).unwrap();
         c.backend().queues.entry(1).or_default().push_back(Op::Use { addr: a, len: 3 << 20 });
     }
     c
@@ -1345,7 +1344,7 @@ fn replay_on(c: &mut Core<Gpu>, events: &[Event], lag: usize, raw: u64) -> (f64,
             Event::Alloc(size) => {
                 let id = c.backend().stream_id(Handle(raw));
                 let caller = c.caller(Handle(raw), id, Capture::None);
-                let a = c.allocate(size, caller, Capture::None, 0).unwrap();
+                let a = c.allocate(size, caller, Capture::None, None).unwrap();
                 c.backend().queues.entry(stream).or_default().push_back(Op::Use { addr: a, len: size });
                 addrs.push(Some(a));
             }
@@ -1454,7 +1453,7 @@ fn a_block_that_cannot_be_mapped_goes_back_to_its_stream_not_to_every_stream() {
     free(&mut c, &mut held, k);
     // Stream 1 takes both; mapping b's part fails.
     c.backend().fail_map = true;
-    assert!(c.allocate(8 * PAGE, 1, Capture::None, 0).is_err());
+    assert!(c.allocate(8 * PAGE, 1, Capture::None, None).is_err());
     c.backend().fail_map = false;
     // Stream 2 must not get a's memory while stream 1's work on it is queued (the model checks).
     alloc(&mut c, &mut held, 8 * PAGE, 2).unwrap();
@@ -1466,7 +1465,7 @@ fn pages_whose_access_could_not_be_set_are_not_left_mapped_for_later_blocks() {
     let mut c = core(1000);
     let mut held = Vec::new();
     c.backend().fail_access = true;
-    assert!(c.allocate(4 * PAGE, 1, Capture::None, 0).is_err());
+    assert!(c.allocate(4 * PAGE, 1, Capture::None, None).is_err());
     assert_eq!(c.stats().live, 0);
     c.backend().fail_access = false;
     // The same place again: its pages must be mapped with access (the model checks).
@@ -1537,7 +1536,7 @@ fn two_freed_blocks_of_20_pages() -> (Core<Gpu>, Vec<Held>) {
 fn lent_pages_released_after_a_failure_free_their_memory_when_the_lenders_come_back() {
     let (mut c, mut held) = two_freed_blocks_of_20_pages();
     c.backend().fail_access = true;
-    assert!(c.allocate(30 * PAGE, 1, Capture::None, 0).is_err());
+    assert!(c.allocate(30 * PAGE, 1, Capture::None, None).is_err());
     c.backend().fail_access = false;
     let released = c.stats().pages_released;
     assert!(released >= 30, "the lent pages were released ({released})");
@@ -1617,7 +1616,7 @@ fn replay_streams(c: &mut Core<Gpu>, events: &[(u64, Option<u64>, usize)], lag: 
         }
         match size {
             Some(size) => {
-                let a = c.allocate(size, stream, Capture::None, 0).unwrap();
+                let a = c.allocate(size, stream, Capture::None, None).unwrap();
                 c.backend().queues.entry(stream).or_default().push_back(Op::Use { addr: a, len: size });
                 blocks.push(Some((a, stream)));
             }
@@ -1690,13 +1689,13 @@ fn a_request_out_of_memory_gives_back_the_pages_made_for_it() {
 #[test]
 fn a_capture_shared_with_other_streams_does_not_grow_a_block_its_stream_freed_with_work_queued() {
     let mut c = core(1000);
-    let a = c.allocate(8 * PAGE, 1, Capture::None, 0).unwrap();
+    let a = c.allocate(8 * PAGE, 1, Capture::None, None).unwrap();
     c.backend().queues.entry(1).or_default().push_back(Op::Use { addr: a, len: 8 * PAGE });
     c.free(a, Handle(1)).unwrap();
     // Stream 1 is captured in a mode whose graph may be launched on any stream: only blocks
     // known idle may serve it, not the last block of the heap that stream 1 freed a moment ago.
     c.backend().captures.insert(1, 42);
-    let b = c.allocate(12 * PAGE, 1, Capture::Shared(5), 0).unwrap();
+    let b = c.allocate(12 * PAGE, 1, Capture::Shared(5), None).unwrap();
     assert_eq!(c.backend().pending_use(b, 12 * PAGE, None), None, "{b:#x} still used by queued work");
     assert_ne!(b, a);
 }
@@ -1705,8 +1704,8 @@ fn a_capture_shared_with_other_streams_does_not_grow_a_block_its_stream_freed_wi
 fn graph_memory_in_a_tags_heap_is_mapped_again_at_wake() {
     let mut c = core(1000);
     c.backend().captures.insert(1, 7);
-    let g1 = c.allocate(TPAGE, 1, Capture::Private(7), TAG).unwrap();
-    let _g2 = c.allocate(TPAGE, 1, Capture::Private(7), TAG).unwrap();
+    let g1 = c.allocate(TPAGE, 1, Capture::Private(7), Some(TAG)).unwrap();
+    let _g2 = c.allocate(TPAGE, 1, Capture::Private(7), Some(TAG)).unwrap();
     // Freed inside the capture: the graph uses it on every replay.
     c.free(g1, Handle(1)).unwrap();
     c.backend().captures.clear();
@@ -1723,7 +1722,7 @@ fn graph_memory_in_a_tags_heap_is_mapped_again_at_wake() {
 fn a_sleep_that_fails_while_releasing_leaves_the_tag_awake_and_whole() {
     for mode in [SleepMode::Discard, SleepMode::Offload] {
         let mut c = core(1000);
-        let a = c.allocate(4 * TPAGE, 1, Capture::None, TAG).unwrap();
+        let a = c.allocate(4 * TPAGE, 1, Capture::None, Some(TAG)).unwrap();
         let mapped = c.stats().mapped;
         c.backend().unmaps_left = Some(2);
         assert!(c.sleep(TAG, mode).is_err());
@@ -1742,7 +1741,7 @@ fn a_sleep_that_fails_while_releasing_leaves_the_tag_awake_and_whole() {
 fn a_size_past_the_address_space_is_an_error_not_a_panic() {
     let mut c = core(1000);
     for size in [u64::MAX - 600, u64::MAX - PAGE, u64::MAX] {
-        let e = c.allocate(size, 1, Capture::None, 0).unwrap_err().to_string();
+        let e = c.allocate(size, 1, Capture::None, None).unwrap_err().to_string();
         assert!(e.contains("cannot be allocated") || e.contains("address space"), "{e}");
     }
 }
@@ -1751,9 +1750,9 @@ fn a_size_past_the_address_space_is_an_error_not_a_panic() {
 fn a_graph_block_grown_at_the_end_of_the_heap_counts_as_graph_memory() {
     let mut c = core(1000);
     c.backend().captures.insert(1, 7);
-    let g = c.allocate(2 * PAGE + SMALL, 1, Capture::Private(7), 0).unwrap();
+    let g = c.allocate(2 * PAGE + SMALL, 1, Capture::Private(7), None).unwrap();
     c.free(g, Handle(1)).unwrap();
-    let h = c.allocate(6 * PAGE + SMALL, 1, Capture::Private(7), 0).unwrap();
+    let h = c.allocate(6 * PAGE + SMALL, 1, Capture::Private(7), None).unwrap();
     assert_eq!(g, h);
     c.backend().captures.clear();
     let held = c.stats().graph_held;
@@ -1765,10 +1764,10 @@ fn a_graph_block_grown_at_the_end_of_the_heap_counts_as_graph_memory() {
 #[test]
 fn a_wake_during_a_capture_makes_no_call_the_capture_forbids_and_a_sleep_is_refused() {
     let mut c = core(1000);
-    let _a = c.allocate(8 * TPAGE, 1, Capture::None, TAG).unwrap();
+    let _a = c.allocate(8 * TPAGE, 1, Capture::None, Some(TAG)).unwrap();
     c.sleep(TAG, SleepMode::Discard).unwrap();
     c.backend().captures.insert(9, 1);
-    let _ = c.allocate(512, 9, Capture::Private(1), 0).unwrap();
+    let _ = c.allocate(512, 9, Capture::Private(1), None).unwrap();
     // The model fails the test on any call a global-mode capture forbids: the wake relaxes.
     c.wake(TAG).unwrap();
     assert!(!c.tag_stats(TAG).asleep);
@@ -1789,15 +1788,15 @@ fn a_wake_during_a_capture_makes_no_call_the_capture_forbids_and_a_sleep_is_refu
 #[test]
 fn a_tag_falling_asleep_refuses_what_would_race_the_sleep_and_ends_asleep_or_awake() {
     let mut c = core(1000);
-    let a = c.allocate(2 * TPAGE, 1, Capture::None, TAG).unwrap();
-    let b = c.allocate(TPAGE, 1, Capture::None, TAG).unwrap();
+    let a = c.allocate(2 * TPAGE, 1, Capture::None, Some(TAG)).unwrap();
+    let b = c.allocate(TPAGE, 1, Capture::None, Some(TAG)).unwrap();
     let settle = c.sleep_begin(TAG).unwrap();
-    assert!(c.allocate(512, 1, Capture::None, TAG).is_err(), "allocating while falling asleep");
+    assert!(c.allocate(512, 1, Capture::None, Some(TAG)).is_err(), "allocating while falling asleep");
     assert!(c.sleep_begin(TAG).is_err(), "a second sleep");
     assert!(c.wake(TAG).is_err(), "a wake of a tag not yet asleep");
     assert!(!c.tag_stats(TAG).asleep);
     c.free(b, Handle(1)).unwrap();
-    let other = c.allocate(4096, 2, Capture::None, 0).unwrap();
+    let other = c.allocate(4096, 2, Capture::None, None).unwrap();
     let waited = c.backend().synchronize();
     assert!(c.sleep_finish(TAG, SleepMode::Discard, settle, waited).unwrap() > 0);
     assert!(c.tag_stats(TAG).asleep && c.tag_stats(TAG).mapped == 0);
@@ -1808,7 +1807,7 @@ fn a_tag_falling_asleep_refuses_what_would_race_the_sleep_and_ends_asleep_or_awa
     let refused = Err(Error::invalid("the wait failed"));
     assert!(c.sleep_finish(TAG, SleepMode::Discard, settle, refused).is_err());
     assert!(!c.tag_stats(TAG).asleep && c.tag_stats(TAG).mapped == 2 * TPAGE);
-    c.allocate(512, 1, Capture::None, TAG).unwrap();
+    c.allocate(512, 1, Capture::None, Some(TAG)).unwrap();
     c.free(a, Handle(1)).unwrap();
     c.free(other, Handle(2)).unwrap();
 }
@@ -1826,7 +1825,7 @@ fn out_of_memory_asks_its_caller_to_wait_and_a_free_during_the_wait_is_not_cover
     alloc(&mut c, &mut held, 2 * PAGE, 1).unwrap();
     free(&mut c, &mut held, 0);
     let two = Caller::from(2);
-    assert!(c.try_allocate(2 * PAGE, two, Capture::None, 0, true).is_err());
+    assert!(c.try_allocate(2 * PAGE, two, Capture::None, None, true).is_err());
     assert!(c.wants_settle());
     let settle = c.settle_begin();
     // While the caller waits, stream 1 frees its other block, with work queued on it.
@@ -1836,9 +1835,9 @@ fn out_of_memory_asks_its_caller_to_wait_and_a_free_during_the_wait_is_not_cover
     c.backend().queues.entry(1).or_default().push_back(Op::Use { addr: last, len: 2 * PAGE });
     free(&mut c, &mut held, k);
     c.settled(settle, true).unwrap();
-    let got = c.try_allocate(2 * PAGE, two, Capture::None, 0, false).unwrap();
+    let got = c.try_allocate(2 * PAGE, two, Capture::None, None, false).unwrap();
     assert_eq!(got, first, "the block freed before the wait is stream 2's after it");
-    let again = c.try_allocate(2 * PAGE, two, Capture::None, 0, false);
+    let again = c.try_allocate(2 * PAGE, two, Capture::None, None, false);
     assert!(again.is_err(), "a block freed after the wait began was taken as covered by it");
     assert!(!c.wants_settle());
 }
@@ -1855,9 +1854,9 @@ fn every_backup() -> Vec<BackupOptions> {
 /// Two blocks of the tag with a freed one between them (so their copies are separate runs),
 /// written with values from `seed`; returns their addresses.
 fn two_runs(c: &mut Core<Gpu>, seed: u64) -> [u64; 2] {
-    let a = c.allocate(2 * TPAGE, 1, Capture::None, TAG).unwrap();
-    let b = c.allocate(2 * TPAGE, 1, Capture::None, TAG).unwrap();
-    let d = c.allocate(2 * TPAGE, 1, Capture::None, TAG).unwrap();
+    let a = c.allocate(2 * TPAGE, 1, Capture::None, Some(TAG)).unwrap();
+    let b = c.allocate(2 * TPAGE, 1, Capture::None, Some(TAG)).unwrap();
+    let d = c.allocate(2 * TPAGE, 1, Capture::None, Some(TAG)).unwrap();
     c.free(b, Handle(1)).unwrap();
     for (i, x) in [a, d].into_iter().enumerate() {
         for k in 0..2 {
@@ -1906,7 +1905,6 @@ fn a_backup_is_prepared_as_large_as_the_next_sleep_would_copy_and_only_for_an_aw
     let copied = c.prepare_backup(TAG).unwrap();
     assert!(copied > 0 && copied <= c.tag_stats(TAG).mapped, "the pages under live blocks");
     assert_eq!(c.backend().prepared, [(TAG, copied)]);
-    assert!(c.prepare_backup(0).is_err(), "untagged memory never sleeps");
     c.sleep(TAG, SleepMode::Offload).unwrap();
     assert!(c.prepare_backup(TAG).is_err(), "asleep: its backup is in use");
     assert_eq!(c.tag_stats(TAG).offloaded, copied, "the sleep copied what was prepared for");
@@ -2118,11 +2116,11 @@ fn small_blocks_take_small_pages_which_go_back_once_idle() {
         lend: true,
     };
     let mut c = Core::new(gpu, sizes);
-    let small = c.allocate(1000, 1, Capture::None, 0).unwrap();
+    let small = c.allocate(1000, 1, Capture::None, None).unwrap();
     assert_eq!(c.backend().units.get(), 1, "one small page");
     assert_eq!(c.export(small, |_| Ok(())).unwrap().page, PAGE);
     c.unexport(small).unwrap();
-    let large = c.allocate(20 * PAGE, 1, Capture::None, 0).unwrap();
+    let large = c.allocate(20 * PAGE, 1, Capture::None, None).unwrap();
     assert_eq!(c.export(large, |_| Ok(())).unwrap().page, 32 * PAGE);
     c.unexport(large).unwrap();
     assert_eq!(c.backend().units.get(), 33);

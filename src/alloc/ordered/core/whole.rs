@@ -10,12 +10,8 @@
 
 use super::super::heap::BlockId;
 use super::super::ids::IDLE;
-use super::{Backend, Capture, Core, HeapKind, Request, SlotId, StreamId, LEND_ABOVE, SMALL};
+use super::{Backend, Capture, Core, HeapKind, Request, SlotId, StreamId, Tag, LEND_ABOVE, SMALL};
 use crate::error::{Error, Result};
-
-/// The heap kind (in place of a tag) of blocks that are one physical allocation each. Interned
-/// tags count up from 1 and never reach it.
-pub(crate) const WHOLE: u32 = u32::MAX;
 
 /// A whole heap serves a block whose own page it exceeds by at most 1/WASTE of the block: a
 /// training step repeats its sizes, so the heap of each size finds its size again, and a larger
@@ -35,11 +31,13 @@ impl<B: Backend> Core<B> {
     }
 
     /// The heaps that serve `n` bytes tagged `tag`.
-    pub(super) fn kind_of(&self, n: u64, tag: u32) -> HeapKind {
-        if tag == 0 && self.whole_above != 0 && n >= self.whole_above.max(SMALL + 1) {
-            HeapKind { small: false, tag: WHOLE }
+    pub(super) fn kind_of(&self, n: u64, tag: Option<Tag>) -> HeapKind {
+        if tag.is_none() && self.whole_above != 0 && n >= self.whole_above.max(SMALL + 1) {
+            HeapKind::Whole
+        } else if n <= SMALL {
+            HeapKind::Small(tag)
         } else {
-            HeapKind { small: n <= SMALL, tag }
+            HeapKind::Large(tag)
         }
     }
 
@@ -78,7 +76,7 @@ impl<B: Backend> Core<B> {
         self.slots
             .iter()
             .enumerate()
-            .filter(|(_, s)| s.tag == WHOLE && !s.small && s.page <= limit)
+            .filter(|(_, s)| s.kind == HeapKind::Whole && s.page <= limit)
             .filter(|(_, s)| s.pages.first().is_some_and(Option::is_some) == mapped)
             .filter_map(|(i, s)| s.heap.find(pool, reuse, n).map(|(_, id)| (s.page, SlotId::of(i), id)))
             .min_by_key(|&(page, slot, _)| (page, slot))
@@ -158,7 +156,7 @@ impl<B: Backend> Core<B> {
         if room {
             return Ok(None);
         }
-        let ordinary = Request { kind: HeapKind { small: false, tag: 0 }, ..*req };
+        let ordinary = Request { kind: HeapKind::Large(None), ..*req };
         self.allocate_slow(&ordinary).map(Some)
     }
 
@@ -166,7 +164,7 @@ impl<B: Backend> Core<B> {
     /// `reclaim`'s), mapped and wholly idle.
     fn idle_whole(&self, i: usize) -> bool {
         let s = &self.slots[i];
-        s.tag == WHOLE
+        s.kind == HeapKind::Whole
             && s.page != self.sizes.page
             && s.pages.first().is_some_and(Option::is_some)
             && s.heap.idle_pages(s.page).first() == Some(&0)
@@ -195,27 +193,27 @@ mod tests {
         let mut c = core(1000);
         c.set_whole_above(24 * PAGE);
         let units = c.backend().units.get();
-        let big = c.allocate(40 * PAGE + 100, 1, Capture::None, 0).unwrap();
+        let big = c.allocate(40 * PAGE + 100, 1, Capture::None, None).unwrap();
         let at = c.export(big, |_| Ok(())).unwrap();
         assert_eq!((at.count, at.page, at.first_page), (1, 41 * PAGE, big), "one page of the block's size");
         c.unexport(big).unwrap();
         // Below the threshold, and tagged: ordinary heaps.
-        let small = c.allocate(2 * PAGE, 1, Capture::None, 0).unwrap();
+        let small = c.allocate(2 * PAGE, 1, Capture::None, None).unwrap();
         assert_eq!(c.export(small, |_| Ok(())).unwrap().page, PAGE);
-        let tagged = c.allocate(40 * PAGE, 1, Capture::None, TAG).unwrap();
+        let tagged = c.allocate(40 * PAGE, 1, Capture::None, Some(TAG)).unwrap();
         assert_eq!(c.export(tagged, |_| Ok(())).unwrap().page, TPAGE);
         assert_eq!(c.backend().units.get() - units, 41 + 2 + 40);
         // Freed, it serves the next block it fits within an eighth where it is, still one
         // allocation.
         c.free(big, Handle(1)).unwrap();
-        let again = c.allocate(38 * PAGE, 1, Capture::None, 0).unwrap();
+        let again = c.allocate(38 * PAGE, 1, Capture::None, None).unwrap();
         assert_eq!(again, big);
         assert_eq!(c.export(again, |_| Ok(())).unwrap().count, 1);
         c.unexport(again).unwrap();
         c.free(again, Handle(1)).unwrap();
         // A much smaller block does not pin it: the idle heap goes back to the driver rather than
         // the new one taking the memory held past the bound.
-        let small = c.allocate(30 * PAGE, 1, Capture::None, 0).unwrap();
+        let small = c.allocate(30 * PAGE, 1, Capture::None, None).unwrap();
         assert!(small < big || small >= big + 41 * PAGE, "a heap of 41 pages does not serve 30");
         assert_eq!(c.backend().units.get() - units, 30 + 2 + 40, "the idle 41 pages went back");
         c.free(small, Handle(1)).unwrap();
@@ -224,7 +222,7 @@ mod tests {
         assert_eq!(c.stats().pages_released - released, 1);
         assert_eq!(c.backend().units.get() - units, 2 + 40, "the whole blocks' memory went back");
         // The heap given back maps a fresh page for a block it fits.
-        let fresh = c.allocate(41 * PAGE, 1, Capture::None, 0).unwrap();
+        let fresh = c.allocate(41 * PAGE, 1, Capture::None, None).unwrap();
         assert_eq!(fresh, big);
         assert_eq!(c.export(fresh, |_| Ok(())).unwrap().count, 1);
         assert_eq!(c.backend().units.get() - units, 41 + 2 + 40);
@@ -235,13 +233,13 @@ mod tests {
         let mut c = core(1000);
         c.set_whole_above(24 * PAGE);
         let units = c.backend().units.get();
-        let big = c.allocate(40 * PAGE, 1, Capture::None, 0).unwrap();
+        let big = c.allocate(40 * PAGE, 1, Capture::None, None).unwrap();
         let shared = shared_ids(&mut c, big);
         c.free(big, Handle(1)).unwrap();
         assert_eq!(c.stats().freed_shared, 40 * PAGE);
         // The shared allocation is neither given back nor reused; the memory importers hold
         // counts as live, so the next block of its size is whole too, beside it.
-        let next = c.allocate(40 * PAGE, 1, Capture::None, 0).unwrap();
+        let next = c.allocate(40 * PAGE, 1, Capture::None, None).unwrap();
         assert!(next + 40 * PAGE <= big || next >= big + 40 * PAGE, "not on the shared block");
         let at = c.export(next, |_| Ok(())).unwrap();
         assert_eq!((at.page, at.count), (40 * PAGE, 1), "one allocation");
@@ -261,7 +259,7 @@ mod tests {
         c.unexport(big).unwrap();
         c.empty_cache().unwrap();
         assert_eq!(c.backend().units.get() - units, 0);
-        let again = c.allocate(40 * PAGE, 1, Capture::None, 0).unwrap();
+        let again = c.allocate(40 * PAGE, 1, Capture::None, None).unwrap();
         assert!(again == big || again == next);
         assert_eq!(c.export(again, |_| Ok(())).unwrap().count, 1);
     }

@@ -34,7 +34,7 @@ impl World {
     fn alloc(&self, size: u64, id: u64, raw: u64) -> Option<u64> {
         IN_CALL.set(Some(raw));
         let wait = || self.alloc.core().backend().synchronize().is_ok();
-        let r = self.alloc.allocate(size, Handle(raw), Some(StreamId(id)), Capture::None, 0, wait);
+        let r = self.alloc.allocate(size, Handle(raw), Some(StreamId(id)), Capture::None, None, wait);
         IN_CALL.set(None);
         let addr = handed_out(r)?;
         let n = size.div_ceil(ALIGN) * ALIGN;
