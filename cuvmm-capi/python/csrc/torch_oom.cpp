@@ -57,7 +57,7 @@
 namespace torch {
 // Mirrors the vtable of PyTorch's torch::PyTorchError: std::exception's slots, then python_type()
 // (which returns a PyObject*, a pointer in the same register). Hidden like everything here but the
-// three C functions: the match is by name, so PyTorch's own symbols are never interposed.
+// C entry points: the match is by name, so PyTorch's own symbols are never interposed.
 struct PyTorchError : std::exception {
   virtual void *python_type() = 0;
 };
@@ -68,10 +68,16 @@ namespace cuvmm_torch {
 using MallocFn = void *(*)(ssize_t, int, void *);
 using FreeFn = void (*)(void *, ssize_t, int, void *);
 using LastErrorFn = const char *(*)();
+using LastErrorCodeFn = int (*)();
 
 std::atomic<MallocFn> bound_malloc{nullptr};
 std::atomic<FreeFn> bound_free{nullptr};
 std::atomic<LastErrorFn> bound_last_error{nullptr};
+// cuvmm_last_error_code, where the library has it (cuvmm_torch_bind_codes): out of memory is then
+// told by its code, whatever a message says.
+std::atomic<LastErrorCodeFn> bound_last_error_code{nullptr};
+// CUVMM_ERROR_OUT_OF_MEMORY of cuvmm.h, whose numbers are never changed.
+constexpr int kOutOfMemoryCode = 2;
 // Python class objects; the Python side keeps them alive (they belong to modules never unloaded).
 std::atomic<void *> oom_type{nullptr};
 std::atomic<void *> error_type{nullptr};
@@ -188,7 +194,12 @@ void throw_c10_oom(const char *text) {
 }
 
 // A request larger than the whole device is out of memory too, as PyTorch's own allocator reports it.
+// A library without error codes is read by its text.
 bool is_out_of_memory(const char *err) {
+  LastErrorCodeFn code = bound_last_error_code.load(std::memory_order_acquire);
+  if (code != nullptr) {
+    return code() == kOutOfMemoryCode;
+  }
   return err != nullptr && (std::strstr(err, "OUT_OF_MEMORY") != nullptr || std::strstr(err, "out of memory") != nullptr ||
                             std::strstr(err, "more than the device's") != nullptr);
 }
@@ -228,6 +239,14 @@ CUVMM_EXPORT int cuvmm_torch_bind(void *malloc_fn, void *free_fn, void *last_err
   bound_last_error.store(reinterpret_cast<LastErrorFn>(last_error_fn), std::memory_order_release);
   bound_free.store(reinterpret_cast<FreeFn>(free_fn), std::memory_order_release);
   bound_malloc.store(reinterpret_cast<MallocFn>(malloc_fn), std::memory_order_release);
+  return 0;
+}
+
+// Tells out of memory by the library's error code (`last_error_code_fn`: its cuvmm_last_error_code)
+// rather than by its text; NULL goes back to the text. Returns 0.
+CUVMM_EXPORT int cuvmm_torch_bind_codes(void *last_error_code_fn) {
+  cuvmm_torch::bound_last_error_code.store(reinterpret_cast<cuvmm_torch::LastErrorCodeFn>(last_error_code_fn),
+                                           std::memory_order_release);
   return 0;
 }
 

@@ -157,6 +157,9 @@ def _bound_shim():
         if shim.cuvmm_torch_bind(addr(lib.cuvmm_malloc), addr(lib.cuvmm_free), addr(lib.cuvmm_last_error),
                                  _oom_class(), RuntimeError) != 0:
             raise RuntimeError("cuvmm_torch_bind refused the library's functions")
+        if hasattr(lib, "cuvmm_last_error_code") and hasattr(shim, "cuvmm_torch_bind_codes"):
+            shim.cuvmm_torch_bind_codes.argtypes = [ctypes.c_void_p]
+            shim.cuvmm_torch_bind_codes(addr(lib.cuvmm_last_error_code))
         _bind_c10(shim)
         _shim = shim
     return _shim

@@ -52,15 +52,17 @@ FAKE_LIB = r"""
 #include <string.h>
 #include <sys/types.h>
 static __thread const char *err;
+static __thread int code;
 char heap[4096];
 void *last_freed;
 char backup_tag[64], backup_dir[256];
 int backup_backend = -1, backup_retain = -1;
 void *cuvmm_malloc(ssize_t s, int d, void *st) {
     if (s == 0) return 0;
-    if (s == 7) { err = "cuvmm_malloc: invalid argument: allocating with a sleeping tag"; return 0; }
-    if (s == 9) { err = "cuvmm_malloc: invalid argument: 9 bytes are more than the device's 8 bytes of memory"; return 0; }
-    if (s > (1 << 20)) { err = "cuvmm_malloc: cuMemCreate failed: CUDA_ERROR_OUT_OF_MEMORY (2): out of memory"; return 0; }
+    if (s == 7) { err = "cuvmm_malloc: invalid argument: allocating with a sleeping tag"; code = 1; return 0; }
+    if (s == 9) { err = "cuvmm_malloc: invalid argument: 9 bytes are more than the device's 8 bytes of memory"; code = 2; return 0; }
+    if (s == 11) { err = "cuvmm_malloc: refused: 11 bytes would pass the limit set"; code = 2; return 0; }
+    if (s > (1 << 20)) { err = "cuvmm_malloc: cuMemCreate failed: CUDA_ERROR_OUT_OF_MEMORY (2): out of memory"; code = 2; return 0; }
     return heap;
 }
 void cuvmm_free(void *p, ssize_t s, int d, void *st) { last_freed = p; }
@@ -72,6 +74,7 @@ int cuvmm_reset_peaks(int d) { return 0; }
 int cuvmm_empty_cache(int d) { return 0; }
 int cuvmm_release_graph_memory(int d) { return 0; }
 const char *cuvmm_last_error(void) { return err; }
+int cuvmm_last_error_code(void) { return code; }
 int error_log_mode = -1;
 int cuvmm_set_error_log(int m) { error_log_mode = m; return 0; }
 int cuvmm_set_backup(const char *t, int b, int r, const char *dir) {
@@ -290,6 +293,19 @@ class RaisingEntryPoints(unittest.TestCase):
     def test_plain_cuvmm_malloc_hands_pytorch_a_null(self):
         """What the entry points fix: cuvmm_malloc itself throws nothing."""
         self.assertEqual(self.call(self.fake.cuvmm_malloc, 2 << 20)[:2], (0, None))
+
+    def test_out_of_memory_is_told_by_the_librarys_code_once_bound_whatever_the_text(self):
+        self.bind()
+        self.assertEqual(self.call(self.shim.cuvmm_torch_malloc, 11)[2], id(LookupError), "read by its text")
+        self.shim.cuvmm_torch_bind_codes.argtypes = [ctypes.c_void_p]
+        self.assertEqual(self.shim.cuvmm_torch_bind_codes(ctypes.cast(self.fake.cuvmm_last_error_code,
+                                                                       ctypes.c_void_p)), 0)
+        try:
+            rc, _, typ, text = self.call(self.shim.cuvmm_torch_malloc, 11)
+            self.assertEqual((rc, typ), (1, id(MemoryError)), text)
+            self.assertEqual(self.call(self.shim.cuvmm_torch_malloc, 7)[2], id(LookupError))
+        finally:
+            self.shim.cuvmm_torch_bind_codes(None)
 
     def test_other_refusals_raise_the_error_class(self):
         self.bind()
