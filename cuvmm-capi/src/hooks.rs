@@ -5,6 +5,7 @@
 //! is kept for `cuvmm_last_error` and written to stderr once.
 
 use crate::{allocator, guard, plain, reported};
+use cuvmm_lib::alloc::DevicePtr;
 use cuvmm_lib::driver::sys::CUstream;
 use std::ffi::{c_int, c_void};
 
@@ -35,7 +36,7 @@ pub extern "C" fn cuvmm_record_stream(ptr: *mut c_void, stream: CUstream) {
         if ptr.is_null() {
             return Err(plain("null pointer".into()));
         }
-        let addr = ptr as usize as u64;
+        let addr = DevicePtr::new(ptr as usize as u64);
         // PyTorch forwards the call for every tensor, received ones included: the allocator
         // that handed the block out records it, and every other pointer is ignored.
         for (_, a) in crate::allocators() {

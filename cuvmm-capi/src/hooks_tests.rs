@@ -101,7 +101,7 @@ fn record_stream_child() {
     cuvmm_record_stream(s, null);
     cuvmm_free(s, SIZE, 0, null);
     assert_eq!(deferred(), 0);
-    assert_eq!(allocator(0).unwrap().recorded_streams(s as u64), 0);
+    assert_eq!(allocator(0).unwrap().recorded_streams(DevicePtr::new(s as u64)), 0);
 }
 
 #[test]
@@ -123,13 +123,13 @@ fn foreign_child() {
     cuvmm_record_stream(inside, side.raw());
     let mut elsewhere = [0u8; 64];
     cuvmm_record_stream(elsewhere.as_mut_ptr().cast(), side.raw());
-    assert_eq!(allocator(0).unwrap().recorded_streams(inside as u64), 0);
-    assert_eq!(allocator(0).unwrap().recorded_streams(elsewhere.as_ptr() as u64), 0);
+    assert_eq!(allocator(0).unwrap().recorded_streams(DevicePtr::new(inside as u64)), 0);
+    assert_eq!(allocator(0).unwrap().recorded_streams(DevicePtr::new(elsewhere.as_ptr() as u64)), 0);
     cuvmm_free(p, SIZE, 0, null);
     // The freed block's address, recorded while no block is there; the next block lands on it.
     let _go = busy(&side);
     cuvmm_record_stream(p, side.raw());
-    assert_eq!(allocator(0).unwrap().recorded_streams(p as u64), 0);
+    assert_eq!(allocator(0).unwrap().recorded_streams(DevicePtr::new(p as u64)), 0);
     let q = cuvmm_malloc(SIZE, 0, null);
     assert_eq!(q, p, "the cached block serves the same stream again");
     cuvmm_free(q, SIZE, 0, null);

@@ -5,15 +5,16 @@
 //! against a model of the GPU that checks every page is mapped only where no queued work can see
 //! the change.
 
-use super::front::{lock, Entry, Front, Fronts};
-use super::heap::{BlockId, Freed, Heap, KeyMap, Owner, PendingFree, ALIGN};
+use super::front::{lock, Entry, Fronts};
+use super::heap::{BlockId, Freed, Heap, Owner, PendingFree, ALIGN};
 use super::ids::{Caller, Epoch, Handle, SlotId, StreamId, IDLE, LEGACY, SYNTHETIC};
 use super::Tag;
 use crate::error::{Error, Result};
-use parts::{Held, Identities, Lending, Lent, Pools};
-use std::collections::{HashMap, VecDeque};
+use parts::{Held, Lending, Lent, Pools};
+use std::collections::HashMap;
 use std::ops::{Index, IndexMut};
 use std::sync::{Arc, Mutex, MutexGuard};
+use streams::Streams;
 
 /// What the allocator needs from the device.
 pub(crate) trait Backend {
@@ -169,22 +170,6 @@ pub struct AllocatorStats {
     /// addresses and pages) out of every later allocation until their importers let go, so that
     /// no new block lands on memory another process still reads and writes.
     pub freed_shared: u64,
-}
-
-struct Stream<E> {
-    /// The stream's numbering (`next`, `last_free`, `seen_demand`) and the blocks of its fast
-    /// paths. Its `next` is read and advanced under its lock only, in the same critical section
-    /// as the event (or the idle query) that number stands for.
-    front: Arc<Front>,
-    /// Largest event number known complete.
-    done: Epoch,
-    /// Events recorded here, by number; `None` stands for one known complete when recorded (the
-    /// stream had run all its work), whose blocks become idle at the next poll.
-    fences: VecDeque<(Epoch, Option<E>)>,
-    /// Whether the fast paths may find the front: since an allocation, whose call asked the driver
-    /// that the handle names this stream (a free through a destroyed stream's handle must not make
-    /// the fast paths of the stream now holding that handle find the destroyed one's front).
-    published: bool,
 }
 
 /// Whether the fast paths may find the stream `id`: the driver's ids and the legacy default
@@ -376,14 +361,9 @@ pub(crate) struct Core<B: Backend> {
     slots: Vec<Slot<B::Page>>,
     /// Pages held beyond the heaps' tables: spare ones, and the bytes mapped.
     held: Held<B::Page>,
-    /// By stream identity (see [`Caller`]).
-    streams: KeyMap<StreamId, Stream<B::Event>>,
-    idle_events: Vec<B::Event>,
+    /// Every stream's numbering, events and front.
+    streams: Streams<B::Event>,
     pools: Pools,
-    /// Identities made up for streams the driver could not name.
-    ids: Identities,
-    /// Every stream's front, and the demand counter the fast paths read (see [`Core::free`]).
-    fronts: Arc<Fronts>,
     stats: AllocatorStats,
     sleepers: HashMap<Tag, sleep::Sleeper<B::Host>>,
     lending: Lending<B::Page>,
@@ -407,11 +387,8 @@ impl<B: Backend> Core<B> {
             sizes,
             slots: Vec::new(),
             held: Held::default(),
-            streams: KeyMap::default(),
-            idle_events: Vec::new(),
+            streams: Streams::default(),
             pools: Pools::default(),
-            ids: Identities::default(),
-            fronts: Arc::new(Fronts::default()),
             stats: AllocatorStats::default(),
             sleepers: HashMap::new(),
             lending: Lending::default(),
@@ -436,7 +413,7 @@ impl<B: Backend> Core<B> {
 
     /// Adds what the fronts counted since last time to the core's counters.
     fn take_counts(&mut self) {
-        for st in self.streams.values() {
+        for (_, st) in self.streams.iter() {
             let c = std::mem::take(&mut st.front.lock().counts);
             let s = &mut self.stats;
             s.allocations += c.allocations;
@@ -446,16 +423,6 @@ impl<B: Backend> Core<B> {
             s.requested = s.requested.wrapping_add_signed(c.requested);
         }
         self.stats.live_peak = self.stats.live_peak.max(self.stats.live);
-    }
-
-    /// The stream `c` names, its front made if new.
-    fn stream(&mut self, c: Caller) -> &mut Stream<B::Event> {
-        self.streams.entry(c.id).or_insert_with(|| Stream {
-            front: Arc::new(Front::new(c.id, c.raw)),
-            done: Epoch::NONE,
-            fences: VecDeque::new(),
-            published: false,
-        })
     }
 
     /// Addresses of every mapped page (for teardown).
@@ -497,14 +464,7 @@ impl<B: Backend> Core<B> {
     /// before, or, during a capture, the one it got earlier in that capture: within one capture a
     /// handle names one stream.
     pub(crate) fn caller(&mut self, raw: Handle, id: Option<StreamId>, capture: Capture) -> Caller {
-        if let Some(id) = id.filter(|&i| published(i)) {
-            return Caller { id, raw };
-        }
-        let id = match capture.id() {
-            Some(c) => self.ids.in_capture(c, raw),
-            None => self.ids.fresh(),
-        };
-        Caller { id, raw }
+        self.streams.caller(raw, id, capture)
     }
 
     /// `size` bytes for use on `stream`, waiting for the whole device when out of memory (the
@@ -518,7 +478,7 @@ impl<B: Backend> Core<B> {
         tag: Option<Tag>,
     ) -> Result<u64> {
         let stream = stream.into();
-        let mut r = match take_fast(&self.fronts, stream.id, size, capture, tag) {
+        let mut r = match take_fast(&self.streams.fronts, stream.id, size, capture, tag) {
             Some(addr) => Ok(addr),
             None => self.try_allocate(size, stream, capture, tag, true),
         };
@@ -631,16 +591,9 @@ impl<B: Backend> Core<B> {
             return;
         }
         let entry = Entry { n: req.n, requested: req.size, slot, cached: false, via_core: false };
-        self.stream(req.stream);
-        let st = self.streams.get_mut(&req.stream.id).expect("just made");
-        if st.front.raw != req.stream.raw {
-            return;
+        if let Some(front) = self.streams.publish(req.stream) {
+            front.lock().blocks.insert(addr, entry);
         }
-        if !st.published {
-            self.fronts.publish(&st.front);
-            st.published = true;
-        }
-        st.front.lock().blocks.insert(addr, entry);
     }
 
     /// Gives every spare page back to the driver.
@@ -651,7 +604,7 @@ impl<B: Backend> Core<B> {
     }
 
     fn allocate_slow(&mut self, req: &Request) -> Result<(SlotId, u64)> {
-        self.fronts.add_demand();
+        self.streams.fronts.add_demand();
         if req.capture == Capture::None {
             self.poll_all(req.stream)?;
             if let Some(found) = self.reuse(req, req.stream.id, req.pool)? {
@@ -681,7 +634,7 @@ impl<B: Backend> Core<B> {
     /// still uses (a hole it freed, grown or merged), so it goes back as freed on `stream` now.
     fn give_back_block(&mut self, slot: SlotId, addr: u64, stream: Caller) {
         let epoch = {
-            let mut f = self.stream(stream).front.lock();
+            let mut f = self.streams.entry(stream).front.lock();
             f.last_free = f.next;
             f.next
         };
@@ -1078,26 +1031,14 @@ impl<B: Backend> Core<B> {
     /// run, or records an event after them: the caller's stream is the only one this call may
     /// pass to the driver.
     fn poll_all(&mut self, caller: Caller) -> Result<()> {
-        let streams: Vec<StreamId> = self.streams.keys().copied().collect();
-        for s in streams {
+        for s in self.streams.ids() {
             self.poll(s)?;
-            let st = &self.streams[&s];
-            if !st.fences.is_empty() || self.settle.under_way > 0 {
+            if self.settle.under_way > 0 {
                 // While a device-wide wait is under way its numbers must stay, or a free after
                 // the wait began could be taken as covered.
                 continue;
             }
-            let front = st.front.clone();
-            let mut f = front.lock();
-            if f.last_free < f.next && f.is_empty() {
-                // Everything freed on it is idle and its front holds no block: a fast path still
-                // holding the front finds it retired and comes here.
-                f.retired = true;
-                drop(f);
-                if st.published {
-                    self.fronts.withdraw(&front);
-                }
-                self.streams.remove(&s);
+            if self.streams.retire_if_done(s) {
                 // Its numbers start again if it comes back: a block freed on it while shared,
                 // whose work has run like the rest of its frees, must not wait for a number of
                 // the stream's next life.
@@ -1133,36 +1074,16 @@ impl<B: Backend> Core<B> {
         }
         let n = f.next.take();
         drop(f);
-        let st = self.streams.get_mut(&c.id).expect("known stream");
-        // Every event recorded there has completed too.
-        self.idle_events.extend(st.fences.drain(..).filter_map(|(_, ev)| ev));
+        self.streams.found_idle(c.id, n, now);
         if now {
-            st.done = n;
             self.work_ran(c.id, n)?;
-        } else {
-            st.fences.push_back((n, None));
         }
         Ok(true)
     }
 
     fn poll(&mut self, s: StreamId) -> Result<()> {
-        let mut done = None;
-        loop {
-            let st = self.streams.get_mut(&s).expect("known stream");
-            let Some((n, ev)) = st.fences.front() else { break };
-            let n = *n;
-            if let Some(ev) = ev {
-                if !self.backend.query(ev)? {
-                    break;
-                }
-            }
-            let st = self.streams.get_mut(&s).expect("known stream");
-            let (_, ev) = st.fences.pop_front().expect("front");
-            st.done = n;
-            self.idle_events.extend(ev);
-            done = Some(n);
-        }
-        match done {
+        let backend = &mut self.backend;
+        match self.streams.poll(s, |ev| backend.query(ev))? {
             Some(n) => self.work_ran(s, n),
             None => Ok(()),
         }
@@ -1190,18 +1111,18 @@ impl<B: Backend> Core<B> {
         if self.backend.capture_of(c.raw)?.is_some() {
             return Ok(());
         }
-        let ev = match self.idle_events.pop() {
+        let ev = match self.streams.spare_event() {
             Some(e) => e,
             None => self.backend.new_event()?,
         };
         if let Err(e) = self.backend.record(&ev, c.raw) {
-            self.idle_events.push(ev);
+            self.streams.keep_event(ev);
             return Err(e);
         }
         self.stats.events_recorded += 1;
         let n = f.next.take();
         drop(f);
-        self.streams.get_mut(&c.id).expect("known stream").fences.push_back((n, Some(ev)));
+        self.streams.fenced(c.id, n, ev);
         Ok(())
     }
 
@@ -1210,15 +1131,7 @@ impl<B: Backend> Core<B> {
     /// has returned.
     pub(crate) fn settle_begin(&mut self) -> Settle {
         self.settle.under_way += 1;
-        let upto = self
-            .streams
-            .iter()
-            .map(|(&s, st)| {
-                let mut f = st.front.lock();
-                (s, f.next.take())
-            })
-            .collect();
-        Settle { upto }
+        Settle { upto: self.streams.advance_all() }
     }
 
     /// The second half: the device-wide wait has returned, so the work queued before
@@ -1227,27 +1140,12 @@ impl<B: Backend> Core<B> {
     pub(crate) fn settled(&mut self, settle: Settle, ok: bool) -> Result<()> {
         self.settle.under_way -= 1;
         if !ok {
-            // No event stands behind the numbers skipped: a stream whose latest free had none
-            // after it is left so, to be covered by the next event recorded there.
-            for (s, n) in settle.upto {
-                if let Some(st) = self.streams.get(&s) {
-                    let mut f = st.front.lock();
-                    if f.last_free == n {
-                        f.last_free = f.next;
-                    }
-                }
-            }
+            self.streams.unskip(&settle.upto);
             return Ok(());
         }
         let mut r = Ok(());
         for (s, n) in settle.upto {
-            if let Some(st) = self.streams.get_mut(&s) {
-                while st.fences.front().is_some_and(|&(m, _)| m <= n) {
-                    let (_, ev) = st.fences.pop_front().expect("front");
-                    self.idle_events.extend(ev);
-                }
-                st.done = st.done.max(n);
-            }
+            self.streams.ran_to(s, n);
             if let Err(e) = self.work_ran(s, n) {
                 r = Err(e);
             }
@@ -1302,7 +1200,7 @@ impl<B: Backend> Core<B> {
         // Importers still map it: it stays live in its heap until they let go (see `unexport`).
         let shared = self.sharing.exported.contains_key(&addr);
         let stream = if raw == allocated.raw { allocated } else { self.freeing_stream(raw) };
-        let demand = self.fronts.demand();
+        let demand = self.streams.fronts.demand();
         let moved = self.take_from_allocating_front(allocated.id, stream.id, addr)?;
         let (freed, epoch, ask) =
             self.free_in_front(FreeAt { addr, slot, block: i, shared, allocated, stream, moved, demand })?;
@@ -1385,7 +1283,7 @@ impl<B: Backend> Core<B> {
     /// others (another stream found memory short since it was last asked).
     fn free_in_front(&mut self, at: FreeAt) -> Result<(Freed, Epoch, bool)> {
         let FreeAt { addr, slot, block, shared, allocated, stream, moved, demand } = at;
-        let own = self.stream(stream).front.clone();
+        let own = self.streams.entry(stream).front.clone();
         let mut f = own.lock();
         let epoch = f.next;
         let same = stream.id == allocated.id;
@@ -1483,7 +1381,7 @@ impl<B: Backend> Core<B> {
     fn flush_fronts(&mut self, only: Option<StreamId>) {
         self.take_counts();
         let mut due = Vec::new();
-        for (&t, st) in &self.streams {
+        for (&t, st) in self.streams.iter() {
             let mut f = st.front.lock();
             let blocks = match only {
                 Some(s) if s != t => f.drain_done(st.done),
@@ -1584,7 +1482,7 @@ pub(crate) struct Ordered<B: Backend> {
 
 impl<B: Backend> Ordered<B> {
     pub(crate) fn new(core: Core<B>) -> Ordered<B> {
-        let fronts = core.fronts.clone();
+        let fronts = core.streams.fronts.clone();
         Ordered { core: Mutex::new(core), fronts }
     }
 
@@ -1646,6 +1544,7 @@ mod invariants;
 mod parts;
 mod sleep;
 mod snapshot;
+mod streams;
 mod whole;
 pub use sleep::{SleepMode, TagStats};
 

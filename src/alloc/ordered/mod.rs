@@ -579,7 +579,8 @@ impl StreamAllocator {
     /// The free's contract extends to `stream`: it must be a live stream of this allocator's
     /// context (or null, or the legacy default stream) when the block is freed, and until its
     /// deferred free is made.
-    pub fn record_stream(&self, ptr: u64, stream: CUstream) -> bool {
+    pub fn record_stream(&self, ptr: DevicePtr, stream: CUstream) -> bool {
+        let ptr = ptr.get();
         let ours = self.inner.alloc.core().owner_of(ptr).is_some_and(|(start, _)| start == ptr);
         if ours {
             self.inner.uses.record(ptr, stream);
@@ -589,8 +590,8 @@ impl StreamAllocator {
 
     /// How many streams [`record_stream`](Self::record_stream) recorded for the live block at
     /// `ptr`, its own excepted or not.
-    pub fn recorded_streams(&self, ptr: u64) -> usize {
-        self.inner.uses.recorded(ptr)
+    pub fn recorded_streams(&self, ptr: DevicePtr) -> usize {
+        self.inner.uses.recorded(ptr.get())
     }
 
     /// How many freed blocks wait for the work of streams [`record_stream`](Self::record_stream)

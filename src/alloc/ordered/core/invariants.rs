@@ -33,16 +33,10 @@ impl<B: Backend> Core<B> {
 
         let (mut front_live, mut front_requested) = (0i64, 0i64);
         let mut in_fronts: HashMap<u64, Entry> = HashMap::new();
-        for (&id, st) in &self.streams {
-            assert_eq!(st.front.id, id, "a stream's front is keyed by its identity");
+        self.streams.check();
+        for (&id, st) in self.streams.iter() {
             let f = st.front.lock();
             f.check();
-            assert!(st.done < f.next, "{id:?}: done {:?}, next {:?}", st.done, f.next);
-            let mut last = st.done;
-            for &(n, _) in &st.fences {
-                assert!(last < n && n < f.next, "{id:?}: event {n:?} after {last:?}, next {:?}", f.next);
-                last = n;
-            }
             let owner = Caller { id, raw: st.front.raw };
             for (&addr, e) in &f.blocks {
                 let &(slot, size, state) =

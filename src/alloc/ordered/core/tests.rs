@@ -6,7 +6,7 @@ use super::*;
 use crate::alloc::{BackupKind, BackupOptions};
 use crate::driver::sys::CUresult;
 use proptest::prelude::*;
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Mutex, MutexGuard};
 
@@ -580,7 +580,7 @@ fn capture_id(c: Capture) -> Option<u64> {
 fn free(c: &mut Core<Gpu>, held: &mut Vec<Held>, k: usize) {
     let h = held.swap_remove(k);
     c.backend().in_call = Some(h.raw);
-    if !c.fronts.give(h.addr, Handle(h.raw)) {
+    if !c.streams.fronts.give(h.addr, Handle(h.raw)) {
         c.free(h.addr, Handle(h.raw)).expect("free of a live block");
     }
     c.backend().in_call = None;
@@ -860,12 +860,12 @@ fn a_free_through_a_reused_handle_leaves_the_new_streams_front_in_place() {
     let a = c.allocate(4096, new, Capture::None, None).unwrap();
     c.free(a, Handle(1)).unwrap(); // the first free after a miss goes through the core
     assert_eq!(c.allocate(4096, new, Capture::None, None).unwrap(), a);
-    assert!(c.fronts.give(a, Handle(1)), "the new stream's free, through its front");
+    assert!(c.streams.fronts.give(a, Handle(1)), "the new stream's free, through its front");
     c.free(tagged, Handle(1)).unwrap(); // stream 1's, through the core
     let before = (c.stats.allocations, c.stats.frees);
     assert_eq!(c.allocate(4096, new, Capture::None, None).unwrap(), a);
     // From a thread that remembers no front: the registry's answer.
-    let fronts = c.fronts.clone();
+    let fronts = c.streams.fronts.clone();
     let given = std::thread::spawn(move || fronts.give(a, Handle(1))).join().unwrap();
     assert!(given, "the new stream's front is still the one its handle finds");
     assert_eq!((c.stats.allocations, c.stats.frees), before, "no pair went through the core");
@@ -883,7 +883,7 @@ fn a_second_free_is_refused_whether_the_block_is_cached_or_indexed() {
     assert!(c.free(a, Handle(8)).is_err(), "freed twice while cached, on another stream");
     let stats = c.stats();
     assert_eq!((stats.live, stats.frees), (0, 1));
-    assert!(!c.fronts.give(a, Handle(7)), "the fast path refuses it too");
+    assert!(!c.streams.fronts.give(a, Handle(7)), "the fast path refuses it too");
     assert_eq!(c.owner_of(a), None, "a cached block is not live");
     // Handed out once, then again after its free.
     assert_eq!(c.allocate(4096, 7, Capture::None, None).unwrap(), a);
@@ -1428,13 +1428,17 @@ fn the_identities_made_up_for_captured_streams_are_bounded() {
             c.caller(Handle(7), None, Capture::Private(capture)),
             "one handle, one stream in a capture"
         );
-        assert!(c.ids.by_capture.len() <= super::CAPTURE_IDS, "{} identities kept", c.ids.by_capture.len());
+        assert!(
+            c.streams.ids.by_capture.len() <= super::CAPTURE_IDS,
+            "{} identities kept",
+            c.streams.ids.by_capture.len()
+        );
     }
     // One capture with more streams than the bound: still bounded.
     for raw in 0..2 * super::CAPTURE_IDS as u64 {
         c.caller(Handle(raw), None, Capture::Shared(u64::MAX));
     }
-    assert!(c.ids.by_capture.len() <= super::CAPTURE_IDS);
+    assert!(c.streams.ids.by_capture.len() <= super::CAPTURE_IDS);
 }
 
 #[test]
