@@ -406,17 +406,25 @@ fn stats_json() -> String {
 /// `buf` must be valid for writing `len` bytes (or null with `len` 0, to ask the length).
 #[no_mangle]
 pub unsafe extern "C" fn cuvmm_stats_json(buf: *mut c_char, len: usize) -> isize {
-    guard("cuvmm_stats_json", -1, || {
-        let json = stats_json();
-        if !buf.is_null() && json.len() < len {
-            // SAFETY: `buf` holds `len` > json.len() bytes; the regions cannot overlap.
-            unsafe {
-                std::ptr::copy_nonoverlapping(json.as_ptr(), buf.cast::<u8>(), json.len());
-                *buf.add(json.len()) = 0;
-            }
+    // SAFETY: the caller's contract on `buf` and `len` is this function's.
+    guard("cuvmm_stats_json", -1, || Ok(unsafe { write_text(buf, len, &stats_json()) }))
+}
+
+/// Writes `text` and a NUL into `buf` when both fit in its `len` bytes; returns the length `text`
+/// needs (without the NUL), so that a caller may ask again with room enough.
+///
+/// # Safety
+/// `buf` must be valid for writing `len` bytes, or null.
+pub(crate) unsafe fn write_text(buf: *mut c_char, len: usize, text: &str) -> isize {
+    if !buf.is_null() && text.len() < len {
+        // SAFETY: `buf` holds `len` > text.len() bytes (the caller's contract); the regions cannot
+        // overlap, `text` being ours.
+        unsafe {
+            std::ptr::copy_nonoverlapping(text.as_ptr(), buf.cast::<u8>(), text.len());
+            *buf.add(text.len()) = 0;
         }
-        Ok(json.len() as isize)
-    })
+    }
+    text.len() as isize
 }
 
 fn each_device(

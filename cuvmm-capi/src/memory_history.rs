@@ -3,7 +3,7 @@
 //! recorded (`cuvmm_set_alloc_observer`), through which the Python package keeps the stack that
 //! allocated each block.
 
-use crate::{allocator, allocators, guard, PROCESS};
+use crate::{allocator, allocators, guard, write_text, PROCESS};
 use cuvmm_lib::alloc::{BlockState, SegmentSnapshot};
 use cuvmm_lib::driver::sys::CUstream;
 use std::ffi::{c_char, c_int};
@@ -123,14 +123,8 @@ pub unsafe extern "C" fn cuvmm_snapshot_json(device: c_int, buf: *mut c_char, le
             segments_json(&mut json, &a.snapshot());
         }
         json.push('}');
-        if !buf.is_null() && json.len() < len {
-            // SAFETY: `buf` holds `len` > json.len() bytes; the regions cannot overlap.
-            unsafe {
-                std::ptr::copy_nonoverlapping(json.as_ptr(), buf.cast::<u8>(), json.len());
-                *buf.add(json.len()) = 0;
-            }
-        }
-        Ok(json.len() as isize)
+        // SAFETY: the caller's contract on `buf` and `len` is this function's.
+        Ok(unsafe { write_text(buf, len, &json) })
     })
 }
 
