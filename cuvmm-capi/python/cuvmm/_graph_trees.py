@@ -121,11 +121,10 @@ def answer(torch, lib) -> str | None:
     missing = [n for n in _C_NAMES if not hasattr(c, n)]
     if missing:
         return f"this PyTorch has no torch._C.{', '.join(missing)}"
-    if not hasattr(lib, "cuvmm_snapshot_json"):
-        return "the loaded libcuvmm.so has no cuvmm_snapshot_json"
     from cuvmm import _snapshot
 
-    _snapshot.declare(lib)
+    if not _snapshot.has_snapshots(lib):
+        return "the loaded libcuvmm.so has no cuvmm_snapshot_json"
     original = {n: _saved.get(n, getattr(c, n)) for n in _C_NAMES}
     trees = Trees(original, lambda d: free_graph_blocks(_snapshot.raw_snapshot(lib, d), d))
     for name, fn in (("_cuda_checkPoolLiveAllocations", trees.check_pool_live_allocations),

@@ -159,7 +159,7 @@ def snapshot(lib, history: History, pool=None, include_traces: bool = True) -> d
     return {"segments": segs, "device_traces": traces, "allocator_settings": {}, "external_annotations": []}
 
 
-def declare(lib) -> bool:
+def has_snapshots(lib) -> bool:
     """Whether the library has the snapshot functions (their C types are cuvmm.SIGNATURES')."""
     return hasattr(lib, "cuvmm_snapshot_json") and hasattr(lib, "cuvmm_set_alloc_observer")
 
@@ -172,7 +172,7 @@ def answer(torch, lib) -> str | None:
     """Answer the history and snapshot functions of ``torch._C`` from cuvmm. Returns None, or why
     they were left as they are."""
     global _history
-    if not declare(lib):
+    if not has_snapshots(lib):
         return "the loaded libcuvmm.so has no cuvmm_snapshot_json"
     c = torch._C
     if not all(hasattr(c, n) for n in ("_cuda_record_memory_history", "_cuda_memorySnapshot")):
