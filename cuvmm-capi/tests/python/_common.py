@@ -339,6 +339,37 @@ class WeightsAndCache:
         return True
 
 
+# The driver's virtual memory API as ctypes sees it, for the scripts that measure it directly
+# (CUmemLocation, CUmemAllocationProp, CUmemAccessDesc and the constants they use).
+CU_MEM_ALLOCATION_TYPE_PINNED = 1
+CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR = 1
+CU_MEM_LOCATION_TYPE_DEVICE = 1
+CU_MEM_ACCESS_FLAGS_PROT_READWRITE = 3
+
+
+class CuLocation(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+
+
+class CuAllocProp(ctypes.Structure):  # CUmemAllocationProp
+    _fields_ = [("type", ctypes.c_int), ("requestedHandleTypes", ctypes.c_int), ("location", CuLocation),
+                ("win32HandleMetaData", ctypes.c_void_p), ("compressionType", ctypes.c_ubyte),
+                ("gpuDirectRDMACapable", ctypes.c_ubyte), ("usage", ctypes.c_ushort),
+                ("reserved", ctypes.c_ubyte * 4)]
+
+
+class CuAccessDesc(ctypes.Structure):  # CUmemAccessDesc
+    _fields_ = [("location", CuLocation), ("flags", ctypes.c_int)]
+
+
+def cu_check(cu, rc: int, call: str) -> None:
+    """Raises for a CUresult other than CUDA_SUCCESS, naming the call and the result's name."""
+    if rc != 0:
+        name = ctypes.c_char_p()
+        cu.cuGetErrorName(rc, ctypes.byref(name))
+        raise RuntimeError(f"{call} failed: CUresult {rc} ({(name.value or b'?').decode()})")
+
+
 def driver_version() -> str | None:
     try:
         v = ctypes.c_int()

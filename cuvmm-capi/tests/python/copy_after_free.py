@@ -19,27 +19,9 @@ import ctypes
 import sys
 import time
 
-from _common import GiB, MiB, add_common_args, env_info, finish, median
-
-CU_MEM_ALLOCATION_TYPE_PINNED = 1
-CU_MEM_LOCATION_TYPE_DEVICE = 1
-CU_MEM_ACCESS_FLAGS_PROT_READWRITE = 3
-
-
-class Location(ctypes.Structure):
-    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
-
-
-class AllocProp(ctypes.Structure):  # CUmemAllocationProp
-    _fields_ = [("type", ctypes.c_int), ("requestedHandleTypes", ctypes.c_int), ("location", Location),
-                ("win32HandleMetaData", ctypes.c_void_p), ("compressionType", ctypes.c_ubyte),
-                ("gpuDirectRDMACapable", ctypes.c_ubyte), ("usage", ctypes.c_ushort),
-                ("reserved", ctypes.c_ubyte * 4)]
-
-
-class AccessDesc(ctypes.Structure):  # CUmemAccessDesc
-    _fields_ = [("location", Location), ("flags", ctypes.c_int)]
-
+from _common import (CU_MEM_ACCESS_FLAGS_PROT_READWRITE, CU_MEM_ALLOCATION_TYPE_PINNED, CU_MEM_LOCATION_TYPE_DEVICE,
+                     CuAccessDesc, CuAllocProp, CuLocation, GiB, MiB, add_common_args, cu_check, env_info, finish,
+                     median)
 
 def main():
     p = add_common_args(argparse.ArgumentParser(description=__doc__.split("\n\n")[0]), allocs=("native",))
@@ -53,13 +35,12 @@ def main():
     cu = ctypes.CDLL("libcuda.so.1")
 
     def ck(rc, call):
-        if rc != 0:
-            raise RuntimeError(f"{call} failed: CUresult {rc}")
+        cu_check(cu, rc, call)
 
     dev_id = torch.cuda.current_device()
     torch.empty(1, device="cuda")  # the primary context, current on this thread
-    prop = AllocProp(type=CU_MEM_ALLOCATION_TYPE_PINNED, location=Location(CU_MEM_LOCATION_TYPE_DEVICE, dev_id))
-    access = AccessDesc(Location(CU_MEM_LOCATION_TYPE_DEVICE, dev_id), CU_MEM_ACCESS_FLAGS_PROT_READWRITE)
+    prop = CuAllocProp(type=CU_MEM_ALLOCATION_TYPE_PINNED, location=CuLocation(CU_MEM_LOCATION_TYPE_DEVICE, dev_id))
+    access = CuAccessDesc(CuLocation(CU_MEM_LOCATION_TYPE_DEVICE, dev_id), CU_MEM_ACCESS_FLAGS_PROT_READWRITE)
     piece = 128 * MiB
     n = int(args.gib * GiB) // piece * piece
     host = torch.empty(n, dtype=torch.uint8, pin_memory=True)

@@ -19,7 +19,6 @@ The sender's export of each allocation is timed once (median, and the process's 
 import ctypes as C
 import io
 import json
-import os
 import pickle
 import socket
 import statistics
@@ -28,38 +27,21 @@ import sys
 import threading
 import time
 
+from _common import (CU_MEM_ACCESS_FLAGS_PROT_READWRITE, CU_MEM_ALLOCATION_TYPE_PINNED,
+                     CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, CU_MEM_LOCATION_TYPE_DEVICE, CuAccessDesc,
+                     CuAllocProp, CuLocation, cu_check)
+
 N = 64
 SZ = 256 << 20
 cu = C.CDLL("libcuda.so.1")
 
 
 def ck(r, what):
-    if r != 0:
-        s = C.c_char_p()
-        cu.cuGetErrorName(r, C.byref(s))
-        raise RuntimeError(f"{what}: {r} {s.value}")
+    cu_check(cu, r, what)
 
 
-class Loc(C.Structure):
-    _fields_ = [("type", C.c_int), ("id", C.c_int)]
-
-
-class Flags(C.Structure):
-    _fields_ = [("compressionType", C.c_ubyte), ("gpuDirectRDMACapable", C.c_ubyte),
-                ("usage", C.c_ushort), ("reserved", C.c_ubyte * 4)]
-
-
-class Prop(C.Structure):
-    _fields_ = [("type", C.c_int), ("requestedHandleTypes", C.c_int), ("location", Loc),
-                ("win32HandleMetaData", C.c_void_p), ("allocFlags", Flags)]
-
-
-class IpcH(C.Structure):
+class IpcH(C.Structure):  # CUipcMemHandle, passed by value
     _fields_ = [("r", C.c_char * 64)]
-
-
-class Access(C.Structure):
-    _fields_ = [("location", Loc), ("flags", C.c_int)]
 
 
 def ctx():
@@ -72,12 +54,9 @@ def ctx():
 
 
 def prop():
-    p = Prop()
-    p.type = 1
-    p.requestedHandleTypes = 1
-    p.location.type = 1
-    p.location.id = 0
-    return p
+    return CuAllocProp(type=CU_MEM_ALLOCATION_TYPE_PINNED,
+                       requestedHandleTypes=CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+                       location=CuLocation(CU_MEM_LOCATION_TYPE_DEVICE, 0))
 
 
 EXP = []
@@ -110,10 +89,7 @@ def mmap(va, size, h):
 
 
 def access(va, size):
-    a = Access()
-    a.location.type = 1
-    a.location.id = 0
-    a.flags = 3
+    a = CuAccessDesc(CuLocation(CU_MEM_LOCATION_TYPE_DEVICE, 0), CU_MEM_ACCESS_FLAGS_PROT_READWRITE)
     ck(cu.cuMemSetAccess(C.c_uint64(va), C.c_size_t(size), C.byref(a), C.c_size_t(1)), "access")
 
 
@@ -252,7 +228,6 @@ def main():
     from multiprocessing.reduction import ForkingPickler
     import torch.multiprocessing  # noqa: F401  (installs reductions)
     torch.empty(1, device="cuda")
-    ctx_done = True  # noqa
     # legacy allocations
     legacy = []
     handles = b""
