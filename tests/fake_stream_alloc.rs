@@ -478,3 +478,45 @@ fn a_block_let_go_after_its_stream_was_forgotten_goes_back_at_the_next_emptying(
     alloc.empty_cache().unwrap();
     assert_eq!(alloc.stats().mapped, 0, "{:?}", alloc.stats());
 }
+
+/// A block used on another stream and dropped comes back to no request, on its own stream or
+/// any other, while that stream's work runs, whether the use was named (`use_on`) or recorded by
+/// a raw free after `record_stream`: one rule for both. Its stream may be dropped with it.
+#[test]
+fn a_block_used_on_another_stream_comes_back_only_once_that_work_has_run() {
+    let (_turn, _lib, ctx) = fake_device();
+    let alloc = StreamAllocator::new(&ctx).unwrap();
+    let t = Stream::non_blocking(&ctx).unwrap();
+    for raw in [false, true] {
+        let s = Stream::non_blocking(&ctx).unwrap();
+        let mut x = alloc.allocate(4096, &s).unwrap();
+        let p = x.ptr();
+        let (go, running) = busy(&t);
+        if raw {
+            assert!(alloc.record_stream(DevicePtr::new(p), t.raw()));
+            std::mem::forget(x);
+            // SAFETY: `p` is a live block of `alloc`, freed once, on the stream it came from,
+            // which lives until the deferred free is made (dropped below only after that).
+            unsafe { alloc.free_raw(DevicePtr::new(p), s.raw()) }.unwrap();
+        } else {
+            x.use_on(&t).unwrap();
+            drop(x);
+        }
+        assert_eq!(alloc.deferred_frees(), 1, "raw {raw}: the free did not wait for the other stream");
+        let meanwhile: Vec<_> = (0..3).map(|_| alloc.allocate(4096, &s).unwrap()).collect();
+        let elsewhere = alloc.allocate(4096, &t).unwrap();
+        assert!(running.load(Ordering::SeqCst));
+        assert!(
+            meanwhile.iter().chain([&elsewhere]).all(|b| b.ptr() != p),
+            "raw {raw}: the block came back while the other stream's work used it"
+        );
+        if !raw {
+            drop(s);
+        }
+        go.send(()).unwrap();
+        t.synchronize().unwrap();
+        drop((meanwhile, elsewhere));
+        alloc.empty_cache().unwrap();
+        assert_eq!(alloc.deferred_frees(), 0, "raw {raw}: the free was not made once the work had run");
+    }
+}

@@ -116,11 +116,11 @@ pub use self::snapshot::{BlockSnapshot, BlockState, SegmentSnapshot};
 use self::backend::DriverBackend;
 use self::core::{Capture, Core, Ordered, Settle, Sizes};
 use crate::context::Context;
-use crate::driver::{driver, sys::*};
+use crate::driver::sys::*;
 use crate::error::{Error, Refusal, Result};
 use crate::memory::{DeviceCopy, DeviceSlice, DeviceSliceMut};
 use crate::stream::order::Tracker;
-use crate::stream::{Event, Stream, StreamInner};
+use crate::stream::{Stream, StreamInner};
 use crate::vmm::{Access, Mapping, PhysicalMemory, Reservation};
 use crate::Device;
 use std::num::NonZeroU32;
@@ -712,10 +712,26 @@ impl StreamAllocator {
         check_stream(stream)?;
         // SAFETY: the caller's contract: `stream` and the streams recorded for `ptr` are live
         // streams of the context.
-        if unsafe { self.inner.uses.defer(&self.inner.ctx, ptr, stream) }? {
+        if unsafe { self.inner.uses.defer(&self.inner.ctx, ptr, stream, None) }? {
             return Ok(());
         }
         self.inner.alloc.free(ptr, stream_key(stream))
+    }
+
+    /// A [`StreamBlock`]'s free: the streams it was used on are recorded as
+    /// [`record_stream`](Self::record_stream) records them, and the free is deferred until their
+    /// work has run, as a raw block's is; the deferred free holds the block's stream.
+    fn free_block(&self, ptr: u64, stream: &Arc<StreamInner>, used_on: &[Arc<StreamInner>]) -> Result<()> {
+        for other in used_on {
+            self.inner.uses.record(ptr, other.raw);
+        }
+        // SAFETY: the block came from this allocator and is freed once, here; the block holds its
+        // stream and the streams it was used on, all of the allocator's context, alive for the
+        // call, and the deferred free holds its stream until it is made.
+        if unsafe { self.inner.uses.defer(&self.inner.ctx, ptr, stream.raw, Some(stream)) }? {
+            return Ok(());
+        }
+        self.inner.alloc.free(ptr, stream_key(stream.raw))
     }
 
     /// The live block holding `ptr` (anywhere inside it), if this allocator handed it out.
@@ -1012,9 +1028,11 @@ impl std::fmt::Debug for BlockImport {
 /// Device memory from a [`StreamAllocator`], freed on its stream when dropped.
 ///
 /// Work queued through its views ([`as_slice`](Self::as_slice), [`as_mut_slice`](Self::as_mut_slice))
-/// is ordered across streams as for every cuvmm memory type ([`crate::stream::order`]), and the
-/// free waits, on the device, for every stream that used it that way or was named by
-/// [`use_on`](Self::use_on).
+/// is ordered across streams as for every cuvmm memory type ([`crate::stream::order`]). Its free
+/// follows the work of every other stream that used it that way or was named by
+/// [`use_on`](Self::use_on), as a raw block's after
+/// [`record_stream`](StreamAllocator::record_stream): the block goes back to the allocator only
+/// once that work has run.
 pub struct StreamBlock {
     alloc: StreamAllocator,
     ptr: u64,
@@ -1064,8 +1082,9 @@ impl StreamBlock {
         self.len == 0
     }
 
-    /// Says that work queued on `other` uses this block: the free, when the block is dropped,
-    /// waits for the work queued there by then (PyTorch's `record_stream`).
+    /// Says that work queued on `other` uses this block: when the block is dropped, it goes back
+    /// to the allocator only once the work queued there by then has run (PyTorch's
+    /// `record_stream`).
     pub fn use_on(&mut self, other: &Stream) -> Result<()> {
         if !other.context().same_as(&self.alloc.inner.ctx) {
             return Err(Error::invalid("the stream belongs to another context than the allocator"));
@@ -1095,25 +1114,9 @@ impl Drop for StreamBlock {
                 used_on.push(s.clone());
             }
         }
+        // An error leaves the block out of the allocator rather than freed early.
         crate::driver::callback::release(move || {
-            // The free must follow the work of every stream that used the block; if that cannot
-            // be arranged the block is never reused (kept out of the cache) rather than freed.
-            for other in &used_on {
-                let ordered = Event::without_timing(&alloc.inner.ctx).and_then(|ev| {
-                    ev.record_on(other)?;
-                    // SAFETY: both handles are live (held by this block).
-                    unsafe {
-                        crate::driver::result::stream::wait_event(driver()?.api(), stream.raw, ev.raw())
-                    }
-                });
-                if ordered.is_err() {
-                    return;
-                }
-            }
-            // SAFETY: the block came from this allocator and is freed once, here; uses on other
-            // streams were ordered before the free just above; the stream is alive (held here and
-            // by the allocator's backend).
-            let _ = unsafe { alloc.free_raw(DevicePtr::new(ptr), stream.raw) };
+            crate::error::record_drop(alloc.free_block(ptr, &stream, &used_on));
         });
     }
 }

@@ -11,9 +11,10 @@
 //! join it in the graph instead. The events are real work's only, so asking whether they have
 //! completed (in relaxed capture mode) never touches a capture.
 //!
-//! A [`StreamBlock`](super::StreamBlock) holds the streams it was used on, so its drop orders its
-//! free after them on the device instead (its stream waits for their events): a raw block's
-//! streams are the caller's, and the allocator may not make one wait for another.
+//! A [`StreamBlock`](super::StreamBlock)'s drop takes the same way: the streams it was used on
+//! (named by `use_on` or met by its views) are recorded as `record_stream` would, and its free is
+//! deferred as a raw block's is. The deferred free holds the block's stream until it is made, so a
+//! stream dropped with the block stays valid for it.
 //!
 //! [`StreamAllocator::record_stream`]: super::StreamAllocator::record_stream
 
@@ -21,10 +22,10 @@ use super::{lock, stream_key};
 use crate::context::Context;
 use crate::driver::sys::CUstream;
 use crate::error::Result;
-use crate::stream::Event;
+use crate::stream::{Event, StreamInner};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 /// A free waiting for work on other streams.
 struct Deferred {
@@ -32,6 +33,9 @@ struct Deferred {
     /// The stream it was freed on, the one it is freed on at last (as [`stream_key`] names it).
     stream: u64,
     events: Vec<Event>,
+    /// The stream itself, for a [`StreamBlock`](super::StreamBlock)'s free: held alive until the
+    /// free is made. A raw free's stream is the caller's to keep alive.
+    _held: Option<Arc<StreamInner>>,
 }
 
 /// One allocator's recorded uses and deferred frees.
@@ -74,17 +78,25 @@ impl Uses {
     /// now), `Ok(false)` when the caller frees it now. An error leaves the block out of the
     /// allocator (never freed) rather than freed early.
     ///
+    /// `held`, when given, is `stream`'s owner, kept until the deferred free is made.
+    ///
     /// # Safety
     /// `stream` and every stream recorded for `ptr` must be live streams of `ctx` (or the legacy
     /// one) for the call.
     #[inline]
-    pub(crate) unsafe fn defer(&self, ctx: &Context, ptr: u64, stream: CUstream) -> Result<bool> {
+    pub(crate) unsafe fn defer(
+        &self,
+        ctx: &Context,
+        ptr: u64,
+        stream: CUstream,
+        held: Option<&Arc<StreamInner>>,
+    ) -> Result<bool> {
         // Every free asks: mostly no block has recorded uses, and the answer is one atomic load.
         if self.blocks.load(Ordering::Acquire) == 0 {
             return Ok(false);
         }
         // SAFETY: this function's contract, the same.
-        unsafe { self.defer_recorded(ctx, ptr, stream) }
+        unsafe { self.defer_recorded(ctx, ptr, stream, held) }
     }
 
     /// [`defer`](Self::defer) where some block has recorded uses.
@@ -92,7 +104,13 @@ impl Uses {
     /// # Safety
     /// As for `defer`.
     #[cold]
-    unsafe fn defer_recorded(&self, ctx: &Context, ptr: u64, stream: CUstream) -> Result<bool> {
+    unsafe fn defer_recorded(
+        &self,
+        ctx: &Context,
+        ptr: u64,
+        stream: CUstream,
+        held: Option<&Arc<StreamInner>>,
+    ) -> Result<bool> {
         let own = stream_key(stream).0;
         let taken = {
             let mut recorded = lock(&self.recorded);
@@ -131,7 +149,7 @@ impl Uses {
             return Ok(false);
         }
         let mut deferred = lock(&self.deferred);
-        deferred.push(Deferred { ptr, stream: own, events });
+        deferred.push(Deferred { ptr, stream: own, events, _held: held.cloned() });
         self.pending.store(deferred.len(), Ordering::Release);
         Ok(true)
     }
