@@ -23,14 +23,13 @@ pluggable allocator's map and lock, the tensor).
 
 import argparse
 import json
-import math
 import os
 import statistics
 import subprocess
 import sys
 import time
 
-import _common  # noqa: F401  (puts the package of this checkout or bundle on the path)
+from _common import paired_ratio  # (also puts the package of this checkout or bundle on the path)
 
 SIZES = [512 << k for k in range(0, 15)]  # 512 B .. 8 MiB
 
@@ -77,30 +76,6 @@ def child(alloc, tokens, loops, repeats):
     torch.cuda.init()
     pairs = {s: min(pairs_ns(torch, s, loops) for _ in range(3)) for s in SIZES}
     return {"pairs_ns": pairs, "ms_per_token": decode_ms_per_token(torch, tokens, repeats)}
-
-
-# Student's t at 97.5% for 1..30 degrees of freedom; 1.96 past them.
-_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145,
-         2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048,
-         2.045, 2.042)
-
-
-def paired_ratio(a, b):
-    """(ratio, relative half-width, upper end) of the 95% interval of b over a, from rounds that
-    measured a[k] and b[k] together: the geometric mean of b[k] / a[k] and Student's interval of
-    the mean of their logarithms. Fewer than two rounds: an infinite interval.
-
-    >>> r, rel, hi = paired_ratio([10.0, 20.0, 30.0], [11.0, 22.0, 33.0])
-    >>> round(r, 6), round(rel, 6), round(hi, 6)
-    (1.1, 0.0, 1.1)
-    """
-    logs = [math.log(y / x) for x, y in zip(a, b)]
-    mean = statistics.fmean(logs)
-    if len(logs) < 2:
-        return math.exp(mean), float("inf"), float("inf")
-    t = _T975[len(logs) - 2] if len(logs) - 1 <= len(_T975) else 1.96
-    half = t * statistics.stdev(logs) / math.sqrt(len(logs))
-    return math.exp(mean), math.expm1(half), math.exp(mean + half)
 
 
 def profile(loops):

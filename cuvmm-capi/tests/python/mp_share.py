@@ -2,8 +2,8 @@
 """CUDA tensors handed to another process through torch.multiprocessing, on cuvmm and on
 PyTorch's own allocator, in one run.
 
-    python3 mp_share.py [--tensors 64] [--gib 16] [--rounds 3] [--trips 1000] [--trip-mib 1]
-                        [--no-nixl] [--export-threshold 256MiB]
+    python3 mp_share.py [--tensors 64] [--gib 16] [--rounds 3] [--runs 3] [--trips 1000]
+                        [--trip-mib 1] [--no-nixl] [--export-threshold 256MiB] [--also CONF ...]
 
 For each allocator (a sender process each: native, cuvmm under change_current_allocator with its
 defaults, tensors above 1 MiB on 128 MiB pages and the receiver keeping its mappings while the
@@ -27,11 +27,12 @@ is one physical allocation) a spawned receiver gets:
 * --trips round trips of a small view (--trip-mib MiB), after which descriptors (/proc/self/fd of
   both processes) and device memory (cuMemGetInfo) must be back where they were.
 
-Prints, for cuvmm (default configuration, with --export-threshold) over the native run, the
-ratios of the first hand-off, the repeated one and the small round trip, and each run's memory
-back. Checks: every view arrives intact and aliased; nothing leaks (cuvmm); goals: on cuvmm's
+--runs times, each time with fresh senders, the configurations taking turns. Prints, for cuvmm
+(default configuration, with --export-threshold) over the native runs, the ratios of the first
+hand-off, the repeated one and the small round trip (the geometric mean of each run's ratio, with
+its 95% interval), and each run's memory back. Checks: every view arrives intact and aliased; nothing leaks (cuvmm); goals: on cuvmm's
 default configuration the first hand-off, a repeated one and a small round trip <= 1.0x the
-native ones, the memory back on the device within 100 ms; GPU 1 reads cuvmm tensors at >= 0.95x
+native ones (the geometric means), the memory back on the device within 100 ms; GPU 1 reads cuvmm tensors at >= 0.95x
 the copy engine's bandwidth. Exit status 1 when a check or goal fails.
 """
 
@@ -44,7 +45,7 @@ import subprocess
 import sys
 import time
 
-from _common import GiB, MiB, env_info, finish
+from _common import GiB, MiB, env_info, finish, paired_ratio
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -337,6 +338,8 @@ def main():
     p.add_argument("--tensors", type=int, default=64)
     p.add_argument("--gib", type=float, default=16)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--runs", type=int, default=3,
+                   help="fresh senders of each configuration, taking turns; ratios pair each run's")
     p.add_argument("--trips", type=int, default=1000)
     p.add_argument("--trip-mib", type=int, default=1)
     p.add_argument("--no-nixl", action="store_true")
@@ -344,48 +347,68 @@ def main():
                    help="a run on cuvmm with this export_threshold (256MiB by default: a tensor that "
                         "large is one physical allocation, against the default's 4 MiB pages); "
                         "none: no such run")
+    p.add_argument("--also", action="append", default=[], metavar="CONF",
+                   help="one more cuvmm configuration (CUVMM_ALLOC_CONF's form), in the same runs")
     p.add_argument("--json", metavar="PATH")
     args = p.parse_args()
     if args.role == "sender":
         return sender(args)
     argv = [f"--tensors={args.tensors}", f"--gib={args.gib}", f"--rounds={args.rounds}",
             f"--trips={args.trips}", f"--trip-mib={args.trip_mib}"] + (["--no-nixl"] if args.no_nixl else [])
-    native, cuvmm_run = run_sender("native", argv), run_sender("cuvmm", argv)
-    whole = None
-    if args.export_threshold not in ("none", ""):
-        whole = run_sender("cuvmm", argv, f"export_threshold={args.export_threshold}")
-    checks = {f"cuvmm: {k}": v for k, v in cuvmm_run.get("checks", {}).items()}
-    if whole is not None:
-        checks.update({f"cuvmm export_threshold: {k}": v for k, v in whole.get("checks", {}).items()})
-        checks["cuvmm export_threshold run completed"] = "handoff" in whole
-    checks["native run completed"] = "handoff" in native
-    checks["cuvmm run completed"] = "handoff" in cuvmm_run
-    goals, result = {}, {"native": native, "cuvmm": cuvmm_run, "cuvmm_export_threshold": whole}
-    result["ratios"] = {}
-    for name, run in (("cuvmm", cuvmm_run), (f"cuvmm export_threshold={args.export_threshold}", whole or {})):
-        r = ratios(native, run)
-        if r is None:
+    # Each run starts fresh senders (and receivers) of every configuration, their order turning
+    # from run to run; the ratios pair a run's cuvmm sender with its native one.
+    configs = [("native", "native", None), ("cuvmm", "cuvmm", None)]
+    has_whole = args.export_threshold not in ("none", "")
+    if has_whole:
+        configs.append((f"cuvmm export_threshold={args.export_threshold}", "cuvmm",
+                        f"export_threshold={args.export_threshold}"))
+    configs += [(f"cuvmm {conf}", "cuvmm", conf) for conf in args.also]
+    runs = {name: [] for name, _, _ in configs}
+    for k in range(args.runs):
+        for name, alloc, conf in (configs if k % 2 == 0 else configs[::-1]):
+            runs[name].append(run_sender(alloc, argv, conf))
+    native, cuvmm_run = runs["native"][-1], runs["cuvmm"][-1]
+    whole = runs[configs[2][0]][-1] if has_whole else None
+    checks = {}
+    for name, _, _ in configs:
+        for k, run in enumerate(runs[name]):
+            if name != "native":
+                checks.update({f"{name} (run {k + 1}): {c}": v for c, v in run.get("checks", {}).items()})
+            checks[f"{name} run {k + 1} completed"] = "handoff" in run
+    goals, result = {}, {"runs": runs, "ratios": {}}
+    for name, _, _ in configs[1:]:
+        pairs = [(n, c) for n, c in zip(runs["native"], runs[name]) if ratios(n, c) is not None]
+        if not pairs:
             continue
+        r = {}
+        for key, value in (("first", lambda x: x["handoff"]["first_s"]),
+                           ("repeated", lambda x: x["handoff"]["repeated_s"]),
+                           ("small", lambda x: x["trips"]["mean_ms"])):
+            ratio, rel, high = paired_ratio([value(n) for n, _ in pairs], [value(c) for _, c in pairs])
+            r[key] = ratio
+            r[f"{key}_interval"] = rel
+            r[f"{key}_each"] = [value(c) / value(n) for n, c in pairs]
         result["ratios"][name] = r
-        print(f"{name} / native, {args.tensors} tensors of {args.gib} GiB in all: first hand-off "
-              f"{r['first']:.2f}x ({run['handoff']['first_s'] * 1e3:.1f} / {native['handoff']['first_s'] * 1e3:.1f} ms), "
-              f"repeated {r['repeated']:.2f}x ({run['handoff']['repeated_s'] * 1e3:.1f} / "
-              f"{native['handoff']['repeated_s'] * 1e3:.1f} ms), {args.trip_mib} MiB round trip "
-              f"{r['small']:.2f}x ({run['trips']['mean_ms']:.2f} / {native['trips']['mean_ms']:.2f} ms)")
-    if "cuvmm" in result["ratios"]:
-        r = result["ratios"]["cuvmm"]
-        result["handoff_ratio_cuvmm_to_native"] = r["repeated"]
-        goals["first hand-off on cuvmm <= 1.0x native"] = r["first"] <= 1.0
-        goals["repeated hand-off on cuvmm <= 1.0x native"] = r["repeated"] <= 1.0
-        goals[f"{args.trip_mib} MiB round trip on cuvmm <= 1.0x native"] = r["small"] <= 1.0
-    for name, run in (("native", native), ("cuvmm", cuvmm_run)):
-        back = run.get("memory_back")
-        if back:
-            print(f"memory back, {name}: {back['bytes'] / GiB:.1f} GiB in {back['seconds'] * 1e3:.1f} ms "
-                  f"({back['missing'] / MiB:.0f} MiB missing)")
-    back = cuvmm_run.get("memory_back")
-    if back:
-        goals["cuvmm: the memory is back on the device within 100 ms"] = back["seconds"] <= 0.1
+        med = lambda side, f: statistics.median(f(x) for x in side) * 1e3  # noqa: E731
+        ns, cs = [n for n, _ in pairs], [c for _, c in pairs]
+        print(f"{name} / native, {args.tensors} tensors of {args.gib} GiB in all, {len(pairs)} runs (geometric "
+              f"mean of the runs' ratios, 95% interval): first hand-off {r['first']:.2f}x "
+              f"+-{r['first_interval'] * 100:.0f}% (medians {med(cs, lambda x: x['handoff']['first_s']):.1f} / "
+              f"{med(ns, lambda x: x['handoff']['first_s']):.1f} ms), repeated {r['repeated']:.2f}x "
+              f"+-{r['repeated_interval'] * 100:.0f}% ({med(cs, lambda x: x['handoff']['repeated_s']):.1f} / "
+              f"{med(ns, lambda x: x['handoff']['repeated_s']):.1f} ms), {args.trip_mib} MiB round trip "
+              f"{r['small']:.2f}x +-{r['small_interval'] * 100:.0f}% "
+              f"({med(cs, lambda x: x['trips']['mean_ms'] / 1e3):.2f} / "
+              f"{med(ns, lambda x: x['trips']['mean_ms'] / 1e3):.2f} ms); each run's first "
+              + ", ".join(f"{x:.2f}x" for x in r["first_each"]))
+    for name, _, _ in configs[:2]:
+        for k, run in enumerate(runs[name]):
+            back = run.get("memory_back")
+            if back:
+                print(f"memory back, {name} run {k + 1}: {back['bytes'] / GiB:.1f} GiB in "
+                      f"{back['seconds'] * 1e3:.1f} ms ({back['missing'] / MiB:.0f} MiB missing)")
+            if back and name == "cuvmm":
+                goals[f"cuvmm run {k + 1}: the memory is back on the device within 100 ms"] = back["seconds"] <= 0.1
     p2p = cuvmm_run.get("p2p")
     if p2p:
         ratio = p2p["shared_gbps"] / p2p["peer_copy_gbps"]

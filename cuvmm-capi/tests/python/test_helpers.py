@@ -21,7 +21,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _common  # noqa: E402
-import alloc_cost  # noqa: E402
 import compare  # noqa: E402
 import cuvmm  # noqa: E402
 import cuvmm_torch  # noqa: E402
@@ -77,20 +76,20 @@ def train_result(alloc, bits, step_s, peak, max_alloc=None, mapped_peak=None):
 
 
 class PairedRatio(unittest.TestCase):
-    """alloc_cost.py's interval: rounds pair a run of each allocator on the same machine."""
+    """The interval of alloc_cost.py and mp_share.py: rounds pair a run of each allocator on the same machine."""
 
     def test_drift_between_rounds_cancels_within_each(self):
         native = [70.0, 91.0, 64.0, 80.0]
-        r, rel, high = alloc_cost.paired_ratio(native, [x * 1.01 for x in native])
+        r, rel, high = _common.paired_ratio(native, [x * 1.01 for x in native])
         self.assertAlmostEqual(r, 1.01)
         self.assertAlmostEqual(rel, 0.0)
         self.assertAlmostEqual(high, 1.01)
 
     def test_noise_widens_the_interval_and_one_round_gives_none(self):
-        r, rel, high = alloc_cost.paired_ratio([70.0, 70.0, 70.0], [69.0, 72.0, 70.0])
+        r, rel, high = _common.paired_ratio([70.0, 70.0, 70.0], [69.0, 72.0, 70.0])
         self.assertGreater(rel, 0.02)
         self.assertGreater(high, r)
-        self.assertEqual(alloc_cost.paired_ratio([70.0], [71.0])[1:], (float("inf"), float("inf")))
+        self.assertEqual(_common.paired_ratio([70.0], [71.0])[1:], (float("inf"), float("inf")))
 
 
 class Compare(unittest.TestCase):
