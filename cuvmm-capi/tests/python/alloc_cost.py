@@ -3,7 +3,7 @@
 the order alternating (native, cuvmm, cuvmm, native, ...), until the 95% confidence interval of
 the per-token ratio is within --ci (relative half-width) or --cap seconds have passed.
 
-    python3 alloc_cost.py [--cap 540] [--ci 0.01] [--repeats 5] [--json PATH]
+    python3 alloc_cost.py [--cap 540] [--ci 0.01] [--repeats 5] [--cpus N] [--json PATH]
     python3 alloc_cost.py --profile         # where cuvmm's time per allocation goes
 
 Each child measures (i) ``torch.empty`` and its free in a Python loop, for sizes 512 B to 8 MiB
@@ -126,6 +126,10 @@ def main():
     p.add_argument("--loops", type=int, default=20000)
     p.add_argument("--profile", action="store_true")
     p.add_argument("--child", choices=("cuvmm", "native"))
+    p.add_argument("--cpus", type=int, default=0,
+                   help="every child runs on the same first CPUs this process may use (0: wherever the "
+                        "kernel puts it): where a process lands changes its Python's speed more than "
+                        "the allocator does")
     p.add_argument("--json", metavar="PATH")
     args = p.parse_args()
     if args.profile:
@@ -134,6 +138,7 @@ def main():
         print(json.dumps(child(args.child, args.tokens, args.loops, args.repeats)))
         return 0
     runs = {"native": [], "cuvmm": []}
+    cpus = sorted(os.sched_getaffinity(0))[:args.cpus] if args.cpus > 0 else None
     start, k = time.monotonic(), 0
     ratio, rel, high = float("nan"), float("inf"), float("inf")
     while time.monotonic() - start < args.cap:
@@ -142,7 +147,8 @@ def main():
             out = subprocess.run([sys.executable, __file__, "--child", a, "--tokens", str(args.tokens),
                                   "--loops", str(args.loops), "--repeats", str(args.repeats)],
                                  capture_output=True, text=True,
-                                 cwd=os.path.dirname(os.path.abspath(__file__)))
+                                 cwd=os.path.dirname(os.path.abspath(__file__)),
+                                 preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
             if out.returncode != 0:
                 print(out.stderr[-3000:], file=sys.stderr)
                 return 1
@@ -157,7 +163,8 @@ def main():
                "pairs_ns": {s: statistics.median(r["pairs_ns"][str(s)] for r in rs) for s in SIZES}}
            for a, rs in runs.items()}
     result = {
-        "rounds": k, "medians": med,
+        "rounds": k, "cpus": cpus, "medians": med,
+        "ms_per_token": {a: [r["ms_per_token"] for r in rs] for a, rs in runs.items()},
         "pair_ratio": {s: med["cuvmm"]["pairs_ns"][s] / med["native"]["pairs_ns"][s] for s in SIZES},
         "token_ratio": ratio, "token_ratio_ci95_rel": rel, "token_ratio_ci95_high": high,
         "ci_reached": rel <= args.ci, "goal_token_ratio_le_1_02": high <= 1.02,

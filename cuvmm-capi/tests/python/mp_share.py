@@ -401,6 +401,12 @@ def main():
               f"({med(cs, lambda x: x['trips']['mean_ms'] / 1e3):.2f} / "
               f"{med(ns, lambda x: x['trips']['mean_ms'] / 1e3):.2f} ms); each run's first "
               + ", ".join(f"{x:.2f}x" for x in r["first_each"]))
+    if "cuvmm" in result["ratios"]:
+        r = result["ratios"]["cuvmm"]
+        result["handoff_ratio_cuvmm_to_native"] = r["repeated"]
+        goals["first hand-off on cuvmm <= 1.0x native"] = r["first"] <= 1.0
+        goals["repeated hand-off on cuvmm <= 1.0x native"] = r["repeated"] <= 1.0
+        goals[f"{args.trip_mib} MiB round trip on cuvmm <= 1.0x native"] = r["small"] <= 1.0
     for name, _, _ in configs[:2]:
         for k, run in enumerate(runs[name]):
             back = run.get("memory_back")
