@@ -3,7 +3,7 @@
 the order alternating (native, cuvmm, cuvmm, native, ...), until the 95% confidence interval of
 the per-token ratio is within --ci (relative half-width) or --cap seconds have passed.
 
-    python3 alloc_cost.py [--cap 540] [--ci 0.01] [--repeats 5] [--cpus N] [--json PATH]
+    python3 alloc_cost.py [--cap 540] [--ci 0.01] [--repeats 5] [--cpus 1] [--json PATH]
     python3 alloc_cost.py --profile         # where cuvmm's time per allocation goes
 
 Each child measures (i) ``torch.empty`` and its free in a Python loop, for sizes 512 B to 8 MiB
@@ -126,10 +126,11 @@ def main():
     p.add_argument("--loops", type=int, default=20000)
     p.add_argument("--profile", action="store_true")
     p.add_argument("--child", choices=("cuvmm", "native"))
-    p.add_argument("--cpus", type=int, default=0,
+    p.add_argument("--cpus", type=int, default=1,
                    help="every child runs on the same first CPUs this process may use (0: wherever the "
-                        "kernel puts it): where a process lands changes its Python's speed more than "
-                        "the allocator does")
+                        "kernel puts it). On one CPU a round's two processes ran at the same speed, "
+                        "which drifted between rounds; let the kernel place them, one ran up to 1.5x "
+                        "slower than the other whatever its allocator")
     p.add_argument("--json", metavar="PATH")
     args = p.parse_args()
     if args.profile:
