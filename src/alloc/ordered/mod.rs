@@ -708,11 +708,26 @@ impl StreamAllocator {
     /// as at any other time (see the module's "Graph capture"), except, once after another
     /// stream found memory short, to record an event after the free.
     pub unsafe fn free_raw(&self, ptr: DevicePtr, stream: CUstream) -> Result<()> {
-        let ptr = ptr.get();
         check_stream(stream)?;
+        // SAFETY: the caller's contract.
+        unsafe { self.free_after_uses(ptr.get(), stream, None) }
+    }
+
+    /// Frees the block at `ptr` on `stream`, deferred until the work of the other streams
+    /// recorded for it has run ([`Uses::defer`](uses::Uses::defer)); `held`, given, is `stream`'s
+    /// owner, kept by a deferred free until it is made.
+    ///
+    /// # Safety
+    /// As for [`free_raw`](Self::free_raw), `stream` checked.
+    unsafe fn free_after_uses(
+        &self,
+        ptr: u64,
+        stream: CUstream,
+        held: Option<&Arc<StreamInner>>,
+    ) -> Result<()> {
         // SAFETY: the caller's contract: `stream` and the streams recorded for `ptr` are live
         // streams of the context.
-        if unsafe { self.inner.uses.defer(&self.inner.ctx, ptr, stream, None) }? {
+        if unsafe { self.inner.uses.defer(&self.inner.ctx, ptr, stream, held) }? {
             return Ok(());
         }
         self.inner.alloc.free(ptr, stream_key(stream))
@@ -728,10 +743,7 @@ impl StreamAllocator {
         // SAFETY: the block came from this allocator and is freed once, here; the block holds its
         // stream and the streams it was used on, all of the allocator's context, alive for the
         // call, and the deferred free holds its stream until it is made.
-        if unsafe { self.inner.uses.defer(&self.inner.ctx, ptr, stream.raw, Some(stream)) }? {
-            return Ok(());
-        }
-        self.inner.alloc.free(ptr, stream_key(stream.raw))
+        unsafe { self.free_after_uses(ptr, stream.raw, Some(stream)) }
     }
 
     /// The live block holding `ptr` (anywhere inside it), if this allocator handed it out.
