@@ -109,6 +109,15 @@ def paired_ratio(a, b):
     return math.exp(mean), math.expm1(half), math.exp(mean + half)
 
 
+def handoff_tensors(torch, gib: float, count: int) -> list:
+    """The hand-off benchmarks' workload: ``count`` uint8 tensors on GPU 0 totalling ``gib`` GiB
+    (each a multiple of 512 bytes), tensor k filled with k % 251, the fills synchronised."""
+    per = int(gib * GiB) // count // 512 * 512
+    tensors = [torch.full((per,), k % 251, dtype=torch.uint8, device="cuda:0") for k in range(count)]
+    torch.cuda.synchronize()
+    return tensors
+
+
 def f32_bits(x: float) -> str:
     """Little-endian hex of x as an IEEE float32; exact for values that came from a float32."""
     return struct.pack("<f", x).hex()

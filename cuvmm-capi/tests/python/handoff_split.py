@@ -19,7 +19,7 @@ import statistics
 import sys
 import time
 
-from _common import GiB, Alloc
+from _common import Alloc, handoff_tensors
 
 
 def _timed(owner, name, totals, key=None, each=None):
@@ -129,9 +129,7 @@ def main():
             finally:
                 dumped["dump_end"] = time.perf_counter()
     mq._ForkingPickler = Dumps
-    per = int(args.gib * GiB) // args.tensors // 512 * 512
-    tensors = [torch.full((per,), k % 251, dtype=torch.uint8, device="cuda:0") for k in range(args.tensors)]
-    torch.cuda.synchronize()
+    tensors = handoff_tensors(torch, args.gib, args.tensors)
     rows = []
     for _ in range(args.rounds):
         t0 = time.perf_counter()

@@ -45,7 +45,7 @@ import subprocess
 import sys
 import time
 
-from _common import GiB, MiB, env_info, finish, paired_ratio
+from _common import GiB, MiB, env_info, finish, handoff_tensors, paired_ratio
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -211,9 +211,8 @@ def sender(args):
     # Hand-off of --tensors tensors totalling --gib GiB.
     torch.cuda.synchronize()
     free_before = torch.cuda.mem_get_info()[0]
-    per = int(args.gib * GiB) // args.tensors // 512 * 512
-    tensors = [torch.full((per,), k % 251, dtype=torch.uint8, device="cuda:0") for k in range(args.tensors)]
-    torch.cuda.synchronize()
+    tensors = handoff_tensors(torch, args.gib, args.tensors)
+    nbytes = sum(t.nbytes for t in tensors)
     times = []
     for _ in range(args.rounds):
         t0 = time.perf_counter()
@@ -221,7 +220,7 @@ def sender(args):
         times.append(time.perf_counter() - t0)
         assert n == len(tensors)
         ask("drop", None, "dropped")
-    result["handoff"] = {"tensors": args.tensors, "bytes": per * args.tensors, "rounds_s": times,
+    result["handoff"] = {"tensors": args.tensors, "bytes": nbytes, "rounds_s": times,
                          "median_s": statistics.median(times), "first_s": times[0],
                          "repeated_s": statistics.median(times[1:] or times)}
 
@@ -241,7 +240,6 @@ def sender(args):
     del tensors
     torch.cuda.empty_cache()
     t0 = time.perf_counter()
-    nbytes = per * args.tensors
     while True:
         free = torch.cuda.mem_get_info()[0]
         back_s = time.perf_counter() - t0
