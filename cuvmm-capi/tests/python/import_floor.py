@@ -7,12 +7,18 @@ opened in a fresh process each way, the order alternating, medians of --reps run
 legacy : cuIpcOpenMemHandle of each of 64 cuMemAlloc buffers (what PyTorch's CUDA IPC opens)
 torch  : pickle.loads of the ForkingPickler pickle of 64 tensors under PyTorch's allocator, then a
          kernel reading each (its kernels loaded before)
+torchcold: the same, the kernels' module loaded by that first read (CUDA's lazy loading)
 v128   : per buffer a reservation, two 128 MiB allocations imported and mapped, one access grant
          (what a receiver maps of a block on cuvmm's default pages)
 v128one: one reservation for all 128 allocations and one access grant
 v128pg : an access grant per allocation
 v256   : one 256 MiB allocation per buffer (a whole block, export_threshold)
 v128t4 : v128 over four threads at once
+v512s  : 32 allocations of 512 MiB, each imported once; per buffer a reservation and two 128 MiB
+         pieces of one allocation mapped at their offsets, one access grant (pages carved from
+         larger physical allocations). Not in the default list: the driver refuses a map of part of
+         an allocation (CUDA_ERROR_NOT_SUPPORTED, driver 580), whatever the offset
+v512w  : 32 allocations of 512 MiB, each imported once and mapped whole (512 MiB pages)
 Each way but torch then writes a byte of each buffer (cuMemsetD8) and synchronises ("touch").
 The sender's export of each allocation is timed once (median, and the process's first).
 """
@@ -84,8 +90,8 @@ def imp(fd):
     return h.value
 
 
-def mmap(va, size, h):
-    ck(cu.cuMemMap(C.c_uint64(va), C.c_size_t(size), C.c_size_t(0), C.c_uint64(h), C.c_uint64(0)), "map")
+def mmap(va, size, h, offset=0):
+    ck(cu.cuMemMap(C.c_uint64(va), C.c_size_t(size), C.c_size_t(offset), C.c_uint64(h), C.c_uint64(0)), "map")
 
 
 def access(va, size):
@@ -143,6 +149,32 @@ def open_vmm(fds, page, mode, tm):
     return bases
 
 
+def open_slabs(fds, whole, tm):
+    bases = []
+    piece = SZ // 2
+    for fd in fds:
+        t0 = time.perf_counter()
+        h = imp(fd)
+        tm.add("import", time.perf_counter() - t0)
+        for k in range(1 if whole else 2):
+            span = 2 * SZ if whole else SZ
+            t0 = time.perf_counter()
+            va = reserve(span, piece)
+            t1 = time.perf_counter()
+            if whole:
+                mmap(va, span, h)
+            else:
+                for j in range(2):
+                    mmap(va + j * piece, piece, h, (2 * k + j) * piece)
+            t2 = time.perf_counter()
+            access(va, span)
+            tm.add("reserve", t1 - t0)
+            tm.add("map", t2 - t1)
+            tm.add("access", time.perf_counter() - t2)
+            bases += [va, va + SZ] if whole else [va]
+    return bases
+
+
 def touch(bases, tm):
     t0 = time.perf_counter()
     for b in bases:
@@ -163,10 +195,12 @@ def recv_all(sock):
 def child(variant, sockfd):
     sock = socket.socket(fileno=sockfd)
     tm = T()
-    if variant == "torch":
+    if variant in ("torch", "torchcold"):
         import torch
-        x = torch.ones(1024, device="cuda")
-        torch.stack([x[-1:], x[-1:]]).sum().item()
+        # The kernels the timed read runs (uint8 stack and sum), loaded before; "torchcold" loads
+        # float32 ones only, so its timed read loads the module the first kernel needs.
+        x = torch.ones(1024, dtype=torch.float32 if variant == "torchcold" else torch.uint8, device="cuda")
+        torch.stack([x[-1 - k] for k in range(N)]).sum().item()
         data = recv_all(sock)
         t0 = time.perf_counter()
         ts = pickle.loads(data)
@@ -210,6 +244,10 @@ def child(variant, sockfd):
             th.start()
         for th in ths:
             th.join()
+    elif variant in ("v512s", "v512w"):
+        bases = open_slabs(fds, variant == "v512w", tm)
+        tm.add("opened", time.perf_counter() - t0)
+        touch(bases, tm)
     else:
         mode = {"v128": "tensor", "v256": "tensor", "v128one": "one", "v128pg": "pg"}[variant]
         bases = open_vmm(fds, page, mode, tm)
@@ -220,7 +258,7 @@ def child(variant, sockfd):
 
 
 def variant_pages(v):
-    return 64 if v == "v256" else 128
+    return {"v256": 64, "v512s": 32, "v512w": 32}.get(v, 128)
 
 
 def main():
@@ -240,10 +278,11 @@ def main():
         legacy.append(p.value)
     v128 = [create(128 << 20)[1] for _ in range(2 * N)]
     v256 = [create(256 << 20)[1] for _ in range(N)]
+    v512 = [create(512 << 20)[1] for _ in range(N // 2)]
     print("export us median", round(statistics.median(EXP) * 1e6, 1), "first", round(EXP[0] * 1e6, 1), "sum ms", round(sum(EXP) * 1e3, 2))
     tensors = [torch.full((SZ,), k, dtype=torch.uint8, device="cuda") for k in range(N)]
     torch.cuda.synchronize()
-    variants = sys.argv[1].split(",") if len(sys.argv) > 1 else ["legacy", "torch", "v128", "v128one", "v128pg", "v256", "v128t4"]
+    variants = sys.argv[1].split(",") if len(sys.argv) > 1 else ["legacy", "torch", "torchcold", "v128", "v128one", "v128pg", "v256", "v128t4", "v512w"]
     reps = int(sys.argv[2]) if len(sys.argv) > 2 else 3
     res = {v: [] for v in variants}
     for r in range(reps):
@@ -255,14 +294,14 @@ def main():
             b.close()
             if v == "legacy":
                 a.sendall(handles)
-            elif v == "torch":
+            elif v in ("torch", "torchcold"):
                 buf = io.BytesIO()
                 t0 = time.perf_counter()
                 ForkingPickler(buf, pickle.HIGHEST_PROTOCOL).dump(tensors)
                 res.setdefault("torch_dumps", []).append(time.perf_counter() - t0)
                 a.sendall(buf.getvalue())
             else:
-                fds = v256 if v == "v256" else v128
+                fds = {"v256": v256, "v512s": v512, "v512w": v512}.get(v, v128)
                 for i in range(0, len(fds), 250):
                     socket.send_fds(a, [b"x"], fds[i:i + 250])
             a.shutdown(socket.SHUT_WR)
