@@ -942,7 +942,7 @@ pub mod seeds {
     /// Seeds of the `handoff` target with what each decodes to: every kind of message at its
     /// smallest and largest, tickets, and each way a message or a ticket can be wrong.
     pub fn handoff_cases() -> Vec<(&'static str, Vec<u8>, Handoff)> {
-        use cuvmm::ipc::handoff::{Refusal, Token};
+        use cuvmm::ipc::handoff::{Placement, Refusal, Token};
         use Handoff::*;
         let t = |b: u8| Token([b; 16]);
         let msg = |f: Frame| {
@@ -967,6 +967,7 @@ pub mod seeds {
             [vec![0], f.bytes()].concat()
         };
         let many: Vec<u64> = (1..=300).collect();
+        let place = |serial: u64, addr: u64| Placement { serial, addr, size: 128 * MIB };
         vec![
             ("fetch", msg(Frame::Fetch(t(1))), Message),
             ("hold", msg(Frame::Hold(t(2))), Message),
@@ -983,6 +984,11 @@ pub mod seeds {
             ("refused-withdrawn", msg(Frame::Refused(Refusal::Withdrawn)), Message),
             ("revoke", msg(Frame::Revoke(vec![11])), Message),
             ("revoke-largest", msg(Frame::Revoke((1..=512).collect())), Message),
+            ("mirror", msg(Frame::Mirror([9; 16])), Message),
+            ("placed", msg(Frame::Placed(vec![place(12, 1 << 40)])), Message),
+            ("placed-largest", msg(Frame::Placed((1..=250).map(|k| place(k, k << 27)).collect())), Message),
+            ("unplaced", msg(Frame::Unplaced(vec![1 << 40])), Message),
+            ("unplaced-largest", msg(Frame::Unplaced((1..=512).map(|k| k << 27).collect())), Message),
             ("ticket", ticket(&|_| {}), Ticket),
             (
                 "ticket-one-page-whole",
@@ -1021,6 +1027,9 @@ pub mod seeds {
                 patched(Frame::Offered(vec![(t(5), 2)]), 36, &1u32.to_le_bytes()),
                 Refused,
             ),
+            ("bad-placed-fewer-fds", with_fds(1, Frame::Placed(vec![place(1, 1 << 40); 2])), Refused),
+            ("bad-placed-no-size", patched(Frame::Placed(vec![place(1, 1 << 40)]), 32, &0u64.to_le_bytes()), Refused),
+            ("bad-placed-past-2-64", patched(Frame::Placed(vec![place(1, 1 << 40)]), 24, &u64::MAX.to_le_bytes()), Refused),
             ("bad-refusal", patched(Frame::Refused(Refusal::Unknown), 16, &4u32.to_le_bytes()), Refused),
             ("bad-trailing-byte", [msg(Frame::Hold(t(2))), vec![0]].concat(), Refused),
             (

@@ -26,7 +26,7 @@
 
 mod layout;
 mod physical;
-pub(crate) use physical::released_exports;
+pub(crate) use physical::{placements, released_exports};
 pub(crate) use vec::Followers;
 mod reservation;
 mod stripe;

@@ -559,6 +559,68 @@ pub(crate) mod released_exports {
     }
 }
 
+/// Where this process maps pages it exported ahead, told to the hand-off's sender
+/// ([`crate::ipc::handoff`]) once a receiver has asked for them: it places the pages in that
+/// receiver's mirror of this address space, so that a later hand-off of them maps nothing there.
+pub(crate) mod placements {
+    use super::PhysicalMemory;
+    use std::os::fd::OwnedFd;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::OnceLock;
+
+    /// A page mapped or unmapped.
+    pub(crate) enum Event {
+        /// A page now mapped at `addr`, with a descriptor of it, on the device with UUID `device`.
+        Placed { device: [u8; 16], serial: u64, addr: u64, size: u64, fd: OwnedFd },
+        /// The page mapped at `addr` is mapped there no more.
+        Unplaced { device: [u8; 16], addr: u64 },
+    }
+
+    type Watcher = Box<dyn Fn(Event) + Send + Sync>;
+    static WATCHER: OnceLock<Watcher> = OnceLock::new();
+    static WANTED: AtomicBool = AtomicBool::new(false);
+
+    /// Pages smaller than this are not placed: a receiver would pay an import for each small
+    /// page whether it takes it or not, where large pages are what a first hand-off waits for.
+    pub(crate) const SMALLEST: usize = 64 << 20;
+
+    /// Sets the process's one watcher; false if one was set already. It is called on the
+    /// mapping thread, possibly under an allocator's lock: it must not block or call back into
+    /// cuvmm.
+    pub(crate) fn watch(w: Watcher) -> bool {
+        WATCHER.set(w).is_ok()
+    }
+
+    /// From now on, mappings of pages exported ahead are told (a receiver has asked).
+    pub(crate) fn want() {
+        WANTED.store(true, Ordering::Relaxed);
+    }
+
+    /// Whether mappings are told.
+    pub(crate) fn wanted() -> bool {
+        WANTED.load(Ordering::Relaxed)
+    }
+
+    /// `page`, exported ahead (its descriptor kept), is now mapped at `addr` on `device`.
+    pub(crate) fn placed(device: [u8; 16], page: &PhysicalMemory, addr: u64) {
+        let (Some(w), Some(kept)) = (WATCHER.get(), page.inner.kept_fd.get()) else { return };
+        if page.size() < SMALLEST {
+            return;
+        }
+        // Without a descriptor to spare, the page is simply not placed.
+        if let Ok(fd) = kept.try_clone() {
+            w(Event::Placed { device, serial: page.serial(), addr, size: page.size() as u64, fd });
+        }
+    }
+
+    /// The page mapped at `addr` on `device` is unmapped.
+    pub(crate) fn unplaced(device: [u8; 16], addr: u64, size: usize) {
+        if let Some(w) = WATCHER.get().filter(|_| size >= SMALLEST) {
+            w(Event::Unplaced { device, addr });
+        }
+    }
+}
+
 /// How many exported descriptors [`PhysicalMemory::export_fd_kept`] keeps in this process, held
 /// under a quarter of the descriptor limit so that keeping them never makes an export fail.
 mod kept_fds {

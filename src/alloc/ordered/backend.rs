@@ -13,7 +13,7 @@ use crate::host::{KernelLane, PinnedBuffer, Staging};
 use crate::kernels::Kernels;
 use crate::memory::{DeviceSlice, DeviceSliceMut};
 use crate::stream::{Event, Stream};
-use crate::vmm::{HandleTypes, PhysicalBuilder, PhysicalMemory, Reservation};
+use crate::vmm::{placements, HandleTypes, PhysicalBuilder, PhysicalMemory, Reservation};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{channel, Receiver, TryRecvError};
 use std::sync::Arc;
@@ -30,6 +30,8 @@ pub(crate) struct DriverBackend {
     reservations: Vec<Reservation>,
     /// Whether each page is exported as it is made (see `StreamAllocator::export_pages_ahead`).
     exports_ahead: Arc<AtomicBool>,
+    /// The device's UUID, for the placements of its pages (none if the driver did not say).
+    uuid: Option<[u8; 16]>,
     /// Two streams for sleep's and wake's copies, made at first use.
     lanes: Vec<Stream>,
     /// The thread that runs staged backups' copies through the staging ring, made at first use.
@@ -141,6 +143,7 @@ impl DriverBackend {
             fabric_above,
             reservations: Vec::new(),
             exports_ahead,
+            uuid: ctx.device().uuid().ok().map(|u| u.0),
             mover: None,
             making: None,
             lazy: LazyBackups::default(),
@@ -237,7 +240,11 @@ impl Backend for DriverBackend {
         self.ctx.bind()?;
         // SAFETY: `addr` is an aligned page of a reservation this backend owns, unmapped (the
         // allocator's page table says so); the handle is live and `size` bytes long.
-        unsafe { result::mem::map(driver()?.api(), addr, size as usize, 0, page.handle()) }
+        unsafe { result::mem::map(driver()?.api(), addr, size as usize, 0, page.handle())? };
+        if let Some(uuid) = self.uuid.filter(|_| placements::wanted()) {
+            placements::placed(uuid, page, addr);
+        }
+        Ok(())
     }
 
     fn unmap(&mut self, addr: u64, size: u64) -> Result<()> {
@@ -245,7 +252,11 @@ impl Backend for DriverBackend {
         // SAFETY: the page was mapped by `map` with this size and no queued work uses it (the
         // allocator unmaps only pages of blocks whose last use has completed, or after a
         // synchronisation).
-        unsafe { result::mem::unmap(driver()?.api(), addr, size as usize) }
+        unsafe { result::mem::unmap(driver()?.api(), addr, size as usize)? };
+        if let Some(uuid) = self.uuid.filter(|_| placements::wanted()) {
+            placements::unplaced(uuid, addr, size as usize);
+        }
+        Ok(())
     }
 
     fn set_access(&mut self, addr: u64, len: u64) -> Result<()> {

@@ -22,10 +22,15 @@ pub const OFFERS_PER_ANSWER: usize = 256;
 pub const SERIALS_PER_MESSAGE: usize = 512;
 /// The most pages under one offer: 2 TiB of the smallest (2 MiB) pages.
 pub const MAX_PAGES: u32 = 1 << 20;
-/// The largest message: a release of every token or a revocation of every serial it may carry
-/// (4,096 bytes of entries each; an answer's at most 1,536).
-pub const MAX_MESSAGE: usize =
-    HEAD + max(max(OFFERS_PER_ANSWER * 24, RELEASES_PER_MESSAGE * TOKEN), SERIALS_PER_MESSAGE * 8);
+/// The largest message: a placement of as many pages as one message carries descriptors (6,000
+/// bytes of entries; a release, a revocation or an unplacement at most 4,096, an answer 6,144).
+pub const MAX_MESSAGE: usize = HEAD
+    + max(
+        max(OFFERS_PER_ANSWER * 24, RELEASES_PER_MESSAGE * TOKEN),
+        max(SERIALS_PER_MESSAGE * 8, FDS_PER_MESSAGE * PLACE),
+    );
+/// Bytes of a placement's entry.
+pub const PLACE: usize = 24;
 
 const fn max(a: usize, b: usize) -> usize {
     if a > b {
@@ -94,6 +99,27 @@ pub enum Frame {
     /// Sender to receiver: the hold is granted; the offer is this connection's until released,
     /// and so are the offers listed, the rest of its group, taken along without descriptors.
     Held(Vec<Token>),
+    /// Receiver to sender: place your pages on the device with this UUID in my mirror of your
+    /// address space, from now on (those mapped now, and each one as it is mapped). Not answered.
+    Mirror([u8; 16]),
+    /// Sender to receiver: these pages are mapped at these addresses here; a descriptor of each
+    /// comes with the message, in order. The receiver may map each at the same place in its
+    /// mirror; it may also close the descriptor and map nothing.
+    Placed(Vec<Placement>),
+    /// Sender to receiver: the pages placed at these addresses are mapped there no more (the
+    /// memory under a block offered stays where it is until released).
+    Unplaced(Vec<u64>),
+}
+
+/// A page mapped in the sender: its serial, where it lies there, its size.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Placement {
+    /// The page's serial (what a ticket's pages and a revocation name).
+    pub serial: u64,
+    /// Its address in the sending process.
+    pub addr: u64,
+    /// Its size in bytes.
+    pub size: u64,
 }
 
 const FETCH: u16 = 1;
@@ -104,12 +130,16 @@ const PAGES: u16 = 17;
 const REFUSED: u16 = 18;
 const REVOKE: u16 = 19;
 const HELD: u16 = 20;
+const MIRROR: u16 = 5;
+const PLACED: u16 = 21;
+const UNPLACED: u16 = 22;
 
 impl Frame {
     /// The descriptors that travel with this message.
     pub fn fd_count(&self) -> usize {
         match self {
             Frame::Pages(n) => *n,
+            Frame::Placed(ps) => ps.len(),
             _ => 0,
         }
     }
@@ -151,6 +181,24 @@ impl Frame {
                 }
                 (HELD, ts.len(), ts.iter().flat_map(|t| t.0).collect())
             }
+            Frame::Mirror(uuid) => (MIRROR, 1, uuid.to_vec()),
+            Frame::Placed(ps) => {
+                bounded("placement", ps.len(), FDS_PER_MESSAGE)?;
+                let mut b = Vec::with_capacity(ps.len() * PLACE);
+                for p in ps {
+                    if !p.valid() {
+                        return Err(Error::invalid(format!("a placement of {p:?}")));
+                    }
+                    for v in [p.serial, p.addr, p.size] {
+                        b.extend_from_slice(&v.to_le_bytes());
+                    }
+                }
+                (PLACED, ps.len(), b)
+            }
+            Frame::Unplaced(addrs) => {
+                bounded("unplacement", addrs.len(), SERIALS_PER_MESSAGE)?;
+                (UNPLACED, addrs.len(), addrs.iter().flat_map(|a| a.to_le_bytes()).collect())
+            }
         };
         let mut out = Vec::with_capacity(HEAD + body.len());
         out.extend_from_slice(&MAGIC);
@@ -180,16 +228,18 @@ impl Frame {
         let announced = u32_at(b, 12) as usize;
         let body = &b[HEAD..];
         let entry = match kind {
-            FETCH | HOLD | RELEASE | HELD => TOKEN,
+            FETCH | HOLD | RELEASE | HELD | MIRROR => TOKEN,
             OFFERED => 24,
+            PLACED => PLACE,
             PAGES => 0,
-            REFUSED | REVOKE => 8,
+            REFUSED | REVOKE | UNPLACED => 8,
             k => return Err(refused(format!("unknown kind {k}"))),
         };
         let (lo, hi) = match kind {
-            FETCH | HOLD | REFUSED => (1, 1),
+            FETCH | HOLD | REFUSED | MIRROR => (1, 1),
             RELEASE => (1, RELEASES_PER_MESSAGE),
             OFFERED => (1, OFFERS_PER_ANSWER),
+            PLACED => (1, FDS_PER_MESSAGE),
             PAGES => (0, 0),
             HELD => (0, OFFERS_PER_ANSWER - 1),
             _ => (1, SERIALS_PER_MESSAGE),
@@ -200,7 +250,11 @@ impl Frame {
         if body.len() != count * entry {
             return Err(refused(format!("kind {kind}: {} body bytes for {count} entries", body.len())));
         }
-        let want_fds = if kind == PAGES { announced } else { 0 };
+        let want_fds = match kind {
+            PAGES => announced,
+            PLACED => count,
+            _ => 0,
+        };
         if announced != want_fds
             || fds != want_fds
             || (kind == PAGES && !(1..=FDS_PER_MESSAGE).contains(&fds))
@@ -225,6 +279,22 @@ impl Frame {
             }
             PAGES => Frame::Pages(fds),
             HELD => Frame::Held((0..count).map(token).collect()),
+            MIRROR => Frame::Mirror(token(0).0),
+            PLACED => {
+                let mut ps = Vec::with_capacity(count);
+                for e in body.chunks_exact(PLACE) {
+                    let v = |i: usize| u64::from_le_bytes(e[i * 8..i * 8 + 8].try_into().expect("8 bytes"));
+                    let p = Placement { serial: v(0), addr: v(1), size: v(2) };
+                    if !p.valid() {
+                        return Err(refused(format!("a placement of {p:?}")));
+                    }
+                    ps.push(p);
+                }
+                Frame::Placed(ps)
+            }
+            UNPLACED => Frame::Unplaced(
+                body.chunks_exact(8).map(|e| u64::from_le_bytes(e.try_into().expect("8"))).collect(),
+            ),
             REFUSED => {
                 let r = Refusal::from_code(u32_at(body, 0))
                     .filter(|_| u32_at(body, 4) == 0)
@@ -235,6 +305,13 @@ impl Frame {
                 body.chunks_exact(8).map(|e| u64::from_le_bytes(e.try_into().expect("8"))).collect(),
             ),
         })
+    }
+}
+
+impl Placement {
+    /// A page somewhere: a size, an address, and no end past the address space.
+    fn valid(&self) -> bool {
+        self.size > 0 && self.addr > 0 && self.addr.checked_add(self.size).is_some()
     }
 }
 
@@ -275,6 +352,10 @@ mod tests {
             Frame::Revoke(vec![7, 8, 9]),
             Frame::Held(vec![]),
             Frame::Held(vec![t(8), t(9)]),
+            Frame::Mirror([7; 16]),
+            Frame::Placed(vec![Placement { serial: 3, addr: 1 << 40, size: 128 << 20 }]),
+            Frame::Placed(vec![Placement { serial: 4, addr: 2 << 21, size: 2 << 20 }; 2]),
+            Frame::Unplaced(vec![1 << 40, 3 << 40]),
         ]
     }
 
@@ -293,6 +374,8 @@ mod tests {
             Frame::Release(vec![t(3); RELEASES_PER_MESSAGE]),
             Frame::Offered(vec![(t(5), MAX_PAGES); OFFERS_PER_ANSWER]),
             Frame::Revoke(vec![7; SERIALS_PER_MESSAGE]),
+            Frame::Placed(vec![Placement { serial: 1, addr: 1, size: 1 }; FDS_PER_MESSAGE]),
+            Frame::Unplaced(vec![7; SERIALS_PER_MESSAGE]),
         ] {
             assert!(f.encode().unwrap().len() <= MAX_MESSAGE, "{f:?}");
         }
@@ -319,6 +402,27 @@ mod tests {
         assert!(Frame::Pages(0).encode().is_err());
         assert!(Frame::Pages(FDS_PER_MESSAGE + 1).encode().is_err());
         assert!(Frame::Revoke(vec![0; SERIALS_PER_MESSAGE + 1]).encode().is_err());
+        assert!(Frame::Placed(vec![]).encode().is_err());
+        assert!(Frame::Placed(vec![Placement { serial: 1, addr: 1, size: 1 }; FDS_PER_MESSAGE + 1])
+            .encode()
+            .is_err());
+        assert!(Frame::Unplaced(vec![]).encode().is_err());
+    }
+
+    #[test]
+    fn a_placement_of_nothing_or_past_the_address_space_is_refused() {
+        for p in [
+            Placement { serial: 1, addr: 1 << 30, size: 0 },
+            Placement { serial: 1, addr: 0, size: 1 << 21 },
+            Placement { serial: 1, addr: u64::MAX - 4, size: 1 << 21 },
+        ] {
+            assert!(Frame::Placed(vec![p]).encode().is_err(), "{p:?}");
+            let mut b =
+                Frame::Placed(vec![Placement { serial: 1, addr: 1 << 30, size: 1 << 21 }]).encode().unwrap();
+            b[HEAD + 8..HEAD + 16].copy_from_slice(&p.addr.to_le_bytes());
+            b[HEAD + 16..HEAD + 24].copy_from_slice(&p.size.to_le_bytes());
+            assert!(Frame::decode(&b, 1).is_err(), "{p:?}");
+        }
     }
 
     #[test]

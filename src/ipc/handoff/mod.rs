@@ -37,6 +37,12 @@
 //!   again is claimed with one message and no descriptor. When the sender gives pages back to the
 //!   device (an `empty_cache`, a sleep, an idle page released) it revokes them, and the receiver
 //!   unmaps every mapping of them nobody uses, so the memory is back on the device at once.
+//! * **A mirror.** A receiver's first take from a sender (on one device, no peers named) asks it to
+//!   place its large pages: each page the sender maps from then on is told to the receiver, whose
+//!   thread maps it at the same place in a mirror of the sender's address space. A later first
+//!   hand-off of blocks on those pages maps nothing: the driver's calls were made when the sender
+//!   mapped the pages, not while anyone waits for the tensors. The mirror's pages go as kept
+//!   mappings do, once the sender unmaps or releases them and no lease uses them.
 //! * **A release** is told only after the work that used the memory is done: the streams named
 //!   at [`Lease::release_after`] (an event recorded on each, waited for on the library's release
 //!   thread), or the whole device for a lease dropped without naming any. If that wait fails, the
@@ -50,7 +56,7 @@ mod receiver;
 mod sender;
 mod ticket;
 
-pub use frame::{Frame, Refusal, Token};
+pub use frame::{Frame, Placement, Refusal, Token};
 pub use receiver::{Lease, ReceiverStats, ALONG_FOR};
 pub use sender::SenderStats;
 pub use ticket::Ticket;
@@ -61,8 +67,11 @@ use crate::device::Device;
 use crate::driver::sys::CUstream;
 use crate::error::{record_drop, Error, Result};
 use crate::stream::{Event, Stream};
-use receiver::Mapped;
+use crate::vmm::{Access, Mapping, PhysicalMemory, Reservation};
+use receiver::{Mapped, Place, Placed, Settle};
 use sender::Shared;
+use std::collections::hash_map::Entry;
+use std::collections::HashMap;
 use std::os::fd::{AsFd, OwnedFd};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -138,6 +147,15 @@ impl Sender {
                 if let Some(s) = weak.upgrade() {
                     if s.pid == std::process::id() {
                         s.released(serial);
+                    }
+                }
+            }));
+            // Pages mapped and unmapped here are placed in the mirrors of receivers that ask.
+            let weak = Arc::downgrade(&inner);
+            crate::vmm::placements::watch(Box::new(move |e| {
+                if let Some(s) = weak.upgrade() {
+                    if s.pid == std::process::id() {
+                        s.placement(e);
                     }
                 }
             }));
@@ -239,11 +257,18 @@ impl Receiver {
         }
         let page = ticket.share.page;
         let peers = peers.to_vec();
-        self.inner.take(ticket, timeout, |fds| {
-            let borrowed: Vec<_> = fds.iter().map(|f| f.as_fd()).collect();
-            let import = BlockImport::import(ctx, &borrowed, page, &peers)?;
-            Ok(Box::new(Imported { import, ctx: ctx.clone() }) as Box<dyn Mapped>)
-        })
+        // The mirror grants this device alone: a take that names peers maps its own.
+        let place = peers.is_empty().then(|| Box::new(MirrorPlacer::new(ctx)) as Box<dyn Place>);
+        self.inner.take(
+            ticket,
+            timeout,
+            |fds| {
+                let borrowed: Vec<_> = fds.iter().map(|f| f.as_fd()).collect();
+                let import = BlockImport::import(ctx, &borrowed, page, &peers)?;
+                Ok(Box::new(Imported { import, ctx: ctx.clone() }) as Box<dyn Mapped>)
+            },
+            place,
+        )
     }
 
     /// The process's receiver if it has started, without starting it.
@@ -265,6 +290,65 @@ impl Receiver {
 struct Imported {
     import: BlockImport,
     ctx: Context,
+}
+
+/// The span of a sender's address space one reservation of a mirror covers: a block whose
+/// pages straddle two is mapped for its take instead.
+const MIRROR_WINDOW: u64 = 1 << 40;
+
+/// Maps a sender's pages on one device at the same place, relative to a window of
+/// [`MIRROR_WINDOW`] bytes, as they lie in the sender: a block's pages side by side.
+struct MirrorPlacer {
+    ctx: Context,
+    windows: HashMap<u64, Reservation>,
+}
+
+impl MirrorPlacer {
+    fn new(ctx: &Context) -> MirrorPlacer {
+        MirrorPlacer { ctx: ctx.clone(), windows: HashMap::new() }
+    }
+}
+
+impl Place for MirrorPlacer {
+    fn place(&mut self, fd: OwnedFd, addr: u64, size: u64) -> Result<Box<dyn Placed>> {
+        let (window, offset) = (addr / MIRROR_WINDOW, addr % MIRROR_WINDOW);
+        if offset + size > MIRROR_WINDOW {
+            return Err(Error::invalid("a page across two windows of a mirror"));
+        }
+        let r = match self.windows.entry(window) {
+            Entry::Occupied(e) => e.into_mut(),
+            Entry::Vacant(e) => {
+                e.insert(Reservation::with_options(&self.ctx, MIRROR_WINDOW as usize, 1 << 30, None)?)
+            }
+        };
+        let phys = PhysicalMemory::import_fd(&self.ctx, fd.as_fd(), size as usize)?;
+        let mapping = r.map_all(offset as usize, &phys)?;
+        mapping.set_access(&[(self.ctx.device(), Access::ReadWrite)])?;
+        Ok(Box::new(MirrorPage { mapping }))
+    }
+
+    fn settler(&self) -> Settle {
+        let ctx = self.ctx.clone();
+        Arc::new(move || ctx.synchronize())
+    }
+}
+
+struct MirrorPage {
+    mapping: Mapping,
+}
+
+impl Placed for MirrorPage {
+    fn here(&self) -> u64 {
+        self.mapping.ptr()
+    }
+}
+
+impl Drop for MirrorPage {
+    fn drop(&mut self) {
+        // SAFETY: a mirror's page is dropped only once no lease uses it, every lease over it
+        // released after the work it named (or the device's) was done.
+        unsafe { self.mapping.assume_idle() };
+    }
 }
 
 impl Mapped for Imported {

@@ -2,11 +2,12 @@
 //! and the waits before a release are closures the tests control.
 
 use super::frame::{Frame, Token};
-use super::receiver::{self, Mapped};
+use super::receiver::{self, Mapped, Place, Placed, Settle};
 use super::sender::{self, Shared};
 use super::{link, Ticket};
 use crate::alloc::BlockShare;
 use crate::error::{Error, Result};
+use crate::vmm::placements::Event;
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
@@ -20,6 +21,47 @@ struct Counts {
     exported: AtomicUsize,
     let_go: AtomicUsize,
     unmapped: AtomicUsize,
+    /// Pages placed in a mirror, and unmapped from it.
+    placed: AtomicUsize,
+    unplaced: AtomicUsize,
+}
+
+/// Where a fake mirror maps the sender's address `a`.
+const MIRROR_AT: u64 = 0x5000_0000_0000;
+
+struct FakePlace {
+    counts: Arc<Counts>,
+}
+
+impl Place for FakePlace {
+    fn place(&mut self, fd: OwnedFd, addr: u64, _size: u64) -> Result<Box<dyn Placed>> {
+        let flags = nix::fcntl::fcntl(fd.as_raw_fd(), nix::fcntl::FcntlArg::F_GETFD).unwrap();
+        assert!(flags & libc::FD_CLOEXEC != 0, "a placed page's descriptor is inherited by children");
+        self.counts.placed.fetch_add(1, Ordering::SeqCst);
+        Ok(Box::new(FakePlaced { here: MIRROR_AT + addr, _fd: fd, counts: self.counts.clone() }))
+    }
+
+    fn settler(&self) -> Settle {
+        Arc::new(|| Ok(()))
+    }
+}
+
+struct FakePlaced {
+    here: u64,
+    _fd: OwnedFd,
+    counts: Arc<Counts>,
+}
+
+impl Placed for FakePlaced {
+    fn here(&self) -> u64 {
+        self.here
+    }
+}
+
+impl Drop for FakePlaced {
+    fn drop(&mut self) {
+        self.counts.unplaced.fetch_add(1, Ordering::SeqCst);
+    }
 }
 
 struct FakeShared {
@@ -105,6 +147,18 @@ impl World {
         group: Option<u64>,
         gate: Option<Arc<Mutex<()>>>,
     ) -> (Ticket, Vec<u64>) {
+        self.offer_at(first, n, group, gate, 0x1000_0000)
+    }
+
+    /// [`offer`](Self::offer) of pages that lie from `first_page` on in the sender.
+    fn offer_at(
+        &self,
+        first: u64,
+        n: usize,
+        group: Option<u64>,
+        gate: Option<Arc<Mutex<()>>>,
+        first_page: u64,
+    ) -> (Ticket, Vec<u64>) {
         let pages: Vec<OwnedFd> = (0..n).map(|_| memfd()).collect();
         let inodes = pages.iter().map(|p| inode(p.as_fd())).collect();
         let serials: Vec<u64> = (first..first + n as u64).collect();
@@ -112,9 +166,9 @@ impl World {
         let token = self.s.offer(Box::new(shared), group).unwrap();
         let page: usize = 2 << 20;
         let share = BlockShare {
-            block: crate::alloc::DevicePtr::new(0x1000_0000),
+            block: crate::alloc::DevicePtr::new(first_page),
             len: (page * n) as u64,
-            first_page: 0x1000_0000,
+            first_page,
             page,
             pages: serials,
         };
@@ -126,14 +180,22 @@ impl World {
     fn take(&self, t: &Ticket, inodes: &[u64], timeout: Duration) -> Result<receiver::Lease> {
         let counts = self.counts.clone();
         let inodes = inodes.to_vec();
-        self.r.take(t, timeout, move |fds| {
-            for (f, want) in fds.iter().zip(&inodes) {
-                assert_eq!(inode(f.as_fd()), *want, "the offered page");
-                let flags = nix::fcntl::fcntl(f.as_raw_fd(), nix::fcntl::FcntlArg::F_GETFD).unwrap();
-                assert!(flags & libc::FD_CLOEXEC != 0, "a received page descriptor is inherited by children");
-            }
-            Ok(Box::new(FakeMapped { _fds: fds, counts }) as Box<dyn Mapped>)
-        })
+        self.r.take(
+            t,
+            timeout,
+            move |fds| {
+                for (f, want) in fds.iter().zip(&inodes) {
+                    assert_eq!(inode(f.as_fd()), *want, "the offered page");
+                    let flags = nix::fcntl::fcntl(f.as_raw_fd(), nix::fcntl::FcntlArg::F_GETFD).unwrap();
+                    assert!(
+                        flags & libc::FD_CLOEXEC != 0,
+                        "a received page descriptor is inherited by children"
+                    );
+                }
+                Ok(Box::new(FakeMapped { _fds: fds, counts }) as Box<dyn Mapped>)
+            },
+            None,
+        )
     }
 
     fn held(&self) -> usize {
@@ -198,7 +260,7 @@ fn the_same_pages_again_are_claimed_without_descriptors_or_a_wait() {
             .unwrap(),
         ..t.clone()
     };
-    let lease = w.r.take(&again, T, |_| panic!("mapped again")).unwrap();
+    let lease = w.r.take(&again, T, |_| panic!("mapped again"), None).unwrap();
     eventually("the sender holds it", || w.held() == 1);
     // Once ahead of the first fetch, once for its answer; nothing for pages sent already.
     assert_eq!(w.counts.exported.load(Ordering::SeqCst), 2, "descriptors made again");
@@ -248,12 +310,12 @@ fn a_kept_mapping_is_used_only_once_the_sender_grants_the_hold() {
     };
     let withdrawn = again(&w);
     assert!(w.s.withdraw(&withdrawn.token));
-    let e = w.r.take(&withdrawn, T, |_| panic!("mapped")).unwrap_err();
+    let e = w.r.take(&withdrawn, T, |_| panic!("mapped"), None).unwrap_err();
     assert!(e.to_string().contains("untaken"), "{e}");
     assert_eq!(w.r.stats().leases, 0, "a lease over memory the sender may have reused");
     // The kept mapping serves the next grant.
     let granted = again(&w);
-    let lease = w.r.take(&granted, T, |_| panic!("mapped")).unwrap();
+    let lease = w.r.take(&granted, T, |_| panic!("mapped"), None).unwrap();
     assert_eq!(w.held(), 1);
     drop(lease);
     eventually("let go", || w.held() == 0);
@@ -280,12 +342,12 @@ fn a_group_over_kept_mappings_is_claimed_with_one_hold_and_a_member_without_one_
     };
     let tickets: Vec<Ticket> = first.iter().map(|(t, _)| again(t)).collect();
     let (new, inew) = w.offer(990, 1, Some(6), None);
-    let lease = w.r.take(&tickets[0], T, |_| panic!("mapped")).unwrap();
+    let lease = w.r.take(&tickets[0], T, |_| panic!("mapped"), None).unwrap();
     assert_eq!(w.held(), 4, "the group came along with the hold");
     // The others over their kept mappings: no message, nothing mapped.
     let mut leases = vec![lease];
     for t in &tickets[1..] {
-        leases.push(w.r.take(t, Duration::ZERO, |_| panic!("mapped")).unwrap());
+        leases.push(w.r.take(t, Duration::ZERO, |_| panic!("mapped"), None).unwrap());
     }
     // The one never mapped: its pages, for the offer held already.
     leases.push(w.take(&new, &inew, T).unwrap());
@@ -303,7 +365,7 @@ fn a_fetch_of_an_offer_let_go_untaken_is_told_so() {
     let (t, _) = w.offer(50, 1, None, None);
     assert!(w.s.withdraw(&t.token));
     assert!(!w.s.withdraw(&t.token), "withdrawn twice");
-    let e = w.r.take(&t, T, |_| panic!("mapped")).unwrap_err();
+    let e = w.r.take(&t, T, |_| panic!("mapped"), None).unwrap_err();
     assert!(e.to_string().contains("untaken"), "{e}");
     assert_eq!(w.counts.let_go.load(Ordering::SeqCst), 1);
 }
@@ -396,10 +458,10 @@ fn an_offer_is_taken_once() {
     let lease = w.take(&t, &inodes, T).unwrap();
     // A second receiver with the same ticket (its own connection) is refused.
     let r2 = receiver::Inner::start().unwrap();
-    let e = r2.take(&t, T, |_| panic!("mapped")).unwrap_err();
+    let e = r2.take(&t, T, |_| panic!("mapped"), None).unwrap_err();
     assert!(e.to_string().contains("no such offer"), "{e}");
     let bogus = Ticket { token: Token([0xee; 16]), ..t.clone() };
-    assert!(r2.take(&bogus, T, |_| panic!("mapped")).is_err());
+    assert!(r2.take(&bogus, T, |_| panic!("mapped"), None).is_err());
     drop(lease);
     eventually("let go", || w.held() == 0);
 }
@@ -409,7 +471,7 @@ fn a_ticket_naming_another_process_is_refused_before_anything_is_sent() {
     let w = World::new();
     let (t, _) = w.offer(600, 1, None, None);
     let wrong = Ticket { pid: t.pid + 1, ..t.clone() };
-    let e = w.r.take(&wrong, T, |_| panic!("mapped")).unwrap_err();
+    let e = w.r.take(&wrong, T, |_| panic!("mapped"), None).unwrap_err();
     assert!(e.to_string().contains("not by the sending process"), "{e}");
     assert_eq!(w.s.stats().offered, 1);
 }
@@ -421,7 +483,7 @@ fn offers_nobody_takes_are_let_go_after_their_time_to_live() {
     let (t, _) = w.offer(700, 1, None, None);
     eventually("expired", || w.counts.let_go.load(Ordering::SeqCst) == 1);
     assert_eq!(w.s.stats().expired, 1);
-    assert!(w.r.take(&t, T, |_| panic!("mapped")).is_err());
+    assert!(w.r.take(&t, T, |_| panic!("mapped"), None).is_err());
 }
 
 #[test]
@@ -612,4 +674,135 @@ fn the_most_descriptors_a_message_can_bring_on_a_frame_that_carries_none_are_all
     .unwrap();
     assert!(link::recv(b.as_fd()).is_err(), "a release carries no descriptor");
     assert_eq!(copies(), sent.len(), "every descriptor that arrived was closed");
+}
+
+/// The sender's pages of 2 MiB mapped from `addr` on, serials from `serial`: what its allocator
+/// tells once a receiver asked.
+fn place(w: &World, device: [u8; 16], serial: u64, addr: u64, n: u64) {
+    for k in 0..n {
+        let e = Event::Placed { device, serial: serial + k, addr: addr + k * PAGE, size: PAGE, fd: memfd() };
+        w.s.placement(e);
+    }
+}
+
+const PAGE: u64 = 2 << 20;
+
+impl World {
+    /// Takes `t` through the mirror if it can, else mapping it as [`take`](Self::take) does.
+    fn take_placing(&self, t: &Ticket, inodes: &[u64]) -> Result<receiver::Lease> {
+        let counts = self.counts.clone();
+        let inodes = inodes.to_vec();
+        let place = Box::new(FakePlace { counts: self.counts.clone() });
+        self.r.take(
+            t,
+            T,
+            move |fds| {
+                for (f, want) in fds.iter().zip(&inodes) {
+                    assert_eq!(inode(f.as_fd()), *want, "the offered page");
+                }
+                Ok(Box::new(FakeMapped { _fds: fds, counts }) as Box<dyn Mapped>)
+            },
+            Some(place),
+        )
+    }
+
+    /// A first take through the mirror's path: the receiver asks to be placed.
+    fn mirrored(&self) {
+        let (t, inodes) = self.offer(1, 1, None, None);
+        self.take_placing(&t, &inodes).unwrap().release_after_wait(done());
+        eventually("the first offer let go", || self.counts.let_go.load(Ordering::SeqCst) == 1);
+    }
+}
+
+#[test]
+fn pages_placed_ahead_are_taken_with_no_descriptor_and_no_mapping() {
+    let w = World::new();
+    w.mirrored();
+    place(&w, [0; 16], 100, 0x4000_0000, 3);
+    eventually("three pages placed", || w.r.stats().mirrored == 3);
+    assert_eq!(w.counts.placed.load(Ordering::SeqCst), 3);
+    // The last two pages, offered as a block starting 4 KiB into the first of them.
+    let (mut t, _) = w.offer_at(101, 2, None, None, 0x4000_0000 + PAGE);
+    t.share.block = crate::alloc::DevicePtr::new(0x4000_0000 + PAGE + 4096);
+    t.share.len -= 4096;
+    let exported = w.counts.exported.load(Ordering::SeqCst);
+    let lease =
+        w.r.take(&t, T, |_| panic!("mapped"), Some(Box::new(FakePlace { counts: w.counts.clone() })))
+            .unwrap();
+    assert_eq!(lease.ptr(), MIRROR_AT + 0x4000_0000 + PAGE + 4096, "the block's place in the mirror");
+    assert_eq!(w.r.stats().mirror_takes, 1);
+    assert_eq!(w.held(), 1, "claimed by a hold the sender granted");
+    drop(lease);
+    eventually("let go", || w.counts.let_go.load(Ordering::SeqCst) == 2);
+    // At most the descriptors made ahead of a fetch; none sent for it, and nothing unmapped.
+    assert!(w.counts.exported.load(Ordering::SeqCst) <= exported + 1);
+    assert_eq!(w.counts.unplaced.load(Ordering::SeqCst), 0);
+    assert_eq!(w.r.stats().mirrored, 3);
+}
+
+#[test]
+fn a_page_unplaced_or_revoked_is_unmapped_at_once_when_idle_and_when_its_last_lease_lets_go() {
+    let w = World::new();
+    w.mirrored();
+    place(&w, [0; 16], 200, 0x4000_0000, 2);
+    eventually("placed", || w.r.stats().mirrored == 2);
+    let (t, _) = w.offer_at(200, 1, None, None, 0x4000_0000);
+    let placer = Some(Box::new(FakePlace { counts: w.counts.clone() }) as Box<dyn Place>);
+    let lease = w.r.take(&t, T, |_| panic!("mapped"), placer).unwrap();
+    // Page 200 unmapped in the sender while the lease uses it; page 201 given back, idle here.
+    w.s.placement(Event::Unplaced { device: [0; 16], addr: 0x4000_0000 });
+    w.s.released(201);
+    eventually("the idle page unmapped", || w.counts.unplaced.load(Ordering::SeqCst) == 1);
+    assert_eq!(w.r.stats().mirrored, 0);
+    // A new page mapped where the used one still lies is not placed over it.
+    place(&w, [0; 16], 300, 0x4000_0000, 1);
+    std::thread::sleep(Duration::from_millis(50));
+    assert_eq!(w.counts.placed.load(Ordering::SeqCst), 2, "placed over a page in use");
+    lease.release_after_wait(done());
+    eventually("the used page unmapped at its release", || w.counts.unplaced.load(Ordering::SeqCst) == 2);
+    // Placed again once its place is free.
+    place(&w, [0; 16], 301, 0x4000_0000, 1);
+    eventually("placed again", || w.r.stats().mirrored == 1);
+}
+
+#[test]
+fn a_block_not_wholly_placed_side_by_side_is_fetched_and_mapped() {
+    let w = World::new();
+    w.mirrored();
+    place(&w, [0; 16], 400, 0x4000_0000, 1);
+    place(&w, [0; 16], 401, 0x4000_0000 + 2 * PAGE, 1); // a gap where the block's second page lies
+    eventually("placed", || w.r.stats().mirrored == 2);
+    let (t, inodes) = w.offer_at(400, 2, None, None, 0x4000_0000);
+    let lease = w.take_placing(&t, &inodes).unwrap();
+    assert_eq!(lease.ptr(), 0x7000_0000_0000, "mapped for the take");
+    assert_eq!(w.r.stats().mirror_takes, 0);
+    // A serial that differs from the page placed there is fetched too.
+    let (t2, inodes2) = w.offer_at(999, 1, None, None, 0x4000_0000 + 2 * PAGE);
+    assert_eq!(w.take_placing(&t2, &inodes2).unwrap().ptr(), 0x7000_0000_0000);
+    assert_eq!(w.r.stats().mirror_takes, 0);
+    drop(lease);
+}
+
+#[test]
+fn pages_are_placed_only_for_receivers_that_asked_for_their_device() {
+    let w = World::new();
+    // A receiver that took with no way to place (peers named, say) asks for nothing.
+    let (t, inodes) = w.offer(1, 1, None, None);
+    w.take(&t, &inodes, T).unwrap().release_after_wait(done());
+    place(&w, [0; 16], 500, 0x4000_0000, 1);
+    std::thread::sleep(Duration::from_millis(50));
+    assert_eq!(w.counts.placed.load(Ordering::SeqCst), 0);
+    w.mirrored();
+    place(&w, [7; 16], 501, 0x4000_0000, 1); // another device's page
+    place(&w, [0; 16], 502, 0x6000_0000, 1);
+    eventually("its device's page placed", || w.r.stats().mirrored == 1);
+    std::thread::sleep(Duration::from_millis(50));
+    assert_eq!(w.counts.placed.load(Ordering::SeqCst), 1);
+    // A take that cannot use the mirror maps its own, and leaves the mirror's page unused.
+    let (t, inodes) = w.offer_at(502, 1, None, None, 0x6000_0000);
+    let lease = w.take(&t, &inodes, T).unwrap();
+    assert_eq!((lease.ptr(), w.r.stats().mirror_takes), (0x7000_0000_0000, 0));
+    w.s.placement(Event::Unplaced { device: [0; 16], addr: 0x6000_0000 });
+    eventually("the unused page unmapped", || w.counts.unplaced.load(Ordering::SeqCst) == 1);
+    drop(lease);
 }

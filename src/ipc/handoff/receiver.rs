@@ -1,8 +1,9 @@
 //! The receiving side: one connection per sending process, read by the library's own thread
-//! (answers, revocations, a sender's end); the mappings kept while their sender keeps the pages;
-//! and releases told only after the work that used the memory is known done.
+//! (answers, revocations, placements, a sender's end); the mappings kept while their sender keeps
+//! the pages, and the mirror of its address space its pages are placed in ahead; and releases told
+//! only after the work that used the memory is known done.
 
-use super::frame::{Frame, Refusal, Token, RELEASES_PER_MESSAGE};
+use super::frame::{Frame, Placement, Refusal, Token, RELEASES_PER_MESSAGE};
 use super::link::{self, Wake};
 use super::ticket::Ticket;
 use crate::error::{record_drop, Error, Result};
@@ -29,6 +30,139 @@ pub(crate) trait Mapped: Send + Sync {
 
 /// A mapping shared by the leases over it and the kept table; the last holder unmaps it.
 type Shared = Arc<Mutex<Option<Box<dyn Mapped>>>>;
+
+/// What maps a sender's pages in this process's mirror of its address space, where a block's
+/// pages lie side by side as they lie there.
+pub(crate) trait Place: Send {
+    /// Maps the page `fd` describes (`size` bytes) where the sender's address `addr` falls in the
+    /// mirror, readable and writable by this process's device.
+    fn place(&mut self, fd: OwnedFd, addr: u64, size: u64) -> Result<Box<dyn Placed>>;
+    /// Waits for all work that may use the mirror's pages (the device's): what a lease over them
+    /// dropped without naming its streams waits for.
+    fn settler(&self) -> Settle;
+}
+
+/// A page mapped in the mirror; dropping it unmaps at once (it is dropped only once no lease
+/// uses it, every lease over it released after its work).
+pub(crate) trait Placed: Send {
+    /// Where it lies here.
+    fn here(&self) -> u64;
+}
+
+/// Waits for the device's work.
+pub(crate) type Settle = Arc<dyn Fn() -> Result<()> + Send + Sync>;
+
+/// A page in the mirror and the leases that use it.
+struct MirrorPage {
+    serial: u64,
+    size: u64,
+    page: Box<dyn Placed>,
+    users: usize,
+}
+
+/// A connection's mirror: the sender's pages placed ahead, by their address there.
+struct Mirror {
+    place: Box<dyn Place>,
+    settle: Settle,
+    pages: HashMap<u64, MirrorPage>,
+    /// Pages unplaced or revoked while leases used them, by (address there, serial): unmapped
+    /// when the last lets go.
+    stale: HashMap<(u64, u64), MirrorPage>,
+}
+
+impl Mirror {
+    /// Takes `addr`'s page out of the mirror: unmapped now if no lease uses it.
+    fn remove(&mut self, addr: u64) -> bool {
+        let Some(p) = self.pages.remove(&addr) else { return false };
+        if p.users > 0 {
+            self.stale.insert((addr, p.serial), p);
+        }
+        true
+    }
+
+    /// Maps the pages of a placement (or closes their descriptors where it cannot: a place
+    /// still held by a page that leases use, or a refusal of the driver).
+    fn place(&mut self, placements: Vec<Placement>, fds: Vec<OwnedFd>) {
+        for (p, fd) in placements.into_iter().zip(fds) {
+            let busy = self.stale.keys().any(|&(a, _)| a == p.addr)
+                || self.pages.get(&p.addr).is_some_and(|old| old.users > 0);
+            if busy {
+                continue;
+            }
+            self.pages.remove(&p.addr); // unmapped before its place is mapped again
+            match self.place.place(fd, p.addr, p.size) {
+                Ok(page) => {
+                    self.pages.insert(p.addr, MirrorPage { serial: p.serial, size: p.size, page, users: 0 });
+                }
+                Err(e) => record_drop::<()>(Err(e)),
+            }
+        }
+    }
+
+    /// The block of `ticket` if each of its pages lies in the mirror, side by side: one more
+    /// lease uses them. Its address here.
+    fn claim(&mut self, ticket: &Ticket) -> Option<u64> {
+        let (first, page) = (ticket.share.first_page, ticket.page());
+        let mut base = 0;
+        for (k, &serial) in ticket.share.pages.iter().enumerate() {
+            let at = first.checked_add(k as u64 * page)?;
+            let p = self.pages.get(&at).filter(|p| p.serial == serial && p.size == page)?;
+            if k == 0 {
+                base = p.page.here();
+            } else if p.page.here() != base + k as u64 * page {
+                return None;
+            }
+        }
+        for k in 0..ticket.share.pages.len() {
+            self.pages.get_mut(&(first + k as u64 * page)).expect("checked").users += 1;
+        }
+        Some(base)
+    }
+
+    /// One lease fewer over the pages at `addrs` (with their serials).
+    fn unclaim(&mut self, pages: &[(u64, u64)]) {
+        for &(addr, serial) in pages {
+            if let Some(p) = self.pages.get_mut(&addr).filter(|p| p.serial == serial) {
+                p.users -= 1;
+            } else if let Some(p) = self.stale.get_mut(&(addr, serial)) {
+                p.users -= 1;
+                if p.users == 0 {
+                    self.stale.remove(&(addr, serial));
+                }
+            }
+        }
+    }
+}
+
+/// The mirror's pages under one lease.
+struct MirrorLease {
+    conn: Arc<Conn>,
+    pages: Vec<(u64, u64)>,
+    base: u64,
+    settle: Settle,
+}
+
+impl Mapped for MirrorLease {
+    fn base(&self) -> u64 {
+        self.base
+    }
+
+    fn settle(&self) -> Result<()> {
+        (self.settle)()
+    }
+
+    unsafe fn assume_idle(&mut self) {
+        // Its pages are unmapped only once no lease uses them.
+    }
+}
+
+impl Drop for MirrorLease {
+    fn drop(&mut self) {
+        if let Some(m) = lock(&self.conn.st).mirror.as_mut() {
+            m.unclaim(&self.pages);
+        }
+    }
+}
 
 /// An answer whose descriptors are still arriving: its offers and the descriptors so far.
 type Partial = (Vec<(Token, u32)>, Vec<OwnedFd>);
@@ -59,6 +193,10 @@ pub struct ReceiverStats {
     pub held_for_good: u64,
     /// Mappings unmapped because their sender gave the pages back.
     pub revoked: u64,
+    /// Pages of senders placed in this process's mirrors of them, ahead of any hand-off.
+    pub mirrored: usize,
+    /// Takes that found every page of their block in a mirror: no descriptor, no mapping.
+    pub mirror_takes: u64,
 }
 
 struct KeptMap {
@@ -112,6 +250,8 @@ struct ConnState {
     partial: Option<Partial>,
     along: HashMap<Token, (Vec<OwnedFd>, Instant)>,
     kept: HashMap<Vec<u64>, KeptMap>,
+    /// Asked for once a take gave what maps its pages.
+    mirror: Option<Mirror>,
     /// Messages the socket had no room for, sent by the library's thread when it has.
     out: VecDeque<Vec<u8>>,
     closed: bool,
@@ -160,6 +300,7 @@ pub(crate) struct Inner {
     releasing: AtomicUsize,
     held_for_good: AtomicU64,
     revoked: AtomicU64,
+    mirror_takes: AtomicU64,
     /// How long an offer taken along waits to be asked for ([`ALONG_FOR`]; shorter in tests).
     along_for: Mutex<Duration>,
 }
@@ -183,6 +324,7 @@ impl Inner {
             releasing: AtomicUsize::new(0),
             held_for_good: AtomicU64::new(0),
             revoked: AtomicU64::new(0),
+            mirror_takes: AtomicU64::new(0),
             along_for: Mutex::new(ALONG_FOR),
         });
         let (io, rel) = (Arc::downgrade(&inner), Arc::downgrade(&inner));
@@ -205,11 +347,12 @@ impl Inner {
 
     pub(crate) fn stats(&self) -> ReceiverStats {
         let conns: Vec<Arc<Conn>> = lock(&self.conns).values().cloned().collect();
-        let (mut kept, mut kept_bytes) = (0, 0);
+        let (mut kept, mut kept_bytes, mut mirrored) = (0, 0, 0);
         for c in &conns {
             let st = lock(&c.st);
             kept += st.kept.len();
             kept_bytes += st.kept.values().map(|k| k.bytes).sum::<u64>();
+            mirrored += st.mirror.as_ref().map_or(0, |m| m.pages.len());
         }
         ReceiverStats {
             connections: conns.len(),
@@ -219,6 +362,8 @@ impl Inner {
             releasing: self.releasing.load(Ordering::Relaxed),
             held_for_good: self.held_for_good.load(Ordering::Relaxed),
             revoked: self.revoked.load(Ordering::Relaxed),
+            mirrored,
+            mirror_takes: self.mirror_takes.load(Ordering::Relaxed),
         }
     }
 
@@ -244,16 +389,20 @@ impl Inner {
     }
 
     /// Takes the offer of `ticket`, mapping its pages with `map` unless a kept mapping of them is
-    /// there already.
+    /// there already, or (given `place`, what maps pages in a mirror as this take would map them)
+    /// the sender placed them in this connection's mirror. The first take given `place` asks the
+    /// sender to place its pages from then on.
     pub(crate) fn take(
         self: &Arc<Self>,
         ticket: &Ticket,
         timeout: Duration,
         map: impl FnOnce(Vec<OwnedFd>) -> Result<Box<dyn Mapped>>,
+        place: Option<Box<dyn Place>>,
     ) -> Result<Lease> {
         let deadline = Instant::now() + timeout;
         let conn = self.conn(ticket, deadline)?;
         let token = ticket.token;
+        let mirror_ok = place.is_some();
         let mut held_along = false;
         let (slot, kept) = {
             let mut st = lock(&conn.st);
@@ -263,24 +412,34 @@ impl Inner {
                 return Err(gone());
             }
             let along = st.along.remove(&token);
-            if let Some(k) = st.kept.get_mut(&ticket.share.pages).filter(|k| !k.revoked) {
-                k.users += 1;
-                let map = k.map.clone();
+            let reuse = match st.kept.get_mut(&ticket.share.pages).filter(|k| !k.revoked) {
+                Some(k) => {
+                    k.users += 1;
+                    Some((k.map.clone(), Some(ticket.share.pages.clone())))
+                }
+                None if place.is_some() => self.claim_mirror(&conn, &mut st, ticket).map(|m| (m, None)),
+                None => None,
+            };
+            let pair = if let Some((map, key)) = reuse {
+                if key.is_none() {
+                    self.mirror_takes.fetch_add(1, Ordering::Relaxed);
+                }
                 if along.is_some() {
-                    // Taken along: the sender holds it for us already.
+                    // Taken along: the sender holds it for us already (descriptors that came
+                    // with it are closed unused).
                     drop(st);
-                    return Ok(self.lease(conn, ticket, Some(ticket.share.pages.clone()), map));
+                    return Ok(self.lease(conn, ticket, key, map));
                 }
                 // Claimed with no descriptor; used only once the sender grants it (the offer
                 // may be gone: taken by another, let go, expired).
                 let slot = Slot::new(token, true);
                 st.waiting.push_back(slot.clone());
                 conn.send(&mut st, &Frame::Hold(token), &self.wake);
-                (slot, Some(map))
+                (slot, Some((map, key)))
             } else if along.as_ref().is_some_and(|(f, _)| !f.is_empty()) {
                 drop(st);
                 let (fds, _) = along.expect("checked");
-                return self.mapped(conn, ticket, fds, map);
+                return self.mapped(conn, ticket, fds, map, mirror_ok);
             } else {
                 // Not taken yet, or taken along by a hold without its pages (the sender then
                 // answers them for the offer it holds for us).
@@ -289,7 +448,14 @@ impl Inner {
                 st.waiting.push_back(slot.clone());
                 conn.send(&mut st, &Frame::Fetch(token), &self.wake);
                 (slot, None)
+            };
+            if let Some(place) = place.filter(|_| st.mirror.is_none() && !st.closed) {
+                // After the question, so that the answer does not wait for the placements.
+                let settle = place.settler();
+                st.mirror = Some(Mirror { place, settle, pages: HashMap::new(), stale: HashMap::new() });
+                conn.send(&mut st, &Frame::Mirror(ticket.device), &self.wake);
             }
+            pair
         };
         let answer = slot.wait(deadline);
         if held_along && answer.is_err() {
@@ -298,12 +464,12 @@ impl Inner {
             conn.send(&mut st, &Frame::Release(vec![token]), &self.wake);
         }
         match kept {
-            Some(map) => match answer {
-                Ok(_) => Ok(self.lease(conn, ticket, Some(ticket.share.pages.clone()), map)),
+            Some((map, key)) => match answer {
+                Ok(_) => Ok(self.lease(conn, ticket, key, map)),
                 Err(e) => {
-                    let unmap = {
-                        let mut st = lock(&conn.st);
-                        self.unuse(&mut st, &ticket.share.pages)
+                    let unmap = match key {
+                        Some(key) => self.unuse(&mut lock(&conn.st), &key),
+                        None => None, // the mirror's pages: one user fewer as `map` drops
                     };
                     drop(map);
                     if let Some(m) = unmap {
@@ -312,8 +478,19 @@ impl Inner {
                     Err(e)
                 }
             },
-            None => self.mapped(conn, ticket, answer?, map),
+            None => self.mapped(conn, ticket, answer?, map, mirror_ok),
         }
+    }
+
+    /// A lease's mapping over the mirror's pages of `ticket`'s block, if they are all there.
+    fn claim_mirror(&self, conn: &Arc<Conn>, st: &mut ConnState, ticket: &Ticket) -> Option<Shared> {
+        let m = st.mirror.as_mut()?;
+        let base = m.claim(ticket)?;
+        let (first, page) = (ticket.share.first_page, ticket.page());
+        let pages =
+            ticket.share.pages.iter().enumerate().map(|(k, &s)| (first + k as u64 * page, s)).collect();
+        let lease = MirrorLease { conn: conn.clone(), pages, base, settle: m.settle.clone() };
+        Some(Arc::new(Mutex::new(Some(Box::new(lease) as Box<dyn Mapped>))))
     }
 
     /// One user fewer of the kept mapping under `key`; the mapping to unmap if it was the last
@@ -327,14 +504,26 @@ impl Inner {
         None
     }
 
-    /// Maps the descriptors a fetch got; on failure, lets the offer go.
+    /// Maps the descriptors a fetch got, unless (`mirror_ok`) the pages lie in the mirror: the
+    /// sender places a block's pages before it answers for the block, so they may have come
+    /// while the fetch waited. On failure, lets the offer go.
     fn mapped(
         self: &Arc<Self>,
         conn: Arc<Conn>,
         ticket: &Ticket,
         fds: Vec<OwnedFd>,
         map: impl FnOnce(Vec<OwnedFd>) -> Result<Box<dyn Mapped>>,
+        mirror_ok: bool,
     ) -> Result<Lease> {
+        if mirror_ok {
+            let mut st = lock(&conn.st);
+            if let Some(m) = self.claim_mirror(&conn, &mut st, ticket) {
+                drop(st);
+                drop(fds);
+                self.mirror_takes.fetch_add(1, Ordering::Relaxed);
+                return Ok(self.lease(conn, ticket, None, m));
+            }
+        }
         let r = if fds.len() == ticket.share.pages.len() {
             map(fds)
         } else {
@@ -626,6 +815,12 @@ fn close(st: &mut ConnState, unmap: &mut Vec<Shared>) {
         }
         k.users > 0
     });
+    if let Some(m) = st.mirror.as_mut() {
+        let placed: Vec<u64> = m.pages.keys().copied().collect();
+        for addr in placed {
+            m.remove(addr);
+        }
+    }
 }
 
 fn answer(s: &Slot, r: Result<Vec<OwnedFd>>) -> bool {
@@ -735,7 +930,27 @@ fn handle(
             };
             answer(&slot, Err(Error::Protocol(why.into())));
         }
+        Frame::Placed(placements) => {
+            let m =
+                st.mirror.as_mut().ok_or_else(|| Error::Protocol("placements nobody asked for".into()))?;
+            m.place(placements, fds);
+        }
+        Frame::Unplaced(addrs) => {
+            if let Some(m) = st.mirror.as_mut() {
+                for addr in addrs {
+                    m.remove(addr);
+                }
+            }
+        }
         Frame::Revoke(serials) => {
+            if let Some(m) = st.mirror.as_mut() {
+                let hit: Vec<u64> =
+                    m.pages.iter().filter(|(_, p)| serials.contains(&p.serial)).map(|(&a, _)| a).collect();
+                for addr in hit {
+                    m.remove(addr);
+                    i.revoked.fetch_add(1, Ordering::Relaxed);
+                }
+            }
             let hit: Vec<Vec<u64>> =
                 st.kept.keys().filter(|k| k.iter().any(|s| serials.contains(s))).cloned().collect();
             for key in hit {

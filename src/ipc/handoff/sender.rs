@@ -1,9 +1,12 @@
 //! The sending side: offers, the thread that answers receivers, what each connection holds, and
 //! the revocation of pages this process gives back.
 
-use super::frame::{Frame, Refusal, Token, FDS_PER_MESSAGE, OFFERS_PER_ANSWER, SERIALS_PER_MESSAGE};
+use super::frame::{
+    Frame, Placement, Refusal, Token, FDS_PER_MESSAGE, OFFERS_PER_ANSWER, SERIALS_PER_MESSAGE,
+};
 use super::link::{self, Peer, Wake};
 use crate::error::{record_drop, Error, Result};
+use crate::vmm::placements::{self, Event};
 use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
@@ -63,6 +66,9 @@ struct State {
     /// Offers made since the server last looked, whose pages' descriptors it makes ahead of a
     /// fetch.
     fresh: Vec<Token>,
+    /// Pages mapped and unmapped since the server last looked, in order, for the receivers that
+    /// mirror them.
+    placements: Vec<Event>,
 }
 
 impl State {
@@ -207,6 +213,19 @@ impl Inner {
         lock(&self.state).released.push(serial);
         self.wake.wake();
     }
+
+    /// A page of this process mapped or unmapped, for the receivers that mirror them. Called
+    /// under allocators' locks: only queues and wakes.
+    pub(crate) fn placement(&self, e: Event) {
+        lock(&self.state).placements.push(e);
+        self.wake.wake();
+    }
+}
+
+/// Messages of placements for one connection, in the order of the events.
+enum Batch {
+    Placed(Vec<Placement>, Vec<OwnedFd>),
+    Unplaced(Vec<u64>),
 }
 
 /// One receiving process's connection, as the server sees it.
@@ -219,6 +238,10 @@ struct Conn {
     /// Serials of the pages whose descriptors it was given (it may keep mappings of them).
     sent: HashSet<u64>,
     out: VecDeque<(Vec<u8>, Vec<OwnedFd>)>,
+    /// The device (by UUID) whose pages it mirrors, once it asked.
+    mirror: Option<[u8; 16]>,
+    /// Where pages placed in its mirror lie here (address to serial).
+    placed: HashMap<u64, u64>,
 }
 
 impl Conn {
@@ -282,6 +305,7 @@ impl Server {
         };
         if !wake.is_empty() {
             self.inner.wake.drain();
+            self.place();
             self.revoke();
             self.make_ahead();
         }
@@ -325,6 +349,8 @@ impl Server {
                         held: HashMap::new(),
                         sent: HashSet::new(),
                         out: VecDeque::new(),
+                        mirror: None,
+                        placed: HashMap::new(),
                     }),
                     Err(e) => record_drop::<()>(Err(e)),
                 },
@@ -410,6 +436,12 @@ impl Server {
                     n += usize::from(untaken.is_some());
                 }
                 self.let_go(n);
+                Ok(())
+            }
+            Frame::Mirror(uuid) => {
+                // Pages mapped from now on are placed in its mirror as they are mapped.
+                self.conns[i].mirror = Some(uuid);
+                placements::want();
                 Ok(())
             }
             other => Err(Error::Protocol(format!("a receiver sent a sender's message ({other:?})"))),
@@ -528,6 +560,63 @@ impl Server {
             if !known {
                 // A failure is met again, and answered, by the fetch.
                 drop(shared.descriptors());
+            }
+        }
+    }
+
+    /// Tells the receivers that mirror a device's pages where pages were mapped and unmapped, in
+    /// the order it happened.
+    fn place(&mut self) {
+        let events = std::mem::take(&mut lock(&self.inner.state).placements);
+        if events.is_empty() {
+            return;
+        }
+        let mut batches: Vec<Vec<Batch>> = (0..self.conns.len()).map(|_| Vec::new()).collect();
+        for e in events {
+            let uuid = match &e {
+                Event::Placed { device, .. } | Event::Unplaced { device, .. } => *device,
+            };
+            for (c, out) in self.conns.iter_mut().zip(batches.iter_mut()) {
+                if c.ended() || c.mirror != Some(uuid) {
+                    continue;
+                }
+                match &e {
+                    Event::Placed { serial, addr, size, fd, .. } => {
+                        // Without a descriptor to spare the page is not placed there.
+                        let Ok(fd) = fd.try_clone() else { continue };
+                        c.placed.insert(*addr, *serial);
+                        c.sent.insert(*serial);
+                        let p = Placement { serial: *serial, addr: *addr, size: *size };
+                        match out.last_mut() {
+                            Some(Batch::Placed(ps, fds)) if ps.len() < FDS_PER_MESSAGE => {
+                                ps.push(p);
+                                fds.push(fd);
+                            }
+                            _ => out.push(Batch::Placed(vec![p], vec![fd])),
+                        }
+                    }
+                    Event::Unplaced { addr, .. } => {
+                        if c.placed.remove(addr).is_none() {
+                            continue;
+                        }
+                        match out.last_mut() {
+                            Some(Batch::Unplaced(a)) if a.len() < SERIALS_PER_MESSAGE => a.push(*addr),
+                            _ => out.push(Batch::Unplaced(vec![*addr])),
+                        }
+                    }
+                }
+            }
+        }
+        for (i, out) in batches.into_iter().enumerate() {
+            for b in out {
+                let sent = match b {
+                    Batch::Placed(ps, fds) => self.queue(i, Frame::Placed(ps), fds),
+                    Batch::Unplaced(a) => self.queue(i, Frame::Unplaced(a), Vec::new()),
+                };
+                if sent.is_err() {
+                    self.conns[i].end();
+                    break;
+                }
             }
         }
     }
