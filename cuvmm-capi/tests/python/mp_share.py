@@ -13,9 +13,10 @@ is one physical allocation) a spawned receiver gets:
 * views of several dtypes, strides and offsets, and an nn.Parameter: it checks each against the
   sender's description (dtype, size, strides, storage offset, sum) and writes one element, which
   the sender must then see (zero copy); a view passed as a Process argument is checked too;
-* --tensors tensors totalling --gib GiB, --rounds times: the time from ``put`` to the receiver
-  having them all usable (a kernel has read each, synchronised): the first round (storages never
-  shared before) and the median of the others (the same storages again, as weight sync sends
+* --tensors tensors totalling --gib GiB, allocated after the views' hand-off (on cuvmm, their
+  pages are placed in the receiver's mirror as they are mapped), --rounds times: the time from
+  ``put`` to the receiver having them all usable (a kernel has read each, synchronised; its kernels
+  run once before): the first round (storages never shared before) and the median of the others (the same storages again, as weight sync sends
   them every step; the receiver dropped them in between);
 * with two GPUs, the same tensors read from GPU 1 (``copy_`` into GPU 1 memory: the copy engine),
   against the same copies from the receiver's own GPU 0 memory in the same process
