@@ -431,7 +431,9 @@ fn blocks_made_after_a_first_take_are_taken_from_the_receivers_mirror() {
     let k = Kernels::load(&ctx).unwrap();
     let (kid, mut s) = spawn(&test_name(), "kept");
     let mut round = |p: u64| hand_one(&mut s, &sender, &alloc, p).1;
-    let mut small = alloc.allocate(8 * MIB, &st).unwrap();
+    // On a small page: the large pages of the blocks below are all mapped after the receiver
+    // asked (a page mapped before is not placed, and a block on it is fetched).
+    let mut small = alloc.allocate(MIB, &st).unwrap();
     k.fill_u32(&st, &mut small.as_mut_slice(), 1).unwrap();
     st.synchronize().unwrap();
     let first = round(small.ptr());
