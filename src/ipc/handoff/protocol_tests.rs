@@ -706,11 +706,13 @@ impl World {
         )
     }
 
-    /// A first take through the mirror's path: the receiver asks to be placed.
+    /// A first take through the mirror's path: the receiver asks to be placed. No other release
+    /// may be on its way.
     fn mirrored(&self) {
+        let before = self.counts.let_go.load(Ordering::SeqCst);
         let (t, inodes) = self.offer(1, 1, None, None);
         self.take_placing(&t, &inodes).unwrap().release_after_wait(done());
-        eventually("the first offer let go", || self.counts.let_go.load(Ordering::SeqCst) == 1);
+        eventually("the first offer let go", || self.counts.let_go.load(Ordering::SeqCst) == before + 1);
     }
 }
 
@@ -789,6 +791,7 @@ fn pages_are_placed_only_for_receivers_that_asked_for_their_device() {
     // A receiver that took with no way to place (peers named, say) asks for nothing.
     let (t, inodes) = w.offer(1, 1, None, None);
     w.take(&t, &inodes, T).unwrap().release_after_wait(done());
+    eventually("let go", || w.counts.let_go.load(Ordering::SeqCst) == 1);
     place(&w, [0; 16], 500, 0x4000_0000, 1);
     std::thread::sleep(Duration::from_millis(50));
     assert_eq!(w.counts.placed.load(Ordering::SeqCst), 0);
