@@ -7,9 +7,11 @@ the per-token ratio is within --ci (relative half-width) or --cap seconds have p
     python3 alloc_cost.py --profile         # where cuvmm's time per allocation goes
 
 Each child measures (i) ``torch.empty`` and its free in a Python loop, for sizes 512 B to 8 MiB
-(median ns per pair), and (ii) the time per generated token of a small Llama (transformers,
-random weights, fixed seed, greedy ``model.generate``), the median of --repeats generations after
-a warm-up one: a single generation per process varies by tens of percent between processes. The
+(median ns per pair), (ii) the time per generated token of a small Llama (transformers, random
+weights, fixed seed, greedy ``model.generate``), the median of --repeats generations after a
+warm-up one: a single generation per process varies by tens of percent between processes, and
+(iii) references of the process's own speed that no allocator touches (a Python loop, an in-place
+kernel launch; reported, with the per-token ratio over the launch reference, as a diagnostic). The
 two processes of a round ran one after the other on the same machine, so the interval is that of
 the rounds' paired ratios (the mean of their logarithms, with Student's t): what drifts between
 rounds cancels within each. The JSON gives the medians, the ratios (cuvmm / native), the interval
@@ -66,6 +68,31 @@ def decode_ms_per_token(torch, tokens, repeats):
     return statistics.median(times)
 
 
+def references(torch):
+    """What this process's speed is, apart from any allocator: a fixed Python loop (ms) and a
+    kernel launch that allocates nothing (an in-place add on a tensor made before, µs), medians
+    of five. A process that is slow for its whole life shows it here too, whichever allocator
+    it has, so a ratio of per-token times over these tells the allocator from the process."""
+    def cpu():
+        t = time.perf_counter()
+        sum(i * i for i in range(200_000))
+        return (time.perf_counter() - t) * 1e3
+
+    x = torch.zeros(1, device="cuda")
+
+    def launch():
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(2000):
+            x.add_(1)
+        torch.cuda.synchronize()
+        return (time.perf_counter() - t) * 1e6 / 2000
+
+    launch()
+    return {"cpu_ms": statistics.median(cpu() for _ in range(5)),
+            "launch_us": statistics.median(launch() for _ in range(5))}
+
+
 def child(alloc, tokens, loops, repeats):
     import torch
 
@@ -75,7 +102,8 @@ def child(alloc, tokens, loops, repeats):
         ct.use_as_current_allocator()
     torch.cuda.init()
     pairs = {s: min(pairs_ns(torch, s, loops) for _ in range(3)) for s in SIZES}
-    return {"pairs_ns": pairs, "ms_per_token": decode_ms_per_token(torch, tokens, repeats)}
+    return {"pairs_ns": pairs, "ms_per_token": decode_ms_per_token(torch, tokens, repeats),
+            "refs": references(torch)}
 
 
 def profile(loops):
@@ -163,9 +191,17 @@ def main():
     med = {a: {"ms_per_token": statistics.median(r["ms_per_token"] for r in rs),
                "pairs_ns": {s: statistics.median(r["pairs_ns"][str(s)] for r in rs) for s in SIZES}}
            for a, rs in runs.items()}
+    # The same ratio with each process's per-token time over its own launch reference: a
+    # diagnostic of how much of the spread is the process's rather than the allocator's (not the
+    # goal's figure).
+    per_launch = {a: [r["ms_per_token"] / r["refs"]["launch_us"] for r in rs] for a, rs in runs.items()}
+    norm, norm_rel, _ = paired_ratio(per_launch["native"], per_launch["cuvmm"])
+    print(f"per token over each process's launch reference: {norm:.4f} +- {norm_rel * 100:.2f}%", file=sys.stderr)
     result = {
         "rounds": k, "cpus": cpus, "medians": med,
         "ms_per_token": {a: [r["ms_per_token"] for r in rs] for a, rs in runs.items()},
+        "refs": {a: [r["refs"] for r in rs] for a, rs in runs.items()},
+        "token_over_launch_ratio": norm, "token_over_launch_ci95_rel": norm_rel,
         "pair_ratio": {s: med["cuvmm"]["pairs_ns"][s] / med["native"]["pairs_ns"][s] for s in SIZES},
         "token_ratio": ratio, "token_ratio_ci95_rel": rel, "token_ratio_ci95_high": high,
         "ci_reached": rel <= args.ci, "goal_token_ratio_le_1_02": high <= 1.02,
