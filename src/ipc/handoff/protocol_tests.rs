@@ -178,6 +178,17 @@ impl World {
 
     /// Takes `t`, checking that the descriptors are the offered pages, close-on-exec.
     fn take(&self, t: &Ticket, inodes: &[u64], timeout: Duration) -> Result<receiver::Lease> {
+        self.take_with(t, inodes, timeout, None)
+    }
+
+    /// [`take`](Self::take), given `place` for the mirror.
+    fn take_with(
+        &self,
+        t: &Ticket,
+        inodes: &[u64],
+        timeout: Duration,
+        place: Option<Box<dyn Place>>,
+    ) -> Result<receiver::Lease> {
         let counts = self.counts.clone();
         let inodes = inodes.to_vec();
         self.r.take(
@@ -194,7 +205,7 @@ impl World {
                 }
                 Ok(Box::new(FakeMapped { _fds: fds, counts }) as Box<dyn Mapped>)
             },
-            None,
+            place,
         )
     }
 
@@ -690,20 +701,7 @@ const PAGE: u64 = 2 << 20;
 impl World {
     /// Takes `t` through the mirror if it can, else mapping it as [`take`](Self::take) does.
     fn take_placing(&self, t: &Ticket, inodes: &[u64]) -> Result<receiver::Lease> {
-        let counts = self.counts.clone();
-        let inodes = inodes.to_vec();
-        let place = Box::new(FakePlace { counts: self.counts.clone() });
-        self.r.take(
-            t,
-            T,
-            move |fds| {
-                for (f, want) in fds.iter().zip(&inodes) {
-                    assert_eq!(inode(f.as_fd()), *want, "the offered page");
-                }
-                Ok(Box::new(FakeMapped { _fds: fds, counts }) as Box<dyn Mapped>)
-            },
-            Some(place),
-        )
+        self.take_with(t, inodes, T, Some(Box::new(FakePlace { counts: self.counts.clone() })))
     }
 
     /// A first take through the mirror's path: the receiver asks to be placed. No other release

@@ -72,12 +72,10 @@ struct Mirror {
 
 impl Mirror {
     /// Takes `addr`'s page out of the mirror: unmapped now if no lease uses it.
-    fn remove(&mut self, addr: u64) -> bool {
-        let Some(p) = self.pages.remove(&addr) else { return false };
-        if p.users > 0 {
+    fn remove(&mut self, addr: u64) {
+        if let Some(p) = self.pages.remove(&addr).filter(|p| p.users > 0) {
             self.stale.insert((addr, p.serial), p);
         }
-        true
     }
 
     /// Maps the pages of a placement (or closes their descriptors where it cannot: a place
@@ -100,9 +98,10 @@ impl Mirror {
     }
 
     /// The block of `ticket` if each of its pages lies in the mirror, side by side: one more
-    /// lease uses them. Its address here.
-    fn claim(&mut self, ticket: &Ticket) -> Option<u64> {
+    /// lease uses them. Its address here, and its pages (address there, serial).
+    fn claim(&mut self, ticket: &Ticket) -> Option<(u64, Vec<(u64, u64)>)> {
         let (first, page) = (ticket.share.first_page, ticket.page());
+        let mut pages = Vec::with_capacity(ticket.share.pages.len());
         let mut base = 0;
         for (k, &serial) in ticket.share.pages.iter().enumerate() {
             let at = first.checked_add(k as u64 * page)?;
@@ -112,11 +111,12 @@ impl Mirror {
             } else if p.page.here() != base + k as u64 * page {
                 return None;
             }
+            pages.push((at, serial));
         }
-        for k in 0..ticket.share.pages.len() {
-            self.pages.get_mut(&(first + k as u64 * page)).expect("checked").users += 1;
+        for (at, _) in &pages {
+            self.pages.get_mut(at).expect("checked").users += 1;
         }
-        Some(base)
+        Some((base, pages))
     }
 
     /// One lease fewer over the pages at `addrs` (with their serials).
@@ -421,9 +421,6 @@ impl Inner {
                 None => None,
             };
             let pair = if let Some((map, key)) = reuse {
-                if key.is_none() {
-                    self.mirror_takes.fetch_add(1, Ordering::Relaxed);
-                }
                 if along.is_some() {
                     // Taken along: the sender holds it for us already (descriptors that came
                     // with it are closed unused).
@@ -482,13 +479,12 @@ impl Inner {
         }
     }
 
-    /// A lease's mapping over the mirror's pages of `ticket`'s block, if they are all there.
+    /// A lease's mapping over the mirror's pages of `ticket`'s block, if they are all there
+    /// (counted as a take served by the mirror).
     fn claim_mirror(&self, conn: &Arc<Conn>, st: &mut ConnState, ticket: &Ticket) -> Option<Shared> {
         let m = st.mirror.as_mut()?;
-        let base = m.claim(ticket)?;
-        let (first, page) = (ticket.share.first_page, ticket.page());
-        let pages =
-            ticket.share.pages.iter().enumerate().map(|(k, &s)| (first + k as u64 * page, s)).collect();
+        let (base, pages) = m.claim(ticket)?;
+        self.mirror_takes.fetch_add(1, Ordering::Relaxed);
         let lease = MirrorLease { conn: conn.clone(), pages, base, settle: m.settle.clone() };
         Some(Arc::new(Mutex::new(Some(Box::new(lease) as Box<dyn Mapped>))))
     }
@@ -520,7 +516,6 @@ impl Inner {
             if let Some(m) = self.claim_mirror(&conn, &mut st, ticket) {
                 drop(st);
                 drop(fds);
-                self.mirror_takes.fetch_add(1, Ordering::Relaxed);
                 return Ok(self.lease(conn, ticket, None, m));
             }
         }
