@@ -1,26 +1,43 @@
 #!/usr/bin/env python3
-"""What one allocation costs under cuvmm beside PyTorch's allocator, each run in a fresh process,
-the order alternating (native, cuvmm, cuvmm, native, ...), until the 95% confidence interval of
-the per-token ratio is within --ci (relative half-width) or --cap seconds have passed.
+"""What one allocation costs under cuvmm beside PyTorch's allocator: both allocators take turns
+inside each process, generation by generation, until the 95% confidence interval of the per-token
+ratio is within --ci (relative half-width) or --cap seconds have passed.
 
-    python3 alloc_cost.py [--cap 540] [--ci 0.01] [--repeats 5] [--cpus 1] [--json PATH]
-    python3 alloc_cost.py --profile         # where cuvmm's time per allocation goes
+    python3 alloc_cost.py [--cap 300] [--ci 0.01] [--pairs 120] [--json PATH]
+    python3 alloc_cost.py --across [--cpus 1]   # each allocator in fresh processes of its own
+    python3 alloc_cost.py --profile             # where cuvmm's time per allocation goes
 
-Each child measures (i) ``torch.empty`` and its free in a Python loop, for sizes 512 B to 8 MiB
-(median ns per pair), (ii) the time per generated token of a small Llama (transformers, random
-weights, fixed seed, greedy ``model.generate``), the median of --repeats generations after a
-warm-up one: a single generation per process varies by tens of percent between processes, and
-(iii) references of the process's own speed that no allocator touches (a Python loop, an in-place
-kernel launch; reported, with the per-token ratio over the launch reference, as a diagnostic). The
-two processes of a round ran one after the other on the same machine, so the interval is that of
-the rounds' paired ratios (the mean of their logarithms, with Student's t): what drifts between
-rounds cancels within each. The JSON gives the medians, the ratios (cuvmm / native), the interval
-and its upper end; the goal is a per-token ratio of at most 1.02, the whole interval included.
+The workload: a small Llama (transformers, random weights, fixed seed) decoding 64 tokens with
+greedy ``model.generate`` (16 tokens within a process, 64 across), and ``torch.empty`` with its free in a Python loop, 512 B to 8 MiB.
+
+Within a process (the default): PyTorch fixes its allocator at a process's first CUDA call, and
+a process runs fast or slow for its whole life whatever its allocator, by up to 1.6x, so ratios
+between processes carry that spread. Here each process holds both allocators: PyTorch keeps the
+current one in a single pointer (``c10::cuda::CUDACachingAllocator::allocator``, exported by
+libc10_cuda.so) and frees each tensor through the deleter its allocator gave it, so the child
+puts cuvmm in as users do (``use_as_current_allocator``), lets PyTorch initialise its own caching
+allocator behind that pointer, and from then on points it at one or the other between
+generations. Each allocator decodes with a copy of the model it allocated itself, and the two
+copies must generate the same tokens. A child first checks that the pointer decides which
+allocator serves a tensor (cuvmm counts an allocation under cuvmm only, and none while PyTorch's
+is current). Generations are short (16 tokens) and alternate, so that the two of a pair run a
+fraction of a second apart; children run on the last CPU this process may use. A process's ratio
+is that of its two medians, which a burst of slowness during a few generations does not move; the
+interval is Student's over the processes' ratios, so that what a process's life does to both
+allocators alike cancels, and what differs between processes counts.
+
+``--across``: the method users can copy, each process on one allocator, the order alternating
+(native, cuvmm, cuvmm, native, ...), each process the median of --repeats generations after a
+warm-up one, with references of its own speed that no allocator touches (a Python loop, an
+in-place kernel launch); the interval is that of the rounds' paired ratios.
 
 ``--profile`` (cuvmm only): per size, ns per pair of ``torch.empty`` + free, and of
 ``cuvmm_malloc`` + ``cuvmm_free`` called through ctypes directly (the ctypes call's own cost
 measured with a no-op C function and taken off): the rest is PyTorch's side (its wrapper, the
 pluggable allocator's map and lock, the tensor).
+
+The JSON gives the medians, the ratios (cuvmm / native), the interval and its upper end; the goal
+is a per-token ratio of at most 1.02, the whole interval included.
 """
 
 import argparse
@@ -46,7 +63,8 @@ def pairs_ns(torch, size, n):
     return (time.perf_counter_ns() - t) / n
 
 
-def decode_ms_per_token(torch, tokens, repeats):
+def small_llama(torch):
+    """The decoding workload's model (the same weights every call) and its prompt."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -54,18 +72,26 @@ def decode_ms_per_token(torch, tokens, repeats):
                       num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=2048)
     model = LlamaForCausalLM(cfg).to("cuda", torch.bfloat16).eval()
     ids = torch.randint(0, cfg.vocab_size, (1, 32), device="cuda")
+    return model, ids
+
+
+def generate_ms(torch, model, ids, tokens):
+    """(ms a token, the tokens) of one greedy generation of exactly ``tokens`` tokens."""
     kw = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
-    times = []
     with torch.no_grad():
-        model.generate(ids, max_new_tokens=8, min_new_tokens=8, **kw)
         torch.cuda.synchronize()
-        for _ in range(repeats):
-            t = time.perf_counter()
-            out = model.generate(ids, max_new_tokens=tokens, min_new_tokens=tokens, **kw)
-            torch.cuda.synchronize()
-            times.append((time.perf_counter() - t) * 1e3 / tokens)
-            assert out.shape[1] == 32 + tokens
-    return statistics.median(times)
+        t = time.perf_counter()
+        out = model.generate(ids, max_new_tokens=tokens, min_new_tokens=tokens, **kw)
+        torch.cuda.synchronize()
+        ms = (time.perf_counter() - t) * 1e3 / tokens
+    assert out.shape[1] == ids.shape[1] + tokens
+    return ms, out
+
+
+def decode_ms_per_token(torch, tokens, repeats):
+    model, ids = small_llama(torch)
+    generate_ms(torch, model, ids, 8)
+    return statistics.median(generate_ms(torch, model, ids, tokens)[0] for _ in range(repeats))
 
 
 def references(torch):
@@ -104,6 +130,141 @@ def child(alloc, tokens, loops, repeats):
     pairs = {s: min(pairs_ns(torch, s, loops) for _ in range(3)) for s in SIZES}
     return {"pairs_ns": pairs, "ms_per_token": decode_ms_per_token(torch, tokens, repeats),
             "refs": references(torch)}
+
+
+# c10::cuda::CUDACachingAllocator::allocator, the std::atomic<CUDAAllocator*> every tensor
+# allocation of PyTorch goes through; an atomic pointer has a plain pointer's layout.
+ALLOCATOR_SLOT = "_ZN3c104cuda20CUDACachingAllocator9allocatorE"
+
+
+def child_within(tokens, pairs, loops, crossed):
+    """Both allocators in this process, taking turns: see the module's text."""
+    import ctypes
+
+    import torch
+
+    import cuvmm
+    import cuvmm.torch as ct
+
+    c10 = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libc10_cuda.so"))
+    slot = ctypes.c_void_p.in_dll(c10, ALLOCATOR_SLOT)
+    native = slot.value
+    ct.use_as_current_allocator()
+    ours = slot.value
+    if not native or not ours or native == ours:
+        raise SystemExit(f"the allocator pointer did not change: {native} then {ours}")
+    # PyTorch's initialisation initialises whichever allocator the pointer names: its own here
+    # (cuvmm's was initialised when it was made).
+    slot.value = native
+    torch.cuda.init()
+
+    def use(p):
+        torch.cuda.synchronize()
+        slot.value = p
+
+    for p, served in ((native, False), (ours, True)):
+        use(p)
+        before = cuvmm.stats()["allocations"]
+        x = torch.empty(1 << 20, dtype=torch.uint8, device="cuda")
+        grew = cuvmm.stats()["allocations"] > before
+        del x
+        if grew != served:
+            raise SystemExit(f"the pointer does not decide the allocator: cuvmm served={grew}, expected {served}")
+    models = {}
+    for name, p in (("native", native), ("cuvmm", ours)):
+        use(p)
+        models[name] = small_llama(torch)
+        generate_ms(torch, *models[name], 8)
+    pointers = {"native": native, "cuvmm": ours}
+    # Each arm: (the allocator current during the generation, whose copy of the weights it uses).
+    # The two crossed arms tell a difference of the allocation path from one of where the
+    # weights lie (the device reads them every token).
+    arms = [("native", "native"), ("cuvmm", "cuvmm")]
+    if crossed:
+        arms += [("native", "cuvmm"), ("cuvmm", "native")]
+    ms = {f"{a}/{w}": [] for a, w in arms}
+    per_alloc = {a: [] for a in pointers}
+    outs = {}
+    for k in range(pairs):
+        for a, w in arms[k % len(arms):] + arms[:k % len(arms)]:
+            use(pointers[a])
+            before = cuvmm.stats()["allocations"]
+            t, out = generate_ms(torch, *models[w], tokens)
+            per_alloc[a].append(cuvmm.stats()["allocations"] - before)
+            ms[f"{a}/{w}"].append(t)
+            outs.setdefault(w, out)
+    for a, w in arms:  # the weights' allocator names the arm in the plain case
+        if a == w:
+            ms[a] = ms.pop(f"{a}/{w}")
+    pairs_ns_of = {"native": {}, "cuvmm": {}}
+    for s in SIZES:
+        for name in ("native", "cuvmm"):
+            use(pointers[name])
+            pairs_ns_of[name][s] = min(pairs_ns(torch, s, loops) for _ in range(3))
+    use(ours)
+    if any(per_alloc["native"]):
+        raise SystemExit(f"cuvmm served allocations while PyTorch's allocator was current: {per_alloc['native']}")
+    same = bool(torch.equal(outs["native"], outs["cuvmm"]))
+    return {"ms_per_token": ms, "pairs_ns": pairs_ns_of, "same_tokens": same,
+            "cuvmm_allocations_per_generation": {n: statistics.median(v) for n, v in per_alloc.items()}}
+
+
+def within(args):
+    """Fresh processes, each alternating both allocators, until the interval over the processes'
+    ratios is within --ci or --cap seconds have passed (two processes at least)."""
+    # The last CPUs: the first ones take more of the machine's interrupts.
+    cpus = sorted(os.sched_getaffinity(0))[-args.cpus:] if args.cpus > 0 else None
+    start, procs = time.monotonic(), []
+    ratio, rel, high = float("nan"), float("inf"), float("inf")
+    while time.monotonic() - start < args.cap or len(procs) < 2:
+        out = subprocess.run([sys.executable, __file__, "--child-within", "--tokens", str(args.tokens),
+                              "--pairs", str(args.pairs), "--loops", str(args.loops)]
+                             + (["--crossed"] if args.crossed else []),
+                             capture_output=True, text=True, cwd=os.path.dirname(os.path.abspath(__file__)),
+                             preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
+        if out.returncode != 0:
+            print(out.stderr[-3000:], file=sys.stderr)
+            return 1
+        r = json.loads(out.stdout.strip().splitlines()[-1])
+        if not r["same_tokens"]:
+            print("the two allocators' copies of the model generated different tokens", file=sys.stderr)
+            return 1
+        # A process's ratio: of its medians, which a burst of slowness in a few generations (on
+        # either allocator's turn) does not move; the geometric mean of its pairs' ratios beside it.
+        r["ratio"] = statistics.median(r["ms_per_token"]["cuvmm"]) / statistics.median(r["ms_per_token"]["native"])
+        r["pairs_geomean"], r["pairs_ci95_rel"], _ = paired_ratio(r["ms_per_token"]["native"], r["ms_per_token"]["cuvmm"])
+        procs.append(r)
+        if len(procs) >= 2:
+            # Student's interval over the processes: each one's ratio against 1.0 as its pair.
+            ratio, rel, high = paired_ratio([1.0] * len(procs), [q["ratio"] for q in procs])
+        med = {n: statistics.median(r["ms_per_token"][n]) for n in ("native", "cuvmm")}
+        print(f"process {len(procs)}: {med['native']:.3f} / {med['cuvmm']:.3f} ms a token (medians), ratio "
+              f"{r['ratio']:.4f} (its {args.pairs} pairs' geometric mean {r['pairs_geomean']:.4f} +- "
+              f"{r['pairs_ci95_rel'] * 100:.2f}%); over the processes {ratio:.4f} +- {rel * 100:.2f}% "
+              f"(upper end {high:.4f})", file=sys.stderr)
+        if args.crossed:
+            print("  allocator/weights medians: " + ", ".join(
+                f"{arm} {statistics.median(v):.3f}" for arm, v in r["ms_per_token"].items()), file=sys.stderr)
+        if len(procs) >= 3 and rel <= args.ci:
+            break
+    pair_ratio = {s: statistics.median(q["pairs_ns"]["cuvmm"][str(s)] / q["pairs_ns"]["native"][str(s)]
+                                       for q in procs) for s in SIZES}
+    result = {
+        "method": "within", "processes": len(procs), "pairs": args.pairs, "cpus": cpus,
+        "ms_per_token": {n: [statistics.median(q["ms_per_token"][n]) for q in procs] for n in ("native", "cuvmm")},
+        "process_ratios": [q["ratio"] for q in procs],
+        "process_pairs_geomean": [q["pairs_geomean"] for q in procs],
+        "process_pairs_ci95_rel": [q["pairs_ci95_rel"] for q in procs],
+        "ms_per_token_each": [q["ms_per_token"] for q in procs],
+        "arm_medians": [{arm: statistics.median(v) for arm, v in q["ms_per_token"].items()} for q in procs],
+        "pairs_ns": {n: {s: statistics.median(q["pairs_ns"][n][str(s)] for q in procs) for s in SIZES}
+                     for n in ("native", "cuvmm")},
+        "pair_ratio": pair_ratio,
+        "cuvmm_allocations_per_generation": procs[-1]["cuvmm_allocations_per_generation"],
+        "token_ratio": ratio, "token_ratio_ci95_rel": rel, "token_ratio_ci95_high": high,
+        "ci_reached": rel <= args.ci, "goal_token_ratio_le_1_02": high <= 1.02,
+    }
+    return result
 
 
 def profile(loops):
@@ -147,13 +308,18 @@ def profile(loops):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--cap", type=float, default=540.0, help="seconds in all")
+    p.add_argument("--cap", type=float, default=300.0, help="seconds in all")
     p.add_argument("--ci", type=float, default=0.01)
-    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--tokens", type=int, help="tokens a generation: 16 within, 64 across")
     p.add_argument("--repeats", type=int, default=5, help="generations per process, their median kept")
     p.add_argument("--loops", type=int, default=20000)
+    p.add_argument("--pairs", type=int, default=120, help="generation pairs per process (within)")
+    p.add_argument("--across", action="store_true", help="each allocator in processes of its own")
     p.add_argument("--profile", action="store_true")
     p.add_argument("--child", choices=("cuvmm", "native"))
+    p.add_argument("--child-within", action="store_true")
+    p.add_argument("--crossed", action="store_true",
+                   help="within: also each allocator with the other's copy of the weights")
     p.add_argument("--cpus", type=int, default=1,
                    help="every child runs on the same first CPUs this process may use (0: wherever the "
                         "kernel puts it). On one CPU a round's two processes ran at the same speed, "
@@ -161,11 +327,21 @@ def main():
                         "slower than the other whatever its allocator")
     p.add_argument("--json", metavar="PATH")
     args = p.parse_args()
+    if args.tokens is None:
+        args.tokens = 64 if (args.across or args.child) else 16
     if args.profile:
         return profile(args.loops)
     if args.child:
         print(json.dumps(child(args.child, args.tokens, args.loops, args.repeats)))
         return 0
+    if args.child_within:
+        print(json.dumps(child_within(args.tokens, args.pairs, args.loops, args.crossed)))
+        return 0
+    if not args.across:
+        result = within(args)
+        if result == 1:
+            return 1
+        return emit(result, args.json)
     runs = {"native": [], "cuvmm": []}
     cpus = sorted(os.sched_getaffinity(0))[:args.cpus] if args.cpus > 0 else None
     start, k = time.monotonic(), 0
@@ -198,7 +374,7 @@ def main():
     norm, norm_rel, _ = paired_ratio(per_launch["native"], per_launch["cuvmm"])
     print(f"per token over each process's launch reference: {norm:.4f} +- {norm_rel * 100:.2f}%", file=sys.stderr)
     result = {
-        "rounds": k, "cpus": cpus, "medians": med,
+        "method": "across", "rounds": k, "cpus": cpus, "medians": med,
         "ms_per_token": {a: [r["ms_per_token"] for r in rs] for a, rs in runs.items()},
         "refs": {a: [r["refs"] for r in rs] for a, rs in runs.items()},
         "token_over_launch_ratio": norm, "token_over_launch_ci95_rel": norm_rel,
@@ -206,10 +382,14 @@ def main():
         "token_ratio": ratio, "token_ratio_ci95_rel": rel, "token_ratio_ci95_high": high,
         "ci_reached": rel <= args.ci, "goal_token_ratio_le_1_02": high <= 1.02,
     }
+    return emit(result, args.json)
+
+
+def emit(result, path):
     line = json.dumps(result)
     print(line)
-    if args.json:
-        with open(args.json, "w") as f:
+    if path:
+        with open(path, "w") as f:
             f.write(line + "\n")
     return 0
 
