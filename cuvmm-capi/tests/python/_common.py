@@ -109,6 +109,18 @@ def paired_ratio(a, b):
     return math.exp(mean), math.expm1(half), math.exp(mean + half)
 
 
+def median_pair_ratio(a, b):
+    """The median over rounds of b[k] / a[k]: the ratio of two things measured side by side in each
+    round, which neither a drift between rounds nor a burst in a few of them moves.
+
+    >>> median_pair_ratio([10.0, 20.0, 30.0, 10.0], [10.2, 20.4, 30.6, 40.0])
+    1.02
+    """
+    if not a or len(a) != len(b):
+        raise ValueError(f"need rounds of both, as many of each: {len(a)} and {len(b)}")
+    return statistics.median(y / x for x, y in zip(a, b))
+
+
 def handoff_tensors(torch, gib: float, count: int) -> list:
     """The hand-off benchmarks' workload: ``count`` uint8 tensors on GPU 0 totalling ``gib`` GiB
     (each a multiple of 512 bytes), tensor k filled with k % 251, the fills synchronised."""

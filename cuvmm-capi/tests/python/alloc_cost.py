@@ -5,10 +5,12 @@ ratio is within --ci (relative half-width) or --cap seconds have passed.
 
     python3 alloc_cost.py [--cap 300] [--ci 0.01] [--pairs 120] [--json PATH]
     python3 alloc_cost.py --across [--cpus 1]   # each allocator in fresh processes of its own
+    python3 alloc_cost.py --from A.json B.json  # earlier runs pooled
     python3 alloc_cost.py --profile             # where cuvmm's time per allocation goes
 
-The workload: a small Llama (transformers, random weights, fixed seed) decoding 64 tokens with
-greedy ``model.generate`` (16 tokens within a process, 64 across), and ``torch.empty`` with its free in a Python loop, 512 B to 8 MiB.
+The workload: a small Llama (transformers, random weights, fixed seed) decoding with greedy
+``model.generate`` (16 tokens a generation within a process, 64 across), and ``torch.empty`` with
+its free in a Python loop, 512 B to 8 MiB.
 
 Within a process (the default): PyTorch fixes its allocator at a process's first CUDA call, and
 a process runs fast or slow for its whole life whatever its allocator, by up to 1.6x, so ratios
@@ -22,9 +24,12 @@ copies must generate the same tokens. A child first checks that the pointer deci
 allocator serves a tensor (cuvmm counts an allocation under cuvmm only, and none while PyTorch's
 is current). Generations are short (16 tokens) and alternate, so that the two of a pair run a
 fraction of a second apart; children run on the last CPU this process may use. A process's ratio
-is that of its two medians, which a burst of slowness during a few generations does not move; the
-interval is Student's over the processes' ratios, so that what a process's life does to both
-allocators alike cancels, and what differs between processes counts.
+is the median over its rounds of cuvmm's time over PyTorch's in the same round, which neither the
+drift over a process's life nor a burst of slowness in a few generations moves (the ratio of its
+two medians is reported beside it); the interval is Student's over the processes' ratios, so that
+what differs between processes counts. ``--crossed`` also runs each allocator with the other's
+copy of the weights, to tell the allocation path's share from that of where the weights lie.
+``--from`` pools the processes of earlier runs' JSON files.
 
 ``--across``: the method users can copy, each process on one allocator, the order alternating
 (native, cuvmm, cuvmm, native, ...), each process the median of --repeats generations after a
@@ -48,7 +53,7 @@ import subprocess
 import sys
 import time
 
-from _common import paired_ratio  # (also puts the package of this checkout or bundle on the path)
+from _common import median_pair_ratio, paired_ratio  # (also puts the package of this checkout or bundle on the path)
 
 SIZES = [512 << k for k in range(0, 15)]  # 512 B .. 8 MiB
 
@@ -209,13 +214,66 @@ def child_within(tokens, pairs, loops, crossed):
             "cuvmm_allocations_per_generation": {n: statistics.median(v) for n, v in per_alloc.items()}}
 
 
+def process_figures(ms):
+    """One process's figures from its generations (``ms``: arm -> ms a token, round by round).
+
+    Its ratio is the median over rounds of cuvmm's time over PyTorch's in the same round: the two
+    ran a fraction of a second apart, so what drifts over the process's life cancels within each
+    round, and a burst of slowness in a few generations (on either turn) moves a median of ratios
+    no more than any other outlier. With the crossed arms, the allocation path's share (each
+    allocator over the other with the same weights) and the weights' (each copy over the other
+    under the same allocator) are told apart the same way, round by round."""
+    n, c = ms["native"], ms["cuvmm"]
+    out = {"ratio": median_pair_ratio(n, c), "ratio_of_medians": statistics.median(c) / statistics.median(n)}
+    if "native/cuvmm" in ms:
+        nc, cn = ms["native/cuvmm"], ms["cuvmm/native"]
+        out["allocation_path"] = statistics.median(
+            ((cc / x) * (y / nn)) ** 0.5 for nn, cc, x, y in zip(n, c, nc, cn))
+        out["weights"] = statistics.median(((cc / y) * (x / nn)) ** 0.5 for nn, cc, x, y in zip(n, c, nc, cn))
+    return out
+
+
+def summarise(procs):
+    """The result over processes (each as child_within returns it): Student's interval over the
+    processes' ratios, so that what differs between processes counts."""
+    figs = [process_figures(q["ms_per_token"]) for q in procs]
+
+    def over(key):
+        vals = [f[key] for f in figs]
+        if len(vals) < 2:
+            return {"ratio": vals[0] if vals else float("nan"), "ci95_rel": float("inf"), "ci95_high": float("inf")}
+        r, rel, high = paired_ratio([1.0] * len(vals), vals)
+        return {"ratio": r, "ci95_rel": rel, "ci95_high": high}
+
+    tok = over("ratio")
+    result = {
+        "method": "within", "processes": len(procs),
+        "ms_per_token": {n: [statistics.median(q["ms_per_token"][n]) for q in procs] for n in ("native", "cuvmm")},
+        "process_ratios": [f["ratio"] for f in figs],
+        "process_ratios_of_medians": [f["ratio_of_medians"] for f in figs],
+        "ratio_of_medians": over("ratio_of_medians"),
+        "ms_per_token_each": [q["ms_per_token"] for q in procs],
+        "pairs_ns": {n: {s: statistics.median(q["pairs_ns"][n][str(s)] for q in procs) for s in SIZES}
+                     for n in ("native", "cuvmm")},
+        "pair_ratio": {s: statistics.median(q["pairs_ns"]["cuvmm"][str(s)] / q["pairs_ns"]["native"][str(s)]
+                                            for q in procs) for s in SIZES},
+        "cuvmm_allocations_per_generation": procs[-1]["cuvmm_allocations_per_generation"],
+        "token_ratio": tok["ratio"], "token_ratio_ci95_rel": tok["ci95_rel"], "token_ratio_ci95_high": tok["ci95_high"],
+        "goal_token_ratio_le_1_02": tok["ci95_high"] <= 1.02,
+    }
+    if all("allocation_path" in f for f in figs):
+        result["allocation_path"], result["weights"] = over("allocation_path"), over("weights")
+        result["process_allocation_path"] = [f["allocation_path"] for f in figs]
+        result["process_weights"] = [f["weights"] for f in figs]
+    return result
+
+
 def within(args):
     """Fresh processes, each alternating both allocators, until the interval over the processes'
     ratios is within --ci or --cap seconds have passed (two processes at least)."""
     # The last CPUs: the first ones take more of the machine's interrupts.
     cpus = sorted(os.sched_getaffinity(0))[-args.cpus:] if args.cpus > 0 else None
     start, procs = time.monotonic(), []
-    ratio, rel, high = float("nan"), float("inf"), float("inf")
     while time.monotonic() - start < args.cap or len(procs) < 2:
         out = subprocess.run([sys.executable, __file__, "--child-within", "--tokens", str(args.tokens),
                               "--pairs", str(args.pairs), "--loops", str(args.loops)]
@@ -229,42 +287,35 @@ def within(args):
         if not r["same_tokens"]:
             print("the two allocators' copies of the model generated different tokens", file=sys.stderr)
             return 1
-        # A process's ratio: of its medians, which a burst of slowness in a few generations (on
-        # either allocator's turn) does not move; the geometric mean of its pairs' ratios beside it.
-        r["ratio"] = statistics.median(r["ms_per_token"]["cuvmm"]) / statistics.median(r["ms_per_token"]["native"])
-        r["pairs_geomean"], r["pairs_ci95_rel"], _ = paired_ratio(r["ms_per_token"]["native"], r["ms_per_token"]["cuvmm"])
         procs.append(r)
-        if len(procs) >= 2:
-            # Student's interval over the processes: each one's ratio against 1.0 as its pair.
-            ratio, rel, high = paired_ratio([1.0] * len(procs), [q["ratio"] for q in procs])
+        f, res = process_figures(r["ms_per_token"]), summarise(procs)
         med = {n: statistics.median(r["ms_per_token"][n]) for n in ("native", "cuvmm")}
         print(f"process {len(procs)}: {med['native']:.3f} / {med['cuvmm']:.3f} ms a token (medians), ratio "
-              f"{r['ratio']:.4f} (its {args.pairs} pairs' geometric mean {r['pairs_geomean']:.4f} +- "
-              f"{r['pairs_ci95_rel'] * 100:.2f}%); over the processes {ratio:.4f} +- {rel * 100:.2f}% "
-              f"(upper end {high:.4f})", file=sys.stderr)
-        if args.crossed:
-            print("  allocator/weights medians: " + ", ".join(
-                f"{arm} {statistics.median(v):.3f}" for arm, v in r["ms_per_token"].items()), file=sys.stderr)
-        if len(procs) >= 3 and rel <= args.ci:
+              f"{f['ratio']:.4f}; over the processes {res['token_ratio']:.4f} +- "
+              f"{res['token_ratio_ci95_rel'] * 100:.2f}% (upper end {res['token_ratio_ci95_high']:.4f})",
+              file=sys.stderr)
+        if "allocation_path" in f:
+            print(f"  allocation path {f['allocation_path']:.4f}, weights {f['weights']:.4f}", file=sys.stderr)
+        if len(procs) >= 3 and res["token_ratio_ci95_rel"] <= args.ci:
             break
-    pair_ratio = {s: statistics.median(q["pairs_ns"]["cuvmm"][str(s)] / q["pairs_ns"]["native"][str(s)]
-                                       for q in procs) for s in SIZES}
-    result = {
-        "method": "within", "processes": len(procs), "pairs": args.pairs, "cpus": cpus,
-        "ms_per_token": {n: [statistics.median(q["ms_per_token"][n]) for q in procs] for n in ("native", "cuvmm")},
-        "process_ratios": [q["ratio"] for q in procs],
-        "process_pairs_geomean": [q["pairs_geomean"] for q in procs],
-        "process_pairs_ci95_rel": [q["pairs_ci95_rel"] for q in procs],
-        "ms_per_token_each": [q["ms_per_token"] for q in procs],
-        "arm_medians": [{arm: statistics.median(v) for arm, v in q["ms_per_token"].items()} for q in procs],
-        "pairs_ns": {n: {s: statistics.median(q["pairs_ns"][n][str(s)] for q in procs) for s in SIZES}
-                     for n in ("native", "cuvmm")},
-        "pair_ratio": pair_ratio,
-        "cuvmm_allocations_per_generation": procs[-1]["cuvmm_allocations_per_generation"],
-        "token_ratio": ratio, "token_ratio_ci95_rel": rel, "token_ratio_ci95_high": high,
-        "ci_reached": rel <= args.ci, "goal_token_ratio_le_1_02": high <= 1.02,
-    }
-    return result
+    res["pairs"], res["cpus"], res["ci_reached"] = args.pairs, cpus, res["token_ratio_ci95_rel"] <= args.ci
+    return res
+
+
+def from_files(paths):
+    """The result of earlier runs' JSON files (``--json`` of the default method) pooled: their
+    processes together, summarised as one run."""
+    procs = []
+    for path in paths:
+        with open(path) as f:
+            r = json.load(f)
+        for k, ms in enumerate(r["ms_per_token_each"]):
+            # Saved results keep the medians of the pairs' sizes, not each process's: the pooled
+            # result's pair figures are those medians.
+            procs.append({"ms_per_token": ms, "pairs_ns": {n: {str(s): r["pairs_ns"][n][str(s)] for s in SIZES}
+                                                            for n in ("native", "cuvmm")},
+                          "cuvmm_allocations_per_generation": r["cuvmm_allocations_per_generation"]})
+    return summarise(procs)
 
 
 def profile(loops):
@@ -321,14 +372,16 @@ def main():
     p.add_argument("--crossed", action="store_true",
                    help="within: also each allocator with the other's copy of the weights")
     p.add_argument("--cpus", type=int, default=1,
-                   help="every child runs on the same first CPUs this process may use (0: wherever the "
-                        "kernel puts it). On one CPU a round's two processes ran at the same speed, "
-                        "which drifted between rounds; let the kernel place them, one ran up to 1.5x "
-                        "slower than the other whatever its allocator")
+                   help="every child runs on this many of the CPUs this process may use, the last "
+                        "ones within a process, the first ones across (0: wherever the kernel puts it)")
     p.add_argument("--json", metavar="PATH")
+    p.add_argument("--from", dest="from_files", nargs="+", metavar="JSON",
+                   help="summarise earlier runs' results (their processes pooled) instead of running")
     args = p.parse_args()
     if args.tokens is None:
         args.tokens = 64 if (args.across or args.child) else 16
+    if args.from_files:
+        return emit(from_files(args.from_files), args.json)
     if args.profile:
         return profile(args.loops)
     if args.child:

@@ -10,6 +10,7 @@ import json
 import os
 import re
 import shutil
+import statistics
 import struct
 import subprocess
 import sys
@@ -90,6 +91,24 @@ class PairedRatio(unittest.TestCase):
         self.assertGreater(rel, 0.02)
         self.assertGreater(high, r)
         self.assertEqual(_common.paired_ratio([70.0], [71.0])[1:], (float("inf"), float("inf")))
+
+
+class MedianPairRatio(unittest.TestCase):
+    """A process's ratio in alloc_cost.py: its rounds run both allocators a fraction of a second apart."""
+
+    def test_drift_between_rounds_cancels_and_bursts_do_not_move_it(self):
+        native = [6.0, 6.2, 9.0, 6.1, 6.0, 7.5, 6.3]
+        cuvmm = [x * 1.014 for x in native]
+        cuvmm[0] = cuvmm[3] = 30.0  # slow bursts on cuvmm's turns and on PyTorch's
+        native[5] = 25.0
+        self.assertAlmostEqual(_common.median_pair_ratio(native, cuvmm), 1.014)
+        # The ratio of the medians moves with the bursts and the drift.
+        self.assertGreater(statistics.median(cuvmm) / statistics.median(native), 1.2)
+
+    def test_rounds_of_one_side_only_are_refused(self):
+        for a, b in (([], []), ([1.0, 2.0], [1.0])):
+            with self.assertRaises(ValueError):
+                _common.median_pair_ratio(a, b)
 
 
 class Compare(unittest.TestCase):
