@@ -228,6 +228,19 @@ enum Batch {
     Unplaced(Vec<u64>),
 }
 
+/// Adds the page `p` placed, with its descriptor, to what is told to `conn` in `batch`.
+fn placed_in(conn: &mut Conn, batch: &mut Vec<Batch>, p: Placement, fd: OwnedFd) {
+    conn.placed.insert(p.addr, p.serial);
+    conn.sent.insert(p.serial);
+    match batch.last_mut() {
+        Some(Batch::Placed(ps, fds)) if ps.len() < FDS_PER_MESSAGE => {
+            ps.push(p);
+            fds.push(fd);
+        }
+        _ => batch.push(Batch::Placed(vec![p], vec![fd])),
+    }
+}
+
 /// One receiving process's connection, as the server sees it.
 struct Conn {
     /// None once it ended: a closed peer's socket would wake every poll.
@@ -573,35 +586,34 @@ impl Server {
         }
         let mut batches: Vec<Vec<Batch>> = (0..self.conns.len()).map(|_| Vec::new()).collect();
         for e in events {
-            let uuid = match &e {
+            let device = match &e {
                 Event::Placed { device, .. } | Event::Unplaced { device, .. } => *device,
             };
-            for (c, out) in self.conns.iter_mut().zip(batches.iter_mut()) {
-                if c.ended() || c.mirror != Some(uuid) {
-                    continue;
-                }
-                match &e {
-                    Event::Placed { serial, addr, size, fd, .. } => {
+            let to: Vec<usize> = (0..self.conns.len())
+                .filter(|&i| !self.conns[i].ended() && self.conns[i].mirror == Some(device))
+                .collect();
+            match e {
+                Event::Placed { serial, addr, size, fd, .. } => {
+                    let p = Placement { serial, addr, size };
+                    // Duplicates of the event's descriptor for all but the last connection, which
+                    // is given the descriptor itself.
+                    let Some((&last, rest)) = to.split_last() else { continue };
+                    for &i in rest {
                         // Without a descriptor to spare the page is not placed there.
-                        let Ok(fd) = fd.try_clone() else { continue };
-                        c.placed.insert(*addr, *serial);
-                        c.sent.insert(*serial);
-                        let p = Placement { serial: *serial, addr: *addr, size: *size };
-                        match out.last_mut() {
-                            Some(Batch::Placed(ps, fds)) if ps.len() < FDS_PER_MESSAGE => {
-                                ps.push(p);
-                                fds.push(fd);
-                            }
-                            _ => out.push(Batch::Placed(vec![p], vec![fd])),
+                        if let Ok(dup) = fd.try_clone() {
+                            placed_in(&mut self.conns[i], &mut batches[i], p, dup);
                         }
                     }
-                    Event::Unplaced { addr, .. } => {
-                        if c.placed.remove(addr).is_none() {
+                    placed_in(&mut self.conns[last], &mut batches[last], p, fd);
+                }
+                Event::Unplaced { addr, .. } => {
+                    for i in to {
+                        if self.conns[i].placed.remove(&addr).is_none() {
                             continue;
                         }
-                        match out.last_mut() {
-                            Some(Batch::Unplaced(a)) if a.len() < SERIALS_PER_MESSAGE => a.push(*addr),
-                            _ => out.push(Batch::Unplaced(vec![*addr])),
+                        match batches[i].last_mut() {
+                            Some(Batch::Unplaced(a)) if a.len() < SERIALS_PER_MESSAGE => a.push(addr),
+                            _ => batches[i].push(Batch::Unplaced(vec![addr])),
                         }
                     }
                 }
