@@ -214,6 +214,18 @@ def child_within(tokens, pairs, loops, crossed):
             "cuvmm_allocations_per_generation": {n: statistics.median(v) for n, v in per_alloc.items()}}
 
 
+def run_child(argv, cpus):
+    """This script with ``argv`` in a fresh process (on ``cpus``, if given): its JSON answer, or
+    None (its error printed) if it failed."""
+    out = subprocess.run([sys.executable, __file__] + argv, capture_output=True, text=True,
+                         cwd=os.path.dirname(os.path.abspath(__file__)),
+                         preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
+    if out.returncode != 0:
+        print(out.stderr[-3000:], file=sys.stderr)
+        return None
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def process_figures(ms):
     """One process's figures from its generations (``ms``: arm -> ms a token, round by round).
 
@@ -275,15 +287,10 @@ def within(args):
     cpus = sorted(os.sched_getaffinity(0))[-args.cpus:] if args.cpus > 0 else None
     start, procs = time.monotonic(), []
     while time.monotonic() - start < args.cap or len(procs) < 2:
-        out = subprocess.run([sys.executable, __file__, "--child-within", "--tokens", str(args.tokens),
-                              "--pairs", str(args.pairs), "--loops", str(args.loops)]
-                             + (["--crossed"] if args.crossed else []),
-                             capture_output=True, text=True, cwd=os.path.dirname(os.path.abspath(__file__)),
-                             preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
-        if out.returncode != 0:
-            print(out.stderr[-3000:], file=sys.stderr)
+        r = run_child(["--child-within", "--tokens", str(args.tokens), "--pairs", str(args.pairs),
+                       "--loops", str(args.loops)] + (["--crossed"] if args.crossed else []), cpus)
+        if r is None:
             return 1
-        r = json.loads(out.stdout.strip().splitlines()[-1])
         if not r["same_tokens"]:
             print("the two allocators' copies of the model generated different tokens", file=sys.stderr)
             return 1
@@ -402,15 +409,11 @@ def main():
     while time.monotonic() - start < args.cap:
         order = ("native", "cuvmm") if k % 2 == 0 else ("cuvmm", "native")
         for a in order:
-            out = subprocess.run([sys.executable, __file__, "--child", a, "--tokens", str(args.tokens),
-                                  "--loops", str(args.loops), "--repeats", str(args.repeats)],
-                                 capture_output=True, text=True,
-                                 cwd=os.path.dirname(os.path.abspath(__file__)),
-                                 preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
-            if out.returncode != 0:
-                print(out.stderr[-3000:], file=sys.stderr)
+            r = run_child(["--child", a, "--tokens", str(args.tokens), "--loops", str(args.loops),
+                           "--repeats", str(args.repeats)], cpus)
+            if r is None:
                 return 1
-            runs[a].append(json.loads(out.stdout.strip().splitlines()[-1]))
+            runs[a].append(r)
         k += 1
         ratio, rel, high = paired_ratio([r["ms_per_token"] for r in runs["native"]],
                                         [r["ms_per_token"] for r in runs["cuvmm"]])

@@ -19,7 +19,7 @@ import statistics
 import sys
 import time
 
-from _common import Alloc, handoff_tensors
+from _common import Alloc, handoff_tensors, load_read_kernels
 
 
 def _timed(owner, name, totals, key=None, each=None):
@@ -44,11 +44,7 @@ def receiver(q_in, q_out, mode):
 
     import torch
     torch.cuda.init()
-    # The context and the kernels the timed read runs (uint8 stack and sum), before anything is
-    # timed: CUDA loads a kernel's module at its first launch.
-    x = torch.ones(1024, dtype=torch.uint8, device="cuda:0")
-    torch.stack([x[-1 - k] for k in range(64)]).sum().item()
-    del x
+    load_read_kernels(torch)
     totals, takes, marks = {}, [], {}
     if mode == "cuvmm":
         import cuvmm._torch_share as ts

@@ -46,7 +46,7 @@ import subprocess
 import sys
 import time
 
-from _common import GiB, MiB, env_info, finish, handoff_tensors, paired_ratio
+from _common import GiB, MiB, env_info, finish, handoff_tensors, load_read_kernels, paired_ratio
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -66,11 +66,7 @@ def receiver(q_in, q_out):
     """The spawned process: answers each command of the sender."""
     import torch
     torch.cuda.init()
-    # The context and the kernels a hand-off's read runs (uint8 stack and sum), before anything is
-    # timed: CUDA loads a kernel's module at its first launch, which would be timed otherwise.
-    x = torch.ones(1024, dtype=torch.uint8, device="cuda:0")
-    torch.stack([x[-1 - k] for k in range(64)]).sum().item()
-    del x
+    load_read_kernels(torch)
     two = torch.cuda.device_count() >= 2
     q_out.put(("ready", fds()))
     while True:
