@@ -6,7 +6,6 @@ ratio is within --ci (relative half-width) or --cap seconds have passed.
     python3 alloc_cost.py [--cap 300] [--ci 0.01] [--pairs 120] [--json PATH]
     python3 alloc_cost.py --across [--cpus 1]   # each allocator in fresh processes of its own
     python3 alloc_cost.py --from A.json B.json  # earlier runs pooled
-    python3 alloc_cost.py --profile             # where cuvmm's time per allocation goes
 
 The workload: a small Llama (transformers, random weights, fixed seed) decoding with greedy
 ``model.generate`` (16 tokens a generation within a process, 64 across), and ``torch.empty`` with
@@ -36,10 +35,7 @@ copy of the weights, to tell the allocation path's share from that of where the 
 warm-up one, with references of its own speed that no allocator touches (a Python loop, an
 in-place kernel launch); the interval is that of the rounds' paired ratios.
 
-``--profile`` (cuvmm only): per size, ns per pair of ``torch.empty`` + free, and of
-``cuvmm_malloc`` + ``cuvmm_free`` called through ctypes directly (the ctypes call's own cost
-measured with a no-op C function and taken off): the rest is PyTorch's side (its wrapper, the
-pluggable allocator's map and lock, the tensor).
+Where the time of an allocation goes in this decoding: alloc_profile.py.
 
 The JSON gives the medians, the ratios (cuvmm / native), the interval and its upper end; the goal
 is a per-token ratio of at most 1.02, the whole interval included.
@@ -325,45 +321,6 @@ def from_files(paths):
     return summarise(procs)
 
 
-def profile(loops):
-    import ctypes
-
-    import torch
-
-    import cuvmm
-    import cuvmm.torch as ct
-
-    ct.use_as_current_allocator()
-    torch.cuda.init()
-    lib = cuvmm.load()
-    malloc, free = lib.cuvmm_malloc, lib.cuvmm_free
-    malloc.restype, malloc.argtypes = ctypes.c_void_p, [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
-    free.restype, free.argtypes = None, [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
-    noop = lib.cuvmm_trace_flush  # does nothing without trace=: the price of a ctypes call
-    noop.restype, noop.argtypes = None, []
-    stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
-    dev = torch.cuda.current_device()
-    t = time.perf_counter_ns()
-    for _ in range(loops):
-        noop()
-        noop()
-    call = (time.perf_counter_ns() - t) / loops
-    rows = []
-    for s in SIZES:
-        p = malloc(s, dev, stream)
-        free(p, s, dev, stream)
-        t = time.perf_counter_ns()
-        for _ in range(loops):
-            p = malloc(s, dev, stream)
-            free(p, s, dev, stream)
-        direct = (time.perf_counter_ns() - t) / loops - call
-        total = pairs_ns(torch, s, loops)
-        rows.append({"size": s, "torch_pair_ns": round(total), "cuvmm_pair_ns": round(direct),
-                     "pytorch_side_ns": round(total - direct), "ctypes_call_ns": round(call / 2)})
-    print(json.dumps({"profile": rows}, indent=1))
-    return 0
-
-
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--cap", type=float, default=300.0, help="seconds in all")
@@ -373,7 +330,6 @@ def main():
     p.add_argument("--loops", type=int, default=20000)
     p.add_argument("--pairs", type=int, default=120, help="generation pairs per process (within)")
     p.add_argument("--across", action="store_true", help="each allocator in processes of its own")
-    p.add_argument("--profile", action="store_true")
     p.add_argument("--child", choices=("cuvmm", "native"))
     p.add_argument("--child-within", action="store_true")
     p.add_argument("--crossed", action="store_true",
@@ -389,8 +345,6 @@ def main():
         args.tokens = 64 if (args.across or args.child) else 16
     if args.from_files:
         return emit(from_files(args.from_files), args.json)
-    if args.profile:
-        return profile(args.loops)
     if args.child:
         print(json.dumps(child(args.child, args.tokens, args.loops, args.repeats)))
         return 0

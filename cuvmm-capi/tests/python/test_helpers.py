@@ -22,6 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _common  # noqa: E402
+import alloc_profile  # noqa: E402
 import compare  # noqa: E402
 import cuvmm  # noqa: E402
 import cuvmm_torch  # noqa: E402
@@ -109,6 +110,35 @@ class MedianPairRatio(unittest.TestCase):
         for a, b in (([], []), ([1.0, 2.0], [1.0])):
             with self.assertRaises(ValueError):
                 _common.median_pair_ratio(a, b)
+
+
+class AllocProfile(unittest.TestCase):
+    """alloc_profile.py: perf's report read back and its samples put to each allocator's code."""
+
+    REPORT = "\n".join([
+        "# Samples: 9K of event 'cpu-clock:u'",
+        "#      Samples\tShared Object\tSymbol",
+        " 300 \tlibcuvmm.so \t[.] cuvmm_malloc",
+        " 100 \tlibcuvmm.so \t[.] cuvmm_free",
+        " 50 \tlibtorch_cuda.so \t[.] torch::cuda::CUDAPluggableAllocator::CUDAPluggableAllocator::malloc(unsigned long, int, CUstream_st*)",
+        " 350 \tlibc10_cuda.so \t[.] c10::cuda::CUDACachingAllocator::Native::DeviceCachingAllocator::malloc(signed char, unsigned long, CUstream_st*)",
+        " 20 \tlibc.so.6 \t[.] _int_free",
+        " 10 \tlibc.so.6 \t[.] pthread_mutex_lock@@GLIBC_2.2.5",
+        " 7000 \tlibpython3.12.so \t[.] _PyEval_EvalFrameDefault",
+        "",
+    ])
+
+    def test_samples_go_to_whose_code_they_fell_in(self):
+        samples = alloc_profile.parse_report(self.REPORT)
+        self.assertEqual(len(samples), 7)
+        self.assertEqual(samples[("libcuvmm.so", "cuvmm_free")], 100)
+        child = {"ms_per_token": {"native": [6.0, 6.0, 6.0], "cuvmm": [6.1, 6.1, 6.1]}, "tokens": 16}
+        r = alloc_profile.summarise(samples, 20_000, 48 * 1000, child)  # 3 x 16 tokens, 1000 a token
+        ns = r["ns_per_allocation"]
+        self.assertEqual((ns["cuvmm"], ns["pluggable wrapper"], ns["caching allocator"]), (166.7, 20.8, 145.8))
+        self.assertEqual((ns["malloc/free"], ns["locks"], ns["other"]), (8.3, 4.2, 2916.7))
+        self.assertEqual((r["cuvmm_side_ns"], r["pytorch_side_ns"]), (187.5, 145.8))
+        self.assertAlmostEqual(r["measured_gap_ns"], 100.0)  # 0.1 ms a token over 1000 allocations
 
 
 class Compare(unittest.TestCase):
