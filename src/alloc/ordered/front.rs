@@ -20,11 +20,12 @@
 //!   `e` happened before event `e` was recorded, and event `e` covers it; a free after the record
 //!   is stamped `e + 1`.
 //! * Cached blocks go to the shared index only through the core ([`Core::flush_cached`]), which
-//!   drains, before it searches for free space, the requesting stream's front and the idle
-//!   blocks of every other front, and every front before it takes new memory, waits for the
-//!   device, sleeps, exports or releases graph memory: a block cached in a front is idle for
-//!   others only once an event covering its stamp has completed, as for blocks the core frees
-//!   itself.
+//!   drains, before it searches for free space, the requesting stream's front (for a small
+//!   request, its larger blocks only, the rest if the search fails) and the idle blocks of every
+//!   other front, and every front before it takes new memory, waits for the device, sleeps,
+//!   exports or releases graph memory: a block cached in a front is idle for others only once
+//!   an event covering its stamp has completed, as for blocks the core frees itself. A block
+//!   that stays in its front through a search is still only its stream's.
 //! * Lock order: the core, then a front. The fast paths hold one front lock and call nothing else.
 //!
 //! The cost a fast path may add is a thread-local look-up, an uncontended lock (one atomic swap
@@ -68,6 +69,10 @@ pub(crate) struct Counts {
     pub frees: u64,
     /// Bytes handed out minus bytes freed.
     pub live: i64,
+    /// The highest and the lowest `live` reached (from 0): a front keeps small blocks through
+    /// the core's searches, so what it hands out again may raise the peak between them.
+    pub live_max: i64,
+    pub live_min: i64,
     pub requested: i64,
 }
 
@@ -138,6 +143,7 @@ impl Front {
         let c = &mut s.counts;
         c.allocations += 1;
         c.live += n as i64;
+        c.live_max = c.live_max.max(c.live);
         c.requested += requested as i64;
         Some(addr)
     }
@@ -175,6 +181,7 @@ impl State {
         let c = &mut self.counts;
         c.frees += 1;
         c.live -= e.n as i64;
+        c.live_min = c.live_min.min(c.live);
         c.requested -= e.requested as i64;
         Some(e)
     }
@@ -183,6 +190,16 @@ impl State {
     pub(crate) fn drain(&mut self) -> Vec<(u64, Epoch, Entry)> {
         let mut out = Vec::new();
         for (addr, epoch) in self.cache.drain() {
+            let e = self.blocks.remove(&addr).expect("a cached block is in the front's map");
+            out.push((addr, epoch, e));
+        }
+        out
+    }
+
+    /// The cached blocks of more than `n` bytes, taken out: (address, stamp, entry).
+    pub(crate) fn drain_above(&mut self, n: u64) -> Vec<(u64, Epoch, Entry)> {
+        let mut out = Vec::new();
+        for (addr, epoch) in self.cache.take_where(|&size| size > n) {
             let e = self.blocks.remove(&addr).expect("a cached block is in the front's map");
             out.push((addr, epoch, e));
         }

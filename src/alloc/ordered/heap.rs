@@ -218,6 +218,17 @@ impl<K: Copy + Eq + std::hash::Hash, T> KeyedLists<K, T> {
         self.lists.drain(..).flatten()
     }
 
+    /// The items of every key for which `f` holds, taken out (their lists stay, empty).
+    pub(crate) fn take_where(&mut self, f: impl Fn(&K) -> bool) -> Vec<T> {
+        let mut out = Vec::new();
+        for (k, &l) in &self.index {
+            if f(k) {
+                out.append(&mut self.lists[l as usize]);
+            }
+        }
+        out
+    }
+
     /// Every list, to take some items out.
     pub(crate) fn lists_mut(&mut self) -> impl Iterator<Item = &mut Vec<T>> {
         self.lists.iter_mut()
