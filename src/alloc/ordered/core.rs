@@ -98,8 +98,9 @@ pub(crate) const SMALL: u64 = 1 << 20;
 /// size are put back there: decoding asks for small blocks of a few sizes in turn, and emptying
 /// the stream's cache at each search sent four requests in five to the index (the
 /// `decoding_takes_most_of_its_blocks_from_its_streams_front` test). Larger cached blocks go back
-/// first, as before: held whole in a cache, they would keep a training run's memory above its
-/// live peak (blocks up to 1 MiB: 1.066x where 1.041x).
+/// first, as before: held whole in a cache, they keep a training run's memory above its live
+/// peak (every small block kept, up to 1 MiB: 1.066x where 1.041x in
+/// `whole_blocks_keep_a_training_runs_memory_near_its_live_peak`).
 pub(crate) const KEEP: u64 = 64 << 10;
 
 /// How a call relates to graph capture on its stream.
