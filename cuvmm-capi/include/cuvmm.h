@@ -173,15 +173,11 @@ typedef struct {
      */
     uint64_t live;
     /**
-     * The largest `live` since the last reset, as seen when the allocator adds up its streams'
-     * counts: at each request that searches the shared index, and at each read of the counters.
-     * A request served by a block its own stream freed with that size since the latest search
-     * cannot raise `live` above the value seen then. One served by a block that its stream's
-     * front kept through another stream's search can (a search takes from the other streams
-     * only their idle blocks, so that one stream's request does not send every other stream to
-     * the device-wide lock): the next search or read sees it. Exact while requests come from
-     * one stream at a time; otherwise a lower bound, off by at most what the other streams keep
-     * cached.
+     * The largest `live` since the last reset. Requests and frees served by a stream's own
+     * cache count there, with the highest and lowest point they reached, until the allocator
+     * adds them up (at each request or free that takes its device-wide lock, and at each read
+     * of the counters); the peak is then each stream's highest point with every other stream at
+     * its lowest. Exact while requests come from one stream at a time; otherwise a lower bound.
      */
     uint64_t live_peak;
     /**
