@@ -563,7 +563,7 @@ impl<B: Backend> Core<B> {
         // empty the others' again (threads each on their own stream kept one another off their
         // fronts). A small request leaves the caller's small cached blocks where they are unless
         // the index cannot serve it without them.
-        let keep = req.kind.small() && n <= KEEP;
+        let keep = n <= KEEP;
         self.flush_fronts(Some(stream.id), keep);
         let mut found = self.find_free(&req)?;
         if found.is_none() && keep {
@@ -1392,15 +1392,16 @@ impl<B: Backend> Core<B> {
     /// Moves every cached block, the fronts' and the heaps', into the shared index (idle when an
     /// event covering its free has completed), and takes in the fronts' counters.
     pub(crate) fn flush_cached(&mut self) {
+        self.take_counts();
         self.flush_fronts(None, false);
     }
 
     /// [`flush_cached`](Self::flush_cached), except that with `Some(s)` the fronts of streams
     /// other than `s` give up only their idle blocks (which any stream may take): their blocks
     /// still waiting for their stream's work stay cached, for that stream's next request. With
-    /// `keep_small`, `s`'s front keeps its blocks up to [`KEEP`] too.
+    /// `keep_small`, `s`'s front keeps its blocks up to [`KEEP`] too. The fronts' counters are
+    /// the caller's to take in (the blocks moved were counted when they were freed).
     fn flush_fronts(&mut self, only: Option<StreamId>, keep_small: bool) {
-        self.take_counts();
         let mut due = Vec::new();
         for (&t, st) in self.streams.iter() {
             let mut f = st.front.lock();

@@ -163,6 +163,20 @@ impl Front {
     }
 }
 
+/// The entries of `cached` blocks (address, stamp), taken out of `blocks`: (address, stamp,
+/// entry).
+fn take_entries(
+    blocks: &mut AddrMap<Entry>,
+    cached: impl IntoIterator<Item = (u64, Epoch)>,
+) -> Vec<(u64, Epoch, Entry)> {
+    cached
+        .into_iter()
+        .map(|(addr, epoch)| {
+            (addr, epoch, blocks.remove(&addr).expect("a cached block is in the front's map"))
+        })
+        .collect()
+}
+
 impl State {
     /// Frees the live block at `addr` into the cache, for the fast path ([`Front::give`]) and the
     /// core's alike: stamped with the next event's number, the stream's latest free, and counted
@@ -188,22 +202,12 @@ impl State {
 
     /// Every cached block, taken out: (address, stamp, entry).
     pub(crate) fn drain(&mut self) -> Vec<(u64, Epoch, Entry)> {
-        let mut out = Vec::new();
-        for (addr, epoch) in self.cache.drain() {
-            let e = self.blocks.remove(&addr).expect("a cached block is in the front's map");
-            out.push((addr, epoch, e));
-        }
-        out
+        take_entries(&mut self.blocks, self.cache.drain())
     }
 
     /// The cached blocks of more than `n` bytes, taken out: (address, stamp, entry).
     pub(crate) fn drain_above(&mut self, n: u64) -> Vec<(u64, Epoch, Entry)> {
-        let mut out = Vec::new();
-        for (addr, epoch) in self.cache.take_where(|&size| size > n) {
-            let e = self.blocks.remove(&addr).expect("a cached block is in the front's map");
-            out.push((addr, epoch, e));
-        }
-        out
+        take_entries(&mut self.blocks, self.cache.take_where(|&size| size > n))
     }
 
     /// The cached blocks stamped `done` or earlier (an event after their free has completed),
@@ -219,11 +223,7 @@ impl State {
                 !idle
             });
         }
-        due.into_iter()
-            .map(|(addr, epoch)| {
-                (addr, epoch, self.blocks.remove(&addr).expect("a cached block is in the front's map"))
-            })
-            .collect()
+        take_entries(&mut self.blocks, due)
     }
 
     /// Whether the front holds no block, live or cached.
