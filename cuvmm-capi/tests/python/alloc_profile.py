@@ -25,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 
+from _common import median_pair_ratio
 import alloc_cost
 
 # Whose code a sample is in, from its shared object and symbol; the first match wins.
@@ -70,7 +71,8 @@ def summarise(samples, period_ns, allocations, child):
     ms = child["ms_per_token"]
     med = {a: statistics.median(v) for a, v in ms.items()}
     per_token = allocations / (len(ms["cuvmm"]) * child["tokens"])
-    gap_ns = (med["cuvmm"] - med["native"]) * 1e6 / per_token
+    # Round by round, as alloc_cost.py reads a process: the ratio of the medians drifts.
+    gap_ns = (median_pair_ratio(ms["native"], ms["cuvmm"]) - 1) * med["native"] * 1e6 / per_token
     return {
         "allocations_each": allocations, "allocations_per_token": per_token, "period_ns": period_ns,
         "ns_per_allocation": {c: round(v, 1) for c, v in sorted(ns.items(), key=lambda kv: -kv[1])},
